@@ -1,0 +1,42 @@
+"""h2o-compress: H2O eviction + 4/8-bit quantization of the transformers KV cache.
+
+Quick start::
+
+    from h2o_compress import CompressionConfig, load_model, generate
+    model, tokenizer = load_model()  # the embedded SmolLM2-135M
+    result = generate(model, tokenizer, "Explain what a KV cache is.", CompressionConfig(budget=0.2, kv_bits=4))
+    print(result.text, result.kv_bytes / result.kv_bytes_full_fp16)
+"""
+
+from .cache import CompressedCache, CompressedLayer
+from .config import CompressionConfig
+from .errors import (
+    CacheStateError,
+    ConfigError,
+    H2OCompressError,
+    InputError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+from .generation import GenerationResult, generate, make_cache
+from .models import DEFAULT_MODEL, load_model, model_dims
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressedCache",
+    "CompressedLayer",
+    "CompressionConfig",
+    "GenerationResult",
+    "generate",
+    "make_cache",
+    "load_model",
+    "model_dims",
+    "DEFAULT_MODEL",
+    "H2OCompressError",
+    "ConfigError",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "InputError",
+    "CacheStateError",
+]

@@ -1,0 +1,295 @@
+"""`CompressedCache`: a transformers ``Cache`` whose layers evict (H2O and friends) and quantize.
+
+Each layer holds, per sequence and KV head, the kept tokens in their original order:
+
+    [ stored (quantized, oldest) | residual (full precision, newest ``residual`` tokens) ]
+
+Per forward step: ``update`` appends the new keys/values to the residual and returns every kept token
+(stored ones dequantized); the registered attention function computes the output and calls
+``after_attention`` with the attention probabilities; that accumulates the scores, evicts down to the
+capacity, and quantizes the tokens that leave the residual window, each exactly once (DESIGN.md §1-2).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import announce, withdraw
+from .config import CompressionConfig
+from .errors import CacheStateError
+from .eviction import EvictionPolicy, make_policy
+from .quantization import KVQuantizer, StoredTensor, make_quantizer
+from .quantization.base import gather_tokens
+
+
+class CompressedLayer(CacheLayerMixin):
+    """The compressed KV cache of one attention layer.
+
+    Tensors held: ``stored_keys``/``stored_values`` (:class:`StoredTensor`, ``[batch, kv_heads, stored, ...]``),
+    ``residual_keys``/``residual_values`` (``[batch, kv_heads, residual, head_dim]``, model dtype) and
+    ``scores`` (fp32 ``[batch, kv_heads, kept]``, only for policies that read scores).
+
+    Args:
+        layer_idx: index of the model layer (the side-channel key).
+        policy: eviction policy.
+        capacity: tokens kept per sequence and KV head, ``None`` for no eviction.
+        key_quantizer, value_quantizer: storage formats of keys and values.
+        residual: newest tokens kept in full precision when quantizing (capped at the policy's recent window,
+            so residual tokens are never evicted).
+        score_chunk_size: queries per chunk for prefill scoring.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        layer_idx: int,
+        policy: EvictionPolicy,
+        capacity: int | None,
+        key_quantizer: KVQuantizer,
+        value_quantizer: KVQuantizer,
+        residual: int = 0,
+        score_chunk_size: int = 256,
+    ):
+        super().__init__()
+        self.layer_idx, self.policy, self.capacity = layer_idx, policy, capacity
+        self.key_quantizer, self.value_quantizer = key_quantizer, value_quantizer
+        self.quantized = key_quantizer.bits < 16 or value_quantizer.bits < 16
+        if not self.quantized:
+            residual = 0
+        elif capacity is not None:
+            residual = min(residual, policy.recent_window(capacity))
+        self.residual = residual
+        self.score_chunk_size = score_chunk_size
+        self.reset()
+
+    # -- state ---------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every token and score; the layer can start a new prompt."""
+        self.stored_keys: StoredTensor | None = None
+        self.stored_values: StoredTensor | None = None
+        self.residual_keys: torch.Tensor | None = None
+        self.residual_values: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.seen_tokens = 0
+        self.returned_keys = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # The residual window of a quantized cache is 16-bit even for fp32 models: its bytes count (DESIGN.md §2).
+        self.residual_dtype = torch.float16 if self.quantized and self.dtype == torch.float32 else self.dtype
+        self.batch, self.kv_heads, _, self.head_dim = key_states.shape
+        self.is_initialized = True
+
+    @property
+    def stored_length(self) -> int:
+        return 0 if self.stored_keys is None else len(self.stored_keys)
+
+    @property
+    def residual_length(self) -> int:
+        return 0 if self.residual_keys is None else self.residual_keys.shape[2]
+
+    def kept_length(self) -> int:
+        """Tokens held now, per sequence and KV head."""
+        return self.stored_length + self.residual_length
+
+    # -- transformers' layer API -----------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``[batch, kv_heads, new, head_dim]`` keys/values; return every kept token (dequantized).
+
+        Raises:
+            CacheStateError: the previous step's attention did not run through ``h2o_compress`` attention,
+                or the batch / head shape changed.
+        """
+        if self.returned_keys is not None:
+            self.returned_keys = None
+            withdraw(self.layer_idx)
+            raise CacheStateError(
+                f"layer {self.layer_idx}: attention of the previous step did not go through the 'h2o_compress' "
+                "attention function; build the cache with h2o_compress.make_cache(model, ...), which switches "
+                "the model to it"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads:
+            raise CacheStateError(
+                f"layer {self.layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads} but got "
+                f"batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}; use a new cache (or cache.reset())"
+            )
+        self.seen_tokens += key_states.shape[2]
+        key_states, value_states = key_states.to(self.residual_dtype), value_states.to(self.residual_dtype)
+        if self.residual_keys is None:
+            self.residual_keys, self.residual_values = key_states, value_states
+        else:
+            self.residual_keys = torch.cat((self.residual_keys, key_states), dim=2)
+            self.residual_values = torch.cat((self.residual_values, value_states), dim=2)
+        keys, values = self.residual_keys.to(self.dtype), self.residual_values.to(self.dtype)
+        if self.stored_length:
+            keys = torch.cat((self.key_quantizer.dequantize(self.stored_keys, self.dtype), keys), dim=2)
+            values = torch.cat((self.value_quantizer.dequantize(self.stored_values, self.dtype), values), dim=2)
+        self.returned_keys = keys
+        announce(self.layer_idx, self)
+        return keys, values
+
+    def after_attention(self, probability_sums: torch.Tensor | None) -> None:
+        """Accumulate scores (fp32 ``[batch, kv_heads, kept]``), evict down to capacity, quantize the tokens
+        leaving the residual window."""
+        self.returned_keys = None
+        if probability_sums is not None:
+            if self.scores is None:
+                self.scores = probability_sums
+            else:
+                grown = probability_sums.shape[2] - self.scores.shape[2]
+                self.scores = torch.nn.functional.pad(self.scores, (0, grown)).add_(probability_sums)
+        if self.stored_length == 0:
+            self._evict()  # prefill: evict before quantizing, so evicted tokens are never quantized
+        self._quantize_overflow()
+        self._evict()
+
+    def _evict(self) -> None:
+        length = self.kept_length()
+        if self.capacity is None or length <= self.capacity:
+            return
+        keep = self.policy.keep_indices(self.scores, length, self.capacity)
+        keep = keep.to(self.device)
+        if self.scores is not None:
+            self.scores = gather_tokens(self.scores.unsqueeze(-1), keep).squeeze(-1)
+        if self.stored_length == 0:
+            self.residual_keys = gather_tokens(self.residual_keys, keep)
+            self.residual_values = gather_tokens(self.residual_values, keep)
+            return
+        # The residual (<= recent window) is always kept: the first capacity - residual indices are stored ones.
+        keep = keep[..., : self.capacity - self.residual_length]
+        self.stored_keys = self.stored_keys.select(keep)
+        self.stored_values = self.stored_values.select(keep)
+
+    def _quantize_overflow(self) -> None:
+        overflow = self.residual_length - self.residual
+        if not self.quantized or overflow <= 0:
+            return
+        new_keys = self.key_quantizer.quantize(self.residual_keys[:, :, :overflow])
+        new_values = self.value_quantizer.quantize(self.residual_values[:, :, :overflow])
+        self.residual_keys = self.residual_keys[:, :, overflow:].clone()
+        self.residual_values = self.residual_values[:, :, overflow:].clone()
+        if self.stored_keys is None:
+            self.stored_keys, self.stored_values = new_keys, new_values
+        else:
+            self.stored_keys = self.stored_keys.cat(new_keys)
+            self.stored_values = self.stored_values.cat(new_values)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: kept tokens + new queries; the offset makes every kept token visible."""
+        kept = self.kept_length()
+        return kept + query_length, self.seen_tokens - kept
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (not kept), so position ids keep counting after eviction (DESIGN.md §2, Positions)."""
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held: stored data, scales, zeros, residual window and scores."""
+        total = 0
+        for stored in (self.stored_keys, self.stored_values):
+            if stored is not None:
+                total += stored.nbytes()
+        for tensor in (self.residual_keys, self.residual_values, self.scores):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("stored_keys", "stored_values"):
+            stored = getattr(self, name)
+            if stored is not None:
+                setattr(self, name, stored.map_batch(fn))
+        for name in ("residual_keys", "residual_values", "scores"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
+        if self.residual_keys is not None:
+            self.batch = self.residual_keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder sequences for beam search (tokens, scales and scores move together)."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheStateError("a compressed cache cannot be cropped: evicted tokens cannot be restored")
+
+    def offload(self):  # tensors live in custom containers; keep them where they are
+        return None
+
+    def prefetch(self):
+        return None
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` that evicts and quantizes, one :class:`CompressedLayer` per model layer.
+
+    Use with ``model.generate(..., past_key_values=cache)`` or a manual forward loop; build it with
+    :func:`h2o_compress.make_cache`, which also switches the model to the ``h2o_compress`` attention
+    function. ``get_seq_length()`` counts tokens seen; :meth:`kept_length` counts tokens held.
+    """
+
+    def __init__(self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = ""):
+        super().__init__(layers=layers)
+        self.config = config
+        self.model_id = model_id
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens kept per layer, sequence and KV head (``None``: unbounded)."""
+        return self.layers[0].capacity
+
+    def kept_length(self, layer_idx: int = 0) -> int:
+        """Tokens held now by ``layer_idx``, per sequence and KV head."""
+        return self.layers[layer_idx].kept_length()
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (packed data, scales, zeros, residual window, scores)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def full_fp16_nbytes(self) -> int:
+        """Bytes the uncompressed fp16 cache would hold for the tokens seen:
+        ``2 x layers x kv_heads x head_dim x tokens x batch x 2``."""
+        ready = [layer for layer in self.layers if layer.is_initialized]
+        if not ready:
+            return 0
+        layer = ready[0]
+        return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * layer.seen_tokens * layer.batch * 2
+
+
+def build_layers(
+    config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None
+) -> list[CompressedLayer]:
+    """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`)."""
+    layers = []
+    for idx in range(num_layers):
+        policy = make_policy(config.policy, config.heavy_ratio, config.sink_tokens)
+        layers.append(
+            CompressedLayer(
+                idx,
+                policy,
+                capacity,
+                make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
+                make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),
+                residual=config.residual,
+                score_chunk_size=config.score_chunk_size,
+            )
+        )
+    return layers

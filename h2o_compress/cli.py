@@ -1,0 +1,149 @@
+"""Command line: ``h2o-compress generate|eval|profile|plan``.
+
+Every user error (an :class:`~h2o_compress.errors.H2OCompressError`) becomes one line on stderr and exit
+code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from .config import CompressionConfig
+from .errors import ConfigError, H2OCompressError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress the KV cache of transformers LMs.")
+
+
+@app.callback()
+def _root() -> None:
+    """h2o-compress: H2O eviction + 4/8-bit quantization of the KV cache."""
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` to stderr and exit with code 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def user_errors(fn):
+    """Turn H2OCompressError into a one-line message and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except H2OCompressError as exc:
+            fail(str(exc))
+
+    return wrapper
+
+
+def parse_budget(text: str) -> float | int:
+    """``"0.2"`` -> 0.2 (fraction of the sequence), ``"100"`` -> 100 (tokens). Raises ConfigError."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"budget {text!r} is not a number; allowed: a fraction in (0, 1] or an integer >= 1") from None
+    if value > 1 and value == int(value) and "." not in text:
+        return int(value)
+    if value > 1:
+        raise ConfigError(f"budget={text} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1")
+    return value
+
+
+def compression_config(
+    policy: str, budget: str, heavy_ratio: float, sink_tokens: Optional[int], kv_bits: int,
+    k_bits: Optional[int], v_bits: Optional[int], quant: str, group_size: int, residual: int,
+) -> CompressionConfig:
+    """Build a validated :class:`CompressionConfig` from CLI options."""
+    return CompressionConfig(
+        policy=policy, budget=parse_budget(budget), heavy_ratio=heavy_ratio, sink_tokens=sink_tokens,
+        kv_bits=kv_bits, k_bits=k_bits, v_bits=v_bits, quant=quant, group_size=group_size, residual=residual,
+    )
+
+
+# Options shared by every command that compresses (generate, eval, ...).
+PolicyOpt = typer.Option("h2o", "--policy", help="Eviction policy: h2o, local, sink or full.")
+BudgetOpt = typer.Option("1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")
+HeavyOpt = typer.Option(0.5, "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1].")
+SinkOpt = typer.Option(None, "--sink-tokens", help="First tokens always kept (default: 4 for sink, else 0).")
+BitsOpt = typer.Option(16, "--kv-bits", help="Bits of stored keys and values: 16, 8 or 4.")
+KBitsOpt = typer.Option(None, "--k-bits", help="Bits of keys (overrides --kv-bits).")
+VBitsOpt = typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-bits).")
+QuantOpt = typer.Option("int", "--quant", help="Format: int (ours), nf4, fp4 or int8-blockwise (bitsandbytes).")
+GroupOpt = typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")
+ResidualOpt = typer.Option(8, "--residual", help="Newest tokens kept in 16-bit before quantization.")
+ModelOpt = typer.Option("smollm2-135m", "--model", help="Alias, local model directory or hub id.")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt."),
+    model: str = ModelOpt,
+    policy: str = PolicyOpt,
+    budget: str = BudgetOpt,
+    heavy_ratio: float = HeavyOpt,
+    sink_tokens: Optional[int] = SinkOpt,
+    kv_bits: int = BitsOpt,
+    k_bits: Optional[int] = KBitsOpt,
+    v_bits: Optional[int] = VBitsOpt,
+    quant: str = QuantOpt,
+    group_size: int = GroupOpt,
+    residual: int = ResidualOpt,
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
+    device: str = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+):
+    """Generate text with a compressed KV cache, streaming tokens as they come."""
+    from .generation import generate as run_generate
+    from .generation import encode_prompt  # noqa: F401  (validates the prompt before the model loads)
+    from .models import load_model
+
+    if not prompt.strip():
+        fail(f"prompt {prompt!r} is empty; allowed: a non-empty text")
+    config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)
+    lm, tokenizer = load_model(model, device=device, dtype=dtype)
+    stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    result = run_generate(
+        lm, tokenizer, prompt, config, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature,
+        seed=seed, on_text=stream,
+    )
+    figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
+    figures["config"] = config.to_dict()
+    figures["model"] = model
+    if as_json:
+        typer.echo(json.dumps(figures))
+        return
+    sys.stdout.write("\n")
+    ratio = result.kv_bytes / result.kv_bytes_full_fp16 if result.kv_bytes_full_fp16 else 0.0
+    typer.echo(
+        f"[{result.prompt_tokens} prompt + {result.new_tokens} new tokens | capacity {result.capacity or 'all'} | "
+        f"KV {result.kv_bytes / 2**20:.2f} MiB = {ratio:.1%} of fp16 | prefill {result.prefill_s:.2f} s | "
+        f"decode {result.decode_tokens_per_s:.1f} tokens/s]",
+        err=True,
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

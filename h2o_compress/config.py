@@ -1,0 +1,155 @@
+"""`CompressionConfig`: the one object that says how the KV cache is compressed.
+
+Semantics follow ``DESIGN.md`` §2: ``budget`` is a fraction of the sequence length the cache will see
+(``capacity = ceil(budget * length)`` tokens per layer and KV head) or, when an integer >= 1, an absolute
+capacity in tokens. ``heavy_ratio`` of the capacity goes to heavy hitters, the rest to the recent window
+(H2O, Zhang et al. 2023, arXiv 2306.14048, §4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .errors import ConfigError
+
+ALLOWED_BITS = (4, 8, 16)
+ALLOWED_GROUP_SIZES = (32, 64, 128)
+QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
+
+
+def _number(name: str, value, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={value!r} is not a number; allowed: {allowed}")
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"{name}={value!r} is not finite; allowed: {allowed}")
+    return value
+
+
+@dataclass
+class CompressionConfig:
+    """How to compress the KV cache: an eviction policy followed by a quantizer.
+
+    Args:
+        policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``local`` (recent window only),
+            ``sink`` (StreamingLLM attention sinks + recent window) or ``full`` (no eviction).
+        budget: fraction in (0, 1] of the sequence length the cache will see, or an integer >= 1 giving the
+            capacity in tokens per layer and KV head. ``1.0`` never evicts.
+        heavy_ratio: share of the capacity given to heavy hitters, in [0, 1] (paper: 0.5).
+        sink_tokens: number of first tokens always kept (attention sinks). ``None`` means 4 for the ``sink``
+            policy and 0 otherwise.
+        kv_bits: bits of stored keys and values: 16 (no quantization), 8 or 4.
+        k_bits, v_bits: per-tensor overrides of ``kv_bits`` (keys are more sensitive: KIVI, llama.cpp #7412).
+        quant: quantization format: ``int`` (group-wise asymmetric integers, ours), ``nf4``/``fp4``
+            (bitsandbytes 4-bit; an 8-bit tensor then uses bitsandbytes' blockwise 8-bit) or
+            ``int8-blockwise`` (bitsandbytes blockwise 8-bit).
+        group_size: elements of ``head_dim`` sharing one scale and zero point: 32, 64 or 128.
+        residual: newest tokens kept in full precision before they are quantized, once (KIVI's residual).
+        rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
+            exactly after dequantization); spreads outliers across groups (QuaRot-style).
+        score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
+
+    Raises:
+        ConfigError: any value out of range, naming the value and what is allowed.
+    """
+
+    policy: str = "h2o"
+    budget: float = 1.0
+    heavy_ratio: float = 0.5
+    sink_tokens: int | None = None
+    kv_bits: int = 16
+    k_bits: int | None = None
+    v_bits: int | None = None
+    quant: str = "int"
+    group_size: int = 32
+    residual: int = 8
+    rotate: bool = True
+    score_chunk_size: int = 256
+
+    def __post_init__(self) -> None:
+        from .eviction import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; allowed: {', '.join(sorted(POLICIES))}")
+        budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
+        if budget <= 0 or (budget > 1 and budget != int(budget)):
+            raise ConfigError(
+                f"budget={self.budget!r} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
+            )
+        ratio = _number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
+        if not 0 <= ratio <= 1:
+            raise ConfigError(f"heavy_ratio={self.heavy_ratio!r} is out of range; allowed: [0, 1]")
+        if self.sink_tokens is not None and (
+            isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0
+        ):
+            raise ConfigError(f"sink_tokens={self.sink_tokens!r} is invalid; allowed: an integer >= 0")
+        for name in ("kv_bits", "k_bits", "v_bits"):
+            value = getattr(self, name)
+            if value is None and name != "kv_bits":
+                continue
+            if isinstance(value, bool) or value not in ALLOWED_BITS:
+                raise ConfigError(f"{name}={value!r} is not supported; allowed: 4, 8, 16")
+        if self.quant not in QUANT_BACKENDS:
+            raise ConfigError(f"unknown quant backend {self.quant!r}; allowed: {', '.join(QUANT_BACKENDS)}")
+        if self.quant == "int8-blockwise" and 4 in (self.key_bits, self.value_bits):
+            raise ConfigError("quant='int8-blockwise' is an 8-bit format; allowed kv bits with it: 8, 16")
+        if isinstance(self.group_size, bool) or self.group_size not in ALLOWED_GROUP_SIZES:
+            raise ConfigError(f"group_size={self.group_size!r} is not supported; allowed: 32, 64, 128")
+        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
+            raise ConfigError(f"residual={self.residual!r} is invalid; allowed: an integer >= 0 (tokens)")
+        if (
+            isinstance(self.score_chunk_size, bool)
+            or not isinstance(self.score_chunk_size, int)
+            or self.score_chunk_size < 1
+        ):
+            raise ConfigError(f"score_chunk_size={self.score_chunk_size!r} is invalid; allowed: an integer >= 1")
+
+    @property
+    def key_bits(self) -> int:
+        """Bits of stored keys (``k_bits`` if set, else ``kv_bits``)."""
+        return self.k_bits if self.k_bits is not None else self.kv_bits
+
+    @property
+    def value_bits(self) -> int:
+        """Bits of stored values (``v_bits`` if set, else ``kv_bits``)."""
+        return self.v_bits if self.v_bits is not None else self.kv_bits
+
+    @property
+    def quantized(self) -> bool:
+        """True when keys or values are stored below 16 bits."""
+        return min(self.key_bits, self.value_bits) < 16
+
+    @property
+    def sinks(self) -> int:
+        """Number of attention-sink tokens always kept."""
+        if self.sink_tokens is not None:
+            return self.sink_tokens
+        return 4 if self.policy == "sink" else 0
+
+    @property
+    def budget_is_fraction(self) -> bool:
+        """True when ``budget`` is relative to the sequence length (a float <= 1)."""
+        return isinstance(self.budget, float) and self.budget <= 1
+
+    def capacity(self, length: int | None) -> int | None:
+        """Tokens kept per layer and KV head for a sequence of ``length`` tokens; ``None`` means unbounded.
+
+        Raises:
+            ConfigError: a fractional budget below 1 with no known length.
+        """
+        if self.policy == "full":
+            return None
+        if self.budget_is_fraction:
+            if self.budget >= 1:
+                return None
+            if length is None:
+                raise ConfigError(
+                    f"budget={self.budget} is a fraction, so the cache needs the sequence length it will see: "
+                    "pass max_length= (prompt + new tokens) or give the budget as a number of tokens"
+                )
+            return max(1, math.ceil(self.budget * length))
+        return int(self.budget)
+
+    def to_dict(self) -> dict:
+        """Plain-dict form (JSON-serialisable)."""
+        return asdict(self)

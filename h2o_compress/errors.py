@@ -1,0 +1,29 @@
+"""Errors raised by h2o-compress.
+
+Every error a user can cause derives from :class:`H2OCompressError`, itself a ``ValueError``, so callers may
+catch either. The CLI turns these into a one-line message and exit code 2.
+"""
+
+
+class H2OCompressError(ValueError):
+    """Base class of every error caused by bad input to h2o-compress."""
+
+
+class ConfigError(H2OCompressError):
+    """A compression setting is out of range or unknown (budget, heavy_ratio, bits, group size, policy...)."""
+
+
+class ModelLoadError(H2OCompressError):
+    """A model cannot be found or loaded (unknown alias, missing wheel, no network for a hub id...)."""
+
+
+class UnsupportedModelError(H2OCompressError):
+    """The model's attention does not go through transformers' AttentionInterface, so it cannot be scored."""
+
+
+class InputError(H2OCompressError):
+    """A prompt or token stream is unusable (empty prompt, longer than the model's context...)."""
+
+
+class CacheStateError(H2OCompressError):
+    """A cache is used in a way that would give wrong results (reused across models, attention bypassed...)."""

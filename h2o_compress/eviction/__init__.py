@@ -1,0 +1,27 @@
+"""Eviction stage: one small policy class per file, found by name in :data:`POLICIES`."""
+
+from __future__ import annotations
+
+from .base import EvictionPolicy
+from .full import FullPolicy
+from .h2o import H2OPolicy
+from .local import LocalPolicy
+from .sink import SinkPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "h2o": H2OPolicy,
+    "local": LocalPolicy,
+    "sink": SinkPolicy,
+    "full": FullPolicy,
+}
+
+__all__ = ["EvictionPolicy", "FullPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "POLICIES", "make_policy"]
+
+
+def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None) -> EvictionPolicy:
+    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`)."""
+    cls = POLICIES[name]
+    kwargs = {"heavy_ratio": heavy_ratio}
+    if sink_tokens is not None:
+        kwargs["sink_tokens"] = sink_tokens
+    return cls(**kwargs)

