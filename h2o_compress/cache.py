@@ -35,8 +35,9 @@ class CompressedLayer(CacheLayerMixin):
         policy: eviction policy.
         capacity: tokens kept per sequence and KV head, ``None`` for no eviction.
         key_quantizer, value_quantizer: storage formats of keys and values.
-        residual: newest tokens kept in full precision when quantizing (capped at the policy's recent window,
-            so residual tokens are never evicted).
+        residual: newest tokens always kept in full precision when quantizing; the window holds between
+            ``residual`` and ``2 x residual - 1`` tokens and is quantized in blocks (capped so that the window fits
+            in the policy's recent window: residual tokens are never evicted).
         score_chunk_size: queries per chunk for prefill scoring.
     """
 
@@ -60,8 +61,8 @@ class CompressedLayer(CacheLayerMixin):
         self.quantized = key_quantizer.bits < 16 or value_quantizer.bits < 16
         if not self.quantized:
             residual = 0
-        elif capacity is not None:
-            residual = min(residual, policy.recent_window(capacity))
+        elif capacity is not None:  # the window (< 2 x residual tokens) must fit in the never-evicted recent window
+            residual = min(residual, (policy.recent_window(capacity) + 1) // 2)
         self.residual = residual
         self.score_chunk_size = score_chunk_size
         self.reset()
@@ -168,8 +169,10 @@ class CompressedLayer(CacheLayerMixin):
         self.stored_values = self.stored_values.select(keep)
 
     def _quantize_overflow(self) -> None:
+        """Quantize the oldest residual tokens once the window reaches ``2 x residual`` (or more) tokens, keeping
+        the newest ``residual``: quantization runs in blocks (KIVI, arXiv 2402.02750 §3.3), not every step."""
         overflow = self.residual_length - self.residual
-        if not self.quantized or overflow <= 0:
+        if not self.quantized or overflow <= 0 or (self.residual and self.residual_length < 2 * self.residual):
             return
         new_keys = self.key_quantizer.quantize(self.residual_keys[:, :, :overflow])
         new_values = self.value_quantizer.quantize(self.residual_values[:, :, :overflow])
@@ -272,6 +275,29 @@ class CompressedCache(Cache):
             return 0
         layer = ready[0]
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * layer.seen_tokens * layer.batch * 2
+
+    def save(self, path, model=None):
+        """Write this cache to ``path`` (safetensors, atomic); see :func:`h2o_compress.persistence.save_cache`.
+
+        Raises:
+            CacheStateError: empty, mid-step or inconsistent cache, or no ``model`` and no recorded fingerprint.
+            CacheFileError: bad path or missing directory.
+        """
+        from .persistence import save_cache
+
+        return save_cache(self, path, model=model)
+
+    @classmethod
+    def load(cls, path, model, config=None) -> "CompressedCache":
+        """Load a cache saved by :meth:`save` for ``model``; see :func:`h2o_compress.persistence.load_cache`.
+
+        Raises:
+            CacheFileError: missing, truncated, tampered or unknown-version file.
+            CacheStateError: a different model or config than the one saved.
+        """
+        from .persistence import load_cache
+
+        return load_cache(path, model, config=config)
 
 
 def build_layers(

@@ -67,6 +67,29 @@ def compression_config(
     )
 
 
+COMPRESSION_FLAGS = ("policy", "budget", "heavy_ratio", "sink_tokens", "kv_bits", "k_bits", "v_bits", "quant",
+                     "group_size", "residual")
+
+
+def apply_config_file(config: CompressionConfig, config_file: Optional[str]) -> tuple[CompressionConfig, dict]:
+    """Merge ``--config FILE`` (JSON/TOML) under the compression flags given on the command line.
+
+    Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
+    file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
+    """
+    import click
+
+    from .config_file import load_config, read_config_values
+
+    ctx = click.get_current_context(silent=True)
+    command_line = click.core.ParameterSource.COMMANDLINE
+    given = {n for n in COMPRESSION_FLAGS if ctx is not None and ctx.get_parameter_source(n) == command_line}
+    overrides = {k: v for k, v in config.to_dict().items() if k in given}
+    if config_file is None:
+        return config, overrides
+    return load_config(config_file, overrides), {**read_config_values(config_file), **overrides}
+
+
 # Options shared by every command that compresses (generate, eval, ...).
 PolicyOpt = typer.Option("h2o", "--policy", help="Eviction policy: h2o, local, sink or full.")
 BudgetOpt = typer.Option("1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")
@@ -77,10 +100,11 @@ KBitsOpt = typer.Option(None, "--k-bits", help="Bits of keys (overrides --kv-bit
 VBitsOpt = typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-bits).")
 QuantOpt = typer.Option("int", "--quant", help="Format: int (ours), nf4, fp4 or int8-blockwise (bitsandbytes).")
 GroupOpt = typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")
-ResidualOpt = typer.Option(8, "--residual", help="Newest tokens kept in 16-bit before quantization.")
+ResidualOpt = typer.Option(4, "--residual", help="Newest tokens always kept in 16-bit (window of N to 2N-1, quantized in blocks).")
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Alias, local model directory or hub id.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
+ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (.json/.toml); flags given override it.")
 
 
 @app.command()
@@ -105,6 +129,9 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    config_file: Optional[str] = ConfigFileOpt,
+    save_cache: Optional[str] = typer.Option(None, "--save-cache", help="Save the compressed prompt cache to this safetensors file."),
+    load_cache: Optional[str] = typer.Option(None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend its prompt)."),
 ):
     """Generate text with a compressed KV cache, streaming tokens as they come."""
     from .generation import generate as run_generate
@@ -114,15 +141,24 @@ def generate(
     if not prompt.strip():
         fail(f"prompt {prompt!r} is empty; allowed: a non-empty text")
     config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
+    config, overrides = apply_config_file(config, config_file)
     if seed is not None:
         import torch
 
         torch.manual_seed(seed)
     lm, tokenizer = load_model(model, device=device, dtype=dtype)
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    extra = {}
+    if save_cache is not None or load_cache is not None:
+        from .prompt_cache import prepare_prompt_cache
+
+        cache = prepare_prompt_cache(
+            lm, tokenizer, prompt, config, max_new_tokens, chat, load=load_cache, save=save_cache, expect=overrides
+        )
+        config, extra = cache.config, {"cache": cache}
     result = run_generate(
         lm, tokenizer, prompt, config, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature,
-        seed=seed, on_text=stream,
+        seed=seed, on_text=stream, **extra,
     )
     figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
     figures["config"] = config.to_dict()

@@ -44,7 +44,8 @@ class CompressionConfig:
             (bitsandbytes 4-bit; an 8-bit tensor then uses bitsandbytes' blockwise 8-bit) or
             ``int8-blockwise`` (bitsandbytes blockwise 8-bit).
         group_size: elements of ``head_dim`` sharing one scale and zero point: 32, 64 or 128.
-        residual: newest tokens kept in full precision before they are quantized, once (KIVI's residual).
+        residual: newest tokens always kept in full precision (the window holds ``residual`` to
+            ``2 x residual - 1`` tokens and is quantized in blocks, each token once: KIVI's residual).
         rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
@@ -62,7 +63,7 @@ class CompressionConfig:
     v_bits: int | None = None
     quant: str = "int"
     group_size: int = 32
-    residual: int = 8
+    residual: int = 4
     rotate: bool = True
     score_chunk_size: int = 256
 

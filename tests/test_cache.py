@@ -1,0 +1,201 @@
+"""CompressedCache against the uncompressed DynamicCache, positions after eviction, memory that shrinks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import TINY_MODELS, tiny_llama
+from transformers import DynamicCache
+
+from h2o_compress import CacheStateError, CompressionConfig, make_cache
+from h2o_compress.cache import CompressedLayer
+from h2o_compress.eviction import H2OPolicy, LocalPolicy
+from h2o_compress.quantization import IntQuantizer, NoQuantizer
+
+
+def run_steps(model, cache, prompt, steps):
+    """Prefill ``prompt`` then ``steps`` greedy decode steps; returns the list of logits tensors."""
+    logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]
+    token = logits[-1][:, -1:].argmax(-1)
+    for _ in range(steps):
+        logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits)
+        token = logits[-1][:, -1:].argmax(-1)
+    return logits
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+@pytest.mark.parametrize("policy", ["h2o", "full", "local", "sink"])
+@torch.inference_mode()
+def test_budget_one_16bit_reproduces_dynamic_cache(arch, policy):
+    model = TINY_MODELS[arch]()
+    prompt = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    reference = run_steps(model, DynamicCache(config=model.config), prompt, 32)
+    cache = make_cache(model, CompressionConfig(policy=policy, budget=1.0), max_length=24 + 33)
+    ours = run_steps(model, cache, prompt, 32)
+    for step, (a, b) in enumerate(zip(reference, ours)):
+        assert (a - b).abs().max().item() <= 1e-5, f"step {step}"
+    assert cache.get_seq_length() == 24 + 32
+    assert cache.kept_length() == 24 + 32
+
+
+def masked_reference_logits(model, ids, prompt_len, visible_fn):
+    """One full forward pass where query row p sees exactly ``visible_fn(p)`` (its view in the incremental run)."""
+    total = ids.shape[1]
+    mask = torch.zeros(1, 1, total, total, dtype=torch.bool)
+    for p in range(total):
+        cols = range(p + 1) if p < prompt_len else visible_fn(p)
+        mask[0, 0, p, list(cols)] = True
+    positions = torch.arange(total)[None]
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+@pytest.mark.parametrize("policy,sinks", [("local", 0), ("sink", 3)])
+@torch.inference_mode()
+def test_positions_after_eviction_match_masked_reference(arch, policy, sinks):
+    """After eviction, kept keys keep their original positions: the output equals a full pass in which each
+    query sees exactly the tokens the cache kept for it (RoPE, OPT learned positions, NeoX partial rotary)."""
+    model = TINY_MODELS[arch]()
+    capacity, prompt_len, steps = 12, 20, 10
+    ids = torch.randint(0, 128, (1, prompt_len + steps), generator=torch.Generator().manual_seed(2))
+    cache = make_cache(model, CompressionConfig(policy=policy, budget=capacity, sink_tokens=sinks))
+    ours = [model(input_ids=ids[:, :prompt_len], past_key_values=cache).logits[:, -1]]
+    for p in range(prompt_len, prompt_len + steps):
+        ours.append(model(input_ids=ids[:, p : p + 1], past_key_values=cache).logits[:, -1])
+        assert cache.kept_length() == capacity
+
+    def visible(p):  # sinks + the newest capacity - sinks tokens before p, and p itself
+        return sorted(set(range(sinks)) | set(range(p - (capacity - sinks), p + 1)))
+
+    reference = masked_reference_logits(model, ids, prompt_len, visible)
+    expected = reference[:, prompt_len - 1 : prompt_len + steps]
+    assert torch.allclose(torch.stack(ours, 1), expected, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_h2o_eviction_frees_memory_to_capacity():
+    model = tiny_llama()
+    dims_heads, head_dim, layers = 2, 32, 2
+    prompt = torch.randint(0, 128, (3, 64))
+    full = make_cache(model, CompressionConfig(policy="full"))
+    model(input_ids=prompt, past_key_values=full)
+    capacity = 16
+    cache = make_cache(model, CompressionConfig(budget=capacity))
+    model(input_ids=prompt, past_key_values=cache)
+    for _ in range(5):
+        model(input_ids=prompt[:, :1], past_key_values=cache)
+    for layer in cache.layers:
+        assert layer.residual_keys.shape == (3, dims_heads, capacity, head_dim)
+        assert layer.scores.shape == (3, dims_heads, capacity)
+    kv_bytes = 2 * layers * 3 * dims_heads * capacity * head_dim * 4  # fp32 model, 16-bit path stores fp32
+    score_bytes = layers * 3 * dims_heads * capacity * 4
+    assert cache.nbytes() == kv_bytes + score_bytes
+    assert full.nbytes() == 2 * layers * 3 * dims_heads * 64 * head_dim * 4
+    assert cache.nbytes() < full.nbytes() / 3
+
+
+@torch.inference_mode()
+def test_int4_cache_bytes_match_layout_and_stay_bounded():
+    model = tiny_llama(head_dim=64, heads=2, kv_heads=1)
+    capacity, residual = 24, 4
+    cache = make_cache(model, CompressionConfig(budget=capacity, kv_bits=4, group_size=32, residual=residual))
+    prompt = torch.randint(0, 128, (1, 100))
+    model(input_ids=prompt, past_key_values=cache)
+    windows = set()
+    for _ in range(20):
+        model(input_ids=prompt[:, :1], past_key_values=cache)
+        layer = cache.layers[0]
+        window = layer.residual_length
+        windows.add(window)
+        stored = capacity - window
+        assert layer.kept_length() == capacity and layer.stored_length == stored
+        # packed int4 data (32 B) + 2 groups x fp16 (scale, zero) per token; fp16 window; fp32 scores
+        per_layer = 2 * (stored * (32 + 2 * 2 * 2) + window * 64 * 2) + capacity * 4
+        assert cache.nbytes() == 2 * per_layer
+    assert windows == set(range(residual, 2 * residual))  # quantized in blocks, never fewer than `residual` fp16
+    layer = cache.layers[0]
+    assert layer.stored_keys.parts["data"].dtype == torch.uint8
+    assert layer.stored_keys.parts["data"].shape[-1] == 32
+    assert layer.residual_keys.dtype == torch.float16
+
+
+@torch.inference_mode()
+def test_quantized_cache_stays_close_to_full_cache():
+    model = tiny_llama(head_dim=64, heads=4, kv_heads=2)
+    prompt = torch.randint(0, 128, (1, 40))
+    reference = run_steps(model, DynamicCache(config=model.config), prompt, 8)
+    for bits, tolerance in ((8, 0.02), (4, 0.3)):
+        cache = make_cache(model, CompressionConfig(kv_bits=bits, residual=4))
+        ours = run_steps(model, cache, prompt, 8)
+        worst = max((a[:, -1] - b[:, -1]).abs().max().item() for a, b in zip(reference, ours))
+        assert 0 < worst <= tolerance, (bits, worst)
+
+
+class CountingQuantizer(IntQuantizer):
+    """Records the position (encoded in channel 0 of each key) of every token it quantizes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.positions: list[int] = []
+
+    def quantize(self, x):
+        self.positions += x[0, 0, :, 0].round().long().tolist()
+        return super().quantize(x)
+
+
+@pytest.mark.parametrize("capacity", [None, 10])
+def test_each_token_is_quantized_exactly_once(capacity):
+    quantizer = CountingQuantizer(8, 32, 32, rotate=False)
+    policy = H2OPolicy() if capacity else LocalPolicy()
+    layer = CompressedLayer(0, policy, capacity, quantizer, NoQuantizer(), residual=4)
+    generator = torch.Generator().manual_seed(0)
+    seen = 0
+    for chunk in [7, 1, 1, 3, 1, 1, 1, 5, 1, 1]:
+        keys = torch.zeros(1, 1, chunk, 32)
+        keys[..., 0] = torch.arange(seen, seen + chunk, dtype=torch.float32)
+        seen += chunk
+        returned, _ = layer.update(keys, keys.clone())
+        probs = torch.rand(1, 1, returned.shape[2], generator=generator) if policy.needs_scores else None
+        layer.after_attention(probs)
+        if capacity:
+            assert layer.kept_length() <= capacity
+    assert len(quantizer.positions) == len(set(quantizer.positions))
+    assert quantizer.positions == sorted(quantizer.positions)
+    if capacity is None:  # everything but the fp16 window (4..7 newest tokens) was quantized, in order
+        assert quantizer.positions == list(range(seen - layer.residual_length))
+        assert 4 <= layer.residual_length < 8
+
+
+@torch.inference_mode()
+def test_attention_that_bypasses_the_function_is_detected():
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(budget=8))
+    model.set_attn_implementation("sdpa")
+    prompt = torch.randint(0, 128, (1, 10))
+    model(input_ids=prompt, past_key_values=cache)
+    with pytest.raises(CacheStateError, match="did not go through"):
+        model(input_ids=prompt[:, :1], past_key_values=cache)
+
+
+@torch.inference_mode()
+def test_batch_change_is_refused():
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(budget=8))
+    model(input_ids=torch.randint(0, 128, (2, 10)), past_key_values=cache)
+    with pytest.raises(CacheStateError, match="batch=2"):
+        model(input_ids=torch.randint(0, 128, (3, 1)), past_key_values=cache)
+
+
+@torch.inference_mode()
+def test_works_inside_model_generate_with_beam_search():
+    model = tiny_llama()
+    prompt = torch.randint(0, 128, (1, 12))
+    reference = model.generate(prompt, max_new_tokens=8, do_sample=False, num_beams=2)
+    cache = make_cache(model, CompressionConfig(budget=1.0))
+    ours = model.generate(prompt, max_new_tokens=8, do_sample=False, num_beams=2, past_key_values=cache)
+    assert torch.equal(reference, ours)
+    evicting = make_cache(model, CompressionConfig(budget=0.5), max_length=20)
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, past_key_values=evicting)
+    assert out.shape == (1, 20) and evicting.kept_length() == math.ceil(0.5 * 20)
