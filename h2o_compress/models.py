@@ -165,7 +165,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         ConfigError: bad device or dtype.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ModelLoadError(f"model name {name_or_path!r} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
     resolved_device = resolve_device(device)

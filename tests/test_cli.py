@@ -1,0 +1,95 @@
+"""CLI: one-line errors with exit code 2 for bad input; the --json figures on a tiny local model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_llama
+from typer.testing import CliRunner
+
+from h2o_compress.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny LLaMA saved with a word-level tokenizer, as a local Hugging Face directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {f"w{i}": i for i in range(126)} | {"<unk>": 126, "</s>": 127}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tokenizer.save_pretrained(path)
+    tiny_llama(head_dim=32).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--budget", "0"], "budget=0.0 is invalid"),
+        (["--budget", "-0.5"], "budget=-0.5 is invalid"),
+        (["--budget", "1.5"], "budget=1.5 is invalid"),
+        (["--budget", "abc"], "budget 'abc' is not a number"),
+        (["--heavy-ratio", "1.5"], "heavy_ratio=1.5 is out of range"),
+        (["--kv-bits", "3"], "kv_bits=3 is not supported; allowed: 4, 8, 16"),
+        (["--k-bits", "2"], "k_bits=2 is not supported"),
+        (["--group-size", "48"], "group_size=48 is not supported; allowed: 32, 64, 128"),
+        (["--policy", "random"], "unknown policy 'random'; allowed: full, h2o, local, sink"),
+        (["--quant", "int3"], "unknown quant backend 'int3'"),
+        (["--residual", "-1"], "residual=-1 is invalid"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--device", "tpu"], "device"),
+    ],
+)
+def test_bad_options_give_one_line_and_exit_2(args, message):
+    result = runner.invoke(app, ["generate", *args, "hello"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_empty_prompt_is_refused():
+    result = runner.invoke(app, ["generate", "   "])
+    assert result.exit_code == 2 and "prompt '   ' is empty" in result.output
+
+
+def test_group_size_must_divide_head_dim(tiny_dir):
+    result = runner.invoke(app, ["generate", "--model", tiny_dir, "--kv-bits", "4", "--group-size", "64", "w1 w2"])
+    assert result.exit_code == 2
+    assert "group_size=64 does not divide the model's head_dim=32; allowed: 32" in result.output
+
+
+def test_json_figures_on_a_local_model(tiny_dir):
+    result = runner.invoke(
+        app,
+        ["generate", "--model", tiny_dir, "--no-chat", "--budget", "0.5", "--kv-bits", "4", "--max-new-tokens",
+         "12", "--json", " ".join(f"w{i}" for i in range(20))],
+    )
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    for key in ("text", "prompt_tokens", "new_tokens", "kv_bytes", "kv_bytes_full_fp16", "decode_tokens_per_s", "prefill_s"):
+        assert key in figures
+    assert figures["prompt_tokens"] == 20
+    assert figures["capacity"] == 16  # ceil(0.5 x (20 + 12))
+    assert 0 < figures["kv_bytes"] < figures["kv_bytes_full_fp16"]
+
+
+def test_unsupported_model_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from h2o_compress import UnsupportedModelError, make_cache
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64))
+    type(model)._supports_attention_backend = False  # stands in for any model that bypasses AttentionInterface
+    try:
+        with pytest.raises(UnsupportedModelError, match="does not route attention through"):
+            make_cache(model)
+    finally:
+        del type(model)._supports_attention_backend
