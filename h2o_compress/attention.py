@@ -108,18 +108,23 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     layer = _pending().pop(getattr(module, "layer_idx", None), None)
-    if layer is not None:
-        if layer.returned_keys is not key:
-            raise CacheStateError(
-                f"layer {module.layer_idx}: the keys reaching attention are not the ones the compressed cache "
-                "returned; this model changes keys after the cache, which h2o-compress does not support"
-            )
-        probs = None
-        if layer.policy.needs_scores:
-            probs = attention_probability_sums(query, key, attention_mask, scaling, layer.score_chunk_size)
-        layer.after_attention(probs)
+    if layer is None:  # no compressed cache involved: plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if layer.returned_keys is not key:
+        raise CacheStateError(
+            f"layer {module.layer_idx}: the keys reaching attention are not the ones the compressed cache "
+            "returned; this model changes keys after the cache, which h2o-compress does not support"
+        )
+    if layer.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
+        query = (query.float() @ layer.key_basis).to(query.dtype)
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if layer.value_basis is not None:  # values are held as v @ H: P.v = (P.(v @ H)) @ H, H symmetric
+        output = (output.float() @ layer.value_basis).to(output.dtype)
+    probs = None
+    if layer.policy.needs_scores:
+        probs = attention_probability_sums(query, key, attention_mask, scaling, layer.score_chunk_size)
+    layer.after_attention(probs)
     return output, None
 
 

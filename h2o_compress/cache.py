@@ -83,6 +83,9 @@ class CompressedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         # The residual window of a quantized cache is 16-bit even for fp32 models: its bytes count (DESIGN.md §2).
         self.residual_dtype = torch.float16 if self.quantized and self.dtype == torch.float32 else self.dtype
+        # Tokens are held in each quantizer's basis (Hadamard or none); attention folds it into q and the output.
+        self.key_basis = self.key_quantizer.rotation(self.device)
+        self.value_basis = self.value_quantizer.rotation(self.device)
         self.batch, self.kv_heads, _, self.head_dim = key_states.shape
         self.is_initialized = True
 
@@ -100,7 +103,8 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- transformers' layer API -----------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append ``[batch, kv_heads, new, head_dim]`` keys/values; return every kept token (dequantized).
+        """Append ``[batch, kv_heads, new, head_dim]`` keys/values; return every kept token (dequantized), in
+        ``key_basis``/``value_basis`` when those are set (the ``h2o_compress`` attention function undoes them).
 
         Raises:
             CacheStateError: the previous step's attention did not run through ``h2o_compress`` attention,
@@ -122,6 +126,10 @@ class CompressedLayer(CacheLayerMixin):
                 f"batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}; use a new cache (or cache.reset())"
             )
         self.seen_tokens += key_states.shape[2]
+        if self.key_basis is not None:
+            key_states = key_states.float() @ self.key_basis
+        if self.value_basis is not None:
+            value_states = value_states.float() @ self.value_basis
         key_states, value_states = key_states.to(self.residual_dtype), value_states.to(self.residual_dtype)
         if self.residual_keys is None:
             self.residual_keys, self.residual_values = key_states, value_states

@@ -121,13 +121,15 @@ def test_int4_cache_bytes_match_layout_and_stay_bounded():
     assert layer.residual_keys.dtype == torch.float16
 
 
+@pytest.mark.parametrize("rotate", [True, False])
 @torch.inference_mode()
-def test_quantized_cache_stays_close_to_full_cache():
+def test_quantized_cache_stays_close_to_full_cache(rotate):
+    """Bounded error against the full cache; with rotation, q and the output carry the Hadamard basis."""
     model = tiny_llama(head_dim=64, heads=4, kv_heads=2)
     prompt = torch.randint(0, 128, (1, 40))
     reference = run_steps(model, DynamicCache(config=model.config), prompt, 8)
     for bits, tolerance in ((8, 0.02), (4, 0.3)):
-        cache = make_cache(model, CompressionConfig(kv_bits=bits, residual=4))
+        cache = make_cache(model, CompressionConfig(kv_bits=bits, residual=4, rotate=rotate))
         ours = run_steps(model, cache, prompt, 8)
         worst = max((a[:, -1] - b[:, -1]).abs().max().item() for a, b in zip(reference, ours))
         assert 0 < worst <= tolerance, (bits, worst)

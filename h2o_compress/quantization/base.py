@@ -69,6 +69,12 @@ class KVQuantizer(ABC):
     def dequantize(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
         """Return ``[batch, kv_heads, seq, head_dim]`` in ``dtype``."""
 
+    def rotation(self, device: torch.device) -> torch.Tensor | None:
+        """The orthonormal, symmetric basis ``[head_dim, head_dim]`` this format expects its inputs in, or
+        ``None``. The cache rotates tokens into it once, when they arrive, and the attention function folds it
+        into the query and the output, so stored tokens are never rotated back (DESIGN.md §2)."""
+        return None
+
     def bytes_per_token(self, head_dim: int) -> float:
         """Stored bytes of one token of one KV head (data, scales, zeros)."""
         probe = self.quantize(torch.zeros(1, 1, 1, head_dim))

@@ -3,7 +3,9 @@
 Per-token groups of ``group_size`` along ``head_dim``, min-max scale and zero point in fp16 (KIVI,
 Liu et al. 2024, arXiv 2402.02750 §3; llama.cpp q4_1-style asymmetric blocks). An optional orthogonal
 Hadamard rotation along ``head_dim`` (QuaRot, Ashkboos et al. 2024, arXiv 2404.00456) spreads outlier
-channels over all groups before quantization and is undone exactly after dequantization.
+channels over all groups before quantization. The rotation is applied by the cache when tokens arrive and
+folded into the query and the attention output (``q.k = (qH).(kH)``, ``P.V = (P.(VH)).H``), so dequantized
+tokens are never rotated back.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ class IntQuantizer(KVQuantizer):
     """Asymmetric ``bits``-bit integers, one fp16 (scale, zero) pair per ``group_size`` elements of a token.
 
     Stored parts: ``data`` uint8 ``[batch, kv_heads, seq, head_dim * bits / 8]`` and ``scale_zero`` fp16
-    ``[batch, kv_heads, seq, head_dim / group_size, 2]``. Round-trip error per element (in the rotated basis)
-    is at most ``scale / 2`` plus fp16 rounding of the zero point, ``scale = (max - min) / (2**bits - 1)``.
+    ``[batch, kv_heads, seq, head_dim / group_size, 2]``. Inputs are expected in :meth:`rotation`'s basis.
+    Round-trip error per element is at most ``scale / 2`` plus fp16 rounding of the zero point, ``scale = (max - min) / (2**bits - 1)``.
 
     Raises:
         ConfigError: ``bits`` not 4 or 8, or ``group_size`` not dividing ``head_dim``.
@@ -52,14 +54,14 @@ class IntQuantizer(KVQuantizer):
         self.bits, self.group_size, self.head_dim, self.rotate = bits, group_size, head_dim, rotate
         self.qmax = 2**bits - 1
 
-    def _rotation(self, device: torch.device) -> torch.Tensor:
-        return hadamard_matrix(self.head_dim, str(device))
+    def rotation(self, device: torch.device) -> torch.Tensor | None:
+        """The Hadamard basis inputs must be in (``x @ H``) when ``rotate``; see :meth:`KVQuantizer.rotation`."""
+        return hadamard_matrix(self.head_dim, str(device)) if self.rotate else None
 
     def quantize(self, x: torch.Tensor) -> StoredTensor:
-        """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]`` (any float dtype)."""
+        """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]`` (any float dtype, already in :meth:`rotation`'s
+        basis)."""
         x = x.float()
-        if self.rotate:
-            x = x @ self._rotation(x.device)
         groups = x.unflatten(-1, (self.head_dim // self.group_size, self.group_size))
         low = groups.amin(-1, keepdim=True)
         high = groups.amax(-1, keepdim=True)
@@ -78,7 +80,4 @@ class IntQuantizer(KVQuantizer):
             data = torch.stack((data & 15, data >> 4), -1).flatten(-2)
         scale_zero = stored.parts["scale_zero"].float()
         groups = data.float().unflatten(-1, (self.head_dim // self.group_size, self.group_size))
-        x = torch.addcmul(scale_zero[..., 1:], groups, scale_zero[..., :1]).flatten(-2)
-        if self.rotate:
-            x = x @ self._rotation(x.device)  # symmetric and orthonormal: its own inverse
-        return x.to(dtype)
+        return torch.addcmul(scale_zero[..., 1:], groups, scale_zero[..., :1]).flatten(-2).to(dtype)
