@@ -124,7 +124,11 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
     probs = None
     if layer.policy.needs_scores:
         probs = attention_probability_sums(query, key, attention_mask, scaling, layer.score_chunk_size)
-    layer.after_attention(probs)
+    padding = None
+    if attention_mask is not None:  # keys the last query cannot see are (left) padding
+        queries, keys = query.shape[2], key.shape[2]
+        padding = ~_visible(attention_mask, queries - 1, queries, queries, keys, key.device).reshape(-1, keys)
+    layer.after_attention(probs, padding)
     return output, None
 
 

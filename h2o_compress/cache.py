@@ -75,6 +75,7 @@ class CompressedLayer(CacheLayerMixin):
         self.residual_keys: torch.Tensor | None = None
         self.residual_values: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
+        self.leading_pads: torch.Tensor | None = None  # [batch] left-padding tokens held, None when there are none
         self.seen_tokens = 0
         self.returned_keys = None
         self.is_initialized = False
@@ -144,10 +145,14 @@ class CompressedLayer(CacheLayerMixin):
         announce(self.layer_idx, self)
         return keys, values
 
-    def after_attention(self, probability_sums: torch.Tensor | None) -> None:
+    def after_attention(self, probability_sums: torch.Tensor | None, padding: torch.Tensor | None = None) -> None:
         """Accumulate scores (fp32 ``[batch, kv_heads, kept]``), evict down to capacity, quantize the tokens
-        leaving the residual window."""
+        leaving the residual window. ``padding`` ``[batch | 1, kept]`` marks keys no query may see (left
+        padding), or is ``None`` when there is none."""
         self.returned_keys = None
+        if padding is not None:
+            pads = padding.sum(-1).expand(self.batch)
+            self.leading_pads = pads if bool(pads.any()) else None
         if probability_sums is not None:
             if self.scores is None:
                 self.scores = probability_sums
@@ -163,8 +168,13 @@ class CompressedLayer(CacheLayerMixin):
         length = self.kept_length()
         if self.capacity is None or length <= self.capacity:
             return
-        keep = self.policy.keep_indices(self.scores, length, self.capacity)
+        keep = self.policy.keep_indices(self.scores, length, self.capacity, self.leading_pads)
         keep = keep.to(self.device)
+        if keep.dim() == 3 and keep.shape[1] != self.kv_heads:
+            keep = keep.expand(-1, self.kv_heads, -1)
+        if self.leading_pads is not None:
+            pads = (keep[:, 0, :] < self.leading_pads[:, None]).sum(-1)
+            self.leading_pads = pads if bool(pads.any()) else None
         if self.scores is not None:
             self.scores = gather_tokens(self.scores.unsqueeze(-1), keep).squeeze(-1)
         if self.stored_length == 0:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import EvictionPolicy
 
 
@@ -15,8 +13,9 @@ class H2OPolicy(EvictionPolicy):
 
     Of the capacity ``C`` (after ``sink_tokens``), ``round(heavy_ratio * C)`` tokens go to heavy hitters
     and the rest to the recent window. Heavy hitters are the top scores among tokens outside the recent
-    window and the sinks; ties keep the older token. Scores are the summed post-softmax attention each token
-    received since it entered the cache, GQA query heads summed per KV head (DESIGN.md §2).
+    window and the sinks; ties keep the older token (:meth:`EvictionPolicy.keep_indices`). Scores are the
+    summed post-softmax attention each token received since it entered the cache, GQA query heads summed per
+    KV head (DESIGN.md §2).
     """
 
     needs_scores = True
@@ -28,16 +27,3 @@ class H2OPolicy(EvictionPolicy):
 
     def recent_window(self, capacity: int) -> int:
         return capacity - min(self.sink_tokens, capacity) - self.heavy(capacity)
-
-    def keep_indices(self, scores: torch.Tensor | None, length: int, capacity: int) -> torch.Tensor:
-        if scores is None:
-            raise RuntimeError("h2o eviction needs attention scores, none were recorded")
-        sinks, recent = min(self.sink_tokens, capacity), self.recent_window(capacity)
-        priority = scores.clone()
-        if sinks:
-            priority[..., :sinks] = float("inf")
-        if recent:
-            priority[..., length - recent :] = float("inf")
-        # A stable descending sort keeps the older token first among equal scores.
-        order = torch.sort(priority, dim=-1, descending=True, stable=True).indices[..., :capacity]
-        return order.sort(dim=-1).values
