@@ -147,6 +147,24 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         raise
 
 
+def _require_hub(name: str, timeout_s: float = 3.0) -> None:
+    """Fail fast (instead of minutes of retries) when the Hugging Face hub cannot be reached."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
+    except OSError:
+        raise ModelLoadError(
+            f"cannot load model {name!r}: it is not a local directory, not in the local Hugging Face cache, and "
+            f"the hub ({constants.ENDPOINT}) cannot be reached; download it where there is a network and pass its "
+            "directory"
+        ) from None
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None):
     """Load a causal LM and its tokenizer.
 
@@ -181,8 +199,17 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
             "or a hub id like org/name"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        try:  # a local directory, or a hub id already in the local Hugging Face cache
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
+        except OSError:
+            if Path(source).is_dir():
+                raise
+            _require_hub(name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError, KeyError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {first_line[:300]}") from None

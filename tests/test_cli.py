@@ -93,3 +93,14 @@ def test_unsupported_model_is_refused():
             make_cache(model)
     finally:
         del type(model)._supports_attention_backend
+
+
+def test_unreachable_hub_id_fails_fast_with_one_line(monkeypatch):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    start = time.perf_counter()
+    result = runner.invoke(app, ["generate", "--model", "no-such-org/no-such-model", "hello"])
+    assert result.exit_code == 2
+    assert "cannot load model 'no-such-org/no-such-model'" in result.output
+    assert time.perf_counter() - start < 30
