@@ -40,7 +40,7 @@ def run_once(model, prompt: torch.Tensor, new_tokens: int, config: CompressionCo
     length = prompt.shape[1] + new_tokens
     cache = DynamicCache(config=model.config) if config is None else make_cache(model, config, max_length=length)
     start = time.perf_counter()
-    token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+    token = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(new_tokens):

@@ -20,6 +20,7 @@ from .errors import (
 )
 from .generation import GenerationResult, generate, make_cache
 from .models import DEFAULT_MODEL, load_model, model_dims
+from .planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,11 @@ __all__ = [
     "make_cache",
     "load_model",
     "model_dims",
+    "plan",
+    "choose",
+    "choose_for_prompt",
+    "PlanReport",
+    "PlanRow",
     "DEFAULT_MODEL",
     "H2OCompressError",
     "ConfigError",

@@ -36,8 +36,8 @@ class CompressedLayer(CacheLayerMixin):
         capacity: tokens kept per sequence and KV head, ``None`` for no eviction.
         key_quantizer, value_quantizer: storage formats of keys and values.
         residual: newest tokens always kept in full precision when quantizing; the window holds between
-            ``residual`` and ``2 x residual - 1`` tokens and is quantized in blocks (capped so that the window fits
-            in the policy's recent window: residual tokens are never evicted).
+            ``residual`` and ``2 x residual - 1`` tokens and is quantized in blocks (capped at half the policy's
+            recent window, so the window is never evicted and always reaches its flush size).
         score_chunk_size: queries per chunk for prefill scoring.
     """
 
@@ -61,8 +61,8 @@ class CompressedLayer(CacheLayerMixin):
         self.quantized = key_quantizer.bits < 16 or value_quantizer.bits < 16
         if not self.quantized:
             residual = 0
-        elif capacity is not None:  # the window (< 2 x residual tokens) must fit in the never-evicted recent window
-            residual = min(residual, (policy.recent_window(capacity) + 1) // 2)
+        elif capacity is not None:  # the window must reach 2 x residual (to be quantized) inside the recent window
+            residual = min(residual, policy.recent_window(capacity) // 2)
         self.residual = residual
         self.score_chunk_size = score_chunk_size
         self.reset()

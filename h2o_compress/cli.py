@@ -71,19 +71,18 @@ COMPRESSION_FLAGS = ("policy", "budget", "heavy_ratio", "sink_tokens", "kv_bits"
                      "group_size", "residual")
 
 
-def apply_config_file(config: CompressionConfig, config_file: Optional[str]) -> tuple[CompressionConfig, dict]:
-    """Merge ``--config FILE`` (JSON/TOML) under the compression flags given on the command line.
+def apply_config_file(
+    config: CompressionConfig, config_file: Optional[str], ctx: typer.Context
+) -> tuple[CompressionConfig, dict]:
+    """Merge ``--config FILE`` (JSON/TOML) under the compression flags given on the command line (``ctx``).
 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
     file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
     """
-    import click
-
     from .config_file import load_config, read_config_values
 
-    ctx = click.get_current_context(silent=True)
-    command_line = click.core.ParameterSource.COMMANDLINE
-    given = {n for n in COMPRESSION_FLAGS if ctx is not None and ctx.get_parameter_source(n) == command_line}
+    sources = {n: ctx.get_parameter_source(n) for n in COMPRESSION_FLAGS}
+    given = {n for n, source in sources.items() if source is not None and source.name == "COMMANDLINE"}
     overrides = {k: v for k, v in config.to_dict().items() if k in given}
     if config_file is None:
         return config, overrides
@@ -110,6 +109,7 @@ ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (
 @app.command()
 @user_errors
 def generate(
+    ctx: typer.Context,
     prompt: str = typer.Argument(..., help="The prompt."),
     model: str = ModelOpt,
     policy: str = PolicyOpt,
@@ -132,6 +132,7 @@ def generate(
     config_file: Optional[str] = ConfigFileOpt,
     save_cache: Optional[str] = typer.Option(None, "--save-cache", help="Save the compressed prompt cache to this safetensors file."),
     load_cache: Optional[str] = typer.Option(None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend its prompt)."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Let the planner pick budget, bits and group size to fit in this memory (e.g. 2GiB)."),
 ):
     """Generate text with a compressed KV cache, streaming tokens as they come."""
     from .generation import generate as run_generate
@@ -141,12 +142,20 @@ def generate(
     if not prompt.strip():
         fail(f"prompt {prompt!r} is empty; allowed: a non-empty text")
     config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
-    config, overrides = apply_config_file(config, config_file)
+    config, overrides = apply_config_file(config, config_file, ctx)
     if seed is not None:
         import torch
 
         torch.manual_seed(seed)
+    if memory_limit is not None:
+        from .planner import choose_for_prompt, describe_choice, parse_memory
+
+        parse_memory(memory_limit)  # a bad limit fails before the model loads
     lm, tokenizer = load_model(model, device=device, dtype=dtype)
+    if memory_limit is not None:
+        row = choose_for_prompt(lm, tokenizer, prompt, memory_limit, max_new_tokens, chat=chat, base=config)
+        config = row.config
+        typer.echo(describe_choice(row, memory_limit), err=True)
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     extra = {}
     if save_cache is not None or load_cache is not None:
@@ -174,6 +183,49 @@ def generate(
         f"decode {result.decode_tokens_per_s:.1f} tokens/s]",
         err=True,
     )
+
+
+@app.command()
+@user_errors
+def plan(
+    model: str = typer.Option(..., "--model", help="Local model directory or known model name (e.g. llama-2-7b)."),
+    memory: str = typer.Option(..., "--memory", help="Memory limit: 24GiB, 80GB, 512MiB..."),
+    batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
+    prompt_len: int = typer.Option(2048, "--prompt-len", help="Prompt tokens per sequence."),
+    gen_len: int = typer.Option(128, "--gen-len", help="New tokens per sequence."),
+    weights_bits: int = typer.Option(16, "--weights-bits", help="Weights: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4)."),
+    dtype: str = typer.Option("float16", "--dtype", help="Compute and KV dtype: float16, bfloat16 or float32."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Profile report (JSON) giving the quality order."),
+    policies: str = typer.Option("h2o", "--policies", help="Eviction policies to consider (comma-separated)."),
+    budgets: str = typer.Option("1.0,0.5,0.25,0.1", "--budgets", help="Budgets: fractions or token counts."),
+    bits: str = typer.Option("16,8,4", "--bits", help="KV bit widths to consider."),
+    group_sizes: str = typer.Option("32,128", "--group-sizes", help="Group sizes to consider."),
+    residuals: str = typer.Option(str(CompressionConfig.residual), "--residuals", help="Residual windows to consider."),
+    quant: str = QuantOpt,
+    heavy_ratio: float = HeavyOpt,
+    sink_tokens: Optional[int] = SinkOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print the whole plan as one JSON object."),
+):
+    """Plan memory: which compression settings fit, the largest batch and context for each, and a pick."""
+    from .plan_view import print_plan
+    from .planner import parse_list
+    from .planner import plan as run_plan
+
+    report = run_plan(
+        model, memory, batch=batch, prompt_len=prompt_len, gen_len=gen_len, weights_bits=weights_bits, dtype=dtype,
+        profile=profile, policies=parse_list(policies, "policies", str), budgets=parse_list(budgets, "budgets", parse_budget),
+        bits=parse_list(bits, "bits"), group_sizes=parse_list(group_sizes, "group_sizes"),
+        residuals=parse_list(residuals, "residuals"), quant=quant, heavy_ratio=heavy_ratio, sink_tokens=sink_tokens,
+    )
+    if as_json:
+        typer.echo(json.dumps(report.to_dict()))
+    else:
+        print_plan(report)
+
+
+from .profiling.cli import register as _register_profiling  # noqa: E402  (eval + profile commands)
+
+_register_profiling(app)
 
 
 def main() -> None:

@@ -27,3 +27,7 @@ class InputError(H2OCompressError):
 
 class CacheStateError(H2OCompressError):
     """A cache is used in a way that would give wrong results (reused across models, attention bypassed...)."""
+
+
+class CacheFileError(CacheStateError):
+    """A saved cache file is missing, truncated, tampered with, or of an unknown format version."""

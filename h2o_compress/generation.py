@@ -158,7 +158,7 @@ def generate(
 
     _sync(device)
     start = time.perf_counter()
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     token = pick(logits)
     _sync(device)
     prefill_s = time.perf_counter() - start

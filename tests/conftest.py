@@ -50,3 +50,24 @@ def smollm2():
     from h2o_compress import load_model
 
     return load_model("smollm2-135m", device="cpu")
+
+
+def save_tiny_model_dir(path, **llama_kwargs) -> str:
+    """Save a tiny LLaMA (``tiny_llama(**llama_kwargs)``) and a word-level tokenizer (``w0`` ... ``w125``,
+    ``<unk>``, ``</s>``) to ``path`` as a local Hugging Face directory; returns ``str(path)``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(126)} | {"<unk>": 126, "</s>": 127}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tokenizer.save_pretrained(path)
+    tiny_llama(**llama_kwargs).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny LLaMA (head_dim 32, 2 KV heads, 2 layers) + word-level tokenizer as a local model directory."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-dir"))

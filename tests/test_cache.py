@@ -201,3 +201,13 @@ def test_works_inside_model_generate_with_beam_search():
     evicting = make_cache(model, CompressionConfig(budget=0.5), max_length=20)
     out = model.generate(prompt, max_new_tokens=8, do_sample=False, past_key_values=evicting)
     assert out.shape == (1, 20) and evicting.kept_length() == math.ceil(0.5 * 20)
+
+
+def test_window_is_quantized_even_when_recent_window_is_the_whole_odd_capacity():
+    """local policy, capacity 7, residual 4: the window must still reach its flush size and be quantized."""
+    layer = CompressedLayer(0, LocalPolicy(), 7, IntQuantizer(4, 32, 32), IntQuantizer(4, 32, 32), residual=4)
+    assert layer.residual == 3
+    for _ in range(30):
+        layer.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32))
+        layer.after_attention(None)
+    assert layer.kept_length() == 7 and 3 <= layer.residual_length < 6 and layer.stored_length >= 2

@@ -1,0 +1,161 @@
+"""Model descriptions for the memory planner, without loading weights.
+
+A model is named by a local directory holding ``config.json``, by the name of a well-known model whose
+architecture ships with the package (``data/known_models.json``: OPT, LLaMA, Llama-2, Llama-3, Mistral,
+GPT-NeoX, Pythia, SmolLM2), by a transformers config, or by a loaded model. Parameter counts come from
+building the model on PyTorch's ``meta`` device (no memory, exact for every architecture transformers knows).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+from .models import ModelDims, model_dims
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to know of a model.
+
+    Attributes:
+        name: the name it was asked for.
+        dims: KV geometry (layers, query heads, KV heads, head_dim).
+        hidden_size, intermediate_size, vocab_size: activation widths (elements).
+        max_context: the model's context window in tokens (``max_position_embeddings``), ``None`` if unknown.
+        num_parameters: all parameters, tied weights counted once.
+        linear_parameters: parameters of the ``nn.Linear`` layers except the output head (what 8/4-bit weight
+            quantization such as bitsandbytes' ``load_in_8bit``/``load_in_4bit`` converts).
+        linear_rows: output features summed over those layers (one 8-bit scale each).
+        loaded_bytes: exact bytes of a loaded model's parameters and buffers (``None`` when not loaded).
+        dtype: the loaded model's dtype (``None`` when not loaded).
+    """
+
+    name: str
+    dims: ModelDims
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int | None
+    num_parameters: int
+    linear_parameters: int
+    linear_rows: int
+    loaded_bytes: int | None = None
+    dtype: torch.dtype | None = None
+
+
+def _key(name: str) -> str:
+    """Lookup key: lower case, no org prefix, no ``-hf`` suffix or ``meta-`` prefix, no ``-``/``_``/spaces."""
+    name = name.strip().lower().rsplit("/", 1)[-1]
+    name = name.removesuffix("-hf").removeprefix("meta-")
+    return re.sub(r"[-_ ]", "", name)
+
+
+@functools.lru_cache(maxsize=1)
+def known_models() -> dict[str, dict]:
+    """The shipped table: canonical name -> ``{"hf_id", "aliases", "config"}`` (config.json fields)."""
+    text = resources.files("h2o_compress").joinpath("data/known_models.json").read_text(encoding="utf-8")
+    return json.loads(text)["models"]
+
+
+@functools.lru_cache(maxsize=1)
+def _index() -> dict[str, str]:
+    index = {}
+    for name, entry in known_models().items():
+        for alias in (name, entry["hf_id"], *entry["aliases"]):
+            index[_key(alias)] = name
+    return index
+
+
+def known_config(name: str):
+    """The transformers config of a known model, or ``None`` if ``name`` is not one."""
+    from transformers import AutoConfig
+
+    canonical = _index().get(_key(name))
+    if canonical is None:
+        return None
+    fields = dict(known_models()[canonical]["config"])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _count(model) -> tuple[int, int, int]:
+    """(all parameters, Linear parameters except the output head, their output rows)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = rows = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            linear += module.weight.numel()
+            rows += module.out_features
+    return sum(p.numel() for p in model.parameters()), linear, rows
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    fields = json.loads(config_json)
+    fields.pop("model_type", None)
+    config = AutoConfig.for_model(model_type, **fields)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot build a {model_type!r} causal LM from its config: {str(exc)[:200]}") from None
+    finally:
+        logging.set_verbosity(verbosity)
+    return _count(model)
+
+
+def _spec(name: str, config, counts: tuple[int, int, int], loaded_bytes=None, dtype=None) -> ModelSpec:
+    text = getattr(config, "get_text_config", lambda: config)()
+    hidden = text.hidden_size
+    inner = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None) or 4 * hidden
+    return ModelSpec(
+        name=name, dims=model_dims(config), hidden_size=hidden, intermediate_size=inner,
+        vocab_size=text.vocab_size, max_context=getattr(text, "max_position_embeddings", None),
+        num_parameters=counts[0], linear_parameters=counts[1], linear_rows=counts[2],
+        loaded_bytes=loaded_bytes, dtype=dtype,
+    )
+
+
+def resolve_model(model) -> ModelSpec:
+    """Describe ``model``: a name (local directory or known model), a transformers config or a loaded model.
+
+    Raises:
+        ModelLoadError: an unknown name (the message lists the known ones), an unreadable ``config.json``, or
+            a config transformers cannot build a causal LM from.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        name = getattr(model, "name_or_path_for_cache", None) or getattr(model.config, "_name_or_path", "") or "model"
+        footprint = model.get_memory_footprint() if hasattr(model, "get_memory_footprint") else None
+        dtype = next(model.parameters()).dtype
+        return _spec(name, model.config, _count(model), loaded_bytes=footprint, dtype=dtype)
+    if isinstance(model, PretrainedConfig):
+        return _spec(model.model_type, model, _meta_counts(model.to_json_string(), model.model_type))
+    if not isinstance(model, str) or not model.strip():
+        raise ModelLoadError(f"model {model!r} is not a name, a transformers config or a loaded model")
+    if Path(model).is_dir():
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot read the config of {model!r}: {str(exc).splitlines()[0][:200]}") from None
+        return _spec(model, config, _meta_counts(config.to_json_string(), config.model_type))
+    config = known_config(model)
+    if config is None:
+        raise ModelLoadError(
+            f"unknown model {model!r}: not a local model directory and not a known model; known: "
+            f"{', '.join(known_models())}"
+        )
+    return _spec(model, config, _meta_counts(config.to_json_string(), config.model_type))

@@ -1,0 +1,69 @@
+"""Rich rendering of a :class:`~h2o_compress.planner.PlanReport` (the ``h2o-compress plan`` table)."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from .planner import PlanReport, format_bytes
+
+
+def plan_table(report: PlanReport) -> Table:
+    """One row per candidate: capacity, KV cache bytes (and share of fp16), workspace, total, fit, max batch
+    and max context; the recommended row in bold green."""
+    d = report.dims
+    table = Table(box=box.SIMPLE_HEAD, title=(
+        f"{report.model}: {d.num_layers} layers x {d.kv_heads} KV heads x {d.head_dim} head_dim | "
+        f"batch {report.batch}, prompt {report.prompt_len} + gen {report.gen_len} tokens | "
+        f"limit {format_bytes(report.memory_limit)}"
+    ))
+    for name in ("setting", "capacity", "KV cache", "of fp16", "workspace", "total", "fits", "max batch",
+                 "max context"):
+        if name == "setting":
+            table.add_column(name, no_wrap=True, min_width=max(len(row.label) for row in report.rows))
+        else:
+            table.add_column(name, justify="right")
+    if report.order != "bytes":
+        table.add_column("quality", justify="right")
+    for row in report.rows:
+        share = row.cache.total / report.fp16_cache_bytes if report.fp16_cache_bytes else 0.0
+        beyond = report.model_context and row.max_context > report.model_context
+        cells = [
+            row.label, "all" if row.cache.capacity is None else str(row.cache.capacity),
+            format_bytes(row.cache.total), f"{share:.1%}", format_bytes(row.workspace_bytes),
+            format_bytes(row.total_bytes), "yes" if row.fits else "no", f"{row.max_batch:,}",
+            f"{row.max_context:,}" + ("*" if beyond else ""),
+        ]
+        if report.order != "bytes":
+            cells.append("-" if row.quality is None else f"{abs(row.quality):.4g}")
+        style = "bold green" if row is report.recommended else (None if row.fits else "dim")
+        table.add_row(*cells, style=style)
+    return table
+
+
+def print_plan(report: PlanReport, console: Console | None = None) -> None:
+    """Print the header figures, the table, the recommendation and the footnotes."""
+    if console is None:  # never squeeze numbers: rich assumes 80 columns when piped
+        console = Console()
+        console = Console(width=max(console.width, 132))
+    per_token = report.dims.fp16_bytes_per_token
+    console.print(
+        f"weights {format_bytes(report.weight_bytes)} ({report.weights_bits}-bit, compute {report.dtype}); "
+        f"uncompressed fp16 KV cache {format_bytes(per_token)}/token, {format_bytes(report.fp16_cache_bytes)} here"
+    )
+    console.print(plan_table(report))
+    best = report.recommended
+    if best is None:
+        smallest = min(report.rows, key=lambda r: r.total_bytes)
+        console.print(f"[bold red]nothing fits[/]: the smallest, {smallest.label}, needs "
+                      f"{format_bytes(smallest.total_bytes)}")
+    else:
+        how = "least compressed that fits" if report.order == "bytes" else f"best quality in {report.order} that fits"
+        console.print(f"[bold]recommended[/]: {best.label} ({how}): total {format_bytes(best.total_bytes)} of "
+                      f"{format_bytes(report.memory_limit)}")
+    if report.model_context and any(row.max_context > report.model_context for row in report.rows):
+        console.print(f"* beyond the model's context window of {report.model_context:,} tokens")
+    console.print("KV cache bytes are exact; workspace is an estimate (no CUDA context, no fragmentation).")
+    for note in report.notes:
+        console.print(f"note: {note}")

@@ -1,0 +1,582 @@
+"""Memory-budget planner: a memory limit -> a compression setting, and a setting -> bytes.
+
+Cache bytes are exact: they come from the same layer and quantizer objects the cache is built from
+(:func:`h2o_compress.cache.build_layers`), at the end state of a :func:`h2o_compress.generate` run
+(DESIGN.md §2, Memory accounting). Weight bytes are exact for 16-bit weights and follow bitsandbytes' formats
+for 8/4-bit ones; the activation/workspace figure is an estimate of the largest forward pass (see
+:func:`workspace_bytes`). Known models plan offline (:mod:`h2o_compress.known_models`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .cache import build_layers
+from .config import ALLOWED_GROUP_SIZES, CompressionConfig
+from .errors import ConfigError
+from .eviction import POLICIES
+from .known_models import ModelSpec, resolve_model
+from .models import ModelDims, resolve_dtype
+
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEFAULT_BUDGETS = (1.0, 0.5, 0.25, 0.1)
+WEIGHT_BITS = (16, 8, 4)
+NF4_BLOCK = 64  # bitsandbytes' default 4-bit block: one fp32 absmax per 64 weights (no double quantization)
+MAX_BATCH = 2**20
+MAX_CONTEXT = 2**24
+# Quality metrics a profile report may carry: lower is better for the first group, higher for the second.
+LOWER_BETTER = ("ppl_ratio", "perplexity_ratio", "ppl", "perplexity")
+HIGHER_BETTER = ("agreement", "greedy_agreement", "accuracy", "passkey_accuracy", "retrieval")
+
+
+def parse_memory(value) -> int:
+    """``"24GiB"``, ``"2GB"``, ``"512MiB"``, ``"1.5 GiB"`` or an int -> bytes (GB = 10**9, GiB = 2**30).
+
+    Raises:
+        ConfigError: not a positive amount with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+    """
+    allowed = "a positive amount like 24GiB, 2GB or 512MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", value) if isinstance(value, str) else None
+    amount = int(float(match.group(1)) * UNITS.get(match.group(2).lower(), 0)) if match else 0
+    if amount < 1:
+        raise ConfigError(f"memory {value!r} is invalid; allowed: {allowed}")
+    return amount
+
+
+def parse_list(text: str, name: str, convert=int) -> tuple:
+    """``"16,8,4"`` -> ``(16, 8, 4)`` with ``convert`` applied to each item.
+
+    Raises:
+        ConfigError: an empty list or an item ``convert`` rejects (``ValueError``/``ConfigError``).
+    """
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"{name}={text!r} is empty; allowed: a comma-separated list")
+    try:
+        return tuple(convert(item) for item in items)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{name}={text!r} is invalid ({exc}); allowed: a comma-separated list") from None
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units, e.g. ``12.55 GiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What a :class:`~h2o_compress.CompressedCache` holds, over all layers (bytes) and per layer/head (tokens).
+
+    Attributes:
+        capacity: tokens kept per layer and KV head (``None``: unbounded).
+        kept: tokens held per layer and KV head; ``stored`` of them quantized, ``residual`` in full precision.
+        packed: bytes of quantized (or 16-bit stored) keys and values.
+        scales: bytes of scales, zero points and absmax values.
+        window: bytes of the full-precision residual window (or of every token when nothing is quantized).
+        scores: bytes of the fp32 H2O score accumulators.
+    """
+
+    capacity: int | None
+    kept: int
+    stored: int
+    residual: int
+    packed: int
+    scales: int
+    window: int
+    scores: int
+
+    @property
+    def total(self) -> int:
+        """Everything ``cache.nbytes()`` counts (bytes)."""
+        return self.packed + self.scales + self.window + self.scores
+
+
+def _probe(quantizer, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(data bytes, scale bytes) the quantizer stores for one token of one KV head."""
+    stored = quantizer.quantize(torch.zeros(1, 1, 1, head_dim, dtype=dtype))
+    sizes = {name: t.numel() * t.element_size() for name, t in stored.parts.items()}
+    data = sizes.pop("data", 0) + sizes.pop("x", 0)
+    return data, sum(sizes.values())
+
+
+def window_tokens(prompt_len: int, decode_steps: int, capacity: int | None, residual: int, quantized: bool) -> int:
+    """Tokens in the full-precision window at the end of a run (per layer and KV head).
+
+    Mirrors :meth:`CompressedLayer.after_attention` step by step on token counts: append, evict first while
+    nothing is stored yet, quantize the oldest tokens once the window reaches ``2 x residual`` (keeping the newest
+    ``residual``), evict stored tokens down to the capacity. A 16-bit cache keeps every token in the window.
+    After the first quantization the window cycles through ``residual .. 2 x residual - 1``, so long decodes are
+    computed in closed form. ``tests/test_planner.py`` checks this against real caches.
+
+    Args:
+        prompt_len: tokens of the first (prefill) step.
+        decode_steps: one-token steps after it.
+        capacity: tokens kept per layer and KV head (``None``: unbounded).
+        residual: the layer's effective residual (``CompressedLayer.residual``).
+        quantized: whether keys or values are stored below 16 bits.
+    """
+    cap = math.inf if capacity is None else capacity
+    if not quantized:
+        return int(min(cap, prompt_len + decode_steps))
+    stored = window = 0
+
+    def step(new: int) -> None:
+        nonlocal stored, window
+        window += new
+        if stored == 0 and window > cap:
+            window = cap
+        if window > residual and (residual == 0 or window >= 2 * residual):
+            stored, window = stored + window - residual, residual
+        stored = min(stored, cap - window)
+
+    step(prompt_len)
+    while decode_steps and stored == 0:
+        before = window
+        step(1)
+        decode_steps -= 1
+        if stored == 0 and window == before:  # the window is the whole capacity and never quantizes
+            return int(window)
+    if decode_steps == 0 or residual == 0:
+        return int(window) if decode_steps == 0 else 0
+    t = window + decode_steps
+    return int(t if t < 2 * residual else residual + (t - 2 * residual) % residual)
+
+
+def cache_bytes(
+    dims: ModelDims, config: CompressionConfig, batch: int, prompt_len: int, decode_steps: int = 0,
+    max_length: int | None = None, kv_dtype: torch.dtype = torch.float16,
+) -> CacheBytes:
+    """Exact ``cache.nbytes()`` after a ``prompt_len``-token prefill and ``decode_steps`` one-token steps.
+
+    ``generate`` with ``n`` new tokens makes ``n - 1`` decode steps (the last token is never fed) and builds the
+    cache for ``max_length = prompt + max_new_tokens``. Built from the real layer objects: capacity
+    ``config.capacity(max_length)``, kept ``min(capacity, tokens fed)``, the layer's own residual cap and
+    residual dtype (fp16 for fp32 models when quantized, else ``kv_dtype``), bytes per token probed from the same
+    quantizers, fp32 scores only for policies that read them; the window length from :func:`window_tokens`.
+
+    Args:
+        dims: KV geometry of the model.
+        config: the compression setting.
+        batch: sequences.
+        prompt_len, decode_steps: tokens of the prefill step, number of one-token steps after it.
+        max_length: tokens the cache was built for (needed for a fractional budget).
+        kv_dtype: dtype of the keys/values the model produces (its compute dtype).
+
+    Raises:
+        ConfigError: a fractional budget without ``max_length``, or a group size not dividing ``head_dim``.
+    """
+    capacity = config.capacity(max_length)
+    layer = build_layers(config, 1, dims.head_dim, capacity)[0]
+    empty = torch.zeros(1, 1, 0, dims.head_dim, dtype=kv_dtype)
+    layer.lazy_initialization(empty, empty)
+    seen = prompt_len + decode_steps
+    kept = seen if capacity is None else min(capacity, seen)
+    residual = window_tokens(prompt_len, decode_steps, capacity, layer.residual, layer.quantized)
+    stored = kept - residual
+    key_data, key_scales = _probe(layer.key_quantizer, dims.head_dim, layer.residual_dtype)
+    value_data, value_scales = _probe(layer.value_quantizer, dims.head_dim, layer.residual_dtype)
+    heads = dims.num_layers * batch * dims.kv_heads
+    return CacheBytes(
+        capacity=capacity, kept=kept, stored=stored, residual=residual,
+        packed=heads * stored * (key_data + value_data),
+        scales=heads * stored * (key_scales + value_scales),
+        window=heads * residual * 2 * dims.head_dim * _element_size(layer.residual_dtype),
+        scores=heads * kept * 4 if layer.policy.needs_scores else 0,
+    )
+
+
+def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights: exact for a loaded model and for unquantized (``weights_bits=16``) ones.
+
+    8 bits: LLM.int8 (bitsandbytes ``load_in_8bit``): one byte per Linear weight + one fp32 scale per output
+    row. 4 bits: NF4/FP4 (``load_in_4bit``): half a byte per Linear weight + one fp32 absmax per 64 weights.
+    The output head, embeddings, norms and biases stay in ``dtype``.
+
+    Raises:
+        ConfigError: ``weights_bits`` not 16, 8 or 4.
+    """
+    if weights_bits not in WEIGHT_BITS or isinstance(weights_bits, bool):
+        raise ConfigError(f"weights_bits={weights_bits!r} is not supported; allowed: 16, 8, 4")
+    if spec.loaded_bytes is not None:
+        return spec.loaded_bytes
+    size = _element_size(dtype)
+    if weights_bits == 16:
+        return spec.num_parameters * size
+    rest = (spec.num_parameters - spec.linear_parameters) * size
+    if weights_bits == 8:
+        return rest + spec.linear_parameters + 4 * spec.linear_rows
+    return rest + math.ceil(spec.linear_parameters / 2) + 4 * math.ceil(spec.linear_parameters / NF4_BLOCK)
+
+
+def _forward_peak(spec: ModelSpec, config: CompressionConfig, batch: int, queries: int, keys: int, size: int) -> int:
+    """Estimated live bytes of one forward pass of ``queries`` new tokens against ``keys`` keys per layer."""
+    d, tokens = spec.dims, batch * queries
+    residual_stream = 4 * tokens * spec.hidden_size * size  # hidden states, normed input, attention/MLP outputs
+    qkv = tokens * (d.num_heads + 2 * d.kv_heads) * d.head_dim * size
+    # one layer's keys/values as the cache returns them, plus their copies repeated to the query heads (GQA)
+    kv = 2 * batch * keys * d.head_dim * (d.kv_heads + (d.num_heads if d.num_heads != d.kv_heads else 0)) * size
+    dequant = 2 * batch * keys * d.kv_heads * d.head_dim * 4 if config.quantized else 0  # fp32 (de)quantize temporaries
+    scoring = 0
+    if POLICIES[config.policy].needs_scores:  # two fp32 [chunk x keys] tensors per query head, fp32 keys
+        chunk = min(config.score_chunk_size, queries)
+        scoring = batch * keys * 4 * (2 * d.num_heads * chunk + d.kv_heads * d.head_dim)
+    mlp = 3 * tokens * spec.intermediate_size * size
+    logits = tokens * spec.vocab_size * size  # generate() computes logits for every prompt position
+    return residual_stream + max(qkv + kv + dequant + scoring, mlp, logits)
+
+
+def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, kept: int,
+                    dtype: torch.dtype) -> int:
+    """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
+    decode step (1 query against ``kept + 1`` keys).
+
+    Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
+    temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
+    memory-efficient attention (no ``queries x keys`` matrix, no padding mask); excludes the CUDA context and
+    allocator fragmentation (leave ~0.5-1 GiB for them).
+    """
+    size = _element_size(dtype)
+    return max(
+        _forward_peak(spec, config, batch, prompt_len, prompt_len, size),
+        _forward_peak(spec, config, batch, 1, kept + 1, size),
+    )
+
+
+@dataclass
+class PlanRow:
+    """One candidate setting evaluated at the requested batch and lengths (bytes; tokens for lengths).
+
+    ``max_batch`` is the largest batch that fits at the requested lengths, ``max_context`` the longest
+    prompt + generation (generation length fixed) that fits at the requested batch, both 0 when none does.
+    ``quality`` is the profile report's metric, lower is better (``None`` without a report entry).
+    """
+
+    config: CompressionConfig
+    cache: CacheBytes
+    weight_bytes: int
+    workspace_bytes: int
+    total_bytes: int
+    fits: bool
+    max_batch: int
+    max_context: int
+    quality: float | None = None
+
+    @property
+    def label(self) -> str:
+        """Short description, e.g. ``h2o 25% int4 g32 r8``."""
+        return describe(self.config)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["config"] = self.config.to_dict()
+        out["cache"]["total"] = self.cache.total
+        out["label"] = self.label
+        return out
+
+
+@dataclass
+class PlanReport:
+    """The planner's answer: every candidate evaluated, and the recommended one (``None`` if nothing fits).
+
+    ``order`` says how the recommendation was ranked: ``bytes`` (least compressed first) or the profile
+    report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache at the same tokens (DESIGN.md §2).
+    """
+
+    model: str
+    dims: ModelDims
+    memory_limit: int
+    batch: int
+    prompt_len: int
+    gen_len: int
+    weights_bits: int
+    dtype: str
+    weight_bytes: int
+    fp16_cache_bytes: int
+    model_context: int | None
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    order: str = "bytes"
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("rows", "recommended")}
+        out["rows"] = [row.to_dict() for row in self.rows]
+        out["recommended"] = self.recommended.to_dict() if self.recommended else None
+        return out
+
+
+def describe(config: CompressionConfig) -> str:
+    """``full 16-bit``, ``h2o 25% int4 g32 r4``, ``sink 512 tok k:int8/v:int4 g64 r4``, ``local 50% nf4 g64 r4``.
+
+    Formats per tensor: ``int4``/``int8`` (ours), ``nf4``/``fp4`` and ``bw8`` (bitsandbytes blockwise 8-bit), ``16``.
+    """
+    if config.policy == "full" or (config.budget_is_fraction and config.budget >= 1):
+        head = "full"
+    elif config.budget_is_fraction:
+        head = f"{config.policy} {config.budget * 100:g}%"
+    else:
+        head = f"{config.policy} {int(config.budget)} tok"
+    if not config.quantized:
+        return f"{head} 16-bit"
+
+    def fmt(bits: int) -> str:
+        if bits == 16 or config.quant == "int":
+            return f"{'' if bits == 16 else 'int'}{bits}"
+        return config.quant if bits == 4 else "bw8"
+
+    kind = fmt(config.key_bits) if config.key_bits == config.value_bits else \
+        f"k:{fmt(config.key_bits)}/v:{fmt(config.value_bits)}"
+    return f"{head} {kind} g{config.group_size} r{config.residual}"
+
+
+def candidates(
+    head_dim: int, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4), group_sizes=(32, 128),
+    residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
+    sink_tokens: int | None = None,
+) -> list[CompressionConfig]:
+    """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated.
+
+    A budget of 1.0 (or policy ``full``) becomes the ``full`` policy (no eviction, no scores); 16 bits ignores
+    group size and residual; group sizes that do not divide ``head_dim`` are skipped.
+
+    Raises:
+        ConfigError: an invalid value in any list (from :class:`CompressionConfig`).
+    """
+    seen, out = set(), []
+    for policy in policies:
+        for budget in budgets:
+            full = policy == "full" or (isinstance(budget, float) and budget >= 1)
+            for b in bits:
+                groups = (ALLOWED_GROUP_SIZES[0],) if b == 16 else [g for g in group_sizes if head_dim % g == 0]
+                for group in groups:
+                    for residual in (residuals[:1] if b == 16 else residuals):
+                        config = CompressionConfig(
+                            policy="full" if full else policy, budget=1.0 if full else budget,
+                            heavy_ratio=heavy_ratio, sink_tokens=sink_tokens, kv_bits=b, quant=quant,
+                            group_size=group, residual=residual,
+                        )
+                        key = _setting_key(config)
+                        if key not in seen:
+                            seen.add(key)
+                            out.append(config)
+    return out
+
+
+def _setting_key(config: CompressionConfig) -> tuple:
+    full = config.policy == "full" or (config.budget_is_fraction and config.budget >= 1)
+    quantized = config.quantized
+    return (
+        "full" if full else config.policy, 1.0 if full else round(float(config.budget), 6),
+        config.key_bits, config.value_bits, config.quant if quantized else None,
+        config.group_size if quantized else None, config.residual if quantized else None,
+        None if full else (config.heavy_ratio, config.sinks),
+    )
+
+
+def load_quality(path) -> dict[tuple, float]:
+    """Quality per setting from a profile report (JSON), lower is better.
+
+    Accepts a list of rows, or an object holding one under ``rows``/``results``/``runs``/``settings``. Each row
+    gives the setting (under ``config`` or at top level, :class:`CompressionConfig` field names) and one metric,
+    at top level or under ``metrics``: ``ppl_ratio``/``perplexity_ratio``/``ppl``/``perplexity`` (lower is
+    better) or ``agreement``/``greedy_agreement``/``accuracy``/``passkey_accuracy``/``retrieval`` (higher is
+    better; stored negated).
+
+    Raises:
+        ConfigError: unreadable file, or no row with a setting and a metric.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"profile report {str(path)!r} cannot be read as JSON: {exc}") from None
+    if isinstance(data, dict):
+        data = next((data[k] for k in ("rows", "results", "runs", "settings") if isinstance(data.get(k), list)), [])
+    fields = set(CompressionConfig.__dataclass_fields__)
+    quality = {}
+    for row in data if isinstance(data, list) else []:
+        if not isinstance(row, dict):
+            continue
+        setting = row.get("config") if isinstance(row.get("config"), dict) else row
+        metrics = {**row, **row["metrics"]} if isinstance(row.get("metrics"), dict) else row
+        metric = next(((k, metrics[k]) for k in LOWER_BETTER + HIGHER_BETTER
+                       if isinstance(metrics.get(k), (int, float))), None)
+        try:
+            config = CompressionConfig(**{k: v for k, v in setting.items() if k in fields})
+        except (ConfigError, TypeError):
+            continue
+        if metric is not None:
+            quality[_setting_key(config)] = -metric[1] if metric[0] in HIGHER_BETTER else float(metric[1])
+    if not quality:
+        raise ConfigError(
+            f"profile report {str(path)!r} has no row with a setting and a quality metric; allowed metrics: "
+            f"{', '.join(LOWER_BETTER + HIGHER_BETTER)}"
+        )
+    return quality
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """Largest n in [low, high] with ``fits(n)`` (monotone: true then false), ``low - 1`` if none."""
+    if not fits(low):
+        return low - 1
+    good, step = low, 1
+    while good + step <= high and fits(good + step):  # grow geometrically, then bisect
+        good, step = good + step, step * 2
+    bad = min(good + step, high + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+    return value
+
+
+def plan(
+    model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, weights_bits: int = 16,
+    dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
+    group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
+    sink_tokens: int | None = None,
+) -> PlanReport:
+    """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
+
+    For each candidate (:func:`candidates`): exact cache bytes after ``generate`` with a ``prompt_len``-token
+    prompt and ``gen_len`` new tokens at ``batch`` (seen = prompt + gen - 1, capacity from prompt + gen),
+    weight bytes, an activation/workspace estimate, whether the sum fits, the largest batch and the longest
+    context that fit. The recommendation is the fitting setting of best quality in the ``profile`` report, else
+    the least compressed (most cache bytes) that fits.
+
+    Args:
+        model: a local model directory, a known model name, a transformers config or a loaded model (then its
+            exact weight bytes and dtype are used, and ``weights_bits``/``dtype`` are ignored).
+        memory: the limit, bytes or a string like ``"24GiB"``.
+        batch, prompt_len, gen_len: sequences, prompt tokens, new tokens.
+        weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
+        dtype: compute and KV dtype name (default ``float16``).
+        profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
+        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens: the candidate grid.
+
+    Returns:
+        A :class:`PlanReport`, rows ordered by quality (with a profile) or by cache bytes, largest first.
+
+    Raises:
+        ModelLoadError: unknown model (the message lists the known ones).
+        ConfigError: a bad memory string, length, batch, bit width, dtype or candidate value.
+    """
+    limit = parse_memory(memory)
+    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("gen_len", gen_len)):
+        _positive(name, value)
+    spec = resolve_model(model)
+    kv_dtype = spec.dtype or resolve_dtype(dtype or "float16", torch.device("cpu"))
+    if spec.dtype is not None and spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ConfigError(f"loaded model dtype {spec.dtype} is not supported; allowed: float16, bfloat16, float32")
+    weights = weight_bytes(spec, weights_bits, kv_dtype)
+    quality = load_quality(profile) if profile is not None else {}
+    grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
+                      sink_tokens)
+    if not grid:
+        raise ConfigError(
+            f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "
+            "and 16 bits was not among the bit widths"
+        )
+
+    def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
+        cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype)
+        return cache, work, weights + cache.total + work
+
+    rows = []
+    for config in grid:
+        cache, work, need = total(config, batch, prompt_len)
+        longest_prompt = _largest(lambda p: total(config, batch, p)[2] <= limit, 1, MAX_CONTEXT)
+        rows.append(PlanRow(
+            config=config, cache=cache, weight_bytes=weights, workspace_bytes=work, total_bytes=need,
+            fits=need <= limit, max_batch=_largest(lambda b: total(config, b, prompt_len)[2] <= limit, 1, MAX_BATCH),
+            max_context=longest_prompt + gen_len if longest_prompt else 0, quality=quality.get(_setting_key(config)),
+        ))
+    rows.sort(key=lambda r: (r.quality is None, r.quality or 0.0, -r.cache.total))
+    notes = []
+    if spec.max_context and prompt_len + gen_len > spec.max_context:
+        notes.append(f"prompt + gen = {prompt_len + gen_len} tokens exceeds the model's context of {spec.max_context}")
+    if any(b < 16 for b in bits) and all(spec.dims.head_dim % g for g in group_sizes):
+        notes.append(f"no group size in {list(group_sizes)} divides head_dim={spec.dims.head_dim}: 16-bit settings only")
+    fp16 = spec.dims.fp16_bytes_per_token * batch * (prompt_len + gen_len - 1)
+    return PlanReport(
+        model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+        weights_bits=weights_bits if spec.loaded_bytes is None else 8 * _element_size(kv_dtype),
+        dtype=str(kv_dtype).removeprefix("torch."),
+        weight_bytes=weights, fp16_cache_bytes=fp16, model_context=spec.max_context, rows=rows,
+        recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,
+    )
+
+
+def choose(model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, **options) -> PlanRow:
+    """The setting :func:`plan` recommends (same arguments), or an error saying the smallest memory that fits.
+
+    Raises:
+        ConfigError: nothing fits; the message names the smallest memory any candidate needs and that setting.
+    """
+    report = plan(model, memory, batch, prompt_len, gen_len, **options)
+    if report.recommended is not None:
+        return report.recommended
+    smallest = min(report.rows, key=lambda r: r.total_bytes)
+    raise ConfigError(
+        f"no setting fits in {format_bytes(report.memory_limit)} for batch {batch}, {prompt_len} + {gen_len} tokens: "
+        f"the smallest, {smallest.label}, needs {format_bytes(smallest.total_bytes)} ({smallest.total_bytes} bytes: "
+        f"weights {format_bytes(smallest.weight_bytes)}, KV cache {format_bytes(smallest.cache.total)}, workspace "
+        f"{format_bytes(smallest.workspace_bytes)})"
+    )
+
+
+def describe_choice(row: PlanRow, memory) -> str:
+    """One line saying what the planner picked for ``memory`` and what it costs (``generate --memory-limit``)."""
+    return (
+        f"memory limit {format_bytes(parse_memory(memory))}: picked {row.label} (weights "
+        f"{format_bytes(row.weight_bytes)} + KV cache {format_bytes(row.cache.total)} + workspace "
+        f"{format_bytes(row.workspace_bytes)} = {format_bytes(row.total_bytes)})"
+    )
+
+
+def choose_for_prompt(
+    model, tokenizer, prompt: str, memory, max_new_tokens: int = 128, chat: bool = True,
+    base: CompressionConfig | None = None, **options,
+) -> PlanRow:
+    """The setting for one :func:`h2o_compress.generate` call within ``memory`` (the ``--memory-limit`` path).
+
+    Tokenizes ``prompt`` as ``generate`` does, then :func:`choose` at batch 1 for the loaded ``model`` (its exact
+    weight bytes and dtype). ``base`` gives the policy, heavy ratio, sinks, quant format and residual; the
+    planner picks budget, bits and group size. Use as ``generate(model, tok, prompt, row.config, ...)``.
+
+    Raises:
+        InputError: empty prompt.
+        ConfigError: nothing fits (the message names the smallest memory that would).
+    """
+    from .generation import encode_prompt
+
+    base = base or CompressionConfig()
+    prompt_len = encode_prompt(tokenizer, prompt, chat).shape[1]
+    options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),
+               "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, **options}
+    row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
+    row.config = replace(row.config, rotate=base.rotate, score_chunk_size=base.score_chunk_size)
+    return row

@@ -1,0 +1,398 @@
+"""Memory planner: predicted cache bytes equal measured ``cache.nbytes()``; known-model figures by hand; CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_neox, tiny_opt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from h2o_compress import CompressionConfig, ConfigError, ModelLoadError, generate, make_cache
+from h2o_compress.cli import app
+from h2o_compress.known_models import _key, known_models, resolve_model
+from h2o_compress.models import model_dims
+from h2o_compress.planner import (
+    cache_bytes, candidates, choose, choose_for_prompt, parse_memory, plan, weight_bytes,
+)
+
+GiB, KiB = 2**30, 2**10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run ~100x faster on one thread than on two oversubscribed shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@torch.inference_mode()
+def run_cache(model, config, batch, prompt_len, new_tokens, seed=0):
+    """The cache after what ``generate`` does with ``new_tokens`` new tokens: a prefill of ``prompt_len`` random
+    tokens, then ``new_tokens - 1`` one-token greedy steps (the last new token is never fed)."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    cache = make_cache(model, config, max_length=prompt_len + new_tokens)
+    token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    for _ in range(new_tokens - 1):
+        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert cache.get_seq_length() == prompt_len + new_tokens - 1
+    return cache
+
+
+def predicted(model, config, batch, prompt_len, new_tokens, max_new_tokens=None):
+    dtype = next(model.parameters()).dtype
+    return cache_bytes(model_dims(model.config), config, batch, prompt_len, new_tokens - 1,
+                       prompt_len + (max_new_tokens or new_tokens), dtype)
+
+
+# -- measured == predicted on tiny random models ------------------------------------------------------------------
+
+LLAMA128 = {}
+
+
+def llama128():
+    """Tiny LLaMA with head_dim 128 (every group size divides it), GQA 4 query / 2 KV heads."""
+    if not LLAMA128:
+        LLAMA128["model"] = tiny_llama(head_dim=128)
+    return LLAMA128["model"]
+
+
+CASES = [  # policy, budget, k_bits, v_bits, group, residual, batch, prompt, new
+    ("full", 1.0, 16, 16, 32, 4, 1, 20, 6),
+    ("h2o", 1.0, 16, 16, 32, 4, 2, 20, 6),  # no eviction but scores are held
+    ("h2o", 0.5, 16, 16, 32, 4, 2, 30, 10),
+    ("h2o", 0.3, 4, 4, 32, 4, 1, 30, 12),
+    ("h2o", 0.3, 4, 4, 128, 8, 3, 33, 17),
+    ("h2o", 12, 8, 8, 64, 2, 2, 25, 20),
+    ("h2o", 0.5, 8, 4, 64, 4, 2, 21, 9),
+    ("h2o", 0.5, 16, 4, 32, 4, 1, 21, 9),  # 16-bit keys stored in the residual dtype
+    ("local", 7, 4, 4, 32, 4, 1, 9, 15),  # window = whole capacity, never quantized
+    ("local", 0.25, 4, 4, 32, 0, 2, 40, 8),  # residual 0: everything quantized
+    ("sink", 16, 4, 4, 64, 4, 2, 12, 25),
+    ("sink", 0.5, 8, 8, 32, 16, 1, 10, 30),  # prompt shorter than the window
+    ("full", 1.0, 4, 4, 128, 8, 2, 3, 40),
+    ("full", 1.0, 8, 8, 32, 8, 1, 50, 1),  # prefill only
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_predicted_cache_bytes_equal_measured_llama(case):
+    policy, budget, kb, vb, group, residual, batch, prompt, new = case
+    config = CompressionConfig(policy=policy, budget=budget, kv_bits=kb, k_bits=kb, v_bits=vb,
+                               group_size=group, residual=residual)
+    model = llama128()
+    cache = run_cache(model, config, batch, prompt, new)
+    guess = predicted(model, config, batch, prompt, new)
+    assert guess.total == cache.nbytes()
+    assert guess.kept == cache.kept_length()
+    assert guess.residual == cache.layers[0].residual_length
+
+
+@pytest.mark.parametrize("arch", ["opt", "neox"])
+@pytest.mark.parametrize("budget,bits", [(1.0, 16), (0.4, 4), (0.4, 8)])
+def test_predicted_cache_bytes_equal_measured_other_architectures(arch, budget, bits):
+    model = {"opt": tiny_opt, "neox": tiny_neox}[arch]()
+    config = CompressionConfig(policy="h2o", budget=budget, kv_bits=bits, group_size=32, residual=3)
+    cache = run_cache(model, config, 2, 17, 11)
+    assert predicted(model, config, 2, 17, 11).total == cache.nbytes()
+
+
+def test_predicted_bytes_in_bfloat16_and_nf4():
+    model = tiny_llama(head_dim=64).to(torch.bfloat16)
+    for config in (CompressionConfig(policy="h2o", budget=0.5, kv_bits=16),
+                   CompressionConfig(policy="h2o", budget=0.5, kv_bits=4, group_size=64),
+                   CompressionConfig(policy="local", budget=0.5, kv_bits=4, quant="nf4", group_size=64)):
+        cache = run_cache(model, config, 2, 19, 7)
+        assert predicted(model, config, 2, 19, 7).total == cache.nbytes(), config
+
+
+TINY = {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["h2o", "local", "sink", "full"]),
+    budget=st.one_of(st.sampled_from([0.2, 0.5, 1.0]), st.integers(1, 24)),
+    bits=st.sampled_from([(16, 16), (4, 4), (8, 4)]),
+    residual=st.integers(0, 6),
+    prompt=st.integers(1, 30),
+    new=st.integers(1, 20),
+)
+def test_prediction_matches_random_runs(policy, budget, bits, residual, prompt, new):
+    model = TINY.setdefault("llama", tiny_llama())
+    config = CompressionConfig(policy=policy, budget=budget, k_bits=bits[0], v_bits=bits[1], residual=residual)
+    cache = run_cache(model, config, 1, prompt, new)
+    assert predicted(model, config, 1, prompt, new).total == cache.nbytes()
+
+
+def test_early_stop_uses_tokens_fed_and_capacity_from_max_new_tokens():
+    model = llama128()
+    config = CompressionConfig(policy="h2o", budget=0.5, kv_bits=4)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = make_cache(model, config, max_length=20 + 30)  # generate asked for 30, stopped after 5
+    with torch.inference_mode():
+        token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert predicted(model, config, 1, 20, 5, max_new_tokens=30).total == cache.nbytes()
+
+
+# -- known models: figures by hand ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,per_token", [
+    ("llama-2-7b", 512 * KiB),  # 2 x 32 layers x 32 heads x 128 x 2 bytes
+    ("llama-2-70b", 320 * KiB),  # 2 x 80 x 8 KV heads x 128 x 2
+    ("llama-3-8b", 128 * KiB),  # 2 x 32 x 8 x 128 x 2
+    ("mistral-7b", 128 * KiB),
+    ("opt-66b", 2 * 64 * 9216 * 2),
+    ("gpt-neox-20b", 2 * 44 * 6144 * 2),
+    ("pythia-70m", 12 * KiB),  # 2 x 6 x 512 x 2
+])
+def test_known_model_fp16_bytes_per_token(name, per_token):
+    dims = resolve_model(name).dims
+    config = CompressionConfig(policy="full")
+    assert cache_bytes(dims, config, 1, 4096, 0, 4096, torch.float16).total == 4096 * per_token
+    assert cache_bytes(dims, config, 3, 100, 28, 129, torch.float32).total == 3 * 128 * per_token * 2
+
+
+@pytest.mark.parametrize("name,params", [
+    ("llama-2-7b", 6_738_415_616), ("llama-2-70b", 68_976_648_192), ("llama-3-8b", 8_030_261_248),
+    ("mistral-7b", 7_241_732_096), ("gpt-neox-20b", 20_554_567_680), ("opt-125m", 125_239_296),
+    ("pythia-70m", 70_426_624), ("pythia-1b", 1_011_781_632), ("pythia-6.9b", 6_857_302_016),
+    ("pythia-12b", 11_846_072_320), ("smollm2-135m", 134_515_008),
+])
+def test_known_model_parameter_counts(name, params):
+    """Published totals (model cards: Pythia's table, Llama-2 / Llama-3 / Mistral / GPT-NeoX safetensors)."""
+    assert resolve_model(name).num_parameters == params
+
+
+def test_llama2_7b_hand_computed_compressed_bytes_and_weights():
+    spec = resolve_model("Llama-2-7B")
+    # int4, group 32: 64 data bytes + 4 groups x (fp16 scale + fp16 zero) = 80 bytes per head and tensor
+    int4 = CompressionConfig(policy="full", kv_bits=4, group_size=32, residual=0)
+    assert cache_bytes(spec.dims, int4, 1, 1000, 0, 1000).total == 1000 * 2 * 32 * 32 * 80
+    # h2o 16-bit at 0.5 of 4097 tokens: capacity 2049 tokens of K/V plus one fp32 score per layer and head
+    h2o = CompressionConfig(policy="h2o", budget=0.5)
+    got = cache_bytes(spec.dims, h2o, 1, 4096, 0, 4097)
+    assert (got.capacity, got.kept) == (2049, 2049)
+    assert got.total == 2049 * (512 * KiB + 4 * 32 * 32)
+    assert weight_bytes(spec, 16, torch.float16) == 6_738_415_616 * 2
+    rest = 6_738_415_616 - spec.linear_parameters
+    assert rest == 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, lm_head, RMSNorm weights
+    assert weight_bytes(spec, 8, torch.float16) == rest * 2 + spec.linear_parameters + 4 * spec.linear_rows
+    assert weight_bytes(spec, 4, torch.float16) == rest * 2 + spec.linear_parameters // 2 + \
+        4 * math.ceil(spec.linear_parameters / 64)
+
+
+def test_known_model_names_are_unambiguous_and_normalised():
+    keys = [_key(a) for n, e in known_models().items() for a in {n, e["hf_id"], *e["aliases"]}]
+    owners = {}
+    for name, entry in known_models().items():
+        for alias in {name, entry["hf_id"], *entry["aliases"]}:
+            assert owners.setdefault(_key(alias), name) == name, alias
+    assert len(set(keys)) == len(owners)
+    for alias in ("meta-llama/Llama-2-7b-hf", "LLAMA2-7B", "llama_2_7b", "Llama-2-7B"):
+        assert resolve_model(alias).dims.head_dim == 128
+    assert resolve_model("Meta-Llama-3-8B").dims.kv_heads == 8
+
+
+def test_unknown_model_lists_known_ones():
+    with pytest.raises(ModelLoadError, match=r"unknown model 'gpt-17'.*llama-2-7b.*pythia-70m"):
+        resolve_model("gpt-17")
+
+
+def test_local_directory_config(tmp_path):
+    model = tiny_llama(head_dim=64)
+    model.config.save_pretrained(tmp_path)
+    spec = resolve_model(str(tmp_path))
+    assert spec.dims.head_dim == 64 and spec.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+# -- memory strings ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,value", [
+    ("24GiB", 24 * GiB), ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 3 * 2**29), ("64kb", 64000),
+    (1234, 1234),
+])
+def test_parse_memory(text, value):
+    assert parse_memory(text) == value
+
+
+@pytest.mark.parametrize("bad", ["24", "24G", "-1GiB", "0GiB", "0.1B", "GiB", "", "1e3MiB", None, True, 0, 2.5])
+def test_parse_memory_rejects(bad):
+    with pytest.raises(ConfigError, match="memory .* is invalid; allowed"):
+        parse_memory(bad)
+
+
+# -- plan / choose -------------------------------------------------------------------------------------------------
+
+def test_plan_recommends_least_compressed_that_fits_and_searches_exactly():
+    report = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128)
+    assert report.fp16_cache_bytes == 8 * 4095 * 512 * KiB
+    fitting = [r for r in report.rows if r.fits]
+    assert fitting and report.recommended is max(fitting, key=lambda r: r.cache.total)
+    assert all(r.fits == (r.total_bytes <= 24 * GiB) for r in report.rows)
+    assert not report.rows[0].fits  # uncompressed fp16: 12.55 GiB weights + 16 GiB cache
+    best = report.recommended
+
+    def total(batch=8, prompt=3968):
+        one = plan("llama-2-7b", "24GiB", batch=batch, prompt_len=prompt, gen_len=128, policies=(best.config.policy,),
+                   budgets=(best.config.budget,), bits=(best.config.kv_bits,), group_sizes=(best.config.group_size,),
+                   residuals=(best.config.residual,))
+        assert len(one.rows) == 1
+        return one.rows[0].total_bytes
+
+    assert total(batch=best.max_batch) <= 24 * GiB < total(batch=best.max_batch + 1)
+    prompt = best.max_context - 128
+    assert total(prompt=prompt) <= 24 * GiB < total(prompt=prompt + 1)
+
+
+def test_choose_error_names_the_smallest_memory_that_fits():
+    with pytest.raises(ConfigError, match=r"no setting fits in 8.00 GiB .* needs [\d.]+ GiB \((\d+) bytes") as info:
+        choose("llama-2-7b", "8GiB", batch=1, prompt_len=1024, gen_len=64)
+    need = int(info.value.args[0].split("needs ")[1].split("(")[1].split(" bytes")[0])
+    row = choose("llama-2-7b", need, batch=1, prompt_len=1024, gen_len=64)
+    assert row.total_bytes == need
+    with pytest.raises(ConfigError):
+        choose("llama-2-7b", need - 1, batch=1, prompt_len=1024, gen_len=64)
+
+
+def test_weights_bits_change_the_plan():
+    four = plan("llama-2-13b", "12GiB", prompt_len=2048, gen_len=64, weights_bits=4)
+    sixteen = plan("llama-2-13b", "12GiB", prompt_len=2048, gen_len=64)
+    assert four.weight_bytes < sixteen.weight_bytes / 3
+    assert four.recommended is not None and sixteen.recommended is None
+    with pytest.raises(ConfigError, match="weights_bits=3"):
+        plan("llama-2-13b", "12GiB", weights_bits=3)
+
+
+def test_profile_report_orders_by_quality(tmp_path):
+    report = tmp_path / "report.json"
+    rows = [  # the more compressed h2o 25% int8 is rated better than everything else that fits
+        {"config": CompressionConfig(policy="h2o", budget=0.25, kv_bits=8, group_size=32).to_dict(), "ppl_ratio": 1.01},
+        {"config": CompressionConfig(policy="full", kv_bits=4, group_size=32).to_dict(), "ppl_ratio": 1.05},
+        {"policy": "h2o", "budget": 0.5, "kv_bits": 4, "group_size": 128, "metrics": {"ppl_ratio": 1.02}},
+    ]
+    report.write_text(json.dumps({"rows": rows}))
+    result = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128, profile=str(report))
+    assert result.recommended.label == "h2o 25% int8 g32 r4"
+    assert [r.quality for r in result.rows[:3]] == [1.01, 1.02, 1.05]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"policy": "h2o"}]))
+    with pytest.raises(ConfigError, match="no row with a setting and a quality metric"):
+        plan("llama-2-7b", "24GiB", profile=str(bad))
+
+
+def test_candidates_skip_group_sizes_not_dividing_head_dim():
+    grid = candidates(80, budgets=(1.0, 0.5), bits=(16, 4), group_sizes=(32, 64, 128))
+    assert [c.kv_bits for c in grid] == [16, 16]  # pythia-2.8b / opt-2.7b: head_dim 80
+    report = plan("pythia-2.8b", "80GiB", prompt_len=512, gen_len=16)
+    assert all(not r.config.quantized for r in report.rows) and report.notes
+
+
+def test_loaded_model_uses_its_exact_weights_and_dtype():
+    model = tiny_llama()
+    report = plan(model, "1MiB", prompt_len=16, gen_len=4, budgets=(1.0,), bits=(16,))
+    assert report.weight_bytes == model.get_memory_footprint() and report.dtype == "float32"
+    cache = run_cache(model, report.rows[0].config, 1, 16, 4)
+    assert report.rows[0].cache.total == cache.nbytes()
+
+
+class CharTokenizer:
+    """Minimal tokenizer for tiny models: one id per byte (mod 128)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text, return_tensors="pt"):
+        return type("Encoded", (), {"input_ids": torch.tensor([[b % 128 for b in text.encode()]])})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_choose_for_prompt_then_generate_fits():
+    model, tok = tiny_llama(), CharTokenizer()
+    full = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False)
+    assert full.label == "full 16-bit"
+    limit = full.total_bytes - 1  # the uncompressed setting no longer fits
+    row = choose_for_prompt(model, tok, "x" * 40, limit, max_new_tokens=8, chat=False,
+                            base=CompressionConfig(policy="local", residual=2))
+    assert row.config.policy in ("local", "full") and row.config.residual == 2 and row.total_bytes <= limit
+    result = generate(model, tok, "x" * 40, row.config, max_new_tokens=8, chat=False)
+    assert result.kv_bytes == row.cache.total
+    with pytest.raises(ConfigError, match="no setting fits in"):
+        choose_for_prompt(model, tok, "x" * 40, 1000, max_new_tokens=8, chat=False)
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_cli_plan_table_and_json():
+    args = ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--batch", "8", "--prompt-len", "3968",
+            "--gen-len", "128"]
+    data = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    best = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128).recommended
+    assert data["recommended"]["label"] == best.label and data["memory_limit"] == 24 * GiB
+    assert len(data["rows"]) == 20 and data["rows"][0]["cache"]["total"] == 8 * 4095 * 512 * KiB
+    out = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert f"recommended: {best.label} (least compressed that fits)" in out.output
+    assert "full 16-bit" in out.output and "h2o 10% int4 g128 r4" in out.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--memory", "24G"], "error: memory '24G' is invalid"),
+    (["--model", "gpt-17"], "error: unknown model 'gpt-17'"),
+    (["--bits", "16,3"], "error: kv_bits=3 is not supported"),
+    (["--budgets", "0.5,x"], "error: budget 'x' is not a number"),
+    (["--batch", "0"], "error: batch=0 is invalid"),
+])
+def test_cli_plan_errors(args, message):
+    base = {"--model": "llama-2-7b", "--memory": "24GiB"}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    out = runner.invoke(app, ["plan", *[x for kv in base.items() for x in kv]])
+    assert out.exit_code == 2 and message in out.output and "Traceback" not in out.output
+
+
+# -- the real model ------------------------------------------------------------------------------------------------
+
+@pytest.mark.integration
+@pytest.mark.parametrize("config", [
+    CompressionConfig(policy="full"),
+    CompressionConfig(policy="h2o", budget=0.5),
+    CompressionConfig(policy="h2o", budget=0.3, kv_bits=4, group_size=32, residual=4),
+    CompressionConfig(policy="sink", budget=0.5, kv_bits=8, group_size=64, residual=8),
+    CompressionConfig(policy="local", budget=0.25, k_bits=8, v_bits=4, group_size=32, residual=2),
+], ids=lambda c: f"{c.policy}-{c.budget}-{c.key_bits}/{c.value_bits}")
+def test_real_model_generate_matches_prediction(smollm2, config):
+    model, tokenizer = smollm2
+    result = generate(model, tokenizer, "Explain in detail how a key-value cache speeds up decoding.", config,
+                      max_new_tokens=24)
+    guess = cache_bytes(model_dims(model.config), config, 1, result.prompt_tokens, result.new_tokens - 1,
+                        result.prompt_tokens + 24, torch.float32)
+    assert guess.total == result.kv_bytes
+
+
+@pytest.mark.integration
+def test_real_model_batch_and_cli_memory_limit(smollm2):
+    model, _ = smollm2
+    config = CompressionConfig(policy="h2o", budget=0.4, kv_bits=4, group_size=64, residual=4)
+    cache = run_cache(model, config, 3, 40, 12)
+    assert predicted(model, config, 3, 40, 12).total == cache.nbytes()
+    out = runner.invoke(app, ["generate", "Say hi.", "--memory-limit", "2GiB", "--max-new-tokens", "4", "--json"])
+    assert out.exit_code == 0, out.output
+    assert "memory limit 2.00 GiB: picked full 16-bit" in out.output
+    out = runner.invoke(app, ["generate", "Say hi.", "--memory-limit", "100MiB", "--max-new-tokens", "4"])
+    assert out.exit_code == 2 and "no setting fits in 100.00 MiB" in out.output and "needs" in out.output
