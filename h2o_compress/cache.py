@@ -137,13 +137,23 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self.residual_keys = torch.cat((self.residual_keys, key_states), dim=2)
             self.residual_values = torch.cat((self.residual_values, value_states), dim=2)
-        keys, values = self.residual_keys.to(self.dtype), self.residual_values.to(self.dtype)
-        if self.stored_length:
-            keys = torch.cat((self.key_quantizer.dequantize(self.stored_keys, self.dtype), keys), dim=2)
-            values = torch.cat((self.value_quantizer.dequantize(self.stored_values, self.dtype), values), dim=2)
+        if self.stored_length:  # dequantize into one buffer and copy the window behind: no concatenation
+            keys = self._assemble(self.key_quantizer, self.stored_keys, self.residual_keys)
+            values = self._assemble(self.value_quantizer, self.stored_values, self.residual_values)
+        else:
+            keys, values = self.residual_keys.to(self.dtype), self.residual_values.to(self.dtype)
         self.returned_keys = keys
         announce(self.layer_idx, self)
         return keys, values
+
+    def _assemble(self, quantizer: KVQuantizer, stored: StoredTensor, window: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, stored + window, head_dim]`` in the model dtype: stored tokens dequantized, then
+        the full-precision window."""
+        split = len(stored)
+        out = torch.empty(self.batch, self.kv_heads, split + window.shape[2], self.head_dim, dtype=self.dtype, device=self.device)
+        quantizer.dequantize_into(stored, out[:, :, :split])
+        out[:, :, split:].copy_(window)
+        return out
 
     def after_attention(self, probability_sums: torch.Tensor | None, padding: torch.Tensor | None = None) -> None:
         """Accumulate scores (fp32 ``[batch, kv_heads, kept]``), evict down to capacity, quantize the tokens

@@ -69,6 +69,11 @@ class KVQuantizer(ABC):
     def dequantize(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
         """Return ``[batch, kv_heads, seq, head_dim]`` in ``dtype``."""
 
+    def dequantize_into(self, stored: StoredTensor, out: torch.Tensor) -> None:
+        """Write the dequantized tokens into ``out`` ``[batch, kv_heads, seq, head_dim]`` (may be a strided
+        view, e.g. the first ``seq`` tokens of a larger buffer), so no concatenation is needed after."""
+        out.copy_(self.dequantize(stored, out.dtype))
+
     def rotation(self, device: torch.device) -> torch.Tensor | None:
         """The orthonormal, symmetric basis ``[head_dim, head_dim]`` this format expects its inputs in, or
         ``None``. The cache rotates tokens into it once, when they arrive, and the attention function folds it

@@ -73,11 +73,28 @@ class IntQuantizer(KVQuantizer):
             q = q[..., 0::2] | (q[..., 1::2] << 4)
         return StoredTensor({"data": q, "scale_zero": scale_zero})
 
+    def _codes(self, data: torch.Tensor) -> torch.Tensor:
+        """Integer codes as fp32 ``[..., head_dim / group_size, group_size]`` (int4: low nibble first)."""
+        if self.bits == 4:
+            codes = torch.stack((data & 15, data >> 4), -1).float()
+        else:
+            codes = data.float()
+        return codes.view(*data.shape[:-1], self.head_dim // self.group_size, self.group_size)
+
     def dequantize(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
         """Return ``[batch, kv_heads, seq, head_dim]`` in ``dtype``."""
         data = stored.parts["data"]
-        if self.bits == 4:
-            data = torch.stack((data & 15, data >> 4), -1).flatten(-2)
+        out = torch.empty(*data.shape[:-1], self.head_dim, dtype=dtype, device=data.device)
+        self.dequantize_into(stored, out)
+        return out
+
+    def dequantize_into(self, stored: StoredTensor, out: torch.Tensor) -> None:
+        """``codes x scale + zero`` written straight into ``out`` (see :meth:`KVQuantizer.dequantize_into`)."""
         scale_zero = stored.parts["scale_zero"].float()
-        groups = data.float().unflatten(-1, (self.head_dim // self.group_size, self.group_size))
-        return torch.addcmul(scale_zero[..., 1:], groups, scale_zero[..., :1]).flatten(-2).to(dtype)
+        codes = self._codes(stored.parts["data"])
+        target = out.unflatten(-1, (self.head_dim // self.group_size, self.group_size))
+        if out.dtype == torch.float32:
+            torch.addcmul(scale_zero[..., 1:], codes, scale_zero[..., :1], out=target)
+        else:
+            target.copy_(torch.addcmul(scale_zero[..., 1:], codes, scale_zero[..., :1]))
+
