@@ -10,7 +10,9 @@ Quick start::
 
 from .cache import CompressedCache, CompressedLayer
 from .config import CompressionConfig
+from .config_file import load_config
 from .errors import (
+    CacheFileError,
     CacheStateError,
     ConfigError,
     H2OCompressError,
@@ -45,4 +47,6 @@ __all__ = [
     "UnsupportedModelError",
     "InputError",
     "CacheStateError",
+    "CacheFileError",
+    "load_config",
 ]

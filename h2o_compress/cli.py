@@ -104,6 +104,8 @@ ModelOpt = typer.Option("smollm2-135m", "--model", help="Alias, local model dire
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
 ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (.json/.toml); flags given override it.")
+SaveCacheOpt = typer.Option(None, "--save-cache", help="Save the compressed prompt cache to this safetensors file.")
+LoadCacheOpt = typer.Option(None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend it).")
 
 
 @app.command()
@@ -130,8 +132,8 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     config_file: Optional[str] = ConfigFileOpt,
-    save_cache: Optional[str] = typer.Option(None, "--save-cache", help="Save the compressed prompt cache to this safetensors file."),
-    load_cache: Optional[str] = typer.Option(None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend its prompt)."),
+    save_cache: Optional[str] = SaveCacheOpt,
+    load_cache: Optional[str] = LoadCacheOpt,
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Let the planner pick budget, bits and group size to fit in this memory (e.g. 2GiB)."),
 ):
     """Generate text with a compressed KV cache, streaming tokens as they come."""

@@ -43,11 +43,13 @@ def read_config_values(path) -> dict:
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {str(source)!r} is not valid {source.suffix[1:].upper()}: {exc}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {str(source)!r} holds a {type(values).__name__}; allowed: an object of settings")
+        kind = type(values).__name__
+        raise ConfigError(f"config file {str(source)!r} holds a {kind}; allowed: an object of settings")
     allowed = config_fields()
     unknown = sorted(k for k in values if k not in allowed)
     if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in {str(source)!r}; allowed: {', '.join(allowed)}")
+        keys = ", ".join(map(repr, unknown))
+        raise ConfigError(f"unknown key(s) {keys} in {str(source)!r}; allowed: {', '.join(allowed)}")
     return values
 
 

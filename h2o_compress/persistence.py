@@ -4,8 +4,9 @@ File format (``format_version`` 1):
 
 - tensors, per layer ``i``: ``layers.{i}.stored_keys.{part}`` / ``layers.{i}.stored_values.{part}`` (the
   quantizer's parts, token at dim 2), ``layers.{i}.residual_keys`` / ``layers.{i}.residual_values``
-  (``[batch, kv_heads, residual, head_dim]``) and ``layers.{i}.scores`` (fp32 ``[batch, kv_heads, kept]``),
-  each present only when the layer holds it; optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
+  (``[batch, kv_heads, residual, head_dim]``), ``layers.{i}.scores`` (fp32 ``[batch, kv_heads, kept]``) and
+  ``layers.{i}.leading_pads`` (``[batch]`` left-padding tokens held), each present only when the layer holds it;
+  optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
   ``prompt.next_logits`` (``[batch, vocab]``), the prompt the cache holds and the logits of its next token,
   so a loaded cache continues exactly like the live one.
 - metadata (strings): ``format``, ``format_version``, ``library_version``, ``model_fingerprint`` (see
@@ -34,8 +35,10 @@ from .errors import CacheFileError, CacheStateError, ConfigError
 
 FORMAT = "h2o-compress-kv-cache"
 FORMAT_VERSION = "1"
-_LAYER_TENSORS = ("residual_keys", "residual_values", "scores")
+_LAYER_TENSORS = ("residual_keys", "residual_values", "scores", "leading_pads")
 _STORED = ("stored_keys", "stored_values")
+# Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
+DERIVED_LAYER_TENSORS = ("returned_keys", "key_basis", "value_basis")
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
@@ -155,7 +158,8 @@ def save_cache(cache, path, model=None) -> Path:
         The path written.
 
     Raises:
-        CacheStateError: not a CompressedCache, empty, mid-step or inconsistent cache, or no model fingerprint.
+        CacheStateError: not a CompressedCache, empty, mid-step or inconsistent cache, no model fingerprint, or
+            ``model`` differs from the one recorded on the cache.
         CacheFileError: bad path or missing directory.
     """
     from safetensors.torch import save_file
@@ -164,11 +168,16 @@ def save_cache(cache, path, model=None) -> Path:
 
     target = _as_path(path)
     tokens = _check_saveable(cache)
-    fingerprint = model_fingerprint(model) if model is not None else getattr(cache, "model_fingerprint", None)
+    recorded = getattr(cache, "model_fingerprint", None)
+    fingerprint = model_fingerprint(model) if model is not None else recorded
     if fingerprint is None:
         raise CacheStateError("cannot save: pass model= so the file records which model the cache belongs to")
+    if recorded is not None and fingerprint != recorded:
+        raise CacheStateError("cannot save: model= is not the model this cache was filled with")
     if not target.parent.is_dir():
-        raise CacheFileError(f"directory {str(target.parent)!r} does not exist; allowed: a path in an existing directory")
+        raise CacheFileError(
+            f"directory {str(target.parent)!r} does not exist; allowed: a path in an existing directory"
+        )
     tensors, layers = _cache_contents(cache, tokens)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     metadata = {

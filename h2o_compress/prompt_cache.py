@@ -28,7 +28,8 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
 def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
 
-    A fresh cache gets the whole prompt in one forward pass (exactly what :func:`h2o_compress.generate` does).
+    A fresh cache gets the whole prompt in one forward pass (exactly what :func:`h2o_compress.generate` does,
+    ``logits_to_keep=1``).
     A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold the first ``n``
     tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the recorded
     next-token logits are returned without running the model.
@@ -63,7 +64,8 @@ def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
                 "allowed: a prompt that extends the cached one"
             )
     if input_ids.shape[1] > held:
-        logits = model(input_ids=input_ids[:, held:], past_key_values=cache, use_cache=True).logits[:, -1]
+        inputs = input_ids[:, held:]
+        logits = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     elif state.next_logits is not None:
         logits = state.next_logits
     else:

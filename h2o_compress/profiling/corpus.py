@@ -1,0 +1,97 @@
+"""Texts the evaluations read: the shipped public-domain corpus, user text files, and the agreement prompts.
+
+The default corpus is the first six stories of *The Adventures of Sherlock Holmes* (public domain; provenance
+in ``h2o_compress/data/README.md``).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+
+CORPUS_FILE = "sherlock_holmes.txt"
+PROMPTS_FILE = "prompts.json"
+
+
+def _data_text(name: str) -> str:
+    return resources.files("h2o_compress").joinpath("data", name).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def default_corpus() -> str:
+    """The shipped English corpus (about 274 KB of public-domain prose), as one string."""
+    return _data_text(CORPUS_FILE)
+
+
+def read_text_file(path: str | Path) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        InputError: the file is missing, unreadable, not UTF-8, or holds only whitespace.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"text file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError:
+        raise InputError(f"text file {str(path)!r} is not UTF-8 text") from None
+    except OSError as exc:
+        raise InputError(f"cannot read text file {str(path)!r}: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise InputError(f"text file {str(path)!r} is empty; allowed: a file with some text")
+    return text
+
+
+def load_text(text_file: str | Path | None = None) -> str:
+    """``text_file``'s text, or the shipped corpus when ``None`` (see :func:`read_text_file` for errors)."""
+    return default_corpus() if text_file is None else read_text_file(text_file)
+
+
+def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids ``[1, tokens]`` of ``text`` (no special tokens added), cut to ``max_tokens``.
+
+    Only about ``8 x max_tokens`` characters are tokenized, so a long corpus is cheap to cut.
+
+    Raises:
+        InputError: the text gives fewer than 2 tokens (nothing to predict).
+    """
+    if max_tokens is not None:
+        text = text[: max(64, 8 * max_tokens)]
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    if max_tokens is not None:
+        ids = ids[:, :max_tokens]
+    if ids.shape[1] < 2:
+        raise InputError(f"the text gives {ids.shape[1]} token(s); allowed: a text of at least 2 tokens")
+    return ids
+
+
+def load_prompts(prompts_file: str | Path | None = None) -> list[str]:
+    """Agreement prompts: the shipped list, or ``prompts_file`` (a JSON list of strings, or one prompt a line).
+
+    Raises:
+        InputError: unreadable file, malformed JSON list, or no non-empty prompt.
+    """
+    if prompts_file is None:
+        prompts = json.loads(_data_text(PROMPTS_FILE))
+    else:
+        text = read_text_file(prompts_file)
+        if text.lstrip().startswith("["):
+            try:
+                prompts = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"prompts file {str(prompts_file)!r} is not valid JSON: {exc.msg}") from None
+            if not all(isinstance(p, str) for p in prompts):
+                raise InputError(f"prompts file {str(prompts_file)!r}: allowed: a JSON list of strings")
+        else:
+            prompts = text.splitlines()
+    prompts = [p.strip() for p in prompts if p.strip()]
+    if not prompts:
+        raise InputError("no prompt found; allowed: a JSON list of strings or one prompt a line")
+    return prompts

@@ -1,0 +1,238 @@
+"""Passkey retrieval (needle in a haystack): a sentence holding a random 5-digit number is planted at a
+given depth of a long real text, and the model is asked for the number.
+
+The prompt follows the passkey test of Mohtashami & Jaggi 2023 (Landmark Attention, arXiv 2305.16300 §4.2),
+with real prose from the shipped corpus as the haystack instead of repeated filler sentences (as in
+Kamradt's needle-in-a-haystack test). The answer is right when the first number the model writes is the
+passkey. Every setting is compared with the uncompressed cache on the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..config import CompressionConfig
+from ..errors import ConfigError, InputError
+from ..generation import make_cache
+from .corpus import default_corpus
+from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream
+
+INSTRUCTION = (
+    "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the pass key."
+)
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"']?\s+")
+
+
+@dataclass
+class NeedleTrial:
+    """One retrieval: where the needle was, what the model said, and whether it was right.
+
+    Attributes:
+        setting: ``"compressed"`` or ``"reference"`` (uncompressed cache).
+        length: requested context length (tokens); ``prompt_tokens`` is the exact prompt size.
+        depth: position of the needle as a fraction of the haystack (0 = start, 1 = end).
+    """
+
+    setting: str
+    length: int
+    depth: float
+    trial: int
+    passkey: str
+    prompt_tokens: int
+    answer: str
+    correct: bool
+    kv_bytes: int
+
+
+@dataclass
+class NeedleResult:
+    """All trials plus accuracy per (setting, length, depth).
+
+    Attributes:
+        accuracy: ``{setting: {length: {depth: fraction correct}}}`` (JSON keys are strings).
+    """
+
+    config: dict
+    trials: list[NeedleTrial] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> dict[str, dict[int, dict[float, float]]]:
+        table: dict = {}
+        for t in self.trials:
+            cell = table.setdefault(t.setting, {}).setdefault(t.length, {}).setdefault(t.depth, [])
+            cell.append(t.correct)
+        return {s: {n: {d: sum(c) / len(c) for d, c in row.items()} for n, row in rows.items()} for s, rows in table.items()}
+
+    def overall(self, setting: str) -> float:
+        """Fraction of correct answers of ``setting`` over every length and depth (``nan`` if none)."""
+        marks = [t.correct for t in self.trials if t.setting == setting]
+        return sum(marks) / len(marks) if marks else float("nan")
+
+    def to_dict(self) -> dict:
+        accuracy = {
+            s: {str(n): {f"{d:g}": a for d, a in row.items()} for n, row in rows.items()}
+            for s, rows in self.accuracy.items()
+        }
+        overall = {s: self.overall(s) for s in accuracy}
+        return {"config": self.config, "accuracy": accuracy, "overall": overall,
+                "trials": [asdict(t) for t in self.trials]}
+
+
+def extract_answer(text: str) -> str | None:
+    """The first run of digits in ``text`` (the model's answer), or ``None``."""
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+def is_correct(text: str, passkey: str) -> bool:
+    """True when the first number in ``text`` is exactly ``passkey`` (``"48213."`` yes, ``"482135"`` no)."""
+    return extract_answer(text) == passkey
+
+
+def plant_needle(haystack: str, needle: str, depth: float) -> str:
+    """``haystack`` with ``needle`` inserted at the sentence boundary nearest ``depth`` (fraction in [0, 1]
+    of the haystack's characters); depth 0 puts it first, depth 1 last.
+
+    Raises:
+        ConfigError: depth outside [0, 1].
+    """
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
+        raise ConfigError(f"depth={depth!r} is invalid; allowed: a fraction in [0, 1]")
+    bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(haystack)] + [len(haystack)]
+    target = depth * len(haystack)
+    cut = min(bounds, key=lambda b: abs(b - target))
+    before, after = haystack[:cut].rstrip(), haystack[cut:].lstrip()
+    return " ".join(part for part in (before, needle, after) if part)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def build_prompt(tokenizer, haystack: str, chat: bool = True) -> torch.Tensor:
+    """Token ids ``[1, tokens]``: instruction + haystack + question, then ``"The pass key is"`` as the start
+    of the answer (inside the assistant turn of the chat template when ``chat`` and the tokenizer has one)."""
+    user = f"{INSTRUCTION}\n\n{haystack}\n\n{QUESTION}"
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids += _encode(tokenizer, ANSWER_PREFIX)
+    else:
+        ids = _encode(tokenizer, f"{user}\n{ANSWER_PREFIX}")
+    return torch.tensor([ids])
+
+
+def make_haystack(tokenizer, corpus: str, tokens: int, offset: int = 0) -> str:
+    """About ``tokens`` tokens of ``corpus`` from the first paragraph at or after character ``offset``, cut at
+    a sentence end (or, when the last sentence end would lose more than 10% of the text, a word boundary)."""
+    if offset > 0:
+        start = corpus.find("\n\n", offset)
+        offset = start + 2 if start >= 0 else 0
+    text = corpus[offset : offset + 8 * tokens + 64]
+    ids = _encode(tokenizer, text)[:tokens]
+    text = tokenizer.decode(ids)
+    ends = [m.start() + 1 for m in _SENTENCE_END.finditer(text)]
+    if ends and ends[-1] >= 0.9 * len(text):
+        return text[: ends[-1]].strip()
+    return text[: text.rstrip().rfind(" ")].strip() if " " in text.strip() else text.strip()  # a word boundary
+
+
+def needle_prompt(tokenizer, length: int, depth: float, passkey: str, corpus: str | None = None,
+                  offset: int = 0, chat: bool = True) -> torch.Tensor:
+    """The passkey prompt ``[1, ~length]`` with the needle at ``depth`` of a haystack from ``corpus``."""
+    corpus = corpus or default_corpus()
+    needle = NEEDLE.format(key=passkey)
+    overhead = build_prompt(tokenizer, needle, chat).shape[1]
+    haystack = make_haystack(tokenizer, corpus, max(length - overhead, 1), offset)
+    return build_prompt(tokenizer, plant_needle(haystack, needle, depth), chat)
+
+
+@torch.inference_mode()
+def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_new_tokens: int = 8,
+                  chunk_size: int | None = None) -> tuple[str, int]:
+    """Greedy answer to ``input_ids`` (``[1, tokens]``) through a cache built for ``tokens + max_new_tokens``.
+
+    ``chunk_size`` ``None`` reads the prompt in one pass, as :func:`h2o_compress.generate` does (eviction then
+    acts after the prompt); a number reads it in chunks, so eviction acts while it is read.
+
+    Returns:
+        ``(answer_text, kv_bytes)``.
+    """
+    input_ids = input_ids.to(model_device(model))
+    cache = make_cache(model, config, max_length=input_ids.shape[1] + max_new_tokens)
+    logits, _ = read_stream(model, cache, input_ids, chunk_size)
+    ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id})
+    return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()
+
+
+def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = 8, chunk_size: int | None = None) -> None:
+    """Validate :func:`needle_eval`'s arguments. Raises ConfigError naming the bad one."""
+    check_count("trials", trials, unit="trials per cell")
+    check_count("max_new_tokens", max_new_tokens)
+    if chunk_size is not None:
+        check_count("chunk_size", chunk_size)
+    if not lengths or not depths:
+        raise ConfigError("lengths and depths must not be empty; allowed: e.g. lengths 512,1024 and depths 0,0.5,1")
+    for length in lengths:
+        check_count("length", length, minimum=64)
+    for depth in depths:
+        plant_needle("", "", depth)  # validates the depth
+
+
+def needle_eval(
+    model,
+    tokenizer,
+    config: CompressionConfig | None = None,
+    lengths: tuple[int, ...] = (512, 1024),
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    trials: int = 1,
+    seed: int = 0,
+    chunk_size: int | None = None,
+    max_new_tokens: int = 8,
+    reference: bool = True,
+    chat: bool = True,
+    corpus: str | None = None,
+    progress: ProgressFn | None = None,
+) -> NeedleResult:
+    """Passkey accuracy per (context length, depth) for ``config`` and, with ``reference``, the uncompressed cache.
+
+    Each (length, depth, trial) gets its own random 5-digit passkey and haystack offset (from ``seed``);
+    both settings see identical prompts. The budget fraction is relative to ``prompt + max_new_tokens``.
+
+    Raises:
+        ConfigError: bad lengths, depths, trials, chunk size or compression setting.
+        InputError: a length beyond the model's context.
+    """
+    config = config or CompressionConfig()
+    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size)
+    limit = context_limit(model)
+    for length in lengths:
+        if limit and length + max_new_tokens > limit:
+            raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}")
+    corpus = corpus or default_corpus()
+    rng = random.Random(seed)
+    settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
+    result = NeedleResult(config=config.to_dict())
+    total, done = len(lengths) * len(depths) * trials * len(settings), 0
+    for length in lengths:
+        for depth in depths:
+            for trial in range(trials):
+                passkey = str(rng.randint(10000, 99999))
+                offset = rng.randrange(0, max(1, len(corpus) - 10 * length))
+                prompt = needle_prompt(tokenizer, length, depth, passkey, corpus, offset, chat)
+                for name, setting in settings:
+                    answer, kv_bytes = answer_prompt(model, tokenizer, prompt, setting, max_new_tokens, chunk_size)
+                    result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
+                                                     answer, is_correct(answer, passkey), kv_bytes))
+                    done += 1
+                    if progress is not None:
+                        progress(done, total)
+    return result

@@ -1,0 +1,343 @@
+"""``h2o-compress profile``: sweep (policy x budget x kv bits) on one model and measure, per configuration,
+what it saves and what it costs (DESIGN.md §4):
+
+- KV bytes (``cache.nbytes()``) against the uncompressed fp16 cache;
+- peak memory per context length: ``torch.cuda.max_memory_allocated`` on CUDA, the peak RSS of an isolated
+  worker process on CPU (one fresh process per configuration, context lengths run in increasing order, so
+  the figure at a length is the process peak up to and including that run);
+- prefill and decode tokens/s per context length;
+- streaming perplexity of the corpus (:mod:`.perplexity`), greedy agreement with the uncompressed output
+  (:mod:`.agreement`) and, optionally, passkey retrieval (:mod:`.needle`).
+
+The uncompressed configuration (``full``, 16 bits) always runs first: it is the reference of every ratio.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ALLOWED_BITS, CompressionConfig
+from ..errors import ConfigError
+from ..generation import make_cache
+from .agreement import agreement_eval, reference_generations
+from .corpus import load_prompts, load_text, tokenize_text
+from .needle import needle_eval
+from .perplexity import streaming_perplexity
+from .stream import check_count, greedy_decode, model_device, read_stream, sync
+
+REFERENCE = CompressionConfig(policy="full", kv_bits=16)
+_DEFAULTS = CompressionConfig()
+
+
+@dataclass
+class ProfileSettings:
+    """What :func:`run_profile` sweeps and how much it reads.
+
+    Attributes:
+        model, device, dtype: as for :func:`h2o_compress.load_model`.
+        policies: eviction policies tried at every budget below 1.
+        budgets: fractions in (0, 1] (or integer token counts); 1.0 means no eviction (policy ``full``).
+        kv_bits: storage bits tried (16, 8, 4).
+        seq_lens: context lengths (tokens) of the speed and memory runs: a prefill of that many corpus tokens,
+            then ``decode_tokens`` greedy decode steps.
+        ppl_tokens: tokens of the streaming-perplexity run, read ``chunk_size`` tokens per forward pass.
+        agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips.
+        needle_lengths, needle_depths: passkey retrieval cells; empty ``needle_lengths`` skips it.
+        heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
+        isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
+            ``None`` = on CPU only.
+        threads: torch CPU threads in the worker (``None`` = torch's default).
+    """
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str | None = None
+    policies: tuple[str, ...] = ("h2o", "local", "sink")
+    budgets: tuple[float, ...] = (1.0, 0.5, 0.2, 0.1)
+    kv_bits: tuple[int, ...] = (16, 8, 4)
+    seq_lens: tuple[int, ...] = (256, 512, 1024)
+    decode_tokens: int = 16
+    ppl_tokens: int = 512
+    chunk_size: int = 16
+    agreement_prompts: int = 3
+    max_new_tokens: int = 32
+    needle_lengths: tuple[int, ...] = ()
+    needle_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    text_file: str | None = None
+    heavy_ratio: float = _DEFAULTS.heavy_ratio
+    quant: str = _DEFAULTS.quant
+    group_size: int = _DEFAULTS.group_size
+    residual: int = _DEFAULTS.residual
+    isolate: bool | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths"):
+            setattr(self, name, tuple(getattr(self, name)))
+            if not getattr(self, name) and name not in ("needle_lengths", "needle_depths"):
+                raise ConfigError(f"{name} is empty; allowed: at least one value")
+        for bits in self.kv_bits:
+            if bits not in ALLOWED_BITS:
+                raise ConfigError(f"kv bits {bits!r} is not supported; allowed: 4, 8, 16")
+        for length in self.seq_lens:
+            check_count("seq_len", length, minimum=2)
+        check_count("decode_tokens", self.decode_tokens)
+        check_count("ppl_tokens", self.ppl_tokens, minimum=2)
+        check_count("chunk_size", self.chunk_size)
+        check_count("agreement_prompts", self.agreement_prompts, minimum=0, unit="prompts")
+        check_count("max_new_tokens", self.max_new_tokens)
+        if self.threads is not None:
+            check_count("threads", self.threads, unit="threads")
+        self.configs()  # validates policies, budgets and the fixed options
+
+    def configs(self) -> list[CompressionConfig]:
+        """The sweep: the reference first, then every (kv bits, budget, policy); a budget of 1 runs once per
+        bit width as ``full``. Raises ConfigError for a bad policy, budget or option."""
+        fixed = dict(heavy_ratio=self.heavy_ratio, quant=self.quant, group_size=self.group_size, residual=self.residual)
+        configs = [CompressionConfig(**{**asdict(REFERENCE), **fixed, "kv_bits": 16})]
+        for bits in self.kv_bits:
+            for budget in self.budgets:
+                no_eviction = isinstance(budget, float) and budget >= 1
+                for policy in ["full"] if no_eviction else self.policies:
+                    config = CompressionConfig(policy=policy, budget=budget, kv_bits=bits, **fixed)
+                    if config not in configs:
+                        configs.append(config)
+        return configs
+
+
+def label(config: CompressionConfig) -> str:
+    """Short name of a configuration, e.g. ``h2o 0.2 4-bit`` or ``full 16-bit``."""
+    bits = f"{config.key_bits}-bit" if config.key_bits == config.value_bits else f"k{config.key_bits}v{config.value_bits}"
+    if config.policy == "full" or config.capacity(1 << 30) is None:
+        return f"full {bits}"
+    return f"{config.policy} {config.budget:g} {bits}"
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int | None, str]:
+    """``(bytes, kind)``: CUDA peak allocated since the last reset, or this process's peak RSS on CPU
+    (``None`` where the platform has no ``resource`` module)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None, "cpu_peak_rss"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new CUDA peak-memory window (CPU peak RSS cannot be reset: see the module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@torch.inference_mode()
+def measure_speed(model, config: CompressionConfig, corpus_ids: torch.Tensor, seq_len: int, decode_tokens: int) -> dict:
+    """Prefill ``seq_len`` corpus tokens in one pass, then ``decode_tokens`` greedy decode steps.
+
+    Returns a dict: seq_len, capacity, prefill_tokens_per_s, decode_tokens_per_s, kv_bytes, kv_bytes_full_fp16,
+    peak_memory_bytes (see :func:`peak_memory_bytes`).
+    """
+    device = model_device(model)
+    ids = corpus_ids[:, :seq_len].to(device)
+    reset_peak_memory(device)
+    cache = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
+    logits, prefill_s = read_stream(model, cache, ids, None)
+    _, decode_s = greedy_decode(model, cache, logits, decode_tokens + 1)
+    sync(device)
+    peak, _ = peak_memory_bytes(device)
+    return {
+        "seq_len": ids.shape[1],
+        "capacity": cache.capacity,
+        "prefill_tokens_per_s": ids.shape[1] / prefill_s if prefill_s > 0 else 0.0,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+        "kv_bytes": cache.nbytes(),
+        "kv_bytes_full_fp16": cache.full_fp16_nbytes(),
+        "peak_memory_bytes": peak,
+    }
+
+
+def measure_config(model, tokenizer, settings: ProfileSettings, config: CompressionConfig, references=None) -> dict:
+    """Every measure of one configuration on a loaded model (see the module docstring).
+
+    ``references``: uncompressed generations of the agreement prompts; ``None`` for the reference
+    configuration, whose own generations are returned under ``"generations"``.
+    """
+    started = time.perf_counter()
+    device = model_device(model)
+    text = load_text(settings.text_file)
+    corpus_ids = tokenize_text(tokenizer, text, max(max(settings.seq_lens), settings.ppl_tokens))
+    with torch.inference_mode():  # warm-up: first-call initialisation is not part of any timing
+        read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
+    record: dict = {"label": label(config), "config": config.to_dict(),
+                    "model_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+    record["memory_after_warmup_bytes"], record["memory_kind"] = peak_memory_bytes(device)
+    record["speed"] = [
+        measure_speed(model, config, corpus_ids, n, settings.decode_tokens) for n in sorted(settings.seq_lens)
+    ]
+    for s in record["speed"]:
+        base = record["memory_after_warmup_bytes"]
+        s["peak_memory_delta_bytes"] = None if base is None or s["peak_memory_bytes"] is None else s["peak_memory_bytes"] - base
+    ppl = streaming_perplexity(model, corpus_ids[:, : settings.ppl_tokens], config, settings.chunk_size)
+    record["perplexity"] = {k: v for k, v in ppl.to_dict().items() if k != "config"}
+    if settings.agreement_prompts:
+        prompts = load_prompts()[: settings.agreement_prompts]
+        if references is None:
+            references = reference_generations(model, tokenizer, prompts, settings.max_new_tokens)
+            record["generations"] = references
+        agreement = agreement_eval(model, tokenizer, config, prompts, settings.max_new_tokens, references)
+        record["agreement"] = {k: v for k, v in agreement.to_dict().items() if k != "config"}
+    if settings.needle_lengths:
+        needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
+                             reference=False, corpus=text)
+        record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+def _load(settings: ProfileSettings):
+    from ..models import load_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    return load_model(settings.model, device=settings.device, dtype=settings.dtype)
+
+
+def _worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
+    """Body of the isolated worker process: load the model, record the memory after loading, measure."""
+    model, tokenizer = _load(settings)
+    after_load, _ = peak_memory_bytes(model_device(model))
+    record = measure_config(model, tokenizer, settings, config, references)
+    record["memory_after_load_bytes"] = after_load
+    return record
+
+
+class _InProcess:
+    """Runs configurations in this process with one loaded model (CUDA, or when isolation is off)."""
+
+    def __init__(self, settings: ProfileSettings, model=None, tokenizer=None):
+        self.settings = settings
+        self.model, self.tokenizer = (model, tokenizer) if model is not None else _load(settings)
+
+    def __call__(self, config: CompressionConfig, references) -> dict:
+        record = measure_config(self.model, self.tokenizer, self.settings, config, references)
+        record["memory_after_load_bytes"] = None
+        return record
+
+
+def _isolated(settings: ProfileSettings):
+    context = multiprocessing.get_context("spawn")
+
+    def run(config: CompressionConfig, references) -> dict:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            return pool.submit(_worker, settings, config, references).result()
+
+    return run
+
+
+def _cpu_name() -> str:
+    """The CPU model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def environment(settings: ProfileSettings) -> dict:
+    """Versions, platform and device facts for the report."""
+    import importlib.metadata as md
+
+    from ..models import resolve_device
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    device = resolve_device(settings.device)
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": settings.threads or torch.get_num_threads(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cuda": torch.version.cuda,
+        "packages": {name: version(name) for name in
+                     ("h2o-compress", "torch", "transformers", "rouge-score", "matplotlib", "rich", "typer")},
+    }
+    return env
+
+
+def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, show_progress: bool = True,
+                model=None, tokenizer=None) -> dict:
+    """Run the sweep and return the report dict; with ``out_dir``, also write report.json, report.md, the PNG
+    plots and report.html there (see :func:`h2o_compress.profiling.report.write_report`). report.json is
+    rewritten after each configuration (``"complete": false``) so an interrupted sweep keeps its figures.
+
+    Args:
+        model, tokenizer: an already loaded model to measure in this process (then ``settings.model`` only
+            names it in the report; no isolation).
+
+    Raises:
+        ConfigError: bad settings. ModelLoadError: the model cannot be loaded.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..models import resolve_device
+    from .report import finalize, prepare_out_dir, write_report
+
+    if out_dir is not None:
+        prepare_out_dir(out_dir)  # fail before the sweep, not after it
+    device = resolve_device(settings.device)
+    isolate = (device.type == "cpu") if settings.isolate is None else settings.isolate
+    if model is not None:
+        isolate = False
+    runner = _isolated(settings) if isolate else _InProcess(settings, model, tokenizer)
+    configs = settings.configs()
+    report = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["h2o-compress"] + sys.argv[1:]) if Path(sys.argv[0]).name == "h2o-compress" else None,
+        "settings": {**asdict(settings), "isolate": isolate},
+        "environment": environment(settings),
+        "results": [],
+        "complete": False,
+    }
+    references = None
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), disable=not show_progress) as bar:
+        task = bar.add_task("profile", total=len(configs))
+        for config in configs:
+            bar.update(task, description=f"profile: {label(config)}")
+            record = runner(config, references)
+            if references is None:
+                references = record.pop("generations", None)
+            report["results"].append(record)
+            if out_dir is not None:  # a sweep that dies half-way still leaves its figures
+                (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+            bar.advance(task)
+    report["complete"] = True
+    finalize(report)
+    if out_dir is not None:
+        write_report(report, out_dir)
+    return report

@@ -1,0 +1,354 @@
+"""Profile reports: derived ratios, then report.json, report.md, PNG plots (matplotlib) and a self-contained
+report.html, all from the dict :func:`h2o_compress.profiling.profile.run_profile` returns."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InputError
+
+MIB = 2**20
+PLOTS = {
+    "perplexity_vs_kv_bytes.png": "Perplexity vs KV cache bytes",
+    "decode_speed_vs_context.png": "Decode tokens/s vs context length",
+    "memory_vs_context.png": "Memory vs context length",
+}
+POLICY_COLORS = {"full": "black", "h2o": "tab:red", "local": "tab:blue", "sink": "tab:green"}
+BITS_MARKERS = {16: "o", 8: "s", 4: "^"}
+
+
+@dataclass
+class Table:
+    """A titled table rendered to Markdown and HTML (cells are already formatted strings)."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", ""]
+        if self.note:
+            lines += [self.note, ""]
+        lines.append("| " + " | ".join(self.headers) + " |")
+        lines.append("|" + "|".join("---" for _ in self.headers) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+    def html(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.headers)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows)
+        note = f"<p>{html.escape(self.note)}</p>" if self.note else ""
+        return f"<h3>{html.escape(self.title)}</h3>{note}<table><tr>{head}</tr>{body}</table>"
+
+
+# -- derived figures -------------------------------------------------------------------------------------
+def finalize(report: dict) -> dict:
+    """Add ratios against the reference (the first result: uncompressed, 16-bit) and the policy comparison.
+
+    Adds ``perplexity.ratio``, ``kv_fraction`` (KV bytes / uncompressed fp16 bytes, perplexity stream),
+    ``speed[i].decode_speed_ratio`` and ``metrics`` (``perplexity_ratio``, ``agreement`` = token match,
+    ``passkey_accuracy``: the flat figures ``h2o-compress plan --profile`` reads) to each result, and
+    ``report["policy_comparison"]``.
+
+    Raises:
+        InputError: a report without results.
+    """
+    results = report.get("results") or []
+    if not results:
+        raise InputError("the report has no results")
+    ref = results[0]
+    ref_ppl = ref["perplexity"]["perplexity"]
+    ref_decode = {s["seq_len"]: s["decode_tokens_per_s"] for s in ref["speed"]}
+    for record in results:
+        ppl = record["perplexity"]
+        ppl["ratio"] = ppl["perplexity"] / ref_ppl
+        record["kv_fraction"] = ppl["kv_bytes"] / ppl["kv_bytes_full_fp16"] if ppl["kv_bytes_full_fp16"] else None
+        for s in record["speed"]:
+            base = ref_decode.get(s["seq_len"])
+            s["decode_speed_ratio"] = s["decode_tokens_per_s"] / base if base else None
+        record["metrics"] = {  # flat figures, as h2o-compress plan --profile reads them
+            "perplexity_ratio": ppl["ratio"],
+            "agreement": (record.get("agreement") or {}).get("token_match"),
+            "passkey_accuracy": ((record.get("needle") or {}).get("overall") or {}).get("compressed"),
+        }
+    report["reference"] = ref["label"]
+    report["policy_comparison"] = policy_comparison(results)
+    return report
+
+
+def policy_comparison(results: list[dict]) -> list[dict]:
+    """Per (kv bits, budget < 1): perplexity of each policy, the best one, and whether ``h2o`` beats both
+    ``local`` and ``sink`` (``None`` when one of the three was not run)."""
+    cells: dict[tuple, dict] = {}
+    for r in results:
+        c = r["config"]
+        if c["policy"] == "full":
+            continue
+        cells.setdefault((c["kv_bits"], c["budget"]), {})[c["policy"]] = r["perplexity"]["perplexity"]
+    rows = []
+    for (bits, budget), ppl in sorted(cells.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
+        beats = None
+        if all(p in ppl for p in ("h2o", "local", "sink")):
+            beats = ppl["h2o"] < ppl["local"] and ppl["h2o"] < ppl["sink"]
+        rows.append({"kv_bits": bits, "budget": budget, "perplexity": ppl, "best": min(ppl, key=ppl.get),
+                     "h2o_beats_local_and_sink": beats})
+    return rows
+
+
+# -- tables ----------------------------------------------------------------------------------------------
+def _f(value, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value / scale:.{digits}f}{suffix}"
+
+
+def tables(report: dict) -> list[Table]:
+    """The report's tables: summary, policy comparison, speed/memory per length, environment."""
+    settings, results = report["settings"], report["results"]
+    longest = max(settings["seq_lens"])
+    summary = []
+    for r in results:
+        ppl, speed = r["perplexity"], {s["seq_len"]: s for s in r["speed"]}
+        at = speed.get(longest) or r["speed"][-1]
+        agree = r.get("agreement") or {}
+        needle = (r.get("needle") or {}).get("overall", {}).get("compressed")
+        summary.append([
+            r["label"], str(ppl["capacity"] or "all"), _f(ppl["kv_bytes"], 2, MIB), _f(r["kv_fraction"], 1, 0.01, "%"),
+            _f(ppl["perplexity"], 3), _f(ppl["ratio"], 3, suffix="x"), _f(agree.get("token_match"), 2),
+            _f(agree.get("prefix_match"), 2), _f(agree.get("rouge_l"), 2), _f(needle, 2),
+            _f(at["prefill_tokens_per_s"], 1), _f(at["decode_tokens_per_s"], 1), _f(at["peak_memory_bytes"], 0, MIB),
+        ])
+    summary_table = Table(
+        "Summary",
+        ["Configuration", "Capacity", "KV MiB", "KV % of fp16", "Perplexity", "vs ref", "Token match",
+         "Prefix match", "ROUGE-L", "Needle", f"Prefill tok/s @{longest}", f"Decode tok/s @{longest}",
+         f"Peak MiB @{longest}"],
+        summary,
+        note=(f"Perplexity: {settings['ppl_tokens']} tokens read {settings['chunk_size']} per forward pass; "
+              "capacity and KV bytes are those of that stream. Agreement: greedy generations vs the reference "
+              f"({settings['agreement_prompts']} prompts, {settings['max_new_tokens']} new tokens). "
+              f"Reference: {report['reference']}." + _dtype_note(results)),
+    )
+    comparison = Table(
+        "H2O vs local vs sink (perplexity, lower is better)",
+        ["KV bits", "Budget", "h2o", "local", "sink", "Best", "h2o beats both"],
+        [[str(c["kv_bits"]), f"{c['budget']:g}", *(_f(c["perplexity"].get(p), 3) for p in ("h2o", "local", "sink")),
+          c["best"], {True: "yes", False: "no", None: "-"}[c["h2o_beats_local_and_sink"]]]
+         for c in report["policy_comparison"]],
+    )
+    speed_rows = [
+        [r["label"], str(s["seq_len"]), str(s["capacity"] or "all"), _f(s["prefill_tokens_per_s"], 1),
+         _f(s["decode_tokens_per_s"], 1), _f(s.get("decode_speed_ratio"), 2, suffix="x"), _f(s["kv_bytes"], 2, MIB),
+         _f(s["peak_memory_bytes"], 0, MIB), _f(s.get("peak_memory_delta_bytes"), 1, MIB)]
+        for r in results for s in r["speed"]
+    ]
+    memory_kind = results[0].get("memory_kind", "")
+    speed = Table(
+        "Speed and memory per context length",
+        ["Configuration", "Context", "Capacity", "Prefill tok/s", "Decode tok/s", "Decode vs ref", "KV MiB",
+         "Peak MiB", "Peak - warm-up MiB"],
+        speed_rows,
+        note=(f"Prefill of the context in one pass, then {settings['decode_tokens']} greedy decode steps. "
+              f"Peak memory: {memory_kind}" + _memory_note(memory_kind, settings.get("isolate"))),
+    )
+    env = report["environment"]
+    env_rows = [[k, str(v)] for k, v in env.items() if k != "packages"]
+    env_rows += [[name, str(v)] for name, v in env["packages"].items()]
+    env_rows += [["created", report["created"]], ["command", report.get("command") or "-"]]
+    return [summary_table, comparison, speed, Table("Environment", ["Key", "Value"], env_rows)]
+
+
+def _dtype_note(results: list[dict]) -> str:
+    dtype = results[0].get("model_dtype")
+    if dtype != "float32":
+        return ""
+    return (" The model runs in float32, and a 16-bit setting keeps keys and values in the model dtype, so 16-bit "
+            "rows hold 4 bytes per value: twice the fp16 figure (quantized rows keep their residual window in fp16).")
+
+
+def _memory_note(kind: str, isolated: bool | None) -> str:
+    if kind != "cpu_peak_rss":
+        return " (reset before each context length; model weights included)."
+    where = "a fresh worker process per configuration" if isolated else "this one process (no isolation: the peak only grows)"
+    return (f" of {where}; lengths run in increasing order, so each figure is the process peak so far (model weights "
+            "included). 'Peak - warm-up' subtracts the peak after loading the model and one 8-token forward pass.")
+
+
+# -- plots -----------------------------------------------------------------------------------------------
+def _bits_of(record: dict) -> int:
+    return record["config"]["kv_bits"]
+
+
+def plot_perplexity(report: dict, path: Path) -> None:
+    """Perplexity vs KV bytes (log x), one line per (policy, kv bits) across budgets; dashed: the reference."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    groups: dict[tuple, list] = {}
+    for r in report["results"]:
+        groups.setdefault((r["config"]["policy"], _bits_of(r)), []).append(
+            (r["perplexity"]["kv_bytes"] / MIB, r["perplexity"]["perplexity"]))
+    for (policy, bits), points in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        points.sort()
+        ax.plot(*zip(*points), marker=BITS_MARKERS.get(bits, "x"), color=POLICY_COLORS.get(policy),
+                linestyle="-" if policy != "full" else "none", label=f"{policy} {bits}-bit", alpha=0.85)
+    ref = report["results"][0]["perplexity"]["perplexity"]
+    ax.axhline(ref, color="gray", linestyle="--", linewidth=1, label=f"reference {ref:.2f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache bytes at the end of the stream (MiB, log scale)")
+    ax.set_ylabel("Streaming perplexity")
+    s = report["settings"]
+    ax.set_title(f"{s['model']}: perplexity of {s['ppl_tokens']} tokens (chunk {s['chunk_size']}) vs KV bytes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _per_bits_lines(report: dict, path: Path, series: list[tuple[str, str, float]], title: str) -> None:
+    """One column of panels per kv bits; one row per ``(speed-record key, y label, scale)``; one line per config."""
+    import matplotlib.pyplot as plt
+
+    bits_list = sorted({_bits_of(r) for r in report["results"]}, reverse=True)
+    fig, axes = plt.subplots(len(series), len(bits_list), figsize=(5.2 * len(bits_list), 4 * len(series)),
+                             squeeze=False, sharex=True)
+    for col, bits in enumerate(bits_list):
+        records = [r for r in report["results"] if _bits_of(r) == bits or r is report["results"][0]]
+        budgets = sorted({r["config"]["budget"] for r in records if r["config"]["policy"] != "full"}, reverse=True)
+        for row, (key, ylabel, scale) in enumerate(series):
+            ax = axes[row][col]
+            for r in records:
+                xs = [s["seq_len"] for s in r["speed"]]
+                ys = [(s[key] or 0) / scale for s in r["speed"]]
+                if r is report["results"][0]:
+                    style, color, name = ":", "gray", f"reference ({r['label']})"
+                else:
+                    full = r["config"]["policy"] == "full"
+                    style = "--" if full else ["-", "-.", ":"][budgets.index(r["config"]["budget"]) % 3]
+                    color, name = POLICY_COLORS.get(r["config"]["policy"]), r["label"]
+                ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, color=color, label=name)
+            ax.set_title(f"{bits}-bit KV" + (" (+ reference)" if bits != 16 else ""))
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_plots(report: dict, out_dir: Path) -> list[Path]:
+    """The three PNG plots of :data:`PLOTS` in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    names = list(PLOTS)
+    model = report["settings"]["model"]
+    plot_perplexity(report, out_dir / names[0])
+    _per_bits_lines(report, out_dir / names[1], [("decode_tokens_per_s", "decode tokens/s", 1)],
+                    f"{model}: decode speed after a prefill of the context")
+    memory_label = "peak RSS (MiB)" if report["results"][0].get("memory_kind") == "cpu_peak_rss" else "peak CUDA MiB"
+    _per_bits_lines(report, out_dir / names[2],
+                    [("peak_memory_bytes", memory_label, MIB), ("kv_bytes", "KV cache (MiB)", MIB)],
+                    f"{model}: memory vs context length")
+    return [out_dir / n for n in names]
+
+
+# -- files -----------------------------------------------------------------------------------------------
+def _headline(report: dict) -> str:
+    s = report["settings"]
+    wins = [c["h2o_beats_local_and_sink"] for c in report["policy_comparison"] if c["budget"] <= 0.5]
+    verdict = ""
+    if wins and all(w is not None for w in wins):
+        verdict = (f" H2O beats local and sink in perplexity in {sum(wins)} of {len(wins)} (kv bits, budget <= 0.5) "
+                   "cells.")
+    return (f"Model `{s['model']}` on {report['environment']['device']} "
+            f"({report['environment']['device_name']}), {len(report['results'])} configurations; "
+            f"reference: {report['reference']}.{verdict}")
+
+
+def markdown(report: dict) -> str:
+    """report.md: headline, plots (relative links) and tables."""
+    parts = ["# h2o-compress profile", "", _headline(report), ""]
+    parts += [f"![{title}]({name})\n" for name, title in PLOTS.items()]
+    parts += [t.markdown() for t in tables(report)]
+    return "\n".join(parts)
+
+
+def html_page(report: dict, out_dir: Path) -> str:
+    """report.html: the tables and the plots embedded as base64 PNGs (one file, no external resource)."""
+    images = "".join(
+        f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,'
+        f'{base64.b64encode((out_dir / name).read_bytes()).decode()}"><figcaption>{html.escape(title)}</figcaption></figure>'
+        for name, title in PLOTS.items()
+    )
+    style = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;font-size:13px}th{background:#f0f0f0}"
+             "td:first-child{text-align:left}img{max-width:100%}figure{margin:1em 0}")
+    body = "".join(t.html() for t in tables(report))
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>h2o-compress profile</title>"
+            f"<style>{style}</style></head><body><h1>h2o-compress profile</h1>"
+            f"<p>{html.escape(_headline(report)).replace('`', '')}</p>{images}{body}</body></html>")
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """Create ``out_dir`` (and parents) if needed and return it.
+
+    Raises:
+        InputError: it exists and is not a directory, or cannot be created.
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise InputError(f"output path {str(out)!r} exists and is not a directory") from None
+    except OSError as exc:
+        raise InputError(f"cannot create output directory {str(out)!r}: {exc.strerror or exc}") from None
+    return out
+
+
+def load_report(path: str | Path) -> dict:
+    """A report dict from a report.json written by :func:`write_report` or by an interrupted sweep.
+
+    Raises:
+        InputError: unreadable file, not JSON, or no ``results``/``settings``.
+    """
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read report {str(path)!r}: {exc}") from None
+    if not isinstance(report, dict) or not report.get("results") or "settings" not in report:
+        raise InputError(f"{str(path)!r} is not a profile report (no results or settings)")
+    return report
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md, the PNG plots and report.html into ``out_dir`` (created if needed).
+
+    Returns:
+        ``{file name: path}`` of every file written.
+
+    Raises:
+        InputError: ``out_dir`` exists and is not a directory, or cannot be created.
+    """
+    out = prepare_out_dir(out_dir)
+    if "policy_comparison" not in report:
+        finalize(report)
+    written = {}
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    written["report.json"] = out / "report.json"
+    for path in write_plots(report, out):
+        written[path.name] = path
+    (out / "report.md").write_text(markdown(report), encoding="utf-8")
+    written["report.md"] = out / "report.md"
+    (out / "report.html").write_text(html_page(report, out), encoding="utf-8")
+    written["report.html"] = out / "report.html"
+    return written

@@ -1,0 +1,127 @@
+"""Reading a token stream through a compressed cache, chunk by chunk, and greedy continuation.
+
+Shared by the perplexity, needle and profile measurements. Reading ``chunk_size`` tokens per forward pass:
+``1`` is exact decode semantics (every token attends only to the kept, possibly quantized, cache); a larger
+chunk is faster, but tokens of one chunk attend to each other in full precision and eviction runs only after
+each chunk (the cache briefly holds ``capacity + chunk`` tokens), so quality comes out slightly optimistic.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+
+ProgressFn = Callable[[int, int], None]
+"""``progress(done, total)``: called after each chunk with tokens read so far and tokens to read."""
+
+
+def check_count(name: str, value, minimum: int = 1, unit: str = "tokens") -> int:
+    """``value`` if it is an integer >= ``minimum``. Raises ConfigError naming the option otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= {minimum} ({unit})")
+    return value
+
+
+def model_device(model) -> torch.device:
+    """The device of the model's first parameter."""
+    return next(model.parameters()).device
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued CUDA work so wall-clock timings are real (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def context_limit(model) -> int | None:
+    """The model's maximum number of positions, if it declares one."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_chunk(model, cache, chunk: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    """One forward pass of ``chunk`` (``[batch, k]`` token ids) through ``cache``.
+
+    Returns logits ``[batch, k, vocab]``, or ``[batch, 1, vocab]`` for the last position when ``last_only``
+    (the vocabulary projection of the other positions is then skipped where the model allows it).
+    """
+    kwargs = {}
+    if last_only and _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = 1
+    logits = model(input_ids=chunk, past_key_values=cache, use_cache=True, **kwargs).logits
+    return logits[:, -1:] if last_only else logits
+
+
+def read_stream(
+    model,
+    cache,
+    input_ids: torch.Tensor,
+    chunk_size: int | None = None,
+    on_logits: Callable[[int, torch.Tensor], None] | None = None,
+    progress: ProgressFn | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Feed ``input_ids`` (``[batch, tokens]``) through ``cache`` in chunks of ``chunk_size`` tokens.
+
+    Args:
+        chunk_size: tokens per forward pass; ``None`` reads everything in one pass (a prefill).
+        on_logits: ``on_logits(start, logits)`` receives each chunk's logits ``[batch, k, vocab]`` (position
+            ``start + i`` predicts token ``start + i + 1``); without it only the last position is projected.
+        progress: see :data:`ProgressFn`.
+
+    Returns:
+        ``(last_logits [batch, vocab], seconds)``: logits after the last token, and the wall-clock seconds of
+        the forward passes (CUDA synchronised; ``on_logits`` time excluded).
+    """
+    total = input_ids.shape[1]
+    step = total if chunk_size is None else check_count("chunk_size", chunk_size)
+    device = input_ids.device
+    seconds = 0.0
+    last = None
+    for start in range(0, total, step):
+        chunk = input_ids[:, start : start + step]
+        sync(device)
+        began = time.perf_counter()
+        logits = forward_chunk(model, cache, chunk, last_only=on_logits is None)
+        sync(device)
+        seconds += time.perf_counter() - began
+        if on_logits is not None:
+            on_logits(start, logits)
+        last = logits[:, -1]
+        if progress is not None:
+            progress(min(start + step, total), total)
+    return last, seconds
+
+
+def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[int] = frozenset()):
+    """Greedy tokens from ``logits`` (``[batch=1, vocab]``, after the prompt), ``steps`` tokens at most.
+
+    The first token comes from ``logits``; each further one costs one forward pass through ``cache``. Stops
+    after a token in ``stop_ids``.
+
+    Returns:
+        ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes.
+    """
+    token = logits.argmax(-1, keepdim=True)
+    ids = [token.item()]
+    seconds = 0.0
+    device = logits.device
+    while len(ids) < steps and ids[-1] not in stop_ids:
+        sync(device)
+        began = time.perf_counter()
+        logits = forward_chunk(model, cache, token, last_only=True)[:, -1]
+        token = logits.argmax(-1, keepdim=True)
+        ids.append(token.item())
+        sync(device)
+        seconds += time.perf_counter() - began
+    return ids, seconds

@@ -1,0 +1,261 @@
+"""Property tests (hypothesis) over random configurations, shapes and token streams.
+
+- Layer level, model-independent: a :class:`CompressedLayer` is driven directly with keys and values that
+  encode their absolute position in channel 0, and with random attention-probability sums. After every step:
+  kept positions strictly increasing per sequence and KV head, keys and values still aligned, capacity never
+  exceeded, scores equal to a reference accumulation (fp32, same order) and the kept set equal to a reference
+  implementation of the eviction semantics of DESIGN.md §2 (sinks + top-``heavy`` scores, ties to the older
+  token + recent window).
+- Model level, on tiny random models: no crash, no NaN/Inf, capacity never exceeded, tokens seen counted; and
+  budget 1.0 with 16-bit storage reproduces transformers' ``DynamicCache`` logits.
+- Unbounded stream: with a fixed capacity, cache bytes (and the bytes of the underlying storages) stop
+  growing once the cache is full.
+
+Settings (``strategies.fuzz``): ``max_examples`` per test below (40, 30, 30; ``H2O_HYPOTHESIS_SCALE``
+multiplies them for a longer local fuzz), ``deadline=None``, ``derandomize=True`` (same examples in every CI run).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_neox, tiny_opt
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import cached_llama, configs, fuzz, llama_shapes
+from transformers import DynamicCache
+
+from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.attention import attention_probability_sums, withdraw
+from h2o_compress.cache import build_layers
+
+
+# -- layer level ---------------------------------------------------------------------------------------------
+@st.composite
+def layer_cases(draw):
+    head_dim = draw(st.sampled_from([32, 64, 128]))
+    values = draw(configs(head_dim))
+    capacity = None if values["policy"] == "full" else draw(st.one_of(st.none(), st.integers(1, 40)))
+    return dict(
+        config=CompressionConfig(budget=1.0, **values),
+        capacity=capacity,
+        head_dim=head_dim,
+        batch=draw(st.integers(1, 3)),
+        kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.integers(1, 3)),
+        chunks=draw(st.lists(st.integers(1, 24), min_size=1, max_size=8)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def encoded(batch, kv_heads, start, count, head_dim):
+    """Keys/values ``[batch, kv_heads, count, head_dim]``: position ``start + i`` in channel 0, zeros elsewhere
+    (exactly representable after every quantizer, to < 0.5 for positions below 400)."""
+    x = torch.zeros(batch, kv_heads, count, head_dim)
+    x[..., 0] = torch.arange(start, start + count, dtype=torch.float32)
+    return x
+
+
+def decode(x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions encoded by :func:`encoded` in ``x``, held in ``basis`` (orthonormal, symmetric) if given."""
+    x = x.float() if basis is None else x.float() @ basis
+    return x[..., 0].round().long()
+
+
+def held_positions(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``[batch, kv_heads, kept]`` of the kept keys and of the kept values, read from storage."""
+    out = []
+    for quantizer, stored, residual, basis in (
+        (layer.key_quantizer, layer.stored_keys, layer.residual_keys, layer.key_basis),
+        (layer.value_quantizer, layer.stored_values, layer.residual_values, layer.value_basis),
+    ):
+        parts = [] if stored is None or len(stored) == 0 else [quantizer.dequantize(stored, torch.float32)]
+        parts += [] if residual is None else [residual.float()]
+        out.append(decode(torch.cat(parts, 2), basis))
+    return out[0], out[1]
+
+
+def reference_keep(held: list[int], scores: dict[int, float], capacity, policy: str, ratio: float, sinks: int):
+    """DESIGN.md §2: sinks, then the ``heavy`` top-scored older tokens (ties to the older), then the recent window."""
+    if capacity is None or len(held) <= capacity:
+        return held
+    sinks = min(sinks, capacity)
+    free = capacity - sinks
+    heavy = min(free, round(ratio * free)) if policy == "h2o" else 0
+    recent = free - heavy
+    middle = held[sinks : len(held) - recent]
+    top = sorted(middle, key=lambda p: (-scores[p], p))[:heavy]
+    return held[:sinks] + sorted(top) + held[len(held) - recent :]
+
+
+@fuzz(40)
+@given(case=layer_cases())
+def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case):
+    config, capacity = case["config"], case["capacity"]
+    (layer,) = build_layers(config, 1, case["head_dim"], capacity)
+    batch, kv_heads, head_dim = case["batch"], case["kv_heads"], case["head_dim"]
+    generator = torch.Generator().manual_seed(case["seed"])
+    total = sum(case["chunks"])
+    ref_scores = torch.zeros(batch, kv_heads, total)
+    expected = [[list() for _ in range(kv_heads)] for _ in range(batch)]
+    seen = 0
+    for count in case["chunks"]:
+        keys = encoded(batch, kv_heads, seen, count, head_dim)
+        returned_keys, returned_values = layer.update(keys, keys.clone())
+        positions = decode(returned_keys, layer.key_basis)
+        assert torch.equal(positions, decode(returned_values, layer.value_basis))
+        assert (positions.diff(dim=-1) > 0).all(), positions
+        assert torch.equal(positions[..., -count:], decode(keys))  # the new tokens come last
+        sums = None
+        if layer.policy.needs_scores:
+            query = torch.randn(batch, kv_heads * case["group"], count, head_dim, generator=generator)
+            probe_keys = torch.randn(returned_keys.shape, generator=generator)
+            sums = attention_probability_sums(query, probe_keys, None, None, config.score_chunk_size)
+            ref_scores.scatter_add_(2, positions, sums)
+        layer.after_attention(sums)
+        withdraw(0)
+        seen += count
+        assert layer.seen_tokens == layer.get_seq_length() == seen
+        keys_at, values_at = held_positions(layer)
+        assert torch.equal(keys_at, values_at)
+        kept = keys_at.shape[2]
+        assert kept == layer.kept_length()
+        if capacity is not None:
+            assert kept <= capacity
+        assert (keys_at.diff(dim=-1) > 0).all()
+        if layer.scores is not None:
+            assert layer.scores.shape == (batch, kv_heads, kept) and torch.isfinite(layer.scores).all()
+            assert torch.equal(layer.scores, ref_scores.gather(2, keys_at))
+        for b in range(batch):
+            for h in range(kv_heads):
+                held = expected[b][h] + list(range(seen - count, seen))
+                score_of = dict(zip(range(total), ref_scores[b, h].tolist()))
+                expected[b][h] = reference_keep(
+                    held, score_of, capacity, config.policy, config.heavy_ratio, layer.policy.sink_tokens
+                )
+                assert keys_at[b, h].tolist() == expected[b][h], (b, h)
+
+
+# -- model level -----------------------------------------------------------------------------------------------
+@st.composite
+def stream_cases(draw):
+    head_dim = draw(st.sampled_from([32, 64]))
+    values = draw(configs(head_dim))
+    chunks = draw(st.lists(st.integers(1, 20), min_size=1, max_size=6))
+    budget = draw(st.one_of(st.sampled_from([0.1, 0.3, 0.5, 1.0]), st.integers(1, 30)))
+    return dict(
+        values=values | {"budget": budget},
+        model=draw(llama_shapes(head_dim)),
+        batch=draw(st.integers(1, 3)),
+        chunks=chunks,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@fuzz(30)
+@given(case=stream_cases())
+@torch.no_grad()
+def test_token_stream_never_crashes_never_nan_and_respects_capacity(case):
+    model = cached_llama(*case["model"])
+    config = CompressionConfig(**case["values"])
+    total = sum(case["chunks"])
+    cache = make_cache(model, config, max_length=total)
+    ids = torch.randint(0, 128, (case["batch"], total), generator=torch.Generator().manual_seed(case["seed"]))
+    start = 0
+    for count in case["chunks"]:
+        logits = model(input_ids=ids[:, start : start + count], past_key_values=cache, use_cache=True).logits
+        start += count
+        assert torch.isfinite(logits).all()
+        assert cache.get_seq_length() == start
+        for layer in cache.layers:
+            assert layer.seen_tokens == start
+            if cache.capacity is not None:
+                assert layer.kept_length() <= cache.capacity
+            if layer.scores is not None:
+                assert layer.scores.shape == (case["batch"], layer.kv_heads, layer.kept_length())
+                assert torch.isfinite(layer.scores).all()
+            for tensor in (layer.residual_keys, layer.residual_values):
+                assert tensor is None or torch.isfinite(tensor).all()
+    assert cache.capacity == config.capacity(total)
+
+
+ARCHS = {"opt": tiny_opt, "neox": tiny_neox}
+
+
+@st.composite
+def equality_cases(draw):
+    arch = draw(st.sampled_from(["llama", "llama", "opt", "neox"]))
+    batch = draw(st.integers(1, 3))
+    chunks = draw(st.lists(st.integers(1, 16), min_size=1, max_size=5))
+    return dict(
+        arch=arch,
+        model=draw(llama_shapes(draw(st.sampled_from([32, 64])))),
+        policy=draw(st.sampled_from(["h2o", "local", "sink", "full"])),
+        batch=batch,
+        chunks=chunks,
+        pads=draw(st.lists(st.integers(0, chunks[0] - 1), min_size=batch, max_size=batch)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@fuzz(30)
+@given(case=equality_cases())
+@torch.no_grad()
+def test_budget_one_and_16_bits_equals_the_uncompressed_cache(case):
+    model = cached_llama(*case["model"]) if case["arch"] == "llama" else ARCHS[case["arch"]]()
+    total = sum(case["chunks"])
+    ids = torch.randint(0, 128, (case["batch"], total), generator=torch.Generator().manual_seed(case["seed"]))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(case["pads"]):  # left padding inside the first chunk
+        mask[row, :pad] = 0
+    compressed = make_cache(model, CompressionConfig(policy=case["policy"], budget=1.0, kv_bits=16))
+    reference = DynamicCache(config=model.config)
+    start = 0
+    for count in case["chunks"]:
+        stop = start + count
+        inputs = dict(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], use_cache=True)
+        want = model(**inputs, past_key_values=reference).logits
+        got = model(**inputs, past_key_values=compressed).logits
+        visible = mask[:, start:stop].bool()
+        assert torch.isfinite(got[visible]).all()
+        torch.testing.assert_close(got[visible], want[visible], rtol=1e-5, atol=1e-5)
+        start = stop
+    assert compressed.kept_length() == total
+
+
+# -- unbounded stream --------------------------------------------------------------------------------------------
+def storage_bytes(cache) -> int:
+    """Bytes of the storages behind every tensor the cache holds (catches views that pin larger buffers)."""
+    total = 0
+    for layer in cache.layers:
+        tensors = [layer.residual_keys, layer.residual_values, layer.scores]
+        for stored in (layer.stored_keys, layer.stored_values):
+            tensors += [] if stored is None else list(stored.parts.values())
+        total += sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+    return total
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompressionConfig(budget=16, kv_bits=4, residual=3),
+        CompressionConfig(policy="sink", budget=12, kv_bits=8, quant="int8-blockwise", residual=2),
+        CompressionConfig(policy="local", budget=12),
+    ],
+    ids=["h2o-int4", "sink-int8-blockwise", "local-16bit"],
+)
+@torch.no_grad()
+def test_long_stream_keeps_cache_bytes_bounded(config):
+    model = cached_llama(0, 2, 2, 32, 2)
+    cache = make_cache(model, config)
+    generator = torch.Generator().manual_seed(0)
+    steady, token = [], torch.randint(0, 128, (1, 8), generator=generator)
+    for step in range(250):
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)
+        assert storage_bytes(cache) == cache.nbytes()  # no hidden growth behind views
+        if step >= 30:  # full for a while: capacity reached and residual windows cycling
+            steady.append(cache.nbytes())
+    assert cache.get_seq_length() == 257 and cache.kept_length() == cache.capacity
+    assert max(steady[110:]) <= max(steady[:110])  # no growth in the second half of the stream
+    assert len(set(steady)) <= 2 * config.residual + 1  # a few values that repeat with the residual cycle
