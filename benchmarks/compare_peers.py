@@ -66,7 +66,9 @@ ANSWER_PREFIX = "The pass key of the {color} box is"
 MODES = {
     "quick": dict(
         needle_items=1, context_tokens=1000, max_new_tokens=8,
-        ours_needle=[("h2o", 16), ("h2o", 4), ("local", 16), ("sink", 16)], keeps=(0.2,), ours_full_bits=(16,),
+        ours_needle=[("h2o", 16), ("h2o", 4), ("h2o", 16, 0.9), ("local", 16), ("sink", 16)], keeps=(0.2,),
+        ours_full_bits=(16,),
+        peer_dynamic_needle=True,
         presses=("ObservedAttentionPress", "SnapKVPress", "StreamingLLMPress"),
         quanto_presses={"ObservedAttentionPress": (0.2,)},
         ppl_tokens=256, ppl_chunk=32, ours_ppl=[("h2o", 16), ("h2o", 4)], ppl_presses=("KnormPress", "StreamingLLMPress"),
@@ -76,10 +78,11 @@ MODES = {
     ),
     "default": dict(
         needle_items=2, context_tokens=1000, max_new_tokens=8,
-        ours_needle=[("h2o", 16), ("h2o", 8), ("h2o", 4), ("local", 16), ("local", 4), ("sink", 16), ("sink", 4)],
-        keeps=KEEPS, ours_full_bits=(16, 4), presses=PRESSES,
+        ours_needle=[("h2o", 16), ("h2o", 8), ("h2o", 4), ("h2o", 16, 0.9), ("h2o", 4, 0.9), ("local", 16), ("sink", 16),
+                     ("sink", 4)],
+        keeps=KEEPS, ours_full_bits=(4,), peer_dynamic_needle=False, presses=PRESSES,
         quanto_presses={"ObservedAttentionPress": KEEPS, "SnapKVPress": (0.2,)},
-        ppl_tokens=512, ppl_chunk=16,
+        ppl_tokens=512, ppl_chunk=32,
         ours_ppl=[("h2o", 16), ("h2o", 8), ("h2o", 4), ("local", 16), ("local", 4), ("sink", 16), ("sink", 4)],
         ppl_presses=PRESSES,
         speed_lengths=(1024, 4096), speed_steps=16,
@@ -89,7 +92,9 @@ MODES = {
     ),
     "full": dict(
         needle_items=3, context_tokens=1000, max_new_tokens=8,
-        ours_needle=[(p, b) for p in ("h2o", "local", "sink") for b in BITS], keeps=KEEPS, ours_full_bits=BITS,
+        ours_needle=[(p, b) for p in ("h2o", "local", "sink") for b in BITS] + [("h2o", b, 0.9) for b in BITS],
+        keeps=KEEPS, ours_full_bits=BITS,
+        peer_dynamic_needle=True,
         presses=PRESSES, quanto_presses={p: KEEPS for p in PRESSES},
         ppl_tokens=1024, ppl_chunk=8, ours_ppl=[(p, b) for p in ("h2o", "local", "sink") for b in BITS],
         ppl_presses=PRESSES,
@@ -235,14 +240,15 @@ def needle_methods(grid: dict) -> tuple[list[dict], list[dict]]:
     for bits in grid["ours_full_bits"]:
         ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
                      "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0, "bits": bits})
-    for policy, bits in grid["ours_needle"]:
+    for policy, bits, *heavy in grid["ours_needle"]:
+        label = policy + (f"-heavy{heavy[0]:g}" if heavy else "")
         for keep in grid["keeps"]:
-            ours.append({"name": f"ours {policy} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
-                         "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {policy} {bits}-bit",
-                         "bits": bits})
+            ours.append({"name": f"ours {label} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
+                         "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {label} {bits}-bit",
+                         "bits": bits, **({"heavy_ratio": heavy[0]} if heavy else {})})
     peers = [{"name": "DynamicCache (transformers 5.2)", "cache": "dynamic", "family": "reference",
-              "line": "DynamicCache (peer env)", "keep": 1.0, "bits": 32},
-             {"name": "QuantizedCache quanto int4", "cache": "quanto4", "family": "QuantizedCache",
+              "line": "DynamicCache (peer env)", "keep": 1.0, "bits": 32}] if grid["peer_dynamic_needle"] else []
+    peers += [{"name": "QuantizedCache quanto int4", "cache": "quanto4", "family": "QuantizedCache",
               "line": "QuantizedCache quanto int4", "keep": 1.0, "bits": 4},
              {"name": "QuantizedCache HQQ int4", "cache": "hqq4", "family": "QuantizedCache",
               "line": "QuantizedCache HQQ int4", "keep": 1.0, "bits": 4}]
@@ -265,6 +271,10 @@ def _press_method(press: str, keep: float, cache: str) -> dict:
 def ppl_methods(grid: dict, tokens: int) -> tuple[list[dict], list[dict]]:
     ours = [{"name": "DynamicCache (transformers 5.23)", "kind": "dynamic", "family": "reference",
              "line": "DynamicCache", "keep": 1.0}]
+    for bits in grid["ours_full_bits"]:
+        if bits != 16:
+            ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
+                         "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0})
     for policy, bits in grid["ours_ppl"]:
         for keep in grid["keeps"]:
             ours.append({"name": f"ours {policy} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
@@ -284,8 +294,9 @@ def ppl_methods(grid: dict, tokens: int) -> tuple[list[dict], list[dict]]:
     return ours, peers
 
 
-def speed_methods(grid: dict) -> list[tuple[str, dict]]:
-    """(side, method), alternating sides so machine noise hits both alike."""
+def speed_methods(grid: dict, length: int) -> list[tuple[str, dict]]:
+    """(side, method), alternating sides so machine noise hits both alike. The peer environment's DynamicCache
+    (a cross-check of the two transformers versions) runs at the first length only."""
     ours = []
     for policy, keep, bits in grid["speed_ours"]:
         if policy == "dynamic":
@@ -300,7 +311,8 @@ def speed_methods(grid: dict) -> list[tuple[str, dict]]:
         if press is None:
             name = {"dynamic": "DynamicCache (transformers 5.2)", "quanto4": "QuantizedCache quanto int4",
                     "hqq4": "QuantizedCache HQQ int4"}[cache]
-            peers.append({"name": name, "cache": cache})
+            if cache != "dynamic" or length == grid["speed_lengths"][0]:
+                peers.append({"name": name, "cache": cache})
         else:
             peers.append({"name": f"kvpress {SHORT[press]}{CACHE_LABEL[cache]} keep {SPEED_KEEP:g}", "cache": cache,
                           "press": press, "ratio": round(1 - SPEED_KEEP, 6)})
@@ -387,13 +399,13 @@ def plot_quality(needle_rows, ppl_rows, out_dir: Path) -> list[str]:
             groups.setdefault(row["line"], []).append((row[x_key] / 2**20, row[y_key]))
         return {name: sorted(points) for name, points in groups.items()}
 
-    palette = {"h2o": "tab:red", "local": "tab:olive", "sink": "tab:brown", "full": "tab:gray",
+    palette = {"h2o-heavy0.9": "darkred", "h2o": "tab:red", "local": "tab:olive", "sink": "tab:brown", "full": "tab:gray",
                "ObservedAttention": "tab:blue", "SnapKV": "tab:cyan", "StreamingLLM": "tab:purple", "TOVA": "tab:green",
                "Knorm": "tab:pink", "ExpectedAttention": "tab:orange", "quanto": "black", "HQQ": "dimgray",
                "Dynamic": "gold"}
 
     def style(name):
-        color = next((c for key, c in palette.items() if f" {key}" in f" {name}" or f"({key})" in name), "black")
+        color = next((c for key, c in palette.items() if f" {key} " in f" {name} " or f"({key})" in name), "black")
         if name.startswith("ours"):
             marker = {"16-bit": "o", "8-bit": "D", "4-bit": "s"}.get(name.split()[-1], "o")
             return dict(linestyle="-", linewidth=2.2, marker=marker, color=color)
@@ -448,6 +460,30 @@ def plot_quality(needle_rows, ppl_rows, out_dir: Path) -> list[str]:
         plt.close(figure)
         written.append(str(path))
     return written
+
+
+def same_keep_pairs(needle_rows: list[dict]) -> list[dict]:
+    """Each kvpress setting against ours at the same keep fraction and the same storage: ours h2o 16-bit (kept
+    tokens unquantized, as kvpress alone) or 4-bit (as kvpress + quanto int4), with the default heavy_ratio 0.5
+    and, where run, heavy_ratio 0.9 (most of the budget chosen by score, as kvpress does)."""
+    by_name = {r["name"]: r for r in needle_rows if not r.get("error")}
+    key = lambda row: (row["accuracy"], -row["answer_nll"])  # noqa: E731
+    pairs = []
+    for row in by_name.values():
+        if not row["family"].startswith("kvpress"):
+            continue
+        bits = 4 if row["family"] == "kvpress+quanto" else 16
+        mine = [by_name.get(f"ours {label} {bits}-bit keep {row['keep']:g}") for label in ("h2o", "h2o-heavy0.9")]
+        if mine[0] is None:
+            continue
+        best = max(filter(None, mine), key=key)
+        better = "ours" if key(best) > key(row) else "peer"
+        if abs(best["answer_nll"] - row["answer_nll"]) <= 0.05 and best["accuracy"] == row["accuracy"]:
+            better = "tie"
+        pairs.append({"keep": row["keep"], "peer": row["name"], "peer_right": row["accuracy"],
+                      "peer_nll": row["answer_nll"], "peer_kv_bytes": row["kv_bytes"],
+                      "ours_default": mine[0], "ours_heavy": mine[1], "better": better})
+    return sorted(pairs, key=lambda p: (-p["keep"], p["peer"]))
 
 
 def comparisons(needle_rows: list[dict]) -> list[dict]:
@@ -512,6 +548,17 @@ def write_markdown(report: dict, path: Path) -> None:
             f"{row['answer_nll']:.3f} | {mib(row['kv_bytes'])} | {mib(row['context_kv_bytes'])} | {share:.1f} | "
             f"{row['kept_tokens']:.0f} |")
     lines += ["", "![needle](peers_needle.png)", "",
+              "### Same keep fraction, same storage (ours h2o 16-bit vs a press alone; ours h2o 4-bit vs press + quanto)",
+              "", "right / NLL / KiB held; 'heavy 0.9' = our H2O with heavy_ratio 0.9 instead of the default 0.5.", "",
+              "| keep | peer | peer right | peer NLL | peer KiB | ours h2o | ours h2o heavy 0.9 | better |",
+              "|---:|---|---:|---:|---:|---|---|---|"]
+    cell = lambda r: "-" if r is None else f"{r['accuracy']:.2f} / {r['answer_nll']:.3f} / {r['kv_bytes'] / 1024:.0f}"  # noqa: E731
+    for pair in report.get("same_keep", []):
+        lines.append(
+            f"| {pair['keep']:g} | {pair['peer']} | {pair['peer_right']:.2f} | {pair['peer_nll']:.3f} | "
+            f"{pair['peer_kv_bytes'] / 1024:.0f} | {cell(pair['ours_default'])} | {cell(pair['ours_heavy'])} | "
+            f"{pair['better']} |")
+    lines += ["",
               "### Matched at equal or fewer bytes (ours = our best setting holding no more bytes than the peer)", "",
               "| peer | right | NLL | KiB | ours | right | NLL | KiB | better |", "|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for pair in report["comparisons"]:
@@ -528,14 +575,15 @@ def write_markdown(report: dict, path: Path) -> None:
         lines.append(f"| {row['name']} | {row['keep']:g} | {row['perplexity']:.3f} | {fmt(row.get('ppl_ratio'), '.3f')} | "
                      f"{mib(row['kv_bytes'])} | {row['kept_tokens']} |")
     lines += ["", "![ppl](peers_ppl.png)", "", "## Decode speed and memory", "", report["speed_setup"], "",
-              "| context | method | prefill s | decode tok/s | x DynamicCache (5.23) | KV MiB | peak RSS prefill MiB | "
-              "peak RSS decode MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+              "| context | method | prefill s | decode tok/s | x DynamicCache raw | x DynamicCache load-normalized | "
+              "KV MiB | peak RSS prefill MiB | peak RSS decode MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in report["speed"]:
         if row.get("error"):
-            lines.append(f"| {row.get('length')} | {row['method']} | error: {row['error'][:200]} | | | | | |")
+            lines.append(f"| {row.get('length')} | {row['method']} | error: {row['error'][:200]} | | | | | | |")
             continue
         lines.append(f"| {row['length']} | {row['method']} | {row['prefill_s']:.2f} | {row['decode_tokens_per_s']:.2f} | "
-                     f"{fmt(row.get('speed_vs_dynamic'), '.2f')} | {mib(row['kv_bytes'])} | {row['peak_prefill_mib']:.0f} | "
+                     f"{fmt(row.get('speed_vs_dynamic'), '.2f')} | {fmt(row.get('speed_vs_dynamic_normalized'), '.2f')} | "
+                     f"{mib(row['kv_bytes'])} | {row['peak_prefill_mib']:.0f} | "
                      f"{row['peak_decode_mib']:.0f} |")
     if report.get("failures"):
         lines += ["", "## What could not be run", ""] + [f"- {f}" for f in report["failures"]]
@@ -654,6 +702,7 @@ def main() -> None:
         report["needle"] = summarize_needle(records["needle"], ours_needle + (peer_needle if peers else []), inputs,
                                             tokenizer)
         report["comparisons"] = comparisons(report["needle"])
+        report["same_keep"] = same_keep_pairs(report["needle"])
     if "ppl" in records:
         report["ppl"] = summarize_ppl(records["ppl"], ours_ppl + (peer_ppl if peers else []))
         reference = next((r.get("perplexity") for r in report["ppl"]
@@ -672,7 +721,7 @@ def main() -> None:
     # speed: one setting at a time, each in a fresh worker process (clean peak-memory figures), alternating sides
     if "speed" in tasks:
         for length in grid["speed_lengths"]:
-            for index, (side, method) in enumerate(speed_methods(grid)):
+            for index, (side, method) in enumerate(speed_methods(grid, length)):
                 if side == "peers" and not peer_python:
                     continue
                 if side == "ours":
@@ -693,7 +742,8 @@ def main() -> None:
                 if result.get("error"):
                     failures.append(f"speed {method['name']} at {length}: {result['error'][:600]}")
                 else:
-                    say(f"speed {length} {method['name']}: {result['decode_tokens_per_s']:.2f} tok/s, "
+                    say(f"speed {length} {method['name']}: {result['decode_tokens_per_s']:.2f} tok/s "
+                        f"({result.get('decode_cost_vs_probe', float('nan')):.2f} probes/step), "
                         f"prefill {result['prefill_s']:.1f}s")
         for length in grid["speed_lengths"]:
             base = next((r for r in report["speed"] if r["length"] == length and not r.get("error")
@@ -701,6 +751,8 @@ def main() -> None:
             for row in report["speed"]:
                 if base and row["length"] == length and not row.get("error"):
                     row["speed_vs_dynamic"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+                    if row.get("decode_cost_vs_probe") and base.get("decode_cost_vs_probe"):
+                        row["speed_vs_dynamic_normalized"] = base["decode_cost_vs_probe"] / row["decode_cost_vs_probe"]
 
     report["failures"] = failures
     report["sanity"] = sanity
@@ -723,9 +775,12 @@ def main() -> None:
     report["speed_setup"] = (
         f"Prefill of {list(grid['speed_lengths'])} tokens of real prose then {grid['speed_steps']} greedy decode steps; "
         "decode tok/s = 1 / median step time. Each setting runs alone, in a fresh worker process of its side (model "
-        "loaded, 64-token warm-up); sides alternate. Peak RSS = highest resident memory above that process's idle "
-        "level (sampled every 4 ms; malloc_trim before each phase) during prefill / during decode (the decode figure "
-        "includes the cache); model weights excluded.")
+        "loaded, 64-token warm-up); sides alternate. Load-normalized: each decode step is followed by a fixed probe "
+        "(the 30 MLPs on one token) and the step/probe ratio's median is compared with DynamicCache's, so other jobs "
+        "on the shared machine cancel out; raw ratios move by +-30% between identical runs here. Peak RSS = the "
+        "kernel's high-water mark (VmHWM, reset per phase) above the process's idle level during prefill / during "
+        "decode (the decode figure includes the cache); model weights excluded; single runs, allocator-dependent "
+        "(ours' 1k prefill peak ranged 185-350 MiB over three identical runs).")
     report["plots"] = plot_quality(report["needle"], report["ppl"], out_dir) if report["needle"] or report["ppl"] else []
     (out_dir / "peers.json").write_text(json.dumps(report, indent=1, default=str))
     write_markdown(report, out_dir / "peers.md")

@@ -11,6 +11,7 @@ model to it.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -111,6 +112,14 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
     layer = _pending().pop(getattr(module, "layer_idx", None), None)
     if layer is None:  # no compressed cache involved: plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if layer.bound_module is None:
+        layer.bound_module = weakref.ref(module)
+    elif layer.bound_module() is not module:
+        layer.returned_keys = None
+        raise CacheStateError(
+            f"layer {module.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
+            "and values, so build a new one with make_cache(model, ...)"
+        )
     if layer.returned_keys is not key:
         raise CacheStateError(
             f"layer {module.layer_idx}: the keys reaching attention are not the ones the compressed cache "

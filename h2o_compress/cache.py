@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import announce, withdraw
 from .config import CompressionConfig
-from .errors import CacheStateError
+from .errors import CacheStateError, InputError
 from .eviction import EvictionPolicy, make_policy
 from .quantization import KVQuantizer, StoredTensor, make_quantizer
 from .quantization.base import gather_tokens
@@ -78,6 +78,7 @@ class CompressedLayer(CacheLayerMixin):
         self.leading_pads: torch.Tensor | None = None  # [batch] left-padding tokens held, None when there are none
         self.seen_tokens = 0
         self.returned_keys = None
+        self.bound_module = None  # weakref to the attention module that used this layer first
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -116,15 +117,22 @@ class CompressedLayer(CacheLayerMixin):
             withdraw(self.layer_idx)
             raise CacheStateError(
                 f"layer {self.layer_idx}: attention of the previous step did not go through the 'h2o_compress' "
-                "attention function; build the cache with h2o_compress.make_cache(model, ...), which switches "
-                "the model to it"
+                "attention function (or the cache is used by another model than the one it was made for); build "
+                "the cache with h2o_compress.make_cache(model, ...), which switches that model to it"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads:
+        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads or key_states.shape[3] != self.head_dim:
             raise CacheStateError(
-                f"layer {self.layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads} but got "
-                f"batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}; use a new cache (or cache.reset())"
+                f"layer {self.layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim} but got batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}, "
+                f"head_dim={key_states.shape[3]}; use a new cache (or cache.reset())"
+            )
+        total = torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32)
+        if not bool(torch.isfinite(total)):
+            raise InputError(
+                f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs and the model "
+                "weights: a non-finite token would poison every later step"
             )
         self.seen_tokens += key_states.shape[2]
         if self.key_basis is not None:
@@ -281,6 +289,27 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.config = config
         self.model_id = model_id
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Route to :meth:`CompressedLayer.update`, after checking that the layer exists and that the previous
+        forward pass reached every layer.
+
+        Raises:
+            CacheStateError: ``layer_idx`` beyond this cache's layers (another model), or layers that hold
+                different token counts (a forward pass failed half-way).
+        """
+        if not 0 <= layer_idx < len(self.layers):
+            raise CacheStateError(
+                f"layer_idx={layer_idx} but this cache has {len(self.layers)} layers: it was made for another model"
+            )
+        if layer_idx == 0:
+            seen = {layer.seen_tokens for layer in self.layers}
+            if len(seen) > 1:
+                raise CacheStateError(
+                    f"the layers of this cache hold different token counts ({min(seen)} to {max(seen)}): an earlier "
+                    "forward pass failed half-way; call cache.reset() or build a new cache"
+                )
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     @property
     def capacity(self) -> int | None:

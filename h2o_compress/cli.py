@@ -149,6 +149,8 @@ def generate(
         import torch
 
         torch.manual_seed(seed)
+    if memory_limit is not None and load_cache is not None:
+        fail("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting it was saved with")
     if memory_limit is not None:
         from .planner import choose_for_prompt, describe_choice, parse_memory
 

@@ -70,7 +70,7 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         from .eviction import POLICIES
 
-        if self.policy not in POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; allowed: {', '.join(sorted(POLICIES))}")
         budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
@@ -88,16 +88,18 @@ class CompressionConfig:
             value = getattr(self, name)
             if value is None and name != "kv_bits":
                 continue
-            if isinstance(value, bool) or value not in ALLOWED_BITS:
+            if type(value) is not int or value not in ALLOWED_BITS:
                 raise ConfigError(f"{name}={value!r} is not supported; allowed: 4, 8, 16")
-        if self.quant not in QUANT_BACKENDS:
+        if not isinstance(self.quant, str) or self.quant not in QUANT_BACKENDS:
             raise ConfigError(f"unknown quant backend {self.quant!r}; allowed: {', '.join(QUANT_BACKENDS)}")
         if self.quant == "int8-blockwise" and 4 in (self.key_bits, self.value_bits):
             raise ConfigError("quant='int8-blockwise' is an 8-bit format; allowed kv bits with it: 8, 16")
-        if isinstance(self.group_size, bool) or self.group_size not in ALLOWED_GROUP_SIZES:
+        if type(self.group_size) is not int or self.group_size not in ALLOWED_GROUP_SIZES:
             raise ConfigError(f"group_size={self.group_size!r} is not supported; allowed: 32, 64, 128")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ConfigError(f"residual={self.residual!r} is invalid; allowed: an integer >= 0 (tokens)")
+        if not isinstance(self.rotate, bool):
+            raise ConfigError(f"rotate={self.rotate!r} is invalid; allowed: True or False")
         if (
             isinstance(self.score_chunk_size, bool)
             or not isinstance(self.score_chunk_size, int)

@@ -11,8 +11,10 @@ import torch
 from .attention import use_h2o_attention
 from .cache import CompressedCache, build_layers
 from .config import CompressionConfig
-from .errors import ConfigError, InputError
+from .errors import CacheStateError, ConfigError, InputError
 from .models import model_dims
+from .persistence import model_fingerprint
+from .prompt_cache import check_context, prefill
 
 
 def model_identity(model) -> str:
@@ -35,7 +37,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             not divide the model's ``head_dim``.
         UnsupportedModelError: the model's attention cannot be scored.
     """
-    config = config or CompressionConfig()
+    config = _check_config(config)
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ConfigError(f"max_length={max_length!r} is invalid; allowed: an integer >= 1 (tokens)")
     use_h2o_attention(model)
@@ -48,7 +50,17 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         )
     capacity = config.capacity(max_length)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity)
-    return CompressedCache(layers, config, model_id=model_identity(model))
+    cache = CompressedCache(layers, config, model_id=model_identity(model))
+    cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
+    return cache
+
+
+def _check_config(config) -> CompressionConfig:
+    if config is None:
+        return CompressionConfig()
+    if not isinstance(config, CompressionConfig):
+        raise ConfigError(f"config={config!r} is invalid; allowed: a CompressionConfig or None")
+    return config
 
 
 @dataclass
@@ -122,17 +134,26 @@ def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
+    cache: CompressedCache | None = None,
 ) -> GenerationResult:
     """Generate from ``prompt`` with a compressed KV cache (greedy by default).
 
     The budget fraction applies to ``prompt tokens + max_new_tokens``. ``on_text`` receives each new piece of
-    text as it is generated (streaming). Stops at the tokenizer's end-of-sequence token.
+    text as it is generated (streaming). Stops at the tokenizer's end-of-sequence token. ``cache`` continues
+    from an existing cache (e.g. :meth:`CompressedCache.load`): only the prompt tokens it does not hold yet
+    are fed (see :func:`h2o_compress.prompt_cache.prefill`).
 
     Raises:
-        InputError: empty prompt, or prompt + new tokens longer than the model's context.
-        ConfigError: bad ``max_new_tokens``/``temperature`` or compression setting.
+        InputError: empty prompt, prompt + new tokens longer than the model's context, or a prompt that does
+            not extend the one ``cache`` holds.
+        ConfigError: bad ``max_new_tokens``/``temperature``/``seed`` or compression setting.
+        CacheStateError: ``cache`` and ``config`` both given and different.
     """
-    config = config or CompressionConfig()
+    config = _check_config(config) if cache is None or config is not None else cache.config
+    if cache is not None and config != cache.config:
+        raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed={seed!r} is invalid; allowed: an integer or None")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid; allowed: an integer >= 1")
     if not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
@@ -140,13 +161,9 @@ def generate(
     device = next(model.parameters()).device
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     prompt_tokens = input_ids.shape[1]
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and prompt_tokens + max_new_tokens > limit:
-        raise InputError(
-            f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
-            f"{limit} tokens"
-        )
-    cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
+    check_context(model, prompt_tokens, max_new_tokens)
+    if cache is None:
+        cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_ids(model, tokenizer)
 
@@ -158,7 +175,7 @@ def generate(
 
     _sync(device)
     start = time.perf_counter()
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = prefill(model, input_ids, cache)
     token = pick(logits)
     _sync(device)
     prefill_s = time.perf_counter() - start

