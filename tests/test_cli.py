@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_llama
+from conftest import save_tiny_model_dir
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app
@@ -15,18 +15,8 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A tiny LLaMA saved with a word-level tokenizer, as a local Hugging Face directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {f"w{i}": i for i in range(126)} | {"<unk>": 126, "</s>": 127}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
-    tokenizer.save_pretrained(path)
-    tiny_llama(head_dim=32).save_pretrained(path)
-    return str(path)
+    """A tiny LLaMA (head_dim 32) with a word-level tokenizer, as a local Hugging Face directory."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.mark.parametrize(
