@@ -401,8 +401,7 @@ def plot_quality(needle_rows, ppl_rows, out_dir: Path) -> list[str]:
 
     palette = {"h2o-heavy0.9": "darkred", "h2o": "tab:red", "local": "tab:olive", "sink": "tab:brown", "full": "tab:gray",
                "ObservedAttention": "tab:blue", "SnapKV": "tab:cyan", "StreamingLLM": "tab:purple", "TOVA": "tab:green",
-               "Knorm": "tab:pink", "ExpectedAttention": "tab:orange", "quanto": "black", "HQQ": "dimgray",
-               "Dynamic": "gold"}
+               "Knorm": "tab:pink", "ExpectedAttention": "tab:orange", "quanto": "black", "HQQ": "dimgray"}
 
     def style(name):
         color = next((c for key, c in palette.items() if f" {key} " in f" {name} " or f"({key})" in name), "black")
@@ -410,19 +409,23 @@ def plot_quality(needle_rows, ppl_rows, out_dir: Path) -> list[str]:
             marker = {"16-bit": "o", "8-bit": "D", "4-bit": "s"}.get(name.split()[-1], "o")
             return dict(linestyle="-", linewidth=2.2, marker=marker, color=color)
         if name.startswith("Dynamic"):
-            return dict(linestyle="none", marker="*", markersize=14, color=color, markeredgecolor="black")
+            return dict(linestyle="none", marker="*", markersize=14, color="gold", markeredgecolor="black")
         if name.startswith("QuantizedCache"):
             return dict(linestyle="none", marker="P", markersize=10, color=color)
         if "quanto" in name:
             return dict(linestyle=":", marker="s", color=color, markerfacecolor="white")
         return dict(linestyle="--", marker="^", color=color)
 
-    def scalar_axis(axis):
-        from matplotlib.ticker import ScalarFormatter
+    def scalar_axis(axis, y=False):
+        from matplotlib.ticker import FormatStrFormatter, ScalarFormatter
 
         axis.xaxis.set_major_formatter(ScalarFormatter())
         axis.xaxis.set_minor_formatter(ScalarFormatter())
         axis.tick_params(axis="x", which="minor", labelsize=7)
+        if y:
+            axis.yaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+            axis.yaxis.set_minor_formatter(FormatStrFormatter("%.2g"))
+            axis.tick_params(axis="y", which="minor", labelsize=7)
 
     figure, axes = plt.subplots(1, 2, figsize=(18, 6.5))
     for axis, key, label in ((axes[0], "accuracy", "pass keys retrieved (fraction)"),
@@ -447,8 +450,8 @@ def plot_quality(needle_rows, ppl_rows, out_dir: Path) -> list[str]:
         for name, points in lines(ppl_rows, "ppl_ratio", "kv_bytes").items():
             axis.plot(*zip(*points), label=name, **style(name))
         axis.set_xscale("log")
-        scalar_axis(axis)
         axis.set_yscale("log")
+        scalar_axis(axis, y=True)
         axis.set_xlabel("KV cache MiB at the end of the stream (log)")
         axis.set_ylabel("perplexity / DynamicCache perplexity (log)")
         axis.set_title("Streaming perplexity (compression while reading), SmolLM2-135M, CPU")
@@ -614,7 +617,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--keep-workdir", action="store_true", help="keep worker logs and intermediate JSON")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rebuild peers.md and the plots from an existing peers.json (no measurement)")
     args = parser.parse_args()
+    if args.report_only:
+        out_dir = Path(args.out_dir)
+        report = json.loads((out_dir / "peers.json").read_text())
+        report["plots"] = plot_quality(report["needle"], report["ppl"], out_dir)
+        (out_dir / "peers.json").write_text(json.dumps(report, indent=1, default=str))
+        write_markdown(report, out_dir / "peers.md")
+        say(f"rebuilt {out_dir / 'peers.md'} and {len(report['plots'])} plot(s) from peers.json")
+        return
     mode = args.mode or "default"
     grid = MODES[mode]
     tasks = set(args.tasks.split(","))

@@ -65,7 +65,7 @@ class CompressionConfig:
     group_size: int = 32
     residual: int = 4
     rotate: bool = True
-    score_chunk_size: int = 256
+    score_chunk_size: int = 64
 
     def __post_init__(self) -> None:
         from .eviction import POLICIES

@@ -69,7 +69,8 @@ class NeedleResult:
         for t in self.trials:
             cell = table.setdefault(t.setting, {}).setdefault(t.length, {}).setdefault(t.depth, [])
             cell.append(t.correct)
-        return {s: {n: {d: sum(c) / len(c) for d, c in row.items()} for n, row in rows.items()} for s, rows in table.items()}
+        return {setting: {n: {d: sum(c) / len(c) for d, c in row.items()} for n, row in rows.items()}
+                for setting, rows in table.items()}
 
     def overall(self, setting: str) -> float:
         """Fraction of correct answers of ``setting`` over every length and depth (``nan`` if none)."""

@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -187,11 +187,13 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     record["speed"] = [
         measure_speed(model, config, corpus_ids, n, settings.decode_tokens) for n in sorted(settings.seq_lens)
     ]
+    base = record["memory_after_warmup_bytes"]
     for s in record["speed"]:
-        base = record["memory_after_warmup_bytes"]
-        s["peak_memory_delta_bytes"] = None if base is None or s["peak_memory_bytes"] is None else s["peak_memory_bytes"] - base
+        peak = s["peak_memory_bytes"]
+        s["peak_memory_delta_bytes"] = None if base is None or peak is None else peak - base
     ppl = streaming_perplexity(model, corpus_ids[:, : settings.ppl_tokens], config, settings.chunk_size)
-    record["perplexity"] = {k: v for k, v in ppl.to_dict().items() if k != "config"}
+    skip = ("config", "reference_perplexity", "perplexity_ratio")  # the report adds "ratio" against its reference
+    record["perplexity"] = {k: v for k, v in ppl.to_dict().items() if k not in skip}
     if settings.agreement_prompts:
         prompts = load_prompts()[: settings.agreement_prompts]
         if references is None:
