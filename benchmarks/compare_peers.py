@@ -525,7 +525,7 @@ def write_markdown(report: dict, path: Path) -> None:
         f"{report['wall_s'] / 60:.1f} min. Model: SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64), the same converted "
         "safetensors on both sides; token ids made once by the main environment's tokenizer.",
         "",
-        f"- ours: {_versions(report['ours_env'])}",
+        f"- ours: {_versions(report['ours_env'])}; h2o-compress at commit {report.get('core_revision', 'unknown')}",
         f"- peers: {_versions(report['peer_env'])}",
         "",
         "## Sanity",
@@ -593,6 +593,18 @@ def write_markdown(report: dict, path: Path) -> None:
     lines += ["", "Notes on where a peer is ahead, why, and what would close it: `benchmarks/README.md`, "
               "section *compare_peers.py*.", ""]
     path.write_text("\n".join(lines))
+
+
+def core_revision() -> str:
+    """The git commit of the checkout, marked when h2o_compress/ has uncommitted changes ("unknown" outside git)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "h2o_compress"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return commit + (" + uncommitted changes in h2o_compress/" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _versions(env: dict) -> str:
@@ -684,6 +696,7 @@ def main() -> None:
 
     report: dict = {"command": "python benchmarks/compare_peers.py" + ("" if mode == "default" else f" --{mode}"),
                     "mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
+                    "core_revision": core_revision(),
                     "ours_env": ours_env, "peer_env": peer_env, "grid": {k: str(v) for k, v in grid.items()},
                     "needle": [], "ppl": [], "speed": [], "comparisons": []}
     ours_needle, peer_needle = needle_methods(grid)

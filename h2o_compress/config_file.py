@@ -8,7 +8,11 @@ Every problem (missing file, syntax error, unknown key, value out of range or of
 from __future__ import annotations
 
 import json
-import tomllib
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import fields
 from pathlib import Path
 

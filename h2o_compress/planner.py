@@ -239,7 +239,7 @@ def _forward_peak(spec: ModelSpec, config: CompressionConfig, batch: int, querie
         chunk = min(config.score_chunk_size, queries)
         scoring = batch * keys * 4 * (2 * d.num_heads * chunk + d.kv_heads * d.head_dim)
     mlp = 3 * tokens * spec.intermediate_size * size
-    logits = tokens * spec.vocab_size * size  # generate() computes logits for every prompt position
+    logits = batch * spec.vocab_size * size  # generate() keeps the logits of the last position only
     return residual_stream + max(qkv + kv + dequant + scoring, mlp, logits)
 
 
