@@ -138,7 +138,6 @@ def generate(
 ):
     """Generate text with a compressed KV cache, streaming tokens as they come."""
     from .generation import generate as run_generate
-    from .generation import encode_prompt  # noqa: F401  (validates the prompt before the model loads)
     from .models import load_model
 
     if not prompt.strip():

@@ -9,7 +9,7 @@ capacity in tokens. ``heavy_ratio`` of the capacity goes to heavy hitters, the r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from .errors import ConfigError
 
