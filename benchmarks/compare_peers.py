@@ -805,8 +805,8 @@ def main() -> None:
         "(the 30 MLPs on one token) and the step/probe ratio's median is compared with DynamicCache's, so other jobs "
         "on the shared machine cancel out; raw ratios move by +-30% between identical runs here. Peak RSS = the "
         "kernel's high-water mark (VmHWM, reset per phase) above the process's idle level during prefill / during "
-        "decode (the decode figure includes the cache); model weights excluded; single runs, allocator-dependent "
-        "(ours' 1k prefill peak ranged 185-350 MiB over three identical runs).")
+        "decode (the decode figure includes the cache); model weights excluded; single runs, so allocator-dependent "
+        "(read differences under ~50 MiB as noise).")
     report["plots"] = plot_quality(report["needle"], report["ppl"], out_dir) if report["needle"] or report["ppl"] else []
     (out_dir / "peers.json").write_text(json.dumps(report, indent=1, default=str))
     write_markdown(report, out_dir / "peers.md")

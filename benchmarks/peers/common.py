@@ -217,7 +217,8 @@ def answer_nll(logits: torch.Tensor, answer_ids: list[int]) -> float:
     return torch.nn.functional.cross_entropy(predicting, torch.tensor(answer_ids), reduction="mean").item()
 
 
-def stream_nll_chunks(step: Callable[[torch.Tensor, int], torch.Tensor], ids: list[int], chunk: int) -> tuple[float, float]:
+def stream_nll_chunks(step: Callable[[torch.Tensor, int], torch.Tensor], ids: list[int],
+                      chunk: int) -> tuple[float, float]:
     """Mean next-token NLL of ``ids`` read ``chunk`` tokens per call of ``step(chunk_ids [1, k], start)``
     (returns logits [1, k, vocab]); returns ``(nll, seconds)``."""
     tensor = ids_tensor(ids)

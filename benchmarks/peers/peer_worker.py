@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common import (  # noqa: E402
-    PeakRSS, answer_nll, decode_timing, ids_tensor, make_probe, kept_tokens, load_inputs, log, perplexity, serve, set_threads,
-    stream_nll_chunks, transformers_cache_bytes,
+    PeakRSS, answer_nll, decode_timing, ids_tensor, kept_tokens, load_inputs, log, make_probe, perplexity, serve,
+    set_threads, stream_nll_chunks, transformers_cache_bytes,
 )
 
 STATE: dict = {}
