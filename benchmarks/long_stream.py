@@ -59,17 +59,6 @@ def stream_ids(model_name: str, tokens: int, vocab: int) -> torch.Tensor:
     return ids.repeat(1, tokens // ids.shape[1] + 1)[:, :tokens]
 
 
-def storage_bytes(cache) -> int:
-    """Bytes of the storages behind every tensor the cache holds (views of larger buffers count in full)."""
-    total = 0
-    for layer in cache.layers:
-        tensors = [layer.residual_keys, layer.residual_values, layer.scores]
-        for stored in (layer.stored_keys, layer.stored_values):
-            tensors += [] if stored is None else list(stored.parts.values())
-        total += sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
-    return total
-
-
 @torch.inference_mode()
 def run(model, ids: torch.Tensor, config: CompressionConfig, mode: str, chunk: int, every: int, log) -> list[dict]:
     """Stream ``ids`` through ``model`` with a compressed cache; returns one sample per ``every`` tokens."""
@@ -96,7 +85,7 @@ def run(model, ids: torch.Tensor, config: CompressionConfig, mode: str, chunk: i
             sample = {
                 "tokens": fed, "kept": cache.kept_length(), "cache_bytes": nbytes,
                 "cache_bytes_min_since_last": low, "cache_bytes_max_since_last": high,
-                "storage_bytes": storage_bytes(cache), "fp16_full_bytes": cache.full_fp16_nbytes(),
+                "storage_bytes": cache.storage_nbytes(), "fp16_full_bytes": cache.full_fp16_nbytes(),
                 "rss_bytes": process.memory_info().rss, "elapsed_s": elapsed, "tokens_per_s": fed / elapsed,
             }
             samples.append(sample)

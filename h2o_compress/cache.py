@@ -232,16 +232,17 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def nbytes(self) -> int:
-        """Bytes of every tensor held: stored data, scales, zeros, residual window and scores."""
-        total = 0
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held: stored parts (data, scales, zeros), residual window and scores."""
+        held = [t for t in (self.residual_keys, self.residual_values, self.scores) if t is not None]
         for stored in (self.stored_keys, self.stored_values):
             if stored is not None:
-                total += stored.nbytes()
-        for tensor in (self.residual_keys, self.residual_values, self.scores):
-            if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
-        return total
+                held += stored.parts.values()
+        return held
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held: stored data, scales, zeros, residual window and scores."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -323,6 +324,11 @@ class CompressedCache(Cache):
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (packed data, scales, zeros, residual window, scores)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def storage_nbytes(self) -> int:
+        """Bytes of the storages behind every tensor held; above :meth:`nbytes` only if a view pins a larger
+        buffer (a check that eviction really frees memory)."""
+        return sum(t.untyped_storage().nbytes() for layer in self.layers for t in layer.tensors())
 
     def full_fp16_nbytes(self) -> int:
         """Bytes the uncompressed fp16 cache would hold for the tokens seen:

@@ -224,15 +224,6 @@ def test_budget_one_and_16_bits_equals_the_uncompressed_cache(case):
 
 
 # -- unbounded stream --------------------------------------------------------------------------------------------
-def storage_bytes(cache) -> int:
-    """Bytes of the storages behind every tensor the cache holds (catches views that pin larger buffers)."""
-    total = 0
-    for layer in cache.layers:
-        tensors = [layer.residual_keys, layer.residual_values, layer.scores]
-        for stored in (layer.stored_keys, layer.stored_values):
-            tensors += [] if stored is None else list(stored.parts.values())
-        total += sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
-    return total
 
 
 @pytest.mark.parametrize(
@@ -253,7 +244,7 @@ def test_long_stream_keeps_cache_bytes_bounded(config):
     for step in range(250):
         logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
-        assert storage_bytes(cache) == cache.nbytes()  # no hidden growth behind views
+        assert cache.storage_nbytes() == cache.nbytes()  # no hidden growth behind views
         if step >= 30:  # full for a while: capacity reached and residual windows cycling
             steady.append(cache.nbytes())
     assert cache.get_seq_length() == 257 and cache.kept_length() == cache.capacity
