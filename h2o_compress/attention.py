@@ -51,7 +51,7 @@ def attention_probability_sums(
 
     Computed in fp32 in chunks of ``chunk_size`` queries, so at most ``[batch, heads, chunk, keys]`` is
     materialised (never the full ``queries x keys`` matrix for a long prompt). Keys hidden from every query
-    (padding) get ``-inf`` so they are evicted first.
+    (padding) receive nothing; the cache layer marks them for eviction (:meth:`CompressedLayer.after_attention`).
 
     Args:
         query: ``[batch, q_heads, queries, head_dim]``.
@@ -81,9 +81,6 @@ def attention_probability_sums(
         if visible is not None:
             probs = probs.nan_to_num_(0.0)  # queries that see nothing (padding rows) add nothing
         total += probs.sum(dim=(2, 3))
-    if attention_mask is not None:
-        last = _visible(attention_mask, queries - 1, queries, queries, keys, key.device)
-        total.masked_fill_(~last.reshape(last.shape[0], 1, keys), float("-inf"))
     return total
 
 

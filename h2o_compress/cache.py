@@ -171,6 +171,8 @@ class CompressedLayer(CacheLayerMixin):
         if padding is not None:
             pads = padding.sum(-1).expand(self.batch)
             self.leading_pads = pads if bool(pads.any()) else None
+            if probability_sums is not None and self.leading_pads is not None:  # padding is evicted first
+                probability_sums = probability_sums.masked_fill(padding.view(-1, 1, padding.shape[-1]), float("-inf"))
         if probability_sums is not None:
             if self.scores is None:
                 self.scores = probability_sums

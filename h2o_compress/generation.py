@@ -149,8 +149,11 @@ def generate(
         ConfigError: bad ``max_new_tokens``/``temperature``/``seed`` or compression setting.
         CacheStateError: ``cache`` and ``config`` both given and different.
     """
-    config = _check_config(config) if cache is None or config is not None else cache.config
-    if cache is not None and config != cache.config:
+    if cache is None:
+        config = _check_config(config)
+    elif config is None:
+        config = cache.config
+    elif _check_config(config) != cache.config:
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"seed={seed!r} is invalid; allowed: an integer or None")
