@@ -71,3 +71,13 @@ def save_tiny_model_dir(path, **llama_kwargs) -> str:
 def tiny_model_dir(tmp_path_factory):
     """A tiny LLaMA (head_dim 32, 2 KV heads, 2 layers) + word-level tokenizer as a local model directory."""
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-dir"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present (``pytest -m cuda`` on a GPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
