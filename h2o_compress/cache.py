@@ -26,9 +26,21 @@ from .quantization.base import gather_tokens
 class CompressedLayer(CacheLayerMixin):
     """The compressed KV cache of one attention layer.
 
-    Tensors held: ``stored_keys``/``stored_values`` (:class:`StoredTensor`, ``[batch, kv_heads, stored, ...]``),
-    ``residual_keys``/``residual_values`` (``[batch, kv_heads, residual, head_dim]``, model dtype) and
-    ``scores`` (fp32 ``[batch, kv_heads, kept]``, only for policies that read scores).
+    Tensors held, per sequence and KV head:
+
+    - ``stored_keys``/``stored_values`` (:class:`StoredTensor`, ``[batch, kv_heads, slots, ...]``): a buffer of
+      ``slots`` tokens (quantized, or in the model dtype for 16-bit caches) of which the first ``stored_length``
+      are held, in no particular order once eviction has run;
+    - ``slot_info`` (:class:`StoredTensor`, same slots): ``"position"`` (int32 absolute position of each stored
+      token; bounded caches) and ``"score"`` (fp32 accumulated attention; policies that read scores);
+    - ``residual_keys``/``residual_values`` (``[batch, kv_heads, residual, head_dim]``, 16-bit, quantized caches
+      only) and their fp32 ``residual_scores``: the newest tokens, in order.
+
+    Bounded caches allocate their buffer once (``capacity - residual`` slots when quantized, ``capacity + 1``
+    when 16-bit: the new token is written into the buffer before attention). A decode step that evicts one token
+    does it in place, as FlexGen's H2O does: the victim's slot takes the last stored token (O(1) per sequence and
+    head), and tokens leaving the residual window are written into free slots; no step copies O(capacity) data.
+    Other steps (prefill, multi-token chunks, left padding held) gather into a fresh buffer.
 
     Args:
         layer_idx: index of the model layer (the side-channel key).
@@ -72,9 +84,11 @@ class CompressedLayer(CacheLayerMixin):
         """Drop every token and score; the layer can start a new prompt."""
         self.stored_keys: StoredTensor | None = None
         self.stored_values: StoredTensor | None = None
+        self.slot_info: StoredTensor | None = None
+        self.stored_length = 0
         self.residual_keys: torch.Tensor | None = None
         self.residual_values: torch.Tensor | None = None
-        self.scores: torch.Tensor | None = None
+        self.residual_scores: torch.Tensor | None = None
         self.leading_pads: torch.Tensor | None = None  # [batch] left-padding tokens held, None when there are none
         self.seen_tokens = 0
         self.returned_keys = None
@@ -92,8 +106,16 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     @property
-    def stored_length(self) -> int:
+    def slots(self) -> int:
+        """Tokens the stored buffer has room for (allocated), per sequence and KV head."""
         return 0 if self.stored_keys is None else len(self.stored_keys)
+
+    def target_slots(self, needed: int) -> int:
+        """Slots to allocate when the buffer must hold ``needed`` tokens: the steady-state size of a bounded
+        cache (``capacity - residual`` quantized, ``capacity + 1`` at 16 bits), else exactly ``needed``."""
+        if self.capacity is None:
+            return needed
+        return max(needed, self.capacity - self.residual if self.quantized else self.capacity + 1)
 
     @property
     def residual_length(self) -> int:
@@ -102,6 +124,26 @@ class CompressedLayer(CacheLayerMixin):
     def kept_length(self) -> int:
         """Tokens held now, per sequence and KV head."""
         return self.stored_length + self.residual_length
+
+    @property
+    def scores(self) -> torch.Tensor | None:
+        """fp32 ``[batch, kv_heads, kept]`` accumulated attention of the tokens held (stored slots, then the
+        residual window), or ``None`` for policies without scores."""
+        if self.slot_info is None or "score" not in self.slot_info.parts:
+            return self.residual_scores
+        stored = self.slot_info.parts["score"][:, :, : self.stored_length]
+        return stored if self.residual_scores is None else torch.cat((stored, self.residual_scores), dim=2)
+
+    def positions(self) -> torch.Tensor:
+        """int64 ``[batch, kv_heads, kept]`` absolute positions of the tokens held, in the order of :attr:`scores`
+        and of the keys :meth:`update` returns."""
+        seen, window = self.seen_tokens, self.residual_length
+        residual = torch.arange(seen - window, seen, device=self.device).expand(self.batch, self.kv_heads, window)
+        if self.slot_info is not None and "position" in self.slot_info.parts:
+            stored = self.slot_info.parts["position"][:, :, : self.stored_length].long()
+        else:  # unbounded caches never evict: stored tokens are 0 .. stored_length - 1
+            stored = torch.arange(self.stored_length, device=self.device).expand(self.batch, self.kv_heads, -1)
+        return torch.cat((stored, residual), dim=2)
 
     # -- transformers' layer API -----------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -134,39 +176,78 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs and the model "
                 "weights: a non-finite token would poison every later step"
             )
+        first = self.seen_tokens
         self.seen_tokens += key_states.shape[2]
         if self.key_basis is not None:
             key_states = key_states.float() @ self.key_basis
         if self.value_basis is not None:
             value_states = value_states.float() @ self.value_basis
         key_states, value_states = key_states.to(self.residual_dtype), value_states.to(self.residual_dtype)
-        if self.residual_keys is None:
-            self.residual_keys, self.residual_values = key_states, value_states
+        if not self.quantized:  # 16-bit: straight into the buffer; attention reads a view of it
+            self._append(self.key_quantizer.quantize(key_states), self.value_quantizer.quantize(value_states), first)
+            keys = self.stored_keys.parts["x"][:, :, : self.stored_length]
+            values = self.stored_values.parts["x"][:, :, : self.stored_length]
         else:
-            self.residual_keys = torch.cat((self.residual_keys, key_states), dim=2)
-            self.residual_values = torch.cat((self.residual_values, value_states), dim=2)
-        if self.stored_length:  # dequantize into one buffer and copy the window behind: no concatenation
+            if self.residual_keys is None:
+                self.residual_keys, self.residual_values = key_states, value_states
+            else:
+                self.residual_keys = torch.cat((self.residual_keys, key_states), dim=2)
+                self.residual_values = torch.cat((self.residual_values, value_states), dim=2)
             keys = self._assemble(self.key_quantizer, self.stored_keys, self.residual_keys)
             values = self._assemble(self.value_quantizer, self.stored_values, self.residual_values)
-        else:
-            keys, values = self.residual_keys.to(self.dtype), self.residual_values.to(self.dtype)
         self.returned_keys = keys
         announce(self.layer_idx, self)
         return keys, values
 
-    def _assemble(self, quantizer: KVQuantizer, stored: StoredTensor, window: torch.Tensor) -> torch.Tensor:
-        """``[batch, kv_heads, stored + window, head_dim]`` in the model dtype: stored tokens dequantized, then
-        the full-precision window."""
-        split = len(stored)
+    def _assemble(self, quantizer: KVQuantizer, stored: StoredTensor | None, window: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, stored + window, head_dim]`` in the model dtype: stored tokens dequantized into one
+        buffer, then the full-precision window (no concatenation)."""
+        split = self.stored_length
+        if split == 0:
+            return window.to(self.dtype)
         out = torch.empty(self.batch, self.kv_heads, split + window.shape[2], self.head_dim, dtype=self.dtype, device=self.device)
-        quantizer.dequantize_into(stored, out[:, :, :split])
+        quantizer.dequantize_into(stored.narrow(split), out[:, :, :split])
         out[:, :, split:].copy_(window)
         return out
 
+    def _append(
+        self, keys: StoredTensor, values: StoredTensor, first: int | torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Write stored-format tokens at positions ``first ..`` (or at the positions ``first`` ``[batch, kv_heads,
+        new]``) and their ``scores`` (default 0) behind the stored ones, growing the buffer to :meth:`target_slots`
+        only when it is full."""
+        start, new = self.stored_length, len(keys)
+        if self.stored_keys is None:
+            slots = self.target_slots(new)
+            self.stored_keys, self.stored_values = keys.resized(0, slots), values.resized(0, slots)
+            info = {}
+            if self.capacity is not None:
+                info["position"] = torch.empty(self.batch, self.kv_heads, slots, dtype=torch.int32, device=self.device)
+            if self.policy.needs_scores:
+                info["score"] = torch.empty(self.batch, self.kv_heads, slots, dtype=torch.float32, device=self.device)
+            self.slot_info = StoredTensor(info) if info else None
+        elif start + new > self.slots:
+            slots = self.target_slots(start + new)
+            for name in ("stored_keys", "stored_values", "slot_info"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name).resized(start, slots))
+        self.stored_keys.write(start, keys)
+        self.stored_values.write(start, values)
+        if self.slot_info is not None:
+            info = self.slot_info.parts
+            if "position" in info:
+                if isinstance(first, int):
+                    first = torch.arange(first, first + new, device=self.device)
+                info["position"][:, :, start : start + new] = first
+            if "score" in info:
+                target = info["score"][:, :, start : start + new]
+                target.zero_() if scores is None else target.copy_(scores)
+        self.stored_length += new
+
     def after_attention(self, probability_sums: torch.Tensor | None, padding: torch.Tensor | None = None) -> None:
-        """Accumulate scores (fp32 ``[batch, kv_heads, kept]``), evict down to capacity, quantize the tokens
-        leaving the residual window. ``padding`` ``[batch | 1, kept]`` marks keys no query may see (left
-        padding), or is ``None`` when there is none."""
+        """Accumulate scores (fp32 ``[batch, kv_heads, kept]``, keys in the order :meth:`update` returned them),
+        evict down to capacity, quantize the tokens leaving the residual window. ``padding`` ``[batch | 1, kept]``
+        marks keys no query may see (left padding), or is ``None`` when there is none."""
         self.returned_keys = None
         if padding is not None:
             pads = padding.sum(-1).expand(self.batch)
@@ -174,53 +255,104 @@ class CompressedLayer(CacheLayerMixin):
             if probability_sums is not None and self.leading_pads is not None:  # padding is evicted first
                 probability_sums = probability_sums.masked_fill(padding.view(-1, 1, padding.shape[-1]), float("-inf"))
         if probability_sums is not None:
-            if self.scores is None:
-                self.scores = probability_sums
-            else:
-                grown = probability_sums.shape[2] - self.scores.shape[2]
-                self.scores = torch.nn.functional.pad(self.scores, (0, grown)).add_(probability_sums)
+            stored = self.stored_length
+            if stored:
+                self.slot_info.parts["score"][:, :, :stored] += probability_sums[:, :, :stored]
+            window = probability_sums[:, :, stored:]
+            if window.shape[2]:
+                if self.residual_scores is not None:
+                    grown = window.shape[2] - self.residual_scores.shape[2]
+                    window = torch.nn.functional.pad(self.residual_scores, (0, grown)).add_(window)
+                self.residual_scores = window
+        if self._evict_one_in_place():
+            self._quantize_overflow()
+            return
         if self.stored_length == 0:
             self._evict()  # prefill: evict before quantizing, so evicted tokens are never quantized
         self._quantize_overflow()
         self._evict()
 
+    def _evict_one_in_place(self) -> bool:
+        """The decode step: one token over capacity, all of it in the stored buffer's reach. Picks the victim
+        with the policy's rule (lowest score outside the sinks and the recent window, ties evict the newer
+        token) and moves the last stored token into its slot. Returns ``False`` (nothing done) otherwise."""
+        capacity, stored = self.capacity, self.stored_length
+        if capacity is None or self.kept_length() != capacity + 1 or self.leading_pads is not None:
+            return False
+        sinks, recent = min(self.policy.sink_tokens, capacity), self.policy.recent_window(capacity)
+        if self.residual_length > recent or stored <= sinks:
+            return False
+        position = self.slot_info.parts["position"][:, :, :stored]
+        if self.policy.needs_scores:
+            priority = self.slot_info.parts["score"][:, :, :stored].clone()
+        else:
+            priority = torch.zeros(position.shape, device=self.device)
+        if recent:
+            priority.masked_fill_(position >= self.seen_tokens - recent, float("inf"))
+        priority[:, :, :sinks] = float("inf")  # sinks sit in the first slots: stored in order, never moved
+        lowest = priority == priority.amin(-1, keepdim=True)
+        victim = torch.where(lowest, position, -1).argmax(-1)  # the newest of the lowest: ties keep the older
+        for store in (self.stored_keys, self.stored_values, self.slot_info):
+            store.move(stored - 1, victim)
+        self.stored_length -= 1
+        return True
+
     def _evict(self) -> None:
+        """Evict down to capacity by gathering the kept tokens (in position order) into a fresh buffer."""
         length = self.kept_length()
         if self.capacity is None or length <= self.capacity:
             return
-        keep = self.policy.keep_indices(self.scores, length, self.capacity, self.leading_pads)
-        keep = keep.to(self.device)
-        if keep.dim() == 3 and keep.shape[1] != self.kv_heads:
+        stored, window = self.stored_length, self.residual_length
+        order = None  # physical slot of the i-th oldest stored token
+        if stored and "position" in self.slot_info.parts:
+            order = self.slot_info.parts["position"][:, :, :stored].argsort(dim=-1)
+        scores = self.scores
+        if scores is not None and order is not None:
+            scores = torch.cat((scores[:, :, :stored].gather(2, order), scores[:, :, stored:]), dim=2)
+        keep = self.policy.keep_indices(scores, length, self.capacity, self.leading_pads).to(self.device)
+        if keep.dim() == 1:
+            keep = keep.expand(self.batch, self.kv_heads, -1)
+        elif keep.shape[1] != self.kv_heads:
             keep = keep.expand(-1, self.kv_heads, -1)
         if self.leading_pads is not None:
             pads = (keep[:, 0, :] < self.leading_pads[:, None]).sum(-1)
             self.leading_pads = pads if bool(pads.any()) else None
-        if self.scores is not None:
-            self.scores = gather_tokens(self.scores.unsqueeze(-1), keep).squeeze(-1)
-        if self.stored_length == 0:
+        if window and stored == 0:  # prefill of a quantized cache: only the window holds tokens
             self.residual_keys = gather_tokens(self.residual_keys, keep)
             self.residual_values = gather_tokens(self.residual_values, keep)
+            if self.residual_scores is not None:
+                self.residual_scores = gather_tokens(self.residual_scores, keep)
+            self._quantize_overflow(keep + (self.seen_tokens - length))  # the window is no longer contiguous
             return
-        # The residual (<= recent window) is always kept: the first capacity - residual indices are stored ones.
-        keep = keep[..., : self.capacity - self.residual_length]
-        self.stored_keys = self.stored_keys.select(keep)
-        self.stored_values = self.stored_values.select(keep)
+        # The residual (<= recent window) is always kept: the first capacity - window indices are stored ones.
+        keep = keep[..., : self.capacity - window]
+        if order is not None:
+            keep = order.gather(2, keep)
+        slots = self.target_slots(keep.shape[2])
+        self.stored_keys = self.stored_keys.select(keep, slots)
+        self.stored_values = self.stored_values.select(keep, slots)
+        if self.slot_info is not None:
+            self.slot_info = self.slot_info.select(keep, slots)
+        self.stored_length = keep.shape[2]
 
-    def _quantize_overflow(self) -> None:
+    def _quantize_overflow(self, positions: torch.Tensor | None = None) -> None:
         """Quantize the oldest residual tokens once the window reaches ``2 x residual`` (or more) tokens, keeping
-        the newest ``residual``: quantization runs in blocks (KIVI, arXiv 2402.02750 §3.3), not every step."""
-        overflow = self.residual_length - self.residual
-        if not self.quantized or overflow <= 0 or (self.residual and self.residual_length < 2 * self.residual):
+        the newest ``residual``: quantization runs in blocks (KIVI, arXiv 2402.02750 §3.3), not every step.
+        ``positions`` ``[batch, kv_heads, window]``: where the window's tokens sit, when they are not the newest
+        ``window`` positions (right after a prefill eviction)."""
+        window = self.residual_length
+        overflow = window - self.residual
+        if not self.quantized or overflow <= 0 or (self.residual and window < 2 * self.residual):
             return
-        new_keys = self.key_quantizer.quantize(self.residual_keys[:, :, :overflow])
-        new_values = self.value_quantizer.quantize(self.residual_values[:, :, :overflow])
+        keys = self.key_quantizer.quantize(self.residual_keys[:, :, :overflow])
+        values = self.value_quantizer.quantize(self.residual_values[:, :, :overflow])
+        scores = None if self.residual_scores is None else self.residual_scores[:, :, :overflow]
+        first = self.seen_tokens - window if positions is None else positions[:, :, :overflow]
+        self._append(keys, values, first, scores)
         self.residual_keys = self.residual_keys[:, :, overflow:].clone()
         self.residual_values = self.residual_values[:, :, overflow:].clone()
-        if self.stored_keys is None:
-            self.stored_keys, self.stored_values = new_keys, new_values
-        else:
-            self.stored_keys = self.stored_keys.cat(new_keys)
-            self.stored_values = self.stored_values.cat(new_values)
+        if self.residual_scores is not None:
+            self.residual_scores = self.residual_scores[:, :, overflow:].clone()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: kept tokens + new queries; the offset makes every kept token visible."""
@@ -235,30 +367,62 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held: stored parts (data, scales, zeros), residual window and scores."""
-        held = [t for t in (self.residual_keys, self.residual_values, self.scores) if t is not None]
-        for stored in (self.stored_keys, self.stored_values):
-            if stored is not None:
-                held += stored.parts.values()
+        """Every tensor held: stored buffers (data, scales, zeros; all slots), slot positions and scores, residual
+        window and its scores."""
+        held = [t for t in (self.residual_keys, self.residual_values, self.residual_scores) if t is not None]
+        for store in (self.stored_keys, self.stored_values, self.slot_info):
+            if store is not None:
+                held += store.parts.values()
         return held
 
     def nbytes(self) -> int:
-        """Bytes of every tensor held: stored data, scales, zeros, residual window and scores."""
+        """Bytes of every tensor held (:meth:`tensors`), free slots of the preallocated buffer included."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tokens as named tensors, held slots only (for saving): ``stored_keys.<part>``,
+        ``stored_values.<part>``, ``slot_info.<part>``, ``residual_keys``, ``residual_values``,
+        ``residual_scores``, ``leading_pads``."""
+        state = {}
+        for name in ("stored_keys", "stored_values", "slot_info"):
+            store = getattr(self, name)
+            if store is not None:
+                state |= {f"{name}.{part}": t for part, t in store.narrow(self.stored_length).parts.items()}
+        for name in ("residual_keys", "residual_values", "residual_scores", "leading_pads"):
+            if getattr(self, name) is not None:
+                state[name] = getattr(self, name)
+        return state
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_tensors` returned (on an initialised, empty layer), re-allocating the
+        buffer to :meth:`target_slots`."""
+        for name in ("stored_keys", "stored_values", "slot_info"):
+            parts = {k[len(name) + 1 :]: t for k, t in state.items() if k.startswith(name + ".")}
+            setattr(self, name, StoredTensor(parts) if parts else None)
+        self.stored_length = 0 if self.stored_keys is None else len(self.stored_keys)
+        if self.stored_keys is not None:
+            slots = self.target_slots(self.stored_length)
+            for name in ("stored_keys", "stored_values", "slot_info"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name).resized(self.stored_length, slots))
+        for name in ("residual_keys", "residual_values", "residual_scores", "leading_pads"):
+            setattr(self, name, state.get(name))
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        for name in ("stored_keys", "stored_values"):
+        for name in ("stored_keys", "stored_values", "slot_info"):
             stored = getattr(self, name)
             if stored is not None:
                 setattr(self, name, stored.map_batch(fn))
-        for name in ("residual_keys", "residual_values", "scores"):
+        for name in ("residual_keys", "residual_values", "residual_scores"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
-        if self.residual_keys is not None:
-            self.batch = self.residual_keys.shape[0]
+        held = self.stored_keys.parts if self.stored_keys is not None else {"r": self.residual_keys}
+        tensor = next(iter(held.values()))
+        if tensor is not None:
+            self.batch = tensor.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder sequences for beam search (tokens, scales and scores move together)."""

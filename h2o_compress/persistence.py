@@ -1,12 +1,11 @@
 """Persisted compressed caches: one :class:`~h2o_compress.cache.CompressedCache` in one safetensors file.
 
-File format (``format_version`` 1):
+File format (``format_version`` 2):
 
-- tensors, per layer ``i``: ``layers.{i}.stored_keys.{part}`` / ``layers.{i}.stored_values.{part}`` (the
-  quantizer's parts, token at dim 2), ``layers.{i}.residual_keys`` / ``layers.{i}.residual_values``
-  (``[batch, kv_heads, residual, head_dim]``), ``layers.{i}.scores`` (fp32 ``[batch, kv_heads, kept]``) and
-  ``layers.{i}.leading_pads`` (``[batch]`` left-padding tokens held), each present only when the layer holds it;
-  optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
+- tensors, per layer ``i``: ``layers.{i}.{name}`` for every entry of
+  :meth:`~h2o_compress.cache.CompressedLayer.state_tensors` (held slots of the stored buffers and their
+  positions/scores, the residual window and its scores, left padding held), each present only when the layer
+  holds it; optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
   ``prompt.next_logits`` (``[batch, vocab]``), the prompt the cache holds and the logits of its next token,
   so a loaded cache continues exactly like the live one.
 - metadata (strings): ``format``, ``format_version``, ``library_version``, ``model_fingerprint`` (see
@@ -34,9 +33,7 @@ import torch
 from .errors import CacheFileError, CacheStateError, ConfigError
 
 FORMAT = "h2o-compress-kv-cache"
-FORMAT_VERSION = "1"
-_LAYER_TENSORS = ("residual_keys", "residual_values", "scores", "leading_pads")
-_STORED = ("stored_keys", "stored_values")
+FORMAT_VERSION = "2"
 # Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
 DERIVED_LAYER_TENSORS = ("returned_keys", "key_basis", "value_basis")
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
@@ -120,14 +117,7 @@ def _cache_contents(cache, tokens: int) -> tuple[dict[str, torch.Tensor], list[d
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
-        for name in _STORED:
-            stored = getattr(layer, name)
-            for part, tensor in ({} if stored is None else stored.parts).items():
-                tensors[f"layers.{i}.{name}.{part}"] = tensor
-        for name in _LAYER_TENSORS:
-            tensor = getattr(layer, name)
-            if tensor is not None:
-                tensors[f"layers.{i}.{name}"] = tensor
+        tensors |= {f"layers.{i}.{name}": t.contiguous() for name, t in layer.state_tensors().items()}
         layers.append(
             {
                 "seen_tokens": layer.seen_tokens, "batch": layer.batch, "kv_heads": layer.kv_heads,
@@ -331,8 +321,6 @@ def load_cache(path, model, config=None):
 
 
 def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-    from .quantization import StoredTensor
-
     if layer.residual != state["residual"] or layer.capacity != state["capacity"]:
         raise CacheFileError(f"layer {i}: saved residual/capacity do not match its config (saved by another version?)")
     # The layer's own lazy initialisation sets dtype, device, geometry and bases, as on a first update.
@@ -342,11 +330,6 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
     if str(layer.residual_dtype) != state["residual_dtype"]:
         raise CacheFileError(f"layer {i}: saved residual dtype {state['residual_dtype']} is not {layer.residual_dtype}")
     layer.seen_tokens = state["seen_tokens"]
-    for name in _STORED:
-        prefix = f"layers.{i}.{name}."
-        parts = {k[len(prefix) :]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)}
-        setattr(layer, name, StoredTensor(parts) if parts else None)
-    for name in _LAYER_TENSORS:
-        tensor = tensors.get(f"layers.{i}.{name}")
-        setattr(layer, name, None if tensor is None else tensor.to(device))
+    prefix = f"layers.{i}."
+    layer.load_state_tensors({k[len(prefix) :]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)})
     layer.is_initialized = True

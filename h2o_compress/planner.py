@@ -87,26 +87,32 @@ class CacheBytes:
 
     Attributes:
         capacity: tokens kept per layer and KV head (``None``: unbounded).
-        kept: tokens held per layer and KV head; ``stored`` of them quantized, ``residual`` in full precision.
-        packed: bytes of quantized (or 16-bit stored) keys and values.
-        scales: bytes of scales, zero points and absmax values.
-        window: bytes of the full-precision residual window (or of every token when nothing is quantized).
-        scores: bytes of the fp32 H2O score accumulators.
+        kept: tokens held per layer and KV head; ``stored`` of them in the stored buffer (quantized, or every
+            token of a 16-bit cache), ``residual`` in the full-precision window of a quantized cache.
+        slots: tokens the preallocated stored buffer has room for (``capacity - residual`` quantized,
+            ``capacity + 1`` at 16 bits, ``stored`` when unbounded; see ``CompressedLayer.target_slots``).
+        packed: bytes of quantized (or 16-bit stored) keys and values, every slot.
+        scales: bytes of scales, zero points and absmax values, every slot.
+        window: bytes of the full-precision residual window.
+        scores: bytes of the fp32 H2O score accumulators (every slot and the window).
+        positions: bytes of the int32 slot positions (bounded caches).
     """
 
     capacity: int | None
     kept: int
     stored: int
     residual: int
+    slots: int
     packed: int
     scales: int
     window: int
     scores: int
+    positions: int
 
     @property
     def total(self) -> int:
         """Everything ``cache.nbytes()`` counts (bytes)."""
-        return self.packed + self.scales + self.window + self.scores
+        return self.packed + self.scales + self.window + self.scores + self.positions
 
 
 def _probe(quantizer, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -190,16 +196,20 @@ def cache_bytes(
     seen = prompt_len + decode_steps
     kept = seen if capacity is None else min(capacity, seen)
     residual = window_tokens(prompt_len, decode_steps, capacity, layer.residual, layer.quantized)
+    if not layer.quantized:
+        residual = 0  # a 16-bit cache holds every token in its stored buffer
     stored = kept - residual
+    slots = layer.target_slots(stored) if stored else 0
     key_data, key_scales = _probe(layer.key_quantizer, dims.head_dim, layer.residual_dtype)
     value_data, value_scales = _probe(layer.value_quantizer, dims.head_dim, layer.residual_dtype)
     heads = dims.num_layers * batch * dims.kv_heads
     return CacheBytes(
-        capacity=capacity, kept=kept, stored=stored, residual=residual,
-        packed=heads * stored * (key_data + value_data),
-        scales=heads * stored * (key_scales + value_scales),
+        capacity=capacity, kept=kept, stored=stored, residual=residual, slots=slots,
+        packed=heads * slots * (key_data + value_data),
+        scales=heads * slots * (key_scales + value_scales),
         window=heads * residual * 2 * dims.head_dim * _element_size(layer.residual_dtype),
-        scores=heads * kept * 4 if layer.policy.needs_scores else 0,
+        scores=heads * (slots + residual) * 4 if layer.policy.needs_scores else 0,
+        positions=heads * slots * 4 if capacity is not None else 0,
     )
 
 

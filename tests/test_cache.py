@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from h2o_compress import CacheStateError, CompressionConfig, make_cache
 from h2o_compress.cache import CompressedLayer
 from h2o_compress.eviction import H2OPolicy, LocalPolicy
-from h2o_compress.quantization import IntQuantizer, NoQuantizer
+from h2o_compress.quantization import IntQuantizer, NoQuantizer, StoredTensor
 
 
 def run_steps(model, cache, prompt, steps):
@@ -86,12 +86,14 @@ def test_h2o_eviction_frees_memory_to_capacity():
     model(input_ids=prompt, past_key_values=cache)
     for _ in range(5):
         model(input_ids=prompt[:, :1], past_key_values=cache)
+    slots = capacity + 1  # a 16-bit buffer has room for the step's new token
     for layer in cache.layers:
-        assert layer.residual_keys.shape == (3, dims_heads, capacity, head_dim)
+        assert layer.kept_length() == capacity and layer.slots == slots
+        assert layer.stored_keys.parts["x"].shape == (3, dims_heads, slots, head_dim)
         assert layer.scores.shape == (3, dims_heads, capacity)
-    kv_bytes = 2 * layers * 3 * dims_heads * capacity * head_dim * 4  # fp32 model, 16-bit path stores fp32
-    score_bytes = layers * 3 * dims_heads * capacity * 4
-    assert cache.nbytes() == kv_bytes + score_bytes
+    kv_bytes = 2 * layers * 3 * dims_heads * slots * head_dim * 4  # fp32 model, 16-bit path stores fp32
+    slot_bytes = layers * 3 * dims_heads * slots * (4 + 4)  # int32 position + fp32 score per slot
+    assert cache.nbytes() == kv_bytes + slot_bytes
     assert full.nbytes() == 2 * layers * 3 * dims_heads * 64 * head_dim * 4
     assert cache.nbytes() < full.nbytes() / 3
 
@@ -109,10 +111,11 @@ def test_int4_cache_bytes_match_layout_and_stay_bounded():
         layer = cache.layers[0]
         window = layer.residual_length
         windows.add(window)
-        stored = capacity - window
-        assert layer.kept_length() == capacity and layer.stored_length == stored
-        # packed int4 data (32 B) + 2 groups x fp16 (scale, zero) per token; fp16 window; fp32 scores
-        per_layer = 2 * (stored * (32 + 2 * 2 * 2) + window * 64 * 2) + capacity * 4
+        stored, slots = capacity - window, capacity - residual
+        assert layer.kept_length() == capacity and layer.stored_length == stored and layer.slots == slots
+        # every slot: packed int4 data (32 B) + 2 groups x fp16 (scale, zero), int32 position, fp32 score;
+        # the fp16 window and its fp32 scores
+        per_layer = 2 * slots * (32 + 2 * 2 * 2) + slots * (4 + 4) + window * (2 * 64 * 2 + 4)
         assert cache.nbytes() == 2 * per_layer
     assert windows == set(range(residual, 2 * residual))  # quantized in blocks, never fewer than `residual` fp16
     layer = cache.layers[0]
@@ -218,3 +221,37 @@ def test_layer_index_beyond_the_cache_is_refused():
     keys = torch.zeros(1, 2, 1, 32)
     with pytest.raises(CacheStateError, match="layer_idx=2 but this cache has 2 layers"):
         cache.update(keys, keys, 2)
+
+
+@pytest.mark.parametrize("kv_bits", [16, 4])
+@pytest.mark.parametrize("policy", ["h2o", "local", "sink"])
+@torch.inference_mode()
+def test_decode_evicts_in_place_like_the_gathering_path(policy, kv_bits, monkeypatch):
+    """Decode steps overwrite slots of the preallocated buffer (no reallocation, no O(capacity) copy) and keep
+    exactly the tokens the gathering path keeps."""
+    model = tiny_llama()
+    prompt = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
+    steps = 12
+
+    def run(in_place: bool):
+        if not in_place:
+            monkeypatch.setattr(CompressedLayer, "_evict_one_in_place", lambda self: False)
+        cache = make_cache(model, CompressionConfig(policy=policy, budget=20, kv_bits=kv_bits, residual=2))
+        logits = [model(input_ids=prompt, past_key_values=cache).logits[:, -1]]
+        buffers = [t.data_ptr() for t in cache.layers[0].tensors() if t.dim() >= 3 and t.shape[2] == cache.layers[0].slots]
+        if in_place:  # from here on, no gather into a fresh buffer
+            monkeypatch.setattr(StoredTensor, "select", lambda *a, **k: pytest.fail("a decode step gathered"))
+        for i in range(steps):
+            token = logits[-1].argmax(-1, keepdim=True)
+            logits.append(model(input_ids=token, past_key_values=cache).logits[:, -1])
+            assert all(layer.kept_length() == 20 for layer in cache.layers)
+            if in_place:  # the same buffers throughout: nothing was reallocated
+                now = [t.data_ptr() for t in cache.layers[0].tensors() if t.dim() >= 3 and t.shape[2] == cache.layers[0].slots]
+                assert now == buffers
+        monkeypatch.undo()
+        return torch.stack(logits), [layer.positions().sort(-1).values for layer in cache.layers]
+
+    fast_logits, fast_positions = run(True)
+    slow_logits, slow_positions = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
+    torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=1e-5)

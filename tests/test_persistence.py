@@ -58,12 +58,8 @@ def layer_state(cache):
     """Every tensor and counter the cache holds, for exact comparison."""
     state = []
     for layer in cache.layers:
-        for name in ("stored_keys", "stored_values"):
-            stored = getattr(layer, name)
-            state.append(None if stored is None else {k: v.clone() for k, v in stored.parts.items()})
-        for name in ("residual_keys", "residual_values", "scores"):
-            tensor = getattr(layer, name)
-            state.append(None if tensor is None else tensor.clone())
+        state.append({k: v.clone() for k, v in layer.state_tensors().items()})
+        state.append((layer.stored_length, layer.slots))
         state.append((layer.seen_tokens, layer.capacity, layer.residual, layer.dtype, layer.residual_dtype))
     return state
 
@@ -163,7 +159,7 @@ def test_left_padded_batch_round_trip(model, tmp_path):
 
 def test_every_layer_tensor_is_persisted(model):
     """Tripwire: a tensor the core adds to CompressedLayer must be saved (or declared derived) in persistence."""
-    from h2o_compress.persistence import DERIVED_LAYER_TENSORS, _LAYER_TENSORS, _STORED
+    from h2o_compress.persistence import DERIVED_LAYER_TENSORS
     from h2o_compress.quantization import StoredTensor
 
     cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4, residual=1))
@@ -173,9 +169,9 @@ def test_every_layer_tensor_is_persisted(model):
         model(input_ids=prompt_ids(length=12), attention_mask=mask, past_key_values=cache)
     layer = cache.layers[0]
     held = {name for name, value in vars(layer).items() if isinstance(value, (torch.Tensor, StoredTensor))}
-    declared = set(_LAYER_TENSORS) | set(_STORED)
+    declared = {name.split(".")[0] for name in layer.state_tensors()}
     assert held - declared - set(DERIVED_LAYER_TENSORS) == set()
-    assert {"stored_keys", "residual_keys", "scores", "leading_pads"} <= held  # the probe reached every state
+    assert {"stored_keys", "slot_info", "residual_keys", "residual_scores", "leading_pads"} <= held  # every state
 
 
 @torch.no_grad()
@@ -318,7 +314,7 @@ def test_tampered_data_is_detected(model, tmp_path):
     [
         (lambda m: m.update(tokens="21"), None),
         (lambda m: m.update(config=m["config"].replace('"budget": 10', '"budget": 11')), None),
-        (None, lambda t: t["layers.0.scores"].mul_(2)),
+        (None, lambda t: t["layers.0.slot_info.score"].mul_(2)),
         (None, lambda t: t.pop("layers.1.residual_values")),
     ],
     ids=["token-count", "config", "scores", "missing-tensor"],
@@ -333,14 +329,14 @@ def test_edited_file_is_detected(model, tmp_path, edit_metadata, edit_tensors):
 def test_unknown_format_version_is_refused(model, tmp_path):
     path = saved_file(model, tmp_path)
     rewrite(path, lambda m: m.update(format_version="99"))
-    with pytest.raises(CacheFileError, match="format version '99'; allowed: 1"):
+    with pytest.raises(CacheFileError, match="format version '99'; allowed: 2"):
         CompressedCache.load(path, model)
 
 
 def test_file_records_metadata(model, tmp_path):
     path = saved_file(model, tmp_path, CompressionConfig(budget=10, kv_bits=4, residual=2))
     metadata, tensors = read_cache_file(path)
-    assert metadata["format_version"] == "1"
+    assert metadata["format_version"] == "2"
     assert metadata["tokens"] == "20"
     assert metadata["model_fingerprint"] == model_fingerprint(model)
     assert json.loads(metadata["config"]) == CompressionConfig(budget=10, kv_bits=4, residual=2).to_dict()

@@ -179,11 +179,12 @@ def test_llama2_7b_hand_computed_compressed_bytes_and_weights():
     # int4, group 32: 64 data bytes + 4 groups x (fp16 scale + fp16 zero) = 80 bytes per head and tensor
     int4 = CompressionConfig(policy="full", kv_bits=4, group_size=32, residual=0)
     assert cache_bytes(spec.dims, int4, 1, 1000, 0, 1000).total == 1000 * 2 * 32 * 32 * 80
-    # h2o 16-bit at 0.5 of 4097 tokens: capacity 2049 tokens of K/V plus one fp32 score per layer and head
+    # h2o 16-bit at 0.5 of 4097 tokens: capacity 2049 tokens, a buffer of 2050 slots (room for the step's new
+    # token) of K/V plus one fp32 score and one int32 position per slot, layer and head
     h2o = CompressionConfig(policy="h2o", budget=0.5)
     got = cache_bytes(spec.dims, h2o, 1, 4096, 0, 4097)
-    assert (got.capacity, got.kept) == (2049, 2049)
-    assert got.total == 2049 * (512 * KiB + 4 * 32 * 32)
+    assert (got.capacity, got.kept, got.slots) == (2049, 2049, 2050)
+    assert got.total == 2050 * (512 * KiB + (4 + 4) * 32 * 32)
     assert weight_bytes(spec, 16, torch.float16) == 6_738_415_616 * 2
     rest = 6_738_415_616 - spec.linear_parameters
     assert rest == 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, lm_head, RMSNorm weights

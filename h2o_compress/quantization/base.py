@@ -30,13 +30,49 @@ class StoredTensor:
         """Tokens of ``self`` followed by tokens of ``other``."""
         return StoredTensor({k: torch.cat((v, other.parts[k]), dim=2) for k, v in self.parts.items()})
 
-    def select(self, index: torch.Tensor) -> "StoredTensor":
-        """Keep tokens ``index``: ``[kept]`` (same for every sequence and head) or ``[batch, kv_heads, kept]``."""
-        return StoredTensor({k: gather_tokens(v, index) for k, v in self.parts.items()})
+    def select(self, index: torch.Tensor, slots: int | None = None) -> "StoredTensor":
+        """Keep tokens ``index``: ``[kept]`` (same for every sequence and head) or ``[batch, kv_heads, kept]``,
+        in a new buffer of ``slots >= kept`` tokens (default ``kept``) whose first ``kept`` hold them."""
+        return StoredTensor({k: _into_slots(gather_tokens(v, index), slots) for k, v in self.parts.items()})
+
+    def resized(self, length: int, slots: int) -> "StoredTensor":
+        """A new buffer of ``slots`` tokens whose first ``length`` are this one's first ``length``."""
+        parts = {}
+        for k, v in self.parts.items():
+            parts[k] = v.new_empty(*v.shape[:2], slots, *v.shape[3:])
+            parts[k][:, :, :length].copy_(v[:, :, :length])
+        return StoredTensor(parts)
+
+    def narrow(self, length: int) -> "StoredTensor":
+        """Views of the first ``length`` tokens (no copy)."""
+        return StoredTensor({k: v[:, :, :length] for k, v in self.parts.items()})
+
+    def write(self, start: int, other: "StoredTensor") -> None:
+        """Copy ``other``'s tokens into slots ``start .. start + len(other) - 1``, in place."""
+        for k, v in self.parts.items():
+            v[:, :, start : start + len(other)].copy_(other.parts[k])
+
+    def move(self, source: int, target: torch.Tensor) -> None:
+        """In place, per sequence and head: slot ``target[b, h]`` (``[batch, heads]`` int64) takes the token in slot
+        ``source`` (the same slot for every sequence and head). O(batch x heads), whatever the length."""
+        for v in self.parts.values():
+            token = v[:, :, source : source + 1].clone()
+            index = target.view(*target.shape, *([1] * (v.dim() - 2))).expand(token.shape)
+            v.scatter_(2, index, token)
 
     def map_batch(self, fn) -> "StoredTensor":
         """Apply ``fn`` (a function of one tensor acting on dim 0) to every part."""
         return StoredTensor({k: fn(v) for k, v in self.parts.items()})
+
+
+def _into_slots(tensor: torch.Tensor, slots: int | None) -> torch.Tensor:
+    """``tensor`` ``[batch, heads, n, ...]`` at the head of a new ``[batch, heads, slots, ...]`` buffer (the rest
+    uninitialised), or ``tensor`` itself when ``slots`` is ``None`` or ``n``."""
+    if slots is None or slots == tensor.shape[2]:
+        return tensor
+    buffer = tensor.new_empty(*tensor.shape[:2], slots, *tensor.shape[3:])
+    buffer[:, :, : tensor.shape[2]].copy_(tensor)
+    return buffer
 
 
 def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
