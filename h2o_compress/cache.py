@@ -12,14 +12,17 @@ capacity, and quantizes the tokens that leave the residual window, each exactly 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import announce, withdraw
 from .config import CompressionConfig
-from .errors import CacheStateError, InputError
+from .errors import CacheStateError, ConfigError, InputError
 from .eviction import EvictionPolicy, make_policy
-from .quantization import KVQuantizer, StoredTensor, make_quantizer
+from .quantization import IntQuantizer, KVQuantizer, NoQuantizer, StoredTensor, make_quantizer
 from .quantization.base import gather_tokens
 
 
@@ -51,6 +54,8 @@ class CompressedLayer(CacheLayerMixin):
             ``residual`` and ``2 x residual - 1`` tokens and is quantized in blocks (capped at half the policy's
             recent window, so the window is never evicted and always reaches its flush size).
         score_chunk_size: queries per chunk for prefill scoring.
+        attention_kernel: ``auto``, ``torch`` or ``triton`` (see :class:`CompressionConfig`); decided for the layer
+            when it sees its first keys (:meth:`uses_fused_kernel`).
     """
 
     is_compileable = False
@@ -66,8 +71,10 @@ class CompressedLayer(CacheLayerMixin):
         value_quantizer: KVQuantizer,
         residual: int = 0,
         score_chunk_size: int = 256,
+        attention_kernel: str = "auto",
     ):
         super().__init__()
+        self.attention_kernel = attention_kernel
         self.layer_idx, self.policy, self.capacity = layer_idx, policy, capacity
         self.key_quantizer, self.value_quantizer = key_quantizer, value_quantizer
         self.quantized = key_quantizer.bits < 16 or value_quantizer.bits < 16
@@ -92,6 +99,7 @@ class CompressedLayer(CacheLayerMixin):
         self.leading_pads: torch.Tensor | None = None  # [batch] left-padding tokens held, None when there are none
         self.seen_tokens = 0
         self.returned_keys = None
+        self.fused_step = False  # this step's attention runs the fused kernel over the stored tokens
         self.bound_module = None  # weakref to the attention module that used this layer first
         self.is_initialized = False
 
@@ -103,7 +111,41 @@ class CompressedLayer(CacheLayerMixin):
         self.key_basis = self.key_quantizer.rotation(self.device)
         self.value_basis = self.value_quantizer.rotation(self.device)
         self.batch, self.kv_heads, _, self.head_dim = key_states.shape
+        self.fused = self.uses_fused_kernel()
         self.is_initialized = True
+
+    def uses_fused_kernel(self) -> bool:
+        """Whether one-token steps run :func:`~h2o_compress.kernels.decode_attention.fused_decode_attention`
+        (``attention_kernel``: ``triton`` always, ``auto`` on CUDA when triton is installed and the format allows).
+
+        Raises:
+            ConfigError: ``triton`` asked for a format the kernel does not read (bitsandbytes formats, a
+                ``head_dim`` that is not a power of two >= 16), without triton installed, or on CPU outside the
+                Triton interpreter (``TRITON_INTERPRET=1``).
+        """
+        if self.attention_kernel == "torch":
+            return False
+        dim, formats = self.head_dim, (IntQuantizer, NoQuantizer)
+        readable = dim >= 16 and dim & (dim - 1) == 0 and all(
+            type(q) in formats for q in (self.key_quantizer, self.value_quantizer)
+        )
+        has_triton = importlib.util.find_spec("triton") is not None
+        if self.attention_kernel == "auto":
+            return readable and has_triton and self.device.type == "cuda"
+        if not readable:
+            raise ConfigError(
+                f"attention_kernel='triton' reads int4/int8/16-bit storage with a power-of-two head_dim >= 16; got "
+                f"{type(self.key_quantizer).__name__}/{type(self.value_quantizer).__name__}, head_dim={dim}; "
+                "allowed here: attention_kernel='torch' or 'auto'"
+            )
+        if not has_triton:
+            raise ConfigError("attention_kernel='triton' needs the triton package (pip install triton)")
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                f"attention_kernel='triton' runs on CUDA devices (got {self.device}); on CPU only under the Triton "
+                "interpreter (TRITON_INTERPRET=1, for tests); allowed here: 'torch' or 'auto'"
+            )
+        return True
 
     @property
     def slots(self) -> int:
@@ -183,6 +225,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.value_basis is not None:
             value_states = value_states.float() @ self.value_basis
         key_states, value_states = key_states.to(self.residual_dtype), value_states.to(self.residual_dtype)
+        # One-token steps with no padding held can run the fused kernel on the stored tokens as they are.
+        self.fused_step = self.fused and key_states.shape[2] == 1 and self.leading_pads is None
         if not self.quantized:  # 16-bit: straight into the buffer; attention reads a view of it
             self._append(self.key_quantizer.quantize(key_states), self.value_quantizer.quantize(value_states), first)
             keys = self.stored_keys.parts["x"][:, :, : self.stored_length]
@@ -193,11 +237,35 @@ class CompressedLayer(CacheLayerMixin):
             else:
                 self.residual_keys = torch.cat((self.residual_keys, key_states), dim=2)
                 self.residual_values = torch.cat((self.residual_values, value_states), dim=2)
-            keys = self._assemble(self.key_quantizer, self.stored_keys, self.residual_keys)
-            values = self._assemble(self.value_quantizer, self.stored_values, self.residual_values)
+            if self.fused_step:  # attention reads the packed tokens itself: hand back shape-only stand-ins
+                shape = (self.batch, self.kv_heads, self.kept_length(), self.head_dim)
+                keys = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+                values = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+            else:
+                keys = self._assemble(self.key_quantizer, self.stored_keys, self.residual_keys)
+                values = self._assemble(self.value_quantizer, self.stored_values, self.residual_values)
         self.returned_keys = keys
         announce(self.layer_idx, self)
         return keys, values
+
+    def fused_attention(self, query: torch.Tensor, scaling: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's attention through the fused kernel: ``query`` ``[batch, q_heads, 1, head_dim]`` (already in
+        ``key_basis``) over the stored tokens and the residual window. Returns the output ``[batch, q_heads, 1,
+        head_dim]`` (in ``value_basis``) and, for policies that read scores, the fp32 probability sums ``[batch,
+        kv_heads, kept]``."""
+        from .kernels.decode_attention import fused_decode_attention
+
+        stored = self.stored_length
+        group = getattr(self.key_quantizer, "group_size", None) or getattr(self.value_quantizer, "group_size", 32)
+        return fused_decode_attention(
+            query,
+            self.stored_keys.narrow(stored) if stored else None,
+            self.stored_values.narrow(stored) if stored else None,
+            self.key_quantizer.bits, self.value_quantizer.bits, group,
+            self.residual_keys, self.residual_values,
+            self.head_dim**-0.5 if scaling is None else scaling,
+            self.policy.needs_scores,
+        )
 
     def _assemble(self, quantizer: KVQuantizer, stored: StoredTensor | None, window: torch.Tensor) -> torch.Tensor:
         """``[batch, kv_heads, stored + window, head_dim]`` in the model dtype: stored tokens dequantized into one
@@ -249,6 +317,7 @@ class CompressedLayer(CacheLayerMixin):
         evict down to capacity, quantize the tokens leaving the residual window. ``padding`` ``[batch | 1, kept]``
         marks keys no query may see (left padding), or is ``None`` when there is none."""
         self.returned_keys = None
+        self.fused_step = False
         if padding is not None:
             pads = padding.sum(-1).expand(self.batch)
             self.leading_pads = pads if bool(pads.any()) else None
@@ -545,6 +614,7 @@ def build_layers(
                 make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),
                 residual=config.residual,
                 score_chunk_size=config.score_chunk_size,
+                attention_kernel=config.attention_kernel,
             )
         )
     return layers

@@ -59,16 +59,18 @@ def parse_budget(text: str) -> float | int:
 def compression_config(
     policy: str, budget: str, heavy_ratio: float, sink_tokens: Optional[int], kv_bits: int,
     k_bits: Optional[int], v_bits: Optional[int], quant: str, group_size: int, residual: int,
+    attention_kernel: str = "auto",
 ) -> CompressionConfig:
     """Build a validated :class:`CompressionConfig` from CLI options."""
     return CompressionConfig(
         policy=policy, budget=parse_budget(budget), heavy_ratio=heavy_ratio, sink_tokens=sink_tokens,
         kv_bits=kv_bits, k_bits=k_bits, v_bits=v_bits, quant=quant, group_size=group_size, residual=residual,
+        attention_kernel=attention_kernel,
     )
 
 
 COMPRESSION_FLAGS = ("policy", "budget", "heavy_ratio", "sink_tokens", "kv_bits", "k_bits", "v_bits", "quant",
-                     "group_size", "residual")
+                     "group_size", "residual", "attention_kernel")
 
 
 def apply_config_file(
@@ -100,6 +102,9 @@ VBitsOpt = typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-b
 QuantOpt = typer.Option("int", "--quant", help="Format: int (ours), nf4, fp4 or int8-blockwise (bitsandbytes).")
 GroupOpt = typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")
 ResidualOpt = typer.Option(4, "--residual", help="Newest tokens always kept in 16-bit (window of N to 2N-1, quantized in blocks).")
+KernelOpt = typer.Option(
+    "auto", "--kernel", help="Decode attention: triton (fused, CUDA), torch, or auto (triton on CUDA when available)."
+)
 ModelOpt = typer.Option("smollm2-135m", "--model", help="Alias, local model directory or hub id.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
@@ -124,6 +129,7 @@ def generate(
     quant: str = QuantOpt,
     group_size: int = GroupOpt,
     residual: int = ResidualOpt,
+    attention_kernel: str = KernelOpt,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
     device: str = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
@@ -142,7 +148,9 @@ def generate(
 
     if not prompt.strip():
         fail(f"prompt {prompt!r} is empty; allowed: a non-empty text")
-    config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
+    config = compression_config(
+        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
+    )
     config, overrides = apply_config_file(config, config_file, ctx)
     if seed is not None:
         import torch

@@ -16,6 +16,7 @@ from .errors import ConfigError
 ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
+ATTENTION_KERNELS = ("auto", "torch", "triton")
 
 
 def _number(name: str, value, allowed: str) -> float:
@@ -49,6 +50,11 @@ class CompressionConfig:
         rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
+        attention_kernel: decode attention over the cache: ``triton`` (the fused kernel of
+            :mod:`h2o_compress.kernels.decode_attention`: reads the packed tokens, no dequantized copy, and
+            returns the H2O scores in the same pass), ``torch`` (dequantize, then SDPA and a scoring pass) or
+            ``auto`` (``triton`` on CUDA when triton is installed and the format allows it, else ``torch``).
+            A runtime choice: it does not change what is kept or stored.
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -66,6 +72,7 @@ class CompressionConfig:
     residual: int = 4
     rotate: bool = True
     score_chunk_size: int = 64
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         from .eviction import POLICIES
@@ -106,6 +113,10 @@ class CompressionConfig:
             or self.score_chunk_size < 1
         ):
             raise ConfigError(f"score_chunk_size={self.score_chunk_size!r} is invalid; allowed: an integer >= 1")
+        if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(
+                f"attention_kernel={self.attention_kernel!r} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
+            )
 
     @property
     def key_bits(self) -> int:

@@ -36,6 +36,8 @@ FORMAT = "h2o-compress-kv-cache"
 FORMAT_VERSION = "2"
 # Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
 DERIVED_LAYER_TENSORS = ("returned_keys", "key_basis", "value_basis")
+# Config fields that change how attention runs, not what the cache holds: a file loads under any value.
+RUNTIME_CONFIG_FIELDS = {"attention_kernel"}
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
@@ -256,7 +258,11 @@ def _check_config(saved, expected, source: Path) -> None:
     unknown = sorted(set(expected) - set(saved_values))
     if unknown:
         raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(saved_values)}")
-    diffs = [f"{k}={expected[k]!r} (file: {saved_values[k]!r})" for k in expected if expected[k] != saved_values[k]]
+    diffs = [
+        f"{k}={expected[k]!r} (file: {saved_values[k]!r})"
+        for k in expected
+        if expected[k] != saved_values[k] and k not in RUNTIME_CONFIG_FIELDS
+    ]
     if diffs:
         raise CacheStateError(
             f"cache file {str(source)!r} was saved with a different config: {', '.join(diffs)}; "

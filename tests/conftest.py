@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run under Triton's CPU interpreter. It must be chosen before triton is first
+# imported (``@triton.jit`` decides when it runs, also for triton.language's own helpers), and the transformers
+# imports below import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 
@@ -81,3 +89,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    """``cuda`` where a GPU is present, else ``cpu`` (Triton kernels then run under its interpreter)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,7 +14,7 @@ import typer
 
 from ..cli import (
     BitsOpt, BudgetOpt, DeviceOpt, DtypeOpt, GroupOpt, HeavyOpt, KBitsOpt, ModelOpt, PolicyOpt, QuantOpt,
-    ResidualOpt, SinkOpt, VBitsOpt, compression_config, parse_budget, user_errors,
+    KernelOpt, ResidualOpt, SinkOpt, VBitsOpt, compression_config, parse_budget, user_errors,
 )
 from ..errors import ConfigError
 
@@ -68,6 +68,7 @@ def perplexity_command(
     model: str = ModelOpt, policy: str = PolicyOpt, budget: str = BudgetOpt, heavy_ratio: float = HeavyOpt,
     sink_tokens: Optional[int] = SinkOpt, kv_bits: int = BitsOpt, k_bits: Optional[int] = KBitsOpt,
     v_bits: Optional[int] = VBitsOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
+    attention_kernel: str = KernelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt,
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Also score the text with the uncompressed cache (one fast pass)."),
@@ -78,7 +79,9 @@ def perplexity_command(
     from .perplexity import text_perplexity
     from .stream import check_count
 
-    config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
+    config = compression_config(
+        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
+    )
     check_count("max_tokens", max_tokens, minimum=2)
     check_count("chunk_size", chunk_size)
     if text_file is not None:
@@ -116,12 +119,15 @@ def needle_command(
     model: str = ModelOpt, policy: str = PolicyOpt, budget: str = BudgetOpt, heavy_ratio: float = HeavyOpt,
     sink_tokens: Optional[int] = SinkOpt, kv_bits: int = BitsOpt, k_bits: Optional[int] = KBitsOpt,
     v_bits: Optional[int] = VBitsOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
+    attention_kernel: str = KernelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
     from .needle import check_needle_args, needle_eval
 
-    config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
+    config = compression_config(
+        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
+    )
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size)
@@ -158,6 +164,7 @@ def agreement_command(
     model: str = ModelOpt, policy: str = PolicyOpt, budget: str = BudgetOpt, heavy_ratio: float = HeavyOpt,
     sink_tokens: Optional[int] = SinkOpt, kv_bits: int = BitsOpt, k_bits: Optional[int] = KBitsOpt,
     v_bits: Optional[int] = VBitsOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
+    attention_kernel: str = KernelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
@@ -165,7 +172,9 @@ def agreement_command(
     from .corpus import load_prompts
     from .stream import check_count
 
-    config = compression_config(policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual)
+    config = compression_config(
+        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
+    )
     check_count("max_new_tokens", max_new_tokens)
     prompts = load_prompts(prompts_file)
     if limit is not None:

@@ -23,13 +23,15 @@ def hadamard_matrix(dim: int, device: str = "cpu") -> torch.Tensor:
     """Orthonormal, symmetric block-Hadamard matrix ``[dim, dim]`` (fp32).
 
     Blocks have the largest power-of-two size dividing ``dim`` (Sylvester construction), so ``H @ H = I``.
+    Built outside inference mode: the cached matrix must stay usable when the caller later runs with autograd on.
     """
-    block = dim & -dim  # largest power of two dividing dim
-    h = torch.ones(1, 1)
-    while h.shape[0] < block:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    h = h / block**0.5
-    return torch.block_diag(*([h] * (dim // block))).to(device)
+    with torch.inference_mode(False):
+        block = dim & -dim  # largest power of two dividing dim
+        h = torch.ones(1, 1)
+        while h.shape[0] < block:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        h = h / block**0.5
+        return torch.block_diag(*([h] * (dim // block))).to(device)
 
 
 class IntQuantizer(KVQuantizer):

@@ -85,3 +85,15 @@ def test_make_quantizer_and_bad_group_size():
     assert make_quantizer(16, "int", 32, 64).bits == 16
     with pytest.raises(ConfigError, match="group_size=128 does not divide the model's head_dim=64"):
         IntQuantizer(4, 128, 64)
+
+
+def test_rotation_made_in_inference_mode_works_with_autograd_on():
+    """The Hadamard matrix is cached: one first built under torch.inference_mode must not poison later runs."""
+    from h2o_compress.quantization.integer import hadamard_matrix
+
+    hadamard_matrix.cache_clear()
+    with torch.inference_mode():
+        hadamard_matrix(48)
+    x = torch.randn(2, 48, requires_grad=True)
+    (x @ hadamard_matrix(48)).sum().backward()
+    assert x.grad is not None
