@@ -74,3 +74,12 @@ def test_auto_uses_the_kernel_only_on_cuda():
     cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4))
     model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
     assert all(layer.fused is (torch.cuda.is_available()) for layer in cache.layers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_triton_kernel_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4, attention_kernel="triton"))
+    with pytest.raises(ConfigError, match=r"attention_kernel='triton' runs on CUDA devices \(got cpu\)"):
+        model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
