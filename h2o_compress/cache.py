@@ -100,6 +100,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen_tokens = 0
         self.returned_keys = None
         self.fused_step = False  # this step's attention runs the fused kernel over the stored tokens
+        self.finite: torch.Tensor | None = None  # CUDA decode steps: were all keys/values finite (checked lazily)
         self.bound_module = None  # weakref to the attention module that used this layer first
         self.is_initialized = False
 
@@ -212,8 +213,11 @@ class CompressedLayer(CacheLayerMixin):
                 f"head_dim={self.head_dim} but got batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}, "
                 f"head_dim={key_states.shape[3]}; use a new cache (or cache.reset())"
             )
-        total = torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32)
-        if not bool(torch.isfinite(total)):
+        finite = torch.isfinite(torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32))
+        if key_states.device.type == "cuda" and key_states.shape[2] == 1:
+            # No host sync per layer and step on a GPU: CompressedCache checks these flags once, at the next step.
+            self.finite = finite if self.finite is None else self.finite & finite
+        elif not bool(finite):
             raise InputError(
                 f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs and the model "
                 "weights: a non-finite token would poison every later step"
@@ -539,6 +543,7 @@ class CompressedCache(Cache):
                 f"layer_idx={layer_idx} but this cache has {len(self.layers)} layers: it was made for another model"
             )
         if layer_idx == 0:
+            self.check_finite()
             seen = {layer.seen_tokens for layer in self.layers}
             if len(seen) > 1:
                 raise CacheStateError(
@@ -546,6 +551,24 @@ class CompressedCache(Cache):
                     "forward pass failed half-way; call cache.reset() or build a new cache"
                 )
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def check_finite(self) -> None:
+        """Raise if a CUDA decode step fed non-finite keys or values (checked here, once per step, instead of with a
+        host sync in every layer; CPU and multi-token steps are checked at once).
+
+        Raises:
+            InputError: NaN or Inf reached the cache; it is poisoned, so call ``cache.reset()`` or build a new one.
+        """
+        flags = [layer.finite for layer in self.layers if layer.finite is not None]
+        if not flags:
+            return
+        for layer in self.layers:
+            layer.finite = None
+        if not bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all()):
+            raise InputError(
+                "keys or values of an earlier decode step were not finite (NaN or Inf); the cache holds them, so "
+                "call cache.reset() or build a new cache, and check the inputs and the model weights"
+            )
 
     @property
     def capacity(self) -> int | None:

@@ -35,7 +35,7 @@ from .errors import CacheFileError, CacheStateError, ConfigError
 FORMAT = "h2o-compress-kv-cache"
 FORMAT_VERSION = "2"
 # Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
-DERIVED_LAYER_TENSORS = ("returned_keys", "key_basis", "value_basis")
+DERIVED_LAYER_TENSORS = ("returned_keys", "key_basis", "value_basis", "finite")
 # Config fields that change how attention runs, not what the cache holds: a file loads under any value.
 RUNTIME_CONFIG_FIELDS = {"attention_kernel"}
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
@@ -59,7 +59,8 @@ def model_fingerprint(model) -> str:
 
     Cheap (a few elements per parameter are read), stable across devices and processes, and different for two
     models that differ in architecture, dtype or weights (the first and last 4 values of every parameter).
-    Checkpoint names, the transformers version and the attention implementation are left out.
+    Checkpoint names, the transformers version and the attention implementation are left out; parameters
+    offloaded by accelerate (on the ``meta`` device here) contribute their name, shape and dtype only.
     """
     digest = hashlib.sha256()
     config = model.config.to_dict()
@@ -68,6 +69,8 @@ def model_fingerprint(model) -> str:
     with torch.no_grad():
         for name, param in model.named_parameters():
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+            if param.device.type == "meta":  # offloaded by accelerate (weights elsewhere): shape and dtype only
+                continue
             flat = param.detach().reshape(-1)
             sample = torch.cat((flat[:4], flat[-4:])).to("cpu", copy=True).contiguous()
             digest.update(sample.view(torch.uint8).numpy().tobytes())
@@ -107,6 +110,7 @@ def _check_saveable(cache) -> int:
         raise CacheStateError(f"cannot save {type(cache).__name__}; allowed: a CompressedCache (make_cache)")
     if not all(layer.is_initialized for layer in cache.layers):
         raise CacheStateError("cannot save an empty cache: run the prompt through the model first")
+    cache.check_finite()
     if any(layer.returned_keys is not None for layer in cache.layers):
         raise CacheStateError("cannot save a cache in the middle of a forward pass (attention has not run yet)")
     seen = {layer.seen_tokens for layer in cache.layers}

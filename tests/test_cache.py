@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_MODELS, tiny_llama
 from transformers import DynamicCache
 
-from h2o_compress import CacheStateError, CompressionConfig, make_cache
+from h2o_compress import CacheStateError, CompressionConfig, InputError, make_cache
 from h2o_compress.cache import CompressedLayer
 from h2o_compress.eviction import H2OPolicy, LocalPolicy
 from h2o_compress.quantization import IntQuantizer, NoQuantizer, StoredTensor
@@ -255,3 +255,15 @@ def test_decode_evicts_in_place_like_the_gathering_path(policy, kv_bits, monkeyp
     slow_logits, slow_positions = run(False)
     assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
     torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_deferred_finiteness_flags_are_checked_at_the_next_step():
+    """On CUDA, one-token steps record finiteness without a host sync; the next step (or save) raises."""
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4))
+    model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
+    cache.layers[1].finite = torch.tensor(False)  # what a CUDA decode step with a NaN key leaves behind
+    with pytest.raises(InputError, match="keys or values of an earlier decode step were not finite"):
+        model(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache)
+    assert all(layer.finite is None for layer in cache.layers)

@@ -155,3 +155,20 @@ def test_fp16_quantized_cache_stays_close_to_full_on_cuda():
         ours = feed(model, make_cache(model, CompressionConfig(kv_bits=bits)), prompt, tokens)
         worst = max((a[:, -1] - b[:, -1]).abs().max().item() for a, b in zip(reference, ours))
         assert 0 < worst <= tolerance, (bits, worst)
+
+
+def test_nan_in_a_cuda_decode_step_is_caught_at_the_next_step():
+    """One-token CUDA steps defer the finiteness check (no host sync per layer): the next step raises."""
+    from h2o_compress import InputError
+
+    model = tiny_llama().to(CUDA)
+    cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4))
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 128, (1, 8), device=CUDA), past_key_values=cache)
+        layer = model.model.layers[0].self_attn
+        original = layer.k_proj.weight.clone()
+        layer.k_proj.weight.fill_(float("nan"))
+        model(input_ids=torch.randint(0, 128, (1, 1), device=CUDA), past_key_values=cache)  # recorded, not raised
+        layer.k_proj.weight.copy_(original)
+        with pytest.raises(InputError, match="earlier decode step were not finite"):
+            model(input_ids=torch.randint(0, 128, (1, 1), device=CUDA), past_key_values=cache)

@@ -459,3 +459,14 @@ def test_cli_refuses_a_cache_with_other_settings(tiny_model_dir, tmp_path):
     save_tiny_model_dir(another_model, seed=7)
     wrong = cli("--model", str(another_model), "--load-cache", str(path), WORDS)
     assert wrong.exit_code == 2 and "was saved for model" in wrong.output
+
+
+def test_fingerprint_of_an_offloaded_model_reads_no_meta_weights():
+    """accelerate's offloading leaves meta-device placeholders in the model: they count by shape and dtype."""
+    from h2o_compress.persistence import model_fingerprint
+
+    model = tiny_llama()
+    before = model_fingerprint(model)
+    model.model.layers[1].mlp.to("meta")
+    after = model_fingerprint(model)
+    assert len(after) == 32 and after != before
