@@ -357,7 +357,8 @@ class CompressedLayer(CacheLayerMixin):
             return False
         position = self.slot_info.parts["position"][:, :, :stored]
         if self.policy.needs_scores:
-            priority = self.slot_info.parts["score"][:, :, :stored].clone()
+            scores = self.slot_info.parts["score"][:, :, :stored]
+            priority = self.policy.ranking_scores(scores, position, self.seen_tokens).clone()
         else:
             priority = torch.zeros(position.shape, device=self.device)
         if recent:
@@ -380,8 +381,12 @@ class CompressedLayer(CacheLayerMixin):
         if stored and "position" in self.slot_info.parts:
             order = self.slot_info.parts["position"][:, :, :stored].argsort(dim=-1)
         scores = self.scores
-        if scores is not None and order is not None:
-            scores = torch.cat((scores[:, :, :stored].gather(2, order), scores[:, :, stored:]), dim=2)
+        if scores is not None:
+            positions = self.positions()
+            if order is not None:
+                scores = torch.cat((scores[:, :, :stored].gather(2, order), scores[:, :, stored:]), dim=2)
+                positions = torch.cat((positions[:, :, :stored].gather(2, order), positions[:, :, stored:]), dim=2)
+            scores = self.policy.ranking_scores(scores, positions, self.seen_tokens)
         keep = self.policy.keep_indices(scores, length, self.capacity, self.leading_pads).to(self.device)
         if keep.dim() == 1:
             keep = keep.expand(self.batch, self.kv_heads, -1)

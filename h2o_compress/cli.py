@@ -92,7 +92,7 @@ def apply_config_file(
 
 
 # Options shared by every command that compresses (generate, eval, ...).
-PolicyOpt = typer.Option("h2o", "--policy", help="Eviction policy: h2o, local, sink or full.")
+PolicyOpt = typer.Option("h2o", "--policy", help="Eviction policy: h2o, h2o-mean, local, sink or full.")
 BudgetOpt = typer.Option("1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")
 HeavyOpt = typer.Option(0.5, "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1].")
 SinkOpt = typer.Option(None, "--sink-tokens", help="First tokens always kept (default: 4 for sink, else 0).")
@@ -101,7 +101,7 @@ KBitsOpt = typer.Option(None, "--k-bits", help="Bits of keys (overrides --kv-bit
 VBitsOpt = typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-bits).")
 QuantOpt = typer.Option("int", "--quant", help="Format: int (ours), nf4, fp4 or int8-blockwise (bitsandbytes).")
 GroupOpt = typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")
-ResidualOpt = typer.Option(4, "--residual", help="Newest tokens always kept in 16-bit (window of N to 2N-1, quantized in blocks).")
+ResidualOpt = typer.Option(3, "--residual", help="Newest tokens always kept in 16-bit (window of N to 2N-1, quantized in blocks).")
 KernelOpt = typer.Option(
     "auto", "--kernel", help="Decode attention: triton (fused, CUDA), torch, or auto (triton on CUDA when available)."
 )

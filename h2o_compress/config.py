@@ -32,7 +32,8 @@ class CompressionConfig:
     """How to compress the KV cache: an eviction policy followed by a quantizer.
 
     Args:
-        policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``local`` (recent window only),
+        policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``h2o-mean`` (heavy hitters
+            ranked by mean instead of summed attention), ``local`` (recent window only),
             ``sink`` (StreamingLLM attention sinks + recent window) or ``full`` (no eviction).
         budget: fraction in (0, 1] of the sequence length the cache will see, or an integer >= 1 giving the
             capacity in tokens per layer and KV head. ``1.0`` never evicts.
@@ -69,7 +70,7 @@ class CompressionConfig:
     v_bits: int | None = None
     quant: str = "int"
     group_size: int = 32
-    residual: int = 4
+    residual: int = 3
     rotate: bool = True
     score_chunk_size: int = 64
     attention_kernel: str = "auto"

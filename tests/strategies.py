@@ -32,7 +32,7 @@ def configs(draw, head_dim: int, bits=(16, 8, 4)):
     quant = draw(st.sampled_from(["int", "int", "nf4", "fp4", "int8-blockwise"]))
     allowed_bits = tuple(b for b in bits if not (quant == "int8-blockwise" and b == 4))
     return dict(
-        policy=draw(st.sampled_from(["h2o", "h2o", "local", "sink", "full"])),
+        policy=draw(st.sampled_from(["h2o", "h2o", "h2o-mean", "local", "sink", "full"])),
         heavy_ratio=draw(st.sampled_from([0.0, 0.25, 0.5, 0.5, 0.75, 1.0])),
         sink_tokens=draw(st.one_of(st.none(), st.integers(0, 4))),
         k_bits=draw(st.sampled_from(allowed_bits)),

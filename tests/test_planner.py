@@ -284,7 +284,7 @@ def test_profile_report_orders_by_quality(tmp_path):
     ]
     report.write_text(json.dumps({"rows": rows}))
     result = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128, profile=str(report))
-    assert result.recommended.label == "h2o 25% int8 g32 r4"
+    assert result.recommended.label == "h2o 25% int8 g32 r3"
     assert [r.quality for r in result.rows[:3]] == [1.01, 1.02, 1.05]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"policy": "h2o"}]))
@@ -349,7 +349,7 @@ def test_cli_plan_table_and_json():
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert f"recommended: {best.label} (least compressed that fits)" in out.output
-    assert "full 16-bit" in out.output and "h2o 10% int4 g128 r4" in out.output
+    assert "full 16-bit" in out.output and "h2o 10% int4 g128 r3" in out.output
 
 
 @pytest.mark.parametrize("args,message", [

@@ -76,16 +76,24 @@ def held_positions(layer) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def reference_keep(held: list[int], scores: dict[int, float], capacity, policy: str, ratio: float, sinks: int):
-    """DESIGN.md §2: sinks, then the ``heavy`` top-scored older tokens (ties to the older), then the recent window."""
+def reference_keep(
+    held: list[int], scores: dict[int, float], capacity, policy: str, ratio: float, sinks: int, seen: int = 0
+):
+    """DESIGN.md §2: sinks, then the ``heavy`` top-scored older tokens (ties to the older), then the recent window;
+    ``h2o-mean`` ranks by score / (``seen`` - position)."""
     if capacity is None or len(held) <= capacity:
         return held
     sinks = min(sinks, capacity)
     free = capacity - sinks
-    heavy = min(free, round(ratio * free)) if policy == "h2o" else 0
+    heavy = min(free, round(ratio * free)) if policy.startswith("h2o") else 0
     recent = free - heavy
     middle = held[sinks : len(held) - recent]
-    top = sorted(middle, key=lambda p: (-scores[p], p))[:heavy]
+    def rank(p: int) -> float:  # in fp32, as the layer computes it
+        if policy != "h2o-mean":
+            return scores[p]
+        return (torch.tensor(scores[p], dtype=torch.float32) / max(seen - p, 1)).item()
+
+    top = sorted(middle, key=lambda p: (-rank(p), p))[:heavy]
     return held[:sinks] + sorted(top) + held[len(held) - recent :]
 
 
@@ -133,7 +141,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
                 held = expected[b][h] + list(range(seen - count, seen))
                 score_of = dict(zip(range(total), ref_scores[b, h].tolist()))
                 expected[b][h] = reference_keep(
-                    held, score_of, capacity, config.policy, config.heavy_ratio, layer.policy.sink_tokens
+                    held, score_of, capacity, config.policy, config.heavy_ratio, layer.policy.sink_tokens, seen
                 )
                 assert sorted(keys_at[b, h].tolist()) == expected[b][h], (b, h)
 

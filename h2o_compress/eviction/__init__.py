@@ -5,17 +5,19 @@ from __future__ import annotations
 from .base import EvictionPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
+from .h2o_mean import H2OMeanPolicy
 from .local import LocalPolicy
 from .sink import SinkPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "h2o": H2OPolicy,
+    "h2o-mean": H2OMeanPolicy,
     "local": LocalPolicy,
     "sink": SinkPolicy,
     "full": FullPolicy,
 }
 
-__all__ = ["EvictionPolicy", "FullPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "POLICIES", "make_policy"]
+__all__ = ["EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "POLICIES", "make_policy"]
 
 
 def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None) -> EvictionPolicy:

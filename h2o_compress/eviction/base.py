@@ -24,6 +24,12 @@ class EvictionPolicy:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""
         return max(capacity - min(self.sink_tokens, capacity), 0)
 
+    def ranking_scores(self, scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+        """The scores :meth:`keep_indices` ranks by, from the accumulated ``scores`` (fp32 ``[batch, kv_heads,
+        kept]``), the absolute ``positions`` of those tokens (same shape) and the ``seen`` token count. Default:
+        the accumulated sums themselves (H2O). May return ``scores`` itself: callers copy before editing."""
+        return scores
+
     def keep_indices(
         self,
         scores: torch.Tensor | None,

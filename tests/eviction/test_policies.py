@@ -59,3 +59,17 @@ def test_registry_builds_every_policy(name):
     policy = make_policy(name, heavy_ratio=0.5)
     assert isinstance(policy, POLICIES[name])
     assert policy.recent_window(10) <= 10
+
+
+def test_h2o_mean_ranks_by_mean_attention_not_the_sum():
+    """An old token with a large sum but a small mean loses to a young token with a smaller sum, larger mean."""
+    from h2o_compress.eviction import H2OMeanPolicy
+
+    seen = 10
+    scores = torch.tensor([[[3.0, 0.5, 1.2, 0.1, 0.1, 0.1]]])  # tokens at positions 0, 6, 7, 4, 8, 9
+    positions = torch.tensor([[[0, 6, 7, 4, 8, 9]]])
+    summed = H2OPolicy(heavy_ratio=0.5).ranking_scores(scores, positions, seen)
+    mean = H2OMeanPolicy(heavy_ratio=0.5).ranking_scores(scores, positions, seen)
+    assert torch.equal(summed, scores)
+    torch.testing.assert_close(mean, torch.tensor([[[0.3, 0.125, 0.4, 1 / 60, 0.05, 0.1]]]))
+    assert mean[0, 0].argmax() == 2 and summed[0, 0].argmax() == 0
