@@ -124,23 +124,19 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
         )
     if layer.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
         query = (query.float() @ layer.key_basis).to(query.dtype)
+    probs = padding = None
     if layer.fused_step:  # one query, no padding held: attention and H2O scores in one pass over packed tokens
         output, probs = layer.fused_attention(query, scaling)
         output = output.transpose(1, 2).contiguous()
-        if layer.value_basis is not None:
-            output = (output.float() @ layer.value_basis).to(output.dtype)
-        layer.after_attention(probs, None)
-        return output, None
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    else:
+        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if layer.policy.needs_scores:
+            probs = attention_probability_sums(query, key, attention_mask, scaling, layer.score_chunk_size)
+        if attention_mask is not None:  # keys the last query cannot see are (left) padding
+            queries, keys = query.shape[2], key.shape[2]
+            padding = ~_visible(attention_mask, queries - 1, queries, queries, keys, key.device).reshape(-1, keys)
     if layer.value_basis is not None:  # values are held as v @ H: P.v = (P.(v @ H)) @ H, H symmetric
         output = (output.float() @ layer.value_basis).to(output.dtype)
-    probs = None
-    if layer.policy.needs_scores:
-        probs = attention_probability_sums(query, key, attention_mask, scaling, layer.score_chunk_size)
-    padding = None
-    if attention_mask is not None:  # keys the last query cannot see are (left) padding
-        queries, keys = query.shape[2], key.shape[2]
-        padding = ~_visible(attention_mask, queries - 1, queries, queries, keys, key.device).reshape(-1, keys)
     layer.after_attention(probs, padding)
     return output, None
 
