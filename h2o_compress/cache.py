@@ -289,6 +289,13 @@ class CompressedLayer(CacheLayerMixin):
         new]``) and their ``scores`` (default 0) behind the stored ones, growing the buffer to :meth:`target_slots`
         only when it is full."""
         start, new = self.stored_length, len(keys)
+        if self.capacity is None and self.stored_keys is not None:  # unbounded: no slack, one cat per tensor
+            self.stored_keys, self.stored_values = self.stored_keys.cat(keys), self.stored_values.cat(values)
+            if self.slot_info is not None:  # scores only: nothing is evicted, so no positions
+                added = torch.zeros(self.batch, self.kv_heads, new, device=self.device) if scores is None else scores
+                self.slot_info = self.slot_info.cat(StoredTensor({"score": added}))
+            self.stored_length += new
+            return
         if self.stored_keys is None:
             slots = self.target_slots(new)
             self.stored_keys, self.stored_values = keys.resized(0, slots), values.resized(0, slots)
