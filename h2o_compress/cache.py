@@ -22,6 +22,7 @@ from .attention import announce, withdraw
 from .config import CompressionConfig
 from .errors import CacheStateError, ConfigError, InputError
 from .eviction import EvictionPolicy, make_policy
+from .kernels import power_of_two
 from .quantization import IntQuantizer, KVQuantizer, NoQuantizer, StoredTensor, make_quantizer
 from .quantization.base import gather_tokens
 
@@ -127,7 +128,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.attention_kernel == "torch":
             return False
         dim, formats = self.head_dim, (IntQuantizer, NoQuantizer)
-        readable = dim >= 16 and dim & (dim - 1) == 0 and all(
+        readable = power_of_two(dim, 16) and all(
             type(q) in formats for q in (self.key_quantizer, self.value_quantizer)
         )
         has_triton = importlib.util.find_spec("triton") is not None
@@ -243,8 +244,8 @@ class CompressedLayer(CacheLayerMixin):
                 self.residual_values = torch.cat((self.residual_values, value_states), dim=2)
             if self.fused_step:  # attention reads the packed tokens itself: hand back shape-only stand-ins
                 shape = (self.batch, self.kv_heads, self.kept_length(), self.head_dim)
-                keys = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
-                values = torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
+                stand_in = torch.zeros((), dtype=self.dtype, device=self.device)
+                keys, values = stand_in.expand(shape), stand_in.expand(shape)
             else:
                 keys = self._assemble(self.key_quantizer, self.stored_keys, self.residual_keys)
                 values = self._assemble(self.value_quantizer, self.stored_values, self.residual_values)

@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..quantization.base import StoredTensor
+from . import power_of_two
 
 H100_SMS = 132
 
@@ -255,12 +256,12 @@ def fused_decode_attention(
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query dtype must be fp16, bf16 or fp32, got {query.dtype}")
     batch, q_heads, _, head_dim = query.shape
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if not power_of_two(head_dim, 16):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if block_tokens < 16 or block_tokens & (block_tokens - 1):
+    if not power_of_two(block_tokens, 16):
         raise ValueError(f"block_tokens must be a power of two >= 16, got {block_tokens}")
     if stored_keys is not None and len(stored_keys) and (key_bits != 16 or value_bits != 16):
-        if group_size < 2 or group_size & (group_size - 1) or head_dim % group_size:
+        if not power_of_two(group_size, 2) or head_dim % group_size:
             raise ValueError(f"group_size must be a power of two dividing head_dim={head_dim}, got {group_size}")
     # segments: (keys (data, sz), values (data, sz), key format, value format, tokens)
     segments, kv_heads = [], None
