@@ -11,11 +11,10 @@ model to it.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 
-from .errors import CacheStateError, UnsupportedModelError
+from .errors import UnsupportedModelError
 
 ATTENTION_NAME = "h2o_compress"
 
@@ -57,8 +56,8 @@ def attention_probability_sums(
         query: ``[batch, q_heads, queries, head_dim]``.
         key: ``[batch, kv_heads, keys, head_dim]``; ``q_heads`` must be a multiple of ``kv_heads``.
         attention_mask: ``None`` (causal, bottom-right aligned: query ``i`` sees keys up to
-            ``keys - queries + i``), boolean (``True`` = visible) or additive float, broadcastable to
-            ``[batch, 1, queries, keys]``.
+            ``keys - queries + i``), boolean (``True`` = visible) or additive float, ``[batch | 1, kv_heads | 1,
+            queries, keys]`` (a per-KV-head mask applies to every query head of that KV head).
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
 
     Returns:
@@ -85,7 +84,7 @@ def attention_probability_sums(
 
 
 def _visible(mask, start, stop, queries, keys, device) -> torch.Tensor | None:
-    """Boolean visibility ``[batch|1, 1, 1, stop-start, keys]`` for query rows ``start:stop``."""
+    """Boolean visibility ``[batch|1, kv_heads|1, 1, stop-start, keys]`` for query rows ``start:stop``."""
     if mask is None:
         if stop - start == 1 and start == queries - 1:
             return None  # the last query sees every key
@@ -94,12 +93,43 @@ def _visible(mask, start, stop, queries, keys, device) -> torch.Tensor | None:
     rows = mask[..., start:stop, :]
     if rows.dtype != torch.bool:
         rows = rows > torch.finfo(rows.dtype).min / 2
-    return rows.reshape(rows.shape[0], 1, 1, stop - start, keys)
+    return rows.reshape(rows.shape[0], rows.shape[1], 1, stop - start, keys)
+
+
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float | None,
+    with_sums: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decode step's attention over fixed slots, and the H2O probability sums from the same softmax.
+
+    Slots where ``valid`` is False (empty, evicted, padding) get zero weight. Static shapes, no host sync: the
+    step ``torch.compile`` captures. GQA without copying keys: the query heads of one KV head are one matmul.
+
+    Args:
+        query: ``[batch, q_heads, 1, head_dim]``.
+        keys, values: ``[batch, kv_heads, slots, head_dim]``; ``q_heads`` a multiple of ``kv_heads``.
+        valid: bool ``[batch, kv_heads, slots]``; at least one True per sequence and head.
+        scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
+        with_sums: also return the probabilities summed over each KV head's query heads.
+
+    Returns:
+        ``(output [batch, q_heads, 1, head_dim], sums fp32 [batch, kv_heads, slots] | None)`` (H2O, arXiv
+        2306.14048 §4: what each key receives from this query).
+    """
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    probs = torch.softmax(logits.masked_fill(~valid.unsqueeze(2), float("-inf")), dim=-1)
+    output = torch.matmul(probs.to(values.dtype), values).reshape(batch, q_heads, 1, head_dim)
+    return output, probs.sum(2) if with_sums else None
 
 
 def h2o_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Attention function registered as ``"h2o_compress"``: transformers' SDPA for the output, then hands
-    the attention probabilities to the compressed cache layer that returned ``key`` (if any).
+    """Attention function registered as ``"h2o_compress"``: hands the step to the compressed cache layer that
+    returned ``key`` (its :meth:`~h2o_compress.cache.layer.CompressedLayer.attend`: attention, scores, eviction),
+    or runs transformers' SDPA when no compressed cache is involved.
 
     Shapes: query ``[batch, q_heads, queries, head_dim]``, key/value ``[batch, kv_heads, keys, head_dim]``;
     returns ``([batch, queries, q_heads, head_dim], None)`` like every transformers attention function.
@@ -109,36 +139,7 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
     layer = _pending().pop(getattr(module, "layer_idx", None), None)
     if layer is None:  # no compressed cache involved: plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    if layer.bound_module is None:
-        layer.bound_module = weakref.ref(module)
-    elif layer.bound_module() is not module:
-        layer.returned_keys = None
-        raise CacheStateError(
-            f"layer {module.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
-            "and values, so build a new one with make_cache(model, ...)"
-        )
-    if layer.returned_keys is not key:
-        raise CacheStateError(
-            f"layer {module.layer_idx}: the keys reaching attention are not the ones the compressed cache "
-            "returned; this model changes keys after the cache, which h2o-compress does not support"
-        )
-    if layer.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
-        query = (query.float() @ layer.key_basis).to(query.dtype)
-    probs = padding = None
-    if layer.fused_step:  # one query, no padding held: attention and H2O scores in one pass over packed tokens
-        output, probs = layer.fused_attention(query, scaling)
-        output = output.transpose(1, 2).contiguous()
-    else:
-        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        if layer.policy.needs_scores:
-            probs = attention_probability_sums(query, key, attention_mask, scaling, layer.score_chunk_size)
-        if attention_mask is not None:  # keys the last query cannot see are (left) padding
-            queries, keys = query.shape[2], key.shape[2]
-            padding = ~_visible(attention_mask, queries - 1, queries, queries, keys, key.device).reshape(-1, keys)
-    if layer.value_basis is not None:  # values are held as v @ H: P.v = (P.(v @ H)) @ H, H symmetric
-        output = (output.float() @ layer.value_basis).to(output.dtype)
-    layer.after_attention(probs, padding)
-    return output, None
+    return layer.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
 
 
 def register_attention() -> None:

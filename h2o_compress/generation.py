@@ -13,14 +13,8 @@ from .cache import CompressedCache, build_layers
 from .config import CompressionConfig
 from .errors import CacheStateError, ConfigError, InputError
 from .models import model_dims
-from .persistence import model_fingerprint
+from .identity import model_fingerprint, model_identity
 from .prompt_cache import check_context, prefill
-
-
-def model_identity(model) -> str:
-    """A short string naming the model's architecture and KV geometry (guards against cache reuse)."""
-    dims = model_dims(model.config)
-    return f"{model.config.model_type}:{dims.num_layers}x{dims.kv_heads}x{dims.head_dim}"
 
 
 def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None) -> CompressedCache:
@@ -49,7 +43,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             f"allowed: {', '.join(map(str, allowed)) or 'none (use 16 bits)'}"
         )
     capacity = config.capacity(max_length)
-    layers = build_layers(config, dims.num_layers, dims.head_dim, capacity)
+    layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length)
     cache = CompressedCache(layers, config, model_id=model_identity(model))
     cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
     return cache

@@ -1,11 +1,10 @@
 """Persisted compressed caches: one :class:`~h2o_compress.cache.CompressedCache` in one safetensors file.
 
-File format (``format_version`` 2):
+File format (``format_version`` 3: the slot layout of :mod:`h2o_compress.cache`; older files are refused):
 
-- tensors, per layer ``i``: ``layers.{i}.{name}`` for every entry of
-  :meth:`~h2o_compress.cache.CompressedLayer.state_tensors` (held slots of the stored buffers and their
-  positions/scores, the residual window and its scores, left padding held), each present only when the layer
-  holds it; optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
+- tensors, per layer ``i``: ``layers.{i}.{name}`` for every buffer of
+  :meth:`~h2o_compress.cache.CompressedLayer.tensors` (the slot store: stored keys/values parts, positions,
+  scores; the ring window: keys, values, positions, scores; ``seen``, ``first_real``, ``finite``); optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
   ``prompt.next_logits`` (``[batch, vocab]``), the prompt the cache holds and the logits of its next token,
   so a loaded cache continues exactly like the live one.
 - metadata (strings): ``format``, ``format_version``, ``library_version``, ``model_fingerprint`` (see
@@ -31,18 +30,14 @@ from pathlib import Path
 import torch
 
 from .errors import CacheFileError, CacheStateError, ConfigError
+from .identity import model_fingerprint, model_identity
 
 FORMAT = "h2o-compress-kv-cache"
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 # Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
-DERIVED_LAYER_TENSORS = ("returned_keys", "key_basis", "value_basis", "finite")
+DERIVED_LAYER_TENSORS = ("key_basis", "value_basis")
 # Config fields that change how attention runs, not what the cache holds: a file loads under any value.
 RUNTIME_CONFIG_FIELDS = {"attention_kernel"}
-# Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
-_VOLATILE_CONFIG_KEYS = {
-    "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
-    "output_hidden_states", "return_dict", "attn_implementation",
-}
 
 
 @dataclass
@@ -52,29 +47,6 @@ class PromptState:
 
     token_ids: torch.Tensor
     next_logits: torch.Tensor | None = None
-
-
-def model_fingerprint(model) -> str:
-    """A 32-hex-digit SHA-256 of ``model``'s config, parameter names, shapes and dtypes, and a sample of values.
-
-    Cheap (a few elements per parameter are read), stable across devices and processes, and different for two
-    models that differ in architecture, dtype or weights (the first and last 4 values of every parameter).
-    Checkpoint names, the transformers version and the attention implementation are left out; parameters
-    offloaded by accelerate (on the ``meta`` device here) contribute their name, shape and dtype only.
-    """
-    digest = hashlib.sha256()
-    config = model.config.to_dict()
-    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
-            if param.device.type == "meta":  # offloaded by accelerate (weights elsewhere): shape and dtype only
-                continue
-            flat = param.detach().reshape(-1)
-            sample = torch.cat((flat[:4], flat[-4:])).to("cpu", copy=True).contiguous()
-            digest.update(sample.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
 
 
 def _checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
@@ -111,9 +83,9 @@ def _check_saveable(cache) -> int:
     if not all(layer.is_initialized for layer in cache.layers):
         raise CacheStateError("cannot save an empty cache: run the prompt through the model first")
     cache.check_finite()
-    if any(layer.returned_keys is not None for layer in cache.layers):
+    if any(layer.awaiting_attention for layer in cache.layers):
         raise CacheStateError("cannot save a cache in the middle of a forward pass (attention has not run yet)")
-    seen = {layer.seen_tokens for layer in cache.layers}
+    seen = {int(layer.seen) for layer in cache.layers}
     if len(seen) != 1:
         raise CacheStateError(f"cannot save: layers have seen different token counts {sorted(seen)} (a failed step?)")
     return seen.pop()
@@ -123,12 +95,12 @@ def _cache_contents(cache, tokens: int) -> tuple[dict[str, torch.Tensor], list[d
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
-        tensors |= {f"layers.{i}.{name}": t.contiguous() for name, t in layer.state_tensors().items()}
+        tensors |= {f"layers.{i}.{name}": t.contiguous() for name, t in layer.tensors().items()}
         layers.append(
             {
-                "seen_tokens": layer.seen_tokens, "batch": layer.batch, "kv_heads": layer.kv_heads,
+                "seen_tokens": int(layer.seen), "batch": layer.batch, "kv_heads": layer.kv_heads,
                 "head_dim": layer.head_dim, "dtype": str(layer.dtype), "residual_dtype": str(layer.residual_dtype),
-                "capacity": layer.capacity, "residual": layer.residual,
+                "capacity": layer.capacity, "residual": layer.residual, "max_tokens": layer.max_tokens,
             }
         )
     state = getattr(cache, "prompt_state", None)
@@ -295,7 +267,6 @@ def load_cache(path, model, config=None):
     """
     from .attention import use_h2o_attention
     from .cache import CompressedCache, build_layers
-    from .generation import model_identity
     from .models import model_dims
 
     source = _as_path(path)
@@ -319,7 +290,8 @@ def load_cache(path, model, config=None):
     if len(layer_states) != dims.num_layers:
         raise CacheStateError(f"cache file has {len(layer_states)} layers, the model {dims.num_layers}")
     device = next(model.parameters()).device
-    layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity)
+    max_tokens = layer_states[0].get("max_tokens") if layer_states and isinstance(layer_states[0], dict) else None
+    layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         _restore_layer(layer, i, state, tensors, device)
     cache = CompressedCache(layers, saved, model_id=model_identity(model))
@@ -333,13 +305,23 @@ def load_cache(path, model, config=None):
 def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
     if layer.residual != state["residual"] or layer.capacity != state["capacity"]:
         raise CacheFileError(f"layer {i}: saved residual/capacity do not match its config (saved by another version?)")
-    # The layer's own lazy initialisation sets dtype, device, geometry and bases, as on a first update.
+    # The layer's own lazy initialisation allocates the buffers, as on a first update; the file must fill them all.
     shape = (state["batch"], state["kv_heads"], 0, state["head_dim"])
     empty = torch.empty(shape, dtype=_dtype(state["dtype"]), device=device)
     layer.lazy_initialization(empty, empty)
     if str(layer.residual_dtype) != state["residual_dtype"]:
         raise CacheFileError(f"layer {i}: saved residual dtype {state['residual_dtype']} is not {layer.residual_dtype}")
-    layer.seen_tokens = state["seen_tokens"]
     prefix = f"layers.{i}."
-    layer.load_state_tensors({k[len(prefix) :]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)})
-    layer.is_initialized = True
+    saved = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+    expected = layer.tensors()
+    if set(saved) != set(expected):
+        raise CacheFileError(f"layer {i}: the file holds tensors {sorted(saved)}, the config implies {sorted(expected)}")
+    for name, tensor in saved.items():
+        if tensor.shape != expected[name].shape or tensor.dtype != expected[name].dtype:
+            raise CacheFileError(
+                f"layer {i}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, the config implies "
+                f"{tuple(expected[name].shape)} {expected[name].dtype}"
+            )
+    layer.load_tensors({name: t.to(device) for name, t in saved.items()})
+    if int(layer.seen) != state["seen_tokens"]:
+        raise CacheFileError(f"layer {i}: seen={int(layer.seen)} but the metadata says {state['seen_tokens']}")

@@ -1,4 +1,4 @@
-"""Eviction policy interface: which tokens a layer keeps when it holds more than its capacity."""
+"""Eviction policy interface: the priority by which a layer keeps tokens when it holds more than its capacity."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import torch
 
 @dataclass
 class EvictionPolicy:
-    """Chooses the tokens to keep, per sequence and KV head.
+    """Ranks the tokens of one layer, per sequence and KV head, for eviction (DESIGN.md §2).
 
-    Subclasses set ``needs_scores`` when they read accumulated attention scores, and say how much of the
+    A policy states its ranking once, in :meth:`rank`; :meth:`priority` adds the rules every policy shares and
+    is the one function prefill eviction (keep the top ``capacity``), decode eviction (evict the lowest) and the
+    planner's window arithmetic (:meth:`recent_window`) read.
+
+    Subclasses set ``needs_scores`` when they rank by accumulated attention scores, and say how much of the
     capacity is the recent window (:meth:`recent_window`). ``sink_tokens`` first real tokens are always kept
-    (StreamingLLM's attention sinks); left padding is never kept while real tokens can be.
+    (StreamingLLM's attention sinks); padding is never kept.
     """
 
     heavy_ratio: float = 0.5
@@ -24,51 +28,35 @@ class EvictionPolicy:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""
         return max(capacity - min(self.sink_tokens, capacity), 0)
 
-    def ranking_scores(self, scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
-        """The scores :meth:`keep_indices` ranks by, from the accumulated ``scores`` (fp32 ``[batch, kv_heads,
-        kept]``), the absolute ``positions`` of those tokens (same shape) and the ``seen`` token count. Default:
-        the accumulated sums themselves (H2O). May return ``scores`` itself: callers copy before editing."""
-        return scores
-
-    def keep_indices(
-        self,
-        scores: torch.Tensor | None,
-        length: int,
-        capacity: int,
-        leading_pads: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Indices of the ``capacity`` tokens to keep out of ``length``, ascending.
-
-        Priority: the recent window and the sinks first, then the highest ``scores`` (ties keep the older
-        token), padding last.
+    def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen: int | torch.Tensor) -> torch.Tensor:
+        """The policy's own ranking of evictable tokens (higher = kept longer), fp32, shaped like ``positions``.
 
         Args:
-            scores: fp32 ``[batch, kv_heads, length]`` accumulated attention (policies with ``needs_scores``).
-            length: tokens now held (> capacity).
-            capacity: tokens to keep.
-            leading_pads: ``[batch]`` count of left-padding tokens at the start of each sequence, or ``None``.
+            scores: fp32 ``[batch, kv_heads, tokens]`` accumulated attention (``None`` unless ``needs_scores``).
+            positions: int ``[batch, kv_heads, tokens]`` absolute positions (``-1``: empty slot).
+            seen: tokens seen so far (int or 0-dim tensor).
 
-        Returns:
-            ``[capacity]`` (same for every sequence and head) or ``[batch, kv_heads | 1, capacity]``, int64.
+        Default: all equal, so the tie rule (evict the older) makes it a recent window.
         """
-        sinks, recent = min(self.sink_tokens, capacity), self.recent_window(capacity)
-        if scores is None and leading_pads is None:  # fast path: the same window for every sequence
-            window = torch.arange(length - recent, length)
-            return window if sinks == 0 else torch.cat((torch.arange(sinks), window))
-        if scores is not None:
-            priority = scores.clone()
-        else:
-            priority = torch.zeros(leading_pads.shape[0], 1, length, device=leading_pads.device)
-        if leading_pads is not None or sinks:
-            position = torch.arange(length, device=priority.device)
-            first_real = torch.zeros(1, device=priority.device, dtype=torch.long)
-            if leading_pads is not None:
-                first_real = leading_pads.view(-1, 1, 1)
-                priority.masked_fill_(position < first_real, float("-inf"))
-            if sinks:
-                priority.masked_fill_((position >= first_real) & (position < first_real + sinks), float("inf"))
-        if recent:
-            priority[..., length - recent :] = float("inf")
-        # A stable descending sort keeps the older token first among equal priorities.
-        order = torch.sort(priority, dim=-1, descending=True, stable=True).indices[..., :capacity]
-        return order.sort(dim=-1).values
+        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+
+    def priority(
+        self,
+        scores: torch.Tensor | None,
+        positions: torch.Tensor,
+        seen: int | torch.Tensor,
+        first_real: torch.Tensor,
+        capacity: int,
+    ) -> torch.Tensor:
+        """Eviction priority, fp32 ``[batch, kv_heads, tokens]``: ``+inf`` for the recent window (positions
+        ``>= seen - recent_window(capacity)``) and the sinks (the first ``sink_tokens`` real tokens, from
+        ``first_real`` int64 ``[batch]``), ``-inf`` for empty slots and padding (``positions < 0``), else
+        :meth:`rank`. Ties are broken by the caller towards keeping the older token.
+        """
+        priority = self.rank(scores, positions, seen)
+        recent, sinks = self.recent_window(capacity), min(self.sink_tokens, capacity)
+        protected = positions >= seen - recent
+        if sinks:
+            start = first_real.view(-1, 1, 1)
+            protected = protected | ((positions >= start) & (positions < start + sinks))
+        return priority.masked_fill(protected, float("inf")).masked_fill(positions < 0, float("-inf"))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .base import EvictionPolicy
 
 
@@ -13,9 +15,8 @@ class H2OPolicy(EvictionPolicy):
 
     Of the capacity ``C`` (after ``sink_tokens``), ``round(heavy_ratio * C)`` tokens go to heavy hitters
     and the rest to the recent window. Heavy hitters are the top scores among tokens outside the recent
-    window and the sinks; ties keep the older token (:meth:`EvictionPolicy.keep_indices`). Scores are the
-    summed post-softmax attention each token received since it entered the cache, GQA query heads summed per
-    KV head (DESIGN.md §2).
+    window and the sinks; ties keep the older token. Scores are the summed post-softmax attention each token
+    received since it entered the cache, GQA query heads summed per KV head (DESIGN.md §2).
     """
 
     needs_scores = True
@@ -27,3 +28,7 @@ class H2OPolicy(EvictionPolicy):
 
     def recent_window(self, capacity: int) -> int:
         return capacity - min(self.sink_tokens, capacity) - self.heavy(capacity)
+
+    def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen) -> torch.Tensor:
+        """The accumulated attention itself (the paper's sum)."""
+        return scores

@@ -20,5 +20,5 @@ class H2OMeanPolicy(H2OPolicy):
     accumulated and stored (the slot positions the cache keeps give the counts, so it costs no memory).
     """
 
-    def ranking_scores(self, scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+    def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen) -> torch.Tensor:
         return scores / (seen - positions).clamp(min=1).to(scores.dtype)

@@ -60,6 +60,25 @@ class StoredTensor:
             index = target.view(*target.shape, *([1] * (v.dim() - 2))).expand(token.shape)
             v.scatter_(2, index, token)
 
+    def scatter_(self, slots: torch.Tensor, other: "StoredTensor") -> None:
+        """In place: token ``i`` of ``other`` goes to slot ``slots[b, h, i]`` (int64 ``[batch, heads, n]``), per
+        sequence and head. No host sync, no allocation beyond the index view: the decode step's write."""
+        for k, v in self.parts.items():
+            source = other.parts[k]
+            index = slots.view(*slots.shape, *([1] * (v.dim() - 3))).expand(source.shape)
+            v.scatter_(2, index, source)
+
+    def put_(self, target: tuple[torch.Tensor, ...], other: "StoredTensor", source: tuple[torch.Tensor, ...]) -> None:
+        """In place: ``self[b, h, slot] = other[b, h, i]`` for the index triples ``target = (b, h, slot)`` and
+        ``source = (b, h, i)`` (1-D int64 tensors of one length; prefill writes)."""
+        for k, v in self.parts.items():
+            v[target] = other.parts[k][source].to(v.dtype)
+
+    @classmethod
+    def zeros_like_probe(cls, probe: "StoredTensor", batch: int, heads: int, slots: int) -> "StoredTensor":
+        """A zero-filled buffer of ``slots`` tokens with the parts, trailing shapes and dtypes of ``probe``."""
+        return cls({k: v.new_zeros(batch, heads, slots, *v.shape[3:]) for k, v in probe.parts.items()})
+
     def map_batch(self, fn) -> "StoredTensor":
         """Apply ``fn`` (a function of one tensor acting on dim 0) to every part."""
         return StoredTensor({k: fn(v) for k, v in self.parts.items()})

@@ -1,0 +1,143 @@
+"""`CompressedCache`: a thin transformers ``Cache`` over one :class:`CompressedLayer` per model layer."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..config import CompressionConfig
+from ..errors import CacheStateError, InputError
+from ..eviction import make_policy
+from ..quantization import make_quantizer
+from .layer import CompressedLayer
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` that evicts and quantizes, one :class:`CompressedLayer` per model layer.
+
+    Use with ``model.generate(..., past_key_values=cache)``, a manual forward loop, or a compiled decode step
+    (:attr:`is_compileable`); build it with :func:`h2o_compress.make_cache`, which also switches the model to the
+    ``h2o_compress`` attention function. ``get_seq_length()`` counts tokens seen (an int64 0-dim tensor, as
+    transformers' ``StaticCache`` does); :meth:`kept_length` counts tokens held.
+    """
+
+    def __init__(self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = ""):
+        super().__init__(layers=layers)
+        self.config = config
+        self.model_id = model_id
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Route to :meth:`CompressedLayer.update`. A multi-token step first checks what decode steps only
+        flagged (finite keys and values) and that the previous forward pass reached every layer.
+
+        Raises:
+            CacheStateError: ``layer_idx`` beyond this cache's layers (another model), or layers that hold
+                different token counts (a forward pass failed half-way).
+            InputError: an earlier decode step fed NaN or Inf.
+        """
+        if not 0 <= layer_idx < len(self.layers):
+            raise CacheStateError(
+                f"layer_idx={layer_idx} but this cache has {len(self.layers)} layers: it was made for another model"
+            )
+        if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
+            self.check_finite()
+            seen = {int(layer.seen) for layer in self.layers if layer.is_initialized}
+            if len(seen) > 1 or (seen and not all(layer.is_initialized for layer in self.layers)):
+                raise CacheStateError(
+                    f"the layers of this cache hold different token counts ({sorted(seen)}): an earlier forward pass "
+                    "failed half-way; call cache.reset() or build a new cache"
+                )
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def check_finite(self) -> None:
+        """Raise if any step fed non-finite keys or values. Decode steps only set a flag (no host sync per layer
+        or step); this reads all flags at once: :func:`h2o_compress.generate` calls it once per generation,
+        saving and multi-token steps call it first.
+
+        Raises:
+            InputError: NaN or Inf reached the cache; it is poisoned, so call ``cache.reset()`` or build a new one.
+        """
+        flags = [layer.finite for layer in self.layers if layer.is_initialized]
+        if flags and not bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all()):
+            raise InputError(
+                "keys or values of an earlier step were not finite (NaN or Inf); the cache holds them, so call "
+                "cache.reset() or build a new cache, and check the inputs and the model weights"
+            )
+
+    @property
+    def capacity(self) -> int | None:
+        """Tokens kept per layer, sequence and KV head (``None``: unbounded)."""
+        return self.layers[0].capacity
+
+    @property
+    def compile_blocker(self) -> str | None:
+        """Why the decode step cannot be compiled (the first layer's reason), or ``None``."""
+        return next((layer.compile_blocker for layer in self.layers if layer.compile_blocker), None)
+
+    def kept_length(self, layer_idx: int = 0) -> int:
+        """Tokens held now by ``layer_idx``, per sequence and KV head (reads the device)."""
+        return self.layers[layer_idx].kept_length()
+
+    def seen_tokens(self) -> int:
+        """Tokens seen so far, as a Python int (reads the device)."""
+        return int(self.get_seq_length())
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (packed data, scales, zeros, ring window, positions, scores)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def storage_nbytes(self) -> int:
+        """Bytes of the storages behind every tensor held; above :meth:`nbytes` only if a view pins a larger
+        buffer (a check that eviction really frees memory)."""
+        return sum(t.untyped_storage().nbytes() for layer in self.layers for t in layer.tensors().values())
+
+    def full_fp16_nbytes(self) -> int:
+        """Bytes the uncompressed fp16 cache would hold for the tokens seen:
+        ``2 x layers x kv_heads x head_dim x tokens x batch x 2``."""
+        ready = [layer for layer in self.layers if layer.is_initialized]
+        if not ready:
+            return 0
+        layer = ready[0]
+        return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * int(layer.seen) * layer.batch * 2
+
+    def save(self, path, model=None):
+        """Write this cache to ``path`` (safetensors, atomic); see :func:`h2o_compress.persistence.save_cache`."""
+        from ..persistence import save_cache
+
+        return save_cache(self, path, model=model)
+
+    @classmethod
+    def load(cls, path, model, config=None) -> "CompressedCache":
+        """Load a cache saved by :meth:`save` for ``model``; see :func:`h2o_compress.persistence.load_cache`."""
+        from ..persistence import load_cache
+
+        return load_cache(path, model, config=config)
+
+
+def build_layers(
+    config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None
+) -> list[CompressedLayer]:
+    """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`).
+
+    Raises:
+        ConfigError: a group size that does not divide ``head_dim``.
+    """
+    layers = []
+    for idx in range(num_layers):
+        layers.append(
+            CompressedLayer(
+                idx,
+                make_policy(config.policy, config.heavy_ratio, config.sink_tokens),
+                capacity,
+                make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
+                make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),
+                residual=config.residual,
+                score_chunk_size=config.score_chunk_size,
+                attention_kernel=config.attention_kernel,
+                max_tokens=max_tokens,
+            )
+        )
+    return layers
+
+
+

@@ -1,0 +1,542 @@
+"""`CompressedLayer`: the compressed KV cache of one attention layer, as fixed buffers a compiled step can replay.
+
+Per sequence and KV head the layer holds (DESIGN.md §2 and §5):
+
+    SlotStore   [batch, kv_heads, slots, ...]  kept tokens in stored form (quantized once), positions (-1 = empty),
+                                               accumulated attention
+    RingWindow  [batch, kv_heads, residual, head_dim]  the newest ``residual`` tokens in full precision
+
+A decode step (one new token) is static-shape code with no host sync and no allocation of cache storage: the new
+token goes into the ring, the token it replaces is quantized once and written into the first empty slot of the
+store, attention reads the store (dequantized) and the ring with a validity mask, the probabilities are added to
+the scores, and the lowest-priority token outside the sinks and the recent window is marked empty (masked argmin
++ scatter), all in place. ``torch.compile(fullgraph=True)`` captures it. Multi-token steps (prefill, chunked
+prefill, continuing a saved prompt) run eagerly over the same buffers: attention over the held tokens and the
+chunk, then the policy's top-``capacity`` selection, then the same layout.
+
+Slot counts: ``capacity - residual + 1`` (one slot is free before each step), ``max_tokens - residual + 1`` for an
+unbounded cache of known length; an unbounded cache of unknown length grows (eager only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import weakref
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..attention import announce, attention_probability_sums, decode_attention, withdraw
+from ..errors import CacheStateError, ConfigError, InputError
+from ..eviction import EvictionPolicy
+from ..kernels import power_of_two
+from ..quantization import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer, NoQuantizer
+from .ring import RingWindow
+from .slots import SlotStore
+
+NO_REAL_TOKEN = 2**40  # first_real of a sequence that has shown no real token yet
+GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
+
+
+def _mark_static(tensors) -> None:
+    """Tell Dynamo these buffers keep their address (CUDA graphs replay them; transformers' StaticLayer does it)."""
+    if torch.compiler.is_compiling():
+        return
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
+
+
+def keep_top(priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """bool ``[batch, kv_heads, tokens]``: the ``capacity`` tokens of highest ``priority`` (fp32, same shape),
+    ties keeping the older position, never an empty one (``positions < 0``)."""
+    by_position = positions.masked_fill(positions < 0, NO_REAL_TOKEN).argsort(dim=-1, stable=True)
+    ranked = torch.sort(priority.gather(-1, by_position), dim=-1, descending=True, stable=True).indices
+    keep = torch.zeros(priority.shape, dtype=torch.bool, device=priority.device)
+    keep.scatter_(-1, by_position.gather(-1, ranked[..., :capacity]), True)
+    return keep & (positions >= 0)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """The compressed KV cache of one attention layer (see the module docstring for the layout).
+
+    Args:
+        layer_idx: index of the model layer (the side-channel key).
+        policy: eviction policy (its :meth:`~h2o_compress.eviction.EvictionPolicy.priority` ranks every eviction).
+        capacity: tokens kept per sequence and KV head, ``None`` for no eviction; capped at ``max_tokens``.
+        key_quantizer, value_quantizer: storage formats of keys and values.
+        residual: newest tokens kept in full precision when quantizing (the ring size), capped at half the
+            policy's recent window so the ring is always inside it.
+        score_chunk_size: queries per chunk for prefill scoring.
+        attention_kernel: ``auto``, ``torch`` or ``triton`` (see :class:`~h2o_compress.CompressionConfig`).
+        max_tokens: tokens the cache will see (prompt + new tokens), when known: bounds the storage.
+
+    Attributes:
+        is_compileable: the decode step can be compiled (integer and 16-bit formats, storage of known size).
+        seen: int64 0-dim tensor, tokens seen (positions keep counting after eviction).
+    """
+
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        layer_idx: int,
+        policy: EvictionPolicy,
+        capacity: int | None,
+        key_quantizer: KVQuantizer,
+        value_quantizer: KVQuantizer,
+        residual: int = 0,
+        score_chunk_size: int = 64,
+        attention_kernel: str = "auto",
+        max_tokens: int | None = None,
+    ):
+        super().__init__()
+        if capacity is not None and max_tokens is not None:
+            capacity = min(capacity, max_tokens)  # storage never exceeds what the cache can see
+        self.layer_idx, self.policy, self.capacity, self.max_tokens = layer_idx, policy, capacity, max_tokens
+        self.key_quantizer, self.value_quantizer = key_quantizer, value_quantizer
+        self.quantized = key_quantizer.bits < 16 or value_quantizer.bits < 16
+        if not self.quantized:
+            residual = 0
+        elif capacity is not None:
+            residual = min(residual, policy.recent_window(capacity) // 2)
+        self.residual = residual
+        self.with_scores = policy.needs_scores and capacity is not None
+        self.score_chunk_size = score_chunk_size
+        self.attention_kernel = attention_kernel
+        self.compile_blocker = self._compile_blocker()
+        self.is_compileable = self.compile_blocker is None
+        self.reset()
+
+    def _compile_blocker(self) -> str | None:
+        """Why the decode step cannot be compiled, or ``None``."""
+        if any(isinstance(q, BitsAndBytesQuantizer) for q in (self.key_quantizer, self.value_quantizer)):
+            return "the bitsandbytes formats (nf4, fp4, int8-blockwise) run eagerly only; use quant='int' to compile"
+        if self.capacity is None and self.max_tokens is None:
+            return "an unbounded cache without max_length grows as it goes; pass max_length to make_cache to compile"
+        return None
+
+    # -- state ---------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every token, score and buffer; the layer can start a new prompt (any batch size)."""
+        self.store: SlotStore | None = None
+        self.ring: RingWindow | None = None
+        self.seen: torch.Tensor | None = None
+        self.first_real: torch.Tensor | None = None  # int64 [batch]: position of each sequence's first real token
+        self.finite: torch.Tensor | None = None  # bool 0-dim: every key/value so far was finite (read once per run)
+        self.grown_to = 0  # host count of tokens seen, kept only by unbounded caches of unknown length
+        self.chunk: dict | None = None  # a multi-token step between update() and attend()
+        self.decode_valid: torch.Tensor | None = None
+        self.awaiting_attention = False
+        self.bound_module = None  # weakref to the attention module that used this layer first
+        self.is_initialized = False
+
+    def store_slots(self, first_chunk: int = 0) -> int:
+        """Slots of the store: ``capacity - residual + 1``; ``max_tokens - residual + 1`` unbounded; else the
+        first chunk plus :data:`GROWTH` (grows later)."""
+        if self.capacity is not None:
+            return self.capacity - self.residual + 1
+        if self.max_tokens is not None:
+            return max(self.max_tokens - self.residual, 0) + 1
+        return first_chunk + GROWTH
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate every buffer once, from the first keys ``[batch, kv_heads, tokens, head_dim]`` (their batch,
+        heads, head_dim, dtype and device; ``device='meta'`` sizes a cache without memory)."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.kv_heads, first, self.head_dim = key_states.shape
+        # The window of a quantized cache is 16-bit even for fp32 models: its bytes count (DESIGN.md §2).
+        self.residual_dtype = torch.float16 if self.quantized and self.dtype == torch.float32 else self.dtype
+        # Tokens are held in each quantizer's basis (Hadamard or none); attention folds it into q and the output.
+        self.key_basis = self.key_quantizer.rotation(self.device)
+        self.value_basis = self.value_quantizer.rotation(self.device)
+        shape = (self.batch, self.kv_heads, self.store_slots(first), self.head_dim)
+        self.store = SlotStore(
+            self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device, self.with_scores
+        )
+        if self.residual:
+            shape = (self.batch, self.kv_heads, self.residual, self.head_dim)
+            self.ring = RingWindow(shape, self.residual_dtype, self.device, self.with_scores)
+        self.seen = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.first_real = torch.full((self.batch,), NO_REAL_TOKEN, dtype=torch.int64, device=self.device)
+        self.finite = torch.ones((), dtype=torch.bool, device=self.device)
+        if self.device.type != "meta":
+            _mark_static(self.tensors())
+        self.fused = self.uses_fused_kernel()
+        self.is_initialized = True
+
+    def uses_fused_kernel(self) -> bool:
+        """Whether decode steps could run the fused Triton kernel (``attention_kernel``: ``triton`` always,
+        ``auto`` on CUDA when triton is installed and the format allows). The slot layout reads it through the
+        torch path for now (see docs: the kernel learns the validity mask in the GPU issue).
+
+        Raises:
+            ConfigError: ``triton`` asked for a format the kernel does not read (bitsandbytes formats, a
+                ``head_dim`` that is not a power of two >= 16), without triton installed, or on CPU outside the
+                Triton interpreter (``TRITON_INTERPRET=1``).
+        """
+        if self.attention_kernel == "torch":
+            return False
+        dim, formats = self.head_dim, (IntQuantizer, NoQuantizer)
+        readable = power_of_two(dim, 16) and all(type(q) in formats for q in (self.key_quantizer, self.value_quantizer))
+        has_triton = importlib.util.find_spec("triton") is not None
+        if self.attention_kernel == "auto":
+            return readable and has_triton and self.device.type == "cuda"
+        if not readable:
+            raise ConfigError(
+                f"attention_kernel='triton' reads int4/int8/16-bit storage with a power-of-two head_dim >= 16; got "
+                f"{type(self.key_quantizer).__name__}/{type(self.value_quantizer).__name__}, head_dim={dim}; "
+                "allowed here: attention_kernel='torch' or 'auto'"
+            )
+        if not has_triton:
+            raise ConfigError("attention_kernel='triton' needs the triton package (pip install triton)")
+        if self.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                f"attention_kernel='triton' runs on CUDA devices (got {self.device}); on CPU only under the Triton "
+                "interpreter (TRITON_INTERPRET=1, for tests); allowed here: 'torch' or 'auto'"
+            )
+        return True
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer held, by name: ``store.*``, ``ring.*``, ``seen``, ``first_real``, ``finite``."""
+        if not self.is_initialized:
+            return {}
+        held = {f"store.{k}": v for k, v in self.store.tensors().items()}
+        if self.ring is not None:
+            held |= {f"ring.{k}": v for k, v in self.ring.tensors().items()}
+        return held | {"seen": self.seen, "first_real": self.first_real, "finite": self.finite}
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer held (:meth:`tensors`), empty slots included: the cache's real footprint."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def kept_length(self) -> int:
+        """Tokens held now, per sequence and KV head (the largest over sequences and heads). Reads the device."""
+        if not self.is_initialized:
+            return 0
+        held = (self.store.positions >= 0).sum(-1)
+        if self.ring is not None:
+            held = held + (self.ring.positions >= 0).sum(-1, keepdim=True)
+        return int(held.max())
+
+    def positions(self) -> torch.Tensor:
+        """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (sequences with fewer held
+        tokens, e.g. padded ones, are filled with ``-1`` at the front)."""
+        held = self.store.positions.long()
+        if self.ring is not None:
+            held = torch.cat((held, self.ring.positions.long()[:, None].expand(-1, self.kv_heads, -1)), dim=2)
+        return held.sort(-1).values[..., -self.kept_length() :] if self.kept_length() else held[..., :0]
+
+    # -- transformers' layer API -----------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take ``[batch, kv_heads, new, head_dim]`` keys/values; return the keys and values attention reads (in
+        ``key_basis``/``value_basis``; the ``h2o_compress`` attention function undoes them).
+
+        One token: the compiled decode step (store + ring slots, with a validity mask). More: a chunk (eager).
+
+        Raises:
+            CacheStateError: the previous step's attention did not run through ``h2o_compress`` attention,
+                or the batch / head shape changed.
+            InputError: non-finite keys or values in a multi-token step (decode steps set a flag read once per
+                generation: :meth:`~h2o_compress.cache.container.CompressedCache.check_finite`).
+        """
+        if self.awaiting_attention:
+            self.awaiting_attention = False
+            withdraw(self.layer_idx)
+            raise CacheStateError(
+                f"layer {self.layer_idx}: attention of the previous step did not go through the 'h2o_compress' "
+                "attention function (or the cache is used by another model than the one it was made for); build "
+                "the cache with h2o_compress.make_cache(model, ...), which switches that model to it"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads or key_states.shape[3] != self.head_dim:
+            raise CacheStateError(
+                f"layer {self.layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim} but got batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}, "
+                f"head_dim={key_states.shape[3]}; use a new cache (or cache.reset())"
+            )
+        finite = torch.isfinite(torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32))
+        self.finite &= finite
+        if self.key_basis is not None:
+            key_states = key_states.float() @ self.key_basis
+        if self.value_basis is not None:
+            value_states = value_states.float() @ self.value_basis
+        key_states, value_states = key_states.to(self.residual_dtype), value_states.to(self.residual_dtype)
+        self.awaiting_attention = True
+        announce(self.layer_idx, self)
+        if key_states.shape[2] == 1:
+            return self._decode_update(key_states, value_states)
+        if not bool(finite):
+            self.awaiting_attention = False
+            withdraw(self.layer_idx)
+            raise InputError(
+                f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs and the model "
+                "weights: a non-finite token would poison every later step"
+            )
+        return self._chunk_update(key_states, value_states)
+
+    def _decode_update(self, keys: torch.Tensor, values: torch.Tensor):
+        """One token: ring in, the ring's oldest token into the first empty slot (quantized once), then the keys
+        and values attention reads: ``[batch, kv_heads, slots + residual, head_dim]`` (a 16-bit store is read in
+        place). No host sync (except the host counter of an unbounded cache of unknown length, eager only)."""
+        position = self.seen
+        if self.compile_blocker is not None and self.capacity is None and self.max_tokens is None:
+            self.grown_to += 1
+            if self.grown_to - self.residual >= self.store.slots:
+                self.store.resize(self.store.slots + GROWTH)
+        if self.ring is not None:
+            keys, values, leaving, score = self.ring.push(keys, values, position)
+        else:
+            leaving = position.to(torch.int32).expand(self.batch, 1)
+            score = torch.zeros(self.batch, self.kv_heads, 1, device=self.device) if self.with_scores else None
+        slot = self.store.first_free()
+        self.store.insert(
+            slot, self.key_quantizer.quantize(keys), self.value_quantizer.quantize(values),
+            leaving.unsqueeze(1).expand(-1, self.kv_heads, -1), score,
+        )
+        self.first_real.clamp_(max=position)
+        self.seen.add_(1)
+        keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        valid = self.store.positions >= 0
+        if self.ring is not None:
+            keys = torch.cat((keys, self.ring.keys.to(self.dtype)), dim=2)
+            values = torch.cat((values, self.ring.values.to(self.dtype)), dim=2)
+            ring_valid = (self.ring.positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)
+            valid = torch.cat((valid, ring_valid), dim=2)
+        self.decode_valid = valid
+        return keys, values
+
+    def _chunk_update(self, keys: torch.Tensor, values: torch.Tensor):
+        """Several tokens (eager): the held tokens (store dequantized, ring oldest first) followed by the chunk.
+        A cache that holds nothing yet returns the chunk alone, exactly as DynamicCache would."""
+        seen = int(self.seen)
+        self.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
+        if self.compile_blocker is not None and self.capacity is None and self.max_tokens is None:
+            self.grown_to = seen + keys.shape[2]
+        if not self.chunk["held"]:
+            return keys.to(self.dtype), values.to(self.dtype)
+        held_keys, held_values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        parts_k, parts_v = [held_keys], [held_values]
+        if self.ring is not None:
+            order = self.ring.order(seen)
+            parts_k.append(self.ring.keys.index_select(2, order).to(self.dtype))
+            parts_v.append(self.ring.values.index_select(2, order).to(self.dtype))
+        parts_k.append(keys.to(self.dtype))
+        parts_v.append(values.to(self.dtype))
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    # -- attention and what follows it -----------------------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
+        """This step's attention (called by the ``h2o_compress`` attention function with what :meth:`update`
+        returned), then score accumulation and eviction. Returns ``[batch, queries, q_heads, head_dim]``.
+
+        Raises:
+            CacheStateError: the cache was filled through another model.
+        """
+        self.awaiting_attention = False
+        if self.bound_module is None:
+            self.bound_module = weakref.ref(module)
+        elif self.bound_module() is not module:
+            raise CacheStateError(
+                f"layer {self.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
+                "and values, so build a new one with make_cache(model, ...)"
+            )
+        if self.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
+            query = (query.float() @ self.key_basis).to(query.dtype)
+        if query.shape[2] == 1 and self.chunk is None:
+            output, sums = decode_attention(query, key, value, self.decode_valid, scaling, self.with_scores)
+            self.decode_valid = None
+            self._after_decode(sums)
+        else:
+            output, sums = self._chunk_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+        output = output.transpose(1, 2)
+        if self.value_basis is not None:  # values are held as v @ H: P.v = (P.(v @ H)) @ H, H symmetric
+            output = (output.float() @ self.value_basis).to(query.dtype)
+        return output.contiguous()
+
+    def _after_decode(self, sums: torch.Tensor | None) -> None:
+        """Add this query's probabilities to the scores; evict the lowest-priority stored token where a sequence
+        holds more than the capacity (in place, no host sync)."""
+        slots = self.store.slots
+        if sums is not None:
+            self.store.scores += sums[..., :slots]
+            if self.ring is not None:
+                self.ring.scores += sums[..., slots:]
+        if self.capacity is None:
+            return
+        positions = self.store.positions
+        priority = self.policy.priority(self.store.scores, positions, self.seen, self.first_real, self.capacity)
+        held = (positions >= 0).sum(-1)
+        if self.ring is not None:
+            held = held + (self.ring.positions >= 0).sum(-1, keepdim=True)
+        self.store.evict_lowest(priority.masked_fill(positions < 0, float("inf")), held > self.capacity)
+
+    def _chunk_attention(self, module, query, keys, values, attention_mask, scaling, **kwargs):
+        """SDPA over (held tokens, chunk) with a mask built from the slot validity and the model's own causal +
+        padding mask for the chunk; the probability sums for the scores; then the chunk's eviction and layout."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        chunk, self.chunk = self.chunk, None
+        n, batch = query.shape[2], query.shape[0]
+        new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
+        if new_block is not None and new_block.dtype != torch.bool:
+            new_block = new_block > torch.finfo(new_block.dtype).min / 2
+        eye = torch.eye(n, dtype=torch.bool, device=query.device)
+        real = torch.ones(batch, n, dtype=torch.bool, device=query.device)
+        if new_block is not None:
+            real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)
+            new_block = new_block | eye  # a padding query sees itself: no fully masked row
+        mask = new_block
+        if chunk["held"]:
+            held_valid = self.store.positions >= 0
+            if self.ring is not None:
+                ring_positions = self.ring.positions.index_select(1, self.ring.order(chunk["seen"]))
+                held_valid = torch.cat((held_valid, (ring_positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)), 2)
+            causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
+            mask = torch.cat(
+                (held_valid.unsqueeze(2).expand(-1, -1, n, -1), causal.expand(batch, self.kv_heads, n, n)), dim=3
+            )
+        group = query.shape[1] // self.kv_heads
+        sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
+        output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
+        sums = None
+        if self.with_scores:
+            sums = attention_probability_sums(query, keys, mask, scaling, self.score_chunk_size)
+        self._after_chunk(chunk, real, sums)
+        return output.transpose(1, 2), None
+
+    def _after_chunk(self, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:
+        """Evict down to the capacity over (store, ring, chunk) by the policy's priority, then lay the survivors
+        out: the newest ``residual`` tokens in the ring, older kept ones from the ring and the chunk quantized
+        once into empty slots. ``real`` bool ``[batch, n]``: chunk tokens that are not padding."""
+        seen, keys, values = chunk["seen"], chunk["keys"], chunk["values"]
+        n, slots, size = keys.shape[2], self.store.slots, self.residual
+        device, heads = self.device, self.kv_heads
+        new_positions = torch.where(real, torch.arange(seen, seen + n, device=device), -1)
+        tail_keys, tail_values, tail_positions = keys, values, new_positions
+        tail_scores = torch.zeros(self.batch, heads, n, device=device) if self.with_scores else None
+        if self.ring is not None:
+            order = self.ring.order(seen)
+            tail_keys = torch.cat((self.ring.keys.index_select(2, order), keys), dim=2)
+            tail_values = torch.cat((self.ring.values.index_select(2, order), values), dim=2)
+            tail_positions = torch.cat((self.ring.positions.index_select(1, order).long(), new_positions), dim=1)
+            if self.with_scores:
+                tail_scores = torch.cat((self.ring.scores.index_select(2, order), tail_scores), dim=2)
+        positions = torch.cat((self.store.positions.long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
+        scores = None
+        if self.with_scores:
+            scores = torch.cat((self.store.scores, tail_scores), dim=2)
+            scores[..., scores.shape[2] - sums.shape[2] :] += sums
+        seen += n
+        first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)
+        self.first_real.copy_(torch.minimum(self.first_real, first))
+        if self.capacity is not None:
+            priority = self.policy.priority(scores, positions, seen, self.first_real, self.capacity)
+            keep = keep_top(priority, positions, self.capacity)
+        else:
+            keep = positions >= 0
+        self.store.positions.masked_fill_(~keep[..., :slots], -1)
+        if self.with_scores:
+            self.store.scores.copy_(scores[..., :slots])
+            tail_scores = scores[..., slots:]
+        if self.ring is not None:  # the newest `size` positions, all inside the recent window
+            ring_positions = torch.where(keep[:, 0, -size:], tail_positions[:, -size:], -1)
+            self.ring.write(
+                tail_keys[:, :, -size:], tail_values[:, :, -size:], ring_positions,
+                None if tail_scores is None else tail_scores[..., -size:], seen,
+            )
+        self._store_incoming(keep[..., slots : slots + n], tail_keys[:, :, :n], tail_values[:, :, :n],
+                             tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n])
+        self.seen.fill_(seen)
+
+    def _store_incoming(self, incoming, keys, values, positions, scores) -> None:
+        """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and
+        write them into empty slots, lowest first (eager: prefill)."""
+        if not bool(incoming.any()):
+            return
+        empty = self.store.positions < 0
+        if bool((incoming.sum(-1) > empty.sum(-1)).any()):
+            if self.compile_blocker is None or self.capacity is not None or self.max_tokens is not None:
+                raise CacheStateError(
+                    f"layer {self.layer_idx}: more tokens than the cache was built for (max_length="
+                    f"{self.max_tokens}); build the cache with the full length (prompt + new tokens)"
+                )
+            self.store.resize(self.store.slots + int(incoming.sum(-1).max()) + GROWTH)
+            empty = self.store.positions < 0
+        free_first = torch.sort(empty.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        target = free_first.gather(-1, (incoming.long().cumsum(-1) - 1).clamp(min=0))
+        b, h, i = incoming.nonzero(as_tuple=True)
+        slot = target[b, h, i]
+        self.store.keys.put_((b, h, slot), self.key_quantizer.quantize(keys), (b, h, i))
+        self.store.values.put_((b, h, slot), self.value_quantizer.quantize(values), (b, h, i))
+        self.store.positions[b, h, slot] = positions[b, i].to(torch.int32)
+        if scores is not None:
+            self.store.scores[b, h, slot] = scores[b, h, i]
+
+    # -- transformers' sizes -----------------------------------------------------------------------------
+    def get_mask_sizes(self, query_length: int) -> tuple[int, torch.Tensor | int]:
+        """``(query_length, seen)``: transformers builds the causal + padding mask of the new tokens only (the
+        held tokens' visibility comes from the slots); constant shapes, so compiled steps do not recompile."""
+        return query_length, self.seen if self.is_initialized else 0
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        """Tokens seen (not kept), as an int64 0-dim tensor (no host sync), so position ids keep counting after
+        eviction (DESIGN.md §2, Positions); ``0`` before the first token."""
+        return self.seen if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # -- batch operations ------------------------------------------------------------------------------
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.tensors().items() if k not in ("seen", "finite")}
+
+    def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy saved buffers (names of :meth:`tensors`, same shapes) into this initialised layer, in place."""
+        held = self.tensors()
+        for name, tensor in state.items():
+            held[name].copy_(tensor)
+
+    def _map_batch(self, fn, in_place: bool) -> None:
+        """Apply ``fn`` (acting on dim 0) to every batch-major buffer: in place when the batch keeps its size
+        (beam reordering keeps the static addresses), else by re-building the containers."""
+        if not self.is_initialized:
+            return
+        if in_place:
+            for tensor in self._buffers().values():
+                tensor.copy_(fn(tensor))
+            return
+        for holder in (self.store, self.ring):
+            if holder is None:
+                continue
+            for attr in ("keys", "values", "positions", "scores"):
+                value = getattr(holder, attr)
+                if value is None:
+                    continue
+                if hasattr(value, "parts"):
+                    setattr(holder, attr, value.map_batch(fn))
+                else:
+                    setattr(holder, attr, fn(value))
+        self.first_real = fn(self.first_real)
+        self.batch = self.first_real.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder sequences for beam search (tokens, scales, positions and scores move together), in place."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=True)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices], in_place=False)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheStateError("a compressed cache cannot be cropped: evicted tokens cannot be restored")
+
+    def offload(self):  # buffers live in custom containers at static addresses; keep them where they are
+        return None
+
+    def prefetch(self):
+        return None

@@ -1,0 +1,102 @@
+"""`SlotStore`: the kept tokens of one layer in stored form (quantized once), in fixed, preallocated slots.
+
+Per (sequence, KV head) a slot holds one token or is empty (position ``-1``), so tokens of different heads live in
+different slots, in no particular order (the cold-compress layout: fixed ``[batch, heads, slots, ...]`` buffers,
+a position array, a validity mask derived from it). Eviction marks a slot empty; the next token that enters the
+store takes the first empty slot. Nothing here allocates after construction or syncs with the host, so a decode
+step that uses it can be captured by ``torch.compile`` and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quantization import KVQuantizer, StoredTensor
+
+
+class SlotStore:
+    """Keys, values, positions and (optionally) accumulated scores of ``slots`` token slots per sequence and head.
+
+    Attributes:
+        keys, values: :class:`StoredTensor` ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
+        positions: int32 ``[batch, kv_heads, slots]``, the absolute position of each held token, ``-1`` = empty.
+        scores: fp32 ``[batch, kv_heads, slots]`` accumulated attention, or ``None`` (policies without scores).
+
+    Args:
+        key_quantizer, value_quantizer: storage formats.
+        shape: ``(batch, kv_heads, slots, head_dim)``.
+        dtype: dtype of the tokens the quantizers receive (the store of a 16-bit cache keeps it).
+        device: where the buffers live.
+        with_scores: keep a score per slot.
+    """
+
+    def __init__(
+        self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
+        dtype: torch.dtype, device: torch.device, with_scores: bool,
+    ):
+        batch, heads, slots, head_dim = shape
+        probe = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device=device)
+        self.keys = StoredTensor.zeros_like_probe(key_quantizer.quantize(probe), batch, heads, slots)
+        self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(probe), batch, heads, slots)
+        self.positions = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
+        self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
+
+    @property
+    def slots(self) -> int:
+        return self.positions.shape[2]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer, by name (``keys.<part>``, ``values.<part>``, ``positions``, ``scores``)."""
+        held = {f"keys.{k}": v for k, v in self.keys.parts.items()}
+        held |= {f"values.{k}": v for k, v in self.values.parts.items()}
+        held["positions"] = self.positions
+        if self.scores is not None:
+            held["scores"] = self.scores
+        return held
+
+    def first_free(self) -> torch.Tensor:
+        """int64 ``[batch, kv_heads, 1]``: the lowest empty slot of each sequence and head (slot 0 when none is
+        empty: callers guarantee one is, see :class:`~h2o_compress.cache.layer.CompressedLayer`)."""
+        return (self.positions < 0).to(torch.uint8).argmax(-1, keepdim=True)
+
+    def insert(
+        self, slot: torch.Tensor, keys: StoredTensor, values: StoredTensor, position: torch.Tensor,
+        score: torch.Tensor | None,
+    ) -> None:
+        """Write one token per sequence and head into ``slot`` (int64 ``[batch, kv_heads, 1]``): stored-format
+        ``keys``/``values`` (token dim 1), int32 ``position`` ``[batch, kv_heads, 1]`` (``-1`` leaves the slot
+        empty) and fp32 ``score`` (ignored without scores)."""
+        self.keys.scatter_(slot, keys)
+        self.values.scatter_(slot, values)
+        self.positions.scatter_(2, slot, position)
+        if self.scores is not None:
+            self.scores.scatter_(2, slot, score)
+
+    def evict_lowest(self, priority: torch.Tensor, over: torch.Tensor) -> None:
+        """Where ``over`` (bool ``[batch, kv_heads]``), empty the slot of lowest ``priority`` (fp32 ``[batch,
+        kv_heads, slots]``; empty slots must carry ``+inf``), ties evicting the newer token (masked argmin +
+        scatter, no host sync)."""
+        lowest = priority == priority.amin(-1, keepdim=True)
+        victim = torch.where(lowest, self.positions, -1).argmax(-1, keepdim=True)
+        kept = self.positions.gather(2, victim)
+        self.positions.scatter_(2, victim, torch.where(over.unsqueeze(-1), -1, kept))
+
+    def dequantize(self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, dtype: torch.dtype):
+        """Keys and values ``[batch, kv_heads, slots, head_dim]`` in ``dtype`` (empty slots hold garbage: mask
+        them with ``positions >= 0``). A 16-bit store returns its own buffers (no copy)."""
+        return key_quantizer.dequantize(self.keys, dtype), value_quantizer.dequantize(self.values, dtype)
+
+    def resize(self, slots: int) -> None:
+        """Grow to ``slots`` slots, keeping every held token where it is (unbounded caches without a known
+        length; never in a compiled step)."""
+        extra = slots - self.slots
+
+        def grow(t: torch.Tensor, fill) -> torch.Tensor:
+            pad = t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)
+            return torch.cat((t, pad), dim=2)
+
+        self.keys = StoredTensor({k: grow(v, 0) for k, v in self.keys.parts.items()})
+        self.values = StoredTensor({k: grow(v, 0) for k, v in self.values.parts.items()})
+        self.positions = grow(self.positions, -1)
+        if self.scores is not None:
+            self.scores = grow(self.scores, 0)

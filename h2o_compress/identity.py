@@ -1,0 +1,45 @@
+"""Model identity (a leaf module): which model a cache belongs to, as a short name and as a fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from .models import model_dims
+
+# Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
+    "output_hidden_states", "return_dict", "attn_implementation",
+}
+
+
+def model_fingerprint(model) -> str:
+    """A 32-hex-digit SHA-256 of ``model``'s config, parameter names, shapes and dtypes, and a sample of values.
+
+    Cheap (a few elements per parameter are read), stable across devices and processes, and different for two
+    models that differ in architecture, dtype or weights (the first and last 4 values of every parameter).
+    Checkpoint names, the transformers version and the attention implementation are left out; parameters
+    offloaded by accelerate (on the ``meta`` device here) contribute their name, shape and dtype only.
+    """
+    digest = hashlib.sha256()
+    config = model.config.to_dict()
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+            if param.device.type == "meta":  # offloaded by accelerate (weights elsewhere): shape and dtype only
+                continue
+            flat = param.detach().reshape(-1)
+            sample = torch.cat((flat[:4], flat[-4:])).to("cpu", copy=True).contiguous()
+            digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def model_identity(model) -> str:
+    """A short string naming the model's architecture and KV geometry (guards against cache reuse)."""
+    dims = model_dims(model.config)
+    return f"{model.config.model_type}:{dims.num_layers}x{dims.kv_heads}x{dims.head_dim}"
