@@ -82,7 +82,7 @@ def _check_saveable(cache) -> int:
         raise CacheStateError(f"cannot save {type(cache).__name__}; allowed: a CompressedCache (make_cache)")
     if not all(layer.is_initialized for layer in cache.layers):
         raise CacheStateError("cannot save an empty cache: run the prompt through the model first")
-    cache.check_finite()
+    cache.check()
     if any(layer.awaiting_attention for layer in cache.layers):
         raise CacheStateError("cannot save a cache in the middle of a forward pass (attention has not run yet)")
     seen = {int(layer.seen) for layer in cache.layers}

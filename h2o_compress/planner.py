@@ -85,132 +85,80 @@ def _element_size(dtype: torch.dtype) -> int:
 class CacheBytes:
     """What a :class:`~h2o_compress.CompressedCache` holds, over all layers (bytes) and per layer/head (tokens).
 
+    The cache allocates its buffers once, at the first token (:mod:`h2o_compress.cache`), so these figures hold
+    from the prefill to the last decode step.
+
     Attributes:
         capacity: tokens kept per layer and KV head (``None``: unbounded).
-        kept: tokens held per layer and KV head; ``stored`` of them in the stored buffer (quantized, or every
-            token of a 16-bit cache), ``residual`` in the full-precision window of a quantized cache.
-        slots: tokens the preallocated stored buffer has room for (``capacity - residual`` quantized,
-            ``capacity + 1`` at 16 bits, ``stored`` when unbounded; see ``CompressedLayer.target_slots``).
+        kept: tokens held per layer and KV head after the run (``min(capacity, tokens fed)``).
+        slots: slots of the store (``capacity - residual + 1``, or ``max_length - residual + 1`` unbounded).
+        residual: slots of the full-precision ring window.
         packed: bytes of quantized (or 16-bit stored) keys and values, every slot.
         scales: bytes of scales, zero points and absmax values, every slot.
-        window: bytes of the full-precision residual window.
-        scores: bytes of the fp32 H2O score accumulators (every slot and the window).
-        positions: bytes of the int32 slot positions (bounded caches).
+        window: bytes of the ring window's keys and values.
+        scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies).
+        positions: bytes of the int32 positions (store and ring).
+        counters: bytes of the per-layer counters (tokens seen, first real token per sequence, finite flag).
     """
 
     capacity: int | None
     kept: int
-    stored: int
-    residual: int
     slots: int
+    residual: int
     packed: int
     scales: int
     window: int
     scores: int
     positions: int
+    counters: int
 
     @property
     def total(self) -> int:
         """Everything ``cache.nbytes()`` counts (bytes)."""
-        return self.packed + self.scales + self.window + self.scores + self.positions
+        return self.packed + self.scales + self.window + self.scores + self.positions + self.counters
 
 
-def _probe(quantizer, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(data bytes, scale bytes) the quantizer stores for one token of one KV head."""
-    stored = quantizer.quantize(torch.zeros(1, 1, 1, head_dim, dtype=dtype))
-    sizes = {name: t.numel() * t.element_size() for name, t in stored.parts.items()}
-    data = sizes.pop("data", 0) + sizes.pop("x", 0)
-    return data, sum(sizes.values())
-
-
-def window_tokens(prompt_len: int, decode_steps: int, capacity: int | None, residual: int, quantized: bool) -> int:
-    """Tokens in the full-precision window at the end of a run (per layer and KV head).
-
-    Mirrors :meth:`CompressedLayer.after_attention` step by step on token counts: append, evict first while
-    nothing is stored yet, quantize the oldest tokens once the window reaches ``2 x residual`` (keeping the newest
-    ``residual``), evict stored tokens down to the capacity. A 16-bit cache keeps every token in the window.
-    After the first quantization the window cycles through ``residual .. 2 x residual - 1``, so long decodes are
-    computed in closed form. ``tests/test_planner.py`` checks this against real caches.
-
-    Args:
-        prompt_len: tokens of the first (prefill) step.
-        decode_steps: one-token steps after it.
-        capacity: tokens kept per layer and KV head (``None``: unbounded).
-        residual: the layer's effective residual (``CompressedLayer.residual``).
-        quantized: whether keys or values are stored below 16 bits.
-    """
-    cap = math.inf if capacity is None else capacity
-    if not quantized:
-        return int(min(cap, prompt_len + decode_steps))
-    stored = window = 0
-
-    def step(new: int) -> None:
-        nonlocal stored, window
-        window += new
-        if stored == 0 and window > cap:
-            window = cap
-        if window > residual and (residual == 0 or window >= 2 * residual):
-            stored, window = stored + window - residual, residual
-        stored = min(stored, cap - window)
-
-    step(prompt_len)
-    while decode_steps and stored == 0:
-        before = window
-        step(1)
-        decode_steps -= 1
-        if stored == 0 and window == before:  # the window is the whole capacity and never quantizes
-            return int(window)
-    if decode_steps == 0 or residual == 0:
-        return int(window) if decode_steps == 0 else 0
-    t = window + decode_steps
-    return int(t if t < 2 * residual else residual + (t - 2 * residual) % residual)
+_CATEGORIES = (
+    ("scores", ("scores",)), ("positions", ("positions",)), ("window", ("ring.keys", "ring.values")),
+    ("packed", (".data", ".x")), ("scales", (".scale_zero", ".absmax")), ("counters", ("seen", "first_real", "finite", "consistent")),
+)
 
 
 def cache_bytes(
     dims: ModelDims, config: CompressionConfig, batch: int, prompt_len: int, decode_steps: int = 0,
     max_length: int | None = None, kv_dtype: torch.dtype = torch.float16,
 ) -> CacheBytes:
-    """Exact ``cache.nbytes()`` after a ``prompt_len``-token prefill and ``decode_steps`` one-token steps.
+    """Exact ``cache.nbytes()`` of a cache built for ``max_length`` tokens, after a ``prompt_len``-token prefill
+    and ``decode_steps`` one-token steps (the buffers are allocated once, so the bytes do not change with them).
 
-    ``generate`` with ``n`` new tokens makes ``n - 1`` decode steps (the last token is never fed) and builds the
-    cache for ``max_length = prompt + max_new_tokens``. Built from the real layer objects: capacity
-    ``config.capacity(max_length)``, kept ``min(capacity, tokens fed)``, the layer's own residual cap and
-    residual dtype (fp16 for fp32 models when quantized, else ``kv_dtype``), bytes per token probed from the same
-    quantizers, fp32 scores only for policies that read them; the window length from :func:`window_tokens`.
+    ``generate`` with ``n`` new tokens makes ``n - 1`` decode steps and builds the cache for ``max_length =
+    prompt + n``. Built from a real layer allocated on the ``meta`` device (no memory): the same code sizes the
+    planner's figures and the cache's buffers.
 
     Args:
         dims: KV geometry of the model.
         config: the compression setting.
         batch: sequences.
         prompt_len, decode_steps: tokens of the prefill step, number of one-token steps after it.
-        max_length: tokens the cache was built for (needed for a fractional budget).
+        max_length: tokens the cache was built for (default ``prompt_len + decode_steps + 1``).
         kv_dtype: dtype of the keys/values the model produces (its compute dtype).
 
     Raises:
-        ConfigError: a fractional budget without ``max_length``, or a group size not dividing ``head_dim``.
+        ConfigError: a group size not dividing ``head_dim``.
     """
+    if max_length is None:
+        max_length = prompt_len + decode_steps + 1
     capacity = config.capacity(max_length)
-    layer = build_layers(config, 1, dims.head_dim, capacity)[0]
-    empty = torch.zeros(1, 1, 0, dims.head_dim, dtype=kv_dtype)
+    layer = build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length)[0]
+    empty = torch.empty(batch, dims.kv_heads, 0, dims.head_dim, dtype=kv_dtype, device="meta")
     layer.lazy_initialization(empty, empty)
+    sizes = {name: 0 for name, _ in _CATEGORIES}
+    for name, tensor in layer.tensors().items():
+        category = next(c for c, keys in _CATEGORIES if any(name.endswith(k) or name == k for k in keys))
+        sizes[category] += tensor.numel() * tensor.element_size() * dims.num_layers
     seen = prompt_len + decode_steps
-    kept = seen if capacity is None else min(capacity, seen)
-    residual = window_tokens(prompt_len, decode_steps, capacity, layer.residual, layer.quantized)
-    if not layer.quantized:
-        residual = 0  # a 16-bit cache holds every token in its stored buffer
-    stored = kept - residual
-    slots = layer.target_slots(stored) if stored else 0
-    key_data, key_scales = _probe(layer.key_quantizer, dims.head_dim, layer.residual_dtype)
-    value_data, value_scales = _probe(layer.value_quantizer, dims.head_dim, layer.residual_dtype)
-    heads = dims.num_layers * batch * dims.kv_heads
-    return CacheBytes(
-        capacity=capacity, kept=kept, stored=stored, residual=residual, slots=slots,
-        packed=heads * slots * (key_data + value_data),
-        scales=heads * slots * (key_scales + value_scales),
-        window=heads * residual * 2 * dims.head_dim * _element_size(layer.residual_dtype),
-        scores=heads * (slots + residual) * 4 if layer.policy.needs_scores else 0,
-        positions=heads * slots * 4 if capacity is not None else 0,
-    )
+    kept = seen if layer.capacity is None else min(layer.capacity, seen)
+    return CacheBytes(capacity=layer.capacity, kept=kept, slots=layer.store.slots, residual=layer.residual, **sizes)
 
 
 def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:

@@ -47,7 +47,7 @@ def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
         CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
             without its next-token logits.
     """
-    held = cache.get_seq_length()
+    held = int(cache.get_seq_length())
     state = getattr(cache, "prompt_state", None)
     if held:
         if not isinstance(state, PromptState) or state.token_ids.shape[1] != held:

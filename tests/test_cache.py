@@ -74,28 +74,36 @@ def test_positions_after_eviction_match_masked_reference(arch, policy, sinks):
     assert torch.allclose(torch.stack(ours, 1), expected, atol=1e-5)
 
 
+def counter_bytes(batch: int) -> int:
+    """Per-layer counters: int64 seen, int64 first real token per sequence, two bool flags."""
+    return 8 + 8 * batch + 1 + 1
+
+
 @torch.inference_mode()
 def test_h2o_eviction_frees_memory_to_capacity():
     model = tiny_llama()
     dims_heads, head_dim, layers = 2, 32, 2
     prompt = torch.randint(0, 128, (3, 64))
-    full = make_cache(model, CompressionConfig(policy="full"))
+    full = make_cache(model, CompressionConfig(policy="full"), max_length=69)
     model(input_ids=prompt, past_key_values=full)
     capacity = 16
-    cache = make_cache(model, CompressionConfig(budget=capacity))
+    cache = make_cache(model, CompressionConfig(budget=capacity), max_length=69)
     model(input_ids=prompt, past_key_values=cache)
     for _ in range(5):
         model(input_ids=prompt[:, :1], past_key_values=cache)
-    slots = capacity + 1  # a 16-bit buffer has room for the step's new token
+    slots = capacity + 1  # a 16-bit store has room for the step's new token
     for layer in cache.layers:
-        assert layer.kept_length() == capacity and layer.slots == slots
-        assert layer.stored_keys.parts["x"].shape == (3, dims_heads, slots, head_dim)
-        assert layer.scores.shape == (3, dims_heads, capacity)
+        assert layer.kept_length() == capacity and layer.store.slots == slots
+        assert layer.store.keys.parts["x"].shape == (3, dims_heads, slots, head_dim)
+        assert layer.store.scores.shape == (3, dims_heads, slots)
+        assert int((layer.store.positions >= 0).sum()) == 3 * dims_heads * capacity
     kv_bytes = 2 * layers * 3 * dims_heads * slots * head_dim * 4  # fp32 model, 16-bit path stores fp32
     slot_bytes = layers * 3 * dims_heads * slots * (4 + 4)  # int32 position + fp32 score per slot
-    assert cache.nbytes() == kv_bytes + slot_bytes
-    assert full.nbytes() == 2 * layers * 3 * dims_heads * 64 * head_dim * 4
+    assert cache.nbytes() == kv_bytes + slot_bytes + layers * counter_bytes(3)
+    full_slots = 69 + 1  # built for 69 tokens: no scores (nothing is evicted)
+    assert full.nbytes() == layers * (3 * dims_heads * full_slots * (2 * head_dim * 4 + 4) + counter_bytes(3))
     assert cache.nbytes() < full.nbytes() / 3
+    assert cache.storage_nbytes() == cache.nbytes()  # no view pins a larger buffer
 
 
 @torch.inference_mode()
@@ -105,23 +113,21 @@ def test_int4_cache_bytes_match_layout_and_stay_bounded():
     cache = make_cache(model, CompressionConfig(budget=capacity, kv_bits=4, group_size=32, residual=residual))
     prompt = torch.randint(0, 128, (1, 100))
     model(input_ids=prompt, past_key_values=cache)
-    windows = set()
+    slots = capacity - residual + 1
+    # every slot: packed int4 data (32 B) + 2 groups x fp16 (scale, zero) for keys and values, int32 position,
+    # fp32 score; the ring: fp16 keys and values, int32 position, fp32 score per slot
+    per_layer = 2 * slots * (32 + 2 * 2 * 2) + slots * (4 + 4) + residual * (2 * 64 * 2 + 4 + 4) + counter_bytes(1)
     for _ in range(20):
         model(input_ids=prompt[:, :1], past_key_values=cache)
         layer = cache.layers[0]
-        window = layer.residual_length
-        windows.add(window)
-        stored, slots = capacity - window, capacity - residual
-        assert layer.kept_length() == capacity and layer.stored_length == stored and layer.slots == slots
-        # every slot: packed int4 data (32 B) + 2 groups x fp16 (scale, zero), int32 position, fp32 score;
-        # the fp16 window and its fp32 scores
-        per_layer = 2 * slots * (32 + 2 * 2 * 2) + slots * (4 + 4) + window * (2 * 64 * 2 + 4)
+        assert layer.kept_length() == capacity and layer.store.slots == slots
+        assert int((layer.ring.positions >= 0).sum()) == residual  # always exactly `residual` fp16 tokens
+        assert int((layer.store.positions >= 0).sum()) == capacity - residual
         assert cache.nbytes() == 2 * per_layer
-    assert windows == set(range(residual, 2 * residual))  # quantized in blocks, never fewer than `residual` fp16
     layer = cache.layers[0]
-    assert layer.stored_keys.parts["data"].dtype == torch.uint8
-    assert layer.stored_keys.parts["data"].shape[-1] == 32
-    assert layer.residual_keys.dtype == torch.float16
+    assert layer.store.keys.parts["data"].dtype == torch.uint8
+    assert layer.store.keys.parts["data"].shape[-1] == 32
+    assert layer.ring.keys.dtype == torch.float16
 
 
 @pytest.mark.parametrize("rotate", [True, False])
@@ -139,15 +145,26 @@ def test_quantized_cache_stays_close_to_full_cache(rotate):
 
 
 class CountingQuantizer(IntQuantizer):
-    """Records the position (encoded in channel 0 of each key) of every token it quantizes."""
+    """Records the position (encoded as channel 0 = position + 1 of each key; 0 = an empty slot) of every token
+    it quantizes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.positions: list[int] = []
 
     def quantize(self, x):
-        self.positions += x[0, 0, :, 0].round().long().tolist()
+        self.positions += [p - 1 for p in x[0, 0, :, 0].round().long().tolist() if p > 0]
         return super().quantize(x)
+
+
+def feed(layer, keys, generator):
+    """One step through a bare layer: update, then attention through the layer (as the attention function does)."""
+    returned, values = layer.update(keys, keys.clone())
+    query = torch.randn(1, 1, keys.shape[2], keys.shape[3], generator=generator)
+    layer.attend(MODULE, query, returned, values, None, None)
+
+
+MODULE = torch.nn.Module()
 
 
 @pytest.mark.parametrize("capacity", [None, 10])
@@ -159,18 +176,15 @@ def test_each_token_is_quantized_exactly_once(capacity):
     seen = 0
     for chunk in [7, 1, 1, 3, 1, 1, 1, 5, 1, 1]:
         keys = torch.zeros(1, 1, chunk, 32)
-        keys[..., 0] = torch.arange(seen, seen + chunk, dtype=torch.float32)
+        keys[..., 0] = torch.arange(seen + 1, seen + chunk + 1, dtype=torch.float32)
         seen += chunk
-        returned, _ = layer.update(keys, keys.clone())
-        probs = torch.rand(1, 1, returned.shape[2], generator=generator) if policy.needs_scores else None
-        layer.after_attention(probs)
+        feed(layer, keys, generator)
         if capacity:
             assert layer.kept_length() <= capacity
-    assert len(quantizer.positions) == len(set(quantizer.positions))
-    assert quantizer.positions == sorted(quantizer.positions)
-    if capacity is None:  # everything but the fp16 window (4..7 newest tokens) was quantized, in order
-        assert quantizer.positions == list(range(seen - layer.residual_length))
-        assert 4 <= layer.residual_length < 8
+    residual = layer.residual
+    # every token that left the fp16 ring was quantized once, in order; the ring holds the newest `residual`
+    assert quantizer.positions == list(range(seen - residual))
+    assert sorted(layer.ring.positions[0].tolist()) == list(range(seen - residual, seen))
 
 
 @torch.inference_mode()
@@ -207,13 +221,15 @@ def test_works_inside_model_generate_with_beam_search():
 
 
 def test_window_is_quantized_even_when_recent_window_is_the_whole_odd_capacity():
-    """local policy, capacity 7, residual 4: the window must still reach its flush size and be quantized."""
+    """local policy, capacity 7, residual 4: the ring is capped at half the recent window and keeps turning over."""
     layer = CompressedLayer(0, LocalPolicy(), 7, IntQuantizer(4, 32, 32), IntQuantizer(4, 32, 32), residual=4)
     assert layer.residual == 3
+    generator = torch.Generator().manual_seed(0)
     for _ in range(30):
-        layer.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32))
-        layer.after_attention(None)
-    assert layer.kept_length() == 7 and 3 <= layer.residual_length < 6 and layer.stored_length >= 2
+        feed(layer, torch.randn(1, 1, 1, 32, generator=generator), generator)
+    assert layer.kept_length() == 7
+    assert sorted(layer.ring.positions[0].tolist()) == [27, 28, 29]
+    assert sorted(layer.store.positions[0, 0][layer.store.positions[0, 0] >= 0].tolist()) == [23, 24, 25, 26]
 
 
 def test_layer_index_beyond_the_cache_is_refused():
@@ -224,32 +240,28 @@ def test_layer_index_beyond_the_cache_is_refused():
 
 
 @pytest.mark.parametrize("kv_bits", [16, 4])
-@pytest.mark.parametrize("policy", ["h2o", "local", "sink"])
+@pytest.mark.parametrize("policy", ["h2o", "h2o-mean", "local", "sink"])
 @torch.inference_mode()
-def test_decode_evicts_in_place_like_the_gathering_path(policy, kv_bits, monkeypatch):
-    """Decode steps overwrite slots of the preallocated buffer (no reallocation, no O(capacity) copy) and keep
-    exactly the tokens the gathering path keeps."""
+def test_decode_step_keeps_its_buffers_and_the_tokens_of_the_chunk_rule(policy, kv_bits, monkeypatch):
+    """Decode steps write into the buffers allocated at the prefill (every data pointer unchanged) and keep exactly
+    the tokens the eager chunk step keeps for the same one-token input (masked argmin == top-capacity)."""
     model = tiny_llama()
     prompt = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
     steps = 12
 
-    def run(in_place: bool):
-        if not in_place:
-            monkeypatch.setattr(CompressedLayer, "_evict_one_in_place", lambda self: False)
+    def run(decode_path: bool):
+        if not decode_path:
+            monkeypatch.setattr(CompressedLayer, "_decode_update", lambda self, k, v: self._chunk_update(k, v))
         cache = make_cache(model, CompressionConfig(policy=policy, budget=20, kv_bits=kv_bits, residual=2))
         logits = [model(input_ids=prompt, past_key_values=cache).logits[:, -1]]
-        buffers = [t.data_ptr() for t in cache.layers[0].tensors() if t.dim() >= 3 and t.shape[2] == cache.layers[0].slots]
-        if in_place:  # from here on, no gather into a fresh buffer
-            monkeypatch.setattr(StoredTensor, "select", lambda *a, **k: pytest.fail("a decode step gathered"))
-        for i in range(steps):
+        buffers = {name: t.data_ptr() for name, t in cache.layers[0].tensors().items()}
+        for _ in range(steps):
             token = logits[-1].argmax(-1, keepdim=True)
             logits.append(model(input_ids=token, past_key_values=cache).logits[:, -1])
             assert all(layer.kept_length() == 20 for layer in cache.layers)
-            if in_place:  # the same buffers throughout: nothing was reallocated
-                now = [t.data_ptr() for t in cache.layers[0].tensors() if t.dim() >= 3 and t.shape[2] == cache.layers[0].slots]
-                assert now == buffers
+            assert {name: t.data_ptr() for name, t in cache.layers[0].tensors().items()} == buffers
         monkeypatch.undo()
-        return torch.stack(logits), [layer.positions().sort(-1).values for layer in cache.layers]
+        return torch.stack(logits), [layer.positions() for layer in cache.layers]
 
     fast_logits, fast_positions = run(True)
     slow_logits, slow_positions = run(False)
@@ -258,12 +270,16 @@ def test_decode_evicts_in_place_like_the_gathering_path(policy, kv_bits, monkeyp
 
 
 @torch.inference_mode()
-def test_deferred_finiteness_flags_are_checked_at_the_next_step():
-    """On CUDA, one-token steps record finiteness without a host sync; the next step (or save) raises."""
+def test_non_finite_decode_steps_are_flagged_and_read_once():
+    """A decode step records finiteness without a host sync; cache.check() (end of generate, save, the next
+    multi-token step) raises. A multi-token step with NaN raises at once."""
     model = tiny_llama()
     cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4))
     model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
-    cache.layers[1].finite = torch.tensor(False)  # what a CUDA decode step with a NaN key leaves behind
-    with pytest.raises(InputError, match="keys or values of an earlier decode step were not finite"):
-        model(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache)
-    assert all(layer.finite is None for layer in cache.layers)
+    cache.check()
+    cache.layers[1].finite.fill_(False)  # what a decode step with a NaN key leaves behind
+    model(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache)  # no sync, no raise
+    with pytest.raises(InputError, match="not finite"):
+        cache.check()
+    with pytest.raises(InputError, match="not finite"):
+        model(input_ids=torch.randint(0, 128, (1, 2)), past_key_values=cache)

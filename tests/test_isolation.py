@@ -24,16 +24,14 @@ def prompt(seed, batch=1, length=12):
 
 
 def snapshot(cache):
-    """Scores and kept lengths of every layer."""
-    return [(layer.kept_length(), None if layer.scores is None else layer.scores.clone()) for layer in cache.layers]
+    """Every buffer of every layer (tokens, positions, scores, counters)."""
+    return [{name: t.clone() for name, t in layer.tensors().items()} for layer in cache.layers]
 
 
 def assert_same(a, b):
-    for (kept_a, scores_a), (kept_b, scores_b) in zip(a, b, strict=True):
-        assert kept_a == kept_b
-        assert (scores_a is None) == (scores_b is None)
-        if scores_a is not None:
-            assert torch.equal(scores_a, scores_b)
+    for held_a, held_b in zip(a, b, strict=True):
+        assert held_a.keys() == held_b.keys()
+        assert all(torch.equal(held_a[name], held_b[name]) for name in held_a)
 
 
 class Run:
@@ -180,6 +178,7 @@ def test_a_cache_whose_forward_failed_half_way_refuses_to_continue(models):
             broken.step()  # layer 0 saw the token, layer 1 did not
     finally:
         hook.remove()
-    assert broken.cache.layers[0].seen_tokens != broken.cache.layers[1].seen_tokens
-    with pytest.raises(CacheStateError):
-        broken.step()
+    assert int(broken.cache.layers[0].seen) != int(broken.cache.layers[1].seen)
+    broken.step()  # a decode step syncs with nothing: it flags the mismatch on the device
+    with pytest.raises(CacheStateError, match="half-way"):
+        broken.cache.check()  # read once per generation (and before a save or a multi-token step)

@@ -39,30 +39,46 @@ class CompressedCache(Cache):
             raise CacheStateError(
                 f"layer_idx={layer_idx} but this cache has {len(self.layers)} layers: it was made for another model"
             )
+        layer = self.layers[layer_idx]
+        if key_states.shape[2] == 1 and layer_idx and layer.is_initialized and self.layers[0].is_initialized:
+            # every layer follows layer 0 within a step: a flag, read with the others (no host sync here)
+            layer.consistent &= layer.seen + 1 == self.layers[0].seen
         if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
-            self.check_finite()
+            self.check()
             seen = {int(layer.seen) for layer in self.layers if layer.is_initialized}
             if len(seen) > 1 or (seen and not all(layer.is_initialized for layer in self.layers)):
                 raise CacheStateError(
                     f"the layers of this cache hold different token counts ({sorted(seen)}): an earlier forward pass "
                     "failed half-way; call cache.reset() or build a new cache"
                 )
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return layer.update(key_states, value_states, *args, **kwargs)
 
-    def check_finite(self) -> None:
-        """Raise if any step fed non-finite keys or values. Decode steps only set a flag (no host sync per layer
-        or step); this reads all flags at once: :func:`h2o_compress.generate` calls it once per generation,
-        saving and multi-token steps call it first.
+    def check(self) -> None:
+        """Raise if an earlier step fed non-finite keys or values, or failed half-way (a layer that missed a
+        step). Decode steps only set flags (no host sync per layer or step); this reads them all at once:
+        :func:`h2o_compress.generate` calls it once per generation, saving and multi-token steps call it first.
 
         Raises:
             InputError: NaN or Inf reached the cache; it is poisoned, so call ``cache.reset()`` or build a new one.
+            CacheStateError: a forward pass failed half-way; call ``cache.reset()`` or build a new cache.
         """
-        flags = [layer.finite for layer in self.layers if layer.is_initialized]
-        if flags and not bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all()):
+        ready = [layer for layer in self.layers if layer.is_initialized]
+        if not ready:
+            return
+        device = ready[0].device
+        flags = torch.stack([torch.stack((layer.finite, layer.consistent)).to(device) for layer in ready]).all(0)
+        finite, consistent = flags.tolist()
+        if not consistent:
+            raise CacheStateError(
+                "a forward pass failed half-way (some layers saw a token the others did not); call cache.reset() or "
+                "build a new cache"
+            )
+        if not finite:
             raise InputError(
                 "keys or values of an earlier step were not finite (NaN or Inf); the cache holds them, so call "
                 "cache.reset() or build a new cache, and check the inputs and the model weights"
             )
+
 
     @property
     def capacity(self) -> int | None:

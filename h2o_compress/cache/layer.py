@@ -30,12 +30,12 @@ from transformers.cache_utils import CacheLayerMixin
 from ..attention import announce, attention_probability_sums, decode_attention, withdraw
 from ..errors import CacheStateError, ConfigError, InputError
 from ..eviction import EvictionPolicy
+from ..eviction.base import NO_POSITION as NO_REAL_TOKEN, keep_top
 from ..kernels import power_of_two
 from ..quantization import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer, NoQuantizer
 from .ring import RingWindow
 from .slots import SlotStore
 
-NO_REAL_TOKEN = 2**40  # first_real of a sequence that has shown no real token yet
 GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
 
 
@@ -45,16 +45,6 @@ def _mark_static(tensors) -> None:
         return
     for tensor in tensors:
         torch._dynamo.mark_static_address(tensor)
-
-
-def keep_top(priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
-    """bool ``[batch, kv_heads, tokens]``: the ``capacity`` tokens of highest ``priority`` (fp32, same shape),
-    ties keeping the older position, never an empty one (``positions < 0``)."""
-    by_position = positions.masked_fill(positions < 0, NO_REAL_TOKEN).argsort(dim=-1, stable=True)
-    ranked = torch.sort(priority.gather(-1, by_position), dim=-1, descending=True, stable=True).indices
-    keep = torch.zeros(priority.shape, dtype=torch.bool, device=priority.device)
-    keep.scatter_(-1, by_position.gather(-1, ranked[..., :capacity]), True)
-    return keep & (positions >= 0)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -125,6 +115,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen: torch.Tensor | None = None
         self.first_real: torch.Tensor | None = None  # int64 [batch]: position of each sequence's first real token
         self.finite: torch.Tensor | None = None  # bool 0-dim: every key/value so far was finite (read once per run)
+        self.consistent: torch.Tensor | None = None  # bool 0-dim: this layer saw every step layer 0 saw
         self.grown_to = 0  # host count of tokens seen, kept only by unbounded caches of unknown length
         self.chunk: dict | None = None  # a multi-token step between update() and attend()
         self.decode_valid: torch.Tensor | None = None
@@ -161,6 +152,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = torch.zeros((), dtype=torch.int64, device=self.device)
         self.first_real = torch.full((self.batch,), NO_REAL_TOKEN, dtype=torch.int64, device=self.device)
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
+        self.consistent = torch.ones((), dtype=torch.bool, device=self.device)
         if self.device.type != "meta":
             _mark_static(self.tensors())
         self.fused = self.uses_fused_kernel()
@@ -199,13 +191,16 @@ class CompressedLayer(CacheLayerMixin):
         return True
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every buffer held, by name: ``store.*``, ``ring.*``, ``seen``, ``first_real``, ``finite``."""
+        """Every buffer held, by name: ``store.*``, ``ring.*``, ``seen``, ``first_real``, ``finite``,
+        ``consistent``."""
         if not self.is_initialized:
             return {}
         held = {f"store.{k}": v for k, v in self.store.tensors().items()}
         if self.ring is not None:
             held |= {f"ring.{k}": v for k, v in self.ring.tensors().items()}
-        return held | {"seen": self.seen, "first_real": self.first_real, "finite": self.finite}
+        return held | {
+            "seen": self.seen, "first_real": self.first_real, "finite": self.finite, "consistent": self.consistent,
+        }
 
     def nbytes(self) -> int:
         """Bytes of every buffer held (:meth:`tensors`), empty slots included: the cache's real footprint."""
@@ -239,7 +234,7 @@ class CompressedLayer(CacheLayerMixin):
             CacheStateError: the previous step's attention did not run through ``h2o_compress`` attention,
                 or the batch / head shape changed.
             InputError: non-finite keys or values in a multi-token step (decode steps set a flag read once per
-                generation: :meth:`~h2o_compress.cache.container.CompressedCache.check_finite`).
+                generation: :meth:`~h2o_compress.cache.container.CompressedCache.check`).
         """
         if self.awaiting_attention:
             self.awaiting_attention = False
@@ -298,7 +293,12 @@ class CompressedLayer(CacheLayerMixin):
         )
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
+        leaving_keys, leaving_values = keys, values
         keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        if self.quantized:  # a token leaving the window is attended at full precision one last time, as in a chunk
+            index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+            keys = keys.scatter(2, index, leaving_keys.to(self.dtype))
+            values = values.scatter(2, index, leaving_values.to(self.dtype))
         valid = self.store.positions >= 0
         if self.ring is not None:
             keys = torch.cat((keys, self.ring.keys.to(self.dtype)), dim=2)
@@ -491,7 +491,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- batch operations ------------------------------------------------------------------------------
     def _buffers(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.tensors().items() if k not in ("seen", "finite")}
+        return {k: v for k, v in self.tensors().items() if k not in ("seen", "finite", "consistent")}
 
     def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """Copy saved buffers (names of :meth:`tensors`, same shapes) into this initialised layer, in place."""

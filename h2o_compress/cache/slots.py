@@ -35,9 +35,9 @@ class SlotStore:
         dtype: torch.dtype, device: torch.device, with_scores: bool,
     ):
         batch, heads, slots, head_dim = shape
-        probe = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device=device)
-        self.keys = StoredTensor.zeros_like_probe(key_quantizer.quantize(probe), batch, heads, slots)
-        self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(probe), batch, heads, slots)
+        probe = torch.zeros(1, 1, 1, head_dim, dtype=dtype)  # on the CPU: learns each format's parts
+        self.keys = StoredTensor.zeros_like_probe(key_quantizer.quantize(probe), batch, heads, slots, device)
+        self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(probe), batch, heads, slots, device)
         self.positions = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
         self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
 

@@ -7,6 +7,19 @@ from dataclasses import dataclass
 import torch
 
 
+NO_POSITION = 2**40  # sorts after every real position
+
+
+def keep_top(priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """bool ``[batch, kv_heads, tokens]``: the ``capacity`` tokens of highest ``priority`` (fp32, same shape),
+    ties keeping the older position, never an empty slot or padding (``positions < 0``)."""
+    by_position = positions.masked_fill(positions < 0, NO_POSITION).argsort(dim=-1, stable=True)
+    ranked = torch.sort(priority.gather(-1, by_position), dim=-1, descending=True, stable=True).indices
+    keep = torch.zeros(priority.shape, dtype=torch.bool, device=priority.device)
+    keep.scatter_(-1, by_position.gather(-1, ranked[..., :capacity]), True)
+    return keep & (positions >= 0)
+
+
 @dataclass
 class EvictionPolicy:
     """Ranks the tokens of one layer, per sequence and KV head, for eviction (DESIGN.md §2).
@@ -60,3 +73,27 @@ class EvictionPolicy:
             start = first_real.view(-1, 1, 1)
             protected = protected | ((positions >= start) & (positions < start + sinks))
         return priority.masked_fill(protected, float("inf")).masked_fill(positions < 0, float("-inf"))
+
+    def keep_indices(
+        self, scores: torch.Tensor | None, length: int, capacity: int, leading_pads: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Indices of the tokens kept out of ``length`` tokens at positions ``0 .. length - 1`` (the rule a cache
+        applies when it holds more than ``capacity``), int64 ``[batch, kv_heads, kept]``, ascending.
+
+        Args:
+            scores: fp32 ``[batch, kv_heads, length]`` (policies with ``needs_scores``), else ``None``.
+            length: tokens held.
+            capacity: tokens to keep.
+            leading_pads: int ``[batch]`` left-padding tokens per sequence (never kept), or ``None``.
+
+        Rows that keep fewer tokens than others (padding) end with :data:`NO_POSITION`.
+        """
+        batch, heads = (1, 1) if scores is None else scores.shape[:2]
+        if leading_pads is not None:
+            batch = leading_pads.shape[0]
+        positions = torch.arange(length).expand(batch, heads, length)
+        first_real = torch.zeros(batch, dtype=torch.long) if leading_pads is None else leading_pads.long()
+        positions = positions.masked_fill(positions < first_real.view(-1, 1, 1), -1)
+        keep = keep_top(self.priority(scores, positions, length, first_real, capacity), positions, capacity)
+        kept = int(keep.sum(-1).max())
+        return torch.where(keep, torch.arange(length), NO_POSITION).sort(-1).values[..., :kept]

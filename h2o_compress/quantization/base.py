@@ -75,9 +75,14 @@ class StoredTensor:
             v[target] = other.parts[k][source].to(v.dtype)
 
     @classmethod
-    def zeros_like_probe(cls, probe: "StoredTensor", batch: int, heads: int, slots: int) -> "StoredTensor":
-        """A zero-filled buffer of ``slots`` tokens with the parts, trailing shapes and dtypes of ``probe``."""
-        return cls({k: v.new_zeros(batch, heads, slots, *v.shape[3:]) for k, v in probe.parts.items()})
+    def zeros_like_probe(
+        cls, probe: "StoredTensor", batch: int, heads: int, slots: int, device: torch.device | str
+    ) -> "StoredTensor":
+        """A zero-filled buffer of ``slots`` tokens on ``device`` with the parts, trailing shapes and dtypes of
+        ``probe`` (one quantized token)."""
+        return cls(
+            {k: torch.zeros(batch, heads, slots, *v.shape[3:], dtype=v.dtype, device=device) for k, v in probe.parts.items()}
+        )
 
     def map_batch(self, fn) -> "StoredTensor":
         """Apply ``fn`` (a function of one tensor acting on dim 0) to every part."""

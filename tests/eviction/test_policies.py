@@ -49,9 +49,9 @@ def test_h2o_sinks_are_always_kept():
 
 
 def test_local_and_sink_windows():
-    assert LocalPolicy().keep_indices(None, 10, 4).tolist() == [6, 7, 8, 9]
-    assert SinkPolicy().keep_indices(None, 10, 6).tolist() == [0, 1, 2, 3, 8, 9]
-    assert SinkPolicy(sink_tokens=1).keep_indices(None, 10, 3).tolist() == [0, 8, 9]
+    assert LocalPolicy().keep_indices(None, 10, 4).tolist() == [[[6, 7, 8, 9]]]
+    assert SinkPolicy().keep_indices(None, 10, 6).tolist() == [[[0, 1, 2, 3, 8, 9]]]
+    assert SinkPolicy(sink_tokens=1).keep_indices(None, 10, 3).tolist() == [[[0, 8, 9]]]
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -68,8 +68,8 @@ def test_h2o_mean_ranks_by_mean_attention_not_the_sum():
     seen = 10
     scores = torch.tensor([[[3.0, 0.5, 1.2, 0.1, 0.1, 0.1]]])  # tokens at positions 0, 6, 7, 4, 8, 9
     positions = torch.tensor([[[0, 6, 7, 4, 8, 9]]])
-    summed = H2OPolicy(heavy_ratio=0.5).ranking_scores(scores, positions, seen)
-    mean = H2OMeanPolicy(heavy_ratio=0.5).ranking_scores(scores, positions, seen)
+    summed = H2OPolicy(heavy_ratio=0.5).rank(scores, positions, seen)
+    mean = H2OMeanPolicy(heavy_ratio=0.5).rank(scores, positions, seen)
     assert torch.equal(summed, scores)
     torch.testing.assert_close(mean, torch.tensor([[[0.3, 0.125, 0.4, 1 / 60, 0.05, 0.1]]]))
     assert mean[0, 0].argmax() == 2 and summed[0, 0].argmax() == 0

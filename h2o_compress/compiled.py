@@ -1,0 +1,63 @@
+"""The decode step as one function, and its ``torch.compile`` form (DESIGN.md §5).
+
+A decode step feeds one token per sequence through the model with the compressed cache. Every cache layer's
+part of it is static-shape code over fixed buffers (:mod:`h2o_compress.cache`), so
+``torch.compile(fullgraph=True)`` captures the whole step with no graph break, and the same graph serves every
+later step (one recompile at most, when the growing attention mask's length becomes dynamic).
+
+The compiled step is built with two Inductor options that make its arithmetic round as eager PyTorch does
+(``emulate_precision_casts``, ``eager_numerics.division_rounding``): quantization rounds to integers, so a
+compiled step that fused a cast or a division differently would flip a few codes and drift from eager by
+``1e-3``; with them the compiled and eager steps agree to float reassociation (``~1e-6``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
+
+
+def decode_step(model, input_ids, cache, position_ids, attention_mask=None) -> torch.Tensor:
+    """One decode step: ``input_ids`` int64 ``[batch, 1]`` at ``position_ids`` ``[batch, 1]`` (and the 2D
+    ``attention_mask`` ``[batch, tokens so far + 1]``, which OPT needs to compile); returns the next-token logits
+    ``[batch, vocab]``."""
+    out = model(
+        input_ids=input_ids, past_key_values=cache, position_ids=position_ids, attention_mask=attention_mask,
+        use_cache=True, logits_to_keep=1,
+    )
+    return out.logits[:, -1]
+
+
+def compiled_decode_step(model, device: torch.device | str | None = None):
+    """The compiled :func:`decode_step` for ``model``, built once per model and device type and reused.
+
+    ``torch.compile(fullgraph=True)`` with Inductor; on CUDA ``mode="reduce-overhead"`` (CUDA graphs replay the
+    step: the cache's buffers are marked static). Compilation happens at the first call (tens of seconds on a CPU).
+    """
+    kind = torch.device(device).type if device is not None else next(model.parameters()).device.type
+    steps = model.__dict__.setdefault("_h2o_compiled_steps", {})
+    if kind not in steps:
+        mode = "reduce-overhead" if kind == "cuda" else None
+        options = None if mode else dict(INDUCTOR_OPTIONS)
+        steps[kind] = torch.compile(decode_step, fullgraph=True, mode=mode, options=options)
+    return steps[kind]
+
+
+def resolve_compile(compile: bool | None, cache, device: torch.device) -> bool:
+    """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
+    (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``).
+
+    Raises:
+        ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a
+            ``compile`` that is not a bool or ``None``.
+    """
+    if compile is not None and not isinstance(compile, bool):
+        raise ConfigError(f"compile={compile!r} is invalid; allowed: True, False or None (auto)")
+    if compile is None:
+        return device.type == "cuda" and cache.compile_blocker is None
+    if compile and cache.compile_blocker is not None:
+        raise ConfigError(f"compile=True cannot compile this cache: {cache.compile_blocker}; allowed: compile=False")
+    return compile
