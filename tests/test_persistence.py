@@ -58,9 +58,8 @@ def layer_state(cache):
     """Every tensor and counter the cache holds, for exact comparison."""
     state = []
     for layer in cache.layers:
-        state.append({k: v.clone() for k, v in layer.state_tensors().items()})
-        state.append((layer.stored_length, layer.slots))
-        state.append((layer.seen_tokens, layer.capacity, layer.residual, layer.dtype, layer.residual_dtype))
+        state.append({k: v.clone() for k, v in layer.tensors().items()})
+        state.append((int(layer.seen), layer.capacity, layer.residual, layer.dtype, layer.residual_dtype))
     return state
 
 
@@ -142,12 +141,10 @@ def test_left_padded_batch_round_trip(model, tmp_path):
     mask[0, :5], mask[2, :2] = 0, 0
     cache = make_cache(model, config)
     model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-    assert any(layer.leading_pads is not None for layer in cache.layers)
+    assert cache.layers[0].first_real.tolist() == [5, 0, 2]  # padding is never held: sinks count from here
     cache.save(tmp_path / "padded.safetensors", model=model)
     loaded = CompressedCache.load(tmp_path / "padded.safetensors", model)
     assert_same_state(layer_state(loaded), layer_state(cache))
-    assert all(torch.equal(a.leading_pads, b.leading_pads) for a, b in zip(cache.layers, loaded.layers)
-               if a.leading_pads is not None)
     token = torch.randint(0, 128, (3, 1))
     for step in range(8):  # evictions with pads held
         mask = torch.cat((mask, torch.ones(3, 1, dtype=torch.long)), 1)
@@ -160,7 +157,6 @@ def test_left_padded_batch_round_trip(model, tmp_path):
 def test_every_layer_tensor_is_persisted(model):
     """Tripwire: a tensor the core adds to CompressedLayer must be saved (or declared derived) in persistence."""
     from h2o_compress.persistence import DERIVED_LAYER_TENSORS
-    from h2o_compress.quantization import StoredTensor
 
     cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4, residual=1))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -168,10 +164,14 @@ def test_every_layer_tensor_is_persisted(model):
     with torch.no_grad():
         model(input_ids=prompt_ids(length=12), attention_mask=mask, past_key_values=cache)
     layer = cache.layers[0]
-    held = {name for name, value in vars(layer).items() if isinstance(value, (torch.Tensor, StoredTensor))}
-    declared = {name.split(".")[0] for name in layer.state_tensors()}
-    assert held - declared - set(DERIVED_LAYER_TENSORS) == set()
-    assert {"stored_keys", "slot_info", "residual_keys", "residual_scores", "leading_pads"} <= held  # every state
+    holders = [vars(layer), vars(layer.store), vars(layer.ring)]
+    held = {id(v) for holder in holders for v in holder.values() if isinstance(v, torch.Tensor)}
+    held |= {id(t) for holder in (layer.store.keys, layer.store.values) for t in holder.parts.values()}
+    declared = {id(t) for t in layer.tensors().values()}
+    derived = {id(getattr(layer, name)) for name in DERIVED_LAYER_TENSORS}
+    transient = {id(layer.decode_valid)}
+    assert held - declared - derived - transient == set()
+    assert {"store.positions", "store.scores", "ring.keys", "ring.positions", "first_real", "seen"} <= set(layer.tensors())
 
 
 @torch.no_grad()
@@ -314,8 +314,8 @@ def test_tampered_data_is_detected(model, tmp_path):
     [
         (lambda m: m.update(tokens="21"), None),
         (lambda m: m.update(config=m["config"].replace('"budget": 10', '"budget": 11')), None),
-        (None, lambda t: t["layers.0.slot_info.score"].mul_(2)),
-        (None, lambda t: t.pop("layers.1.residual_values")),
+        (None, lambda t: t["layers.0.store.scores"].mul_(2)),
+        (None, lambda t: t.pop("layers.1.ring.values")),
     ],
     ids=["token-count", "config", "scores", "missing-tensor"],
 )
@@ -329,20 +329,20 @@ def test_edited_file_is_detected(model, tmp_path, edit_metadata, edit_tensors):
 def test_unknown_format_version_is_refused(model, tmp_path):
     path = saved_file(model, tmp_path)
     rewrite(path, lambda m: m.update(format_version="99"))
-    with pytest.raises(CacheFileError, match="format version '99'; allowed: 2"):
+    with pytest.raises(CacheFileError, match="format version '99'; allowed: 3"):
         CompressedCache.load(path, model)
 
 
 def test_file_records_metadata(model, tmp_path):
     path = saved_file(model, tmp_path, CompressionConfig(budget=10, kv_bits=4, residual=2))
     metadata, tensors = read_cache_file(path)
-    assert metadata["format_version"] == "2"
+    assert metadata["format_version"] == "3"
     assert metadata["tokens"] == "20"
     assert metadata["model_fingerprint"] == model_fingerprint(model)
     assert json.loads(metadata["config"]) == CompressionConfig(budget=10, kv_bits=4, residual=2).to_dict()
     assert json.loads(metadata["capacity"]) == 10
     assert tensors["prompt.token_ids"].shape == (2, 20)
-    assert tensors["layers.0.stored_keys.data"].dtype == torch.uint8  # stored compressed, not dequantized
+    assert tensors["layers.0.store.keys.data"].dtype == torch.uint8  # stored compressed, not dequantized
 
 
 def test_interrupted_save_keeps_the_old_file(model, tmp_path, monkeypatch):

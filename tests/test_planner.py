@@ -92,7 +92,8 @@ def test_predicted_cache_bytes_equal_measured_llama(case):
     guess = predicted(model, config, batch, prompt, new)
     assert guess.total == cache.nbytes()
     assert guess.kept == cache.kept_length()
-    assert guess.residual == cache.layers[0].residual_length
+    assert guess.residual == cache.layers[0].residual
+    assert guess.slots == cache.layers[0].store.slots
 
 
 @pytest.mark.parametrize("arch", ["opt", "neox"])
@@ -159,8 +160,9 @@ def test_early_stop_uses_tokens_fed_and_capacity_from_max_new_tokens():
 def test_known_model_fp16_bytes_per_token(name, per_token):
     dims = resolve_model(name).dims
     config = CompressionConfig(policy="full")
-    assert cache_bytes(dims, config, 1, 4096, 0, 4096, torch.float16).total == 4096 * per_token
-    assert cache_bytes(dims, config, 3, 100, 28, 129, torch.float32).total == 3 * 128 * per_token * 2
+    # keys and values; the slot positions (int32) and per-layer counters come on top
+    assert cache_bytes(dims, config, 1, 4096, 0, 4096, torch.float16).packed == 4096 * per_token
+    assert cache_bytes(dims, config, 3, 100, 28, 129, torch.float32).packed == 3 * 129 * per_token * 2
 
 
 @pytest.mark.parametrize("name,params", [
@@ -178,13 +180,16 @@ def test_llama2_7b_hand_computed_compressed_bytes_and_weights():
     spec = resolve_model("Llama-2-7B")
     # int4, group 32: 64 data bytes + 4 groups x (fp16 scale + fp16 zero) = 80 bytes per head and tensor
     int4 = CompressionConfig(policy="full", kv_bits=4, group_size=32, residual=0)
-    assert cache_bytes(spec.dims, int4, 1, 1000, 0, 1000).total == 1000 * 2 * 32 * 32 * 80
+    int4_bytes = cache_bytes(spec.dims, int4, 1, 1000, 0, 1000)
+    assert int4_bytes.packed + int4_bytes.scales == 1000 * 2 * 32 * 32 * 80
+    assert int4_bytes.positions == 1000 * 32 * 32 * 4  # one int32 position per slot, layer and head
     # h2o 16-bit at 0.5 of 4097 tokens: capacity 2049 tokens, a buffer of 2050 slots (room for the step's new
     # token) of K/V plus one fp32 score and one int32 position per slot, layer and head
     h2o = CompressionConfig(policy="h2o", budget=0.5)
     got = cache_bytes(spec.dims, h2o, 1, 4096, 0, 4097)
     assert (got.capacity, got.kept, got.slots) == (2049, 2049, 2050)
-    assert got.total == 2050 * (512 * KiB + (4 + 4) * 32 * 32)
+    assert got.total == 2050 * (512 * KiB + (4 + 4) * 32 * 32) + got.counters
+    assert got.counters == 32 * (8 + 8 + 1 + 1)  # seen, first real token, two flags per layer
     assert weight_bytes(spec, 16, torch.float16) == 6_738_415_616 * 2
     rest = 6_738_415_616 - spec.linear_parameters
     assert rest == 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, lm_head, RMSNorm weights
@@ -345,7 +350,7 @@ def test_cli_plan_table_and_json():
     data = json.loads(runner.invoke(app, [*args, "--json"]).output)
     best = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128).recommended
     assert data["recommended"]["label"] == best.label and data["memory_limit"] == 24 * GiB
-    assert len(data["rows"]) == 20 and data["rows"][0]["cache"]["total"] == 8 * 4095 * 512 * KiB
+    assert len(data["rows"]) == 20 and data["rows"][0]["cache"]["packed"] == 8 * 4096 * 512 * KiB
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert f"recommended: {best.label} (least compressed that fits)" in out.output

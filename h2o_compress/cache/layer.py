@@ -14,7 +14,7 @@ the scores, and the lowest-priority token outside the sinks and the recent windo
 prefill, continuing a saved prompt) run eagerly over the same buffers: attention over the held tokens and the
 chunk, then the policy's top-``capacity`` selection, then the same layout.
 
-Slot counts: ``capacity - residual + 1`` (one slot is free before each step), ``max_tokens - residual + 1`` for an
+Slot counts: ``capacity - residual + 1`` (one slot is free before each step), ``max_tokens - residual`` for an
 unbounded cache of known length; an unbounded cache of unknown length grows (eager only).
 """
 
@@ -124,12 +124,13 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def store_slots(self, first_chunk: int = 0) -> int:
-        """Slots of the store: ``capacity - residual + 1``; ``max_tokens - residual + 1`` unbounded; else the
+        """Slots of the store: ``capacity - residual + 1`` (one is free before each step); ``max_tokens -
+        residual`` unbounded (nothing is evicted); else the
         first chunk plus :data:`GROWTH` (grows later)."""
         if self.capacity is not None:
             return self.capacity - self.residual + 1
         if self.max_tokens is not None:
-            return max(self.max_tokens - self.residual, 0) + 1
+            return max(self.max_tokens - self.residual, 1)
         return first_chunk + GROWTH
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
