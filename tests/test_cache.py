@@ -100,7 +100,7 @@ def test_h2o_eviction_frees_memory_to_capacity():
     kv_bytes = 2 * layers * 3 * dims_heads * slots * head_dim * 4  # fp32 model, 16-bit path stores fp32
     slot_bytes = layers * 3 * dims_heads * slots * (4 + 4)  # int32 position + fp32 score per slot
     assert cache.nbytes() == kv_bytes + slot_bytes + layers * counter_bytes(3)
-    full_slots = 69 + 1  # built for 69 tokens: no scores (nothing is evicted)
+    full_slots = 69  # built for 69 tokens: no spare slot, no scores (nothing is evicted)
     assert full.nbytes() == layers * (3 * dims_heads * full_slots * (2 * head_dim * 4 + 4) + counter_bytes(3))
     assert cache.nbytes() < full.nbytes() / 3
     assert cache.storage_nbytes() == cache.nbytes()  # no view pins a larger buffer
