@@ -477,10 +477,13 @@ class CompressedLayer(CacheLayerMixin):
             self.store.scores[b, h, slot] = scores[b, h, i]
 
     # -- transformers' sizes -----------------------------------------------------------------------------
-    def get_mask_sizes(self, query_length: int) -> tuple[int, torch.Tensor | int]:
-        """``(query_length, seen)``: transformers builds the causal + padding mask of the new tokens only (the
-        held tokens' visibility comes from the slots); constant shapes, so compiled steps do not recompile."""
-        return query_length, self.seen if self.is_initialized else 0
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(query_length, offset)``: transformers builds the causal + padding mask of the new tokens only (the
+        held tokens' visibility comes from the slots). A decode step ignores that mask, so it gets the constant
+        ``(1, 0)`` (compiled steps must not branch on the token count); a chunk gets its real offset (eager)."""
+        if query_length == 1 or not self.is_initialized:
+            return query_length, 0
+        return query_length, int(self.seen)
 
     def get_seq_length(self) -> torch.Tensor | int:
         """Tokens seen (not kept), as an int64 0-dim tensor (no host sync), so position ids keep counting after
