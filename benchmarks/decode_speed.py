@@ -1,10 +1,14 @@
-"""Decode speed of the compressed cache against the uncompressed DynamicCache, side by side in one run.
+"""Decode speed of the compressed cache against transformers' caches, side by side in one run.
 
-    python benchmarks/decode_speed.py --prompt-tokens 1000 --new-tokens 64 --repeats 3
+    python benchmarks/decode_speed.py --prompt-tokens 1000,7900 --new-tokens 64 --repeats 3 --threads 2
 
-Each setting prefills the same prompt and decodes the same number of greedy tokens (no early stop); settings
-are interleaved round-robin ``repeats`` times and the median is reported, so machine noise hits all alike.
-Writes ``benchmarks/results/decode_speed.json`` and prints a table; ratios are against DynamicCache.
+Baselines: ``DynamicCache``, ``StaticCache`` eager and ``StaticCache`` + ``torch.compile`` (Inductor, fullgraph:
+what a user who wants speed runs). Ours: h2o 0.2 int4 (and 16-bit) eager and compiled
+(:func:`h2o_compress.compiled.compiled_decode_step`). Each setting prefills the same prompt (eager) and decodes
+the same number of greedy tokens through the same step function; settings are interleaved round-robin
+``repeats`` times and the median decode time is reported. Compilation happens in a warm-up run per setting and
+length, outside the timings (its seconds are reported). Writes ``--out`` (JSON) and the same path with ``.md``
+(a markdown table), and prints the table; ratios are against the best of the three baselines at each length.
 """
 
 from __future__ import annotations
@@ -19,82 +23,122 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from h2o_compress import CompressionConfig, load_model, make_cache
+from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
 
-SETTINGS = {
-    "DynamicCache (uncompressed)": None,
-    "ours full 16-bit": CompressionConfig(policy="full"),
-    "ours h2o 0.2 16-bit": CompressionConfig(budget=0.2),
-    "ours full 4-bit": CompressionConfig(policy="full", kv_bits=4),
-    "ours h2o 0.2 8-bit": CompressionConfig(budget=0.2, kv_bits=8),
-    "ours h2o 0.2 4-bit": CompressionConfig(budget=0.2, kv_bits=4),
-    "ours local 0.2 4-bit": CompressionConfig(policy="local", budget=0.2, kv_bits=4),
+BASELINES = ("DynamicCache", "StaticCache eager", "StaticCache + compile")
+SETTINGS = {  # name: (cache kind or CompressionConfig, compiled)
+    "DynamicCache": ("dynamic", False),
+    "StaticCache eager": ("static", False),
+    "StaticCache + compile": ("static", True),
+    "ours h2o 0.2 int4 eager": (CompressionConfig(budget=0.2, kv_bits=4), False),
+    "ours h2o 0.2 int4 compiled": (CompressionConfig(budget=0.2, kv_bits=4), True),
+    "ours h2o 0.2 16-bit eager": (CompressionConfig(budget=0.2), False),
+    "ours h2o 0.2 16-bit compiled": (CompressionConfig(budget=0.2), True),
 }
 
 
+def make(model, kind, length: int):
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=length)
+    return make_cache(model, kind, max_length=length)
+
+
+def kv_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+
+
 @torch.inference_mode()
-def run_once(model, prompt: torch.Tensor, new_tokens: int, config: CompressionConfig | None) -> dict:
-    """Prefill + ``new_tokens`` greedy decode steps; returns seconds and the cache's bytes."""
-    length = prompt.shape[1] + new_tokens
-    cache = DynamicCache(config=model.config) if config is None else make_cache(model, config, max_length=length)
+def run_once(model, prompt: torch.Tensor, new_tokens: int, kind, step) -> dict:
+    """Prefill (eager) + ``new_tokens`` greedy decode steps through ``step``; seconds and the cache's bytes."""
+    length = prompt.shape[1] + new_tokens + 1
+    cache = make(model, kind, length)
     start = time.perf_counter()
-    token = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    logits = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1]
     prefill_s = time.perf_counter() - start
+    seen = prompt.shape[1]
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = logits.argmax(-1, keepdim=True)
+        position = torch.full((1, 1), seen, dtype=torch.long)
+        logits = step(model, token, cache, position, torch.ones(1, seen + 1, dtype=torch.long))
+        seen += 1
     decode_s = time.perf_counter() - start
-    nbytes = cache.nbytes() if config is not None else sum(
-        layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers
-    )
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "kv_bytes": nbytes}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "kv_bytes": kv_bytes(cache)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--prompt-tokens", default="1000,7900", help="comma-separated prompt lengths")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--out", default="benchmarks/results/decode_speed.json")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of the settings")
+    parser.add_argument("--out", default="benchmarks/results/decode_speed_cpu.json")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    names = [n for n in args.settings.split(",") if n]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; allowed: {', '.join(SETTINGS)}")
     model, tokenizer = load_model(args.model, device="cpu")
-    prompt = torch.randint(100, tokenizer.vocab_size - 100, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    run_once(model, prompt[:, :64], 4, None)  # warm-up
-    times: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    for _ in range(args.repeats):
-        for name, config in SETTINGS.items():
-            times[name].append(run_once(model, prompt, args.new_tokens, config))
-    base = statistics.median(r["decode_s"] for r in times["DynamicCache (uncompressed)"])
+    vocab = tokenizer.vocab_size
+    steps = {}
+    for name in names:  # one compiled function per setting, as a user would hold one
+        compiled = SETTINGS[name][1]
+        options = INDUCTOR_OPTIONS if isinstance(SETTINGS[name][0], CompressionConfig) else None
+        steps[name] = torch.compile(decode_step, fullgraph=True, options=options) if compiled else decode_step
     rows = []
-    for name, runs in times.items():
-        decode_s = statistics.median(r["decode_s"] for r in runs)
-        rows.append({
-            "setting": name,
-            "decode_tokens_per_s": args.new_tokens / decode_s,
-            "speed_vs_dynamic": base / decode_s,
-            "prefill_s": statistics.median(r["prefill_s"] for r in runs),
-            "kv_bytes": runs[-1]["kv_bytes"],
-        })
-    table = Table(title=f"Decode speed, {args.model}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens")
-    for column in ("setting", "decode tokens/s", "x DynamicCache", "prefill s", "KV MiB"):
+    for tokens in [int(t) for t in args.prompt_tokens.split(",")]:
+        prompt = torch.randint(100, vocab - 100, (1, tokens), generator=torch.Generator().manual_seed(0))
+        warm = {}
+        for name in names:  # warm-up (and compile) on this length, outside the timings
+            start = time.perf_counter()
+            run_once(model, prompt, 2, SETTINGS[name][0], steps[name])
+            warm[name] = time.perf_counter() - start
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                runs[name].append(run_once(model, prompt, args.new_tokens, SETTINGS[name][0], steps[name]))
+        speed = {n: args.new_tokens / statistics.median(r["decode_s"] for r in runs[n]) for n in names}
+        best = max((speed[n] for n in BASELINES if n in speed), default=None)
+        for name in names:
+            rows.append({
+                "prompt_tokens": tokens, "setting": name, "decode_tokens_per_s": speed[name],
+                "vs_best_baseline": None if best is None else speed[name] / best,
+                "prefill_s": statistics.median(r["prefill_s"] for r in runs[name]),
+                "warmup_s": warm[name], "kv_bytes": runs[name][-1]["kv_bytes"],
+            })
+    title = f"Decode speed, {args.model}, {args.new_tokens} new tokens, {args.threads} threads (CPU)"
+    table = Table(title=title)
+    columns = ("prompt", "setting", "decode tok/s", "x best baseline", "prefill s", "warm-up s", "KV MiB")
+    for column in columns:
         table.add_column(column, justify="left" if column == "setting" else "right")
+    lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        table.add_row(row["setting"], f"{row['decode_tokens_per_s']:.1f}", f"{row['speed_vs_dynamic']:.2f}",
-                      f"{row['prefill_s']:.2f}", f"{row['kv_bytes'] / 2**20:.2f}")
+        cells = [str(row["prompt_tokens"]), row["setting"], f"{row['decode_tokens_per_s']:.1f}",
+                 "-" if row["vs_best_baseline"] is None else f"{row['vs_best_baseline']:.2f}",
+                 f"{row['prefill_s']:.2f}", f"{row['warmup_s']:.1f}", f"{row['kv_bytes'] / 2**20:.2f}"]
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
     Console().print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
+        "command": "python benchmarks/decode_speed.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "settings")),
         "args": vars(args), "rows": rows, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "processor": platform.processor(),
+        "machine": platform.machine(), "processor": platform.processor(), "cpus": __import__("os").cpu_count(),
     }, indent=2))
-    print(f"wrote {out}")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -527,8 +527,10 @@ class CompressedLayer(CacheLayerMixin):
         self.batch = self.first_real.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder sequences for beam search (tokens, scales, positions and scores move together), in place."""
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=True)
+        """Reorder sequences for beam search (tokens, scales, positions and scores move together): in place when
+        the batch keeps its size (static addresses kept), else into new buffers."""
+        same_size = beam_idx.shape[0] == getattr(self, "batch", None)
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=same_size)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
