@@ -16,7 +16,7 @@ from .errors import ConfigError
 ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
-ATTENTION_KERNELS = ("auto", "torch", "triton")
+ATTENTION_KERNELS = ("auto", "torch")
 
 
 def _number(name: str, value, allowed: str) -> float:
@@ -51,11 +51,10 @@ class CompressionConfig:
         rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
-        attention_kernel: decode attention over the cache: ``triton`` (the fused kernel of
-            :mod:`h2o_compress.kernels.decode_attention`: reads the packed tokens, no dequantized copy, and
-            returns the H2O scores in the same pass), ``torch`` (dequantize, then SDPA and a scoring pass) or
-            ``auto`` (``triton`` on CUDA when triton is installed and the format allows it, else ``torch``).
-            A runtime choice: it does not change what is kept or stored.
+        attention_kernel: decode attention over the cache: ``auto`` or ``torch`` (torch code over the slots, which
+            ``torch.compile`` fuses). ``triton`` (the fused kernel of :mod:`h2o_compress.kernels.decode_attention`)
+            is refused for now: it does not read the slot layout yet (see docs/cache-layout.md). A runtime
+            choice: it does not change what is kept or stored.
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -114,6 +113,11 @@ class CompressionConfig:
             or self.score_chunk_size < 1
         ):
             raise ConfigError(f"score_chunk_size={self.score_chunk_size!r} is invalid; allowed: an integer >= 1")
+        if self.attention_kernel == "triton":
+            raise ConfigError(
+                "attention_kernel='triton': the fused Triton decode kernel (h2o_compress.kernels) does not read the "
+                "slot layout of the compileable cache yet; allowed: 'auto' or 'torch' (compiled torch attention)"
+            )
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={self.attention_kernel!r} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"

@@ -20,19 +20,16 @@ unbounded cache of known length; an unbounded cache of unknown length grows (eag
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention import announce, attention_probability_sums, decode_attention, withdraw
-from ..errors import CacheStateError, ConfigError, InputError
+from ..errors import CacheStateError, InputError
 from ..eviction import EvictionPolicy
 from ..eviction.base import NO_POSITION as NO_REAL_TOKEN, keep_top
-from ..kernels import power_of_two
-from ..quantization import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer, NoQuantizer
+from ..quantization import BitsAndBytesQuantizer, KVQuantizer
 from .ring import RingWindow
 from .slots import SlotStore
 
@@ -58,7 +55,8 @@ class CompressedLayer(CacheLayerMixin):
         residual: newest tokens kept in full precision when quantizing (the ring size), capped at half the
             policy's recent window so the ring is always inside it.
         score_chunk_size: queries per chunk for prefill scoring.
-        attention_kernel: ``auto``, ``torch`` or ``triton`` (see :class:`~h2o_compress.CompressionConfig`).
+        attention_kernel: ``auto`` or ``torch`` (see :class:`~h2o_compress.CompressionConfig`): the decode step's
+            attention is torch code that ``torch.compile`` fuses; ``triton`` is refused by :func:`build_layers`.
         max_tokens: tokens the cache will see (prompt + new tokens), when known: bounds the storage.
 
     Attributes:
@@ -156,40 +154,7 @@ class CompressedLayer(CacheLayerMixin):
         self.consistent = torch.ones((), dtype=torch.bool, device=self.device)
         if self.device.type != "meta":
             _mark_static(self.tensors())
-        self.fused = self.uses_fused_kernel()
         self.is_initialized = True
-
-    def uses_fused_kernel(self) -> bool:
-        """Whether decode steps could run the fused Triton kernel (``attention_kernel``: ``triton`` always,
-        ``auto`` on CUDA when triton is installed and the format allows). The slot layout reads it through the
-        torch path for now (see docs: the kernel learns the validity mask in the GPU issue).
-
-        Raises:
-            ConfigError: ``triton`` asked for a format the kernel does not read (bitsandbytes formats, a
-                ``head_dim`` that is not a power of two >= 16), without triton installed, or on CPU outside the
-                Triton interpreter (``TRITON_INTERPRET=1``).
-        """
-        if self.attention_kernel == "torch":
-            return False
-        dim, formats = self.head_dim, (IntQuantizer, NoQuantizer)
-        readable = power_of_two(dim, 16) and all(type(q) in formats for q in (self.key_quantizer, self.value_quantizer))
-        has_triton = importlib.util.find_spec("triton") is not None
-        if self.attention_kernel == "auto":
-            return readable and has_triton and self.device.type == "cuda"
-        if not readable:
-            raise ConfigError(
-                f"attention_kernel='triton' reads int4/int8/16-bit storage with a power-of-two head_dim >= 16; got "
-                f"{type(self.key_quantizer).__name__}/{type(self.value_quantizer).__name__}, head_dim={dim}; "
-                "allowed here: attention_kernel='torch' or 'auto'"
-            )
-        if not has_triton:
-            raise ConfigError("attention_kernel='triton' needs the triton package (pip install triton)")
-        if self.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(
-                f"attention_kernel='triton' runs on CUDA devices (got {self.device}); on CPU only under the Triton "
-                "interpreter (TRITON_INTERPRET=1, for tests); allowed here: 'torch' or 'auto'"
-            )
-        return True
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer held, by name: ``store.*``, ``ring.*``, ``seen``, ``first_real``, ``finite``,
