@@ -58,6 +58,7 @@ class ProfileSettings:
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
+        trust_remote_code: let the model directory run its own code (``load_model``'s flag).
     """
 
     model: str = "smollm2-135m"
@@ -81,6 +82,7 @@ class ProfileSettings:
     residual: int = _DEFAULTS.residual
     isolate: bool | None = None
     threads: int | None = None
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths"):
@@ -98,7 +100,7 @@ class ProfileSettings:
         check_count("agreement_prompts", self.agreement_prompts, minimum=0, unit="prompts")
         check_count("max_new_tokens", self.max_new_tokens)
         if self.threads is not None:
-            check_count("threads", self.threads, unit="threads")
+            check_count("threads", self.threads, unit="threads", maximum=4096)
         self.configs()  # validates policies, budgets and the fixed options
 
     def configs(self) -> list[CompressionConfig]:
@@ -214,7 +216,8 @@ def _load(settings: ProfileSettings):
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    return load_model(settings.model, device=settings.device, dtype=settings.dtype)
+    return load_model(settings.model, device=settings.device, dtype=settings.dtype,
+                      trust_remote_code=settings.trust_remote_code)
 
 
 def _worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
