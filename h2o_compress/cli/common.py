@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig
+from ..config import CompressionConfig, check_usable
 from ..errors import H2OCompressError, one_line
 from .options import Compression
 
@@ -51,8 +51,9 @@ def merged_config(compression: Compression, config_file: Optional[str]) -> tuple
     """
     from ..config_file import load_config, read_config_values
 
-    config = compression.config()
+    config = compression.config(check=config_file is None)
     overrides = compression.overrides(config)
     if config_file is None:
         return config, overrides
-    return load_config(config_file, overrides), {**read_config_values(config_file), **overrides}
+    merged = check_usable(load_config(config_file, overrides))
+    return merged, {**read_config_values(config_file), **overrides}

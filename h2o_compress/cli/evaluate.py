@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import typer
 
+from ..config import check_usable
 from ..errors import ConfigError, short
 from .common import set_threads, user_errors
 from .options import (
@@ -79,6 +80,7 @@ def perplexity_command(
 
     config = compression.config()
     check_count("max_tokens", max_tokens, minimum=2)
+    check_usable(config, config.capacity(max_tokens))
     check_count("chunk_size", chunk_size)
     if text_file is not None:
         load_text(text_file)  # fail on a bad file before loading the model

@@ -83,6 +83,11 @@ def generate(
         row = choose_for_prompt(lm, tokenizer, prompt, memory_limit, max_new_tokens, chat=chat, base=config)
         config = row.config
         typer.echo(describe_choice(row, memory_limit), err=True)
+    if load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
+        from ..config import check_usable
+        from ..generation import encode_prompt
+
+        check_usable(config, config.capacity(encode_prompt(tokenizer, prompt, chat).shape[1] + max_new_tokens))
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     extra, load_s = {}, None
     if save_cache is not None or load_cache is not None:

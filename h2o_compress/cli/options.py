@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig
+from ..config import CompressionConfig, check_usable
 from ..errors import ConfigError
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
@@ -79,12 +79,14 @@ class Compression:
     values: dict
     given: frozenset
 
-    def config(self) -> CompressionConfig:
-        """A validated :class:`CompressionConfig` of the flags (raises ConfigError)."""
+    def config(self, check: bool = True) -> CompressionConfig:
+        """A validated :class:`CompressionConfig` of the flags; with ``check``, also refused when the flags make
+        no sense together (:func:`~h2o_compress.config.check_usable`). Raises ConfigError."""
         values = dict(self.values)
         if "budget" in values:
             values["budget"] = parse_budget(values["budget"])
-        return CompressionConfig(**values)
+        config = CompressionConfig(**values)
+        return check_usable(config) if check else config
 
     def overrides(self, config: CompressionConfig) -> dict:
         """The fields of ``config`` the user gave on the command line."""
