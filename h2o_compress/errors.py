@@ -47,5 +47,7 @@ def short(value, limit: int = MAX_ECHO, repr_: bool = True) -> str:
 
 def one_line(message: str, limit: int = 2000) -> str:
     """``message`` on one line (newlines become spaces), cut to ``limit`` characters."""
-    text = " ".join(str(message).split())
+    text = str(message)
+    for newline in ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"):
+        text = text.replace(newline, " ")
     return text if len(text) <= limit else text[:limit] + "..."

@@ -120,15 +120,23 @@ def check_model_dir(path, trust_remote_code: bool = False) -> None:
     Raises:
         ModelLoadError: naming the file and what is wrong (for ``auto_map``: the ``--trust-remote-code`` flag).
     """
-    from .files import read_json
 
     directory = Path(path)
+    try:
+        _check_model_files(directory, trust_remote_code)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"cannot load model {short(str(directory))}: {exc}") from None
+
+
+def _check_model_files(directory: Path, trust_remote_code: bool) -> None:
+    from .files import read_json
+
     for name in REMOTE_CODE_FILES:
         file = directory / name
         if not file.exists():
             continue
         fields = read_json(file, name, ModelLoadError)
-        source = f"{name} of {short(str(directory))}"
+        source = name
         if name == "config.json":
             check_config_values(fields, source)
         if isinstance(fields, dict) and "auto_map" in fields and not trust_remote_code:

@@ -465,7 +465,7 @@ def load_quality(path, warnings: list | None = None) -> dict[tuple, float]:
             quality[_setting_key(config)] = -metric[1] if metric[0] in HIGHER_BETTER else float(metric[1])
     if not quality:
         raise ConfigError(
-            f"profile report {name} has no row with a setting and a finite quality metric; allowed metrics: "
+            f"profile report {name} has no row with a setting and a quality metric (a finite number); allowed metrics: "
             f"{', '.join(LOWER_BETTER + HIGHER_BETTER)}"
         )
     return quality

@@ -323,7 +323,7 @@ class CharTokenizer:
 def test_choose_for_prompt_then_generate_fits():
     model, tok = tiny_llama(), CharTokenizer()
     full = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False)
-    assert full.label == "full 16-bit"
+    assert full.label == "full 32-bit"  # the tiny model runs in fp32, so its cache does too
     limit = full.total_bytes - 1  # the uncompressed setting no longer fits
     row = choose_for_prompt(model, tok, "x" * 40, limit, max_new_tokens=8, chat=False,
                             base=CompressionConfig(policy="local", residual=2))
@@ -343,12 +343,14 @@ def test_cli_plan_table_and_json():
     args = ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--batch", "8", "--prompt-len", "3968",
             "--gen-len", "128"]
     data = json.loads(runner.invoke(app, [*args, "--json"]).output)
-    best = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128).recommended
+    best = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128, headroom="10%").recommended
     assert data["recommended"]["label"] == best.label and data["memory_limit"] == 24 * GiB
+    assert data["headroom_bytes"] == int(24 * GiB * 0.1) and best.total_bytes <= 24 * GiB - data["headroom_bytes"]
     assert len(data["rows"]) == 20 and data["rows"][0]["cache"]["total"] == 8 * 4095 * 512 * KiB
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert f"recommended: {best.label} (least compressed that fits)" in out.output
+    assert "headroom: 2.40 GiB of the limit left free" in out.output
     assert "full 16-bit" in out.output and "h2o 10% int4 g128 r3" in out.output
 
 

@@ -118,6 +118,7 @@ def needle_command(
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Use the tokenizer's chat template."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt, compression: Compression = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
     from ..profiling.needle import check_needle_args, needle_eval
@@ -160,6 +161,7 @@ def agreement_command(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate per prompt."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt, compression: Compression = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
     from ..profiling.agreement import agreement_eval
