@@ -327,6 +327,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
             f"unknown model {short(name_or_path)}; allowed: an alias ({', '.join(ALIASES)}), a local model directory, "
             "or a hub id like org/name"
         )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # load reports (e.g. of mismatched weights) become our one-line error
     try:
         try:  # a local directory, or a hub id already in the local Hugging Face cache
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
@@ -345,7 +347,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         hint = ""
         if "trust_remote_code" in str(exc):
             hint = "; allowed: --trust-remote-code (trust_remote_code=True) if you trust this model's code"
+        if "ignore_mismatched_sizes" in str(exc):
+            first_line = "its weights do not have the shapes its config.json gives"
         raise ModelLoadError(f"cannot load model {short(name_or_path)}: {first_line[:300]}{hint}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     model.to(resolved_device).eval()
     model.name_or_path_for_cache = name_or_path
     return model, tokenizer

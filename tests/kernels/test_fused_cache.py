@@ -69,11 +69,13 @@ def test_triton_kernel_refuses_formats_it_cannot_read():
         model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
 
 
-def test_auto_uses_the_kernel_only_on_cuda():
-    model = tiny_llama()
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_auto_uses_the_kernel_only_on_cuda(where):
+    # the kernel choice follows the device the model (and so the cache) is on, not whether CUDA exists
+    model = tiny_llama().to(where)
     cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4))
-    model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
-    assert all(layer.fused is (torch.cuda.is_available()) for layer in cache.layers)
+    model(input_ids=torch.randint(0, 128, (1, 8), device=where), past_key_values=cache)
+    assert all(layer.fused is (where == "cuda") for layer in cache.layers)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
