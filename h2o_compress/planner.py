@@ -62,13 +62,13 @@ def parse_list(text: str, name: str, convert=int) -> tuple:
     """
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
-        raise ConfigError(f"{name}={text!r} is empty; allowed: a comma-separated list")
+        raise ConfigError(f"{name}={short(text)} is empty; allowed: a comma-separated list")
     try:
         return tuple(convert(item) for item in items)
     except ConfigError:
         raise
     except ValueError as exc:
-        raise ConfigError(f"{name}={text!r} is invalid ({exc}); allowed: a comma-separated list") from None
+        raise ConfigError(f"{name}={short(text)} is invalid ({exc}); allowed: a comma-separated list") from None
 
 
 def format_bytes(n: int) -> str:
@@ -230,7 +230,7 @@ def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:
         ConfigError: ``weights_bits`` not 16, 8 or 4.
     """
     if weights_bits not in WEIGHT_BITS or isinstance(weights_bits, bool):
-        raise ConfigError(f"weights_bits={weights_bits!r} is not supported; allowed: 16, 8, 4")
+        raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: 16, 8, 4")
     if spec.loaded_bytes is not None:
         return spec.loaded_bytes
     size = _element_size(dtype)

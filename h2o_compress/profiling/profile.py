@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import ALLOWED_BITS, CompressionConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, short
 from ..generation import make_cache
 from .agreement import agreement_eval, reference_generations
 from .corpus import load_prompts, load_text, tokenize_text
@@ -91,7 +91,7 @@ class ProfileSettings:
                 raise ConfigError(f"{name} is empty; allowed: at least one value")
         for bits in self.kv_bits:
             if bits not in ALLOWED_BITS:
-                raise ConfigError(f"kv bits {bits!r} is not supported; allowed: 4, 8, 16")
+                raise ConfigError(f"kv bits {short(bits)} is not supported; allowed: 4, 8, 16")
         for length in self.seq_lens:
             check_count("seq_len", length, minimum=2)
         check_count("decode_tokens", self.decode_tokens)
