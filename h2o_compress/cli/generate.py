@@ -107,6 +107,7 @@ def generate(
     figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
     figures["config"] = config.to_dict()
     figures["model"] = model
+    figures["kv_dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
     if load_s is not None:  # the prompt went through the cache before generate: that time is not "prefill"
         figures["prefill_s"] = load_s
         figures["cache_load_s" if load_cache is not None else "cache_save_s"] = load_s
@@ -118,7 +119,8 @@ def generate(
 
 
 def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> str:
-    """The stderr summary of one generation: tokens, capacity, KV bytes (share of fp16), prompt time, speed."""
+    """The stderr summary of one generation: tokens, capacity, KV bytes with the dtype they are stored in and their
+    share of an fp16 cache (an fp32 model's 16-bit setting holds twice the fp16 bytes), prompt time, speed."""
     full = figures["kv_bytes_full_fp16"]
     ratio = figures["kv_bytes"] / full if full else 0.0
     if loaded:
@@ -129,6 +131,7 @@ def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> st
         prompt_time = f"prefill {figures['prefill_s']:.2f} s"
     return (
         f"[{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | capacity "
-        f"{figures['capacity'] or 'all'} | KV {figures['kv_bytes'] / 2**20:.2f} MiB = {ratio:.1%} of fp16 | "
+        f"{figures['capacity'] or 'all'} | KV {figures['kv_bytes'] / 2**20:.2f} MiB ({figures['kv_dtype']} storage) = "
+        f"{ratio:.1%} of an fp16 cache | "
         f"{prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s]"
     )
