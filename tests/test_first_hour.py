@@ -63,9 +63,9 @@ def test_compression_options_are_declared_once_in_a_leaf_module():
         assert declared == ["options.py"], (flag, declared)
     imports = [n for n in ast.walk(ast.parse((CLI / "options.py").read_text())) if isinstance(n, ast.ImportFrom)]
     assert all(n.level != 1 for n in imports), "cli/options.py must not import other CLI modules"
-    for name in ("generate", "eval", "profile"):
-        command = _command(name) if name != "eval" else _command("eval", "perplexity")
-        assert {"--policy", "--budget", "--kv-bits", "--kernel"} <= _long_options(command)
+    for path in (("generate",), ("eval", "perplexity"), ("eval", "needle"), ("eval", "agreement")):
+        assert {"--policy", "--budget", "--kv-bits", "--kernel", "--residual"} <= _long_options(_command(*path))
+    assert {"--heavy-ratio", "--quant", "--group-size", "--residual"} <= _long_options(_command("profile"))
     assert {"--quant", "--heavy-ratio", "--sink-tokens"} <= _long_options(_command("plan"))
 
 
