@@ -24,7 +24,11 @@ SCORED_POLICIES = ("h2o", "h2o-mean")  # the policies that split the budget by h
 def _number(name: str, value, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name}={short(value)} is not a number; allowed: {allowed}")
-    if math.isnan(value) or math.isinf(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (a config file may hold one of 4,000 digits)
+        finite = False
+    if not finite:
         raise ConfigError(f"{name}={short(value)} is not finite; allowed: {allowed}")
     return value
 

@@ -41,6 +41,7 @@ class Case:
     expect: str
     setup: Callable[[Path], None] | None = None
     env: dict = field(default_factory=dict)
+    file_size_limit: int | None = None  # bytes a file may grow to (as ``ulimit -f``)
 
 
 # -- files the cases point at ---------------------------------------------------------------------------------------
@@ -118,6 +119,8 @@ CASES = [
     Case("save-to-dev-null", ["generate", "--save-cache", "/dev/null", "hi"], "not a regular file"),
     Case("save-to-directory", ["generate", "--save-cache", "{dir}/a_dir.safetensors", "hi"], "a directory", subdir),
     Case("save-to-fifo", ["generate", "--save-cache", "{dir}/pipe", "hi"], "a FIFO", fifo("pipe")),
+    Case("save-past-ulimit-f", [*GEN, "--model", TINY, "--save-cache", "{dir}/new.safetensors", W],
+         "cannot write cache file", file_size_limit=4096),
     Case("save-missing-dir", ["generate", "--save-cache", "{dir}/no/such.safetensors", "hi"], "does not exist"),
     Case("load-dev-zero", ["generate", "--load-cache", "/dev/zero", "hi"], "not a regular file"),
     Case("load-fifo", ["generate", "--load-cache", "{dir}/pipe", "hi"], "not a regular file", fifo("pipe")),
@@ -226,6 +229,16 @@ def _snapshot(directory: Path) -> dict:
     return out
 
 
+LAUNCH = """
+import resource, runpy, sys
+limit = int(sys.argv[1])
+if limit >= 0:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.argv = ["h2o-compress", *sys.argv[2:]]
+runpy.run_module("h2o_compress.cli", run_name="__main__")
+"""
+
+
 def _run(case: Case, case_dir: Path, models: Path) -> dict:
     if case.setup is not None:
         case.setup(case_dir)
@@ -239,7 +252,8 @@ def _run(case: Case, case_dir: Path, models: Path) -> dict:
     before = _snapshot(case_dir)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "h2o_compress.cli", *args], cwd=case_dir, env=env, input="y\ny\n",
+            [sys.executable, "-c", LAUNCH, str(case.file_size_limit or -1), *args], cwd=case_dir, env=env,
+            input="y\ny\n",
             capture_output=True, text=True, timeout=TIMEOUT_S, errors="replace",
         )
     except subprocess.TimeoutExpired:
@@ -249,15 +263,17 @@ def _run(case: Case, case_dir: Path, models: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def outcomes(models, tmp_path_factory) -> dict:
-    """Run every CLI case (three at a time); ``{case id: outcome}``."""
+def outcomes(models, tmp_path_factory, request) -> dict:
+    """Run the selected CLI cases (three at a time); ``{case id: outcome}``."""
+    selected = {item.callspec.params["case"].id for item in request.session.items
+                if hasattr(item, "callspec") and isinstance(item.callspec.params.get("case"), Case)}
     root = tmp_path_factory.mktemp("redteam-cases")
-    dirs = {}
-    for case in CASES:
-        dirs[case.id] = root / case.id
-        dirs[case.id].mkdir()
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {case.id: pool.submit(_run, case, dirs[case.id], models) for case in CASES}
+        futures = {}
+        for case in CASES:
+            if case.id in selected:
+                (root / case.id).mkdir()
+                futures[case.id] = pool.submit(_run, case, root / case.id, models)
         return {name: future.result() for name, future in futures.items()}
 
 
