@@ -155,3 +155,18 @@ def test_rejected_option_leaves_a_good_cache_file_alone(chat_dir, tmp_path):
                                      DOC + " w50"])
         assert result.exit_code == 2, result.output
     assert (saved.read_bytes(), saved.stat().st_mtime_ns) == before
+
+
+def test_load_without_a_model_is_a_clear_error(tmp_path):
+    import torch
+    from conftest import tiny_llama
+
+    from h2o_compress import CacheStateError, CompressedCache, CompressionConfig, make_cache
+    from h2o_compress.prompt_cache import prefill
+
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(budget=8))
+    prefill(model, torch.arange(1, 12).unsqueeze(0), cache)
+    cache.save(tmp_path / "c.safetensors")
+    with pytest.raises(CacheStateError, match="model=None is not a transformers model; allowed: the model the cache"):
+        CompressedCache.load(tmp_path / "c.safetensors", None)
