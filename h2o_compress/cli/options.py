@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from ..config import CompressionConfig, check_usable
-from ..errors import ConfigError
+from ..errors import ConfigError, short
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
@@ -26,8 +26,6 @@ MAX_TOKENS = 2**31 - 1
 
 def parse_budget(text: str) -> float | int:
     """``"0.2"`` -> 0.2 (fraction of the sequence), ``"100"`` -> 100 (tokens). Raises ConfigError."""
-    from ..errors import short
-
     try:
         value = float(text)
     except ValueError:
