@@ -170,3 +170,16 @@ def test_load_without_a_model_is_a_clear_error(tmp_path):
     cache.save(tmp_path / "c.safetensors")
     with pytest.raises(CacheStateError, match="model=None is not a transformers model; allowed: the model the cache"):
         CompressedCache.load(tmp_path / "c.safetensors", None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("chat", ["--chat", "--no-chat"])
+def test_real_model_save_then_follow_up(tmp_path, chat):
+    doc = "The lighthouse keeper counted the ships that passed each night and wrote their names in a book."
+    saved = tmp_path / "doc.safetensors"
+    base = ["generate", "--max-new-tokens", "2", "--budget", "0.5", "--kv-bits", "4", "--threads", "2", chat]
+    first = runner.invoke(app, [*base, "--save-cache", str(saved), doc])
+    assert first.exit_code == 0, first.output
+    follow_up = runner.invoke(app, [*base, "--load-cache", str(saved), "--json", doc + " What did he count?"])
+    assert follow_up.exit_code == 0, follow_up.output
+    assert json.loads(follow_up.stdout)["cache_load_s"] > 0
