@@ -64,9 +64,9 @@ def print_plan(report: PlanReport, console: Console | None = None) -> None:
         console.print(f"[bold]recommended[/]: {best.label} ({how}): total {format_bytes(best.total_bytes)} of "
                       f"{format_bytes(report.memory_limit)}")
     if report.headroom_bytes:
+        left = f"; {format_bytes(report.memory_limit - best.total_bytes)} of the limit left in all" if best else ""
         console.print(f"headroom: {format_bytes(report.headroom_bytes)} of the limit left free (--headroom), so "
-                      f"settings fit within {format_bytes(report.usable_bytes)}; "
-                      f"{format_bytes(report.memory_limit - best.total_bytes) if best else 'nothing'} left in all")
+                      f"settings fit within {format_bytes(report.usable_bytes)}{left}")
     if report.model_context and any(row.max_context > report.model_context for row in report.rows):
         console.print(f"* beyond the model's context window of {report.model_context:,} tokens")
     console.print("KV cache bytes are exact; workspace is an estimate (no CUDA context, no fragmentation).")
