@@ -11,19 +11,25 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, short
 
 ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
 ATTENTION_KERNELS = ("auto", "torch")
+MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
+SCORED_POLICIES = ("h2o", "h2o-mean")  # the policies that split the budget by heavy_ratio
 
 
 def _number(name: str, value, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}={value!r} is not a number; allowed: {allowed}")
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"{name}={value!r} is not finite; allowed: {allowed}")
+        raise ConfigError(f"{name}={short(value)} is not a number; allowed: {allowed}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (a config file may hold one of 4,000 digits)
+        finite = False
+    if not finite:
+        raise ConfigError(f"{name}={short(value)} is not finite; allowed: {allowed}")
     return value
 
 
@@ -78,41 +84,46 @@ class CompressionConfig:
         from .eviction import POLICIES
 
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; allowed: {', '.join(sorted(POLICIES))}")
+            raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
         budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
             raise ConfigError(
-                f"budget={self.budget!r} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
+                f"budget={short(self.budget)} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
             )
         ratio = _number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
         if not 0 <= ratio <= 1:
-            raise ConfigError(f"heavy_ratio={self.heavy_ratio!r} is out of range; allowed: [0, 1]")
+            raise ConfigError(f"heavy_ratio={short(self.heavy_ratio)} is out of range; allowed: [0, 1]")
         if self.sink_tokens is not None and (
             isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0
         ):
-            raise ConfigError(f"sink_tokens={self.sink_tokens!r} is invalid; allowed: an integer >= 0")
+            raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is invalid; allowed: an integer >= 0")
         for name in ("kv_bits", "k_bits", "v_bits"):
             value = getattr(self, name)
             if value is None and name != "kv_bits":
                 continue
             if type(value) is not int or value not in ALLOWED_BITS:
-                raise ConfigError(f"{name}={value!r} is not supported; allowed: 4, 8, 16")
+                raise ConfigError(f"{name}={short(value)} is not supported; allowed: 4, 8, 16")
         if not isinstance(self.quant, str) or self.quant not in QUANT_BACKENDS:
-            raise ConfigError(f"unknown quant backend {self.quant!r}; allowed: {', '.join(QUANT_BACKENDS)}")
+            raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(QUANT_BACKENDS)}")
         if self.quant == "int8-blockwise" and 4 in (self.key_bits, self.value_bits):
             raise ConfigError("quant='int8-blockwise' is an 8-bit format; allowed kv bits with it: 8, 16")
         if type(self.group_size) is not int or self.group_size not in ALLOWED_GROUP_SIZES:
-            raise ConfigError(f"group_size={self.group_size!r} is not supported; allowed: 32, 64, 128")
+            raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: 32, 64, 128")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
-            raise ConfigError(f"residual={self.residual!r} is invalid; allowed: an integer >= 0 (tokens)")
+            raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
+        if self.residual > MAX_RESIDUAL:
+            raise ConfigError(
+                f"residual={self.residual} is too large: the window stays in full precision, so nothing would be "
+                f"quantized; allowed: an integer from 0 to {MAX_RESIDUAL} (tokens)"
+            )
         if not isinstance(self.rotate, bool):
-            raise ConfigError(f"rotate={self.rotate!r} is invalid; allowed: True or False")
+            raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
         if (
             isinstance(self.score_chunk_size, bool)
             or not isinstance(self.score_chunk_size, int)
             or self.score_chunk_size < 1
         ):
-            raise ConfigError(f"score_chunk_size={self.score_chunk_size!r} is invalid; allowed: an integer >= 1")
+            raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
         if self.attention_kernel == "triton":
             raise ConfigError(
                 "attention_kernel='triton': the fused Triton decode kernel (h2o_compress.kernels) does not read the "
@@ -120,7 +131,7 @@ class CompressionConfig:
             )
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
-                f"attention_kernel={self.attention_kernel!r} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
+                f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
             )
 
     @property
@@ -172,3 +183,54 @@ class CompressionConfig:
     def to_dict(self) -> dict:
         """Plain-dict form (JSON-serialisable)."""
         return asdict(self)
+
+
+def check_usable(config: CompressionConfig, capacity: int | None = None) -> CompressionConfig:
+    """Refuse settings that are valid field by field but make no sense together (what the CLI runs first).
+
+    - ``policy="full"`` with a budget other than 1.0: the budget would be ignored silently.
+    - ``heavy_ratio`` of 1 with ``h2o``/``h2o-mean``: no recent window, so the newest token (the one being
+      generated from) could be evicted and the text degenerates ("of of of ...").
+    - a capacity (``capacity``, or an integer budget) whose split leaves no recent window, e.g.
+      ``sink_tokens=50`` with ``budget=20``.
+
+    The choice is to refuse, not to change the split: the eviction policies keep exactly the split documented
+    in DESIGN.md §2. The Python API (``CompressionConfig`` and ``make_cache``) still accepts these settings for
+    experiments.
+
+    Args:
+        config: the setting.
+        capacity: tokens per layer and KV head the cache will keep, when known (``None``: unbounded, or not yet
+            known; an integer budget is then used).
+
+    Returns:
+        ``config``.
+
+    Raises:
+        ConfigError: naming the values and what is allowed.
+    """
+    from .eviction import make_policy
+
+    if config.policy == "full":
+        if config.budget != 1:
+            raise ConfigError(
+                f"policy='full' keeps every token, so budget={config.budget!r} would be ignored; allowed: budget 1.0 "
+                "with policy full, or another policy (h2o, h2o-mean, local, sink) for a smaller budget"
+            )
+        return config
+    if config.policy in SCORED_POLICIES and config.heavy_ratio >= 1:
+        raise ConfigError(
+            f"heavy_ratio={config.heavy_ratio!r} leaves no recent window (the newest tokens could be evicted); "
+            "allowed: a heavy ratio in [0, 1)"
+        )
+    if capacity is None and not config.budget_is_fraction:
+        capacity = int(config.budget)
+    if capacity is not None:
+        policy = make_policy(config.policy, heavy_ratio=config.heavy_ratio, sink_tokens=config.sinks)
+        if policy.recent_window(capacity) < 1:
+            raise ConfigError(
+                f"a capacity of {capacity} tokens (budget={config.budget!r}) with sink_tokens={config.sinks} and "
+                f"heavy_ratio={config.heavy_ratio!r} leaves no recent window; allowed: a budget larger than the "
+                "sinks plus the heavy hitters (at least one recent token)"
+            )
+    return config

@@ -7,17 +7,12 @@ Every problem (missing file, syntax error, unknown key, value out of range or of
 
 from __future__ import annotations
 
-import json
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import fields
 from pathlib import Path
 
 from .config import CompressionConfig
-from .errors import ConfigError
+from .errors import ConfigError, short
+from .files import parse_json, parse_toml, read_text
 
 SUFFIXES = (".json", ".toml")
 
@@ -34,26 +29,20 @@ def read_config_values(path) -> dict:
         ConfigError: missing file, unsupported suffix, syntax error, not an object, or an unknown key.
     """
     source = Path(path)
+    name = short(str(source))
     if source.suffix.lower() not in SUFFIXES:
-        raise ConfigError(f"config file {str(source)!r} has an unsupported type; allowed: {', '.join(SUFFIXES)}")
-    try:
-        text = source.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(source)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(source)!r} cannot be read ({exc})") from None
-    try:
-        values = json.loads(text) if source.suffix.lower() == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {str(source)!r} is not valid {source.suffix[1:].upper()}: {exc}") from None
+        raise ConfigError(f"config file {name} has an unsupported type; allowed: {', '.join(SUFFIXES)}")
+    text = read_text(source, "config file", ConfigError)
+    parse = parse_json if source.suffix.lower() == ".json" else parse_toml
+    values = parse(text, f"config file {name}", ConfigError)
     if not isinstance(values, dict):
         kind = type(values).__name__
-        raise ConfigError(f"config file {str(source)!r} holds a {kind}; allowed: an object of settings")
+        raise ConfigError(f"config file {name} holds a {kind}; allowed: an object of settings")
     allowed = config_fields()
     unknown = sorted(k for k in values if k not in allowed)
     if unknown:
-        keys = ", ".join(map(repr, unknown))
-        raise ConfigError(f"unknown key(s) {keys} in {str(source)!r}; allowed: {', '.join(allowed)}")
+        keys = short(", ".join(map(repr, unknown)), repr_=False)
+        raise ConfigError(f"unknown key(s) {keys} in {name}; allowed: {', '.join(allowed)}")
     return values
 
 
@@ -68,4 +57,6 @@ def load_config(path, overrides: dict | None = None) -> CompressionConfig:
     try:
         return CompressionConfig(**values)
     except ConfigError as exc:
-        raise ConfigError(f"{exc} (in config file {str(path)!r})") from None
+        raise ConfigError(f"{exc} (in config file {short(str(path))})") from None
+    except TypeError as exc:  # e.g. a value of a type no field takes
+        raise ConfigError(f"config file {short(str(path))}: {short(str(exc), repr_=False)}") from None

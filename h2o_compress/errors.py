@@ -31,3 +31,23 @@ class CacheStateError(H2OCompressError):
 
 class CacheFileError(CacheStateError):
     """A saved cache file is missing, truncated, tampered with, or of an unknown format version."""
+
+
+MAX_ECHO = 200
+"""Characters of a bad value an error message echoes; longer values are cut (a 100 MB value is not a line)."""
+
+
+def short(value, limit: int = MAX_ECHO, repr_: bool = True) -> str:
+    """``repr(value)`` (or ``str`` when ``repr_`` is false) cut to ``limit`` characters, saying how long it was."""
+    text = repr(value) if repr_ else str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def one_line(message: str, limit: int = 2000) -> str:
+    """``message`` on one line (newlines become spaces), cut to ``limit`` characters."""
+    text = str(message)
+    for newline in ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"):
+        text = text.replace(newline, " ")
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -12,7 +12,7 @@ from .attention import use_h2o_attention
 from .cache import CompressedCache, build_layers
 from .config import CompressionConfig
 from .compiled import compiled_decode_step, decode_step, resolve_compile
-from .errors import CacheStateError, ConfigError, InputError
+from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
 from .identity import model_fingerprint, model_identity
 from .prompt_cache import check_context, prefill
@@ -34,7 +34,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     """
     config = _check_config(config)
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ConfigError(f"max_length={max_length!r} is invalid; allowed: an integer >= 1 (tokens)")
+        raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens)")
     use_h2o_attention(model)
     dims = model_dims(model.config)
     if config.quantized and dims.head_dim % config.group_size:
@@ -54,7 +54,7 @@ def _check_config(config) -> CompressionConfig:
     if config is None:
         return CompressionConfig()
     if not isinstance(config, CompressionConfig):
-        raise ConfigError(f"config={config!r} is invalid; allowed: a CompressionConfig or None")
+        raise ConfigError(f"config={short(config)} is invalid; allowed: a CompressionConfig or None")
     return config
 
 
@@ -88,14 +88,57 @@ class GenerationResult:
         return asdict(self)
 
 
+MAX_NEW_TOKENS = 2**31 - 1
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3  # below/above these, softmax(logits / t) over- or underflows
+
+
+def check_generation_args(max_new_tokens, temperature, seed) -> None:
+    """Validate the arguments of :func:`generate` (also run by the CLI before any side effect).
+
+    Raises:
+        ConfigError: ``max_new_tokens`` not an integer >= 1, ``temperature`` neither 0 nor in
+            [:data:`MIN_TEMPERATURE`, :data:`MAX_TEMPERATURE`], or ``seed`` not an integer in [0, 2**64).
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise ConfigError(f"seed={short(seed)} is invalid; allowed: an integer in [0, 2**64) or None")
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+            or not 1 <= max_new_tokens <= MAX_NEW_TOKENS):
+        raise ConfigError(
+            f"max_new_tokens={short(max_new_tokens)} is invalid; allowed: an integer >= 1, at most {MAX_NEW_TOKENS}"
+        )
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+        raise ConfigError(
+            f"temperature={short(temperature)} is invalid; allowed: a number >= 0 (0 = greedy, else from "
+            f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})"
+        )
+
+
+def check_prompt(prompt) -> str:
+    """``prompt`` if it is a non-empty text that can be encoded as UTF-8.
+
+    Raises:
+        InputError: not a string, empty or whitespace only, or holding lone surrogates (invalid UTF-8 bytes
+            on the command line arrive as those).
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InputError(f"prompt {short(prompt)} is empty; allowed: a non-empty text")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"prompt holds a character that is not valid UTF-8 at position {exc.start}; allowed: UTF-8 text"
+        ) from None
+    return prompt
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> torch.Tensor:
     """Token ids ``[1, tokens]`` of ``prompt``, through the tokenizer's chat template when ``chat``.
 
     Raises:
-        InputError: empty or whitespace-only prompt.
+        InputError: empty or whitespace-only prompt, or one that is not valid UTF-8.
     """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise InputError(f"prompt {prompt!r} is empty; allowed: a non-empty text")
+    check_prompt(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
@@ -154,12 +197,7 @@ def generate(
         config = cache.config
     elif _check_config(config) != cache.config:
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"seed={seed!r} is invalid; allowed: an integer or None")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid; allowed: an integer >= 1")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
-        raise ConfigError(f"temperature={temperature!r} is invalid; allowed: a number >= 0 (0 = greedy)")
+    check_generation_args(max_new_tokens, temperature, seed)
     device = next(model.parameters()).device
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     prompt_tokens = input_ids.shape[1]

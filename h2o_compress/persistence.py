@@ -23,17 +23,21 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
+import stat
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import CacheFileError, CacheStateError, ConfigError
+from .errors import CacheFileError, CacheStateError, ConfigError, one_line, short
 from .identity import model_fingerprint, model_identity
 
 FORMAT = "h2o-compress-kv-cache"
 FORMAT_VERSION = "3"
+MAX_HEADER_BYTES = 100 * 2**20  # a safetensors header larger than this is not one this library wrote
 # Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
 DERIVED_LAYER_TENSORS = ("key_basis", "value_basis")
 # Config fields that change how attention runs, not what the cache holds: a file loads under any value.
@@ -111,13 +115,14 @@ def _cache_contents(cache, tokens: int) -> tuple[dict[str, torch.Tensor], list[d
     return tensors, layers
 
 
-def save_cache(cache, path, model=None) -> Path:
+def save_cache(cache, path, model=None, overwrite: bool = False) -> Path:
     """Write ``cache`` to ``path`` (safetensors, atomically: temp file + fsync + rename).
 
     Args:
         cache: a :class:`CompressedCache` that has seen at least one token (all layers at the same count).
-        path: target file; its directory must exist. An existing file is replaced only once the new one is
-            complete.
+        path: target file; its directory must exist. An existing cache file is replaced only once the new one
+            is complete; any other existing file only with ``overwrite`` (see :func:`check_save_target`).
+        overwrite: also replace an existing regular file that is not a cache file of this library.
         model: the model the cache belongs to; its :func:`model_fingerprint` is stored. ``None`` uses the
             fingerprint recorded on the cache by :func:`load_cache`/:func:`h2o_compress.prompt_cache.prefill`
             (``cache.model_fingerprint``).
@@ -128,13 +133,15 @@ def save_cache(cache, path, model=None) -> Path:
     Raises:
         CacheStateError: not a CompressedCache, empty, mid-step or inconsistent cache, no model fingerprint, or
             ``model`` differs from the one recorded on the cache.
-        CacheFileError: bad path or missing directory.
+        CacheFileError: bad path, missing or unwritable directory, a target that is not a regular file or
+            (without ``overwrite``) not a cache file, or a write that fails (full disk, file size limit).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from . import __version__
 
-    target = _as_path(path)
+    target = check_save_target(path, overwrite)
     tokens = _check_saveable(cache)
     recorded = getattr(cache, "model_fingerprint", None)
     fingerprint = model_fingerprint(model) if model is not None else recorded
@@ -142,10 +149,6 @@ def save_cache(cache, path, model=None) -> Path:
         raise CacheStateError("cannot save: pass model= so the file records which model the cache belongs to")
     if recorded is not None and fingerprint != recorded:
         raise CacheStateError("cannot save: model= is not the model this cache was filled with")
-    if not target.parent.is_dir():
-        raise CacheFileError(
-            f"directory {str(target.parent)!r} does not exist; allowed: a path in an existing directory"
-        )
     tensors, layers = _cache_contents(cache, tokens)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     metadata = {
@@ -155,29 +158,156 @@ def save_cache(cache, path, model=None) -> Path:
         "tokens": str(tokens), "layers": json.dumps(layers),
     }
     metadata["checksum"] = _checksum(metadata, tensors)
-    _atomic_write(lambda tmp: save_file(tensors, tmp, metadata=metadata), target)
+    try:
+        _atomic_write(lambda tmp: save_file(tensors, tmp, metadata=metadata), target)
+    except (OSError, SafetensorError) as exc:
+        reason = getattr(exc, "strerror", None) or one_line(str(exc), 200)
+        raise CacheFileError(f"cannot write cache file {short(str(target))}: {reason}") from None
     return target
 
 
-def _atomic_write(write, target: Path) -> None:
-    """Run ``write(temp_path)`` then rename the temp file over ``target``; on any failure remove the temp file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-    os.close(fd)
+def is_cache_file(path: Path) -> bool:
+    """True when ``path`` is a safetensors file whose metadata says it is an h2o-compress cache (header only)."""
     try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 2 <= size <= MAX_HEADER_BYTES:
+                return False
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError):
+        return False
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(metadata, dict) and metadata.get("format") == FORMAT
+
+
+def check_save_target(path, overwrite: bool = False) -> Path:
+    """The path to save a cache to, checked before anything is computed or written.
+
+    Refuses a missing or unwritable directory, anything at ``path`` that is not a regular file (a directory,
+    device node, FIFO, socket or symbolic link), and, unless ``overwrite``, a regular file that is not a cache
+    file written by this library (:func:`is_cache_file`).
+
+    Raises:
+        CacheFileError: naming the path and what is allowed.
+    """
+    target = _as_path(path)
+    name = short(str(target))
+    if not target.parent.is_dir():
+        raise CacheFileError(
+            f"directory {short(str(target.parent))} does not exist; allowed: a path in an existing directory"
+        )
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise CacheFileError(f"directory {short(str(target.parent))} is not writable; allowed: a writable directory")
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return target
+    except OSError as exc:
+        raise CacheFileError(f"cannot check {name}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CacheFileError(
+            f"{name} is not a regular file ({_file_kind(info.st_mode)}); allowed: a new file or a cache file"
+        )
+    if not overwrite and not is_cache_file(target):
+        raise CacheFileError(
+            f"{name} exists and is not an h2o-compress cache file; allowed: a new path, a cache file, or "
+            "--overwrite (overwrite=True) to replace it"
+        )
+    return target
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
+class _Terminated(BaseException):
+    """SIGTERM/SIGHUP arrived during an atomic write (raised so the temporary file is removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _cleanup_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)):
+    """Within the block, SIGTERM/SIGHUP raise :class:`_Terminated` (so ``finally``/``except`` blocks run);
+    afterwards the previous handlers are back, and a signal that arrived is delivered to them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    except _Terminated as exc:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        previous = {}
+        signal.raise_signal(exc.signum)  # the previous handler's behaviour (by default: terminate)
         raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _atomic_write(write, target: Path) -> None:
+    """Run ``write(temp_path)`` then rename the temp file over ``target``.
+
+    The new file gets the mode of the file it replaces (or ``0666`` less the umask). On any failure, including
+    SIGTERM and SIGHUP (Ctrl-C raises KeyboardInterrupt), the temporary ``.NAME.XXXX.partial`` file is removed.
+    """
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    with _cleanup_on_signals():
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        os.close(fd)
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     with contextlib.suppress(OSError):  # make the rename itself durable where the platform allows it
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def check_cache_source(path) -> Path:
+    """The path of a cache file to read, checked: it exists and is a regular file (not a device, FIFO or
+    directory, which would block or never end).
+
+    Raises:
+        CacheFileError: naming the path and what is allowed.
+    """
+    source = _as_path(path)
+    try:
+        info = os.stat(source)
+    except OSError:
+        raise CacheFileError(
+            f"cache file {short(str(source))} does not exist; allowed: a file written by cache.save()"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CacheFileError(
+            f"cache file {short(str(source))} is not a regular file ({_file_kind(info.st_mode)}); "
+            "allowed: a file written by cache.save()"
+        )
+    return source
 
 
 def read_cache_file(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -189,9 +319,7 @@ def read_cache_file(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """
     from safetensors import SafetensorError, safe_open
 
-    source = _as_path(path)
-    if not source.is_file():
-        raise CacheFileError(f"cache file {str(source)!r} does not exist; allowed: a file written by cache.save()")
+    source = check_cache_source(path)
     try:
         with safe_open(str(source), framework="pt", device="cpu") as handle:
             metadata = dict(handle.metadata() or {})

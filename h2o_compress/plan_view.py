@@ -17,6 +17,7 @@ def plan_table(report: PlanReport) -> Table:
         f"{report.model}: {d.num_layers} layers x {d.kv_heads} KV heads x {d.head_dim} head_dim | "
         f"batch {report.batch}, prompt {report.prompt_len} + gen {report.gen_len} tokens | "
         f"limit {format_bytes(report.memory_limit)}"
+        + (f" less {format_bytes(report.headroom_bytes)} headroom" if report.headroom_bytes else "")
     ))
     for name in ("setting", "capacity", "KV cache", "of fp16", "workspace", "total", "fits", "max batch",
                  "max context"):
@@ -62,6 +63,10 @@ def print_plan(report: PlanReport, console: Console | None = None) -> None:
         how = "least compressed that fits" if report.order == "bytes" else f"best quality in {report.order} that fits"
         console.print(f"[bold]recommended[/]: {best.label} ({how}): total {format_bytes(best.total_bytes)} of "
                       f"{format_bytes(report.memory_limit)}")
+    if report.headroom_bytes:
+        left = f"; {format_bytes(report.memory_limit - best.total_bytes)} of the limit left in all" if best else ""
+        console.print(f"headroom: {format_bytes(report.headroom_bytes)} of the limit left free (--headroom), so "
+                      f"settings fit within {format_bytes(report.usable_bytes)}{left}")
     if report.model_context and any(row.max_context > report.model_context for row in report.rows):
         console.print(f"* beyond the model's context window of {report.model_context:,} tokens")
     console.print("KV cache bytes are exact; workspace is an estimate (no CUDA context, no fragmentation).")

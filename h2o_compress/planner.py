@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from .cache import build_layers
-from .config import ALLOWED_GROUP_SIZES, CompressionConfig
-from .errors import ConfigError
+from .config import ALLOWED_GROUP_SIZES, MAX_RESIDUAL, CompressionConfig
+from .errors import ConfigError, short
+from .files import read_json
 from .eviction import POLICIES
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
@@ -46,9 +47,10 @@ def parse_memory(value) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", value) if isinstance(value, str) else None
-    amount = int(float(match.group(1)) * UNITS.get(match.group(2).lower(), 0)) if match else 0
+    amount = float(match.group(1)) * UNITS.get(match.group(2).lower(), 0) if match else 0.0
+    amount = int(amount) if math.isfinite(amount) and amount < 2**80 else 0
     if amount < 1:
-        raise ConfigError(f"memory {value!r} is invalid; allowed: {allowed}")
+        raise ConfigError(f"memory {short(value)} is invalid; allowed: {allowed} (at most 2**80 bytes)")
     return amount
 
 
@@ -60,13 +62,13 @@ def parse_list(text: str, name: str, convert=int) -> tuple:
     """
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
-        raise ConfigError(f"{name}={text!r} is empty; allowed: a comma-separated list")
+        raise ConfigError(f"{name}={short(text)} is empty; allowed: a comma-separated list")
     try:
         return tuple(convert(item) for item in items)
     except ConfigError:
         raise
     except ValueError as exc:
-        raise ConfigError(f"{name}={text!r} is invalid ({exc}); allowed: a comma-separated list") from None
+        raise ConfigError(f"{name}={short(text)} is invalid ({exc}); allowed: a comma-separated list") from None
 
 
 def format_bytes(n: int) -> str:
@@ -172,7 +174,7 @@ def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:
         ConfigError: ``weights_bits`` not 16, 8 or 4.
     """
     if weights_bits not in WEIGHT_BITS or isinstance(weights_bits, bool):
-        raise ConfigError(f"weights_bits={weights_bits!r} is not supported; allowed: 16, 8, 4")
+        raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: 16, 8, 4")
     if spec.loaded_bytes is not None:
         return spec.loaded_bytes
     size = _element_size(dtype)
@@ -236,11 +238,12 @@ class PlanRow:
     max_batch: int
     max_context: int
     quality: float | None = None
+    kv_dtype: str = "float16"
 
     @property
     def label(self) -> str:
-        """Short description, e.g. ``h2o 25% int4 g32 r8``."""
-        return describe(self.config)
+        """Short description, e.g. ``h2o 25% int4 g32 r8`` or ``full 32-bit`` (an fp32 cache)."""
+        return describe(self.config, self.kv_dtype)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -273,6 +276,13 @@ class PlanReport:
     recommended: PlanRow | None
     order: str = "bytes"
     notes: list[str] = field(default_factory=list)
+    headroom_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def usable_bytes(self) -> int:
+        """The memory a setting may use: the limit less the headroom."""
+        return self.memory_limit - self.headroom_bytes
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("rows", "recommended")}
@@ -281,11 +291,13 @@ class PlanReport:
         return out
 
 
-def describe(config: CompressionConfig) -> str:
+def describe(config: CompressionConfig, kv_dtype="float16") -> str:
     """``full 16-bit``, ``h2o 25% int4 g32 r4``, ``sink 512 tok k:int8/v:int4 g64 r4``, ``local 50% nf4 g64 r4``.
 
-    Formats per tensor: ``int4``/``int8`` (ours), ``nf4``/``fp4`` and ``bw8`` (bitsandbytes blockwise 8-bit), ``16``.
+    Formats per tensor: ``int4``/``int8`` (ours), ``nf4``/``fp4`` and ``bw8`` (bitsandbytes blockwise 8-bit), and
+    for unquantized storage the width of ``kv_dtype`` (``16`` for fp16/bf16, ``32`` for an fp32 cache).
     """
+    width = 32 if str(kv_dtype).removeprefix("torch.") in ("float32", "fp32") else 16
     if config.policy == "full" or (config.budget_is_fraction and config.budget >= 1):
         head = "full"
     elif config.budget_is_fraction:
@@ -293,11 +305,13 @@ def describe(config: CompressionConfig) -> str:
     else:
         head = f"{config.policy} {int(config.budget)} tok"
     if not config.quantized:
-        return f"{head} 16-bit"
+        return f"{head} {width}-bit"
 
     def fmt(bits: int) -> str:
-        if bits == 16 or config.quant == "int":
-            return f"{'' if bits == 16 else 'int'}{bits}"
+        if bits == 16:
+            return str(width)
+        if config.quant == "int":
+            return f"int{bits}"
         return config.quant if bits == 4 else "bw8"
 
     kind = fmt(config.key_bits) if config.key_bits == config.value_bits else \
@@ -318,6 +332,12 @@ def candidates(
     Raises:
         ConfigError: an invalid value in any list (from :class:`CompressionConfig`).
     """
+    for group in group_sizes:
+        if isinstance(group, bool) or group not in ALLOWED_GROUP_SIZES:
+            raise ConfigError(f"group size {short(group)} is not supported; allowed: 32, 64, 128")
+    for residual in residuals:
+        if isinstance(residual, bool) or not isinstance(residual, int) or not 0 <= residual <= MAX_RESIDUAL:
+            raise ConfigError(f"residual {short(residual)} is invalid; allowed: an integer from 0 to {MAX_RESIDUAL}")
     seen, out = set(), []
     for policy in policies:
         for budget in budgets:
@@ -349,7 +369,7 @@ def _setting_key(config: CompressionConfig) -> tuple:
     )
 
 
-def load_quality(path) -> dict[tuple, float]:
+def load_quality(path, warnings: list | None = None) -> dict[tuple, float]:
     """Quality per setting from a profile report (JSON), lower is better.
 
     Accepts a list of rows, or an object holding one under ``rows``/``results``/``runs``/``settings``. Each row
@@ -358,13 +378,13 @@ def load_quality(path) -> dict[tuple, float]:
     better) or ``agreement``/``greedy_agreement``/``accuracy``/``passkey_accuracy``/``retrieval`` (higher is
     better; stored negated).
 
+    A non-finite metric (NaN, Infinity) is ignored, and said in ``warnings`` (a list appended to) when given.
+
     Raises:
         ConfigError: unreadable file, or no row with a setting and a metric.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"profile report {str(path)!r} cannot be read as JSON: {exc}") from None
+    data = read_json(path, "profile report", ConfigError)
+    name = short(str(path))
     if isinstance(data, dict):
         data = next((data[k] for k in ("rows", "results", "runs", "settings") if isinstance(data.get(k), list)), [])
     fields = set(CompressionConfig.__dataclass_fields__)
@@ -380,14 +400,26 @@ def load_quality(path) -> dict[tuple, float]:
             config = CompressionConfig(**{k: v for k, v in setting.items() if k in fields})
         except (ConfigError, TypeError):
             continue
+        if metric is not None and not _finite(metric[1]):
+            if warnings is not None:
+                warnings.append(f"profile report {name}: {metric[0]}={metric[1]} of {describe(config)} is not "
+                                "finite; that row is ignored")
+            continue
         if metric is not None:
             quality[_setting_key(config)] = -metric[1] if metric[0] in HIGHER_BETTER else float(metric[1])
     if not quality:
         raise ConfigError(
-            f"profile report {str(path)!r} has no row with a setting and a quality metric; allowed metrics: "
+            f"profile report {name} has no row with a setting and a quality metric (a finite number); allowed metrics: "
             f"{', '.join(LOWER_BETTER + HIGHER_BETTER)}"
         )
     return quality
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _largest(fits, low: int, high: int) -> int:
@@ -404,17 +436,45 @@ def _largest(fits, low: int, high: int) -> int:
     return good
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= 1")
+def _positive(name: str, value, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigError(f"{name}={short(value)} is invalid; allowed: an integer >= 1, at most {maximum}")
     return value
+
+
+def parse_headroom(value, limit: int) -> int:
+    """Bytes to leave free under ``limit``: ``"10%"`` (a share of it), an amount (``"1GiB"``, bytes), or 0.
+
+    Raises:
+        ConfigError: a share outside [0%, 90%], an amount not below the limit, or an unparsable value.
+    """
+    allowed = "a share like 10% (0% to 90%), an amount below the limit like 1GiB, or 0"
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0):
+        return 0
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = math.nan
+        if not 0 <= share <= 90:
+            raise ConfigError(f"headroom={short(value)} is invalid; allowed: {allowed}")
+        return int(limit * share / 100)
+    if isinstance(value, str) and value.strip() == "0":
+        return 0
+    try:
+        amount = parse_memory(value)
+    except ConfigError:
+        raise ConfigError(f"headroom={short(value)} is invalid; allowed: {allowed}") from None
+    if amount >= limit:
+        raise ConfigError(f"headroom={short(value)} is not below the memory limit {format_bytes(limit)}; allowed: {allowed}")
+    return amount
 
 
 def plan(
     model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, weights_bits: int = 16,
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
-    sink_tokens: int | None = None,
+    sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False,
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -433,23 +493,32 @@ def plan(
         dtype: compute and KV dtype name (default ``float16``).
         profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
         policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens: the candidate grid.
+        headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
+            ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
+            fits when its total is at most ``memory - headroom``.
+        trust_remote_code: let a model directory with an ``auto_map`` be read (off: refused).
 
     Returns:
         A :class:`PlanReport`, rows ordered by quality (with a profile) or by cache bytes, largest first.
 
     Raises:
         ModelLoadError: unknown model (the message lists the known ones).
-        ConfigError: a bad memory string, length, batch, bit width, dtype or candidate value.
+        ConfigError: a bad memory string, headroom, length, batch, bit width, dtype or candidate value (lengths
+            at most :data:`MAX_CONTEXT` tokens, batch at most :data:`MAX_BATCH`).
     """
     limit = parse_memory(memory)
-    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("gen_len", gen_len)):
-        _positive(name, value)
-    spec = resolve_model(model)
+    reserve = parse_headroom(headroom, limit)
+    usable = limit - reserve
+    for name, value, maximum in (("batch", batch, MAX_BATCH), ("prompt_len", prompt_len, MAX_CONTEXT),
+                                 ("gen_len", gen_len, MAX_CONTEXT)):
+        _positive(name, value, maximum)
+    spec = resolve_model(model, trust_remote_code=trust_remote_code)
     kv_dtype = spec.dtype or resolve_dtype(dtype or "float16", torch.device("cpu"))
     if spec.dtype is not None and spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ConfigError(f"loaded model dtype {spec.dtype} is not supported; allowed: float16, bfloat16, float32")
     weights = weight_bytes(spec, weights_bits, kv_dtype)
-    quality = load_quality(profile) if profile is not None else {}
+    warnings: list[str] = []
+    quality = load_quality(profile, warnings) if profile is not None else {}
     grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
                       sink_tokens)
     if not grid:
@@ -466,11 +535,12 @@ def plan(
     rows = []
     for config in grid:
         cache, work, need = total(config, batch, prompt_len)
-        longest_prompt = _largest(lambda p: total(config, batch, p)[2] <= limit, 1, MAX_CONTEXT)
+        longest_prompt = _largest(lambda p: total(config, batch, p)[2] <= usable, 1, MAX_CONTEXT)
         rows.append(PlanRow(
             config=config, cache=cache, weight_bytes=weights, workspace_bytes=work, total_bytes=need,
-            fits=need <= limit, max_batch=_largest(lambda b: total(config, b, prompt_len)[2] <= limit, 1, MAX_BATCH),
+            fits=need <= usable, max_batch=_largest(lambda b: total(config, b, prompt_len)[2] <= usable, 1, MAX_BATCH),
             max_context=longest_prompt + gen_len if longest_prompt else 0, quality=quality.get(_setting_key(config)),
+            kv_dtype=str(kv_dtype).removeprefix("torch."),
         ))
     rows.sort(key=lambda r: (r.quality is None, r.quality or 0.0, -r.cache.total))
     notes = []
@@ -485,6 +555,7 @@ def plan(
         dtype=str(kv_dtype).removeprefix("torch."),
         weight_bytes=weights, fp16_cache_bytes=fp16, model_context=spec.max_context, rows=rows,
         recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,
+        headroom_bytes=reserve, warnings=warnings,
     )
 
 

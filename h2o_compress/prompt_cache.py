@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .errors import CacheStateError, InputError
-from .persistence import PromptState, load_cache, model_fingerprint, save_cache
+from .persistence import PromptState, check_save_target, load_cache, model_fingerprint, save_cache
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -78,9 +78,31 @@ def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     return logits
 
 
+def shared_prefix_length(tokenizer, prompt: str, chat: bool = True) -> int:
+    """Tokens of ``prompt`` (as :func:`~h2o_compress.generation.encode_prompt` gives them) that a follow-up
+    prompt extending its text will share.
+
+    Without the chat template, every token. With it, the tokens before the template's closing part (end of the
+    user turn, assistant header), found as the common prefix of the prompt's ids and the ids of two
+    extensions of its text (so a last word that merges with following text is left out too).
+    """
+    from .generation import encode_prompt
+
+    ids = encode_prompt(tokenizer, prompt, chat)[0]
+    if not (chat and getattr(tokenizer, "chat_template", None)):
+        return int(ids.shape[0])
+    shared = int(ids.shape[0])
+    for suffix in (" and", "\n\nQ"):
+        other = encode_prompt(tokenizer, prompt + suffix, chat)[0]
+        n = min(shared, other.shape[0])
+        differs = (ids[:n] != other[:n]).nonzero()
+        shared = int(differs[0, 0]) if differs.numel() else n
+    return max(1, shared)
+
+
 def prepare_prompt_cache(
     model, tokenizer, prompt: str, config, max_new_tokens: int, chat: bool = True, load=None, save=None,
-    expect: dict | None = None,
+    expect: dict | None = None, overwrite: bool = False,
 ):
     """Build (or load) the cache for ``prompt``, prefill it, and optionally save it.
 
@@ -91,8 +113,11 @@ def prepare_prompt_cache(
         max_new_tokens: new tokens planned; with a fractional budget, capacity =
             ``ceil(budget x (prompt tokens + max_new_tokens))``.
         load: path of a saved cache to start from (its prompt must be a prefix of this prompt's tokens).
-        save: path to write the prefilled cache to (atomic).
+        save: path to write the cache to (atomic), holding the tokens a follow-up prompt will share
+            (:func:`shared_prefix_length`: with the chat template, the context without the assistant header).
         expect: with ``load``, config fields that must match the file's (e.g. the CLI flags given).
+        overwrite: let ``save`` replace a file that is not a cache file (see
+            :func:`h2o_compress.persistence.check_save_target`).
 
     Returns:
         The prefilled :class:`CompressedCache` (``cache.prompt_state`` holds the prompt and next logits).
@@ -104,6 +129,8 @@ def prepare_prompt_cache(
     """
     from .generation import encode_prompt, make_cache
 
+    if save is not None:
+        check_save_target(save, overwrite)
     device = next(model.parameters()).device
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     check_context(model, input_ids.shape[1], max_new_tokens)
@@ -111,7 +138,10 @@ def prepare_prompt_cache(
         cache = load_cache(load, model, config=expect)
     else:
         cache = make_cache(model, config, max_length=input_ids.shape[1] + max_new_tokens)
-    prefill(model, input_ids, cache)
     if save is not None:
-        save_cache(cache, save)
+        shared = shared_prefix_length(tokenizer, prompt, chat)
+        if shared > cache.get_seq_length():
+            prefill(model, input_ids[:, :shared], cache)
+        save_cache(cache, save, overwrite=overwrite)
+    prefill(model, input_ids, cache)
     return cache

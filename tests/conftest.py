@@ -60,9 +60,10 @@ def smollm2():
     return load_model("smollm2-135m", device="cpu")
 
 
-def save_tiny_model_dir(path, **llama_kwargs) -> str:
+def save_tiny_model_dir(path, chat_template: str | None = None, **llama_kwargs) -> str:
     """Save a tiny LLaMA (``tiny_llama(**llama_kwargs)``) and a word-level tokenizer (``w0`` ... ``w125``,
-    ``<unk>``, ``</s>``) to ``path`` as a local Hugging Face directory; returns ``str(path)``."""
+    ``<unk>``, ``</s>``; with ``chat_template`` if given) to ``path`` as a local Hugging Face directory; returns
+    ``str(path)``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -70,6 +71,8 @@ def save_tiny_model_dir(path, **llama_kwargs) -> str:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     tiny_llama(**llama_kwargs).save_pretrained(path)
     return str(path)

@@ -17,7 +17,7 @@ from h2o_compress.cli import app
 from h2o_compress.known_models import _key, known_models, resolve_model
 from h2o_compress.models import model_dims
 from h2o_compress.planner import (
-    cache_bytes, candidates, choose, choose_for_prompt, parse_memory, plan, weight_bytes,
+    cache_bytes, candidates, choose, choose_for_prompt, describe, load_quality, parse_memory, plan, weight_bytes,
 )
 
 GiB, KiB = 2**30, 2**10
@@ -328,7 +328,7 @@ class CharTokenizer:
 def test_choose_for_prompt_then_generate_fits():
     model, tok = tiny_llama(), CharTokenizer()
     full = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False)
-    assert full.label == "full 16-bit"
+    assert full.label == "full 32-bit"  # the tiny model runs in fp32, so its cache does too
     limit = full.total_bytes - 1  # the uncompressed setting no longer fits
     row = choose_for_prompt(model, tok, "x" * 40, limit, max_new_tokens=8, chat=False,
                             base=CompressionConfig(policy="local", residual=2))
@@ -348,12 +348,14 @@ def test_cli_plan_table_and_json():
     args = ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--batch", "8", "--prompt-len", "3968",
             "--gen-len", "128"]
     data = json.loads(runner.invoke(app, [*args, "--json"]).output)
-    best = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128).recommended
+    best = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128, headroom="10%").recommended
     assert data["recommended"]["label"] == best.label and data["memory_limit"] == 24 * GiB
+    assert data["headroom_bytes"] == int(24 * GiB * 0.1) and best.total_bytes <= 24 * GiB - data["headroom_bytes"]
     assert len(data["rows"]) == 20 and data["rows"][0]["cache"]["packed"] == 8 * 4096 * 512 * KiB
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert f"recommended: {best.label} (least compressed that fits)" in out.output
+    assert "headroom: 2.40 GiB of the limit left free" in out.output
     assert "full 16-bit" in out.output and "h2o 10% int4 g128 r3" in out.output
 
 
@@ -399,6 +401,62 @@ def test_real_model_batch_and_cli_memory_limit(smollm2):
     assert predicted(model, config, 3, 40, 12).total == cache.nbytes()
     out = runner.invoke(app, ["generate", "Say hi.", "--memory-limit", "2GiB", "--max-new-tokens", "4", "--json"])
     assert out.exit_code == 0, out.output
-    assert "memory limit 2.00 GiB: picked full 16-bit" in out.output
+    assert "memory limit 2.00 GiB: picked full 32-bit" in out.output  # fp32 on CPU: labelled by the real dtype
     out = runner.invoke(app, ["generate", "Say hi.", "--memory-limit", "100MiB", "--max-new-tokens", "4"])
     assert out.exit_code == 2 and "no setting fits in 100.00 MiB" in out.output and "needs" in out.output
+
+
+# -- bounded searches, headroom, strict JSON, labels (issue 15) -----------------------------------------------------
+def test_largest_plan_inputs_return_fast():
+    import time
+
+    start = time.perf_counter()
+    report = plan("llama-2-7b", "24GiB", batch=2**20, prompt_len=2**24, gen_len=2**24, residuals=(4096,),
+                  budgets=(1.0, 0.1, 10**6))
+    assert report.rows and time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gen_len=2**24 + 1), "gen_len=16777217 is invalid; allowed: an integer >= 1, at most 16777216"),
+    (dict(batch=2**20 + 1), "batch=1048577 is invalid"),
+    (dict(residuals=(4097,)), "residual 4097 is invalid; allowed: an integer from 0 to 4096"),
+    (dict(group_sizes=(7,)), "group size 7 is not supported; allowed: 32, 64, 128"),
+    (dict(headroom="91%"), "headroom='91%' is invalid"),
+    (dict(headroom="24GiB"), "is not below the memory limit"),
+])
+def test_plan_inputs_are_bounded(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan("llama-2-7b", "24GiB", **kwargs)
+
+
+def test_headroom_is_left_free_and_said():
+    no_room = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128)
+    room = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128, headroom="10%")
+    assert room.headroom_bytes == int(0.1 * 24 * GiB) and room.usable_bytes == 24 * GiB - room.headroom_bytes
+    assert room.recommended.total_bytes <= room.usable_bytes < no_room.recommended.total_bytes
+    assert all(r.fits == (r.total_bytes <= room.usable_bytes) for r in room.rows)
+    assert plan("llama-2-7b", "24GiB", headroom="1GiB").headroom_bytes == GiB
+
+
+def test_nan_metric_is_ignored_with_a_warning_and_json_is_strict(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text('[{"config": {"policy": "h2o", "budget": 0.25, "kv_bits": 4, "group_size": 128},'
+                      ' "perplexity_ratio": NaN},'
+                      ' {"config": {"policy": "h2o", "budget": 0.25, "kv_bits": 8}, "perplexity_ratio": 1.02}]')
+    result = runner.invoke(app, ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--profile", str(report),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert data["recommended"]["label"] == "h2o 25% int8 g32 r3"
+    assert "warning:" in result.stderr and "perplexity_ratio=nan" in result.stderr and "is not finite" in result.stderr
+    warnings = []
+    quality = load_quality(report, warnings)
+    assert len(quality) == 1 and len(warnings) == 1
+
+
+def test_labels_follow_the_real_kv_dtype():
+    assert describe(CompressionConfig(), "float32") == "full 32-bit"
+    assert describe(CompressionConfig(), "bfloat16") == "full 16-bit"
+    assert describe(CompressionConfig(budget=0.5, k_bits=16, v_bits=4), "float32") == "h2o 50% k:32/v:int4 g32 r3"
+    rows = plan("llama-2-7b", "24GiB", dtype="float32").rows
+    assert any(r.label == "full 32-bit" for r in rows) and not any("16-bit" in r.label for r in rows)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, short
+from ..files import MAX_TEXT_BYTES, parse_json, read_text
 
 CORPUS_FILE = "sherlock_holmes.txt"
 PROMPTS_FILE = "prompts.json"
@@ -35,17 +36,9 @@ def read_text_file(path: str | Path) -> str:
     Raises:
         InputError: the file is missing, unreadable, not UTF-8, or holds only whitespace.
     """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"text file {str(path)!r} does not exist") from None
-    except UnicodeDecodeError:
-        raise InputError(f"text file {str(path)!r} is not UTF-8 text") from None
-    except OSError as exc:
-        raise InputError(f"cannot read text file {str(path)!r}: {exc.strerror or exc}") from None
+    text = read_text(path, "text file", InputError, MAX_TEXT_BYTES)
     if not text.strip():
-        raise InputError(f"text file {str(path)!r} is empty; allowed: a file with some text")
+        raise InputError(f"text file {short(str(path))} is empty; allowed: a file with some text")
     return text
 
 
@@ -83,12 +76,9 @@ def load_prompts(prompts_file: str | Path | None = None) -> list[str]:
     else:
         text = read_text_file(prompts_file)
         if text.lstrip().startswith("["):
-            try:
-                prompts = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"prompts file {str(prompts_file)!r} is not valid JSON: {exc.msg}") from None
-            if not all(isinstance(p, str) for p in prompts):
-                raise InputError(f"prompts file {str(prompts_file)!r}: allowed: a JSON list of strings")
+            prompts = parse_json(text, f"prompts file {short(str(prompts_file))}", InputError)
+            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+                raise InputError(f"prompts file {short(str(prompts_file))} is not a list of strings; allowed: a JSON list of strings")
         else:
             prompts = text.splitlines()
     prompts = [p.strip() for p in prompts if p.strip()]

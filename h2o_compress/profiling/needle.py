@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import CompressionConfig
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, short
 from ..generation import make_cache
 from .corpus import default_corpus
 from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream
@@ -106,7 +106,7 @@ def plant_needle(haystack: str, needle: str, depth: float) -> str:
         ConfigError: depth outside [0, 1].
     """
     if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
-        raise ConfigError(f"depth={depth!r} is invalid; allowed: a fraction in [0, 1]")
+        raise ConfigError(f"depth={short(depth)} is invalid; allowed: a fraction in [0, 1]")
     bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(haystack)] + [len(haystack)]
     target = depth * len(haystack)
     cut = min(bounds, key=lambda b: abs(b - target))

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import ALLOWED_BITS, CompressionConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, short
 from ..generation import make_cache
 from .agreement import agreement_eval, reference_generations
 from .corpus import load_prompts, load_text, tokenize_text
@@ -58,6 +58,7 @@ class ProfileSettings:
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
+        trust_remote_code: let the model directory run its own code (``load_model``'s flag).
     """
 
     model: str = "smollm2-135m"
@@ -81,6 +82,7 @@ class ProfileSettings:
     residual: int = _DEFAULTS.residual
     isolate: bool | None = None
     threads: int | None = None
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths"):
@@ -89,7 +91,7 @@ class ProfileSettings:
                 raise ConfigError(f"{name} is empty; allowed: at least one value")
         for bits in self.kv_bits:
             if bits not in ALLOWED_BITS:
-                raise ConfigError(f"kv bits {bits!r} is not supported; allowed: 4, 8, 16")
+                raise ConfigError(f"kv bits {short(bits)} is not supported; allowed: 4, 8, 16")
         for length in self.seq_lens:
             check_count("seq_len", length, minimum=2)
         check_count("decode_tokens", self.decode_tokens)
@@ -98,7 +100,7 @@ class ProfileSettings:
         check_count("agreement_prompts", self.agreement_prompts, minimum=0, unit="prompts")
         check_count("max_new_tokens", self.max_new_tokens)
         if self.threads is not None:
-            check_count("threads", self.threads, unit="threads")
+            check_count("threads", self.threads, unit="threads", maximum=4096)
         self.configs()  # validates policies, budgets and the fixed options
 
     def configs(self) -> list[CompressionConfig]:
@@ -214,7 +216,8 @@ def _load(settings: ProfileSettings):
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    return load_model(settings.model, device=settings.device, dtype=settings.dtype)
+    return load_model(settings.model, device=settings.device, dtype=settings.dtype,
+                      trust_remote_code=settings.trust_remote_code)
 
 
 def _worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:

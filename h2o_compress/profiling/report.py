@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, short
+from ..files import read_text
 
 MIB = 2**20
 PLOTS = {
@@ -18,8 +19,23 @@ PLOTS = {
     "decode_speed_vs_context.png": "Decode tokens/s vs context length",
     "memory_vs_context.png": "Memory vs context length",
 }
-POLICY_COLORS = {"full": "black", "h2o": "tab:red", "local": "tab:blue", "sink": "tab:green"}
+# One colour per policy, one marker per bit width (no two policies share a colour).
+POLICY_COLORS = {"full": "black", "h2o": "tab:red", "h2o-mean": "tab:purple", "local": "tab:blue",
+                 "sink": "tab:green"}
+SPARE_COLORS = ("tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 BITS_MARKERS = {16: "o", 8: "s", 4: "^"}
+
+
+def policy_color(policy: str) -> str:
+    """The colour of ``policy`` in every plot (a spare colour, stable per name, for policies added later)."""
+    if policy in POLICY_COLORS:
+        return POLICY_COLORS[policy]
+    return SPARE_COLORS[sum(map(ord, str(policy))) % len(SPARE_COLORS)]
+
+
+def bits_marker(bits) -> str:
+    """The marker of a KV bit width in every plot."""
+    return BITS_MARKERS.get(bits, "x")
 
 
 @dataclass
@@ -196,11 +212,12 @@ def plot_perplexity(report: dict, path: Path) -> None:
             (r["perplexity"]["kv_bytes"] / MIB, r["perplexity"]["perplexity"]))
     for (policy, bits), points in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         points.sort()
-        ax.plot(*zip(*points), marker=BITS_MARKERS.get(bits, "x"), color=POLICY_COLORS.get(policy),
+        ax.plot(*zip(*points), marker=bits_marker(bits), color=policy_color(policy),
                 linestyle="-" if policy != "full" else "none", label=f"{policy} {bits}-bit", alpha=0.85)
     ref = report["results"][0]["perplexity"]["perplexity"]
     ax.axhline(ref, color="gray", linestyle="--", linewidth=1, label=f"reference {ref:.2f}")
     ax.set_xscale("log")
+    _readable_log_ticks(ax)
     ax.set_xlabel("KV cache bytes at the end of the stream (MiB, log scale)")
     ax.set_ylabel("Streaming perplexity")
     s = report["settings"]
@@ -210,6 +227,15 @@ def plot_perplexity(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _readable_log_ticks(ax) -> None:
+    """Plain numbers (0.5, 1, 2, 5 ...) on a log axis instead of powers of ten, no crowded minor labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _per_bits_lines(report: dict, path: Path, series: list[tuple[str, str, float]], title: str) -> None:
@@ -232,8 +258,9 @@ def _per_bits_lines(report: dict, path: Path, series: list[tuple[str, str, float
                 else:
                     full = r["config"]["policy"] == "full"
                     style = "--" if full else ["-", "-.", ":"][budgets.index(r["config"]["budget"]) % 3]
-                    color, name = POLICY_COLORS.get(r["config"]["policy"]), r["label"]
-                ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, color=color, label=name)
+                    color, name = policy_color(r["config"]["policy"]), r["label"]
+                ax.plot(xs, ys, marker=bits_marker(_bits_of(r)), markersize=4, linestyle=style, color=color,
+                        label=name)
             ax.set_title(f"{bits}-bit KV" + (" (+ reference)" if bits != 16 else ""))
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel(ylabel)
@@ -322,12 +349,46 @@ def load_report(path: str | Path) -> dict:
         InputError: unreadable file, not JSON, or no ``results``/``settings``.
     """
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read report {str(path)!r}: {exc}") from None
+        report = json.loads(read_text(path, "report", InputError))
+    except InputError as exc:
+        raise InputError(f"cannot read report: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"cannot read report {short(str(path))}: {short(str(exc), 120, repr_=False)}") from None
     if not isinstance(report, dict) or not report.get("results") or "settings" not in report:
-        raise InputError(f"{str(path)!r} is not a profile report (no results or settings)")
+        raise InputError(f"{short(str(path))} is not a profile report (no results or settings)")
+    check_report(report, short(str(path)))
     return report
+
+
+def check_report(report: dict, name: str = "the report") -> None:
+    """Refuse a report that cannot be rendered: every part the tables and plots read, and a reference (the
+    first result) with a finite perplexity > 0 and decode speeds to compare against.
+
+    Raises:
+        InputError: naming the first missing or unusable part.
+    """
+    try:
+        results = report["results"]
+        ref = results[0]["perplexity"]["perplexity"]
+        for key in ("model", "seq_lens", "ppl_tokens", "chunk_size", "agreement_prompts", "max_new_tokens",
+                    "decode_tokens"):
+            report["settings"][key]
+        for record in results:
+            record["label"], record["config"]["policy"], record["config"]["kv_bits"], record["config"]["budget"]
+            for key in ("perplexity", "kv_bytes", "kv_bytes_full_fp16", "capacity"):
+                record["perplexity"][key]
+            for step in record["speed"]:
+                for key in ("seq_len", "capacity", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_bytes",
+                            "peak_memory_bytes"):
+                    step[key]
+        for key in ("device", "device_name", "packages"):
+            report["environment"][key]
+        report["created"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise InputError(f"{name} is incomplete: {short(exc, 80)} is missing or of the wrong type; allowed: a "
+                         "report.json written by h2o-compress profile") from None
+    if isinstance(ref, bool) or not isinstance(ref, (int, float)) or not math.isfinite(ref) or ref <= 0:
+        raise InputError(f"{name}: the reference perplexity is {short(ref)}; allowed: a finite number > 0")
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
@@ -339,15 +400,20 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     Raises:
         InputError: ``out_dir`` exists and is not a directory, or cannot be created.
     """
-    out = prepare_out_dir(out_dir)
+    check_report(report)
     if "policy_comparison" not in report:
         finalize(report)
+    try:
+        page = markdown(report)  # everything the tables read, before a file is written
+    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise InputError(f"the report cannot be rendered ({short(exc, 80)}); allowed: a complete report") from None
+    out = prepare_out_dir(out_dir)
     written = {}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     written["report.json"] = out / "report.json"
     for path in write_plots(report, out):
         written[path.name] = path
-    (out / "report.md").write_text(markdown(report), encoding="utf-8")
+    (out / "report.md").write_text(page, encoding="utf-8")
     written["report.md"] = out / "report.md"
     (out / "report.html").write_text(html_page(report, out), encoding="utf-8")
     written["report.html"] = out / "report.html"

@@ -14,16 +14,18 @@ from typing import Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, short
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``: called after each chunk with tokens read so far and tokens to read."""
 
 
-def check_count(name: str, value, minimum: int = 1, unit: str = "tokens") -> int:
-    """``value`` if it is an integer >= ``minimum``. Raises ConfigError naming the option otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: an integer >= {minimum} ({unit})")
+def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int = 2**31 - 1) -> int:
+    """``value`` if it is an integer in [``minimum``, ``maximum``]. Raises ConfigError naming the option otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ConfigError(
+            f"{name}={short(value)} is invalid; allowed: an integer >= {minimum} ({unit}), at most {maximum}"
+        )
     return value
 
 

@@ -1,7 +1,7 @@
-"""The commands ``h2o-compress eval perplexity|needle|agreement`` and ``h2o-compress profile``.
+"""``h2o-compress eval perplexity|needle|agreement``: quality under compression against the uncompressed cache.
 
-Registered on the main typer app by :func:`h2o_compress.profiling.cli.register`. User errors exit with code 2
-and one line (``@user_errors`` of :mod:`h2o_compress.cli`).
+User errors exit with code 2 and one line (:func:`~h2o_compress.cli.common.user_errors`); every option is
+checked before the model loads.
 """
 
 from __future__ import annotations
@@ -12,19 +12,17 @@ from typing import Callable, Optional
 
 import typer
 
-from ..cli import (
-    BitsOpt, BudgetOpt, DeviceOpt, DtypeOpt, GroupOpt, HeavyOpt, KBitsOpt, ModelOpt, PolicyOpt, QuantOpt,
-    KernelOpt, ResidualOpt, SinkOpt, VBitsOpt, compression_config, parse_budget, user_errors,
+from ..config import check_usable
+from ..errors import ConfigError, short
+from .common import set_threads, user_errors
+from .options import (
+    Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options,
 )
-from ..errors import ConfigError
 
 eval_app = typer.Typer(
     add_completion=False, no_args_is_help=True,
     help="Measure quality under compression against the uncompressed cache on your model and text.",
 )
-
-JsonOpt = typer.Option(False, "--json", help="Print one JSON object.")
-
 
 def parse_list(text: str, cast: Callable, name: str, allowed: str) -> list:
     """``"a,b,c"`` -> ``[cast(a), cast(b), cast(c)]``; an empty string gives ``[]``. Raises ConfigError."""
@@ -32,7 +30,7 @@ def parse_list(text: str, cast: Callable, name: str, allowed: str) -> list:
     try:
         return [cast(part) for part in items]
     except (ValueError, ConfigError):
-        raise ConfigError(f"{name}={text!r} is invalid; allowed: {allowed}") from None
+        raise ConfigError(f"{name}={short(text)} is invalid; allowed: {allowed}") from None
 
 
 @contextmanager
@@ -47,10 +45,11 @@ def progress_bar(description: str, enabled: bool = True):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _load(model: str, device: str, dtype: Optional[str]):
+def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int] = None, trust: bool = False):
     from ..models import load_model
 
-    return load_model(model, device=device, dtype=dtype)
+    set_threads(threads)
+    return load_model(model, device=device, dtype=dtype, trust_remote_code=trust)
 
 
 def _mib(value: int) -> str:
@@ -59,34 +58,33 @@ def _mib(value: int) -> str:
 
 @eval_app.command("perplexity")
 @user_errors
+@compression_options
 def perplexity_command(
+    ctx: typer.Context,
     text_file: Optional[str] = typer.Option(None, "--text-file", help="UTF-8 text (default: the shipped corpus)."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Tokens of the text to read (the budget is relative to it)."),
     chunk_size: int = typer.Option(
         1, "--chunk-size", help="Tokens per forward pass: 1 = exact decode semantics; larger is faster but "
         "slightly optimistic (tokens of a chunk see each other uncompressed)."),
-    model: str = ModelOpt, policy: str = PolicyOpt, budget: str = BudgetOpt, heavy_ratio: float = HeavyOpt,
-    sink_tokens: Optional[int] = SinkOpt, kv_bits: int = BitsOpt, k_bits: Optional[int] = KBitsOpt,
-    v_bits: Optional[int] = VBitsOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
-    attention_kernel: str = KernelOpt,
+    model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt,
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Also score the text with the uncompressed cache (one fast pass)."),
-    as_json: bool = JsonOpt,
+    as_json: bool = JsonOpt, threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
+    compression: Compression = None,
 ):
     """Streaming perplexity: the text is read through the compressed cache chunk by chunk."""
-    from .corpus import load_text
-    from .perplexity import text_perplexity
-    from .stream import check_count
+    from ..profiling.corpus import load_text
+    from ..profiling.perplexity import text_perplexity
+    from ..profiling.stream import check_count
 
-    config = compression_config(
-        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
-    )
+    config = compression.config()
     check_count("max_tokens", max_tokens, minimum=2)
+    check_usable(config, config.capacity(max_tokens))
     check_count("chunk_size", chunk_size)
     if text_file is not None:
         load_text(text_file)  # fail on a bad file before loading the model
-    lm, tokenizer = _load(model, device, dtype)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("reading", enabled=not as_json) as update:
         result = text_perplexity(lm, tokenizer, text_file, max_tokens, config, chunk_size, reference, update)
     figures = result.to_dict()
@@ -106,7 +104,9 @@ def perplexity_command(
 
 @eval_app.command("needle")
 @user_errors
+@compression_options
 def needle_command(
+    ctx: typer.Context,
     lengths: str = typer.Option("512,1024", "--lengths", help="Context lengths in tokens, comma-separated."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),
     trials: int = typer.Option(1, "--trials", help="Prompts per (length, depth), each with its own passkey."),
@@ -116,22 +116,18 @@ def needle_command(
         "read (default: one pass, as generate does)."),
     max_new_tokens: int = typer.Option(8, "--max-new-tokens", help="Tokens of the answer."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Use the tokenizer's chat template."),
-    model: str = ModelOpt, policy: str = PolicyOpt, budget: str = BudgetOpt, heavy_ratio: float = HeavyOpt,
-    sink_tokens: Optional[int] = SinkOpt, kv_bits: int = BitsOpt, k_bits: Optional[int] = KBitsOpt,
-    v_bits: Optional[int] = VBitsOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
-    attention_kernel: str = KernelOpt,
+    model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt, compression: Compression = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
-    from .needle import check_needle_args, needle_eval
+    from ..profiling.needle import check_needle_args, needle_eval
 
-    config = compression_config(
-        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
-    )
+    config = compression.config()
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size)
-    lm, tokenizer = _load(model, device, dtype)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
                              max_new_tokens, True, chat, progress=update)
@@ -156,30 +152,28 @@ def needle_command(
 
 @eval_app.command("agreement")
 @user_errors
+@compression_options
 def agreement_command(
+    ctx: typer.Context,
     prompts_file: Optional[str] = typer.Option(
         None, "--prompts-file", help="JSON list of prompts or one prompt a line (default: the shipped prompts)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate per prompt."),
-    model: str = ModelOpt, policy: str = PolicyOpt, budget: str = BudgetOpt, heavy_ratio: float = HeavyOpt,
-    sink_tokens: Optional[int] = SinkOpt, kv_bits: int = BitsOpt, k_bits: Optional[int] = KBitsOpt,
-    v_bits: Optional[int] = VBitsOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
-    attention_kernel: str = KernelOpt,
+    model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt, compression: Compression = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
-    from .agreement import agreement_eval
-    from .corpus import load_prompts
-    from .stream import check_count
+    from ..profiling.agreement import agreement_eval
+    from ..profiling.corpus import load_prompts
+    from ..profiling.stream import check_count
 
-    config = compression_config(
-        policy, budget, heavy_ratio, sink_tokens, kv_bits, k_bits, v_bits, quant, group_size, residual, attention_kernel
-    )
+    config = compression.config()
     check_count("max_new_tokens", max_new_tokens)
     prompts = load_prompts(prompts_file)
     if limit is not None:
         prompts = prompts[: check_count("limit", limit, unit="prompts")]
-    lm, tokenizer = _load(model, device, dtype)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("generating", enabled=not as_json) as update:
         result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update)
     if as_json:
@@ -195,58 +189,3 @@ def agreement_command(
         table.add_row(item.prompt[:50], f"{item.token_match:.2f}", f"{item.prefix_match:.2f}", f"{item.rouge_l:.2f}")
     table.add_row("[bold]mean", f"{result.token_match:.2f}", f"{result.prefix_match:.2f}", f"{result.rouge_l:.2f}")
     Console().print(table)
-
-
-@user_errors
-def profile_command(
-    out: str = typer.Option(..., "--out", help="Directory for report.json, report.md, PNG plots and report.html."),
-    model: str = ModelOpt,
-    policies: str = typer.Option("h2o,local,sink", "--policies", help="Eviction policies, comma-separated."),
-    budgets: str = typer.Option("1,0.5,0.2,0.1", "--budgets", help="Budgets, comma-separated (1 = no eviction)."),
-    kv_bits: str = typer.Option("16,8,4", "--kv-bits", help="KV bits, comma-separated."),
-    seq_len: str = typer.Option("256,512,1024", "--seq-len", help="Context lengths of the speed/memory runs."),
-    decode_tokens: int = typer.Option(16, "--decode-tokens", help="Decode steps timed after each prefill."),
-    ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of the streaming-perplexity run."),
-    chunk_size: int = typer.Option(16, "--chunk-size", help="Tokens per forward pass in the perplexity run (1 = exact decode)."),
-    agreement_prompts: int = typer.Option(3, "--agreement-prompts", help="Shipped prompts for agreement (0 = skip)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens generated per agreement prompt."),
-    needle_lengths: str = typer.Option("", "--needle-lengths", help="Passkey context lengths (empty = skip)."),
-    needle_depths: str = typer.Option("0,0.5,1", "--needle-depths", help="Passkey depths in [0, 1]."),
-    text_file: Optional[str] = typer.Option(None, "--text-file", help="Text for perplexity/speed (default: shipped corpus)."),
-    heavy_ratio: float = HeavyOpt, quant: str = QuantOpt, group_size: int = GroupOpt, residual: int = ResidualOpt,
-    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt,
-    isolate: Optional[bool] = typer.Option(
-        None, "--isolate/--no-isolate", help="One fresh worker process per configuration (default: on CPU, "
-        "where the peak RSS needs it)."),
-    threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch CPU threads (default: torch's; 1 is much faster on a busy machine)."),
-    render: Optional[str] = typer.Option(
-        None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
-):
-    """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity and agreement, as a report."""
-    from .corpus import load_text
-    from .profile import ProfileSettings, run_profile
-    from .report import load_report, write_report
-
-    if render is not None:
-        written = write_report(load_report(render), out)
-        typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
-        return
-
-    settings = ProfileSettings(
-        model=model, device=device, dtype=dtype,
-        policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
-        budgets=tuple(parse_list(budgets, parse_budget, "budgets", "fractions in (0, 1] or integers, e.g. 1,0.5,0.2")),
-        kv_bits=tuple(parse_list(kv_bits, int, "kv-bits", "16, 8 or 4, e.g. 16,8,4")),
-        seq_lens=tuple(parse_list(seq_len, int, "seq-len", "integers, e.g. 256,512,1024")),
-        decode_tokens=decode_tokens, ppl_tokens=ppl_tokens, chunk_size=chunk_size,
-        agreement_prompts=agreement_prompts, max_new_tokens=max_new_tokens,
-        needle_lengths=tuple(parse_list(needle_lengths, int, "needle-lengths", "integers >= 64, e.g. 1024")),
-        needle_depths=tuple(parse_list(needle_depths, float, "needle-depths", "fractions in [0, 1]")),
-        text_file=text_file, heavy_ratio=heavy_ratio, quant=quant, group_size=group_size, residual=residual,
-        isolate=isolate, threads=threads,
-    )
-    if text_file is not None:
-        load_text(text_file)
-    report = run_profile(settings, out)
-    typer.echo(f"wrote {out}/report.json, report.md, report.html and 3 PNG plots ({len(report['results'])} configurations)")

@@ -1,0 +1,38 @@
+"""Command line: ``h2o-compress generate|plan|eval|profile``, one module per command.
+
+- :mod:`.options`: the options shared by the commands, declared once (a leaf module).
+- :mod:`.common`: one-line errors (``error: ...``, exit code 2, never a traceback), threads, ``--config``.
+- :mod:`.generate`, :mod:`.plan`, :mod:`.evaluate` (``eval perplexity|needle|agreement``), :mod:`.profile`.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from .common import fail, user_errors
+from .evaluate import eval_app
+from .generate import generate
+from .options import parse_budget
+from .plan import plan
+from .profile import profile_command
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress the KV cache of transformers LMs.")
+
+
+@app.callback()
+def _root() -> None:
+    """h2o-compress: H2O eviction + 4/8-bit quantization of the KV cache."""
+
+
+app.command("generate")(generate)
+app.command("plan")(plan)
+app.add_typer(eval_app, name="eval")
+app.command("profile")(profile_command)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+__all__ = ["app", "fail", "main", "parse_budget", "user_errors"]

@@ -1,0 +1,5 @@
+"""``python -m h2o_compress.cli``: the same as the ``h2o-compress`` console script."""
+
+from . import main
+
+main()

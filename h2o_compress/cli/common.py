@@ -1,0 +1,59 @@
+"""What every command shares: one-line errors (exit code 2), torch threads, the ``--config`` merge."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import typer
+
+from ..config import CompressionConfig, check_usable
+from ..errors import H2OCompressError, one_line
+from .options import Compression
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` (one line) to stderr and exit with code 2."""
+    typer.echo(f"error: {one_line(message)}", err=True)
+    raise typer.Exit(2)
+
+
+def user_errors(fn):
+    """Turn H2OCompressError into a one-line message and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except H2OCompressError as exc:
+            fail(str(exc))
+
+    return wrapper
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Apply ``--threads N`` to torch (``None``: leave torch's default). Raises ConfigError for N < 1."""
+    from ..profiling.stream import check_count
+
+    if threads is None:
+        return
+    check_count("threads", threads, unit="threads", maximum=4096)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def merged_config(compression: Compression, config_file: Optional[str]) -> tuple[CompressionConfig, dict]:
+    """The compression flags merged over ``--config FILE`` (JSON/TOML): flags given on the command line win.
+
+    Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
+    file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
+    """
+    from ..config_file import load_config, read_config_values
+
+    config = compression.config(check=config_file is None)
+    overrides = compression.overrides(config)
+    if config_file is None:
+        return config, overrides
+    merged = check_usable(load_config(config_file, overrides))
+    return merged, {**read_config_values(config_file), **overrides}

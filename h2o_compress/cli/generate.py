@@ -1,0 +1,137 @@
+"""``h2o-compress generate``: stream an answer through a compressed KV cache.
+
+Every option is validated before anything is loaded or written (a rejected ``--temperature`` never leaves a
+``--save-cache`` file behind).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from .common import fail, merged_config, set_threads, user_errors
+from .options import (
+    ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+)
+
+
+@user_errors
+@compression_options
+def generate(
+    ctx: typer.Context,
+    prompt: str = typer.Argument(..., help="The prompt."),
+    model: str = ModelOpt,
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
+    device: str = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    config_file: Optional[str] = ConfigFileOpt,
+    save_cache: Optional[str] = typer.Option(
+        None, "--save-cache", help="Save the compressed prompt cache (the part a follow-up prompt shares) to this "
+        "safetensors file; an existing file must be a cache file unless --overwrite."),
+    load_cache: Optional[str] = typer.Option(
+        None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend it)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Let --save-cache replace an existing file that is not a cache file."),
+    memory_limit: Optional[str] = typer.Option(
+        None, "--memory-limit", help="Let the planner pick budget, bits and group size to fit in this memory "
+        "(e.g. 2GiB)."),
+    threads: Optional[int] = ThreadsOpt,
+    trust_remote_code: bool = TrustOpt,
+    compression: Compression = None,
+):
+    """Generate text with a compressed KV cache, streaming tokens as they come."""
+    from ..generation import check_generation_args, check_prompt
+    from ..generation import generate as run_generate
+    from ..models import load_model
+
+    # -- every check first: nothing is loaded or written before all options are known to be good ---------
+    check_prompt(prompt)
+    config, overrides = merged_config(compression, config_file)
+    check_generation_args(max_new_tokens, temperature, seed)
+    if memory_limit is not None and load_cache is not None:
+        fail("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting it was saved with")
+    if memory_limit is not None:
+        from ..planner import parse_memory
+
+        parse_memory(memory_limit)
+    if save_cache is not None:
+        from ..persistence import check_save_target
+
+        check_save_target(save_cache, overwrite)
+    if load_cache is not None:
+        from ..persistence import check_cache_source
+
+        check_cache_source(load_cache)
+    set_threads(threads)
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)
+    # -- then the work -------------------------------------------------------------------------------------
+    lm, tokenizer = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    if memory_limit is not None:
+        from ..planner import choose_for_prompt, describe_choice
+
+        row = choose_for_prompt(lm, tokenizer, prompt, memory_limit, max_new_tokens, chat=chat, base=config)
+        config = row.config
+        typer.echo(describe_choice(row, memory_limit), err=True)
+    if load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
+        from ..config import check_usable
+        from ..generation import encode_prompt
+
+        check_usable(config, config.capacity(encode_prompt(tokenizer, prompt, chat).shape[1] + max_new_tokens))
+    stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    extra, load_s = {}, None
+    if save_cache is not None or load_cache is not None:
+        from ..prompt_cache import prepare_prompt_cache
+
+        started = time.perf_counter()
+        cache = prepare_prompt_cache(
+            lm, tokenizer, prompt, config, max_new_tokens, chat, load=load_cache, save=save_cache, expect=overrides,
+            overwrite=overwrite,
+        )
+        load_s = time.perf_counter() - started
+        config, extra = cache.config, {"cache": cache}
+    result = run_generate(
+        lm, tokenizer, prompt, config, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature,
+        seed=seed, on_text=stream, **extra,
+    )
+    figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
+    figures["config"] = config.to_dict()
+    figures["model"] = model
+    figures["kv_dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    if load_s is not None:  # the prompt went through the cache before generate: that time is not "prefill"
+        figures["prefill_s"] = load_s
+        figures["cache_load_s" if load_cache is not None else "cache_save_s"] = load_s
+    if as_json:
+        typer.echo(json.dumps(figures))
+        return
+    sys.stdout.write("\n")
+    typer.echo(summary_line(figures, loaded=load_cache is not None, saved=save_cache is not None), err=True)
+
+
+def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> str:
+    """The stderr summary of one generation: tokens, capacity, KV bytes with the dtype they are stored in and their
+    share of an fp16 cache (an fp32 model's 16-bit setting holds twice the fp16 bytes), prompt time, speed."""
+    full = figures["kv_bytes_full_fp16"]
+    ratio = figures["kv_bytes"] / full if full else 0.0
+    if loaded:
+        prompt_time = f"cache load + prompt {figures['prefill_s']:.2f} s"
+    elif saved:
+        prompt_time = f"prefill + cache save {figures['prefill_s']:.2f} s"
+    else:
+        prompt_time = f"prefill {figures['prefill_s']:.2f} s"
+    return (
+        f"[{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | capacity "
+        f"{figures['capacity'] or 'all'} | KV {figures['kv_bytes'] / 2**20:.2f} MiB ({figures['kv_dtype']} storage) = "
+        f"{ratio:.1%} of an fp16 cache | "
+        f"{prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s]"
+    )

@@ -1,0 +1,141 @@
+"""The options shared by the commands, declared once (a leaf module: it imports nothing of the CLI).
+
+:func:`compression_options` adds the compression flags (``--policy``, ``--budget``, ... ``--kernel``) to a
+command and hands it one validated :class:`CompressionConfig` built from them, plus the names the user gave on
+the command line (so ``--config FILE`` can merge under them). The model-runtime options (``--model``,
+``--device``, ``--dtype``, ``--threads``) are declared here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import typer
+
+from ..config import CompressionConfig, check_usable
+from ..errors import ConfigError, short
+
+BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
+# What a real model can have: the longest context of any model this library knows is far below this.
+MAX_TOKENS = 2**31 - 1
+
+
+def parse_budget(text: str) -> float | int:
+    """``"0.2"`` -> 0.2 (fraction of the sequence), ``"100"`` -> 100 (tokens). Raises ConfigError."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"budget {short(text)} is not a number; allowed: {BUDGET_ALLOWED}") from None
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"budget={short(text, repr_=False)} is not finite; allowed: {BUDGET_ALLOWED}")
+    if value > 1 and value == int(value) and "." not in text and "e" not in text.lower():
+        if value > MAX_TOKENS:
+            raise ConfigError(f"budget={short(text, repr_=False)} tokens is too large; allowed: at most {MAX_TOKENS}")
+        return int(value)
+    if value > 1:
+        raise ConfigError(f"budget={short(text, repr_=False)} is invalid; allowed: {BUDGET_ALLOWED}")
+    return value
+
+
+# -- the compression options (one declaration each) -------------------------------------------------------
+@dataclass(frozen=True)
+class _Flag:
+    annotation: object
+    option: object
+
+
+COMPRESSION_FLAGS: dict[str, _Flag] = {
+    "policy": _Flag(str, typer.Option("h2o", "--policy", help="Eviction policy: h2o, h2o-mean, local, sink or full.")),
+    "budget": _Flag(str, typer.Option(
+        "1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
+    "heavy_ratio": _Flag(float, typer.Option(
+        0.5, "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1) (at least one recent token).")),
+    "sink_tokens": _Flag(Optional[int], typer.Option(
+        None, "--sink-tokens", help="First tokens always kept (default: 4 for sink, else 0).")),
+    "kv_bits": _Flag(int, typer.Option(16, "--kv-bits", help="Bits of stored keys and values: 16, 8 or 4.")),
+    "k_bits": _Flag(Optional[int], typer.Option(None, "--k-bits", help="Bits of keys (overrides --kv-bits).")),
+    "v_bits": _Flag(Optional[int], typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-bits).")),
+    "quant": _Flag(str, typer.Option(
+        "int", "--quant", help="Format: int (ours), nf4, fp4 or int8-blockwise (bitsandbytes).")),
+    "group_size": _Flag(int, typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")),
+    "residual": _Flag(int, typer.Option(
+        3, "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
+    "attention_kernel": _Flag(str, typer.Option(
+        "auto", "--kernel",
+        help="Decode attention: auto or torch (torch code that --compile fuses); triton is refused for now.")),
+}
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What :func:`compression_options` hands a command: the raw flag values and those given explicitly."""
+
+    values: dict
+    given: frozenset
+
+    def config(self, check: bool = True) -> CompressionConfig:
+        """A validated :class:`CompressionConfig` of the flags; with ``check``, also refused when the flags make
+        no sense together (:func:`~h2o_compress.config.check_usable`). Raises ConfigError."""
+        values = dict(self.values)
+        if "budget" in values:
+            values["budget"] = parse_budget(values["budget"])
+        config = CompressionConfig(**values)
+        return check_usable(config) if check else config
+
+    def overrides(self, config: CompressionConfig) -> dict:
+        """The fields of ``config`` the user gave on the command line."""
+        return {k: v for k, v in config.to_dict().items() if k in self.given}
+
+
+def compression_options(fn=None, *, only: tuple[str, ...] | None = None):
+    """Decorator: add the compression flags (all, or ``only`` these) to a typer command.
+
+    The command receives them as one keyword argument ``compression`` (a :class:`Compression`) and needs
+    ``ctx: typer.Context`` as its first parameter (to tell flags given from defaults).
+    """
+
+    def decorate(command):
+        names = tuple(only or COMPRESSION_FLAGS)
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "compression"]
+        added = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=COMPRESSION_FLAGS[n].option,
+                              annotation=COMPRESSION_FLAGS[n].annotation)
+            for n in names
+        ]
+
+        @functools.wraps(command)
+        def wrapper(ctx: typer.Context, *args, **kwargs):
+            values = {n: kwargs.pop(n) for n in names}
+            given = frozenset(
+                n for n in names if (s := ctx.get_parameter_source(n)) is not None and s.name == "COMMANDLINE"
+            )
+            return command(ctx, *args, compression=Compression(values, given), **kwargs)
+
+        hints = {p.name: p.annotation for p in own + added}
+        wrapper.__signature__ = signature.replace(parameters=own + added)
+        wrapper.__annotations__ = hints
+        return wrapper
+
+    return decorate if fn is None else decorate(fn)
+
+
+# -- model-runtime options --------------------------------------------------------------------------------
+ModelOpt = typer.Option("smollm2-135m", "--model", help="Alias, local model directory or hub id.")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
+ThreadsOpt = typer.Option(
+    None, "--threads", help="torch CPU threads (default: torch's; 1-2 is much faster on a busy machine).")
+TrustOpt = typer.Option(
+    False, "--trust-remote-code",
+    help="Allow a model directory or hub repo to run its own Python code (its auto_map). Off by default.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object.")
+CompileOpt = typer.Option(
+    None, "--compile/--no-compile",
+    help="torch.compile the decode step (fullgraph; CUDA graphs on CUDA). Default: on with CUDA, on on CPU "
+         "(measured faster there too: benchmarks/results/decode_speed_cpu.md); the first steps pay the compile.")
+ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (.json/.toml); flags given override it.")

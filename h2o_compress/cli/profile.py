@@ -1,0 +1,73 @@
+"""``h2o-compress profile``: the policies x budgets x KV bits sweep, written as a report."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .common import user_errors
+from .evaluate import parse_list
+from .options import (
+    Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
+)
+
+
+@user_errors
+@compression_options(only=("heavy_ratio", "quant", "group_size", "residual"))
+def profile_command(
+    ctx: typer.Context,
+    out: str = typer.Option(..., "--out", help="Directory for report.json, report.md, PNG plots and report.html."),
+    model: str = ModelOpt,
+    policies: str = typer.Option("h2o,local,sink", "--policies", help="Eviction policies, comma-separated."),
+    budgets: str = typer.Option("1,0.5,0.2,0.1", "--budgets", help="Budgets, comma-separated (1 = no eviction)."),
+    kv_bits: str = typer.Option("16,8,4", "--kv-bits", help="KV bits, comma-separated."),
+    seq_len: str = typer.Option("256,512,1024", "--seq-len", help="Context lengths of the speed/memory runs."),
+    decode_tokens: int = typer.Option(16, "--decode-tokens", help="Decode steps timed after each prefill."),
+    ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of the streaming-perplexity run."),
+    chunk_size: int = typer.Option(
+        16, "--chunk-size", help="Tokens per forward pass in the perplexity run (1 = exact decode)."),
+    agreement_prompts: int = typer.Option(3, "--agreement-prompts", help="Shipped prompts for agreement (0 = skip)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens generated per agreement prompt."),
+    needle_lengths: str = typer.Option("", "--needle-lengths", help="Passkey context lengths (empty = skip)."),
+    needle_depths: str = typer.Option("0,0.5,1", "--needle-depths", help="Passkey depths in [0, 1]."),
+    text_file: Optional[str] = typer.Option(
+        None, "--text-file", help="Text for perplexity/speed (default: shipped corpus)."),
+    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt,
+    isolate: Optional[bool] = typer.Option(
+        None, "--isolate/--no-isolate", help="One fresh worker process per configuration (default: on CPU, "
+        "where the peak RSS needs it)."),
+    threads: Optional[int] = ThreadsOpt,
+    trust_remote_code: bool = TrustOpt,
+    render: Optional[str] = typer.Option(
+        None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
+    compression: Compression = None,
+):
+    """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity and agreement, as a report."""
+    from ..profiling.corpus import load_text
+    from ..profiling.profile import ProfileSettings, run_profile
+    from ..profiling.report import load_report, write_report
+
+    if render is not None:
+        written = write_report(load_report(render), out)
+        typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
+        return
+    values = compression.values
+    settings = ProfileSettings(
+        model=model, device=device, dtype=dtype,
+        policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
+        budgets=tuple(parse_list(budgets, parse_budget, "budgets", "fractions in (0, 1] or integers, e.g. 1,0.5,0.2")),
+        kv_bits=tuple(parse_list(kv_bits, int, "kv-bits", "16, 8 or 4, e.g. 16,8,4")),
+        seq_lens=tuple(parse_list(seq_len, int, "seq-len", "integers, e.g. 256,512,1024")),
+        decode_tokens=decode_tokens, ppl_tokens=ppl_tokens, chunk_size=chunk_size,
+        agreement_prompts=agreement_prompts, max_new_tokens=max_new_tokens,
+        needle_lengths=tuple(parse_list(needle_lengths, int, "needle-lengths", "integers >= 64, e.g. 1024")),
+        needle_depths=tuple(parse_list(needle_depths, float, "needle-depths", "fractions in [0, 1]")),
+        text_file=text_file, heavy_ratio=values["heavy_ratio"], quant=values["quant"],
+        group_size=values["group_size"], residual=values["residual"], isolate=isolate, threads=threads,
+        trust_remote_code=trust_remote_code,
+    )
+    if text_file is not None:
+        load_text(text_file)
+    report = run_profile(settings, out)
+    typer.echo(f"wrote {out}/report.json, report.md, report.html and 3 PNG plots ({len(report['results'])} configurations)")
