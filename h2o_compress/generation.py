@@ -69,8 +69,11 @@ class GenerationResult:
         kv_bytes_full_fp16: bytes of the uncompressed fp16 cache for the same tokens.
         capacity: tokens kept per layer and KV head (``None``: unbounded).
         prefill_s: seconds of the prompt forward pass (gives the first new token).
-        decode_s: seconds of the decode forward passes.
-        decode_tokens_per_s: decode forward passes per second.
+        decode_s: seconds of the decode forward passes (with ``compiled``, the first one, which compiles, is
+            left out and reported as ``compile_s``).
+        decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
+        compiled: whether the decode steps ran compiled (:mod:`h2o_compress.compiled`).
+        compile_s: seconds of the first compiled decode step (compilation included); 0 when not compiled.
     """
 
     text: str
@@ -82,6 +85,8 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     decode_tokens_per_s: float
+    compiled: bool = False
+    compile_s: float = 0.0
     token_ids: list[int] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -204,7 +209,8 @@ def generate(
     check_context(model, prompt_tokens, max_new_tokens)
     if cache is None:
         cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
-    step = compiled_decode_step(model, device) if resolve_compile(compile, cache, device) else decode_step
+    compiled = resolve_compile(compile, cache, device)
+    step = compiled_decode_step(model, device) if compiled else decode_step
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_ids(model, tokenizer)
 
@@ -222,7 +228,7 @@ def generate(
     prefill_s = time.perf_counter() - start
     generated: list[int] = [token.item()]
     emitted = ""
-    decode_s = 0.0
+    decode_s = compile_s = 0.0
     while True:
         if on_text is not None:
             text = tokenizer.decode(generated, skip_special_tokens=True)
@@ -237,8 +243,11 @@ def generate(
         logits = step(model, token, cache, positions, torch.ones(1, seen + 1, dtype=torch.long, device=device))
         token = pick(logits)
         generated.append(token.item())
-        decode_s += time.perf_counter() - start
-    steps = len(generated) - 1
+        if compiled and len(generated) == 2:  # the first compiled step compiles: not a decode speed
+            compile_s = time.perf_counter() - start
+        else:
+            decode_s += time.perf_counter() - start
+    steps = len(generated) - 1 - (1 if compile_s else 0)
     cache.check()
     return GenerationResult(
         text=tokenizer.decode(generated, skip_special_tokens=True),
@@ -250,5 +259,7 @@ def generate(
         prefill_s=prefill_s,
         decode_s=decode_s,
         decode_tokens_per_s=steps / decode_s if decode_s > 0 else 0.0,
+        compiled=compiled,
+        compile_s=compile_s,
         token_ids=generated,
     )

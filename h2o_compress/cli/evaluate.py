@@ -12,10 +12,12 @@ from typing import Callable, Optional
 
 import typer
 
+from ..compiled import check_compile
 from ..config import check_usable
 from ..errors import ConfigError, short
 from .common import set_threads, user_errors
 from .options import (
+    CompileOpt,
     Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options,
 )
 
@@ -71,6 +73,7 @@ def perplexity_command(
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Also score the text with the uncompressed cache (one fast pass)."),
     as_json: bool = JsonOpt, threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt,
     compression: Compression = None,
 ):
     """Streaming perplexity: the text is read through the compressed cache chunk by chunk."""
@@ -79,6 +82,7 @@ def perplexity_command(
     from ..profiling.stream import check_count
 
     config = compression.config()
+    check_compile(compile_step, config)
     check_count("max_tokens", max_tokens, minimum=2)
     check_usable(config, config.capacity(max_tokens))
     check_count("chunk_size", chunk_size)
@@ -86,7 +90,8 @@ def perplexity_command(
         load_text(text_file)  # fail on a bad file before loading the model
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("reading", enabled=not as_json) as update:
-        result = text_perplexity(lm, tokenizer, text_file, max_tokens, config, chunk_size, reference, update)
+        result = text_perplexity(lm, tokenizer, text_file, max_tokens, config, chunk_size, reference, update,
+                                 compile=compile_step)
     figures = result.to_dict()
     figures["model"] = model
     figures["text"] = text_file or "shipped corpus (sherlock_holmes.txt)"
@@ -118,19 +123,21 @@ def needle_command(
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Use the tokenizer's chat template."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
-    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt, compression: Compression = None,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt, compression: Compression = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
     from ..profiling.needle import check_needle_args, needle_eval
 
     config = compression.config()
+    check_compile(compile_step, config)
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size)
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
-                             max_new_tokens, True, chat, progress=update)
+                             max_new_tokens, True, chat, progress=update, compile=compile_step)
     if as_json:
         typer.echo(json.dumps({**result.to_dict(), "model": model}))
         return
@@ -161,7 +168,8 @@ def agreement_command(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate per prompt."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
-    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt, compression: Compression = None,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt, compression: Compression = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
     from ..profiling.agreement import agreement_eval
@@ -169,13 +177,14 @@ def agreement_command(
     from ..profiling.stream import check_count
 
     config = compression.config()
+    check_compile(compile_step, config)
     check_count("max_new_tokens", max_new_tokens)
     prompts = load_prompts(prompts_file)
     if limit is not None:
         prompts = prompts[: check_count("limit", limit, unit="prompts")]
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("generating", enabled=not as_json) as update:
-        result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update)
+        result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update, compile=compile_step)
     if as_json:
         typer.echo(json.dumps({**result.to_dict(), "model": model}))
         return

@@ -15,7 +15,7 @@ import typer
 
 from .common import fail, merged_config, set_threads, user_errors
 from .options import (
-    ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+    CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
 )
 
 
@@ -45,6 +45,7 @@ def generate(
         "(e.g. 2GiB)."),
     threads: Optional[int] = ThreadsOpt,
     trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt,
     compression: Compression = None,
 ):
     """Generate text with a compressed KV cache, streaming tokens as they come."""
@@ -56,6 +57,9 @@ def generate(
     check_prompt(prompt)
     config, overrides = merged_config(compression, config_file)
     check_generation_args(max_new_tokens, temperature, seed)
+    from ..compiled import check_compile
+
+    check_compile(compile_step, config)
     if memory_limit is not None and load_cache is not None:
         fail("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting it was saved with")
     if memory_limit is not None:
@@ -102,7 +106,7 @@ def generate(
         config, extra = cache.config, {"cache": cache}
     result = run_generate(
         lm, tokenizer, prompt, config, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature,
-        seed=seed, on_text=stream, **extra,
+        seed=seed, on_text=stream, compile=compile_step, **extra,
     )
     figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
     figures["config"] = config.to_dict()
@@ -133,5 +137,7 @@ def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> st
         f"[{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | capacity "
         f"{figures['capacity'] or 'all'} | KV {figures['kv_bytes'] / 2**20:.2f} MiB ({figures['kv_dtype']} storage) = "
         f"{ratio:.1%} of an fp16 cache | "
-        f"{prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s]"
+        f"{prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s"
+        + (f" compiled (compile {figures['compile_s']:.1f} s)" if figures.get("compiled") else " eager")
+        + "]"
     )

@@ -9,7 +9,7 @@ import typer
 from .common import user_errors
 from .evaluate import parse_list
 from .options import (
-    Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
+    CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
 )
 
 
@@ -39,6 +39,7 @@ def profile_command(
         "where the peak RSS needs it)."),
     threads: Optional[int] = ThreadsOpt,
     trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt,
     render: Optional[str] = typer.Option(
         None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
     compression: Compression = None,
@@ -65,7 +66,7 @@ def profile_command(
         needle_depths=tuple(parse_list(needle_depths, float, "needle-depths", "fractions in [0, 1]")),
         text_file=text_file, heavy_ratio=values["heavy_ratio"], quant=values["quant"],
         group_size=values["group_size"], residual=values["residual"], isolate=isolate, threads=threads,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=trust_remote_code, compile=compile_step,
     )
     if text_file is not None:
         load_text(text_file)

@@ -125,6 +125,7 @@ def agreement_eval(
     max_new_tokens: int = 32,
     references: list[GenerationResult] | None = None,
     progress: ProgressFn | None = None,
+    compile: bool | None = None,
 ) -> AgreementResult:
     """Greedy generations of ``prompts`` (default: the shipped ones) with ``config``, compared with the
     uncompressed cache's. The budget fraction is relative to ``prompt + max_new_tokens`` (as in ``generate``).
@@ -132,6 +133,7 @@ def agreement_eval(
     Args:
         references: uncompressed generations of the same prompts with the same ``max_new_tokens`` (computed
             when ``None``; pass them to reuse across settings).
+        compile: decode steps through the compiled step (``None``: on with CUDA; see :func:`h2o_compress.generate`).
 
     Raises:
         ConfigError: bad ``max_new_tokens`` or compression setting.
@@ -148,7 +150,7 @@ def agreement_eval(
         raise InputError(f"{len(references)} reference generations for {len(prompts)} prompts; they must match")
     result = AgreementResult(config=config.to_dict(), max_new_tokens=max_new_tokens)
     for i, (prompt, reference) in enumerate(zip(prompts, references)):
-        candidate = generate(model, tokenizer, prompt, config, max_new_tokens)
+        candidate = generate(model, tokenizer, prompt, config, max_new_tokens, compile=compile)
         result.items.append(compare(prompt, reference, candidate))
         if progress is not None:
             progress(i + 1, len(prompts))

@@ -19,7 +19,8 @@ from ..config import CompressionConfig
 from ..errors import ConfigError, InputError, short
 from ..generation import make_cache
 from .corpus import default_corpus
-from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream
+from ..compiled import resolve_compile
+from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream, step_function
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -158,19 +159,21 @@ def needle_prompt(tokenizer, length: int, depth: float, passkey: str, corpus: st
 
 @torch.inference_mode()
 def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_new_tokens: int = 8,
-                  chunk_size: int | None = None) -> tuple[str, int]:
+                  chunk_size: int | None = None, compile: bool | None = None) -> tuple[str, int]:
     """Greedy answer to ``input_ids`` (``[1, tokens]``) through a cache built for ``tokens + max_new_tokens``.
 
     ``chunk_size`` ``None`` reads the prompt in one pass, as :func:`h2o_compress.generate` does (eviction then
-    acts after the prompt); a number reads it in chunks, so eviction acts while it is read.
+    acts after the prompt); a number reads it in chunks, so eviction acts while it is read. ``compile``: decode
+    steps through the compiled step (``None``: on with CUDA).
 
     Returns:
         ``(answer_text, kv_bytes)``.
     """
     input_ids = input_ids.to(model_device(model))
     cache = make_cache(model, config, max_length=input_ids.shape[1] + max_new_tokens)
-    logits, _ = read_stream(model, cache, input_ids, chunk_size)
-    ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id})
+    step = step_function(model, resolve_compile(compile, cache, input_ids.device))
+    logits, _ = read_stream(model, cache, input_ids, chunk_size, step=step)
+    ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id}, step=step)
     return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()
 
 
@@ -202,6 +205,7 @@ def needle_eval(
     chat: bool = True,
     corpus: str | None = None,
     progress: ProgressFn | None = None,
+    compile: bool | None = None,
 ) -> NeedleResult:
     """Passkey accuracy per (context length, depth) for ``config`` and, with ``reference``, the uncompressed cache.
 
@@ -230,7 +234,9 @@ def needle_eval(
                 offset = rng.randrange(0, max(1, len(corpus) - 10 * length))
                 prompt = needle_prompt(tokenizer, length, depth, passkey, corpus, offset, chat)
                 for name, setting in settings:
-                    answer, kv_bytes = answer_prompt(model, tokenizer, prompt, setting, max_new_tokens, chunk_size)
+                    answer, kv_bytes = answer_prompt(
+                        model, tokenizer, prompt, setting, max_new_tokens, chunk_size, compile
+                    )
                     result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
                                                      answer, is_correct(answer, passkey), kv_bytes))
                     done += 1

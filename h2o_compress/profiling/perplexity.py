@@ -18,7 +18,8 @@ from ..config import CompressionConfig
 from ..errors import InputError
 from ..generation import make_cache
 from .corpus import load_text, tokenize_text
-from .stream import ProgressFn, check_count, context_limit, model_device, read_stream
+from ..compiled import resolve_compile
+from .stream import ProgressFn, check_count, context_limit, model_device, read_stream, step_function
 
 
 @dataclass
@@ -107,12 +108,14 @@ def streaming_perplexity(
     chunk_size: int = 1,
     reference: bool = False,
     progress: ProgressFn | None = None,
+    compile: bool | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``input_ids`` (``[1, tokens]``) read through a compressed cache, ``chunk_size`` tokens per pass.
 
     The cache is built with ``max_length = tokens`` (a budget fraction is relative to the stream). With
     ``reference``, the same tokens are also scored with the uncompressed cache, in one forward pass (exact
-    for an uncompressed causal model, whatever the chunking), and the ratio is reported.
+    for an uncompressed causal model, whatever the chunking), and the ratio is reported. ``compile`` runs the
+    one-token chunks (``chunk_size=1``) through the compiled decode step (``None``: on with CUDA).
 
     Raises:
         ConfigError: bad ``chunk_size`` or compression setting.
@@ -130,8 +133,9 @@ def streaming_perplexity(
         raise InputError(f"a stream of {tokens} tokens exceeds the model's context of {limit} tokens")
     input_ids = input_ids.to(model_device(model))
     cache = make_cache(model, config, max_length=tokens)
+    step = step_function(model, resolve_compile(compile, cache, input_ids.device))
     scorer = NLLAccumulator(input_ids)
-    _, seconds = read_stream(model, cache, input_ids, chunk_size, on_logits=scorer, progress=progress)
+    _, seconds = read_stream(model, cache, input_ids, chunk_size, on_logits=scorer, progress=progress, step=step)
     result = PerplexityResult(
         perplexity=math.exp(scorer.mean),
         nll=scorer.mean,
@@ -170,6 +174,7 @@ def text_perplexity(
     chunk_size: int = 1,
     reference: bool = True,
     progress: ProgressFn | None = None,
+    compile: bool | None = None,
 ) -> PerplexityResult:
     """:func:`streaming_perplexity` of the first ``max_tokens`` tokens of ``text_file`` (default: the shipped
     corpus). A shorter text is read whole (``result.tokens`` says how many tokens were read).
@@ -180,4 +185,6 @@ def text_perplexity(
     """
     check_count("max_tokens", max_tokens, minimum=2)
     input_ids = tokenize_text(tokenizer, load_text(text_file), max_tokens)
-    return streaming_perplexity(model, input_ids, config, chunk_size, reference=reference, progress=progress)
+    return streaming_perplexity(
+        model, input_ids, config, chunk_size, reference=reference, progress=progress, compile=compile
+    )

@@ -34,7 +34,8 @@ from .agreement import agreement_eval, reference_generations
 from .corpus import load_prompts, load_text, tokenize_text
 from .needle import needle_eval
 from .perplexity import streaming_perplexity
-from .stream import check_count, greedy_decode, model_device, read_stream, sync
+from ..compiled import decode_step, resolve_compile
+from .stream import check_count, greedy_decode, model_device, read_stream, step_function, sync
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
 _DEFAULTS = CompressionConfig()
@@ -58,6 +59,8 @@ class ProfileSettings:
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
+        compile: run decode steps through the compiled step (``None``: on with CUDA; see
+            :func:`h2o_compress.generate`); compilation runs in the warm-up, outside the timings.
         trust_remote_code: let the model directory run its own code (``load_model``'s flag).
     """
 
@@ -83,6 +86,7 @@ class ProfileSettings:
     isolate: bool | None = None
     threads: int | None = None
     trust_remote_code: bool = False
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths"):
@@ -146,7 +150,10 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure_speed(model, config: CompressionConfig, corpus_ids: torch.Tensor, seq_len: int, decode_tokens: int) -> dict:
+def measure_speed(
+    model, config: CompressionConfig, corpus_ids: torch.Tensor, seq_len: int, decode_tokens: int,
+    compile: bool | None = None,
+) -> dict:
     """Prefill ``seq_len`` corpus tokens in one pass, then ``decode_tokens`` greedy decode steps.
 
     Returns a dict: seq_len, capacity, prefill_tokens_per_s, decode_tokens_per_s, kv_bytes, kv_bytes_full_fp16,
@@ -156,8 +163,15 @@ def measure_speed(model, config: CompressionConfig, corpus_ids: torch.Tensor, se
     ids = corpus_ids[:, :seq_len].to(device)
     reset_peak_memory(device)
     cache = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
+    step = step_function(model, resolve_compile(compile, cache, device))
+    if step is not decode_step:  # compile for these shapes, untimed
+        warm = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
+        logits, _ = read_stream(model, warm, ids, None)
+        greedy_decode(model, warm, logits, 3, step=step)
+        del warm
+        reset_peak_memory(device)
     logits, prefill_s = read_stream(model, cache, ids, None)
-    _, decode_s = greedy_decode(model, cache, logits, decode_tokens + 1)
+    _, decode_s = greedy_decode(model, cache, logits, decode_tokens + 1, step=step)
     sync(device)
     peak, _ = peak_memory_bytes(device)
     return {
@@ -181,13 +195,14 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     device = model_device(model)
     text = load_text(settings.text_file)
     corpus_ids = tokenize_text(tokenizer, text, max(max(settings.seq_lens), settings.ppl_tokens))
-    with torch.inference_mode():  # warm-up: first-call initialisation is not part of any timing
+    with torch.inference_mode():  # warm-up: first-call initialisation (and compilation) is not part of any timing
         read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
     record: dict = {"label": label(config), "config": config.to_dict(),
                     "model_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
     record["memory_after_warmup_bytes"], record["memory_kind"] = peak_memory_bytes(device)
     record["speed"] = [
-        measure_speed(model, config, corpus_ids, n, settings.decode_tokens) for n in sorted(settings.seq_lens)
+        measure_speed(model, config, corpus_ids, n, settings.decode_tokens, settings.compile)
+        for n in sorted(settings.seq_lens)
     ]
     base = record["memory_after_warmup_bytes"]
     for s in record["speed"]:
@@ -201,11 +216,12 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
         if references is None:
             references = reference_generations(model, tokenizer, prompts, settings.max_new_tokens)
             record["generations"] = references
-        agreement = agreement_eval(model, tokenizer, config, prompts, settings.max_new_tokens, references)
+        agreement = agreement_eval(model, tokenizer, config, prompts, settings.max_new_tokens, references,
+                                   compile=settings.compile)
         record["agreement"] = {k: v for k, v in agreement.to_dict().items() if k != "config"}
     if settings.needle_lengths:
         needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
-                             reference=False, corpus=text)
+                             reference=False, corpus=text, compile=settings.compile)
         record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
     record["seconds"] = time.perf_counter() - started
     return record

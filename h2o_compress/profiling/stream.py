@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ..compiled import compiled_decode_step, decode_step
 from ..errors import ConfigError, short
 
 ProgressFn = Callable[[int, int], None]
@@ -65,6 +66,20 @@ def forward_chunk(model, cache, chunk: torch.Tensor, last_only: bool = False) ->
     return logits[:, -1:] if last_only else logits
 
 
+def step_function(model, compile: bool):
+    """The decode step to use: :func:`~h2o_compress.compiled.compiled_decode_step` when ``compile`` (the cache must
+    be compileable: :func:`~h2o_compress.compiled.resolve_compile` checks), else the eager
+    :func:`~h2o_compress.compiled.decode_step`."""
+    return compiled_decode_step(model) if compile else decode_step
+
+
+def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tensor:
+    """One token ``[batch, 1]`` at position ``seen`` through ``step``; logits ``[batch, vocab]``."""
+    device = token.device
+    positions = torch.full((token.shape[0], 1), seen, dtype=torch.long, device=device)
+    return step(model, token, cache, positions, torch.ones(token.shape[0], seen + 1, dtype=torch.long, device=device))
+
+
 def read_stream(
     model,
     cache,
@@ -72,6 +87,7 @@ def read_stream(
     chunk_size: int | None = None,
     on_logits: Callable[[int, torch.Tensor], None] | None = None,
     progress: ProgressFn | None = None,
+    step=None,
 ) -> tuple[torch.Tensor, float]:
     """Feed ``input_ids`` (``[batch, tokens]``) through ``cache`` in chunks of ``chunk_size`` tokens.
 
@@ -80,6 +96,8 @@ def read_stream(
         on_logits: ``on_logits(start, logits)`` receives each chunk's logits ``[batch, k, vocab]`` (position
             ``start + i`` predicts token ``start + i + 1``); without it only the last position is projected.
         progress: see :data:`ProgressFn`.
+        step: a decode step function (:func:`step_function`) for one-token chunks after the first; ``None``: a
+            plain forward pass.
 
     Returns:
         ``(last_logits [batch, vocab], seconds)``: logits after the last token, and the wall-clock seconds of
@@ -94,7 +112,10 @@ def read_stream(
         chunk = input_ids[:, start : start + step]
         sync(device)
         began = time.perf_counter()
-        logits = forward_chunk(model, cache, chunk, last_only=on_logits is None)
+        if step is not None and chunk.shape[1] == 1 and start > 0:
+            logits = decode_one(step, model, cache, chunk, start)[:, None]
+        else:
+            logits = forward_chunk(model, cache, chunk, last_only=on_logits is None)
         sync(device)
         seconds += time.perf_counter() - began
         if on_logits is not None:
@@ -105,11 +126,11 @@ def read_stream(
     return last, seconds
 
 
-def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[int] = frozenset()):
+def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[int] = frozenset(), step=None):
     """Greedy tokens from ``logits`` (``[batch=1, vocab]``, after the prompt), ``steps`` tokens at most.
 
     The first token comes from ``logits``; each further one costs one forward pass through ``cache``. Stops
-    after a token in ``stop_ids``.
+    after a token in ``stop_ids``. ``step``: the decode step function (:func:`step_function`; default eager).
 
     Returns:
         ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes.
@@ -118,10 +139,13 @@ def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[
     ids = [token.item()]
     seconds = 0.0
     device = logits.device
+    step = decode_step if step is None else step
+    seen = int(cache.get_seq_length())
     while len(ids) < steps and ids[-1] not in stop_ids:
         sync(device)
         began = time.perf_counter()
-        logits = forward_chunk(model, cache, token, last_only=True)[:, -1]
+        logits = decode_one(step, model, cache, token, seen)
+        seen += 1
         token = logits.argmax(-1, keepdim=True)
         ids.append(token.item())
         sync(device)
