@@ -408,17 +408,11 @@ def load_cache(path, model, config=None):
         )
     saved = _saved_config(metadata, source)
     _check_config(saved, config, source)
-    try:
-        layer_states = json.loads(metadata["layers"])
-        capacity = json.loads(metadata["capacity"])
-    except (KeyError, ValueError) as exc:
-        raise CacheFileError(f"cache file {str(source)!r} has unreadable metadata ({exc})") from None
-    use_h2o_attention(model)
     dims = model_dims(model.config)
-    if len(layer_states) != dims.num_layers:
-        raise CacheStateError(f"cache file has {len(layer_states)} layers, the model {dims.num_layers}")
+    layer_states, capacity, max_tokens = _check_structure(metadata, dims, source)
+    _check_prompt(tensors, layer_states[0], model, source)
+    use_h2o_attention(model)
     device = next(model.parameters()).device
-    max_tokens = layer_states[0].get("max_tokens") if layer_states and isinstance(layer_states[0], dict) else None
     layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         _restore_layer(layer, i, state, tensors, device)
@@ -428,6 +422,86 @@ def load_cache(path, model, config=None):
         logits = tensors.get("prompt.next_logits")
         cache.prompt_state = PromptState(tensors["prompt.token_ids"], None if logits is None else logits.to(device))
     return cache
+
+
+_LAYER_KEYS = {"seen_tokens": int, "batch": int, "kv_heads": int, "head_dim": int, "dtype": str,
+               "residual_dtype": str, "residual": int}
+_MAX_COUNT = 2**31 - 1
+
+
+def _is_count(value, minimum: int = 0) -> bool:
+    return type(value) is int and minimum <= value <= _MAX_COUNT
+
+
+def _check_structure(metadata: dict, dims, source: Path) -> tuple[list[dict], int | None, int | None]:
+    """The metadata's layer list, capacity and max_tokens, checked against the model before any tensor is used.
+
+    Raises:
+        CacheFileError: missing or mistyped fields, counts out of range, or a geometry that is not the model's.
+    """
+    where = f"cache file {str(source)!r}"
+    try:
+        layer_states = json.loads(metadata["layers"])
+        capacity = json.loads(metadata["capacity"])
+        tokens = int(metadata["tokens"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CacheFileError(f"{where} has unreadable metadata ({short(str(exc))})") from None
+    if not isinstance(layer_states, list) or not all(isinstance(state, dict) for state in layer_states):
+        raise CacheFileError(f"{where}: metadata 'layers' must be a list of objects")
+    if len(layer_states) != dims.num_layers:
+        raise CacheStateError(f"cache file has {len(layer_states)} layers, the model {dims.num_layers}")
+    if capacity is not None and not _is_count(capacity, 1):
+        raise CacheFileError(f"{where}: capacity={short(capacity)}; allowed: null or an integer >= 1")
+    first = layer_states[0]
+    for i, state in enumerate(layer_states):
+        for key, kind in _LAYER_KEYS.items():
+            if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+                raise CacheFileError(f"{where}: layer {i} field {key!r} is {short(state.get(key))}; allowed: {kind.__name__}")
+        max_tokens = state.get("max_tokens")
+        if max_tokens is not None and not _is_count(max_tokens, 1):
+            raise CacheFileError(f"{where}: layer {i} max_tokens={short(max_tokens)}; allowed: null or an integer >= 1")
+        if state.get("capacity") != capacity or max_tokens != first.get("max_tokens"):
+            raise CacheFileError(f"{where}: layer {i} capacity/max_tokens differ from the cache's")
+        if not _is_count(state["seen_tokens"]) or state["seen_tokens"] != tokens:
+            raise CacheFileError(f"{where}: layer {i} has seen {short(state['seen_tokens'])} tokens, the file {tokens}")
+        if not 1 <= state["batch"] <= 2**20:
+            raise CacheFileError(f"{where}: layer {i} batch={state['batch']}; allowed: 1 to {2**20}")
+        if (state["kv_heads"], state["head_dim"]) != (dims.kv_heads, dims.head_dim) or state["batch"] != first["batch"]:
+            raise CacheStateError(
+                f"{where}: layer {i} holds kv_heads={state['kv_heads']}, head_dim={state['head_dim']}; the model "
+                f"has kv_heads={dims.kv_heads}, head_dim={dims.head_dim}"
+            )
+        if max_tokens is not None and tokens > max_tokens:
+            raise CacheFileError(f"{where}: {tokens} tokens seen by a cache built for {max_tokens}")
+    return layer_states, capacity, first.get("max_tokens")
+
+
+def _check_prompt(tensors: dict, state: dict, model, source: Path) -> None:
+    """``prompt.token_ids`` int64 ``[batch, tokens]`` within the vocabulary, ``prompt.next_logits`` finite
+    ``[batch, vocab]``, each present only with the other's shape rules.
+
+    Raises:
+        CacheFileError: naming the tensor and what is allowed.
+    """
+    where = f"cache file {str(source)!r}"
+    ids, logits = tensors.get("prompt.token_ids"), tensors.get("prompt.next_logits")
+    vocab = getattr(model.config, "vocab_size", None) or model.get_output_embeddings().weight.shape[0]
+    if ids is not None:
+        if ids.dtype != torch.int64 or tuple(ids.shape) != (state["batch"], state["seen_tokens"]):
+            raise CacheFileError(
+                f"{where}: prompt.token_ids is {tuple(ids.shape)} {ids.dtype}; allowed: int64 "
+                f"[{state['batch']}, {state['seen_tokens']}]"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise CacheFileError(f"{where}: prompt.token_ids outside the vocabulary [0, {vocab})")
+    if logits is not None:
+        if ids is None or not logits.is_floating_point() or tuple(logits.shape) != (state["batch"], vocab):
+            raise CacheFileError(
+                f"{where}: prompt.next_logits is {tuple(logits.shape)} {logits.dtype}; allowed: float "
+                f"[{state['batch']}, {vocab}] beside prompt.token_ids"
+            )
+        if not bool(torch.isfinite(logits).all()):
+            raise CacheFileError(f"{where}: prompt.next_logits holds NaN or Inf")
 
 
 def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -450,6 +524,50 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
                 f"layer {i}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, the config implies "
                 f"{tuple(expected[name].shape)} {expected[name].dtype}"
             )
+    _check_layer_values(saved, i, state["seen_tokens"], layer)
     layer.load_tensors({name: t.to(device) for name, t in saved.items()})
-    if int(layer.seen) != state["seen_tokens"]:
-        raise CacheFileError(f"layer {i}: seen={int(layer.seen)} but the metadata says {state['seen_tokens']}")
+
+
+def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer) -> None:
+    """Every invariant a layer's buffers can be checked for: positions within what was seen (each at most once
+    per sequence and head; the ring holding exactly the newest positions in their slots), at most ``capacity``
+    held, scores finite and >= 0, ``first_real`` a held position or none, both flags set, ``seen`` as saved.
+
+    Raises:
+        CacheFileError: naming the layer and the broken invariant.
+    """
+    from .eviction.base import NO_POSITION
+
+    def fail(what: str):
+        raise CacheFileError(f"layer {i}: {what}")
+
+    if int(saved["seen"]) != seen:
+        fail(f"seen={int(saved['seen'])} but the metadata says {seen}")
+    if not (bool(saved["finite"]) and bool(saved["consistent"])):
+        fail("the cache was saved poisoned (non-finite keys/values or a half-way failure)")
+    store = saved["store.positions"].long()
+    if int(store.min()) < -1 or int(store.max()) >= max(seen, 1):
+        fail(f"store positions outside [-1, {seen})")
+    held = store
+    if "ring.positions" in saved:
+        ring = saved["ring.positions"].long()
+        size = ring.shape[1]
+        expected = torch.arange(seen - size, seen)
+        expected = expected[torch.remainder(expected, size).argsort()]  # slot r holds the position = r (mod size)
+        if not bool(((ring == expected) | (ring == -1)).all()):
+            fail("ring positions are not the newest positions in their slots")
+        held = torch.cat((store, ring.unsqueeze(1).expand(-1, store.shape[1], -1)), dim=2)
+    valid = held.masked_fill(held < 0, -1).sort(-1).values
+    if bool(((valid[..., 1:] == valid[..., :-1]) & (valid[..., 1:] >= 0)).any()):
+        fail("a position is held twice")
+    if layer.capacity is not None and int((held >= 0).sum(-1).max()) > layer.capacity:
+        fail(f"holds more than the capacity {layer.capacity}")
+    for name, tensor in saved.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            fail(f"{name} holds NaN or Inf")
+    for name in ("store.scores", "ring.scores"):
+        if name in saved and not bool((torch.isfinite(saved[name]) & (saved[name] >= 0)).all()):
+            fail(f"{name} must be finite and >= 0")
+    first = saved["first_real"]
+    if not bool(((first >= 0) & (first <= seen) | (first == NO_POSITION)).all()):
+        fail(f"first_real outside [0, {seen}]")
