@@ -283,3 +283,18 @@ def test_non_finite_decode_steps_are_flagged_and_read_once():
         cache.check()
     with pytest.raises(InputError, match="not finite"):
         model(input_ids=torch.randint(0, 128, (1, 2)), past_key_values=cache)
+
+
+@torch.inference_mode()
+def test_capacity_is_capped_at_what_the_cache_can_see_and_huge_storage_is_refused():
+    """An integer budget above prompt + new tokens stores no more than that; storage the device cannot hold is
+    refused before any allocation, with both sizes in the message."""
+    model = tiny_llama()
+    capped = make_cache(model, CompressionConfig(budget=100_000, kv_bits=4), max_length=30)
+    assert capped.capacity == 30
+    model(input_ids=torch.randint(0, 128, (1, 10)), past_key_values=capped)
+    assert capped.layers[0].store.slots == 30 - capped.layers[0].residual + 1
+    huge = make_cache(model, CompressionConfig(budget=10**12))
+    with pytest.raises(InputError, match=r"the cache needs .* GiB .* but cpu has .* GiB free"):
+        model(input_ids=torch.randint(0, 128, (1, 10)), past_key_values=huge)
+    assert not huge.layers[0].is_initialized

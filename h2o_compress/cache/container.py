@@ -153,6 +153,8 @@ def build_layers(
                 max_tokens=max_tokens,
             )
         )
+    for layer in layers:
+        layer.num_layers = num_layers
     return layers
 
 

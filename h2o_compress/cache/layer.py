@@ -20,6 +20,7 @@ unbounded cache of known length; an unbounded cache of unknown length grows (eag
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -34,6 +35,19 @@ from .ring import RingWindow
 from .slots import SlotStore
 
 GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now (CUDA: ``torch.cuda.mem_get_info``; CPU: available physical memory), or
+    ``None`` when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
 
 
 def _mark_static(tensors) -> None:
@@ -83,6 +97,7 @@ class CompressedLayer(CacheLayerMixin):
         if capacity is not None and max_tokens is not None:
             capacity = min(capacity, max_tokens)  # storage never exceeds what the cache can see
         self.layer_idx, self.policy, self.capacity, self.max_tokens = layer_idx, policy, capacity, max_tokens
+        self.num_layers = 1  # set by build_layers: the memory check counts every layer
         self.key_quantizer, self.value_quantizer = key_quantizer, value_quantizer
         self.quantized = key_quantizer.bits < 16 or value_quantizer.bits < 16
         if not self.quantized:
@@ -142,6 +157,8 @@ class CompressedLayer(CacheLayerMixin):
         self.key_basis = self.key_quantizer.rotation(self.device)
         self.value_basis = self.value_quantizer.rotation(self.device)
         shape = (self.batch, self.kv_heads, self.store_slots(first), self.head_dim)
+        if self.device.type != "meta":
+            self._check_fits(key_states, value_states)
         self.store = SlotStore(
             self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device, self.with_scores
         )
@@ -155,6 +172,27 @@ class CompressedLayer(CacheLayerMixin):
         if self.device.type != "meta":
             _mark_static(self.tensors())
         self.is_initialized = True
+
+    def _check_fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse, before allocating, buffers that the device cannot hold: this layer's bytes (sized on the
+        ``meta`` device) times ``num_layers`` against the free memory (CUDA: ``mem_get_info``; CPU: available RAM).
+
+        Raises:
+            InputError: naming both sizes.
+        """
+        probe = CompressedLayer(
+            self.layer_idx, self.policy, self.capacity, self.key_quantizer, self.value_quantizer, self.residual,
+            max_tokens=self.max_tokens,
+        )
+        probe.lazy_initialization(key_states.to("meta"), value_states.to("meta"))
+        needed = probe.nbytes() * self.num_layers
+        free = available_memory(self.device)
+        if free is not None and needed > free:
+            raise InputError(
+                f"the cache needs {needed / 2**30:.2f} GiB ({self.num_layers} layers of {probe.store.slots} slots, "
+                f"batch {self.batch}) but {self.device} has {free / 2**30:.2f} GiB free; allowed: a smaller budget, "
+                "max_length or batch"
+            )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer held, by name: ``store.*``, ``ring.*``, ``seen``, ``first_real``, ``finite``,
