@@ -298,3 +298,13 @@ def test_capacity_is_capped_at_what_the_cache_can_see_and_huge_storage_is_refuse
     with pytest.raises(InputError, match=r"the cache needs .* GiB .* but cpu has .* GiB free"):
         model(input_ids=torch.randint(0, 128, (1, 10)), past_key_values=huge)
     assert not huge.layers[0].is_initialized
+
+
+@torch.inference_mode()
+def test_model_cast_after_prefill_is_refused():
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(budget=8, kv_bits=4))
+    model(input_ids=torch.randint(0, 128, (1, 10)), past_key_values=cache)
+    model.half()
+    with pytest.raises(CacheStateError, match="model.half"):
+        model(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache)

@@ -256,6 +256,11 @@ class CompressedLayer(CacheLayerMixin):
                 f"head_dim={self.head_dim} but got batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}, "
                 f"head_dim={key_states.shape[3]}; use a new cache (or cache.reset())"
             )
+        elif key_states.dtype != self.dtype or key_states.device != self.device:
+            raise CacheStateError(
+                f"layer {self.layer_idx}: cache holds {self.dtype} keys on {self.device} but got {key_states.dtype} on "
+                f"{key_states.device} (model.half() or .to() after the prefill?); use a new cache (or cache.reset())"
+            )
         finite = torch.isfinite(torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32))
         self.finite &= finite
         if self.key_basis is not None:
