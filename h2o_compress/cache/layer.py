@@ -302,20 +302,34 @@ class CompressedLayer(CacheLayerMixin):
         )
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
-        leaving_keys, leaving_values = keys, values
-        keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
-        if self.quantized:  # a token leaving the window is attended at full precision one last time, as in a chunk
-            index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
-            keys = keys.scatter(2, index, leaving_keys.to(self.dtype))
-            values = values.scatter(2, index, leaving_values.to(self.dtype))
+        if not self.quantized:  # 16-bit: attention reads the store itself, no copy
+            keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+            self.decode_valid = self.store.positions >= 0
+            return keys, values
+        index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+        ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
+        keys = self._read(self.key_quantizer, self.store.keys, ring_keys, keys, index)
+        values = self._read(self.value_quantizer, self.store.values, ring_values, values, index)
         valid = self.store.positions >= 0
         if self.ring is not None:
-            keys = torch.cat((keys, self.ring.keys.to(self.dtype)), dim=2)
-            values = torch.cat((values, self.ring.values.to(self.dtype)), dim=2)
             ring_valid = (self.ring.positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)
             valid = torch.cat((valid, ring_valid), dim=2)
         self.decode_valid = valid
         return keys, values
+
+    def _read(self, quantizer, stored, ring, leaving, index) -> torch.Tensor:
+        """What attention reads, ``[batch, kv_heads, slots + residual, head_dim]`` in the model dtype, built in one
+        buffer: the store dequantized in place, the token leaving the window at full precision in its new slot
+        (its last step at full precision, as in a chunk), then the ring."""
+        slots = self.store.slots
+        size = 0 if ring is None else ring.shape[2]
+        out = torch.empty(self.batch, self.kv_heads, slots + size, self.head_dim, dtype=self.dtype, device=self.device)
+        held = out[:, :, :slots]
+        quantizer.dequantize_into(stored, held)
+        held.scatter_(2, index, leaving.to(self.dtype))
+        if ring is not None:
+            out[:, :, slots:].copy_(ring)
+        return out
 
     def _chunk_update(self, keys: torch.Tensor, values: torch.Tensor):
         """Several tokens (eager): the held tokens (store dequantized, ring oldest first) followed by the chunk.

@@ -95,7 +95,7 @@ class IntQuantizer(KVQuantizer):
         scale_zero = stored.parts["scale_zero"].float()
         codes = self._codes(stored.parts["data"])
         target = out.unflatten(-1, (self.head_dim // self.group_size, self.group_size))
-        if out.dtype == torch.float32:
+        if out.dtype == torch.float32 and not torch.compiler.is_compiling():  # Dynamo takes no strided out=
             torch.addcmul(scale_zero[..., 1:], codes, scale_zero[..., :1], out=target)
         else:
             target.copy_(torch.addcmul(scale_zero[..., 1:], codes, scale_zero[..., :1]))
