@@ -172,7 +172,7 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
     input_ids = input_ids.to(model_device(model))
     cache = make_cache(model, config, max_length=input_ids.shape[1] + max_new_tokens)
     step = step_function(model, resolve_compile(compile, cache, input_ids.device))
-    logits, _ = read_stream(model, cache, input_ids, chunk_size, step=step)
+    logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)
     ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id}, step=step)
     return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()
 

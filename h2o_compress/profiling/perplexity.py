@@ -135,7 +135,7 @@ def streaming_perplexity(
     cache = make_cache(model, config, max_length=tokens)
     step = step_function(model, resolve_compile(compile, cache, input_ids.device))
     scorer = NLLAccumulator(input_ids)
-    _, seconds = read_stream(model, cache, input_ids, chunk_size, on_logits=scorer, progress=progress, step=step)
+    _, seconds = read_stream(model, cache, input_ids, chunk_size, on_logits=scorer, progress=progress, decoder=step)
     result = PerplexityResult(
         perplexity=math.exp(scorer.mean),
         nll=scorer.mean,

@@ -87,7 +87,7 @@ def read_stream(
     chunk_size: int | None = None,
     on_logits: Callable[[int, torch.Tensor], None] | None = None,
     progress: ProgressFn | None = None,
-    step=None,
+    decoder=None,
 ) -> tuple[torch.Tensor, float]:
     """Feed ``input_ids`` (``[batch, tokens]``) through ``cache`` in chunks of ``chunk_size`` tokens.
 
@@ -96,7 +96,7 @@ def read_stream(
         on_logits: ``on_logits(start, logits)`` receives each chunk's logits ``[batch, k, vocab]`` (position
             ``start + i`` predicts token ``start + i + 1``); without it only the last position is projected.
         progress: see :data:`ProgressFn`.
-        step: a decode step function (:func:`step_function`) for one-token chunks after the first; ``None``: a
+        decoder: a decode step function (:func:`step_function`) for one-token chunks after the first; ``None``: a
             plain forward pass.
 
     Returns:
@@ -112,8 +112,8 @@ def read_stream(
         chunk = input_ids[:, start : start + step]
         sync(device)
         began = time.perf_counter()
-        if step is not None and chunk.shape[1] == 1 and start > 0:
-            logits = decode_one(step, model, cache, chunk, start)[:, None]
+        if decoder is not None and chunk.shape[1] == 1 and start > 0:
+            logits = decode_one(decoder, model, cache, chunk, start)[:, None]
         else:
             logits = forward_chunk(model, cache, chunk, last_only=on_logits is None)
         sync(device)
