@@ -459,7 +459,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=ints, default=[1, 4, 16, 64])
     p.add_argument("--settings", default=",".join(s.key for s in SETTINGS), help="comma-separated setting keys")
     p.add_argument("--kernels", type=lambda text: text.split(","), default=["auto"],
-                   help="attention_kernel values for ours: auto (triton on CUDA), torch, triton; the first is judged")
+                   help="attention_kernel values for ours: auto or torch (triton is refused for now); the first is judged")
     p.add_argument("--parts", default="speed,maxbatch,criterion,quality", help="comma-separated parts to run")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")

@@ -136,6 +136,6 @@ TrustOpt = typer.Option(
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object.")
 CompileOpt = typer.Option(
     None, "--compile/--no-compile",
-    help="torch.compile the decode step (fullgraph; CUDA graphs on CUDA). Default: on with CUDA, on on CPU "
-         "(measured faster there too: benchmarks/results/decode_speed_cpu.md); the first steps pay the compile.")
+    help="torch.compile the decode step (fullgraph; CUDA graphs on CUDA). Default: on with CUDA, off on CPU "
+         "(eager measured faster there: benchmarks/results/decode_speed_cpu.md). The first step pays the compile.")
 ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (.json/.toml); flags given override it.")
