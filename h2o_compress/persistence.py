@@ -10,8 +10,10 @@ File format (``format_version`` 3: the slot layout of :mod:`h2o_compress.cache`;
 - metadata (strings): ``format``, ``format_version``, ``library_version``, ``model_fingerprint`` (see
   :func:`model_fingerprint`), ``model_id``, ``config`` (JSON of :class:`CompressionConfig`), ``capacity``,
   ``tokens`` (tokens seen), ``layers`` (JSON list of per-layer state) and ``checksum``: SHA-256 over every
-  other metadata field and every tensor's name, dtype, shape and bytes, so a truncated or edited file is
-  refused.
+  other metadata field and every tensor's name, dtype, shape and bytes. The checksum catches truncation and
+  accidental damage, not a deliberate edit (anyone can recompute it): every structural field and every invariant
+  a layer can be checked for is checked on load as well (``_check_structure``, ``_check_prompt``,
+  ``_check_layer_values``; fuzzed by ``tests/test_cache_file_fuzz.py``).
 
 Writes are atomic: the file is written to a temporary name in the target directory, flushed to disk and
 renamed over the target, so an interrupted save leaves either the old file or the new one, never half a file.
