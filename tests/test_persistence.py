@@ -470,3 +470,18 @@ def test_fingerprint_of_an_offloaded_model_reads_no_meta_weights():
     model.model.layers[1].mlp.to("meta")
     after = model_fingerprint(model)
     assert len(after) == 32 and after != before
+
+
+def test_cache_save_replaces_a_foreign_file_only_with_overwrite(model, tmp_path):
+    from h2o_compress import CacheFileError
+
+    cache = make_cache(model, CompressionConfig(budget=10, kv_bits=4))
+    with torch.no_grad():
+        model(input_ids=prompt_ids(), past_key_values=cache)
+    target = tmp_path / "notes.txt"
+    target.write_text("a user's file")
+    with pytest.raises(CacheFileError):
+        cache.save(target, model=model)
+    assert target.read_text() == "a user's file"
+    cache.save(target, model=model, overwrite=True)
+    assert CompressedCache.load(target, model).seen_tokens() == 20

@@ -116,11 +116,12 @@ class CompressedCache(Cache):
         layer = ready[0]
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * int(layer.seen) * layer.batch * 2
 
-    def save(self, path, model=None):
-        """Write this cache to ``path`` (safetensors, atomic); see :func:`h2o_compress.persistence.save_cache`."""
+    def save(self, path, model=None, overwrite: bool = False):
+        """Write this cache to ``path`` (safetensors, atomic; ``overwrite`` lets it replace a file that is not a
+        cache file); see :func:`h2o_compress.persistence.save_cache`."""
         from ..persistence import save_cache
 
-        return save_cache(self, path, model=model)
+        return save_cache(self, path, model=model, overwrite=overwrite)
 
     @classmethod
     def load(cls, path, model, config=None) -> "CompressedCache":
