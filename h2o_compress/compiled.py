@@ -31,6 +31,15 @@ def decode_step(model, input_ids, cache, position_ids, attention_mask=None) -> t
     return out.logits[:, -1]
 
 
+def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tensor:
+    """One token ``[batch, 1]`` at position ``seen`` (tokens the cache has seen) through ``step``
+    (:func:`decode_step` or :func:`compiled_decode_step`'s), with an all-ones attention mask ``[batch, seen + 1]``;
+    returns logits ``[batch, vocab]``."""
+    device, batch = token.device, token.shape[0]
+    positions = torch.full((batch, 1), seen, dtype=torch.long, device=device)
+    return step(model, token, cache, positions, torch.ones(batch, seen + 1, dtype=torch.long, device=device))
+
+
 def compiled_decode_step(model, device: torch.device | str | None = None):
     """The compiled :func:`decode_step` for ``model``, built once per model and device type and reused.
 
@@ -78,8 +87,7 @@ def resolve_compile(compile: bool | None, cache, device: torch.device) -> bool:
         ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a
             ``compile`` that is not a bool or ``None``.
     """
-    if compile is not None and not isinstance(compile, bool):
-        raise ConfigError(f"compile={compile!r} is invalid; allowed: True, False or None (auto)")
+    check_compile(compile, cache.config)
     if compile is None:
         return device.type == "cuda" and cache.compile_blocker is None
     if compile and cache.compile_blocker is not None:

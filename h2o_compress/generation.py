@@ -11,7 +11,7 @@ import torch
 from .attention import use_h2o_attention
 from .cache import CompressedCache, build_layers
 from .config import CompressionConfig
-from .compiled import compiled_decode_step, decode_step, resolve_compile
+from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile
 from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
 from .identity import model_fingerprint, model_identity
@@ -238,9 +238,7 @@ def generate(
         if generated[-1] in eos or len(generated) >= max_new_tokens:
             break
         start = time.perf_counter()
-        seen = prompt_tokens + len(generated) - 1  # tokens the cache holds before this one
-        positions = torch.full((1, 1), seen, dtype=torch.long, device=device)
-        logits = step(model, token, cache, positions, torch.ones(1, seen + 1, dtype=torch.long, device=device))
+        logits = decode_one(step, model, cache, token, prompt_tokens + len(generated) - 1)
         token = pick(logits)
         generated.append(token.item())
         if compiled and len(generated) == 2:  # the first compiled step compiles: not a decode speed

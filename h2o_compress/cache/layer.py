@@ -108,6 +108,7 @@ class CompressedLayer(CacheLayerMixin):
         self.with_scores = policy.needs_scores and capacity is not None
         self.score_chunk_size = score_chunk_size
         self.attention_kernel = attention_kernel
+        self.growable = capacity is None and max_tokens is None  # unbounded, length unknown: grows (eager only)
         self.compile_blocker = self._compile_blocker()
         self.is_compileable = self.compile_blocker is None
         self.reset()
@@ -116,7 +117,7 @@ class CompressedLayer(CacheLayerMixin):
         """Why the decode step cannot be compiled, or ``None``."""
         if any(isinstance(q, BitsAndBytesQuantizer) for q in (self.key_quantizer, self.value_quantizer)):
             return "the bitsandbytes formats (nf4, fp4, int8-blockwise) run eagerly only; use quant='int' to compile"
-        if self.capacity is None and self.max_tokens is None:
+        if self.growable:
             return "an unbounded cache without max_length grows as it goes; pass max_length to make_cache to compile"
         return None
 
@@ -286,7 +287,7 @@ class CompressedLayer(CacheLayerMixin):
         and values attention reads: ``[batch, kv_heads, slots + residual, head_dim]`` (a 16-bit store is read in
         place). No host sync (except the host counter of an unbounded cache of unknown length, eager only)."""
         position = self.seen
-        if self.compile_blocker is not None and self.capacity is None and self.max_tokens is None:
+        if self.growable:
             self.grown_to += 1
             if self.grown_to - self.residual >= self.store.slots:
                 self.store.resize(self.store.slots + GROWTH)
@@ -336,7 +337,7 @@ class CompressedLayer(CacheLayerMixin):
         A cache that holds nothing yet returns the chunk alone, exactly as DynamicCache would."""
         seen = int(self.seen)
         self.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
-        if self.compile_blocker is not None and self.capacity is None and self.max_tokens is None:
+        if self.growable:
             self.grown_to = seen + keys.shape[2]
         if not self.chunk["held"]:
             return keys.to(self.dtype), values.to(self.dtype)
@@ -481,7 +482,7 @@ class CompressedLayer(CacheLayerMixin):
             return
         empty = self.store.positions < 0
         if bool((incoming.sum(-1) > empty.sum(-1)).any()):
-            if self.compile_blocker is None or self.capacity is not None or self.max_tokens is not None:
+            if not self.growable:
                 raise CacheStateError(
                     f"layer {self.layer_idx}: more tokens than the cache was built for (max_length="
                     f"{self.max_tokens}); build the cache with the full length (prompt + new tokens)"

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..compiled import compiled_decode_step, decode_step
+from ..compiled import compiled_decode_step, decode_one, decode_step
 from ..errors import ConfigError, short
 
 ProgressFn = Callable[[int, int], None]
@@ -71,13 +71,6 @@ def step_function(model, compile: bool):
     be compileable: :func:`~h2o_compress.compiled.resolve_compile` checks), else the eager
     :func:`~h2o_compress.compiled.decode_step`."""
     return compiled_decode_step(model) if compile else decode_step
-
-
-def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tensor:
-    """One token ``[batch, 1]`` at position ``seen`` through ``step``; logits ``[batch, vocab]``."""
-    device = token.device
-    positions = torch.full((token.shape[0], 1), seen, dtype=torch.long, device=device)
-    return step(model, token, cache, positions, torch.ones(token.shape[0], seen + 1, dtype=torch.long, device=device))
 
 
 def read_stream(
