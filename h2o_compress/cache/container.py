@@ -42,7 +42,10 @@ class CompressedCache(Cache):
         layer = self.layers[layer_idx]
         if key_states.shape[2] == 1 and layer_idx and layer.is_initialized and self.layers[0].is_initialized:
             # every layer follows layer 0 within a step: a flag, read with the others (no host sync here)
-            layer.consistent &= layer.seen + 1 == self.layers[0].seen
+            if layer.native:  # the CPU kernel sets the flag itself
+                layer.reference_seen = self.layers[0].seen
+            else:
+                layer.consistent &= layer.seen + 1 == self.layers[0].seen
         if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
             self.check()
             seen = {int(layer.seen) for layer in self.layers if layer.is_initialized}

@@ -30,6 +30,7 @@ from ..attention import announce, attention_probability_sums, decode_attention, 
 from ..errors import CacheStateError, InputError
 from ..eviction import EvictionPolicy
 from ..eviction.base import NO_POSITION as NO_REAL_TOKEN, keep_top
+from ..kernels import cpu as cpu_kernel
 from ..quantization import BitsAndBytesQuantizer, KVQuantizer
 from .ring import RingWindow
 from .slots import SlotStore
@@ -133,6 +134,9 @@ class CompressedLayer(CacheLayerMixin):
         self.grown_to = 0  # host count of tokens seen, kept only by unbounded caches of unknown length
         self.chunk: dict | None = None  # a multi-token step between update() and attend()
         self.decode_valid: torch.Tensor | None = None
+        self.native = False  # decode steps run the CPU kernel (kernels/cpu.py), set at the first token
+        self.reference_seen: torch.Tensor | None = None  # layer 0's count, set by the container (native flag check)
+        self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # the native step's new key and value
         self.awaiting_attention = False
         self.bound_module = None  # weakref to the attention module that used this layer first
         self.is_initialized = False
@@ -170,6 +174,10 @@ class CompressedLayer(CacheLayerMixin):
         self.first_real = torch.full((self.batch,), NO_REAL_TOKEN, dtype=torch.int64, device=self.device)
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.consistent = torch.ones((), dtype=torch.bool, device=self.device)
+        formats = (self.key_quantizer, self.value_quantizer)
+        self.native = self.attention_kernel != "torch" and cpu_kernel.supported(
+            self.device, self.dtype, self.residual_dtype, self.head_dim, formats
+        )
         if self.device.type != "meta":
             _mark_static(self.tensors())
         self.is_initialized = True
@@ -262,6 +270,13 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: cache holds {self.dtype} keys on {self.device} but got {key_states.dtype} on "
                 f"{key_states.device} (model.half() or .to() after the prefill?); use a new cache (or cache.reset())"
             )
+        if key_states.shape[2] == 1 and self.native:
+            self._grow_for_token()
+            # the whole step (finite flag, bases, ring, store, attention, scores) is one kernel call in attend()
+            self.incoming = (key_states, value_states)
+            self.awaiting_attention = True
+            announce(self.layer_idx, self)
+            return key_states, value_states
         finite = torch.isfinite(torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32))
         self.finite &= finite
         if self.key_basis is not None:
@@ -287,10 +302,7 @@ class CompressedLayer(CacheLayerMixin):
         and values attention reads: ``[batch, kv_heads, slots + residual, head_dim]`` (a 16-bit store is read in
         place). No host sync (except the host counter of an unbounded cache of unknown length, eager only)."""
         position = self.seen
-        if self.growable:
-            self.grown_to += 1
-            if self.grown_to - self.residual >= self.store.slots:
-                self.store.resize(self.store.slots + GROWTH)
+        self._grow_for_token()
         if self.ring is not None:
             keys, values, leaving, score = self.ring.push(keys, values, position)
         else:
@@ -317,6 +329,13 @@ class CompressedLayer(CacheLayerMixin):
             valid = torch.cat((valid, ring_valid), dim=2)
         self.decode_valid = valid
         return keys, values
+
+    def _grow_for_token(self) -> None:
+        """Make room for one more token in an unbounded cache of unknown length (a host counter; eager only)."""
+        if self.growable:
+            self.grown_to += 1
+            if self.grown_to - self.residual >= self.store.slots:
+                self.store.resize(self.store.slots + GROWTH)
 
     def _read(self, quantizer, stored, ring, leaving, index) -> torch.Tensor:
         """What attention reads, ``[batch, kv_heads, slots + residual, head_dim]`` in the model dtype, built in one
@@ -367,6 +386,13 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
                 "and values, so build a new one with make_cache(model, ...)"
             )
+        if self.incoming is not None:  # the native CPU step: everything but eviction in one call
+            (keys, values), self.incoming = self.incoming, None
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            output = cpu_kernel.decode_layer(self, query, keys, values, scale, self.reference_seen)
+            if self.policy.ranks_by == "custom":
+                self._evict()
+            return output
         if self.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
             query = (query.float() @ self.key_basis).to(query.dtype)
         if query.shape[2] == 1 and self.chunk is None:
@@ -388,6 +414,11 @@ class CompressedLayer(CacheLayerMixin):
             self.store.scores += sums[..., :slots]
             if self.ring is not None:
                 self.ring.scores += sums[..., slots:]
+        self._evict()
+
+    def _evict(self) -> None:
+        """Evict the lowest-priority stored token where a sequence holds more than the capacity (masked argmin +
+        scatter on the policy's priority; in place, no host sync)."""
         if self.capacity is None:
             return
         positions = self.store.positions

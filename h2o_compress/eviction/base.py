@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +37,10 @@ class EvictionPolicy:
     heavy_ratio: float = 0.5
     sink_tokens: int = 0
     needs_scores = False
+    #: What :meth:`rank` returns, for kernels that apply :meth:`priority`'s shared rules themselves: ``"nothing"``
+    #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
+    #: kernels leave the eviction to :meth:`priority`). ``tests/test_policies.py`` checks it against :meth:`rank`.
+    ranks_by: ClassVar[str] = "nothing"
 
     def recent_window(self, capacity: int) -> int:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -20,6 +21,7 @@ class H2OPolicy(EvictionPolicy):
     """
 
     needs_scores = True
+    ranks_by: ClassVar[str] = "scores"
 
     def heavy(self, capacity: int) -> int:
         """Heavy-hitter slots at ``capacity``."""

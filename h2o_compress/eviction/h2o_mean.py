@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +20,8 @@ class H2OMeanPolicy(H2OPolicy):
     (NVIDIA kvpress). Same budget split, recent window, sinks and tie rule as ``h2o``; the same scores are
     accumulated and stored (the slot positions the cache keeps give the counts, so it costs no memory).
     """
+
+    ranks_by: ClassVar[str] = "custom"
 
     def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen) -> torch.Tensor:
         return scores / (seen - positions).clamp(min=1).to(scores.dtype)

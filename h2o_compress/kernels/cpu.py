@@ -1,0 +1,232 @@
+"""The compressed decode step of one layer as one native call on the CPU (``cpu_decode.c``).
+
+On a CPU the decode step of a small model is bound by per-op overhead, not arithmetic: the torch form of a
+compressed layer's step dispatches ~150 small ops, each a few microseconds. ``cpu_decode.c`` does the whole
+step of a layer (ring in, the leaving token quantized once into the first empty slot, attention over the
+dequantized slots and the ring with one softmax per query head, H2O score accumulation, the Hadamard bases
+folded in) in one call, reading the int4/int8 codes in registers. Eviction stays in torch: it ranks by the
+policy's :meth:`~h2o_compress.eviction.EvictionPolicy.priority`, stated once, in Python.
+
+The C file is compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
+into ``$H2O_COMPRESS_CACHE/kernels`` and loaded with :mod:`ctypes`. Where no compiler works, or with
+``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None`` (with one warning when compiling failed) and the
+cache runs its torch form: the same results. Under ``torch.compile`` the call is the custom op
+``h2o_compress::cpu_decode_layer`` (a fake implementation gives Dynamo its output shape), so the compiled and
+the eager step run the same kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..paths import cache_root
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
+ELEMENTS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # storage element codes of cpu_decode.c
+MAX_HEAD_DIM = 512
+
+
+def _machine_key() -> str:
+    """What a ``-march=native`` build depends on: the CPU model and flags (``/proc/cpuinfo``) and the platform."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        cpu = platform.processor()
+    return cpu + platform.machine() + platform.system()
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build never leaves a half-written file).
+
+    Raises:
+        OSError, subprocess.CalledProcessError: the compiler is missing or failed.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel (built at the first call of a process on a new machine, then loaded from the cache
+    directory), or ``None`` when it is switched off (``H2O_COMPRESS_NATIVE=0``) or cannot be built (one
+    warning names the compiler's error; decoding then runs the torch form)."""
+    if os.environ.get("H2O_COMPRESS_NATIVE", "1").strip() == "0":
+        return None
+    compiler = os.environ.get("CC", "").strip() or "gcc"
+    if shutil.which(compiler) is None:
+        warnings.warn(f"no C compiler {compiler!r} on PATH: the CPU decode step runs its slower torch form", stacklevel=2)
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(
+            "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, _machine_key())).encode()
+        ).hexdigest()[:16]
+        target = cache_root() / "kernels" / f"cpu_decode-{key}.so"
+        if not target.exists():
+            try:
+                _build(compiler, target)
+            except PermissionError:  # an unwritable cache directory: build for this process only
+                target = Path(tempfile.mkdtemp(prefix="h2o-compress-")) / target.name
+                _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        warnings.warn(
+            f"building the CPU decode kernel with {compiler!r} failed ({detail.strip()[-300:]}); the CPU decode "
+            "step runs its slower torch form", stacklevel=2,
+        )
+        return None
+    lib.h2o_cpu_decode_layer.restype = ctypes.c_int
+    return lib
+
+
+def supported(device: torch.device, dtype: torch.dtype, storage_dtype: torch.dtype, head_dim: int, formats) -> bool:
+    """Whether a layer on ``device`` with model ``dtype``, window/16-bit storage ``storage_dtype``, ``head_dim``
+    and key/value quantizers ``formats`` can run the native step (and the kernel builds)."""
+    from ..quantization import IntQuantizer, NoQuantizer
+
+    return (
+        device.type == "cpu"
+        and dtype in ELEMENTS
+        and storage_dtype in ELEMENTS
+        and head_dim <= MAX_HEAD_DIM
+        and all(isinstance(f, (IntQuantizer, NoQuantizer)) for f in formats)
+        and library() is not None
+    )
+
+
+def _pointer(tensor: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return None if tensor is None else ctypes.c_void_p(tensor.data_ptr())
+
+
+def _launch(
+    out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+    k_bits: int, k_group: int, k_data: torch.Tensor, k_scale_zero: torch.Tensor | None, k_basis: torch.Tensor | None,
+    v_bits: int, v_group: int, v_data: torch.Tensor, v_scale_zero: torch.Tensor | None, v_basis: torch.Tensor | None,
+    store_positions: torch.Tensor, store_scores: torch.Tensor | None, ring_keys: torch.Tensor | None,
+    ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
+    seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
+    rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
+) -> None:
+    batch, q_heads, head_dim = q.shape
+    kv_heads, slots = store_positions.shape[1], store_positions.shape[2]
+    size = 0 if ring_positions is None else ring_positions.shape[1]
+    storage = k_data if k_bits == 16 else (v_data if v_bits == 16 else ring_keys)
+    element = ELEMENTS[storage.dtype] if storage is not None else 0
+    status = library().h2o_cpu_decode_layer(
+        batch, q_heads, kv_heads, head_dim, slots, size, ctypes.c_float(scale),
+        _pointer(q), _pointer(k_new), _pointer(v_new), _pointer(out),
+        k_bits, k_group, _pointer(k_data), _pointer(k_scale_zero), _pointer(k_basis),
+        v_bits, v_group, _pointer(v_data), _pointer(v_scale_zero), _pointer(v_basis),
+        element, _pointer(store_positions), _pointer(store_scores),
+        _pointer(ring_keys), _pointer(ring_values), _pointer(ring_positions), _pointer(ring_scores),
+        _pointer(seen), _pointer(first_real), _pointer(finite),
+        capacity, recent, sinks, _pointer(rank), int(evict), _pointer(reference_seen), _pointer(consistent),
+    )
+    if status:
+        raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")
+
+
+@torch.library.custom_op(
+    "h2o_compress::cpu_decode_layer",
+    mutates_args=(
+        "k_data", "k_scale_zero", "v_data", "v_scale_zero", "store_positions", "store_scores", "ring_keys",
+        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent",
+    ),
+    device_types="cpu",
+)
+def cpu_decode_layer(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+    k_bits: int, k_group: int, k_data: torch.Tensor, k_scale_zero: torch.Tensor | None, k_basis: torch.Tensor | None,
+    v_bits: int, v_group: int, v_data: torch.Tensor, v_scale_zero: torch.Tensor | None, v_basis: torch.Tensor | None,
+    store_positions: torch.Tensor, store_scores: torch.Tensor | None, ring_keys: torch.Tensor | None,
+    ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
+    seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
+    rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
+) -> torch.Tensor:
+    """The custom-op form of :func:`decode_layer` (what ``torch.compile`` traces); fp32 ``[batch, q_heads,
+    head_dim]`` output."""
+    out = torch.empty_like(q)
+    _launch(
+        out, q, k_new, v_new, scale, k_bits, k_group, k_data, k_scale_zero, k_basis, v_bits, v_group, v_data,
+        v_scale_zero, v_basis, store_positions, store_scores, ring_keys, ring_values, ring_positions, ring_scores,
+        seen, first_real, finite, capacity, recent, sinks, rank, evict, reference_seen, consistent,
+    )
+    return out
+
+
+@cpu_decode_layer.register_fake
+def _(q, *args, **kwargs):
+    return torch.empty_like(q)
+
+
+def _eviction_args(layer) -> tuple:
+    """``(capacity, recent, sinks, rank | None, evict)`` of the kernel's eviction (EvictionPolicy.priority's rules)."""
+    policy, capacity = layer.policy, layer.capacity
+    if capacity is None or policy.ranks_by == "custom":
+        return 0, 0, 0, None, False
+    sinks = min(policy.sink_tokens, capacity)
+    rank = layer.store.scores if policy.ranks_by == "scores" else None
+    return capacity, policy.recent_window(capacity), sinks, rank, True
+
+
+def _format_args(quantizer, stored) -> tuple:
+    """``(bits, group, data, scale_zero | None)`` of one stored format."""
+    if quantizer.bits == 16:
+        return 16, 1, stored.parts["x"], None
+    return quantizer.bits, quantizer.group_size, stored.parts["data"], stored.parts["scale_zero"]
+
+
+def decode_layer(
+    layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, reference_seen=None
+) -> torch.Tensor:
+    """One decode step of ``layer`` (a :class:`~h2o_compress.cache.layer.CompressedLayer` on the CPU) in one
+    native call: ``query`` ``[batch, q_heads, 1, head_dim]``, the new ``keys``/``values`` ``[batch, kv_heads, 1,
+    head_dim]`` as the model made them (not rotated); returns the attention output ``[batch, 1, q_heads,
+    head_dim]`` in the query's dtype. Updates the store, ring, scores, ``seen``, ``first_real``, ``finite`` and
+    ``consistent`` (against ``reference_seen``, layer 0's count) in place, and evicts when the policy ranks by
+    nothing or by the accumulated scores themselves (:attr:`~h2o_compress.eviction.EvictionPolicy.ranks_by`);
+    a policy with its own ranking is evicted by the caller (:meth:`CompressedLayer._evict`)."""
+    store, ring = layer.store, layer.ring
+    batch, q_heads, _, head_dim = query.shape
+    k_bits, k_group, k_data, k_scale_zero = _format_args(layer.key_quantizer, store.keys)
+    v_bits, v_group, v_data, v_scale_zero = _format_args(layer.value_quantizer, store.values)
+    args = (
+        query.reshape(batch, q_heads, head_dim).float().contiguous(),
+        keys.reshape(batch, -1, head_dim).float().contiguous(),
+        values.reshape(batch, -1, head_dim).float().contiguous(),
+        float(scale),
+        k_bits, k_group, k_data, k_scale_zero, layer.key_basis,
+        v_bits, v_group, v_data, v_scale_zero, layer.value_basis,
+        store.positions, store.scores,
+        None if ring is None else ring.keys, None if ring is None else ring.values,
+        None if ring is None else ring.positions, None if ring is None else ring.scores,
+        layer.seen, layer.first_real, layer.finite,
+        *_eviction_args(layer), reference_seen, layer.consistent,
+    )
+    if torch.compiler.is_compiling():
+        out = cpu_decode_layer(*args)
+    else:  # the same kernel without the custom-op dispatch (a few microseconds per layer and step)
+        out = torch.empty_like(args[0])
+        _launch(out, *args)
+    return out.view(batch, 1, q_heads, head_dim).to(query.dtype)
