@@ -57,8 +57,10 @@ class CompressionConfig:
         rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
-        attention_kernel: decode attention over the cache: ``auto`` or ``torch`` (torch code over the slots, which
-            ``torch.compile`` fuses). ``triton`` (the fused kernel of :mod:`h2o_compress.kernels.decode_attention`)
+        attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
+            one call of the native kernel of :mod:`h2o_compress.kernels.cpu`, built once with the system C
+            compiler; elsewhere, or without a compiler, the torch form) or ``torch`` (the torch form: torch code
+            over the slots, which ``torch.compile`` fuses). Both keep the same tokens. ``triton`` (the fused kernel of :mod:`h2o_compress.kernels.decode_attention`)
             is refused for now: it does not read the slot layout yet (see docs/cache-layout.md). A runtime
             choice: it does not change what is kept or stored.
 

@@ -66,7 +66,8 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         3, "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
-        help="Decode attention: auto or torch (torch code that --compile fuses); triton is refused for now.")),
+        help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc) or torch (torch "
+             "code that --compile fuses); triton is refused for now.")),
 }
 
 

@@ -110,7 +110,7 @@ def supported(device: torch.device, dtype: torch.dtype, storage_dtype: torch.dty
         and dtype in ELEMENTS
         and storage_dtype in ELEMENTS
         and head_dim <= MAX_HEAD_DIM
-        and all(isinstance(f, (IntQuantizer, NoQuantizer)) for f in formats)
+        and all(type(f) in (IntQuantizer, NoQuantizer) for f in formats)  # a subclass may quantize otherwise
         and library() is not None
     )
 

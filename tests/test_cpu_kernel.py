@@ -1,0 +1,170 @@
+"""The CPU decode kernel (``h2o_compress/kernels/cpu_decode.c``) against the cache's torch form.
+
+Both forms run the same decode steps over the same buffers; the kernel must keep the same tokens (positions
+identical in every layer) and give the same logits up to float summation order (16 bits: 1e-5; quantized: a
+value on an fp16 or code rounding boundary can land one step apart, so 1e-3). Also: the build falls back to
+the torch form when switched off or when no compiler works, and the custom op passes ``torch.library.opcheck``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from conftest import TINY_MODELS
+from test_compile import POLICIES, run, setting
+
+from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.compiled import decode_step
+from h2o_compress.eviction import make_policy
+from h2o_compress.kernels import cpu
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler: the CPU kernel cannot be built")
+
+
+def both_forms(arch: str, config: CompressionConfig, dtype=torch.float32):
+    model = TINY_MODELS[arch]().to(dtype)
+    with torch.inference_mode():
+        native, native_cache, _, _ = run(model, config, decode_step)
+        reference, torch_cache, _, _ = run(model, dataclasses.replace(config, attention_kernel="torch"), decode_step)
+    assert all(layer.native for layer in native_cache.layers)
+    assert not any(layer.native for layer in torch_cache.layers)
+    return native, reference, native_cache, torch_cache
+
+
+def same_tokens(a, b) -> None:
+    for left, right in zip(a.layers, b.layers):
+        assert torch.equal(left.positions(), right.positions())
+        assert torch.equal(left.seen, right.seen) and torch.equal(left.first_real, right.first_real)
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+def test_kernel_keeps_the_same_tokens_and_logits_as_the_torch_form(arch, policy, bits):
+    native, reference, native_cache, torch_cache = both_forms(arch, setting(policy, bits))
+    same_tokens(native_cache, torch_cache)
+    torch.testing.assert_close(native, reference, atol=1e-5 if bits == 16 else 1e-3, rtol=0)
+    if policy != "full":
+        assert native_cache.kept_length() == 12
+    native_cache.check()
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("k_bits,v_bits", [(8, 4), (4, 16), (16, 8)])
+def test_mixed_key_and_value_formats(k_bits, v_bits, rotate):
+    config = dataclasses.replace(setting("h2o", 4), k_bits=k_bits, v_bits=v_bits, rotate=rotate)
+    native, reference, native_cache, torch_cache = both_forms("llama", config)
+    same_tokens(native_cache, torch_cache)
+    torch.testing.assert_close(native, reference, atol=1e-3, rtol=0)
+
+
+def test_stored_scores_and_codes_match_the_torch_form():
+    """The state itself: scores to float precision, codes equal but for a few codes one step apart (a value on
+    a rounding boundary: under 1 in 100 over the cache)."""
+    _, _, native_cache, torch_cache = both_forms("llama", dataclasses.replace(setting("h2o", 8), rotate=False))
+    apart_codes = total_codes = 0
+    for left, right in zip(native_cache.layers, torch_cache.layers):
+        mine, theirs = left.tensors(), right.tensors()
+        for name in ("store.scores", "ring.scores"):
+            torch.testing.assert_close(mine[name], theirs[name], atol=1e-5, rtol=1e-5)
+        for name in ("store.keys.data", "store.values.data"):
+            held = left.store.positions >= 0
+            apart = (mine[name].int() - theirs[name].int()).abs()[held]
+            assert int(apart.max()) <= 1
+            apart_codes, total_codes = apart_codes + int((apart > 0).sum()), total_codes + apart.numel()
+    assert apart_codes * 100 < total_codes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models(dtype):
+    """16-bit models: the kernel computes in fp32 where the torch form rounds the dequantized tokens to the model
+    dtype, so the logits agree to the model dtype's precision."""
+    native, reference, native_cache, _ = both_forms("llama", setting("h2o", 4), dtype=dtype)
+    assert native_cache.layers[0].ring.keys.dtype == dtype
+    torch.testing.assert_close(native.float(), reference.float(), atol=0.05, rtol=0.05)
+
+
+def test_non_finite_key_sets_the_flag_read_by_check():
+    model = TINY_MODELS["llama"]()
+    cache = make_cache(model, setting("h2o", 4), max_length=40)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 128, (1, 20)), past_key_values=cache)
+        layer = cache.layers[0]
+        keys = torch.full((1, layer.kv_heads, 1, layer.head_dim), float("nan"))
+        cache.update(keys, torch.zeros_like(keys), 0)
+        query = torch.zeros(1, 2 * layer.kv_heads, 1, layer.head_dim)
+        layer.attend(model.model.layers[0].self_attn, query, keys, keys, None, None)
+    assert not bool(layer.finite)
+    with pytest.raises(Exception, match="not finite|NaN"):
+        cache.check()
+
+
+def test_ranks_by_says_what_rank_returns():
+    """The kernel reads ``ranks_by`` instead of calling ``rank()``: they must agree for every policy."""
+    scores = torch.rand(2, 3, 10)
+    positions = torch.arange(10).expand(2, 3, 10)
+    for name in ("h2o", "h2o-mean", "local", "sink", "full"):
+        policy = make_policy(name, 0.5, 2)
+        rank = policy.rank(scores, positions, 12)
+        if policy.ranks_by == "scores":
+            assert torch.equal(rank, scores)
+        elif policy.ranks_by == "nothing":
+            assert bool((rank == rank.flatten()[0]).all())
+        else:
+            assert policy.ranks_by == "custom" and not torch.equal(rank, scores)
+
+
+def test_switched_off_or_without_a_compiler_the_torch_form_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("H2O_COMPRESS_CACHE", str(tmp_path))
+    try:
+        cpu.library.cache_clear()
+        monkeypatch.setenv("H2O_COMPRESS_NATIVE", "0")
+        assert cpu.library() is None
+        model = TINY_MODELS["llama"]()
+        cache = make_cache(model, setting("h2o", 4), max_length=30)
+        with torch.inference_mode():
+            model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
+        assert not cache.layers[0].native
+
+        cpu.library.cache_clear()
+        monkeypatch.setenv("H2O_COMPRESS_NATIVE", "1")
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails
+        with pytest.warns(UserWarning, match="building the CPU decode kernel"):
+            assert cpu.library() is None
+
+        cpu.library.cache_clear()
+        monkeypatch.setenv("CC", "no-such-compiler-h2o")
+        with pytest.warns(UserWarning, match="no C compiler"):
+            assert cpu.library() is None
+
+        cpu.library.cache_clear()
+        monkeypatch.delenv("CC")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu.library() is not None  # built afresh into the new cache directory
+        assert list((tmp_path / "kernels").glob("cpu_decode-*.so"))
+        assert not list((tmp_path / "kernels").glob("*.partial"))
+    finally:
+        cpu.library.cache_clear()
+
+
+def test_custom_op_passes_opcheck():
+    model = TINY_MODELS["llama"]()
+    cache = make_cache(model, setting("h2o", 4), max_length=40)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 128, (1, 20)), past_key_values=cache)
+    layer = cache.layers[1]
+    store, ring = layer.store, layer.ring
+    heads, dim = layer.kv_heads, layer.head_dim
+    args = (
+        torch.randn(1, 2 * heads, dim), torch.randn(1, heads, dim), torch.randn(1, heads, dim), dim**-0.5,
+        4, 32, store.keys.parts["data"].clone(), store.keys.parts["scale_zero"].clone(), layer.key_basis,
+        4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.value_basis,
+        store.positions.clone(), store.scores.clone(), ring.keys.clone(), ring.values.clone(),
+        ring.positions.clone(), ring.scores.clone(), layer.seen.clone(), layer.first_real.clone(),
+        layer.finite.clone(), 12, 6, 0, None, True, None, layer.consistent.clone(),
+    )
+    torch.library.opcheck(cpu.cpu_decode_layer, args, test_utils=("test_schema", "test_faketensor"))
