@@ -8,6 +8,7 @@ Quick start::
     print(result.text, result.kv_bytes / result.kv_bytes_full_fp16)
 """
 
+from .ask import ASK_DEFAULTS, CompressedContext, ask, compress
 from .cache import CompressedCache, CompressedLayer
 from .config import CompressionConfig
 from .config_file import load_config
@@ -33,6 +34,10 @@ __all__ = [
     "GenerationResult",
     "generate",
     "make_cache",
+    "compress",
+    "ask",
+    "CompressedContext",
+    "ASK_DEFAULTS",
     "load_model",
     "model_dims",
     "plan",

@@ -18,7 +18,7 @@ ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
 ATTENTION_KERNELS = ("auto", "torch")
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
-SCORED_POLICIES = ("h2o", "h2o-mean")  # the policies that split the budget by heavy_ratio
+SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided")  # the policies that split the budget by heavy_ratio
 
 
 def _number(name: str, value, allowed: str) -> float:
@@ -217,7 +217,7 @@ def check_usable(config: CompressionConfig, capacity: int | None = None) -> Comp
         if config.budget != 1:
             raise ConfigError(
                 f"policy='full' keeps every token, so budget={config.budget!r} would be ignored; allowed: budget 1.0 "
-                "with policy full, or another policy (h2o, h2o-mean, local, sink) for a smaller budget"
+                "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, strided, local, sink) for a smaller budget"
             )
         return config
     if config.policy in SCORED_POLICIES and config.heavy_ratio >= 1:

@@ -21,7 +21,7 @@ from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
 
 PROMPT, STEPS = 20, 24
-POLICIES = ["h2o", "h2o-mean", "local", "sink", "full"]
+POLICIES = ["h2o", "h2o-mean", "snapkv", "tova", "strided", "local", "sink", "full"]
 
 
 def setting(policy: str, bits: int, kernel: str = "auto") -> CompressionConfig:

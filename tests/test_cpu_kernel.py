@@ -165,6 +165,6 @@ def test_custom_op_passes_opcheck():
         4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.value_basis,
         store.positions.clone(), store.scores.clone(), ring.keys.clone(), ring.values.clone(),
         ring.positions.clone(), ring.scores.clone(), layer.seen.clone(), layer.first_real.clone(),
-        layer.finite.clone(), 12, 6, 0, None, True, None, layer.consistent.clone(),
+        layer.finite.clone(), 12, 6, 0, None, True, None, layer.consistent.clone(), False,
     )
     torch.library.opcheck(cpu.cpu_decode_layer, args, test_utils=("test_schema", "test_faketensor"))

@@ -119,6 +119,21 @@ class CompressedCache(Cache):
         layer = ready[0]
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * int(layer.seen) * layer.batch * 2
 
+    def frozen_copy(self, max_length: int) -> "CompressedCache":
+        """A copy holding this cache's tokens that evicts nothing more, with room for ``max_length`` tokens in all
+        (the compressed context stays compressed; what is added after it is kept whole). This cache is not
+        changed. Used by :func:`h2o_compress.ask`.
+
+        Raises:
+            CacheStateError: an empty cache, or ``max_length`` below the tokens seen.
+        """
+        self.check()
+        copy = CompressedCache([layer.frozen_copy(max_length) for layer in self.layers], self.config, self.model_id)
+        for name in ("model_fingerprint", "prompt_state"):
+            if hasattr(self, name):
+                setattr(copy, name, getattr(self, name))
+        return copy
+
     def save(self, path, model=None, overwrite: bool = False):
         """Write this cache to ``path`` (safetensors, atomic; ``overwrite`` lets it replace a file that is not a
         cache file); see :func:`h2o_compress.persistence.save_cache`."""

@@ -26,7 +26,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention import announce, attention_probability_sums, decode_attention, withdraw
+from ..attention import announce, decode_attention, withdraw
 from ..errors import CacheStateError, InputError
 from ..eviction import EvictionPolicy
 from ..eviction.base import NO_POSITION as NO_REAL_TOKEN, keep_top
@@ -236,6 +236,36 @@ class CompressedLayer(CacheLayerMixin):
             held = torch.cat((held, self.ring.positions.long()[:, None].expand(-1, self.kv_heads, -1)), dim=2)
         return held.sort(-1).values[..., -self.kept_length() :] if self.kept_length() else held[..., :0]
 
+    def frozen_copy(self, max_tokens: int) -> "CompressedLayer":
+        """A new layer holding this one's tokens (same slots, ring, positions, counters; copied, not shared) that
+        evicts nothing more, with storage for ``max_tokens`` tokens in all (compress-then-ask: the question and
+        the answer are added to a compressed context, which stays as it is).
+
+        Raises:
+            CacheStateError: this layer holds nothing, or ``max_tokens`` is below the tokens it has seen.
+        """
+        if not self.is_initialized or max_tokens < int(self.seen):
+            raise CacheStateError(
+                f"layer {self.layer_idx}: a frozen copy needs an initialised layer and max_tokens >= the tokens seen"
+            )
+        copy = CompressedLayer(
+            self.layer_idx, self.policy, None, self.key_quantizer, self.value_quantizer, self.residual,
+            self.score_chunk_size, self.attention_kernel, max_tokens=max_tokens,
+        )
+        copy.num_layers = self.num_layers
+        copy.lazy_initialization(
+            torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
+            torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
+        )
+        if copy.store.slots < self.store.slots:
+            raise CacheStateError(f"layer {self.layer_idx}: max_tokens={max_tokens} leaves fewer slots than are held")
+        mine = self.tensors()
+        for name, target in copy.tensors().items():  # scores are not copied: nothing is evicted any more
+            if name in mine:  # the store's first `slots` slots; the rest stay empty (position -1)
+                source = mine[name]
+                (target if target.shape == source.shape else target.narrow(2, 0, source.shape[2])).copy_(source)
+        return copy
+
     # -- transformers' layer API -----------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take ``[batch, kv_heads, new, head_dim]`` keys/values; return the keys and values attention reads (in
@@ -410,10 +440,14 @@ class CompressedLayer(CacheLayerMixin):
         """Add this query's probabilities to the scores; evict the lowest-priority stored token where a sequence
         holds more than the capacity (in place, no host sync)."""
         slots = self.store.slots
-        if sums is not None:
+        if sums is not None and self.policy.accumulates:
             self.store.scores += sums[..., :slots]
             if self.ring is not None:
                 self.ring.scores += sums[..., slots:]
+        elif sums is not None:  # the current query's attention replaces the scores (TOVA)
+            self.store.scores.copy_(sums[..., :slots])
+            if self.ring is not None:
+                self.ring.scores.copy_(sums[..., slots:])
         self._evict()
 
     def _evict(self) -> None:
@@ -458,7 +492,7 @@ class CompressedLayer(CacheLayerMixin):
         output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
         sums = None
         if self.with_scores:
-            sums = attention_probability_sums(query, keys, mask, scaling, self.score_chunk_size)
+            sums = self.policy.chunk_scores(query, keys, mask, scaling, self.score_chunk_size)
         self._after_chunk(chunk, real, sums)
         return output.transpose(1, 2), None
 
@@ -483,7 +517,8 @@ class CompressedLayer(CacheLayerMixin):
         scores = None
         if self.with_scores:
             scores = torch.cat((self.store.scores, tail_scores), dim=2)
-            scores[..., scores.shape[2] - sums.shape[2] :] += sums
+            covered = scores[..., scores.shape[2] - sums.shape[2] :]
+            covered.add_(sums) if self.policy.accumulates else covered.copy_(sums)
         seen += n
         first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)
         self.first_real.copy_(torch.minimum(self.first_real, first))

@@ -1,14 +1,15 @@
-"""Command line: ``h2o-compress generate|plan|eval|profile``, one module per command.
+"""Command line: ``h2o-compress generate|ask|plan|eval|profile``, one module per command.
 
 - :mod:`.options`: the options shared by the commands, declared once (a leaf module).
 - :mod:`.common`: one-line errors (``error: ...``, exit code 2, never a traceback), threads, ``--config``.
-- :mod:`.generate`, :mod:`.plan`, :mod:`.evaluate` (``eval perplexity|needle|agreement``), :mod:`.profile`.
+- :mod:`.generate`, :mod:`.ask` (compress-then-ask), :mod:`.plan`, :mod:`.evaluate` (``eval perplexity|needle|agreement``), :mod:`.profile`.
 """
 
 from __future__ import annotations
 
 import typer
 
+from .ask import ask
 from .common import fail, user_errors
 from .evaluate import eval_app
 from .generate import generate
@@ -25,6 +26,7 @@ def _root() -> None:
 
 
 app.command("generate")(generate)
+app.command("ask")(ask)
 app.command("plan")(plan)
 app.add_typer(eval_app, name="eval")
 app.command("profile")(profile_command)

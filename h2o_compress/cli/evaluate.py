@@ -121,23 +121,31 @@ def needle_command(
         "read (default: one pass, as generate does)."),
     max_new_tokens: int = typer.Option(8, "--max-new-tokens", help="Tokens of the answer."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Use the tokenizer's chat template."),
+    protocol: str = typer.Option(
+        "question-in-prompt", "--protocol", help="question-in-prompt (the budget covers prompt + answer) or "
+        "compress-then-ask (the document is compressed before the question is read; see 'ask')."),
+    text_file: Optional[str] = typer.Option(
+        None, "--text-file", help="UTF-8 prose for the haystack (default: the shipped corpus)."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
     threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
+    from ..profiling.corpus import load_text
     from ..profiling.needle import check_needle_args, needle_eval
 
     config = compression.config()
     check_compile(compile_step, config)
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
-    check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size)
+    check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol)
+    corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
-                             max_new_tokens, True, chat, progress=update, compile=compile_step)
+                             max_new_tokens, True, chat, corpus=corpus, progress=update, compile=compile_step,
+                             protocol=protocol)
     if as_json:
         typer.echo(json.dumps({**result.to_dict(), "model": model}))
         return

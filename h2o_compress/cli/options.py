@@ -8,6 +8,7 @@ the command line (so ``--config FILE`` can merge under them). The model-runtime 
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
@@ -49,7 +50,7 @@ class _Flag:
 
 
 COMPRESSION_FLAGS: dict[str, _Flag] = {
-    "policy": _Flag(str, typer.Option("h2o", "--policy", help="Eviction policy: h2o, h2o-mean, local, sink or full.")),
+    "policy": _Flag(str, typer.Option("h2o", "--policy", help="Eviction policy: h2o, h2o-mean, snapkv, tova, strided, local, sink or full.")),
     "budget": _Flag(str, typer.Option(
         "1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
     "heavy_ratio": _Flag(float, typer.Option(
@@ -92,20 +93,32 @@ class Compression:
         return {k: v for k, v in config.to_dict().items() if k in self.given}
 
 
-def compression_options(fn=None, *, only: tuple[str, ...] | None = None):
-    """Decorator: add the compression flags (all, or ``only`` these) to a typer command.
+def _with_default(option, default):
+    """A copy of a typer option with another default (the flag, help and type unchanged)."""
+    changed = copy.copy(option)
+    changed.default = default
+    return changed
+
+
+def compression_options(fn=None, *, only: tuple[str, ...] | None = None, defaults: dict | None = None):
+    """Decorator: add the compression flags (all, or ``only`` these) to a typer command, with the command's own
+    ``defaults`` where given (e.g. ``ask``'s, :data:`h2o_compress.ask.ASK_DEFAULTS`).
 
     The command receives them as one keyword argument ``compression`` (a :class:`Compression`) and needs
     ``ctx: typer.Context`` as its first parameter (to tell flags given from defaults).
     """
+    defaults = defaults or {}
 
     def decorate(command):
         names = tuple(only or COMPRESSION_FLAGS)
         signature = inspect.signature(command, eval_str=True)
         own = [p for p in signature.parameters.values() if p.name != "compression"]
         added = [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=COMPRESSION_FLAGS[n].option,
-                              annotation=COMPRESSION_FLAGS[n].annotation)
+            inspect.Parameter(
+                n, inspect.Parameter.KEYWORD_ONLY, annotation=COMPRESSION_FLAGS[n].annotation,
+                default=_with_default(COMPRESSION_FLAGS[n].option, defaults[n]) if n in defaults
+                else COMPRESSION_FLAGS[n].option,
+            )
             for n in names
         ]
 

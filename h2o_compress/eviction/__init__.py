@@ -8,6 +8,9 @@ from .h2o import H2OPolicy
 from .h2o_mean import H2OMeanPolicy
 from .local import LocalPolicy
 from .sink import SinkPolicy
+from .snapkv import SnapKVPolicy
+from .strided import StridedPolicy
+from .tova import TOVAPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "h2o": H2OPolicy,
@@ -15,9 +18,15 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "local": LocalPolicy,
     "sink": SinkPolicy,
     "full": FullPolicy,
+    "snapkv": SnapKVPolicy,
+    "tova": TOVAPolicy,
+    "strided": StridedPolicy,
 }
 
-__all__ = ["EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "POLICIES", "make_policy"]
+__all__ = [
+    "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
+    "TOVAPolicy", "StridedPolicy", "POLICIES", "make_policy",
+]
 
 
 def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None) -> EvictionPolicy:

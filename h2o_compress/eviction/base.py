@@ -41,6 +41,19 @@ class EvictionPolicy:
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
     #: kernels leave the eviction to :meth:`priority`). ``tests/test_policies.py`` checks it against :meth:`rank`.
     ranks_by: ClassVar[str] = "nothing"
+    #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
+    #: attention replaces them (TOVA ranks by the current query's attention only).
+    accumulates: ClassVar[bool] = True
+
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+        """What a multi-token step (prefill, a chunk) contributes to the scores of the keys it sees: fp32
+        ``[batch, kv_heads, keys]``. Default: the probabilities every query of the chunk gives each key, GQA query
+        heads summed per KV head (H2O, arXiv 2306.14048 §4). ``query`` ``[batch, q_heads, queries, head_dim]``,
+        ``keys`` ``[batch, kv_heads, keys, head_dim]``, ``mask`` as
+        :func:`~h2o_compress.attention.attention_probability_sums` takes it."""
+        from ..attention import attention_probability_sums
+
+        return attention_probability_sums(query, keys, mask, scaling, chunk_size)
 
     def recent_window(self, capacity: int) -> int:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""

@@ -127,6 +127,7 @@ def _launch(
     ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
+    replace_scores: bool,
 ) -> None:
     batch, q_heads, head_dim = q.shape
     kv_heads, slots = store_positions.shape[1], store_positions.shape[2]
@@ -142,6 +143,7 @@ def _launch(
         _pointer(ring_keys), _pointer(ring_values), _pointer(ring_positions), _pointer(ring_scores),
         _pointer(seen), _pointer(first_real), _pointer(finite),
         capacity, recent, sinks, _pointer(rank), int(evict), _pointer(reference_seen), _pointer(consistent),
+        int(replace_scores),
     )
     if status:
         raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")
@@ -163,6 +165,7 @@ def cpu_decode_layer(
     ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
+    replace_scores: bool,
 ) -> torch.Tensor:
     """The custom-op form of :func:`decode_layer` (what ``torch.compile`` traces); fp32 ``[batch, q_heads,
     head_dim]`` output."""
@@ -170,7 +173,7 @@ def cpu_decode_layer(
     _launch(
         out, q, k_new, v_new, scale, k_bits, k_group, k_data, k_scale_zero, k_basis, v_bits, v_group, v_data,
         v_scale_zero, v_basis, store_positions, store_scores, ring_keys, ring_values, ring_positions, ring_scores,
-        seen, first_real, finite, capacity, recent, sinks, rank, evict, reference_seen, consistent,
+        seen, first_real, finite, capacity, recent, sinks, rank, evict, reference_seen, consistent, replace_scores,
     )
     return out
 
@@ -222,7 +225,7 @@ def decode_layer(
         None if ring is None else ring.keys, None if ring is None else ring.values,
         None if ring is None else ring.positions, None if ring is None else ring.scores,
         layer.seen, layer.first_real, layer.finite,
-        *_eviction_args(layer), reference_seen, layer.consistent,
+        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates,
     )
     if torch.compiler.is_compiling():
         out = cpu_decode_layer(*args)

@@ -7,7 +7,7 @@
  *   3. attention of the group's query heads over the valid store slots (dequantized in registers; the leaving
  *      token at full precision during this, its last step there) and the ring, one softmax per query head;
  *   4. the probabilities, summed over the group's query heads, are added to the scores (H2O, arXiv 2306.14048
- *      section 4); the output is rotated back out of the value basis.
+ *      section 4), or replace them (`replace_scores`: TOVA); the output is rotated back out of the value basis.
  *   5. where the sequence and head hold more than `capacity` tokens, the store slot of lowest priority is
  *      emptied (the shared rules of EvictionPolicy.priority over the policy's own rank, passed in as a tensor).
  * Then seen += 1, first_real = min(first_real, position), and the flags: finite &= every new key and value is
@@ -200,7 +200,7 @@ int h2o_cpu_decode_layer(
     void *ring_k, void *ring_v, int32_t *ring_pos, float *ring_scores,
     int64_t *seen, int64_t *first_real, uint8_t *finite,
     int capacity, int recent, int sinks, const float *rank, int evict,
-    const int64_t *reference_seen, uint8_t *consistent)
+    const int64_t *reference_seen, uint8_t *consistent, int replace_scores)
 {
     static __thread float *scratch = 0;
     static __thread size_t scratch_size = 0;
@@ -319,10 +319,15 @@ int h2o_cpu_decode_layer(
                 }
                 /* 4. H2O scores: what each token received, summed over the group's query heads */
                 if (n < S) {
-                    if (scores) scores[n] += received;
+                    if (scores) scores[n] = replace_scores ? received : scores[n] + received;
                 } else if (ring_scores) {
-                    ring_scores[bh * R + n - S] += received;
+                    float *held = ring_scores + bh * R + n - S;
+                    *held = replace_scores ? received : *held + received;
                 }
+            }
+            if (replace_scores) { /* slots nobody attends (empty) get 0, as the torch form's copy gives */
+                if (scores) for (int n = 0; n < S; n++) if (pos[n] < 0) scores[n] = 0.0f;
+                if (ring_scores) for (int t = 0; t < R; t++) if (rpos[t] < 0) ring_scores[bh * R + t] = 0.0f;
             }
             for (int g = 0; g < group; g++) { /* back to element order, then out of the value basis */
                 for (int i = 0; i < D; i++) row[vorder[i]] = acc[g * D + i];

@@ -29,6 +29,7 @@ INSTRUCTION = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
+PROTOCOLS = ("question-in-prompt", "compress-then-ask")
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"']?\s+")
 
 
@@ -119,10 +120,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def build_prompt(tokenizer, haystack: str, chat: bool = True) -> torch.Tensor:
+def build_prompt(tokenizer, haystack: str, chat: bool = True, question: str = QUESTION) -> torch.Tensor:
     """Token ids ``[1, tokens]``: instruction + haystack + question, then ``"The pass key is"`` as the start
     of the answer (inside the assistant turn of the chat template when ``chat`` and the tokenizer has one)."""
-    user = f"{INSTRUCTION}\n\n{haystack}\n\n{QUESTION}"
+    user = f"{INSTRUCTION}\n\n{haystack}\n\n{question}"
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -150,35 +151,60 @@ def make_haystack(tokenizer, corpus: str, tokens: int, offset: int = 0) -> str:
 def needle_prompt(tokenizer, length: int, depth: float, passkey: str, corpus: str | None = None,
                   offset: int = 0, chat: bool = True) -> torch.Tensor:
     """The passkey prompt ``[1, ~length]`` with the needle at ``depth`` of a haystack from ``corpus``."""
+    return needle_prompt_parts(tokenizer, length, depth, passkey, corpus, offset, chat)[0]
+
+
+def needle_prompt_parts(tokenizer, length: int, depth: float, passkey: str, corpus: str | None = None,
+                        offset: int = 0, chat: bool = True) -> tuple[torch.Tensor, int]:
+    """:func:`needle_prompt` and the number of its tokens before the question (instruction + haystack: what the
+    compress-then-ask protocol compresses before the question is known)."""
     corpus = corpus or default_corpus()
     needle = NEEDLE.format(key=passkey)
     overhead = build_prompt(tokenizer, needle, chat).shape[1]
-    haystack = make_haystack(tokenizer, corpus, max(length - overhead, 1), offset)
-    return build_prompt(tokenizer, plant_needle(haystack, needle, depth), chat)
+    haystack = plant_needle(make_haystack(tokenizer, corpus, max(length - overhead, 1), offset), needle, depth)
+    ids = build_prompt(tokenizer, haystack, chat)
+    other = build_prompt(tokenizer, haystack, chat, question="Which number was given?")  # another question
+    n = min(ids.shape[1], other.shape[1])
+    differs = (ids[0, :n] != other[0, :n]).nonzero()
+    return ids, int(differs[0, 0]) if differs.numel() else n
 
 
 @torch.inference_mode()
 def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_new_tokens: int = 8,
-                  chunk_size: int | None = None, compile: bool | None = None) -> tuple[str, int]:
-    """Greedy answer to ``input_ids`` (``[1, tokens]``) through a cache built for ``tokens + max_new_tokens``.
+                  chunk_size: int | None = None, compile: bool | None = None,
+                  context_tokens: int | None = None) -> tuple[str, int]:
+    """Greedy answer to ``input_ids`` (``[1, tokens]``).
 
-    ``chunk_size`` ``None`` reads the prompt in one pass, as :func:`h2o_compress.generate` does (eviction then
-    acts after the prompt); a number reads it in chunks, so eviction acts while it is read. ``compile``: decode
-    steps through the compiled step (``None``: on with CUDA).
+    Question in the prompt (``context_tokens`` ``None``): one cache built for ``tokens + max_new_tokens``.
+    Compress-then-ask (``context_tokens`` = tokens before the question): the context alone goes through a cache
+    built for it (the budget applies to the context), then the question and the answer go into its frozen copy
+    (:meth:`~h2o_compress.CompressedCache.frozen_copy`: nothing more is evicted), as :func:`h2o_compress.ask`
+    does. ``chunk_size`` ``None`` reads the prompt in one pass, as :func:`h2o_compress.generate` does (eviction
+    then acts after the prompt); a number reads it in chunks, so eviction acts while it is read. ``compile``:
+    decode steps through the compiled step (``None``: on with CUDA).
 
     Returns:
-        ``(answer_text, kv_bytes)``.
+        ``(answer_text, kv_bytes)`` (the bytes held at the end of the answer).
     """
     input_ids = input_ids.to(model_device(model))
-    cache = make_cache(model, config, max_length=input_ids.shape[1] + max_new_tokens)
+    total = input_ids.shape[1] + max_new_tokens
+    if context_tokens is None:
+        cache = make_cache(model, config, max_length=total)
+    else:
+        context = make_cache(model, config, max_length=context_tokens)
+        read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
+        cache, input_ids = context.frozen_copy(total), input_ids[:, context_tokens:]
     step = step_function(model, resolve_compile(compile, cache, input_ids.device))
     logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)
     ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id}, step=step)
     return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()
 
 
-def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = 8, chunk_size: int | None = None) -> None:
+def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = 8, chunk_size: int | None = None,
+                      protocol: str = PROTOCOLS[0]) -> None:
     """Validate :func:`needle_eval`'s arguments. Raises ConfigError naming the bad one."""
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol={short(protocol)} is not supported; allowed: {', '.join(PROTOCOLS)}")
     check_count("trials", trials, unit="trials per cell")
     check_count("max_new_tokens", max_new_tokens)
     if chunk_size is not None:
@@ -206,18 +232,22 @@ def needle_eval(
     corpus: str | None = None,
     progress: ProgressFn | None = None,
     compile: bool | None = None,
+    protocol: str = "question-in-prompt",
 ) -> NeedleResult:
     """Passkey accuracy per (context length, depth) for ``config`` and, with ``reference``, the uncompressed cache.
 
     Each (length, depth, trial) gets its own random 5-digit passkey and haystack offset (from ``seed``);
-    both settings see identical prompts. The budget fraction is relative to ``prompt + max_new_tokens``.
+    both settings see identical prompts; ``corpus`` is the haystack's prose (default: the shipped corpus).
+    ``protocol``: ``question-in-prompt`` (the budget fraction is relative to ``prompt + max_new_tokens``) or
+    ``compress-then-ask`` (instruction + haystack compressed before the question is read, the budget relative to
+    them; the question and the answer are added without eviction, as :func:`h2o_compress.ask` does).
 
     Raises:
         ConfigError: bad lengths, depths, trials, chunk size or compression setting.
         InputError: a length beyond the model's context.
     """
     config = config or CompressionConfig()
-    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size)
+    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol)
     limit = context_limit(model)
     for length in lengths:
         if limit and length + max_new_tokens > limit:
@@ -225,17 +255,18 @@ def needle_eval(
     corpus = corpus or default_corpus()
     rng = random.Random(seed)
     settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
-    result = NeedleResult(config=config.to_dict())
+    result = NeedleResult(config={**config.to_dict(), "protocol": protocol})
     total, done = len(lengths) * len(depths) * trials * len(settings), 0
     for length in lengths:
         for depth in depths:
             for trial in range(trials):
                 passkey = str(rng.randint(10000, 99999))
                 offset = rng.randrange(0, max(1, len(corpus) - 10 * length))
-                prompt = needle_prompt(tokenizer, length, depth, passkey, corpus, offset, chat)
+                prompt, split = needle_prompt_parts(tokenizer, length, depth, passkey, corpus, offset, chat)
+                context = split if protocol == "compress-then-ask" else None
                 for name, setting in settings:
                     answer, kv_bytes = answer_prompt(
-                        model, tokenizer, prompt, setting, max_new_tokens, chunk_size, compile
+                        model, tokenizer, prompt, setting, max_new_tokens, chunk_size, compile, context
                     )
                     result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
                                                      answer, is_correct(answer, passkey), kv_bytes))

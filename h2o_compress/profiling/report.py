@@ -21,8 +21,9 @@ PLOTS = {
 }
 # One colour per policy, one marker per bit width (no two policies share a colour).
 POLICY_COLORS = {"full": "black", "h2o": "tab:red", "h2o-mean": "tab:purple", "local": "tab:blue",
-                 "sink": "tab:green"}
-SPARE_COLORS = ("tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+                 "sink": "tab:green", "snapkv": "tab:orange", "tova": "tab:brown",
+                 "strided": "tab:pink"}
+SPARE_COLORS = ("tab:olive", "tab:cyan", "tab:gray")
 BITS_MARKERS = {16: "o", 8: "s", 4: "^"}
 
 

@@ -99,14 +99,15 @@ def read_stream(
     total = input_ids.shape[1]
     step = total if chunk_size is None else check_count("chunk_size", chunk_size)
     device = input_ids.device
+    held = int(cache.get_seq_length())  # tokens the cache saw before (a compressed context being asked)
     seconds = 0.0
     last = None
     for start in range(0, total, step):
         chunk = input_ids[:, start : start + step]
         sync(device)
         began = time.perf_counter()
-        if decoder is not None and chunk.shape[1] == 1 and start > 0:
-            logits = decode_one(decoder, model, cache, chunk, start)[:, None]
+        if decoder is not None and chunk.shape[1] == 1 and held + start > 0:
+            logits = decode_one(decoder, model, cache, chunk, held + start)[:, None]
         else:
             logits = forward_chunk(model, cache, chunk, last_only=on_logits is None)
         sync(device)

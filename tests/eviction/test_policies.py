@@ -73,3 +73,69 @@ def test_h2o_mean_ranks_by_mean_attention_not_the_sum():
     assert torch.equal(summed, scores)
     torch.testing.assert_close(mean, torch.tensor([[[0.3, 0.125, 0.4, 1 / 60, 0.05, 0.1]]]))
     assert mean[0, 0].argmax() == 2 and summed[0, 0].argmax() == 0
+
+
+# -- tova, snapkv, strided -----------------------------------------------------------------------------------
+def one_layer(policy: str, capacity: int, heads: int = 1, kv_heads: int = 1):
+    from h2o_compress import CompressionConfig
+    from h2o_compress.cache import build_layers
+
+    config = CompressionConfig(policy=policy, budget=capacity, heavy_ratio=0.5, attention_kernel="torch")
+    (layer,) = build_layers(config, 1, 32, capacity, max_tokens=64)
+    return layer
+
+
+MODULE = torch.nn.Module()
+
+
+def step(layer, keys, query):
+    """One step of a bare layer (update, then attention), as the attention function runs it."""
+    returned, values = layer.update(keys, keys.clone())
+    layer.attend(MODULE, query, returned, values, None, None)
+
+
+def test_tova_ranks_by_the_current_query_only():
+    """After a decode step, the scores are that step's attention (not a sum), so the token the current query
+    ignores is evicted even if earlier queries attended it most."""
+    from h2o_compress.eviction import TOVAPolicy
+
+    assert not TOVAPolicy.accumulates and TOVAPolicy.ranks_by == "scores"
+    layer = one_layer("tova", 4)
+    keys = torch.eye(32)[:6].view(1, 1, 6, 32) * 4  # token i along axis i
+    query = torch.zeros(1, 1, 6, 32)
+    query[..., 0], query[..., 1] = 4.0, 2.0  # every prompt query attends token 0 most, then token 1
+    step(layer, keys, query)
+    assert layer.positions()[0, 0].tolist() == [0, 1, 4, 5]  # heavy 0, 1 by the last query; recent 4, 5
+    new = torch.zeros(1, 1, 1, 32)
+    new[..., 6] = 4
+    late = torch.zeros(1, 1, 1, 32)
+    late[..., 1], late[..., 4] = 8.0, 1.0  # the current query attends token 1, then 4; token 0 least
+    step(layer, new, late)
+    assert layer.positions()[0, 0].tolist() == [1, 4, 5, 6]  # token 0 goes, though the prompt attended it most
+
+
+def test_snapkv_votes_with_the_last_window_queries_and_pools_neighbours():
+    from h2o_compress.eviction import SnapKVPolicy
+
+    policy = SnapKVPolicy(window=2, pool=3)
+    keys = torch.eye(32)[:10].view(1, 1, 10, 32) * 6
+    query = torch.zeros(1, 1, 10, 32)
+    query[0, 0, :8, 1] = 6.0  # early queries attend token 1: they do not vote
+    query[0, 0, 8:, 5] = 6.0  # the observation window attends token 5
+    votes = policy.chunk_scores(query, keys, None, None, 64)
+    assert votes[0, 0].argmax() in (4, 5, 6)
+    assert torch.isclose(votes[0, 0, 4], votes[0, 0, 5]) and torch.isclose(votes[0, 0, 6], votes[0, 0, 5])
+    assert votes[0, 0, 1] < votes[0, 0, 5] / 4  # token 1 got only the window's background attention
+    unpooled = SnapKVPolicy(window=2, pool=1).chunk_scores(query, keys, None, None, 64)
+    assert unpooled[0, 0].argmax() == 5 and unpooled[0, 0, 4] < unpooled[0, 0, 5] / 4
+
+
+def test_strided_keeps_the_strided_positions_first():
+    from h2o_compress.eviction import StridedPolicy
+
+    policy = StridedPolicy(heavy_ratio=0.5, stride=4)
+    scores = torch.tensor([[[0.0, 9.0, 9.0, 9.0, 0.0, 9.0, 9.0, 9.0, 0.1, 0.0, 0.0, 0.0]]])
+    keep = policy.keep_indices(scores, 12, 6)  # recent: 9, 10, 11; heavy share 3: positions 0, 4, 8
+    assert keep.tolist() == [[[0, 4, 8, 9, 10, 11]]]
+    # 2 strided slots: 8 (more attention), then 0 over 4 (a tie keeps the older)
+    assert policy.keep_indices(scores, 12, 4).tolist() == [[[0, 8, 10, 11]]]

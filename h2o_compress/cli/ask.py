@@ -1,0 +1,120 @@
+"""``h2o-compress ask``: compress a document once, then answer questions about it (compress-then-ask).
+
+Every option is validated before anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import List, Optional
+
+import typer
+
+from ..ask import ASK_DEFAULTS
+from .common import fail, merged_config, set_threads, user_errors
+from .generate import summary_line
+from .options import (
+    CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+)
+
+DEFAULTS = {
+    "policy": ASK_DEFAULTS.policy, "budget": str(ASK_DEFAULTS.budget), "heavy_ratio": ASK_DEFAULTS.heavy_ratio,
+    "kv_bits": ASK_DEFAULTS.kv_bits,
+}
+
+
+@user_errors
+@compression_options(defaults=DEFAULTS)
+def ask(
+    ctx: typer.Context,
+    context_file: str = typer.Option(..., "--context-file", help="The document (UTF-8 text), compressed once."),
+    question: List[str] = typer.Option(..., "--question", help="A question (repeat for several)."),
+    model: str = ModelOpt,
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens per answer at most."),
+    device: str = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    config_file: Optional[str] = ConfigFileOpt,
+    save_cache: Optional[str] = typer.Option(
+        None, "--save-cache", help="Save the compressed context to this safetensors file (an existing file must be "
+        "a cache file unless --overwrite)."),
+    load_cache: Optional[str] = typer.Option(
+        None, "--load-cache", help="Start from a compressed context saved with --save-cache (same document)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Let --save-cache replace an existing file that is not a cache file."),
+    threads: Optional[int] = ThreadsOpt,
+    trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt,
+    compression: Compression = None,
+):
+    """Compress a document once (defaults: h2o, budget 0.2 of the document, heavy ratio 0.9, 4 bits), then
+    answer each --question from the same compressed context."""
+    from ..ask import CompressedContext, compress
+    from ..ask import ask as run_ask
+    from ..compiled import check_compile
+    from ..files import MAX_TEXT_BYTES, read_text
+    from ..errors import InputError
+    from ..generation import check_generation_args, check_prompt
+    from ..models import load_model
+
+    # -- every check first ---------------------------------------------------------------------------------
+    context = check_prompt(read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES))
+    for text in question:
+        check_prompt(text)
+    config, overrides = merged_config(compression, config_file)
+    check_generation_args(max_new_tokens, temperature, seed)
+    check_compile(compile_step, config)
+    if save_cache is not None and load_cache is not None:
+        fail("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
+    if save_cache is not None:
+        from ..persistence import check_save_target
+
+        check_save_target(save_cache, overwrite)
+    if load_cache is not None:
+        from ..persistence import check_cache_source
+
+        check_cache_source(load_cache)
+    set_threads(threads)
+    # -- then the work -------------------------------------------------------------------------------------
+    lm, tokenizer = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    started = time.perf_counter()
+    if load_cache is not None:
+        compressed = CompressedContext.load(load_cache, lm, tokenizer, context, chat, config=overrides)
+    else:
+        compressed = compress(lm, tokenizer, context, config, chat=chat)
+    context_s = time.perf_counter() - started
+    if save_cache is not None:
+        compressed.save(save_cache, overwrite=overwrite)
+    cache = compressed.cache
+    head = {
+        "model": model, "config": cache.config.to_dict(), "context_tokens": compressed.tokens,
+        "context_kv_bytes": cache.nbytes(), "context_kv_bytes_full_fp16": cache.full_fp16_nbytes(),
+        "capacity": cache.capacity, ("cache_load_s" if load_cache else "compress_s"): context_s,
+    }
+    if not as_json:
+        typer.echo(
+            f"[context: {head['context_tokens']} tokens, capacity {head['capacity'] or 'all'}, KV "
+            f"{head['context_kv_bytes'] / 2**20:.2f} MiB = {head['context_kv_bytes'] / max(1, head['context_kv_bytes_full_fp16']):.1%}"
+            f" of an fp16 cache, {'loaded' if load_cache else 'compressed'} in {context_s:.2f} s]", err=True,
+        )
+    answers = []
+    kv_dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    for text in question:
+        if not as_json:
+            sys.stdout.write(f"Q: {text}\nA: ")
+        stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        result = run_ask(lm, tokenizer, compressed, text, max_new_tokens=max_new_tokens, temperature=temperature,
+                         seed=seed, on_text=stream, compile=compile_step)
+        figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
+        figures["question"] = text
+        answers.append(figures)
+        if not as_json:
+            sys.stdout.write("\n")
+            typer.echo(summary_line({**figures, "kv_dtype": kv_dtype}), err=True)
+    if as_json:
+        typer.echo(json.dumps({**head, "answers": answers}))

@@ -1,0 +1,123 @@
+"""Compress-then-ask: a context compressed once, then asked several times from the same compressed state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from profiling.profiling_helpers import save_tiny_lm, tiny_lm
+from typer.testing import CliRunner
+
+from h2o_compress import ASK_DEFAULTS, CompressionConfig, InputError, ask, compress, make_cache
+from h2o_compress.ask import SEPARATOR, CompressedContext
+from h2o_compress.cli import app
+from h2o_compress.generation import encode_prompt
+from h2o_compress.profiling import default_corpus
+
+CONTEXT = default_corpus()[:1500]
+
+
+def snapshot(cache) -> dict:
+    return {(i, k): v.clone() for i, layer in enumerate(cache.layers) for k, v in layer.tensors().items()}
+
+
+def test_frozen_copy_holds_the_same_tokens_and_evicts_nothing_more():
+    model, tokenizer = tiny_lm()
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    cache = make_cache(model, CompressionConfig(budget=0.25, kv_bits=4), max_length=60)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache)
+        before = snapshot(cache)
+        copy = cache.frozen_copy(60 + 30)
+        for layer, mine in zip(copy.layers, cache.layers):
+            assert torch.equal(layer.positions(), mine.positions())
+            assert layer.capacity is None and layer.store.slots >= mine.store.slots
+        extra = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
+        model(input_ids=extra[:, :10], past_key_values=copy)
+        for token in range(10, 30):
+            model(input_ids=extra[:, token : token + 1], past_key_values=copy)
+    assert copy.kept_length() == cache.kept_length() + 30  # nothing evicted while answering
+    assert all(torch.equal(v, snapshot(cache)[k]) for k, v in before.items())  # the original is untouched
+    assert cache.kept_length() == 15
+
+
+def test_each_question_starts_from_the_same_compressed_context():
+    model, tokenizer = tiny_lm()
+    context = compress(model, tokenizer, CONTEXT, chat=False)
+    assert context.cache.capacity == ASK_DEFAULTS.capacity(context.tokens)
+    assert context.cache.kept_length() == context.cache.capacity
+    before = snapshot(context.cache)
+    first = ask(model, tokenizer, context, "Who is the detective?", max_new_tokens=6)
+    ask(model, tokenizer, context, "What is the pass key?", max_new_tokens=6)
+    again = ask(model, tokenizer, context, "Who is the detective?", max_new_tokens=6)
+    assert first.token_ids == again.token_ids
+    after = snapshot(context.cache)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert first.prompt_tokens == encode_prompt(tokenizer, CONTEXT + SEPARATOR + "Who is the detective?", False).shape[1]
+
+
+def test_ask_with_budget_one_answers_as_the_full_prompt_does():
+    """Nothing evicted, 16 bits: asking a compressed context equals generating from the whole prompt."""
+    from h2o_compress import generate
+
+    model, tokenizer = tiny_lm()
+    config = CompressionConfig(policy="full", kv_bits=16)
+    context = compress(model, tokenizer, CONTEXT, config, chat=False)
+    answer = ask(model, tokenizer, context, "Who is the detective?", max_new_tokens=8)
+    whole = generate(model, tokenizer, CONTEXT + SEPARATOR + "Who is the detective?", config, max_new_tokens=8,
+                     chat=False)
+    assert answer.token_ids == whole.token_ids
+
+
+def test_saved_context_answers_as_the_live_one(tmp_path):
+    model, tokenizer = tiny_lm()
+    context = compress(model, tokenizer, CONTEXT, chat=False)
+    context.save(tmp_path / "ctx.safetensors")
+    loaded = CompressedContext.load(tmp_path / "ctx.safetensors", model, tokenizer, CONTEXT, chat=False)
+    live = ask(model, tokenizer, context, "Who is it?", max_new_tokens=6)
+    again = ask(model, tokenizer, loaded, "Who is it?", max_new_tokens=6)
+    assert live.token_ids == again.token_ids
+    with pytest.raises(InputError, match="not the start of the context"):
+        CompressedContext.load(tmp_path / "ctx.safetensors", model, tokenizer, "Another document entirely.", False)
+
+
+def test_cli_ask_answers_every_question_and_saves_the_context(tmp_path):
+    model_dir = save_tiny_lm(tmp_path / "model")
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT)
+    saved = tmp_path / "ctx.safetensors"
+    runner = CliRunner()
+    base = ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document), "--max-new-tokens", "4",
+            "--json"]
+    result = runner.invoke(app, [*base, "--question", "Who?", "--question", "Where?", "--save-cache", str(saved)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert [a["question"] for a in figures["answers"]] == ["Who?", "Where?"]
+    assert figures["config"]["heavy_ratio"] == 0.9 and figures["config"]["kv_bits"] == 4  # ask's own defaults
+    assert figures["context_kv_bytes"] < figures["context_kv_bytes_full_fp16"]
+    loaded = runner.invoke(app, [*base, "--question", "Who?", "--load-cache", str(saved)])
+    assert loaded.exit_code == 0, loaded.output
+    assert json.loads(loaded.stdout)["answers"][0]["text"] == figures["answers"][0]["text"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--question", ""], "empty"),
+    (["--question", "Q", "--budget", "0"], "budget"),
+    (["--question", "Q", "--save-cache", "{d}/a.safetensors", "--load-cache", "{d}/b.safetensors"], "cannot be combined"),
+])
+def test_cli_ask_refuses_bad_input_before_loading(tmp_path, args, message):
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT)
+    result = CliRunner().invoke(
+        app, ["ask", "--model", str(tmp_path / "missing"), "--context-file", str(document),
+              *[a.format(d=tmp_path) for a in args]],
+    )
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]
+
+
+def test_cli_ask_refuses_a_missing_context_file(tmp_path):
+    result = CliRunner().invoke(app, ["ask", "--context-file", str(tmp_path / "none.txt"), "--question", "Q"])
+    assert result.exit_code == 2 and "does not exist" in result.stderr
