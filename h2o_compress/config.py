@@ -17,6 +17,8 @@ ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
 ATTENTION_KERNELS = ("auto", "torch")
+LAYER_BUDGETS = ("uniform", "pyramid")
+PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
 SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided")  # the policies that split the budget by heavy_ratio
 
@@ -63,6 +65,11 @@ class CompressionConfig:
             over the slots, which ``torch.compile`` fuses). Both keep the same tokens. ``triton`` (the fused kernel of :mod:`h2o_compress.kernels.decode_attention`)
             is refused for now: it does not read the slot layout yet (see docs/cache-layout.md). A runtime
             choice: it does not change what is kept or stored.
+        layer_budgets: how the capacity is spread over the layers under the same total: ``uniform`` (every layer
+            the same) or ``pyramid`` (PyramidKV, Cai et al. 2024, arXiv 2406.02069 §3.2: an arithmetic sequence
+            from ``2C - C/20`` tokens at the first layer down to ``C/20`` at the last, each at least the smallest
+            capacity that leaves a recent window; lower layers attend broadly, upper ones to few tokens). Each
+            layer allocates only its own capacity, so the bytes follow (:meth:`layer_capacities`).
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -81,6 +88,7 @@ class CompressionConfig:
     rotate: bool = True
     score_chunk_size: int = 64
     attention_kernel: str = "auto"
+    layer_budgets: str = "uniform"
 
     def __post_init__(self) -> None:
         from .eviction import POLICIES
@@ -130,6 +138,10 @@ class CompressionConfig:
             raise ConfigError(
                 "attention_kernel='triton': the fused Triton decode kernel (h2o_compress.kernels) does not read the "
                 "slot layout of the compileable cache yet; allowed: 'auto' or 'torch' (compiled torch attention)"
+            )
+        if not isinstance(self.layer_budgets, str) or self.layer_budgets not in LAYER_BUDGETS:
+            raise ConfigError(
+                f"layer_budgets={short(self.layer_budgets)} is not supported; allowed: {', '.join(LAYER_BUDGETS)}"
             )
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
@@ -181,6 +193,27 @@ class CompressionConfig:
                 )
             return max(1, math.ceil(self.budget * length))
         return int(self.budget)
+
+    def layer_capacities(self, capacity: int | None, num_layers: int) -> list[int | None]:
+        """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` (:meth:`capacity`), with the same
+        total ``num_layers x capacity`` (see ``layer_budgets``); ``None`` (unbounded) stays ``None``."""
+        if capacity is None or self.layer_budgets == "uniform" or num_layers < 2:
+            return [capacity] * num_layers
+        from .eviction import make_policy
+
+        policy = make_policy(self.policy, heavy_ratio=self.heavy_ratio, sink_tokens=self.sinks)
+        floor = next((c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1), capacity)
+        last = max(capacity / PYRAMID_BETA, floor)
+        first = 2 * capacity - last
+        caps = [max(floor, int(first + (last - first) * i / (num_layers - 1))) for i in range(num_layers)]
+        spare = capacity * num_layers - sum(caps)  # rounding: hand it out (or take it back) from the first layers
+        while spare > 0 or (spare < 0 and any(c > floor for c in caps)):
+            for layer in range(num_layers):
+                if spare > 0:
+                    caps[layer], spare = caps[layer] + 1, spare - 1
+                elif spare < 0 and caps[layer] > floor:
+                    caps[layer], spare = caps[layer] - 1, spare + 1
+        return caps
 
     def to_dict(self) -> dict:
         """Plain-dict form (JSON-serialisable)."""

@@ -44,8 +44,10 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             f"allowed: {', '.join(map(str, allowed)) or 'none (use 16 bits)'}"
         )
     capacity = config.capacity(max_length)
+    if capacity is not None and max_length is not None:
+        capacity = min(capacity, max_length)  # storage never exceeds what the cache can see
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length)
-    cache = CompressedCache(layers, config, model_id=model_identity(model))
+    cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
     return cache
 

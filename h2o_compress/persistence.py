@@ -417,8 +417,13 @@ def load_cache(path, model, config=None):
     device = next(model.parameters()).device
     layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
+        if layer.capacity != state["capacity"]:
+            raise CacheFileError(
+                f"cache file {str(source)!r}: layer {i} holds capacity {short(state['capacity'])} but the file's "
+                f"config ({saved.layer_budgets} layer budgets of {capacity}) gives {layer.capacity}"
+            )
         _restore_layer(layer, i, state, tensors, device)
-    cache = CompressedCache(layers, saved, model_id=model_identity(model))
+    cache = CompressedCache(layers, saved, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = fingerprint
     if "prompt.token_ids" in tensors:
         logits = tensors.get("prompt.next_logits")
@@ -462,7 +467,10 @@ def _check_structure(metadata: dict, dims, source: Path) -> tuple[list[dict], in
         max_tokens = state.get("max_tokens")
         if max_tokens is not None and not _is_count(max_tokens, 1):
             raise CacheFileError(f"{where}: layer {i} max_tokens={short(max_tokens)}; allowed: null or an integer >= 1")
-        if state.get("capacity") != capacity or max_tokens != first.get("max_tokens"):
+        layer_capacity = state.get("capacity")
+        if (layer_capacity is not None and not _is_count(layer_capacity, 1)) or (layer_capacity is None) != (
+            capacity is None
+        ) or max_tokens != first.get("max_tokens"):
             raise CacheFileError(f"{where}: layer {i} capacity/max_tokens differ from the cache's")
         if not _is_count(state["seen_tokens"]) or state["seen_tokens"] != tokens:
             raise CacheFileError(f"{where}: layer {i} has seen {short(state['seen_tokens'])} tokens, the file {tokens}")

@@ -91,9 +91,10 @@ class CacheBytes:
     from the prefill to the last decode step.
 
     Attributes:
-        capacity: tokens kept per layer and KV head (``None``: unbounded).
+        capacity: tokens kept per layer and KV head, on average over the layers (``None``: unbounded).
         kept: tokens held per layer and KV head after the run (``min(capacity, tokens fed)``).
-        slots: slots of the store (``capacity - residual + 1``, or ``max_length - residual + 1`` unbounded).
+        slots: slots of the first layer's store (``capacity - residual + 1``, or ``max_length - residual + 1``
+            unbounded; with pyramid layer budgets each layer has its own).
         residual: slots of the full-precision ring window.
         packed: bytes of quantized (or 16-bit stored) keys and values, every slot.
         scales: bytes of scales, zero points and absmax values, every slot.
@@ -151,16 +152,23 @@ def cache_bytes(
     if max_length is None:
         max_length = prompt_len + decode_steps + 1
     capacity = config.capacity(max_length)
-    layer = build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length)[0]
+    if capacity is not None:
+        capacity = min(capacity, max_length)
     empty = torch.empty(batch, dims.kv_heads, 0, dims.head_dim, dtype=kv_dtype, device="meta")
-    layer.lazy_initialization(empty, empty)
     sizes = {name: 0 for name, _ in _CATEGORIES}
-    for name, tensor in layer.tensors().items():
-        category = next(c for c, keys in _CATEGORIES if any(name.endswith(k) or name == k for k in keys))
-        sizes[category] += tensor.numel() * tensor.element_size() * dims.num_layers
+    if config.layer_budgets == "uniform":  # every layer alike: size one, count it num_layers times
+        layers, repeat = build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length), dims.num_layers
+    else:
+        layers, repeat = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length), 1
+    for layer in layers:
+        layer.lazy_initialization(empty, empty)
+        for name, tensor in layer.tensors().items():
+            category = next(c for c, keys in _CATEGORIES if any(name.endswith(k) or name == k for k in keys))
+            sizes[category] += tensor.numel() * tensor.element_size() * repeat
     seen = prompt_len + decode_steps
-    kept = seen if layer.capacity is None else min(layer.capacity, seen)
-    return CacheBytes(capacity=layer.capacity, kept=kept, slots=layer.store.slots, residual=layer.residual, **sizes)
+    kept = seen if capacity is None else min(capacity, seen)
+    first = layers[0]
+    return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes)
 
 
 def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:

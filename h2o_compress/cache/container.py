@@ -21,10 +21,14 @@ class CompressedCache(Cache):
     transformers' ``StaticCache`` does); :meth:`kept_length` counts tokens held.
     """
 
-    def __init__(self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = ""):
+    def __init__(
+        self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = "", capacity: int | None = -1
+    ):
         super().__init__(layers=layers)
         self.config = config
         self.model_id = model_id
+        # tokens kept per layer on average (the budget's capacity; equal to every layer's with uniform budgets)
+        self._capacity = layers[0].capacity if capacity == -1 else capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Route to :meth:`CompressedLayer.update`. A multi-token step first checks what decode steps only
@@ -85,8 +89,14 @@ class CompressedCache(Cache):
 
     @property
     def capacity(self) -> int | None:
-        """Tokens kept per layer, sequence and KV head (``None``: unbounded)."""
-        return self.layers[0].capacity
+        """Tokens kept per layer, sequence and KV head, on average over the layers (``None``: unbounded); see
+        :attr:`capacities` for each layer's (``layer_budgets="pyramid"`` spreads them)."""
+        return self._capacity
+
+    @property
+    def capacities(self) -> list[int | None]:
+        """Tokens kept by each layer, per sequence and KV head."""
+        return [layer.capacity for layer in self.layers]
 
     @property
     def compile_blocker(self) -> str | None:
@@ -128,7 +138,9 @@ class CompressedCache(Cache):
             CacheStateError: an empty cache, or ``max_length`` below the tokens seen.
         """
         self.check()
-        copy = CompressedCache([layer.frozen_copy(max_length) for layer in self.layers], self.config, self.model_id)
+        copy = CompressedCache(
+            [layer.frozen_copy(max_length) for layer in self.layers], self.config, self.model_id, capacity=None
+        )
         for name in ("model_fingerprint", "prompt_state"):
             if hasattr(self, name):
                 setattr(copy, name, getattr(self, name))
@@ -152,18 +164,20 @@ class CompressedCache(Cache):
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None
 ) -> list[CompressedLayer]:
-    """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`).
+    """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
+    ``i`` with ``config.layer_capacities(capacity, num_layers)[i]`` tokens (``capacity`` per layer on average).
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
     """
+    capacities = config.layer_capacities(capacity, num_layers)
     layers = []
     for idx in range(num_layers):
         layers.append(
             CompressedLayer(
                 idx,
                 make_policy(config.policy, config.heavy_ratio, config.sink_tokens),
-                capacity,
+                capacities[idx],
                 make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
                 make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),
                 residual=config.residual,

@@ -65,6 +65,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "group_size": _Flag(int, typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")),
     "residual": _Flag(int, typer.Option(
         3, "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
+    "layer_budgets": _Flag(str, typer.Option(
+        "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, or pyramid (PyramidKV: "
+        "more for the first layers, less for the last, same total bytes).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc) or torch (torch "
