@@ -28,6 +28,59 @@ from .prompt_cache import check_context, prefill, shared_prefix_length
 
 ASK_DEFAULTS = CompressionConfig(policy="h2o", budget=0.2, heavy_ratio=0.9, kv_bits=4)
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
+ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)
+
+
+@torch.inference_mode()
+def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[torch.Tensor]:
+    """KVzip's question-agnostic scores (Kim et al. 2025, arXiv 2505.23416 §3.1-3.2): per layer, fp32 ``[batch,
+    kv_heads, context tokens]``, the largest attention each context token receives while the model reads
+    "repeat the previous context" and the context again after it (max over those queries and over the query
+    heads of each KV group).
+
+    Costs one pass over about twice the context through an uncompressed ``DynamicCache`` with eager attention
+    (which returns the probabilities), in chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
+    are held. The model's attention implementation is restored afterwards.
+    """
+    from transformers import DynamicCache
+
+    batch, tokens = context_ids.shape
+    device = context_ids.device
+    repeat = tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+    follow = torch.cat((repeat.expand(batch, -1), context_ids), dim=1)
+    config = model.config
+    q_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    width = tokens + follow.shape[1]
+    chunk = max(1, min(128, ATTENTION_FLOATS // (config.num_hidden_layers * batch * q_heads * width)))
+    previous = config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        cache = DynamicCache(config=config)
+        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        scores = None
+        for start in range(0, follow.shape[1], chunk):
+            out = model(input_ids=follow[:, start : start + chunk], past_key_values=cache, use_cache=True,
+                        output_attentions=True, logits_to_keep=1)
+            parts = [
+                attention[..., :tokens].float().view(batch, kv_heads, q_heads // kv_heads, -1, tokens).amax(dim=(2, 3))
+                for attention in out.attentions
+            ]
+            scores = parts if scores is None else [torch.maximum(a, b) for a, b in zip(scores, parts)]
+    finally:
+        model.set_attn_implementation(previous)
+    return scores
+
+
+def prefill_context(model, tokenizer, context_ids: torch.Tensor, cache: CompressedCache) -> torch.Tensor:
+    """Prefill ``context_ids`` ``[batch, tokens]`` into a fresh ``cache``; for ``policy="kvzip"`` first score the
+    context by reconstruction (:func:`reconstruction_scores`) and hand each layer its scores. Returns the
+    next-token logits ``[batch, vocab]``."""
+    if cache.config.policy == "kvzip":
+        for layer, scores in zip(cache.layers, reconstruction_scores(model, tokenizer, context_ids)):
+            layer.policy.context_scores = scores
+    return prefill(model, context_ids, cache)
 
 
 @dataclass
@@ -80,7 +133,8 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     Args:
         model, tokenizer: a transformers causal LM (see :func:`h2o_compress.make_cache`) and its tokenizer.
         context: the document (one user turn with the chat template, up to the end of its text).
-        config: the compression setting; default :data:`ASK_DEFAULTS`.
+        config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="kvzip"`` first scores the context
+            by reconstruction (:func:`reconstruction_scores`: about one extra prefill of twice the context).
         chat: apply the tokenizer's chat template.
 
     Returns:
@@ -97,7 +151,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     check_context(model, ids.shape[1], 0)
     check_usable(config, config.capacity(ids.shape[1]))
     cache = make_cache(model, config, max_length=ids.shape[1])
-    prefill(model, ids, cache)
+    prefill_context(model, tokenizer, ids, cache)
     cache.check()
     return CompressedContext(cache, context, chat)
 

@@ -20,7 +20,7 @@ ATTENTION_KERNELS = ("auto", "torch")
 LAYER_BUDGETS = ("uniform", "pyramid")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
-SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided")  # the policies that split the budget by heavy_ratio
+SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided", "kvzip")  # the policies that split the budget by heavy_ratio
 
 
 def _number(name: str, value, allowed: str) -> float:
@@ -250,7 +250,7 @@ def check_usable(config: CompressionConfig, capacity: int | None = None) -> Comp
         if config.budget != 1:
             raise ConfigError(
                 f"policy='full' keeps every token, so budget={config.budget!r} would be ignored; allowed: budget 1.0 "
-                "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, strided, local, sink) for a smaller budget"
+                "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, strided, kvzip, local, sink) for a smaller budget"
             )
         return config
     if config.policy in SCORED_POLICIES and config.heavy_ratio >= 1:

@@ -121,3 +121,26 @@ def test_cli_ask_refuses_bad_input_before_loading(tmp_path, args, message):
 def test_cli_ask_refuses_a_missing_context_file(tmp_path):
     result = CliRunner().invoke(app, ["ask", "--context-file", str(tmp_path / "none.txt"), "--question", "Q"])
     assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_kvzip_keeps_what_the_reconstruction_attends_most():
+    from h2o_compress.ask import reconstruction_scores
+
+    model, tokenizer = tiny_lm()
+    config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=0.9, kv_bits=16)
+    context = compress(model, tokenizer, CONTEXT[:400], config, chat=False)
+    ids = encode_prompt(tokenizer, CONTEXT[:400], False)
+    assert model.config._attn_implementation == "h2o_compress"  # restored after the eager reconstruction pass
+    scores = reconstruction_scores(model, tokenizer, ids)
+    assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
+    assert bool((scores[0] > 0).all()) and bool((scores[0] <= 1).all())
+    capacity = context.cache.capacity
+    heavy = context.cache.layers[0].policy.heavy(capacity)
+    for layer, layer_scores in zip(context.cache.layers, scores):
+        kept = layer.positions()[0]  # [kv_heads, kept]
+        recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
+        for head in range(2):
+            ranked = [p for p in layer_scores[0, head].argsort(descending=True, stable=True).tolist()
+                      if p not in recent][:heavy]
+            assert set(kept[head].tolist()) == set(ranked) | recent
+    assert ask(model, tokenizer, context, "Who?", max_new_tokens=4).new_tokens >= 1

@@ -44,3 +44,26 @@ def test_budget_02_int4_is_coherent_and_small(smollm2):
     assert len(words) >= 5, ours.text
     assert sum(w.isalpha() for w in words) >= 0.8 * len(words), ours.text
     assert {"keeper", "storm", "power", "lamp", "light", "village"} & set(words), ours.text  # on topic
+
+
+def test_compress_then_ask_with_the_chat_template(smollm2):
+    """The real chat template: the compressed context ends before the template's closing tokens, each question
+    extends it, and a full-budget 16-bit context answers exactly as the whole prompt would."""
+    from h2o_compress import ask, compress
+    from h2o_compress.ask import SEPARATOR
+
+    model, tokenizer = smollm2
+    document = (
+        "The lighthouse keeper climbed the stairs every evening to light the lamp. One winter night a storm cut "
+        "the power to the village, but the keeper lit the old oil lamp by hand and kept it burning until dawn. "
+    ) * 4
+    question = "What did the keeper do when the storm cut the power?"
+    full = CompressionConfig(policy="full")
+    context = compress(model, tokenizer, document, full)
+    answer = ask(model, tokenizer, context, question, max_new_tokens=16)
+    whole = generate(model, tokenizer, document + SEPARATOR + question, full, max_new_tokens=16)
+    assert answer.token_ids == whole.token_ids
+    compressed = compress(model, tokenizer, document)  # ASK_DEFAULTS: h2o 0.2, heavy 0.9, 4 bits
+    assert compressed.cache.nbytes() < 0.1 * context.cache.nbytes()
+    text = ask(model, tokenizer, compressed, question, max_new_tokens=24).text.lower()
+    assert "lamp" in text or "lit" in text or "light" in text, text

@@ -26,7 +26,8 @@ def profile_command(
     decode_tokens: int = typer.Option(16, "--decode-tokens", help="Decode steps timed after each prefill."),
     ppl_tokens: int = typer.Option(512, "--ppl-tokens", help="Tokens of the streaming-perplexity run."),
     chunk_size: int = typer.Option(
-        16, "--chunk-size", help="Tokens per forward pass in the perplexity run (1 = exact decode)."),
+        1, "--chunk-size", help="Tokens per forward pass in the perplexity run: 1 (default) = token by token, the "
+        "exact decode semantics; larger is faster but optimistic, and the report labels it chunked."),
     agreement_prompts: int = typer.Option(3, "--agreement-prompts", help="Shipped prompts for agreement (0 = skip)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens generated per agreement prompt."),
     needle_lengths: str = typer.Option("", "--needle-lengths", help="Passkey context lengths (empty = skip)."),

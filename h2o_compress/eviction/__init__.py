@@ -6,6 +6,7 @@ from .base import EvictionPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .h2o_mean import H2OMeanPolicy
+from .kvzip import KVzipPolicy
 from .local import LocalPolicy
 from .sink import SinkPolicy
 from .snapkv import SnapKVPolicy
@@ -21,11 +22,12 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "snapkv": SnapKVPolicy,
     "tova": TOVAPolicy,
     "strided": StridedPolicy,
+    "kvzip": KVzipPolicy,
 }
 
 __all__ = [
     "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
-    "TOVAPolicy", "StridedPolicy", "POLICIES", "make_policy",
+    "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "POLICIES", "make_policy",
 ]
 
 

@@ -192,7 +192,12 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
         cache = make_cache(model, config, max_length=total)
     else:
         context = make_cache(model, config, max_length=context_tokens)
-        read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
+        if chunk_size is None:  # as compress() does (kvzip: scored by reconstruction first)
+            from ..ask import prefill_context
+
+            prefill_context(model, tokenizer, input_ids[:, :context_tokens], context)
+        else:
+            read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
         cache, input_ids = context.frozen_copy(total), input_ids[:, context_tokens:]
     step = step_function(model, resolve_compile(compile, cache, input_ids.device))
     logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)

@@ -52,7 +52,9 @@ class ProfileSettings:
         kv_bits: storage bits tried (16, 8, 4).
         seq_lens: context lengths (tokens) of the speed and memory runs: a prefill of that many corpus tokens,
             then ``decode_tokens`` greedy decode steps.
-        ppl_tokens: tokens of the streaming-perplexity run, read ``chunk_size`` tokens per forward pass.
+        ppl_tokens: tokens of the streaming-perplexity run, read ``chunk_size`` tokens per forward pass (default
+            1: token by token, the exact decode semantics; larger chunks are faster but hide part of the
+            compression's cost, as the tokens of a chunk see each other uncompressed).
         agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips.
         needle_lengths, needle_depths: passkey retrieval cells; empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
@@ -73,7 +75,7 @@ class ProfileSettings:
     seq_lens: tuple[int, ...] = (256, 512, 1024)
     decode_tokens: int = 16
     ppl_tokens: int = 512
-    chunk_size: int = 16
+    chunk_size: int = 1
     agreement_prompts: int = 3
     max_new_tokens: int = 32
     needle_lengths: tuple[int, ...] = ()

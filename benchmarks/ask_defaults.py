@@ -1,0 +1,92 @@
+"""Which settings win on the compress-then-ask protocol (the defaults of ``h2o-compress ask``)?
+
+    python benchmarks/ask_defaults.py --lengths 1024 --trials 3 --budget 0.2 --kv-bits 4
+
+Passkey retrieval on the real SmolLM2 with the haystack compressed before the question is read
+(:func:`h2o_compress.profiling.needle.needle_eval` with ``protocol="compress-then-ask"``), the same prompts for
+every setting (same seed), at one budget and bit width: policies h2o / h2o-mean / snapkv / tova / strided at heavy
+ratio 0.5 and 0.9, h2o 0.9 with pyramid layer budgets, and the uncompressed reference. Prints a table and writes
+``--out`` (JSON) and the same path with ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from h2o_compress import CompressionConfig, load_model
+from h2o_compress.profiling.needle import needle_eval
+
+SETTINGS = {  # name: CompressionConfig fields besides budget and bits
+    "h2o 0.5": {"policy": "h2o", "heavy_ratio": 0.5},
+    "h2o 0.9": {"policy": "h2o", "heavy_ratio": 0.9},
+    "h2o-mean 0.9": {"policy": "h2o-mean", "heavy_ratio": 0.9},
+    "snapkv 0.9": {"policy": "snapkv", "heavy_ratio": 0.9},
+    "tova 0.9": {"policy": "tova", "heavy_ratio": 0.9},
+    "strided 0.9": {"policy": "strided", "heavy_ratio": 0.9},
+    "kvzip 0.9": {"policy": "kvzip", "heavy_ratio": 0.9},
+    "h2o 0.9 pyramid": {"policy": "h2o", "heavy_ratio": 0.9, "layer_budgets": "pyramid"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--lengths", default="1024")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--kv-bits", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/ask_defaults.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device="cpu")
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    depths = tuple(float(x) for x in args.depths.split(","))
+    rows, started = [], time.perf_counter()
+    with Progress() as progress:
+        task = progress.add_task("settings", total=len(SETTINGS))
+        for index, (name, fields) in enumerate(SETTINGS.items()):
+            config = CompressionConfig(budget=args.budget, kv_bits=args.kv_bits, **fields)
+            result = needle_eval(model, tokenizer, config, lengths, depths, args.trials, args.seed,
+                                 reference=index == 0, protocol="compress-then-ask")
+            rows.append({"setting": name, "config": config.to_dict(), "right": result.overall("compressed"),
+                         "kv_bytes": sum(t.kv_bytes for t in result.trials if t.setting == "compressed")
+                         / max(1, sum(t.setting == "compressed" for t in result.trials))})
+            if index == 0:
+                rows.insert(0, {"setting": "uncompressed", "config": None, "right": result.overall("reference"),
+                                "kv_bytes": None})
+            progress.advance(task)
+    title = (f"Compress-then-ask passkey accuracy, {args.model}, budget {args.budget:g} of the context, "
+             f"{args.kv_bits}-bit, lengths {args.lengths}, {len(depths)} depths x {args.trials} trials")
+    table = Table(title=title)
+    lines = [f"# {title}", "", "| setting | right | KV MiB answering |", "|---|---:|---:|"]
+    for column in ("setting", "right", "KV MiB answering"):
+        table.add_column(column)
+    for row in rows:
+        cells = [row["setting"], f"{row['right']:.2f}",
+                 "-" if row["kv_bytes"] is None else f"{row['kv_bytes'] / 2**20:.2f}"]
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    Console().print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/ask_defaults.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")
+    out.write_text(json.dumps({"command": command, "rows": rows, "minutes": (time.perf_counter() - started) / 60},
+                              indent=2))
+    out.with_suffix(".md").write_text("\n".join(lines + ["", f"`{command}`"]) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
