@@ -7,10 +7,12 @@ compressed cache that keeps every token after the context (nothing more is evict
 so every question starts from the same compressed context, which is never changed. A compressed context can be
 saved and loaded (:meth:`CompressedContext.save`, :meth:`CompressedContext.load`).
 
-Defaults (:data:`ASK_DEFAULTS`): h2o at budget 0.2 with 90% of it for heavy hitters, 4-bit keys and values. On
-this protocol the recent window helps little (the question is not in the context), and heavy ratio 0.9 beat 0.5 on
-the needle benchmark against kvpress (``benchmarks/results/peers.md``: at keep 0.2, 3/6 right with answer NLL 0.34
-against 2/6 and 0.69 at 0.5, and against kvpress ObservedAttention's 2/6 and 0.57).
+Defaults (:data:`ASK_DEFAULTS`): ``h2o-mean`` (heavy hitters ranked by the mean attention a token received, as
+kvpress's ObservedAttention) at budget 0.2 of the context with 90% of it for heavy hitters, 4-bit keys and values:
+on this protocol (passkey retrieval with the haystack compressed before the question, SmolLM2-135M, 1,024 tokens,
+``benchmarks/ask_defaults.py``, two runs of 15 and 20 prompts) it was right 9 times of 35, against 8 for h2o at
+heavy ratio 0.5 and for snapkv 0.9, 3 for h2o 0.9 and 33 for the uncompressed cache (budget 0.2 with 4 bits is
+harsh for a single 25-token needle; see ``benchmarks/results/ask_defaults.md``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .errors import CacheStateError, InputError
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_cache
 from .prompt_cache import check_context, prefill, shared_prefix_length
 
-ASK_DEFAULTS = CompressionConfig(policy="h2o", budget=0.2, heavy_ratio=0.9, kv_bits=4)
+ASK_DEFAULTS = CompressionConfig(policy="h2o-mean", budget=0.2, heavy_ratio=0.9, kv_bits=4)
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
 ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)

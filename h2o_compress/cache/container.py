@@ -130,16 +130,20 @@ class CompressedCache(Cache):
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * int(layer.seen) * layer.batch * 2
 
     def frozen_copy(self, max_length: int) -> "CompressedCache":
-        """A copy holding this cache's tokens that evicts nothing more, with room for ``max_length`` tokens in all
-        (the compressed context stays compressed; what is added after it is kept whole). This cache is not
-        changed. Used by :func:`h2o_compress.ask`.
+        """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
+        ``max_length`` seen in all (the compressed context stays compressed, what is added after it is kept whole,
+        and only that is allocated on top of the compressed storage). This cache is not changed. Used by
+        :func:`h2o_compress.ask`.
 
         Raises:
             CacheStateError: an empty cache, or ``max_length`` below the tokens seen.
         """
         self.check()
+        extra = max_length - self.seen_tokens()
+        if extra < 0:
+            raise CacheStateError(f"max_length={max_length} is below the {self.seen_tokens()} tokens this cache has seen")
         copy = CompressedCache(
-            [layer.frozen_copy(max_length) for layer in self.layers], self.config, self.model_id, capacity=None
+            [layer.frozen_copy(extra) for layer in self.layers], self.config, self.model_id, capacity=None
         )
         for name in ("model_fingerprint", "prompt_state"):
             if hasattr(self, name):

@@ -236,29 +236,27 @@ class CompressedLayer(CacheLayerMixin):
             held = torch.cat((held, self.ring.positions.long()[:, None].expand(-1, self.kv_heads, -1)), dim=2)
         return held.sort(-1).values[..., -self.kept_length() :] if self.kept_length() else held[..., :0]
 
-    def frozen_copy(self, max_tokens: int) -> "CompressedLayer":
+    def frozen_copy(self, extra_tokens: int) -> "CompressedLayer":
         """A new layer holding this one's tokens (same slots, ring, positions, counters; copied, not shared) that
-        evicts nothing more, with storage for ``max_tokens`` tokens in all (compress-then-ask: the question and
-        the answer are added to a compressed context, which stays as it is).
+        evicts nothing more, with storage for ``extra_tokens`` more tokens, no more (compress-then-ask: the
+        question and the answer are added to a compressed context, which stays as it is).
 
         Raises:
-            CacheStateError: this layer holds nothing, or ``max_tokens`` is below the tokens it has seen.
+            CacheStateError: this layer holds nothing, or ``extra_tokens`` is negative.
         """
-        if not self.is_initialized or max_tokens < int(self.seen):
+        if not self.is_initialized or extra_tokens < 0:
             raise CacheStateError(
-                f"layer {self.layer_idx}: a frozen copy needs an initialised layer and max_tokens >= the tokens seen"
+                f"layer {self.layer_idx}: a frozen copy needs an initialised layer and extra_tokens >= 0"
             )
-        copy = CompressedLayer(
+        copy = CompressedLayer(  # an unbounded layer of known size: slots = max_tokens - residual
             self.layer_idx, self.policy, None, self.key_quantizer, self.value_quantizer, self.residual,
-            self.score_chunk_size, self.attention_kernel, max_tokens=max_tokens,
+            self.score_chunk_size, self.attention_kernel, max_tokens=self.store.slots + self.residual + extra_tokens,
         )
         copy.num_layers = self.num_layers
         copy.lazy_initialization(
             torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
             torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
         )
-        if copy.store.slots < self.store.slots:
-            raise CacheStateError(f"layer {self.layer_idx}: max_tokens={max_tokens} leaves fewer slots than are held")
         mine = self.tensors()
         for name, target in copy.tensors().items():  # scores are not copied: nothing is evicted any more
             if name in mine:  # the store's first `slots` slots; the rest stay empty (position -1)

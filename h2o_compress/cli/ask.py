@@ -52,7 +52,7 @@ def ask(
     compile_step: Optional[bool] = CompileOpt,
     compression: Compression = None,
 ):
-    """Compress a document once (defaults: h2o, budget 0.2 of the document, heavy ratio 0.9, 4 bits), then
+    """Compress a document once (defaults: h2o-mean, budget 0.2 of the document, heavy ratio 0.9, 4 bits), then
     answer each --question from the same compressed context."""
     from ..ask import CompressedContext, compress
     from ..ask import ask as run_ask
