@@ -71,15 +71,17 @@ def attention_probability_sums(
     total = torch.zeros(batch, kv_heads, keys, dtype=torch.float32, device=key.device)
     for start in range(0, queries, chunk_size):
         stop = min(start + chunk_size, queries)
+        # causal (no mask): these rows see keys up to `keys - queries + stop - 1` only; skip the rest
+        seen = keys if attention_mask is not None else keys - queries + stop
         q = query[:, :, start:stop].float().reshape(batch, kv_heads, group * (stop - start), head_dim)
-        logits = torch.matmul(q, key_t).mul_(scale).view(batch, kv_heads, group, stop - start, keys)
+        logits = torch.matmul(q, key_t[..., :seen]).mul_(scale).view(batch, kv_heads, group, stop - start, seen)
         visible = _visible(attention_mask, start, stop, queries, keys, key.device)
         if visible is not None:
-            logits = logits.masked_fill(~visible, float("-inf"))
+            logits = logits.masked_fill(~visible[..., :seen], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if visible is not None:
+        if attention_mask is not None:
             probs = probs.nan_to_num_(0.0)  # queries that see nothing (padding rows) add nothing
-        total += probs.sum(dim=(2, 3))
+        total[..., :seen] += probs.sum(dim=(2, 3))
     return total
 
 
