@@ -26,6 +26,7 @@ from .cache import CompressedCache
 from .config import CompressionConfig, check_usable
 from .errors import CacheStateError, InputError
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_cache
+from .models import model_dims
 from .prompt_cache import check_context, prefill, shared_prefix_length
 
 ASK_DEFAULTS = CompressionConfig(policy="h2o-mean", budget=0.2, heavy_ratio=0.9, kv_bits=4)
@@ -51,15 +52,14 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     device = context_ids.device
     repeat = tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
     follow = torch.cat((repeat.expand(batch, -1), context_ids), dim=1)
-    config = model.config
-    q_heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    dims = model_dims(model.config)
+    q_heads, kv_heads = dims.num_heads, dims.kv_heads
     width = tokens + follow.shape[1]
-    chunk = max(1, min(128, ATTENTION_FLOATS // (config.num_hidden_layers * batch * q_heads * width)))
-    previous = config._attn_implementation
+    chunk = max(1, min(128, ATTENTION_FLOATS // (dims.num_layers * batch * q_heads * width)))
+    previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        cache = DynamicCache(config=config)
+        cache = DynamicCache(config=model.config)
         model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         scores = None
         for start in range(0, follow.shape[1], chunk):

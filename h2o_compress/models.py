@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass

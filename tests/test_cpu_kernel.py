@@ -87,11 +87,18 @@ def test_half_precision_models(dtype):
     torch.testing.assert_close(native.float(), reference.float(), atol=0.05, rtol=0.05)
 
 
-def test_non_finite_key_sets_the_flag_read_by_check():
+def prefilled():
+    """A tiny LLaMA and its h2o int4 cache after a 20-token prompt."""
     model = TINY_MODELS["llama"]()
     cache = make_cache(model, setting("h2o", 4), max_length=40)
     with torch.inference_mode():
         model(input_ids=torch.randint(0, 128, (1, 20)), past_key_values=cache)
+    return model, cache
+
+
+def test_non_finite_key_sets_the_flag_read_by_check():
+    model, cache = prefilled()
+    with torch.inference_mode():
         layer = cache.layers[0]
         keys = torch.full((1, layer.kv_heads, 1, layer.head_dim), float("nan"))
         cache.update(keys, torch.zeros_like(keys), 0)
@@ -152,10 +159,7 @@ def test_switched_off_or_without_a_compiler_the_torch_form_runs(monkeypatch, tmp
 
 
 def test_custom_op_passes_opcheck():
-    model = TINY_MODELS["llama"]()
-    cache = make_cache(model, setting("h2o", 4), max_length=40)
-    with torch.inference_mode():
-        model(input_ids=torch.randint(0, 128, (1, 20)), past_key_values=cache)
+    _, cache = prefilled()
     layer = cache.layers[1]
     store, ring = layer.store, layer.ring
     heads, dim = layer.kv_heads, layer.head_dim

@@ -253,10 +253,8 @@ class CompressedLayer(CacheLayerMixin):
             self.score_chunk_size, self.attention_kernel, max_tokens=self.store.slots + self.residual + extra_tokens,
         )
         copy.num_layers = self.num_layers
-        copy.lazy_initialization(
-            torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
-            torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
-        )
+        empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        copy.lazy_initialization(empty, empty)
         mine = self.tensors()
         for name, target in copy.tensors().items():  # scores are not copied: nothing is evicted any more
             if name in mine:  # the store's first `slots` slots; the rest stay empty (position -1)
@@ -414,7 +412,7 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
                 "and values, so build a new one with make_cache(model, ...)"
             )
-        if self.incoming is not None:  # the native CPU step: everything but eviction in one call
+        if self.incoming is not None:  # the native CPU step in one call (a policy with its own ranking evicts here)
             (keys, values), self.incoming = self.incoming, None
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             output = cpu_kernel.decode_layer(self, query, keys, values, scale, self.reference_seen)

@@ -13,10 +13,11 @@ from typing import List, Optional
 import typer
 
 from ..ask import ASK_DEFAULTS
-from .common import fail, merged_config, set_threads, user_errors
+from .common import check_cache_paths, fail, merged_config, set_threads, user_errors
 from .generate import summary_line
 from .options import (
-    CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+    ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
+    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
 )
 
 DEFAULTS = {
@@ -35,18 +36,17 @@ def ask(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens per answer at most."),
     device: str = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
-    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    chat: bool = ChatOpt,
+    temperature: float = TemperatureOpt,
+    seed: Optional[int] = SamplingSeedOpt,
+    as_json: bool = StreamJsonOpt,
     config_file: Optional[str] = ConfigFileOpt,
     save_cache: Optional[str] = typer.Option(
         None, "--save-cache", help="Save the compressed context to this safetensors file (an existing file must be "
         "a cache file unless --overwrite)."),
     load_cache: Optional[str] = typer.Option(
         None, "--load-cache", help="Start from a compressed context saved with --save-cache (same document)."),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Let --save-cache replace an existing file that is not a cache file."),
+    overwrite: bool = OverwriteOpt,
     threads: Optional[int] = ThreadsOpt,
     trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
@@ -71,14 +71,7 @@ def ask(
     check_compile(compile_step, config)
     if save_cache is not None and load_cache is not None:
         fail("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
-    if save_cache is not None:
-        from ..persistence import check_save_target
-
-        check_save_target(save_cache, overwrite)
-    if load_cache is not None:
-        from ..persistence import check_cache_source
-
-        check_cache_source(load_cache)
+    check_cache_paths(save_cache, load_cache, overwrite)
     set_threads(threads)
     # -- then the work -------------------------------------------------------------------------------------
     lm, tokenizer = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -43,6 +43,20 @@ def set_threads(threads: Optional[int]) -> None:
     torch.set_num_threads(threads)
 
 
+def check_cache_paths(save_cache: Optional[str], load_cache: Optional[str], overwrite: bool) -> None:
+    """Refuse, before anything is loaded, a ``--save-cache`` target that cannot be written (or would replace a
+    file that is not a cache file without ``--overwrite``) and a ``--load-cache`` source that cannot be read.
+    Raises CacheFileError naming the path and what is allowed."""
+    if save_cache is not None:
+        from ..persistence import check_save_target
+
+        check_save_target(save_cache, overwrite)
+    if load_cache is not None:
+        from ..persistence import check_cache_source
+
+        check_cache_source(load_cache)
+
+
 def merged_config(compression: Compression, config_file: Optional[str]) -> tuple[CompressionConfig, dict]:
     """The compression flags merged over ``--config FILE`` (JSON/TOML): flags given on the command line win.
 

@@ -13,9 +13,10 @@ from typing import Optional
 
 import typer
 
-from .common import fail, merged_config, set_threads, user_errors
+from .common import check_cache_paths, fail, merged_config, set_threads, user_errors
 from .options import (
-    CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+    ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
+    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
 )
 
 
@@ -28,18 +29,17 @@ def generate(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
     device: str = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
-    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    chat: bool = ChatOpt,
+    temperature: float = TemperatureOpt,
+    seed: Optional[int] = SamplingSeedOpt,
+    as_json: bool = StreamJsonOpt,
     config_file: Optional[str] = ConfigFileOpt,
     save_cache: Optional[str] = typer.Option(
         None, "--save-cache", help="Save the compressed prompt cache (the part a follow-up prompt shares) to this "
         "safetensors file; an existing file must be a cache file unless --overwrite."),
     load_cache: Optional[str] = typer.Option(
         None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend it)."),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Let --save-cache replace an existing file that is not a cache file."),
+    overwrite: bool = OverwriteOpt,
     memory_limit: Optional[str] = typer.Option(
         None, "--memory-limit", help="Let the planner pick budget, bits and group size to fit in this memory "
         "(e.g. 2GiB)."),
@@ -66,14 +66,7 @@ def generate(
         from ..planner import parse_memory
 
         parse_memory(memory_limit)
-    if save_cache is not None:
-        from ..persistence import check_save_target
-
-        check_save_target(save_cache, overwrite)
-    if load_cache is not None:
-        from ..persistence import check_cache_source
-
-        check_cache_source(load_cache)
+    check_cache_paths(save_cache, load_cache, overwrite)
     set_threads(threads)
     if seed is not None:
         import torch

@@ -153,6 +153,13 @@ TrustOpt = typer.Option(
     False, "--trust-remote-code",
     help="Allow a model directory or hub repo to run its own Python code (its auto_map). Off by default.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object.")
+# -- generation options (generate, ask) --------------------------------------------------------------------
+ChatOpt = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template.")
+TemperatureOpt = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples.")
+SamplingSeedOpt = typer.Option(None, "--seed", help="Random seed for sampling.")
+StreamJsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of streaming text.")
+OverwriteOpt = typer.Option(
+    False, "--overwrite", help="Let --save-cache replace an existing file that is not a cache file.")
 CompileOpt = typer.Option(
     None, "--compile/--no-compile",
     help="torch.compile the decode step (fullgraph; CUDA graphs on CUDA). Default: on with CUDA, off on CPU "

@@ -119,8 +119,8 @@ def _pointer(tensor: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if tensor is None else ctypes.c_void_p(tensor.data_ptr())
 
 
-def _launch(
-    out: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+def _decode(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
     k_bits: int, k_group: int, k_data: torch.Tensor, k_scale_zero: torch.Tensor | None, k_basis: torch.Tensor | None,
     v_bits: int, v_group: int, v_data: torch.Tensor, v_scale_zero: torch.Tensor | None, v_basis: torch.Tensor | None,
     store_positions: torch.Tensor, store_scores: torch.Tensor | None, ring_keys: torch.Tensor | None,
@@ -128,7 +128,16 @@ def _launch(
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
     replace_scores: bool,
-) -> None:
+) -> torch.Tensor:
+    """One call of ``cpu_decode.c`` over a layer's buffers (see :func:`decode_layer` for what they are): fp32
+    ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
+    :data:`cpu_decode_layer` (the same function, so both run the same kernel).
+
+    Raises:
+        RuntimeError: the kernel refused a shape (``head_dim`` above :data:`MAX_HEAD_DIM`, query heads not a
+            multiple of KV heads) or could not allocate its scratch.
+    """
+    out = torch.empty_like(q)
     batch, q_heads, head_dim = q.shape
     kv_heads, slots = store_positions.shape[1], store_positions.shape[2]
     size = 0 if ring_positions is None else ring_positions.shape[1]
@@ -147,35 +156,18 @@ def _launch(
     )
     if status:
         raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")
+    return out
 
 
-@torch.library.custom_op(
+#: The custom op ``h2o_compress::cpu_decode_layer`` around :func:`_decode`, what ``torch.compile`` traces.
+cpu_decode_layer = torch.library.custom_op(
     "h2o_compress::cpu_decode_layer",
     mutates_args=(
         "k_data", "k_scale_zero", "v_data", "v_scale_zero", "store_positions", "store_scores", "ring_keys",
         "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent",
     ),
     device_types="cpu",
-)
-def cpu_decode_layer(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
-    k_bits: int, k_group: int, k_data: torch.Tensor, k_scale_zero: torch.Tensor | None, k_basis: torch.Tensor | None,
-    v_bits: int, v_group: int, v_data: torch.Tensor, v_scale_zero: torch.Tensor | None, v_basis: torch.Tensor | None,
-    store_positions: torch.Tensor, store_scores: torch.Tensor | None, ring_keys: torch.Tensor | None,
-    ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
-    seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
-    rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
-    replace_scores: bool,
-) -> torch.Tensor:
-    """The custom-op form of :func:`decode_layer` (what ``torch.compile`` traces); fp32 ``[batch, q_heads,
-    head_dim]`` output."""
-    out = torch.empty_like(q)
-    _launch(
-        out, q, k_new, v_new, scale, k_bits, k_group, k_data, k_scale_zero, k_basis, v_bits, v_group, v_data,
-        v_scale_zero, v_basis, store_positions, store_scores, ring_keys, ring_values, ring_positions, ring_scores,
-        seen, first_real, finite, capacity, recent, sinks, rank, evict, reference_seen, consistent, replace_scores,
-    )
-    return out
+)(_decode)
 
 
 @cpu_decode_layer.register_fake
@@ -227,9 +219,6 @@ def decode_layer(
         layer.seen, layer.first_real, layer.finite,
         *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates,
     )
-    if torch.compiler.is_compiling():
-        out = cpu_decode_layer(*args)
-    else:  # the same kernel without the custom-op dispatch (a few microseconds per layer and step)
-        out = torch.empty_like(args[0])
-        _launch(out, *args)
+    # compiled: the custom op; eager: the same function without the op's dispatch (microseconds per layer and step)
+    out = cpu_decode_layer(*args) if torch.compiler.is_compiling() else _decode(*args)
     return out.view(batch, 1, q_heads, head_dim).to(query.dtype)
