@@ -45,6 +45,14 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     Costs one pass over about twice the context through an uncompressed ``DynamicCache`` with eager attention
     (which returns the probabilities), in chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
     are held. The model's attention implementation is restored afterwards.
+
+    Args:
+        model, tokenizer: the LM (its attention must support transformers' ``eager`` implementation) and its
+            tokenizer.
+        context_ids: int64 ``[batch, tokens]`` on the model's device.
+
+    Raises:
+        ValueError: from transformers, for a model without an ``eager`` attention implementation.
     """
     from transformers import DynamicCache
 

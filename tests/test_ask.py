@@ -144,3 +144,22 @@ def test_kvzip_keeps_what_the_reconstruction_attends_most():
                       if p not in recent][:heavy]
             assert set(kept[head].tolist()) == set(ranked) | recent
     assert ask(model, tokenizer, context, "Who?", max_new_tokens=4).new_tokens >= 1
+
+
+def test_bad_inputs_of_compress_then_ask_are_refused():
+    from h2o_compress import CacheStateError, ConfigError
+    from h2o_compress.profiling.needle import check_needle_args
+
+    model, tokenizer = tiny_lm()
+    empty = make_cache(model, CompressionConfig(budget=0.25, kv_bits=4), max_length=40)
+    with pytest.raises(CacheStateError, match="initialised layer"):
+        empty.layers[0].frozen_copy(10)
+    context = compress(model, tokenizer, CONTEXT[:300], chat=False)
+    with pytest.raises(CacheStateError, match="below the"):
+        context.cache.frozen_copy(context.tokens - 1)
+    with pytest.raises(CacheStateError, match="needs a CompressedContext"):
+        ask(model, tokenizer, context.cache, "Who?")
+    with pytest.raises(InputError, match="empty"):
+        ask(model, tokenizer, context, "  ")
+    with pytest.raises(ConfigError, match="protocol='other' is not supported"):
+        check_needle_args((512,), (0.5,), protocol="other")
