@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from h2o_compress import CacheStateError, CompressionConfig, InputError, make_cache
 from h2o_compress.cache import CompressedLayer
-from h2o_compress.eviction import H2OPolicy, LocalPolicy
+from h2o_compress.eviction import POLICIES, H2OPolicy, LocalPolicy
 from h2o_compress.quantization import IntQuantizer, NoQuantizer, StoredTensor
 
 
@@ -26,7 +26,7 @@ def run_steps(model, cache, prompt, steps):
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_MODELS))
-@pytest.mark.parametrize("policy", ["h2o", "full", "local", "sink"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @torch.inference_mode()
 def test_budget_one_16bit_reproduces_dynamic_cache(arch, policy):
     model = TINY_MODELS[arch]()

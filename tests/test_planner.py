@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, ConfigError, ModelLoadError, generate, make_cache
 from h2o_compress.cli import app
+from h2o_compress.eviction import POLICIES
 from h2o_compress.known_models import _key, known_models, resolve_model
 from h2o_compress.models import model_dims
 from h2o_compress.planner import (
@@ -79,6 +80,11 @@ CASES = [  # policy, budget, k_bits, v_bits, group, residual, batch, prompt, new
     ("sink", 0.5, 8, 8, 32, 16, 1, 10, 30),  # prompt shorter than the window
     ("full", 1.0, 4, 4, 128, 8, 2, 3, 40),
     ("full", 1.0, 8, 8, 32, 8, 1, 50, 1),  # prefill only
+    ("h2o-mean", 0.3, 4, 4, 32, 4, 2, 30, 12),
+    ("snapkv", 0.3, 4, 4, 64, 4, 1, 40, 10),
+    ("tova", 0.4, 8, 4, 32, 2, 2, 25, 15),
+    ("strided", 0.3, 4, 4, 32, 4, 1, 40, 10),
+    ("kvzip", 0.5, 16, 16, 32, 4, 2, 30, 8),
 ]
 
 
@@ -119,7 +125,7 @@ TINY = {}
 
 @settings(max_examples=60, deadline=None)
 @given(
-    policy=st.sampled_from(["h2o", "local", "sink", "full"]),
+    policy=st.sampled_from(sorted(POLICIES)),
     budget=st.one_of(st.sampled_from([0.2, 0.5, 1.0]), st.integers(1, 24)),
     bits=st.sampled_from([(16, 16), (4, 4), (8, 4)]),
     residual=st.integers(0, 6),
