@@ -19,9 +19,10 @@ from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
+from h2o_compress.eviction import POLICIES as REGISTERED
 
 PROMPT, STEPS = 20, 24
-POLICIES = ["h2o", "h2o-mean", "snapkv", "tova", "strided", "local", "sink", "full"]
+POLICIES = sorted(REGISTERED)  # every registered policy
 
 
 def setting(policy: str, bits: int, kernel: str = "auto") -> CompressionConfig:
