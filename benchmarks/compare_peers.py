@@ -23,8 +23,9 @@ Tasks:
   speed   prefill seconds, decode tokens/s (median step) and peak RSS above the idle process at 1k and 4k tokens.
 
 Equal bytes: kvpress's ``compression_ratio`` r keeps ``int((1 - r) x context)`` tokens; our setting "keep b" uses
-r = 1 - b for the peers and, for QA, an integer capacity of ``int(b x context) + question + max_new_tokens``
-tokens, which is what kvpress holds while answering. Bytes are counted the same way on both sides: every tensor
+r = 1 - b for the peers and, for QA, compress-then-ask as ``h2o_compress.ask`` does it: the context is compressed
+to ``int(b x context)`` tokens (kvzip: after its reconstruction pass), then each question and its answer are added
+to a frozen copy that evicts nothing more, which is what kvpress holds while answering. Bytes are counted the same way on both sides: every tensor
 the cache holds at the time (full-precision keys/values, quantized data, scales, zero points; ours also its fp32
 score accumulators). Writes ``benchmarks/results/peers.json``, ``peers.md`` and ``peers_*.png``.
 """
@@ -49,12 +50,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / "peers"
 REQUIREMENTS = PEERS / "requirements.txt"
-KEEPS = (0.5, 0.2, 0.1)
+KEEPS = (0.5, 0.25, 0.1)
 BITS = (16, 8, 4)
 PRESSES = ("ObservedAttentionPress", "SnapKVPress", "StreamingLLMPress", "TOVAPress", "KnormPress",
-           "ExpectedAttentionPress")
+           "ExpectedAttentionPress", "KVzipPress", "PyramidKVPress", "AdaKVPress")
+# QA only: KVzip scores by reconstructing the context and AdaKV masks evicted tokens per head, which kvpress's
+# DecodingPress (the streaming perplexity task) does not support.
+PPL_PRESSES = PRESSES[:6]
 SHORT = {"ObservedAttentionPress": "ObservedAttention", "SnapKVPress": "SnapKV", "StreamingLLMPress": "StreamingLLM",
-         "TOVAPress": "TOVA", "KnormPress": "Knorm", "ExpectedAttentionPress": "ExpectedAttention"}
+         "TOVAPress": "TOVA", "KnormPress": "Knorm", "ExpectedAttentionPress": "ExpectedAttention",
+         "KVzipPress": "KVzip", "PyramidKVPress": "PyramidKV", "AdaKVPress": "AdaKV-ExpectedAttention"}
+# Ours beyond the paper's h2o: the compress-then-ask defaults (h2o-mean, heavy 0.9), SnapKV and KVzip scoring, and
+# the PyramidKV layer schedule; (policy, bits, heavy_ratio, layer_budgets).
+OURS_ASK = [("h2o-mean", 16, 0.9), ("h2o-mean", 4, 0.9), ("snapkv", 16, 0.9), ("snapkv", 4, 0.9),
+            ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16)]
 COLORS = ("red", "blue", "green")
 DEPTHS = (0.2, 0.5, 0.8)
 INSTRUCTION = ("There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
@@ -66,11 +75,12 @@ ANSWER_PREFIX = "The pass key of the {color} box is"
 MODES = {
     "quick": dict(
         needle_items=1, context_tokens=1000, max_new_tokens=8,
-        ours_needle=[("h2o", 16), ("h2o", 4), ("h2o", 16, 0.9), ("local", 16), ("sink", 16)], keeps=(0.2,),
+        ours_needle=[("h2o", 16), ("h2o", 4), ("h2o", 16, 0.9), ("local", 16), ("sink", 16), ("h2o-mean", 4, 0.9),
+                     ("kvzip", 4, 0.9)], keeps=(0.25,),
         ours_full_bits=(16,),
         peer_dynamic_needle=True,
-        presses=("ObservedAttentionPress", "SnapKVPress", "StreamingLLMPress"),
-        quanto_presses={"ObservedAttentionPress": (0.2,)},
+        presses=("ObservedAttentionPress", "SnapKVPress", "StreamingLLMPress", "KVzipPress", "AdaKVPress"),
+        quanto_presses={"ObservedAttentionPress": (0.25,)},
         ppl_tokens=256, ppl_chunk=32, ours_ppl=[("h2o", 16), ("h2o", 4)], ppl_presses=("KnormPress", "StreamingLLMPress"),
         speed_lengths=(1024,), speed_steps=8,
         speed_ours=[("dynamic", None, None), ("h2o", 0.2, 4)], speed_peers=[("dynamic", None), ("quanto4", None),
@@ -79,12 +89,12 @@ MODES = {
     "default": dict(
         needle_items=2, context_tokens=1000, max_new_tokens=8,
         ours_needle=[("h2o", 16), ("h2o", 8), ("h2o", 4), ("h2o", 16, 0.9), ("h2o", 4, 0.9), ("local", 16), ("sink", 16),
-                     ("sink", 4)],
+                     ("sink", 4)] + OURS_ASK,
         keeps=KEEPS, ours_full_bits=(4,), peer_dynamic_needle=False, presses=PRESSES,
-        quanto_presses={"ObservedAttentionPress": KEEPS, "SnapKVPress": (0.2,)},
+        quanto_presses={"ObservedAttentionPress": KEEPS, "SnapKVPress": KEEPS, "KVzipPress": KEEPS},
         ppl_tokens=512, ppl_chunk=32,
         ours_ppl=[("h2o", 16), ("h2o", 8), ("h2o", 4), ("local", 16), ("local", 4), ("sink", 16), ("sink", 4)],
-        ppl_presses=PRESSES,
+        ppl_presses=PPL_PRESSES,
         speed_lengths=(1024, 4096), speed_steps=16,
         speed_ours=[("dynamic", None, None), ("h2o", 0.2, 16), ("h2o", 0.2, 4), ("full", None, 4)],
         speed_peers=[("dynamic", None), ("quanto4", None), ("hqq4", None), ("dynamic", "SnapKVPress"),
@@ -92,12 +102,12 @@ MODES = {
     ),
     "full": dict(
         needle_items=3, context_tokens=1000, max_new_tokens=8,
-        ours_needle=[(p, b) for p in ("h2o", "local", "sink") for b in BITS] + [("h2o", b, 0.9) for b in BITS],
+        ours_needle=[(p, b) for p in ("h2o", "local", "sink") for b in BITS] + [("h2o", b, 0.9) for b in BITS] + OURS_ASK,
         keeps=KEEPS, ours_full_bits=BITS,
         peer_dynamic_needle=True,
         presses=PRESSES, quanto_presses={p: KEEPS for p in PRESSES},
         ppl_tokens=1024, ppl_chunk=8, ours_ppl=[(p, b) for p in ("h2o", "local", "sink") for b in BITS],
-        ppl_presses=PRESSES,
+        ppl_presses=PPL_PRESSES,
         speed_lengths=(1024, 4096), speed_steps=32,
         speed_ours=[("dynamic", None, None), ("h2o", 0.2, 16), ("h2o", 0.2, 8), ("h2o", 0.2, 4), ("local", 0.2, 4),
                     ("full", None, 4)],
@@ -240,12 +250,14 @@ def needle_methods(grid: dict) -> tuple[list[dict], list[dict]]:
     for bits in grid["ours_full_bits"]:
         ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
                      "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0, "bits": bits})
-    for policy, bits, *heavy in grid["ours_needle"]:
-        label = policy + (f"-heavy{heavy[0]:g}" if heavy else "")
+    for policy, bits, *extra in grid["ours_needle"]:
+        heavy, layers = (extra + [None, None])[:2]
+        label = policy + (f"-heavy{heavy:g}" if heavy else "") + (f"-{layers}" if layers else "")
+        options = ({"heavy_ratio": heavy} if heavy else {}) | ({"layer_budgets": layers} if layers else {})
         for keep in grid["keeps"]:
             ours.append({"name": f"ours {label} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
                          "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {label} {bits}-bit",
-                         "bits": bits, **({"heavy_ratio": heavy[0]} if heavy else {})})
+                         "bits": bits, **options})
     peers = [{"name": "DynamicCache (transformers 5.2)", "cache": "dynamic", "family": "reference",
               "line": "DynamicCache (peer env)", "keep": 1.0, "bits": 32}] if grid["peer_dynamic_needle"] else []
     peers += [{"name": "QuantizedCache quanto int4", "cache": "quanto4", "family": "QuantizedCache",
@@ -400,8 +412,11 @@ def plot_quality(needle_rows, ppl_rows, out_dir: Path) -> list[str]:
         return {name: sorted(points) for name, points in groups.items()}
 
     palette = {"h2o-heavy0.9": "darkred", "h2o": "tab:red", "local": "tab:olive", "sink": "tab:brown", "full": "tab:gray",
+               "h2o-mean-heavy0.9": "crimson", "h2o-mean-heavy0.9-pyramid": "salmon", "snapkv-heavy0.9": "teal",
+               "kvzip-heavy0.9": "indigo", "tova": "olive",
                "ObservedAttention": "tab:blue", "SnapKV": "tab:cyan", "StreamingLLM": "tab:purple", "TOVA": "tab:green",
-               "Knorm": "tab:pink", "ExpectedAttention": "tab:orange", "quanto": "black", "HQQ": "dimgray"}
+               "Knorm": "tab:pink", "ExpectedAttention": "tab:orange", "KVzip": "navy", "PyramidKV": "peru",
+               "AdaKV-ExpectedAttention": "goldenrod", "quanto": "black", "HQQ": "dimgray"}
 
     def style(name):
         color = next((c for key, c in palette.items() if f" {key} " in f" {name} " or f"({key})" in name), "black")
@@ -790,8 +805,9 @@ def main() -> None:
         f"{len(n_ctx)} context(s) of {n_ctx} tokens, 3 pass keys each at depths {list(DEPTHS)}, 3 questions per "
         f"context answered after the compressed prefill, greedy, at most {grid['max_new_tokens']} new tokens; "
         "'right' = the first number written is the pass key. 'answer NLL' = teacher-forced NLL of the right "
-        "answer's tokens (space + 5 digits). 'keep' b: kvpress compression_ratio = 1 - b; ours: capacity = "
-        "int(b x context) + question + 8 tokens, i.e. what kvpress holds while answering. KV MiB answering = mean "
+        "answer's tokens (space + 5 digits). 'keep' b: kvpress compression_ratio = 1 - b; ours: the context "
+        "compressed to int(b x context) tokens, each question + answer added to a frozen copy (compress-then-ask, "
+        "as h2o_compress.ask), i.e. what kvpress holds while answering. KV MiB answering = mean "
         "bytes held at the end of the answer (every tensor: data, scales, zero points, our fp32 scores).")
     report["ppl_setup"] = (
         f"{len(inputs['ppl_ids'])} tokens of the shipped corpus read {grid['ppl_chunk']} tokens per forward pass; "

@@ -1,9 +1,11 @@
 """Our side of benchmarks/compare_peers.py: h2o-compress's CompressedCache (and the plain DynamicCache of the
 main environment), driven by the same JSON-line commands and the same token ids as ``peer_worker.py``.
 
-The QA protocol mirrors kvpress's pipeline: the context is read in one forward pass (our cache evicts it to
-capacity right after its attention), then each question is answered greedily from a copy of that compressed
-cache (kvpress removes the question and answer from its cache after each question; a deep copy is the same).
+The QA protocol is compress-then-ask as :mod:`h2o_compress.ask` runs it, and mirrors kvpress's pipeline: the
+context is read in one forward pass (our cache evicts it to ``int(keep x context)`` tokens right after its
+attention; ``kvzip`` scores it first by reconstruction), then each question is answered greedily from a frozen
+copy of that compressed cache (:meth:`CompressedCache.frozen_copy`: the question and answer are added, nothing
+more is evicted; kvpress removes the question and answer from its cache after each question).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def cmd_load(command: dict) -> dict:
     from h2o_compress import load_model
 
     began = time.perf_counter()
-    model, _ = load_model(command["model"], device="cpu")
+    model, tokenizer = load_model(command["model"], device="cpu")
     model.eval()
-    STATE["model"] = model
+    STATE["model"], STATE["tokenizer"] = model, tokenizer
     STATE["eos"] = _eos_ids(model)
     with torch.inference_mode():  # warm-up
         ids = torch.arange(100, 164).unsqueeze(0)
@@ -54,7 +56,7 @@ def _config(method: dict, budget):
 
     if method["policy"] == "full":
         return CompressionConfig(policy="full", kv_bits=method["kv_bits"])
-    extra = {"heavy_ratio": method["heavy_ratio"]} if "heavy_ratio" in method else {}
+    extra = {key: method[key] for key in ("heavy_ratio", "layer_budgets") if key in method}
     return CompressionConfig(policy=method["policy"], budget=budget, kv_bits=method["kv_bits"], **extra)
 
 
@@ -105,21 +107,29 @@ def cmd_needle(command: dict) -> dict:
             try:
                 context = ids_tensor(item["context_ids"])
                 longest_question = max(len(q["ids"]) for q in item["questions"])
-                budget = None
-                if method["kind"] == "ours" and method["policy"] != "full":
-                    # same tokens as kvpress holds while answering: kept context + question + answer
-                    budget = int(context.shape[1] * method["keep"]) + longest_question + max_new
-                total = context.shape[1] + longest_question + max_new
-                cache = _cache(method, total, budget)
-                model(input_ids=context, past_key_values=cache, logits_to_keep=1)
-                record.update(context_kept_tokens=_kept(cache), context_kv_bytes=_nbytes(cache), capacity=budget)
+                compressed = method["kind"] == "ours" and method["policy"] != "full"
+                if compressed:  # compress-then-ask: the context alone is compressed, then frozen per question
+                    from h2o_compress.ask import prefill_context
+
+                    cache = _cache(method, context.shape[1], max(int(context.shape[1] * method["keep"]), 1))
+                    prefill_context(model, STATE["tokenizer"], context, cache)
+                else:
+                    cache = _cache(method, context.shape[1] + longest_question + max_new)
+                    model(input_ids=context, past_key_values=cache, logits_to_keep=1)
+                record.update(context_kept_tokens=_kept(cache), context_kv_bytes=_nbytes(cache),
+                              capacity=getattr(cache, "capacity", None))
+
+                def fork():
+                    extra = longest_question + max_new
+                    return cache.frozen_copy(cache.seen_tokens() + extra) if compressed else copy.deepcopy(cache)
+
                 for question in item["questions"]:
                     answer = question["answer_ids"]
-                    forced_cache = copy.deepcopy(cache)
+                    forced_cache = fork()
                     forced = ids_tensor(question["ids"] + answer[:-1])
                     nll = answer_nll(model(input_ids=forced, past_key_values=forced_cache).logits, answer)
                     del forced_cache
-                    live = copy.deepcopy(cache)
+                    live = fork()
                     logits = model(input_ids=ids_tensor(question["ids"]), past_key_values=live, logits_to_keep=1).logits
                     generated = [int(logits[0, -1].argmax())]
                     for _ in range(max_new - 1):  # as kvpress's generate_answer: the last token is not fed

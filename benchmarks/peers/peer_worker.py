@@ -115,6 +115,8 @@ def make_press(name: str | None, ratio: float | None):
         return None
     import kvpress
 
+    if name == "AdaKVPress":  # head-adaptive budgets over a scorer (kvpress's leaderboard: AdaKV-ExpectedAttention)
+        return kvpress.AdaKVPress(press=kvpress.ExpectedAttentionPress(compression_ratio=ratio))
     return getattr(kvpress, name)(compression_ratio=ratio)
 
 
