@@ -432,11 +432,14 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
         task = bar.add_task("profile", total=len(configs), completed=len(records), running=0,
                             left=len(configs) - len(records))
 
+        def show(advance: int = 0) -> None:
+            names = ", ".join(labels[i] for i in sorted(running))
+            bar.update(task, advance=advance, description=f"profile: {short(names, 60, repr_=False)}" if names
+                       else "profile", running=len(running), left=len(configs) - len(records) - len(running))
+
         def on_start(index: int) -> None:
             running.add(index)
-            names = ", ".join(labels[i] for i in sorted(running))
-            bar.update(task, description=f"profile: {short(names, 60, repr_=False)}", running=len(running),
-                       left=len(configs) - len(records) - len(running))
+            show()
 
         def on_done(index: int, record: dict) -> None:
             if record.get("generations"):  # the reference's GenerationResults, as plain dicts in the row file
@@ -446,7 +449,7 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
                 store.save(keys[index], labels[index], record)
             records[index] = record
             running.discard(index)
-            bar.update(task, advance=1, running=len(running), left=len(configs) - len(records) - len(running))
+            show(advance=1)
             write_partial()
 
         if len(records) < len(configs):  # else nothing to run: no model loaded, no Ray started
