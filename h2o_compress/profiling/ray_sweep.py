@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError, short
+from ..errors import ConfigError, H2OCompressError, short
 
 RAY_EXTRA = "pip install 'h2o-compress[ray]'"
 
@@ -106,12 +106,22 @@ class RaySweep:
         return {"kind": "ray", "address": self.address, "cluster_resources": self.resources,
                 "per_task": "1 GPU" if self.uses_gpus else f"{self.threads} CPU", "parallel_tasks": self.slots}
 
+    def _result(self, ref):
+        """``ray.get(ref)``; a task's own h2o-compress error (bad model, bad setting) is raised as it is, so the
+        CLI prints its one line instead of Ray's traceback."""
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), H2OCompressError):
+                raise exc.cause from None
+            raise
+
     def run(self, settings, items: list, references, on_start: Callable, on_done: Callable) -> None:
         """Run ``worker(settings, config, references)`` for each ``(index, config)`` of ``items``, at most
         :attr:`slots` at a time; ``on_start(index)`` when a task is submitted, ``on_done(index, record)`` as each
-        finishes (in completion order). A task's error is raised here (the original exception type: Ray's
-        ``RayTaskError`` subclasses it), after the tasks already finished were handed to ``on_done``; the tasks
-        still in flight are cancelled."""
+        finishes (in completion order). A task's error is raised here (an h2o-compress error as it is, any other
+        as Ray's ``RayTaskError``, which subclasses its type), after the tasks already finished were handed to
+        ``on_done``; the tasks still in flight are cancelled."""
         ray = self.ray
         queue = list(items)
         in_flight: dict = {}
@@ -124,7 +134,7 @@ class RaySweep:
                 done, _ = ray.wait(list(in_flight), num_returns=1)
                 for ref in done:
                     index = in_flight.pop(ref)
-                    on_done(index, ray.get(ref))
+                    on_done(index, self._result(ref))
         finally:
             for ref in in_flight:
                 ray.cancel(ref, force=True)

@@ -13,7 +13,7 @@ from profiling_helpers import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (f
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app
-from h2o_compress.errors import ConfigError
+from h2o_compress.errors import ConfigError, ModelLoadError
 from h2o_compress.profiling import ProfileSettings, run_profile
 from h2o_compress.profiling import profile as profile_module
 from h2o_compress.profiling.rows import ROWS_DIR
@@ -105,6 +105,12 @@ def _counting(real, calls, dies_on: str | None = None):
         return real(model, tokenizer, settings, config, references)
 
     return measure
+
+
+def test_an_error_in_a_ray_task_is_the_library_error(ray_instance, tmp_path):
+    with pytest.raises(ModelLoadError) as caught:
+        run_profile(two_configs(str(tmp_path / "no-such-model")), None, show_progress=False, ray_address="local")
+    assert "no-such-model" in str(caught.value) and "Traceback" not in str(caught.value)
 
 
 @pytest.fixture
