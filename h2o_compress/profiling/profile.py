@@ -311,7 +311,6 @@ def environment(settings: ProfileSettings) -> dict:
     return env
 
 
-
 def _ray_worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
     """Body of a Ray task: :func:`_worker`, plus the environment the task ran in (its node's device)."""
     record = _worker(settings, config, references)
