@@ -15,7 +15,7 @@ from .evaluate import eval_app
 from .generate import generate
 from .options import parse_budget
 from .plan import plan
-from .profile import profile_command
+from .profile import ProfileCommand, profile_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress the KV cache of transformers LMs.")
 
@@ -29,7 +29,7 @@ app.command("generate")(generate)
 app.command("ask")(ask)
 app.command("plan")(plan)
 app.add_typer(eval_app, name="eval")
-app.command("profile")(profile_command)
+app.command("profile", cls=ProfileCommand)(profile_command)
 
 
 def main() -> None:

@@ -5,12 +5,31 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
 from .common import user_errors
 from .evaluate import parse_list
 from .options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
 )
+
+
+RAY_LOCAL = "local"
+
+
+class ProfileCommand(TyperCommand):
+    """The ``profile`` command, whose ``--ray`` takes an optional value (typer cannot declare one): a bare
+    ``--ray`` (last, or followed by another option) means ``--ray local``, a local Ray instance."""
+
+    def parse_args(self, ctx, args):
+        args = list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                args.insert(i + 1, RAY_LOCAL)
+                break
+        return super().parse_args(ctx, args)
 
 
 @user_errors
@@ -41,6 +60,14 @@ def profile_command(
     threads: Optional[int] = ThreadsOpt,
     trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
+    ray: Optional[str] = typer.Option(
+        None, "--ray", metavar="[ADDRESS]",
+        help="Run each configuration as a Ray task (pip install 'h2o-compress\\[ray]'): --ray alone starts a local "
+        "Ray instance; --ray auto joins the cluster running here; --ray ray://HEAD:10001 or HEAD:6379 an existing "
+        "cluster (one GPU per task where it has GPUs)."),
+    resume: bool = typer.Option(
+        True, "--resume/--no-resume", help="Reuse the rows a previous run of the same sweep finished in "
+        "OUT/rows (default); --no-resume measures every row again."),
     render: Optional[str] = typer.Option(
         None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
     compression: Compression = None,
@@ -71,5 +98,12 @@ def profile_command(
     )
     if text_file is not None:
         load_text(text_file)
-    report = run_profile(settings, out)
-    typer.echo(f"wrote {out}/report.json, report.md, report.html and 3 PNG plots ({len(report['results'])} configurations)")
+    if ray is not None:
+        from ..profiling.ray_sweep import check_address, import_ray
+
+        check_address(ray)
+        import_ray()  # the missing extra is named before anything runs
+    report = run_profile(settings, out, ray_address=ray, resume=resume)
+    reused = f", {report['rows_reused']} reused from {out}/rows" if report["rows_reused"] else ""
+    typer.echo(f"wrote {out}/report.json, report.md, report.html and 3 PNG plots ({len(report['results'])} "
+               f"configurations{reused})")

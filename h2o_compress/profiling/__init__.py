@@ -6,7 +6,9 @@
 - :func:`agreement_eval`: greedy generations vs the uncompressed cache, token match and ROUGE-L
   (``h2o-compress eval agreement``).
 - :func:`run_profile`: the (policy x budget x bits) sweep with speed and memory, written as JSON, Markdown,
-  PNG plots and HTML by :func:`write_report` (``h2o-compress profile``).
+  PNG plots and HTML by :func:`write_report` (``h2o-compress profile``); each configuration as a Ray task with
+  ``ray_address=`` (:mod:`.ray_sweep`, ``profile --ray``), and resumed from the rows a previous run of the same
+  sweep finished (:mod:`.rows`).
 """
 
 from .agreement import AgreementResult, agreement_eval, prefix_match_rate, rouge_l, token_match_rate

@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -311,56 +311,173 @@ def environment(settings: ProfileSettings) -> dict:
     return env
 
 
+def _ray_worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
+    """Body of a Ray task: :func:`_worker`, plus the environment the task ran in (its node's device)."""
+    record = _worker(settings, config, references)
+    record["environment"] = environment(settings)
+    return record
+
+
+class _LocalSweep:
+    """Runs configurations one after another on this machine (the executor of a sweep without Ray)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __enter__(self) -> "_LocalSweep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"kind": "local"}
+
+    def run(self, settings, items, references, on_start, on_done) -> None:
+        for index, config in items:
+            on_start(index)
+            on_done(index, self.runner(config, references))
+
+
+def _progress(show: bool):
+    """A rich progress bar: configurations done / running / left, and the time elapsed."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("done,"),
+               TextColumn("{task.fields[running]} running, {task.fields[left]} left"), TimeElapsedColumn())
+    return Progress(*columns, console=Console(stderr=True), disable=not show)
+
+
 def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, show_progress: bool = True,
-                model=None, tokenizer=None) -> dict:
+                model=None, tokenizer=None, ray_address: str | None = None, resume: bool = True) -> dict:
     """Run the sweep and return the report dict; with ``out_dir``, also write report.json, report.md, the PNG
     plots and report.html there (see :func:`h2o_compress.profiling.report.write_report`). report.json is
     rewritten after each configuration (``"complete": false``) so an interrupted sweep keeps its figures.
 
+    Resume: with ``out_dir``, each configuration is also saved as it finishes in ``out_dir/rows``
+    (:mod:`.rows`), and a rerun of the same sweep into the same directory reuses the rows whose key (the
+    configuration, the model, every measurement setting, the text and the package versions) is unchanged;
+    ``report["rows_reused"]`` says how many. ``resume=False`` measures every row again (replacing its saved row).
+
     Args:
         model, tokenizer: an already loaded model to measure in this process (then ``settings.model`` only
-            names it in the report; no isolation).
+            names it in the report; no isolation; not with ``ray_address``).
+        ray_address: run each configuration as a Ray task (:mod:`.ray_sweep`): ``"local"`` starts a local Ray
+            instance, ``"auto"`` joins the cluster running on this machine, ``"ray://HEAD:10001"`` or
+            ``"HEAD:6379"`` an existing cluster; ``None`` (default) runs here. The reference runs first (the
+            agreement of every other row compares with its generations), then the rest in parallel.
 
     Raises:
-        ConfigError: bad settings. ModelLoadError: the model cannot be loaded.
+        ConfigError: bad settings; Ray asked for but not installed (the message names the ``ray`` extra) or not
+            reachable; ``ray_address`` with ``model``. ModelLoadError: the model cannot be loaded.
+        InputError: ``out_dir`` (or its ``rows``) exists and is not a directory.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from ..models import resolve_device
     from .report import finalize, prepare_out_dir, write_report
+    from .rows import RowStore, row_key
 
+    if ray_address is not None:
+        from .ray_sweep import RaySweep
+
+        if model is not None:
+            raise ConfigError("a loaded model cannot be sent to Ray tasks; allowed: ray_address=None with model=, "
+                              "or settings.model naming a model every Ray worker can load")
+        sweep = RaySweep(ray_address, _ray_worker, settings.threads, settings.device)  # fails early without Ray
+        isolate = True  # every task runs in a fresh worker process (max_calls=1)
+    else:
+        device = resolve_device(settings.device)
+        isolate = (device.type == "cpu") if settings.isolate is None else settings.isolate
+        if model is not None:
+            isolate = False
+        sweep = None
+    store = None
     if out_dir is not None:
         prepare_out_dir(out_dir)  # fail before the sweep, not after it
-    device = resolve_device(settings.device)
-    isolate = (device.type == "cpu") if settings.isolate is None else settings.isolate
-    if model is not None:
-        isolate = False
-    runner = _isolated(settings) if isolate else _InProcess(settings, model, tokenizer)
+        store = RowStore(out_dir)
     configs = settings.configs()
     report = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["h2o-compress"] + sys.argv[1:]) if Path(sys.argv[0]).name == "h2o-compress" else None,
         "settings": {**asdict(settings), "isolate": isolate},
-        "environment": environment(settings),
+        # on Ray, the driver's (it may have no GPU): replaced by the reference task's own at the end
+        "environment": environment(settings if sweep is None else replace(settings, device="cpu")),
+        "executor": {"kind": "ray", "address": ray_address} if sweep is not None else {"kind": "local"},
         "results": [],
         "complete": False,
     }
-    references = None
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not show_progress) as bar:
-        task = bar.add_task("profile", total=len(configs))
-        for config in configs:
-            bar.update(task, description=f"profile: {label(config)}")
-            record = runner(config, references)
-            if references is None:
-                references = record.pop("generations", None)
-            report["results"].append(record)
-            if out_dir is not None:  # a sweep that dies half-way still leaves its figures
-                (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
-            bar.advance(task)
+    text = load_text(settings.text_file)
+    keys = [row_key(asdict(settings), c.to_dict(), text, isolate) for c in configs]
+    labels = [label(c) for c in configs]
+    records: dict[int, dict] = {}
+    if store is not None and resume:
+        for i in range(len(configs)):
+            found = store.load(keys[i], labels[i])
+            if found is not None:
+                records[i] = found
+    report["rows_reused"] = len(records)
+    references = _references(records.get(0))
+
+    def write_partial() -> None:
+        report["results"] = [_public(records[i]) for i in sorted(records)]
+        if out_dir is not None:  # a sweep that dies half-way still leaves its figures
+            (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+
+    with _progress(show_progress) as bar:
+        if records:
+            bar.console.print(f"profile: reusing {len(records)} of {len(configs)} rows finished earlier in "
+                              f"{store.dir}")
+        running: set[int] = set()
+        task = bar.add_task("profile", total=len(configs), completed=len(records), running=0,
+                            left=len(configs) - len(records))
+
+        def show(advance: int = 0) -> None:
+            names = ", ".join(labels[i] for i in sorted(running))
+            bar.update(task, advance=advance, description=f"profile: {short(names, 60, repr_=False)}" if names
+                       else "profile", running=len(running), left=len(configs) - len(records) - len(running))
+
+        def on_start(index: int) -> None:
+            running.add(index)
+            show()
+
+        def on_done(index: int, record: dict) -> None:
+            if record.get("generations"):  # the reference's GenerationResults, as plain dicts in the row file
+                record["generations"] = [asdict(g) if is_dataclass(g) else g for g in record["generations"]]
+            record = json.loads(json.dumps(record, default=str))  # as a reused row reads back
+            if store is not None:
+                store.save(keys[index], labels[index], record)
+            records[index] = record
+            running.discard(index)
+            show(advance=1)
+            write_partial()
+
+        if len(records) < len(configs):  # else nothing to run: no model loaded, no Ray started
+            if sweep is None:
+                sweep = _LocalSweep(_isolated(settings) if isolate else _InProcess(settings, model, tokenizer))
+            with sweep:
+                report["executor"] = sweep.describe()
+                if 0 not in records:  # the reference first: every other row's agreement compares with it
+                    sweep.run(settings, [(0, configs[0])], None, on_start, on_done)
+                    references = _references(records[0])
+                pending = [(i, c) for i, c in enumerate(configs) if i not in records]
+                sweep.run(settings, pending, references, on_start, on_done)
+    report["environment"] = records[0].get("environment") or report["environment"]
+    report["results"] = [_public(records[i]) for i in range(len(configs))]
     report["complete"] = True
     finalize(report)
     if out_dir is not None:
         write_report(report, out_dir)
     return report
+
+
+def _references(record: dict | None) -> list | None:
+    """The reference row's generations (the agreement's reference) as GenerationResults, or ``None``."""
+    from ..generation import GenerationResult
+
+    generations = (record or {}).get("generations")
+    return None if generations is None else [GenerationResult(**g) for g in generations]
+
+
+def _public(record: dict) -> dict:
+    """A row as the report shows it: without the reference's generations and the worker's environment."""
+    return {k: v for k, v in record.items() if k not in ("generations", "environment")}

@@ -59,9 +59,10 @@ def test_profile_writes_the_report(model_dir, tmp_path):
                     "--kv-bits", "16", "--policies", "h2o,local", "--seq-len", "16", "--ppl-tokens", 24,
                     "--chunk-size", 8, "--agreement-prompts", 1, "--max-new-tokens", 2, "--decode-tokens", 2)
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", *(
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "rows", *(
         "perplexity_vs_kv_bytes.png", "decode_speed_vs_context.png", "memory_vs_context.png")}
     assert len(json.loads((out / "report.json").read_text())["results"]) == 3
+    assert len(list((out / "rows").glob("*.json"))) == 3  # one finished row each, for a rerun to resume from
 
 
 @pytest.mark.parametrize("args, message", [

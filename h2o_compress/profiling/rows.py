@@ -1,0 +1,121 @@
+"""Finished profile rows on disk, so that a rerun of the same sweep resumes (a leaf module: it imports nothing of
+the profile).
+
+Each configuration that finishes is written at once to ``OUT/rows/<label>.<hash>.json`` (a temporary file renamed
+over the target, so a killed sweep never leaves half a row). The hash is that of the row's *key*: the compression
+configuration, the model (its name, and for a local directory the names, sizes and modification times of its
+files and the text of its config.json), every measurement setting of the sweep (lengths, tokens, prompts,
+isolation, threads, device, dtype, compile...; not the grid lists), the SHA-256 of the text read, and the versions
+of h2o-compress, torch and transformers. A rerun reuses a row only when the key stored in its file equals the key
+of the configuration now asked for, so a changed setting never reuses a stale row: it measures again and writes a
+new file beside the old one (nothing is deleted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from ..errors import InputError, short
+
+ROWS_DIR = "rows"
+FORMAT = 1
+# ProfileSettings fields that list the grid: each row's own configuration stands for them in its key.
+GRID_FIELDS = ("policies", "budgets", "kv_bits")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def model_identity(model: str) -> dict:
+    """What identifies ``model`` (an alias, hub id or local directory) without loading it: its name, and for a
+    local directory the ``(name, bytes, mtime_ns)`` of each file in it and the text of its ``config.json``."""
+    identity: dict = {"name": model}
+    path = Path(model)
+    if path.is_dir():
+        files = []
+        for entry in sorted(path.iterdir()):
+            if entry.is_file():
+                info = entry.stat()
+                files.append([entry.name, info.st_size, info.st_mtime_ns])
+        identity["files"] = files
+        config = path / "config.json"
+        if config.is_file():
+            identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
+    return identity
+
+
+def row_key(settings: dict, config: dict, text: str, isolate: bool) -> dict:
+    """The key of one row (JSON-normalised, so it compares equal to the key read back from its file).
+
+    Args:
+        settings: the sweep's settings (``dataclasses.asdict(ProfileSettings)``); the grid lists are left out.
+        config: the row's ``CompressionConfig.to_dict()``.
+        text: the text the sweep reads (perplexity, speed and passkey runs).
+        isolate: whether the row is measured in a fresh worker process (it changes what peak memory means).
+    """
+    key = {
+        "format": FORMAT,
+        "config": config,
+        "model": model_identity(settings["model"]),
+        "settings": {k: v for k, v in settings.items() if k not in GRID_FIELDS and k != "isolate"},
+        "isolate": bool(isolate),
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "packages": {name: _version(name) for name in ("h2o-compress", "torch", "transformers")},
+    }
+    return json.loads(json.dumps(key, sort_keys=True, default=str))
+
+
+class RowStore:
+    """The finished rows of a sweep in ``out_dir/rows`` (created on the first :meth:`save`).
+
+    Raises:
+        InputError (from the constructor): ``out_dir/rows`` exists and is not a directory.
+    """
+
+    def __init__(self, out_dir: str | Path):
+        self.dir = Path(out_dir) / ROWS_DIR
+        if self.dir.exists() and not self.dir.is_dir():
+            raise InputError(f"{short(str(self.dir))} exists and is not a directory; allowed: a directory that "
+                             "holds the finished rows of the sweep (or no such path)")
+
+    def path(self, key: dict, label: str) -> Path:
+        """``rows/<label>.<first 20 hex digits of the key's SHA-256>.json``."""
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        name = re.sub(r"[^A-Za-z0-9.-]+", "_", label)
+        return self.dir / f"{name}.{digest}.json"
+
+    def load(self, key: dict, label: str) -> dict | None:
+        """The record finished earlier under exactly ``key``, or ``None`` (no file, unreadable, another key)."""
+        path = self.path(key, label)
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return None
+        if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("record"), dict):
+            return None
+        return stored["record"]
+
+    def save(self, key: dict, label: str, record: dict) -> Path:
+        """Write ``record`` under ``key`` atomically (temporary file in the same directory, then ``os.replace``)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.path(key, label)
+        data = json.dumps({"key": key, "record": record}, indent=1, default=str)
+        handle, tmp = tempfile.mkstemp(prefix=".row-", suffix=".tmp", dir=self.dir)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as out:
+                out.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
