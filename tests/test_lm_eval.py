@@ -46,7 +46,7 @@ def task_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def manager(task_dir):
-    return TaskManager(include_path=task_dir)
+    return TaskManager(include_path=task_dir, include_defaults=False)  # lm-eval's own ~10k tasks: 15 s to index
 
 
 def evaluate(manager, model: str, model_args: str) -> dict:
@@ -161,7 +161,16 @@ def test_a_loaded_model_needs_its_tokenizer(loaded):
 runner = CliRunner()
 
 
-def test_cli_prints_a_table_and_writes_new_json(model_dir, task_dir, tmp_path):
+@pytest.fixture
+def local_tasks_only(monkeypatch):
+    """The CLI's TaskManager without lm-eval's own tasks (indexing them takes 15 s); ``--include-path`` still counts."""
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None: TaskManager(
+        include_path=include_path, include_defaults=False))
+
+
+def test_cli_prints_a_table_and_writes_new_json(model_dir, task_dir, tmp_path, local_tasks_only):
     out = tmp_path / "scores.json"
     args = ["eval", "lm-eval", "--model-args", f"pretrained={model_dir},budget=0.2,kv_bits=4", "--tasks", CHOICE,
             "--limit", "2", "--include-path", task_dir, "--output", str(out)]
@@ -186,7 +195,7 @@ def test_cli_prints_a_table_and_writes_new_json(model_dir, task_dir, tmp_path):
         (["--tasks", "no_such_task_17"], "unknown lm-eval task(s) 'no_such_task_17'"),
     ],
 )
-def test_cli_refuses_bad_options_with_one_line(extra, message):
+def test_cli_refuses_bad_options_with_one_line(extra, message, local_tasks_only):
     result = runner.invoke(app, ["eval", "lm-eval", *extra])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
