@@ -1,4 +1,4 @@
-"""``h2o-compress eval perplexity|needle|agreement``: quality under compression against the uncompressed cache.
+"""``h2o-compress eval perplexity|needle|agreement|lm-eval``: quality under compression against the uncompressed cache.
 
 User errors exit with code 2 and one line (:func:`~h2o_compress.cli.common.user_errors`); every option is
 checked before the model loads.
@@ -16,6 +16,7 @@ from ..compiled import check_compile
 from ..config import check_usable
 from ..errors import ConfigError, short
 from .common import set_threads, user_errors
+from .lm_eval_command import lm_eval_command
 from .options import (
     CompileOpt,
     Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options,
@@ -206,3 +207,6 @@ def agreement_command(
         table.add_row(item.prompt[:50], f"{item.token_match:.2f}", f"{item.prefix_match:.2f}", f"{item.rouge_l:.2f}")
     table.add_row("[bold]mean", f"{result.token_match:.2f}", f"{result.prefix_match:.2f}", f"{result.rouge_l:.2f}")
     Console().print(table)
+
+
+eval_app.command("lm-eval")(lm_eval_command)

@@ -1,0 +1,122 @@
+"""``h2o-compress eval lm-eval``: lm-evaluation-harness tasks through the compressed cache (model type ``h2o-compress``,
+:mod:`h2o_compress.lm_eval_model`), scores as a rich table, optionally written to a JSON file.
+
+Every option is checked before the model loads: the model_args (keys and compression values), the task names
+(against lm-eval's tasks and those under ``--include-path``), ``--limit`` and ``--output`` (a new file only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import ConfigError, InputError, short
+from .common import set_threads, user_errors
+from .options import JsonOpt, ThreadsOpt
+
+SKIPPED_KEYS = ("name", "alias", "sample_len")
+
+
+def _lm_eval():
+    """The ``lm_eval`` package, or ConfigError naming the extra that installs it."""
+    try:
+        import lm_eval  # noqa: F401
+        from lm_eval.tasks import TaskManager  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "lm-evaluation-harness is not installed; allowed: pip install -e '.[lm-eval]' (lm_eval>=0.4.13)"
+        ) from None
+    import lm_eval
+
+    return lm_eval
+
+
+def check_output(output: Optional[str]) -> None:
+    """Refuse an ``--output`` that exists (nothing the user has is overwritten) or whose folder does not."""
+    if output is None:
+        return
+    path = Path(output)
+    if path.exists():
+        raise InputError(f"--output {short(output)} exists; allowed: a new file (nothing is overwritten)")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise InputError(f"--output {short(output)}: its folder is not a writable directory; allowed: a new file there")
+
+
+def score_rows(results: dict) -> list[tuple[str, str, str, str, str]]:
+    """``(task, metric, filter, value, stderr)`` for each metric of lm-eval's ``results["results"]``."""
+    rows = []
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if key in SKIPPED_KEYS or "_stderr," in key or "," not in key:
+                continue
+            metric, filter_name = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filter_name}", "")
+            fmt = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else str(v)  # noqa: E731
+            rows.append((task, metric, filter_name, fmt(value), fmt(stderr)))
+    return rows
+
+
+@user_errors
+def lm_eval_command(
+    tasks: str = typer.Option(..., "--tasks", help="lm-eval task names, comma-separated (e.g. lambada_openai,hellaswag)."),
+    model_args: str = typer.Option(
+        "pretrained=smollm2-135m", "--model-args",
+        help="key=value,... : pretrained (alias, directory or hub id), the compression (budget, kv_bits, policy, "
+             "heavy_ratio, ...: the fields of CompressionConfig), device, dtype, chunk_size (rolling loglikelihood)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="At most N documents per task."),
+    include_path: Optional[str] = typer.Option(None, "--include-path", help="A folder of extra task YAML files."),
+    output: Optional[str] = typer.Option(None, "--output", help="Write lm-eval's results as JSON to this new file."),
+    threads: Optional[int] = ThreadsOpt,
+    as_json: bool = JsonOpt,
+):
+    """lm-evaluation-harness tasks with the compressed cache: loglikelihood scored against the compressed context,
+    generation decoded with the cache, rolling loglikelihood streamed through it."""
+    from ..profiling.stream import check_count
+
+    lm_eval = _lm_eval()
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable, simple_parse_args_string
+
+    from ..lm_eval_model import MODEL_TYPE, check_model_args
+
+    args = simple_parse_args_string(model_args)
+    check_model_args(args)
+    task_list = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not task_list:
+        raise ConfigError(f"--tasks {short(tasks)} names no task; allowed: lm-eval task names, comma-separated")
+    if limit is not None:
+        check_count("limit", limit, unit="documents")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise InputError(f"--include-path {short(include_path)} is not a directory; allowed: a folder of task YAML files")
+    check_output(output)
+    set_threads(threads)
+    manager = TaskManager(include_path=include_path)
+    unknown = [name for name in task_list if not manager.match_tasks([name])]
+    if unknown:
+        raise ConfigError(
+            f"unknown lm-eval task(s) {', '.join(map(short, unknown))}; allowed: a task lm-eval knows (lm-eval ls tasks)"
+            " or one defined under --include-path"
+        )
+    results = lm_eval.simple_evaluate(
+        model=MODEL_TYPE, model_args=args, tasks=task_list, limit=limit, task_manager=manager, log_samples=False,
+    )
+    if output is not None:
+        partial = Path(output).with_name(Path(output).name + ".partial")
+        partial.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+        partial.replace(output)
+    if as_json:
+        typer.echo(json.dumps(results.get("results", {}), default=handle_non_serializable))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"lm-eval scores ({model_args})")
+    for name in ("task", "metric", "filter", "value", "stderr"):
+        table.add_column(name, justify="left" if name in ("task", "metric", "filter") else "right")
+    for row in score_rows(results):
+        table.add_row(*row)
+    Console().print(table)

@@ -1,0 +1,283 @@
+"""The lm-evaluation-harness model type ``h2o-compress``: lm-eval's ``HFLM`` evaluated through our compressed cache.
+
+Import this module (or run ``h2o-compress eval lm-eval``) and lm-eval knows the model type::
+
+    import lm_eval
+    import h2o_compress.lm_eval_model  # registers "h2o-compress"
+    results = lm_eval.simple_evaluate(model="h2o-compress", model_args="pretrained=smollm2-135m,budget=0.2,kv_bits=4",
+                                      tasks=["lambada_openai"])
+
+lm-eval 0.4.13 (the newest release installable here) finds models only in its registry, so the import is what
+registers the type; ``pyproject.toml`` also declares it as an entry point in the ``lm_eval.models`` group for the
+versions that load plugins. Needs the ``lm-eval`` extra (``pip install -e .[lm-eval]``).
+
+Why not plain ``HFLM`` with a compressed cache: lm-eval scores a loglikelihood request in one forward pass over
+context + continuation, so a cache that evicts after that pass changes nothing it measures (lm-eval issues #1105,
+#3298). Here each request type goes through the compressed cache where it matters:
+
+- **loglikelihood** (multiple choice, lambada...): the context is prefilled through a fresh compressed cache whose
+  budget fraction is relative to the context's tokens, so the cache is compressed down to its capacity at the end of
+  the prefill; the continuation is then scored against that compressed cache as **one chunk appended after it, on a
+  frozen copy** (:meth:`~h2o_compress.cache.CompressedCache.frozen_copy`: nothing more is evicted; the tokens
+  after the context are kept as they come). Why one chunk and not decode steps: it is the compress-then-ask protocol
+  of :func:`h2o_compress.ask` (kvpress): every choice of a question is scored against the *same* compressed context,
+  prefilled and compressed once per context (not once per choice, and not with a capacity that depends on the
+  choice's length); a continuation is an answer of a few tokens, so what decode steps could evict during it is at
+  most its own length; and it costs one forward pass per continuation. The first continuation token is scored from
+  the prefill's last logits, the others from the chunk's.
+- **generate_until**: ``model.generate`` decodes with a :class:`~h2o_compress.cache.CompressedCache` built for
+  context + ``max_gen_toks`` (the budget fraction is relative to that, as in :func:`h2o_compress.generate`), so
+  eviction and quantization act at the prefill and at every decode step.
+- **loglikelihood_rolling** (perplexity tasks such as wikitext): each of lm-eval's disjoint windows (at most
+  ``max_length`` tokens) streams through its own compressed cache ``chunk_size`` tokens per forward pass (default 1:
+  exact decode semantics, every token attends only to the kept, possibly quantized, cache; the budget fraction is
+  relative to the window), as ``h2o-compress eval perplexity`` does (:func:`h2o_compress.profiling.stream.read_stream`).
+
+At ``budget=1.0`` and 16 bits nothing is evicted or quantized, and the scores are lm-eval's ``hf`` model's (the
+log-likelihoods equal to float reassociation: the context and continuation are computed in two passes).
+
+Batch size 1 only: requests are scored one at a time (a context shared by several continuations is prefilled once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .ask import prefill_context
+from .config import CompressionConfig, check_usable
+from .errors import ConfigError, short
+from .generation import make_cache
+from .models import DEFAULT_MODEL, load_model
+from .profiling.stream import check_count, read_stream
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval import utils as lm_eval_utils
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigError(
+        "lm-evaluation-harness is not installed; allowed: pip install -e '.[lm-eval]' (lm_eval>=0.4.13)"
+    ) from exc
+
+MODEL_TYPE = "h2o-compress"
+COMPRESSION_ARGS = tuple(field.name for field in dataclasses.fields(CompressionConfig))
+"""model_args that set the compression (the fields of :class:`CompressionConfig`)."""
+OWN_ARGS = ("pretrained", "tokenizer", "device", "dtype", "trust_remote_code", "batch_size", "chunk_size")
+"""model_args this model type reads itself."""
+HFLM_ARGS = (
+    "max_length", "truncation", "add_bos_token", "prefix_token_id", "softmax_dtype", "think_end_token",
+    "enable_thinking", "chat_template_args", "max_batch_size", "logits_cache", "backend", "use_fast_tokenizer",
+)
+"""HFLM arguments that still apply to a model loaded by us (the others only concern HFLM's own loading)."""
+
+
+def compression_from_args(args: dict) -> CompressionConfig:
+    """The :class:`CompressionConfig` of the compression keys of ``args`` (lm-eval model_args, values already cast
+    by lm-eval: ``budget=0.2`` is a float, ``kv_bits=4`` an int, ``rotate=false`` a bool), checked as the CLI checks
+    its flags (:func:`~h2o_compress.config.check_usable`).
+
+    ``budget`` reads as ``--budget`` does: ``1`` (or ``1.0``) keeps everything, a fraction in (0, 1) is relative to
+    the sequence, an integer > 1 is a number of tokens.
+
+    Raises:
+        ConfigError: a bad value, naming it and what is allowed.
+    """
+    from .cli.options import parse_budget
+
+    values = {name: args[name] for name in COMPRESSION_ARGS if name in args}
+    if "budget" in values:
+        budget = values["budget"]
+        if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+            raise ConfigError(f"budget={short(budget)} is invalid; allowed: a fraction in (0, 1] or an integer >= 1")
+        values["budget"] = parse_budget(str(budget))
+    return check_usable(CompressionConfig(**values))
+
+
+def check_model_args(args: dict) -> CompressionConfig:
+    """Validate lm-eval ``model_args`` of the ``h2o-compress`` type before anything is loaded.
+
+    Returns:
+        The compression setting.
+
+    Raises:
+        ConfigError: an unknown key, a bad compression value, a batch size other than 1, a bad ``chunk_size``, or a
+            ``tokenizer`` given with a ``pretrained`` name (it is loaded with the model).
+    """
+    unknown = sorted(set(args) - set(COMPRESSION_ARGS) - set(OWN_ARGS) - set(HFLM_ARGS))
+    if unknown:
+        raise ConfigError(
+            f"unknown model_args {', '.join(map(short, unknown))} for model type {MODEL_TYPE!r}; allowed: "
+            f"{', '.join(OWN_ARGS + COMPRESSION_ARGS + HFLM_ARGS)}"
+        )
+    config = compression_from_args(args)
+    batch = args.get("batch_size", 1)
+    if str(batch) != "1":
+        raise ConfigError(
+            f"batch_size={short(batch)} is not supported by model type {MODEL_TYPE!r}: requests are scored one at a "
+            "time through the compressed cache; allowed: 1"
+        )
+    check_count("chunk_size", args.get("chunk_size", 1))
+    if isinstance(args.get("pretrained", DEFAULT_MODEL), str) and args.get("tokenizer") is not None:
+        raise ConfigError(
+            "tokenizer= is only for an already-loaded model passed as pretrained=; with a model name or directory "
+            "the tokenizer is loaded with it; allowed: no tokenizer"
+        )
+    if args.get("backend", "causal") not in ("causal", "default"):
+        raise ConfigError(f"backend={short(args['backend'])} is not supported; allowed: causal (decoder-only models)")
+    return config
+
+
+@register_model(MODEL_TYPE)
+class H2OCompressLM(HFLM):
+    """lm-eval's ``HFLM`` whose loglikelihood, rolling loglikelihood and generation requests run through a
+    :class:`~h2o_compress.cache.CompressedCache` (see the module docstring for what each request type does).
+
+    Args:
+        pretrained: an alias (``smollm2-135m``, the default), a local Hugging Face directory, a hub id (needs a
+            network), all loaded by :func:`h2o_compress.load_model`; or an already-loaded causal LM (Python API), then
+            with ``tokenizer``.
+        tokenizer: the tokenizer of an already-loaded ``pretrained`` model.
+        device, dtype, trust_remote_code: as :func:`h2o_compress.load_model` (``device`` default ``auto``;
+            ``dtype="auto"`` means its default); ignored for an already-loaded model.
+        batch_size: 1 (requests are scored one at a time).
+        chunk_size: tokens per forward pass of rolling loglikelihood (1 = exact decode semantics).
+        **kwargs: the fields of :class:`~h2o_compress.CompressionConfig` (``policy``, ``budget``, ``heavy_ratio``,
+            ``sink_tokens``, ``kv_bits``, ``k_bits``, ``v_bits``, ``quant``, ``group_size``, ``residual``,
+            ``rotate``, ``score_chunk_size``, ``attention_kernel``, ``layer_budgets``) and the HFLM arguments of
+            :data:`HFLM_ARGS` (e.g. ``max_length``, ``add_bos_token``, ``softmax_dtype``).
+
+    Raises:
+        ConfigError: a bad or unknown model_arg (checked before the model is loaded).
+        ModelLoadError: the model cannot be loaded.
+    """
+
+    def __init__(self, pretrained=DEFAULT_MODEL, tokenizer=None, device: str = "auto", dtype=None,
+                 trust_remote_code: bool = False, batch_size=1, chunk_size: int = 1, **kwargs):
+        self.compression = check_model_args(
+            {"pretrained": pretrained, "tokenizer": tokenizer, "batch_size": batch_size, "chunk_size": chunk_size,
+             **kwargs}
+        )
+        hflm_kwargs = {k: v for k, v in kwargs.items() if k in HFLM_ARGS}
+        if isinstance(pretrained, str):
+            model, tokenizer = load_model(pretrained, device=device, dtype=None if dtype == "auto" else dtype,
+                                          trust_remote_code=trust_remote_code)
+            self.model_name = pretrained
+        else:
+            if tokenizer is None:
+                raise ConfigError("an already-loaded model passed as pretrained= needs its tokenizer=; allowed: both")
+            model = pretrained
+            self.model_name = getattr(model, "name_or_path", type(model).__name__)
+        self.chunk_size = chunk_size
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **hflm_kwargs)
+
+    # -- loglikelihood: context compressed at prefill, continuation scored against it ---------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        """``[(log p(continuation | compressed context), is_greedy)]`` for ``requests`` of
+        ``((context, continuation) or None, context_ids, continuation_ids)``, in their order.
+
+        A context longer than lm-eval allows (``len(context) + len(continuation) > max_length + 1``) is cut from the
+        left, as ``HFLM`` does. Requests with the same (cut) context share one prefill.
+        """
+        from tqdm import tqdm
+
+        groups: dict[tuple, list[int]] = {}
+        for index, (_, context, continuation) in enumerate(requests):
+            if not context or not continuation:
+                raise ConfigError("a loglikelihood request with an empty context or continuation")  # lm-eval never sends one
+            keep = max(1, self.max_length + 1 - len(continuation))
+            groups.setdefault(tuple(context[-keep:]), []).append(index)
+        results: list = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="h2o-compress loglikelihood")
+        for context, indices in groups.items():
+            cache, last_logits = self._compressed_context(list(context))
+            for index in indices:
+                key, _, continuation = requests[index]
+                answer = self._score_continuation(cache, last_logits, len(context), continuation)
+                results[index] = answer
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, answer)
+                bar.update(1)
+        bar.close()
+        return results
+
+    @torch.inference_mode()
+    def _compressed_context(self, context: list[int]):
+        """Prefill ``context`` through a fresh compressed cache (budget relative to its tokens); returns the cache and
+        the next-token logits ``[1, vocab]``."""
+        ids = torch.tensor([context], dtype=torch.long, device=self.device)
+        cache = make_cache(self.model, self.compression, max_length=len(context))
+        return cache, prefill_context(self.model, self.tokenizer, ids, cache)
+
+    @torch.inference_mode()
+    def _score_continuation(self, cache, last_logits: torch.Tensor, context_tokens: int, continuation: list[int]):
+        """``(sum of log p(continuation tokens), every token greedy)`` with the continuation appended as one chunk to
+        a frozen copy of ``cache`` (which is not changed)."""
+        logits = last_logits[:, None]  # [1, 1, vocab]: predicts continuation[0]
+        if len(continuation) > 1:
+            frozen = cache.frozen_copy(context_tokens + len(continuation) - 1)
+            chunk = torch.tensor([continuation[:-1]], dtype=torch.long, device=self.device)
+            more = self.model(input_ids=chunk, past_key_values=frozen, use_cache=True).logits
+            logits = torch.cat((logits, more), dim=1)
+        log_probs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)[0]  # [continuation, vocab]
+        targets = torch.tensor(continuation, dtype=torch.long, device=log_probs.device)
+        greedy = bool((log_probs.argmax(-1) == targets).all())
+        return float(log_probs.gather(1, targets[:, None]).sum()), greedy
+
+    # -- rolling loglikelihood: each window streamed through a compressed cache -----------------------------------
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of each whole text: lm-eval's disjoint windows of at most ``max_length`` tokens, each
+        streamed through its own compressed cache ``chunk_size`` tokens per pass; the sum over the windows."""
+        from tqdm import tqdm
+
+        totals = []
+        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="h2o-compress rolling"):
+            (text,) = request.args
+            windows = map(lm_eval_utils.make_disjoint_window, lm_eval_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1,
+            ))
+            total = sum(self._stream_window(context, continuation) for context, continuation in windows)
+            totals.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+        return totals
+
+    @torch.inference_mode()
+    def _stream_window(self, context: list[int], continuation: list[int]) -> float:
+        """Sum of log p of the ``continuation`` tokens, reading ``context + continuation`` (cut to ``max_length + 1``
+        from the left) through a fresh compressed cache ``chunk_size`` tokens at a time."""
+        tokens = (context + continuation)[-(self.max_length + 1):]
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        first_scored = len(tokens) - len(continuation)  # index of the first token scored
+        inputs = ids[:, :-1]
+        cache = make_cache(self.model, self.compression, max_length=inputs.shape[1])
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def score(start: int, logits: torch.Tensor) -> None:  # position p predicts token p + 1
+            log_probs = F.log_softmax(logits[0], dim=-1, dtype=self.softmax_dtype)
+            targets = ids[0, start + 1 : start + 1 + log_probs.shape[0]]
+            picked = log_probs.gather(1, targets[:, None])[:, 0]
+            skip = max(0, first_scored - (start + 1))
+            nonlocal total
+            total = total + picked[skip:].double().sum()
+
+        read_stream(self.model, cache, inputs, self.chunk_size, on_logits=score)
+        return float(total)
+
+    # -- generation: model.generate with the compressed cache ---------------------------------------------------
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        """``HFLM._model_generate`` with a fresh :class:`~h2o_compress.cache.CompressedCache` for ``max_length``
+        tokens (context + ``max_gen_toks``) passed to ``model.generate`` as ``past_key_values``."""
+        cache = make_cache(self.model, self.compression, max_length=int(max_length))
+        return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+
+    def get_model_info(self) -> dict:
+        """Parameters, dtype, the model name and the compression setting (no hub look-up)."""
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(self.model.dtype),
+            "model_name": self.model_name,
+            "compression": self.compression.to_dict(),
+        }
