@@ -15,7 +15,8 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_MODELS
-from test_compile import pointers, run, setting
+import test_compile
+from test_compile import run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.compiled import decode_step
@@ -27,11 +28,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def short_runs(monkeypatch):
+    """8 decode steps (capacity 12 of 28 tokens: an eviction every step): the interpreter is slow."""
+    monkeypatch.setattr(test_compile, "STEPS", 8)
+
+
 def kept(cache) -> list[torch.Tensor]:
     return [layer.positions() for layer in cache.layers]
 
 
-@pytest.mark.parametrize("policy,bits", [("h2o", 4), ("h2o", 8), ("tova", 4), ("h2o", 16), ("sink", 4)])
+@pytest.mark.parametrize("policy,bits", [("h2o", 4), ("tova", 8), ("h2o", 16)])
 def test_triton_step_matches_torch_form(policy, bits):
     model = TINY_MODELS["llama"]()
     with torch.inference_mode():
