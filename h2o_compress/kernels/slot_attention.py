@@ -245,14 +245,6 @@ class DecodeScratch:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def scratch_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, slots: int, ring_size: int,
-                  with_scores: bool, sm_count: int | None = None) -> int:
-    """Bytes of one layer's :class:`DecodeScratch` (the planner's workspace figure; no allocation)."""
-    plan = plan_splits(batch, kv_heads, slots, ring_size, sm_count)
-    rows = batch * q_heads
-    return 4 * rows * (2 * plan.num_slots + plan.num_slots * head_dim + ((slots + ring_size) if with_scores else 1))
-
-
 def supported(device: torch.device, head_dim: int, formats) -> str | None:
     """Why the op cannot run a layer with ``head_dim`` and key/value quantizers ``formats`` on ``device``, or
     ``None``: it takes int4/int8 (``IntQuantizer``, power-of-two groups) and raw 16-bit storage, ``head_dim`` a

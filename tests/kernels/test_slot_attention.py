@@ -198,3 +198,25 @@ def test_dynamo_captures_the_op_fullgraph():
     for name in ("scores", "ring_scores"):  # updated in place through the graph, as eagerly
         torch.testing.assert_close(tensors[name], eager[name])
     assert not torch.equal(tensors["scores"], before)
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,slots,ring,scores", [(1, 3, 3, 5000, 3, True), (16, 32, 1, 3300, 3, True),
+                                                                  (2, 2, 2, 70, 0, False)])
+def test_planner_counts_the_scratch(batch, kv_heads, group, slots, ring, scores):
+    """The planner's figure (no Triton) is the scratch's real size, and the planner's workspace includes it."""
+    from h2o_compress import CompressionConfig
+    from h2o_compress.kernels import decode_scratch_bytes
+    from h2o_compress.known_models import resolve_model
+    from h2o_compress.planner import workspace_bytes
+    from transformers import LlamaConfig
+
+    plan = sa.plan_splits(batch, kv_heads, slots, ring, sm_count=132)
+    scratch = sa.DecodeScratch(plan, batch, kv_heads * group, 64, slots + ring, scores, torch.device("meta"))
+    assert scratch.nbytes() == decode_scratch_bytes(batch, kv_heads * group, kv_heads, 64, slots, ring, scores)
+    spec = resolve_model(LlamaConfig(hidden_size=kv_heads * group * 64, num_attention_heads=kv_heads * group,
+                                     num_key_value_heads=kv_heads, num_hidden_layers=3, intermediate_size=64,
+                                     vocab_size=100))
+    config = CompressionConfig(budget=0.2, kv_bits=4, policy="h2o" if scores else "local")
+    without = workspace_bytes(spec, config, batch, 100, 20, torch.float16)
+    with_scratch = workspace_bytes(spec, config, batch, 100, 20, torch.float16, slots, ring)
+    assert with_scratch - without == 3 * scratch.nbytes()
