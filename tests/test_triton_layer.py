@@ -84,3 +84,33 @@ def test_auto_on_cpu_keeps_the_cpu_kernel():
     with torch.inference_mode():
         _, cache, _, _ = run(model, setting("h2o", 4, "auto"), decode_step)
     assert not any(layer.fused for layer in cache.layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [4, 16])
+def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
+    """The CUDA default (Triton op, compiled with mode='reduce-overhead') against the eager torch form, fp16, 64
+    teacher-forced steps with evictions: the same logits within fp16 tolerance and the same tokens kept."""
+    from conftest import tiny_llama
+
+    from h2o_compress.compiled import compiled_decode_step, decode_one
+
+    model = tiny_llama().to("cuda", torch.float16)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 128, (2, 40), generator=generator).cuda()
+    tokens = torch.randint(0, 128, (2, 64), generator=generator).cuda()
+    base = CompressionConfig(budget=24, kv_bits=bits, residual=2)
+
+    def go(kernel, step):
+        cache = make_cache(model, dataclasses.replace(base, attention_kernel=kernel), max_length=104)
+        with torch.inference_mode():
+            model(input_ids=prompt, past_key_values=cache)
+            logits = [decode_one(step, model, cache, tokens[:, i:i + 1], 40 + i).clone() for i in range(64)]
+        return torch.stack(logits).float(), cache
+
+    reference, torch_cache = go("torch", decode_step)
+    ours, cache = go("auto", compiled_decode_step(model, "cuda"))
+    assert all(layer.fused for layer in cache.layers)
+    torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
+    for a, b in zip(kept(cache), kept(torch_cache)):
+        assert torch.equal(a, b)

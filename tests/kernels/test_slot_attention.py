@@ -9,6 +9,11 @@ Every scratch buffer starts as NaN, so reading an element never written shows up
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -85,7 +90,7 @@ def reference(kw):
     values.scatter_(2, index, kw["leave_values"].float()[:, :, None])
     live = min(slots, int(kw["seen"]))
     keys[:, :, live:], values[:, :, live:] = 0, 0  # never filled (garbage): masked below
-    valid = (kw["positions"] >= 0) & (torch.arange(slots) < live)
+    valid = (kw["positions"] >= 0) & (torch.arange(slots, device=keys.device) < live)
     if kw["ring_keys"] is not None:
         keys = torch.cat((keys, kw["ring_keys"].float()), 2)
         values = torch.cat((values, kw["ring_values"].float()), 2)
@@ -220,3 +225,61 @@ def test_planner_counts_the_scratch(batch, kv_heads, group, slots, ring, scores)
     without = workspace_bytes(spec, config, batch, 100, 20, torch.float16)
     with_scratch = workspace_bytes(spec, config, batch, 100, 20, torch.float16, slots, ring)
     assert with_scratch - without == 3 * scratch.nbytes()
+
+
+def test_slot_kernels_compile_for_h100():
+    """Both kernels lower to sm_90 machine code (Triton's bundled ptxas, no GPU) for int4/int8/16-bit, fp16 and
+    bf16 queries, with and without scores and ring: what the interpreter forgives fails here."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = textwrap.dedent("""
+        import triton, triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from h2o_compress.kernels import slot_attention as sa
+        target = GPUTarget("cuda", 90, 32)
+        def compile(fn, sig, consts):
+            sig = dict(sig, **{c: "constexpr" for c in consts})
+            triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=target, options={"num_warps": 4})
+        ints = ("q_b q_h k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n r_b r_h r_n slots ring_size "
+                "store_splits split_tokens ring_split_tokens num_slots total")
+        for q, dot, k_fmt, v_fmt, head_dim, group_size, group, scores in [
+                ("*fp16", tl.float16, 4, 4, 128, 32, 1, True), ("*bf16", tl.bfloat16, 8, 4, 64, 32, 3, True),
+                ("*fp16", tl.float16, 16, 16, 128, 32, 4, False)]:
+            sig = dict({n: "i32" for n in ints.split()}, q=q, scaling="fp32",
+                       k="*fp16" if k_fmt == 16 else "*u8", v="*fp16" if v_fmt == 16 else "*u8", ksz="*fp16",
+                       vsz="*fp16", pos="*i32", lk=q, lv=q, leave_slot="*i64", rk=q, rv=q, rpos="*i32",
+                       seen="*i64", part_m="*fp32", part_l="*fp32", part_acc="*fp32", logits="*fp32")
+            compile(sa._slot_partial_kernel, sig, dict(KV_HEADS=32 // group, G=group, GP=16, D=head_dim,
+                    GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=64, WRITE_LOGITS=scores, DOT=dot,
+                    PRECISION="tf32"))
+            compile(sa._slot_combine_kernel, dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", out=q,
+                    logits="*fp32", pos="*i32", rpos="*i32", seen="*i64", scores="*fp32", ring_scores="*fp32",
+                    slots="i32", ring_size="i32", num_slots="i32", total="i32"),
+                    dict(KV_HEADS=32 // group, G=group, GP=max(2, triton.next_power_of_2(group)), D=head_dim,
+                         BLOCK_S=8, BLOCK_T=256, SCORES=scores, ACCUMULATE=True, HAS_RING=scores))
+        print("compiled")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=repo,
+                            timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [(4, 4), (8, 8), (16, 16)])
+def test_long_slots_on_gpu(dtype, bits):
+    """Many splits and blocks per split on the GPU (SmolLM2-like 9 q / 3 KV heads, head_dim 64, 8k slots)."""
+    kw = make_case(1, 3, 3, 64, slots=8000, ring=3, key_bits=bits[0], value_bits=bits[1], dtype=dtype)
+    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    plan = sa.plan_splits(1, 3, 8000, 3, device=torch.device("cuda"))
+    scratch = sa.DecodeScratch(plan, 1, 9, 64, 8003, True, torch.device("cuda"))
+    cuda.update(part_m=scratch.part_m, part_l=scratch.part_l, part_acc=scratch.part_acc, logits=scratch.logits,
+                store_splits=plan.store_splits, split_tokens=plan.split_tokens, ring_splits=plan.ring_splits,
+                ring_split_tokens=plan.ring_split_tokens)
+    expected = reference({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in cuda.items()})
+    output = sa.slot_decode_attention(**cuda)
+    out_tol, prob_tol = TOLERANCE[dtype]
+    assert (output.float() - expected[0]).abs().max().item() <= out_tol * expected[0].abs().max().item()
+    assert (cuda["scores"] - expected[1]).abs().max().item() <= prob_tol
