@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_throughput.py            # H100/H200, whole grid -> benchmarks/results/gpu.json, gpu.md
     python benchmarks/gpu_throughput.py --smoke    # tiny model and sizes (CPU or GPU), writes to a temp dir
+    python benchmarks/gpu_throughput.py --preset issue14   # the grid of issue 14 (see ISSUE14 below), < 10 min
 
 Speed on a LLaMA-7B-shaped model with **random weights** (built on the GPU in fp16/bf16; decode speed does not
 depend on weight values): per (setting, context, batch) the planner first checks that cache + workspace fit in
@@ -50,10 +51,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LLAMA_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                 intermediate_size=11008, vocab_size=32000, max_position_embeddings=65536)
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192)
+SHAPES = {"llama-7b": LLAMA_7B, "smollm2-135m": SMOLLM2_135M}
 TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=512, vocab_size=1000, max_position_embeddings=4096)
 QC_GROUP, QC_RESIDUAL = 64, 128  # transformers' QuantizedCache defaults: group size, full-precision residual
-BASELINE, OURS_KEY = "sdpa-dynamic", "h2o0.2-4"
+BASELINE, OURS_KEY, STATIC_COMPILED = "sdpa-dynamic", "h2o0.2-4", "sdpa-static+compile"
+# issue 14's "Done when": (shape, layers, context, batch or None = largest batch, target ratio of ours compiled to
+# StaticCache + compile in tok/s). One run: --preset issue14 (two model shapes, written into one gpu.json).
+ISSUE14 = [("llama-7b", 8, 16384, 16, 4.0), ("llama-7b", 8, 4096, 16, 2.0), ("llama-7b", 8, 32768, 1, 1.5),
+           ("smollm2-135m", 30, 1024, 1, 0.8), ("llama-7b", 8, 32768, None, 20.0)]
+ISSUE14_SETTINGS = ",".join((BASELINE, "sdpa-static", STATIC_COMPILED, OURS_KEY, OURS_KEY + "+compile", "qc-quanto"))
 console = Console()
 
 
@@ -66,10 +75,14 @@ class Setting:
     kind: str
     config: CompressionConfig | None = None
     backend: str | None = None
+    compiled: bool = False  # decode step under torch.compile (CUDA: mode="reduce-overhead", CUDA graphs)
 
 
 SETTINGS = [Setting(BASELINE, "SDPA, DynamicCache (uncompressed)", "dynamic"),
-            Setting("sdpa-static", "SDPA, StaticCache (uncompressed, preallocated)", "static")] + [
+            Setting("sdpa-static", "SDPA, StaticCache (uncompressed, preallocated)", "static"),
+            Setting(STATIC_COMPILED, "SDPA, StaticCache + torch.compile(reduce-overhead)", "static", compiled=True),
+            Setting(OURS_KEY + "+compile", "ours h2o 0.2 4-bit, compiled", "ours",
+                    CompressionConfig(budget=0.2, kv_bits=4), compiled=True)] + [
     Setting(f"h2o{b}-{bits}", f"ours h2o {b} {bits}-bit", "ours", CompressionConfig(budget=b, kv_bits=bits))
     for b in (0.5, 0.2) for bits in (16, 8, 4)] + [
     Setting("qc-fp8", "QuantizedCache fp8", "qc", backend="fp8"),
@@ -82,7 +95,7 @@ def with_kernels(settings: list[Setting], kernels: list[str]) -> list[Setting]:
     out = [s for s in settings if s.kind in ("dynamic", "static")]
     for kernel in kernels:
         tag = "" if kernel == "auto" else f"@{kernel}"
-        out += [Setting(s.key + tag, s.name, "ours", replace(s.config, attention_kernel=kernel))
+        out += [Setting(s.key + tag, s.name, "ours", replace(s.config, attention_kernel=kernel), compiled=s.compiled)
                 for s in settings if s.kind == "ours"]
     return out + [s for s in settings if s.kind == "qc"]
 
@@ -195,6 +208,61 @@ def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
     return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
+def forward_step(model, cache, token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    """The step that is compiled: ``token`` ``[batch, 1]`` at ``cache_position`` ``[1]`` (a device tensor, so
+    every step has the same shapes and no host value: one graph, replayed), no 2D mask (decode sees every kept
+    token); returns the next tokens ``[batch, 1]``."""
+    batch = token.shape[0]
+    out = model(input_ids=token, past_key_values=cache, cache_position=cache_position,
+                position_ids=cache_position.expand(batch, 1), use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1:].argmax(-1)
+
+
+class Stepper:
+    """Greedy decode steps of one run, eager (:func:`decode_step`) or compiled (:func:`forward_step` under
+    ``torch.compile``: on CUDA ``mode="reduce-overhead"`` (CUDA graphs); on CPU Dynamo's ``eager`` backend, which
+    checks the capture only: Inductor on 2 CPU cores takes minutes). Ours compiles with ``fullgraph=True``;
+    StaticCache as transformers' ``generate`` does (``fullgraph=False``)."""
+
+    def __init__(self, model, setting: Setting, cache, seen: int):
+        self.model, self.cache, self.seen = model, cache, seen
+        self.compiled = None
+        if setting.compiled:
+            torch._dynamo.reset()  # a fresh graph (and CUDA-graph pool) per run
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            cuda = next(model.parameters()).device.type == "cuda"
+            options = dict(mode="reduce-overhead") if cuda else dict(backend="eager")
+            self.compiled = torch.compile(forward_step, fullgraph=setting.kind == "ours", **options)
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        if self.compiled is None:
+            token = decode_step(self.model, self.cache, token)
+        else:
+            position = torch.full((1,), self.seen, dtype=torch.long, device=token.device)
+            token = self.compiled(self.model, self.cache, token, position).clone()  # out of the graph's pool
+        self.seen += 1
+        return token
+
+
+def launches(advance: Stepper, token: torch.Tensor, layers: int, steps: int = 2) -> dict:
+    """CUDA kernels per layer per decode step (all of them, the projections included, over ``steps`` steps under
+    ``torch.profiler``; CUDA-graph replays count their kernels) and the GPU time of our attention op's kernels
+    (``_slot_*``) per layer and step. GPU only: ``{}`` elsewhere."""
+    if token.device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = advance(token)
+        sync(token.device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [e for e in kernels if "_slot_" in e.name]
+    return {"launches_per_layer_step": len(kernels) / (steps * layers),
+            "attention_launches_per_layer_step": len(ours) / (steps * layers),
+            "attention_kernel_s": sum(e.device_time for e in ours) / 1e6 / (steps * layers) if ours else None}
+
+
 def kv_seconds(model, cache, token: torch.Tensor, steps: int) -> float | None:
     """Seconds per decode step from each layer's ``cache.update`` to its ``o_proj`` input (update, dequantize,
     attention, scoring, eviction; no weight reads); ``None`` without ``model.layers[i].self_attn.o_proj``."""
@@ -242,25 +310,42 @@ def measure(model, setting: Setting, context: int, batch: int, args, weight_byte
         token = token.expand(batch, 1).contiguous()
     sync(device)
     prefill_s = time.perf_counter() - began
-    for _ in range(args.warmup):
-        token = decode_step(model, cache, token)
+    advance = Stepper(model, setting, cache, context)
+    began = time.perf_counter()
+    for _ in range(args.warmup):  # compiled: the first steps capture the graph
+        token = advance(token)
     sync(device)
+    warmup_s = time.perf_counter() - began
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     began = time.perf_counter()
     for _ in range(args.steps):
-        token = decode_step(model, cache, token)
+        token = advance(token)
     sync(device)
     step_s = (time.perf_counter() - began) / args.steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     held = cache.nbytes() if hasattr(cache, "nbytes") else transformers_cache_bytes(cache)
-    kv_s = kv_seconds(model, cache, token, args.instrument_steps)
+    layers = model.config.num_hidden_layers
+    profiled = launches(advance, token, layers)
+    # per-layer hooks time the eager step only (a compiled step has no Python between the kernels)
+    kv_s = None if setting.compiled else kv_seconds(model, cache, token, args.instrument_steps)
+    if profiled.get("attention_kernel_s"):
+        profiled["attention_kernel_GBps"] = held / layers / profiled["attention_kernel_s"] / 1e9
+    floor_s = (weight_bytes + held) / (args.copy_GBps * 1e9) if getattr(args, "copy_GBps", None) else None
     return {"status": "ok", "decode_tokens_per_s": batch / step_s, "step_ms": 1000 * step_s, "prefill_s": prefill_s,
+            "warmup_s": warmup_s, "compiled": setting.compiled, **profiled,
+            "floor_ms": None if floor_s is None else 1000 * floor_s,
             "prefill": "replicated from batch 1" if replicate else f"batch {batch}", "peak_bytes": peak,
             "kv_bytes": held, "kv_s_per_step": kv_s, "kv_GBps": held / kv_s / 1e9 if kv_s else None,
             "step_GBps": (weight_bytes + held) / step_s / 1e9,
             "kept_tokens": cache.kept_length() if hasattr(cache, "kept_length") else None,
-            "kernel": ("triton" if getattr(cache.layers[0], "fused", False) else "torch") if setting.config else None}
+            "kernel": kernel_name(cache) if setting.config else None}
+
+
+def kernel_name(cache) -> str:
+    """How our cache's decode steps ran: triton (the op), cpu (the native step) or torch."""
+    layer = cache.layers[0]
+    return "triton" if getattr(layer, "fused", False) else "cpu" if getattr(layer, "native", False) else "torch"
 
 
 def run_cell(model, spec, setting: Setting, context: int, batch: int, args, dtype, weight_bytes: int) -> dict:
@@ -389,31 +474,43 @@ def render(data: dict) -> str:
     gib = lambda v, spec=".2f": "-" if v is None else format(v / 2**30, spec)  # noqa: E731
     tries = lambda t: f"{t['batch']}: {t['status']}"  # noqa: E731
     env, copy = data["environment"], data["copy_GBps"]
-    lines = [f"# GPU decode throughput ({env['device']})", "", f"`{data['command']}`", "",
+    models = sorted({r.get("model", "") for r in data["speed"]}) or [data["model"]["name"]]
+    lines = [f"# GPU decode throughput ({env['device']}; {', '.join(models)})", "", f"`{data['command']}`", "",
              f"torch {env['torch']}, transformers {env['transformers']}, h2o-compress {env['h2o_compress']} (commit "
              f"{env['commit']}); {data['model']['name']} in {data['model']['dtype']}; device-to-device copy "
              f"bandwidth (read + write) **{copy:.0f} GB/s**.", ""]
     lines += [f"- {note}" for note in data["notes"]]
     lines += [f"- {key}: {why}" for key, why in data.get("unavailable", {}).items()] + [""]
+    checks = done_when(data)
+    if any("ratio" in r for r in checks):
+        lines += ["## Issue 14: ours h2o 0.2 int4 compiled / StaticCache + torch.compile (same run)", "",
+                  "| model | context | batch | x StaticCache+compile (tok/s) | target | batch ratio | verdict |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['model']} | {r['context']} | {r['batch']} | {fmt(r.get('ratio'), '.2f')} | >= {r['target']} | "
+                  f"{fmt(r.get('batch_ratio'), '.1f')} | {r['verdict']} |" for r in checks] + [""]
     if crit := data.get("criterion"):
         lines += [f"**Done criterion** ({crit['context']} tokens, batch {crit['batch']}, ours h2o 0.2 int4 vs SDPA "
                   f"DynamicCache, {crit['layers']}-layer model): {crit['verdict']}. {crit['note']}.", ""]
     for context in sorted({r["context"] for r in data["speed"]}):
         rows = [r for r in data["speed"] if r["context"] == context]
         base = {r["batch"]: r for r in rows if r["setting"] == BASELINE and r["status"] == "ok"}
-        lines += [f"## Decode at {context} tokens", "", "| setting | batch | tok/s | x SDPA | step ms | KV GiB | "
-                  "peak GiB | KV GB/s (x copy) | step GB/s | status |", "|---|" + "---:|" * 8 + "---|"]
+        lines += [f"## Decode at {context} tokens", "", "| setting | batch | tok/s | x SDPA | step ms | floor ms | KV GiB | "
+                  "peak GiB | KV GB/s (x copy) | op GB/s (x copy) | launches/layer/step | step GB/s | status |",
+                  "|---|" + "---:|" * 11 + "---|"]
         for r in rows:
             if r["status"] != "ok":
-                lines.append(f"| {r['name']} | {r['batch']} | | | | | | | | {r['status']}: {r.get('reason', '')} |")
+                lines.append(f"| {r['name']} | {r['batch']} | | | | | | | | | | | {r['status']}: {r.get('reason', '')} |")
                 continue
             ref = base.get(r["batch"])
             ratio = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"] if ref else None
             kv_bw = "-" if r["kv_GBps"] is None else f"{r['kv_GBps']:.0f} ({r['kv_GBps'] / copy:.2f})"
+            op = r.get("attention_kernel_GBps")
+            op_bw = "-" if op is None else f"{op:.0f} ({op / copy:.2f})"
             name = r["name"] + (f" [{r['kernel']}]" if r.get("kernel") else "")
             lines.append(f"| {name} | {r['batch']} | {fmt(r['decode_tokens_per_s'])} | {fmt(ratio, '.2f')} | "
-                         f"{fmt(r['step_ms'], '.2f')} | {gib(r['kv_bytes'], '.3f')} | {gib(r['peak_bytes'])} | "
-                         f"{kv_bw} | {fmt(r['step_GBps'], '.0f')} | ok |")
+                         f"{fmt(r['step_ms'], '.2f')} | {fmt(r.get('floor_ms'), '.2f')} | {gib(r['kv_bytes'], '.3f')} | "
+                         f"{gib(r['peak_bytes'])} | {kv_bw} | {op_bw} | {fmt(r.get('launches_per_layer_step'))} | "
+                         f"{fmt(r['step_GBps'], '.0f')} | ok |")
         lines.append("")
     if data["max_batch"]:
         lines += ["## Largest batch that fits (planner, confirmed by one run)", "",
@@ -432,11 +529,65 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def merge_existing(out: Path, data: dict) -> dict:
-    """``--append``: this run's rows replace those of ``out/gpu.json`` with the same keys; the others stay."""
-    if not (out / "gpu.json").exists():
+def done_when(data: dict) -> list[dict]:
+    """Issue 14's "Done when" rows from the speed and largest-batch rows of this file: ours h2o 0.2 int4 compiled
+    over StaticCache + compile (tok/s, same model shape, context and batch; largest batch: batch and tok/s)."""
+    out = []
+    for shape, _, context, batch, target in ISSUE14:
+        model = f"{shape}-shaped"
+        pick = lambda key, part="speed": next((r for r in data.get(part, []) if r.get("model") == model  # noqa: E731
+                                               and r["setting"] == key and r["context"] == context
+                                               and (part != "speed" or r["batch"] == batch)), None)
+        row = {"model": model, "context": context, "batch": batch or "largest", "target": target}
+        if batch is None:
+            ours, base = pick(OURS_KEY + "+compile", "max_batch"), pick(STATIC_COMPILED, "max_batch")
+            if ours and base and ours.get("confirmed") and base.get("confirmed"):
+                row.update(batch_ratio=ours["confirmed"] / base["confirmed"],
+                           ratio=ours["decode_tokens_per_s"] / base["decode_tokens_per_s"])
+        else:
+            ours, base = pick(OURS_KEY + "+compile"), pick(STATIC_COMPILED)
+            if ours and base and ours["status"] == base["status"] == "ok":
+                row["ratio"] = ours["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        row["verdict"] = ("not measured" if "ratio" not in row
+                          else "PASS" if row["ratio"] >= target else "FAIL")
+        out.append(row)
+    return out
+
+
+def plot(data: dict, path: Path) -> None:
+    """Decode tok/s per setting (log scale), one group of bars per (model, context, batch) that ran ok."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["speed"] if r.get("status") == "ok"]
+    cells = sorted({(r.get("model", ""), r["context"], r["batch"]) for r in rows})
+    keys = list(dict.fromkeys(r["setting"] for r in rows))
+    if not cells:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4.5))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        values = [next((r["decode_tokens_per_s"] for r in rows if (r.get("model", ""), r["context"], r["batch"]) == c
+                        and r["setting"] == key), 0) for c in cells]
+        ax.bar([j + i * width for j in range(len(cells))], values, width, label=key)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))])
+    ax.set_xticklabels([f"{m.split('-shaped')[0]}\n{c} x {b}" for m, c, b in cells], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s (whole batch)")
+    ax.set_title(f"Decode throughput, {data['environment']['device']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def merge_existing(out: Path, data: dict, name: str = "gpu") -> dict:
+    """``--append``: this run's rows replace those of ``out/<name>.json`` with the same keys; the others stay."""
+    if not (out / f"{name}.json").exists():
         return data
-    old, new = json.loads((out / "gpu.json").read_text()), dict(data)
+    old, new = json.loads((out / f"{name}.json").read_text()), dict(data)
     for part, keys in (("speed", ("model", "setting", "context", "batch")),
                        ("max_batch", ("model", "setting", "context"))):
         fresh = {tuple(r.get(k) for k in keys) for r in new[part]}
@@ -455,11 +606,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="default: fp16 (fp32 on CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 with --smoke on CPU)")
     p.add_argument("--layers", type=int, default=None, help="layers of the 7B-shaped model (default 32)")
+    p.add_argument("--preset", choices=["issue14"], default=None,
+                   help="issue14: the grid of issue 14's 'Done when' (LLaMA-7B shape 8 layers at 16k x 16, 4k x 16, "
+                        "32k x 1, largest batch at 32k; SmolLM2-135M shape at 1k x 1) into <out>/gpu_issue14.*")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-7b", help="model shape (random weights)")
+    p.add_argument("--cells", default=None, help="CONTEXTxBATCH,... instead of every --contexts x --batches")
+    p.add_argument("--maxbatch-contexts", type=ints, default=None, help="contexts of the largest-batch search "
+                   "(default: --contexts)")
+    p.add_argument("--maxbatch-settings", default=None, help="settings of the largest-batch search (default: all)")
+    p.add_argument("--name", default="gpu", help="file names: <out>/<name>.json, .md, .png")
     p.add_argument("--contexts", type=ints, default=[4096, 16384, 32768])
     p.add_argument("--batches", type=ints, default=[1, 4, 16, 64])
     p.add_argument("--settings", default=",".join(s.key for s in SETTINGS), help="comma-separated setting keys")
     p.add_argument("--kernels", type=lambda text: text.split(","), default=["auto"],
-                   help="attention_kernel values for ours: auto or torch (triton is refused for now); the first is judged")
+                   help="attention_kernel values for ours: auto, torch or triton; the first is judged")
     p.add_argument("--parts", default="speed,maxbatch,criterion,quality", help="comma-separated parts to run")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
@@ -485,8 +645,23 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def run_preset(args) -> None:
+    """``--preset issue14``: two invocations of this script (the two model shapes) into ``<out>/gpu_issue14.*``."""
+    base = [sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--name", "gpu_issue14",
+            "--device", args.device, "--settings", ISSUE14_SETTINGS,
+            "--maxbatch-settings", f"{STATIC_COMPILED},{OURS_KEY}+compile"]
+    cells = ",".join(f"{c}x{b}" for shape, _, c, b, _ in ISSUE14 if shape == "llama-7b" and b)
+    runs = [["--shape", "llama-7b", "--layers", "8", "--cells", cells, "--maxbatch-contexts", "32768",
+             "--parts", "speed,maxbatch"],
+            ["--shape", "smollm2-135m", "--cells", "1024x1", "--parts", "speed", "--append"]]
+    for extra in runs:
+        subprocess.run(base + extra, check=True)
+
+
 def main() -> None:
     args = parse_args()
+    if args.preset:
+        return run_preset(args)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
     if args.threads or (args.smoke and not cuda):  # on a shared CPU more threads are much slower
@@ -496,7 +671,8 @@ def main() -> None:
     if (args.smoke or not cuda) and out == RESULTS.resolve():  # never overwrite the GPU results
         out = Path(tempfile.mkdtemp(prefix="gpu-throughput-"))
     out.mkdir(parents=True, exist_ok=True)
-    fields = {**(TINY if args.smoke else LLAMA_7B), **({"num_hidden_layers": args.layers} if args.layers else {})}
+    fields = {**(TINY if args.smoke else SHAPES[args.shape]),
+              **({"num_hidden_layers": args.layers} if args.layers else {})}
     parts, wanted = set(args.parts.split(",")), set(args.settings.split(","))
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     data = {
@@ -505,10 +681,10 @@ def main() -> None:
                         "total_memory": torch.cuda.get_device_properties(device).total_memory if cuda else None,
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "h2o_compress": h2o_compress.__version__, "commit": commit.stdout.strip() or "unknown"},
-        "model": {"name": "tiny-llama" if args.smoke else "llama-7b-shaped", "config": fields,
+        "model": {"name": "tiny-llama" if args.smoke else f"{args.shape}-shaped", "config": fields,
                   "dtype": str(dtype).removeprefix("torch."), "random_weights": True},
         "speed": [], "max_batch": [], "quality": None, "criterion": None, "unavailable": {},
-        "notes": [f"Speed model weights are RANDOM ({'tiny LLaMA' if args.smoke else 'LLaMA-7B'} shape, "
+        "notes": [f"Speed model weights are RANDOM ({'tiny LLaMA' if args.smoke else args.shape} shape, "
                   f"{fields['num_hidden_layers']} layers, built on the device): decode speed and memory do not "
                   "depend on weight values. Quality comes from the real SmolLM2 only.",
                   f"Prefill {args.chunk} tokens per forward pass, {args.prefill} (replicate: one sequence prefilled "
@@ -521,20 +697,30 @@ def main() -> None:
                   "(update, dequantization, attention, scoring, eviction; CUDA events); x copy = its share of the "
                   "copy bandwidth; step GB/s = (weights + KV) / step time.",
                   f"QuantizedCache re-quantizes its history every {QC_RESIDUAL} tokens: the timed steps may miss it."]}
-    data["copy_GBps"] = copy_bandwidth(device, args.copy_bytes)
+    data["notes"].append("Compiled settings: the decode step under torch.compile (CUDA: mode='reduce-overhead', "
+                         "CUDA graphs; CPU: Dynamo's eager backend, a capture check only), compiled in the warm-up "
+                         "steps; floor ms = (weights + KV bytes) / copy bandwidth; launches/layer/step = CUDA kernels "
+                         "of a whole step (projections included) per layer (torch.profiler); op GB/s = KV bytes of a "
+                         "layer / GPU time of our attention op's kernels (_slot_*) per layer and step.")
+    data["copy_GBps"] = args.copy_GBps = copy_bandwidth(device, args.copy_bytes)
     began = time.monotonic()
 
     def save() -> None:
-        merged = merge_existing(out, data) if args.append else data
-        (out / "gpu.json").write_text(json.dumps(merged, indent=1, default=str))
-        (out / "gpu.md").write_text(render(merged))
+        merged = merge_existing(out, data, args.name) if args.append else data
+        (out / f"{args.name}.json").write_text(json.dumps(merged, indent=1, default=str))
+        (out / f"{args.name}.md").write_text(render(merged))
+        plot(merged, out / f"{args.name}.png")
 
     runnable = []
     for s in (s for s in with_kernels(SETTINGS, args.kernels) if s.key.split("@")[0] in wanted):
         why = unavailable(s, LlamaConfig(**fields)) if s.kind == "qc" else None
         (data["unavailable"].__setitem__(s.key, why) if why else runnable.append(s))
-    cells = [(s, c, b) for c in args.contexts for s in runnable for b in args.batches] if "speed" in parts else []
-    searches = [(s, c) for c in args.contexts for s in runnable] if "maxbatch" in parts else []
+    pairs = ([tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")] if args.cells
+             else [(c, b) for c in args.contexts for b in args.batches])
+    cells = [(s, c, b) for c, b in pairs for s in runnable] if "speed" in parts else []
+    searched = [s for s in runnable if args.maxbatch_settings is None or s.key in args.maxbatch_settings.split(",")]
+    searches = ([(s, c) for c in (args.maxbatch_contexts or args.contexts) for s in searched]
+                if "maxbatch" in parts else [])
     if cells or searches:
         skipped, model = 0, build_model(fields, dtype, device)
         spec, weights = resolve_model(model), sum(p.numel() * p.element_size() for p in model.parameters())
@@ -565,8 +751,8 @@ def main() -> None:
         data["quality"] = quality(args, runnable, device, dtype)
         release(device)
         save()
-    console.print(Markdown((out / "gpu.md").read_text()))
-    console.print(f"wrote {out / 'gpu.json'} and {out / 'gpu.md'}")
+    console.print(Markdown((out / f"{args.name}.md").read_text()))
+    console.print(f"wrote {out / args.name}.json, .md and .png")
 
 
 if __name__ == "__main__":

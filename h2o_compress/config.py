@@ -16,7 +16,7 @@ from .errors import ConfigError, short
 ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
-ATTENTION_KERNELS = ("auto", "torch")
+ATTENTION_KERNELS = ("auto", "torch", "triton")
 LAYER_BUDGETS = ("uniform", "pyramid")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
@@ -61,10 +61,12 @@ class CompressionConfig:
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
         attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
             one call of the native kernel of :mod:`h2o_compress.kernels.cpu`, built once with the system C
-            compiler; elsewhere, or without a compiler, the torch form) or ``torch`` (the torch form: torch code
-            over the slots, which ``torch.compile`` fuses). Both keep the same tokens. ``triton`` (the fused kernel of :mod:`h2o_compress.kernels.decode_attention`)
-            is refused for now: it does not read the slot layout yet (see docs/cache-layout.md). A runtime
-            choice: it does not change what is kept or stored.
+            compiler; on CUDA, the Triton op of :mod:`h2o_compress.kernels.slot_attention`: attention and H2O
+            scoring over the slots in two launches, traced by ``torch.compile``; elsewhere, or without a compiler
+            or Triton, the torch form), ``torch`` (the torch form: torch code over the slots, which
+            ``torch.compile`` fuses) or ``triton`` (the Triton op always: an error where it cannot run; on the CPU
+            only under ``TRITON_INTERPRET=1``). All keep the same tokens. A runtime choice: it does not change
+            what is kept or stored.
         layer_budgets: how the capacity is spread over the layers under the same total: ``uniform`` (every layer
             the same) or ``pyramid`` (PyramidKV, Cai et al. 2024, arXiv 2406.02069 §3.2: an arithmetic sequence
             from ``2C - C/20`` tokens at the first layer down to ``C/20`` at the last, each at least the smallest
@@ -134,11 +136,6 @@ class CompressionConfig:
             or self.score_chunk_size < 1
         ):
             raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
-        if self.attention_kernel == "triton":
-            raise ConfigError(
-                "attention_kernel='triton': the fused Triton decode kernel (h2o_compress.kernels) does not read the "
-                "slot layout of the compileable cache yet; allowed: 'auto' or 'torch' (compiled torch attention)"
-            )
         if not isinstance(self.layer_budgets, str) or self.layer_budgets not in LAYER_BUDGETS:
             raise ConfigError(
                 f"layer_budgets={short(self.layer_budgets)} is not supported; allowed: {', '.join(LAYER_BUDGETS)}"

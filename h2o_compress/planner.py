@@ -22,6 +22,7 @@ from .config import ALLOWED_GROUP_SIZES, MAX_RESIDUAL, CompressionConfig
 from .errors import ConfigError, short
 from .files import read_json
 from .eviction import POLICIES
+from .kernels import decode_scratch_bytes
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
 
@@ -212,9 +213,12 @@ def _forward_peak(spec: ModelSpec, config: CompressionConfig, batch: int, querie
 
 
 def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, kept: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, slots: int | None = None, residual: int = 0) -> int:
     """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
-    decode step (1 query against ``kept + 1`` keys).
+    decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
+    ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
+    (:func:`h2o_compress.kernels.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
+    allocate it). The CUDA-graph pool of a compiled step is not counted: still to measure on a GPU.
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
@@ -222,7 +226,13 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     allocator fragmentation (leave ~0.5-1 GiB for them).
     """
     size = _element_size(dtype)
-    return max(
+    scratch = 0
+    if slots is not None:
+        d = spec.dims
+        with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
+        scratch = d.num_layers * decode_scratch_bytes(
+            batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores)
+    return scratch + max(
         _forward_peak(spec, config, batch, prompt_len, prompt_len, size),
         _forward_peak(spec, config, batch, 1, kept + 1, size),
     )
@@ -537,7 +547,7 @@ def plan(
 
     def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
         cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
-        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual)
         return cache, work, weights + cache.total + work
 
     rows = []

@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention import announce, decode_attention, withdraw
-from ..errors import CacheStateError, InputError
+from ..errors import CacheStateError, ConfigError, InputError
 from ..eviction import EvictionPolicy
 from ..eviction.base import NO_POSITION as NO_REAL_TOKEN, keep_top
 from ..kernels import cpu as cpu_kernel
@@ -70,8 +70,9 @@ class CompressedLayer(CacheLayerMixin):
         residual: newest tokens kept in full precision when quantizing (the ring size), capped at half the
             policy's recent window so the ring is always inside it.
         score_chunk_size: queries per chunk for prefill scoring.
-        attention_kernel: ``auto`` or ``torch`` (see :class:`~h2o_compress.CompressionConfig`): the decode step's
-            attention is torch code that ``torch.compile`` fuses; ``triton`` is refused by :func:`build_layers`.
+        attention_kernel: ``auto``, ``torch`` or ``triton`` (see :class:`~h2o_compress.CompressionConfig`): the
+            decode step's attention is the CPU kernel (``auto`` on CPU), the Triton op (``auto`` on CUDA, or
+            ``triton``) or torch code that ``torch.compile`` fuses (``torch``).
         max_tokens: tokens the cache will see (prompt + new tokens), when known: bounds the storage.
 
     Attributes:
@@ -135,6 +136,9 @@ class CompressedLayer(CacheLayerMixin):
         self.chunk: dict | None = None  # a multi-token step between update() and attend()
         self.decode_valid: torch.Tensor | None = None
         self.native = False  # decode steps run the CPU kernel (kernels/cpu.py), set at the first token
+        self.fused = False  # decode steps run the Triton op (kernels/slot_attention.py), set at the first token
+        self.scratch = None  # the Triton op's DecodeScratch (workspace, not cache state: not in tensors())
+        self.leaving = None  # fused decode: the token entering the store (full precision) and its slot
         self.reference_seen: torch.Tensor | None = None  # layer 0's count, set by the container (native flag check)
         self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # the native step's new key and value
         self.awaiting_attention = False
@@ -175,12 +179,76 @@ class CompressedLayer(CacheLayerMixin):
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.consistent = torch.ones((), dtype=torch.bool, device=self.device)
         formats = (self.key_quantizer, self.value_quantizer)
-        self.native = self.attention_kernel != "torch" and cpu_kernel.supported(
+        self.native = self.attention_kernel == "auto" and cpu_kernel.supported(
             self.device, self.dtype, self.residual_dtype, self.head_dim, formats
         )
+        self.fused = not self.native and self._fused_kernel(formats)
         if self.device.type != "meta":
             _mark_static(self.tensors())
         self.is_initialized = True
+
+    def _fused_kernel(self, formats) -> bool:
+        """Whether decode steps run the Triton op :func:`~h2o_compress.kernels.slot_attention.slot_decode_attention`
+        (``auto``: on CUDA when Triton imports and the formats are supported; ``triton``: always, or an error).
+
+        Raises:
+            ConfigError: ``attention_kernel='triton'`` for a layer the kernel cannot run, naming why.
+        """
+        if self.device.type == "meta" or self.attention_kernel == "torch":
+            return False
+        if self.attention_kernel == "auto" and self.device.type != "cuda":
+            return False
+        try:
+            from ..kernels import slot_attention
+        except ImportError as exc:
+            reason = f"Triton does not import ({exc})"
+        else:
+            reason = slot_attention.supported(self.device, self.head_dim, formats)
+        if reason is not None and self.attention_kernel == "triton":
+            raise ConfigError(f"attention_kernel='triton' cannot run layer {self.layer_idx}: {reason}; allowed: "
+                              "attention_kernel='auto' or 'torch'")
+        return reason is None
+
+    def decode_scratch(self, q_heads: int):
+        """This layer's :class:`~h2o_compress.kernels.slot_attention.DecodeScratch` for ``q_heads`` query heads,
+        allocated once per shape (batch, slots) and kept at a static address (eager: at the prefill or the first
+        decode step; a compiled step finds it)."""
+        from ..kernels import slot_attention
+
+        ring = 0 if self.ring is None else self.ring.size
+        key = (self.batch, q_heads, self.store.slots + ring, self.with_scores)
+        if self.scratch is None or self.scratch.key != key:
+            plan = slot_attention.plan_splits(self.batch, self.kv_heads, self.store.slots, ring, device=self.device)
+            self.scratch = slot_attention.DecodeScratch(
+                plan, self.batch, q_heads, self.head_dim, self.store.slots + ring, self.with_scores, self.device
+            )
+            _mark_static(self.scratch.tensors())
+        return self.scratch
+
+    def _fused_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """The decode step's attention and score update in the Triton op (two launches, no host sync): ``query``
+        ``[batch, q_heads, 1, head_dim]`` in the keys' basis; returns ``[batch, q_heads, 1, head_dim]``."""
+        from ..kernels.slot_attention import slot_decode_attention
+
+        (keys, values, slot), self.leaving = self.leaving, None
+        batch, q_heads, _, head_dim = query.shape
+        scratch = self.decode_scratch(q_heads)
+        plan, store, ring = scratch.plan, self.store, self.ring
+        k_parts, v_parts = store.keys.parts, store.values.parts
+        group = next((q.group_size for q in (self.key_quantizer, self.value_quantizer) if q.bits < 16), 32)
+        output = slot_decode_attention(
+            query.reshape(batch, q_heads, head_dim).contiguous(),
+            k_parts.get("data", k_parts.get("x")), k_parts.get("scale_zero"),
+            v_parts.get("data", v_parts.get("x")), v_parts.get("scale_zero"),
+            store.positions, keys.reshape(batch, self.kv_heads, head_dim).contiguous(),
+            values.reshape(batch, self.kv_heads, head_dim).contiguous(), slot.reshape(batch, self.kv_heads),
+            None if ring is None else ring.keys, None if ring is None else ring.values,
+            None if ring is None else ring.positions, self.seen, store.scores, None if ring is None else ring.scores,
+            *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), self.key_quantizer.bits,
+            self.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
+            plan.ring_split_tokens, self.policy.accumulates,
+        )
+        return output.view(batch, q_heads, 1, head_dim)
 
     def _check_fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse, before allocating, buffers that the device cannot hold: this layer's bytes (sized on the
@@ -341,6 +409,9 @@ class CompressedLayer(CacheLayerMixin):
         )
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
+        if self.fused:  # attend() reads the store and ring in place: nothing is dequantized here
+            self.leaving = (keys, values, slot)
+            return keys, values
         if not self.quantized:  # 16-bit: attention reads the store itself, no copy
             keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
             self.decode_valid = self.store.positions >= 0
@@ -421,7 +492,10 @@ class CompressedLayer(CacheLayerMixin):
             return output
         if self.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
             query = (query.float() @ self.key_basis).to(query.dtype)
-        if query.shape[2] == 1 and self.chunk is None:
+        if query.shape[2] == 1 and self.chunk is None and self.leaving is not None:
+            output = self._fused_attention(query, scaling)
+            self._evict()
+        elif query.shape[2] == 1 and self.chunk is None:
             output, sums = decode_attention(query, key, value, self.decode_valid, scaling, self.with_scores)
             self.decode_valid = None
             self._after_decode(sums)
@@ -465,6 +539,8 @@ class CompressedLayer(CacheLayerMixin):
 
         chunk, self.chunk = self.chunk, None
         n, batch = query.shape[2], query.shape[0]
+        if self.fused:  # the decode steps' scratch, allocated eagerly before a compiled step needs it
+            self.decode_scratch(query.shape[1])
         new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
         if new_block is not None and new_block.dtype != torch.bool:
             new_block = new_block > torch.finfo(new_block.dtype).min / 2

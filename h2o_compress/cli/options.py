@@ -72,8 +72,8 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         "more for the first layers, less for the last, same total bytes).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
-        help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc) or torch (torch "
-             "code that --compile fuses); triton is refused for now.")),
+        help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
+             "op), torch (torch code that --compile fuses) or triton (the Triton op, CUDA).")),
 }
 
 

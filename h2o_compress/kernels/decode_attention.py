@@ -29,9 +29,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..quantization.base import StoredTensor
-from . import power_of_two
-
-H100_SMS = 132
+from . import H100_SMS, power_of_two, split_count
 
 
 @triton.jit
@@ -162,13 +160,8 @@ def _sm_count(device: torch.device) -> int:
 def choose_splits(
     batch: int, kv_heads: int, tokens: int, block_tokens: int, sm_count: int = H100_SMS
 ) -> tuple[int, int]:
-    """``(num_splits, split_tokens)`` for ``tokens`` tokens: ``batch * kv_heads * num_splits`` programs fill
-    2-4x ``sm_count`` once the sequence is long enough (at most ``4 * sm_count``, or one split when
-    ``batch * kv_heads`` alone exceeds it); each split a multiple of ``block_tokens``, none empty, at least one."""
-    blocks = max(1, triton.cdiv(tokens, block_tokens))
-    wanted = min(blocks, max(1, 4 * sm_count // (batch * kv_heads)))
-    split_blocks = triton.cdiv(blocks, wanted)
-    return triton.cdiv(blocks, split_blocks), split_blocks * block_tokens
+    """``(num_splits, split_tokens)`` for ``tokens`` tokens (:func:`h2o_compress.kernels.split_count`)."""
+    return split_count(batch, kv_heads, tokens, block_tokens, sm_count)
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

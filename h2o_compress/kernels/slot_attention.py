@@ -1,0 +1,356 @@
+"""The decode attention of one compressed layer over its slot layout, as the PyTorch op
+``h2o_compress::slot_decode_attention`` (Triton; traced by Dynamo, replayed by CUDA graphs).
+
+A :class:`~h2o_compress.cache.layer.CompressedLayer` holds, per (sequence, KV head), ``slots`` stored tokens
+(int4/int8 codes with an fp16 ``(scale, zero)`` pair per group, or raw 16-bit), each valid where its position is
+``>= 0``, and a full-precision ring of ``residual`` tokens, valid where the ring's position is ``>= 0``
+(docs/DESIGN.md §5, cold-compress's layout). This op is the whole attention + H2O scoring of one decode step over
+those buffers in two kernel launches, with no host sync and no allocation but the output:
+
+``_slot_partial_kernel``  grid ``(batch * kv_heads, store_splits + ring_splits)``: flash-decoding (Dao et al.
+    2023) over a fixed number of splits chosen once per layer shape (:func:`plan_splits`). Each program runs an
+    online softmax of the ``G`` query heads of one KV head over its slots (K/V read once per KV head, GQA),
+    dequantizing in registers, skipping invalid slots and every slot at or past the live bound ``min(slots,
+    seen)`` read from the device (slots fill lowest first, so no token sits higher). The token that leaves the
+    ring this step is read at full precision from ``leave_keys``/``leave_values`` in its new slot (its last step
+    unquantized, as in the torch form). With scores it also writes the scaled logits to the ``logits`` scratch.
+``_slot_combine_kernel``  grid ``(batch * kv_heads, cdiv(slots + residual, BLOCK_T))``: every program merges the
+    splits' ``(max, sum-exp)`` of its ``G`` query rows into the log-sum-exp; the programs of the first token
+    block also write the output; each program then turns its block of logits into probabilities summed over the
+    ``G`` query heads and adds them to (``accumulate``) or writes them over (TOVA) the layer's score buffers in
+    place: H2O's accumulated attention (Zhang et al. 2023, arXiv 2306.14048 §4), fused into the same pass.
+
+The scratch (split partials, logits) is owned by the layer (:class:`DecodeScratch`, allocated once) and passed in
+as mutated arguments. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import power_of_two
+from .decode_attention import _load_tokens, _sm_count, choose_splits
+
+BLOCK_N = 64  # tokens per loop iteration of the partial kernel
+BLOCK_T = 256  # tokens per program of the combine kernel's score pass
+BLOCK_S = 8  # split partials merged per iteration of the combine kernel
+
+
+@triton.jit
+def _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_row_ptr, head_mask, offs_t,
+                  WRITE_LOGITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of the online softmax (``kt``/``vt`` fp32 ``[BLOCK, D]``, ``valid`` bool ``[BLOCK]``); a block
+    with no valid token leaves ``(m_i, l_i, acc)`` as they were (exp against a finite base)."""
+    s = tl.dot(qv, tl.trans(kt.to(DOT)), input_precision=PRECISION) * scaling
+    s = tl.where(valid[None, :], s, float("-inf"))
+    if WRITE_LOGITS:
+        tl.store(logits_row_ptr + offs_t[None, :], s, mask=head_mask[:, None] & valid[None, :])
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - base)
+    p = tl.exp(s - base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt.to(DOT), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _slot_partial_kernel(
+    q, q_b, q_h,
+    k, ksz, k_b, k_h, k_n, ksz_b, ksz_h, ksz_n,
+    v, vsz, v_b, v_h, v_n, vsz_b, vsz_h, vsz_n,
+    pos, lk, lv, leave_slot,
+    rk, rv, r_b, r_h, r_n, rpos,
+    seen, part_m, part_l, part_acc, logits,
+    slots, ring_size, store_splits, split_tokens, ring_split_tokens, num_slots, total, scaling,
+    KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, BLOCK: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Split ``split`` of (sequence ``b``, KV head ``h``): store slots ``[split * split_tokens, +split_tokens)``
+    below the live bound, or (``split >= store_splits``) ring slots. Writes ``part_m``/``part_l`` ``[batch *
+    q_heads, num_slots]`` and ``part_acc`` ``[batch * q_heads, num_slots, D]`` at ``split``; with
+    ``WRITE_LOGITS`` the scaled logits of valid tokens to ``logits[batch * q_heads, total]`` (store ``t`` at
+    ``t``, ring ``r`` at ``slots + r``). ``pos`` int32 ``[batch, kv_heads, slots]``, ``rpos`` int32 ``[batch,
+    ring_size]`` (contiguous), ``lk``/``lv`` ``[batch, kv_heads, D]`` and ``leave_slot`` int64 ``[batch,
+    kv_heads]`` (contiguous)."""
+    bh, split = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // KV_HEADS).to(tl.int64), (bh % KV_HEADS).to(tl.int64)  # 64-bit offsets into big caches
+    heads = tl.arange(0, GP)
+    head_mask = heads < G
+    rows = bh * G + heads  # = b * q_heads + h * G + r
+    offs_d = tl.arange(0, D)
+    qv = tl.load(q + b * q_b + (h * G + heads)[:, None] * q_h + offs_d[None, :],
+                 mask=head_mask[:, None], other=0.0).to(DOT)
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    logits_rows = logits + rows[:, None].to(tl.int64) * total
+    if split < store_splits:
+        live = tl.minimum(tl.load(seen), slots).to(tl.int32)
+        start = split * split_tokens
+        end = tl.minimum(start + split_tokens, live)
+        leave = tl.load(leave_slot + bh)
+        leave_k = tl.load(lk + bh.to(tl.int64) * D + offs_d).to(tl.float32)
+        leave_v = tl.load(lv + bh.to(tl.int64) * D + offs_d).to(tl.float32)
+        for n0 in range(start, end, BLOCK):
+            offs_n = n0 + tl.arange(0, BLOCK)
+            in_range = offs_n < end
+            valid = in_range & (tl.load(pos + bh.to(tl.int64) * slots + offs_n, mask=in_range, other=-1) >= 0)
+            is_leave = (offs_n == leave)[:, None]
+            kt = _load_tokens(k, ksz, k_b, k_h, k_n, ksz_b, ksz_h, ksz_n, b, h, offs_n, in_range, D, GROUP, K_FMT,
+                              BLOCK)
+            vt = _load_tokens(v, vsz, v_b, v_h, v_n, vsz_b, vsz_h, vsz_n, b, h, offs_n, in_range, D, GROUP, V_FMT,
+                              BLOCK)
+            kt = tl.where(is_leave, leave_k[None, :], kt)
+            vt = tl.where(is_leave, leave_v[None, :], vt)
+            m_i, l_i, acc = _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_rows, head_mask,
+                                          offs_n, WRITE_LOGITS, DOT, PRECISION)
+    else:
+        start = (split - store_splits) * ring_split_tokens
+        end = tl.minimum(start + ring_split_tokens, ring_size)
+        for n0 in range(start, end, BLOCK):
+            offs_n = n0 + tl.arange(0, BLOCK)
+            in_range = offs_n < end
+            valid = in_range & (tl.load(rpos + b * ring_size + offs_n, mask=in_range, other=-1) >= 0)
+            kt = _load_tokens(rk, rk, r_b, r_h, r_n, 0, 0, 0, b, h, offs_n, in_range, D, GROUP, 16, BLOCK)
+            vt = _load_tokens(rv, rv, r_b, r_h, r_n, 0, 0, 0, b, h, offs_n, in_range, D, GROUP, 16, BLOCK)
+            m_i, l_i, acc = _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_rows + slots, head_mask,
+                                          offs_n, WRITE_LOGITS, DOT, PRECISION)
+    slot = rows * num_slots + split
+    tl.store(part_m + slot, m_i, mask=head_mask)
+    tl.store(part_l + slot, l_i, mask=head_mask)
+    tl.store(part_acc + slot[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=head_mask[:, None])
+
+
+@triton.jit
+def _slot_combine_kernel(
+    part_m, part_l, part_acc, out, logits, pos, rpos, seen, scores, ring_scores,
+    slots, ring_size, num_slots, total,
+    KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr, SCORES: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_RING: tl.constexpr,
+):
+    """Log-sum-exp of the ``G`` query rows of KV head ``bh`` from the splits; output ``out[row, :D]`` (block 0);
+    with ``SCORES``, the probabilities of token block ``program_id(1)`` summed over the rows, added to (or, without
+    ``ACCUMULATE``, written over) ``scores`` fp32 ``[batch, kv_heads, slots]`` and ``ring_scores`` ``[batch,
+    kv_heads, ring_size]`` (0 for invalid tokens)."""
+    bh, block = tl.program_id(0), tl.program_id(1)
+    heads = tl.arange(0, GP)
+    head_mask = heads < G
+    rows = bh * G + heads
+    big = tl.full((GP,), float("-inf"), tl.float32)
+    for s0 in range(0, num_slots, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask = head_mask[:, None] & (offs_s < num_slots)[None, :]
+        m = tl.load(part_m + rows[:, None] * num_slots + offs_s[None, :], mask=mask, other=float("-inf"))
+        big = tl.maximum(big, tl.max(m, 1))
+    big = tl.where(head_mask, big, 0.0)
+    norm = tl.zeros((GP,), tl.float32)
+    for s0 in range(0, num_slots, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask = head_mask[:, None] & (offs_s < num_slots)[None, :]
+        at = rows[:, None] * num_slots + offs_s[None, :]
+        w = tl.exp(tl.load(part_m + at, mask=mask, other=float("-inf")) - big[:, None])
+        norm += tl.sum(w * tl.load(part_l + at, mask=mask, other=0.0), 1)
+    norm = tl.where(head_mask, norm, 1.0)
+    if block == 0:
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros((GP, D), tl.float32)
+        for s0 in range(0, num_slots):
+            at = rows * num_slots + s0
+            w = tl.exp(tl.load(part_m + at, mask=head_mask, other=float("-inf")) - big)
+            acc += w[:, None] * tl.load(part_acc + at[:, None].to(tl.int64) * D + offs_d[None, :],
+                                        mask=head_mask[:, None], other=0.0)
+        tl.store(out + rows[:, None].to(tl.int64) * D + offs_d[None, :], acc / norm[:, None],
+                 mask=head_mask[:, None])
+    if SCORES:
+        lse = big + tl.log(norm)
+        offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = tl.minimum(tl.load(seen), slots).to(tl.int32)
+        in_store = offs_t < live
+        store_valid = in_store & (tl.load(pos + bh.to(tl.int64) * slots + offs_t, mask=in_store, other=-1) >= 0)
+        valid = store_valid
+        ring_t = offs_t - slots
+        in_ring = (offs_t >= slots) & (offs_t < total)
+        if HAS_RING:
+            b = (bh // KV_HEADS).to(tl.int64)
+            ring_valid = in_ring & (tl.load(rpos + b * ring_size + ring_t, mask=in_ring, other=-1) >= 0)
+            valid = valid | ring_valid
+        seen_by = head_mask[:, None] & valid[None, :]
+        x = tl.load(logits + rows[:, None].to(tl.int64) * total + offs_t[None, :], mask=seen_by, other=float("-inf"))
+        p = tl.sum(tl.where(seen_by, tl.exp(x - lse[:, None]), 0.0), 0)
+        store_at = scores + bh.to(tl.int64) * slots + offs_t
+        if ACCUMULATE:
+            tl.store(store_at, tl.load(store_at, mask=store_valid, other=0.0) + p, mask=store_valid)
+        else:
+            tl.store(store_at, p, mask=offs_t < slots)
+        if HAS_RING:
+            ring_at = ring_scores + bh.to(tl.int64) * ring_size + ring_t
+            if ACCUMULATE:
+                tl.store(ring_at, tl.load(ring_at, mask=ring_valid, other=0.0) + p, mask=ring_valid)
+            else:
+                tl.store(ring_at, p, mask=in_ring)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The fixed launch grid of one layer shape: ``store_splits`` splits of ``split_tokens`` slots, then
+    ``ring_splits`` of ``ring_split_tokens`` ring slots (each a multiple of :data:`BLOCK_N`)."""
+
+    store_splits: int
+    split_tokens: int
+    ring_splits: int
+    ring_split_tokens: int
+
+    @property
+    def num_slots(self) -> int:
+        """Split partials per query row."""
+        return self.store_splits + self.ring_splits
+
+
+def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count: int | None = None,
+                device: torch.device | None = None) -> SplitPlan:
+    """The split counts for ``slots`` store slots and a ring of ``ring_size`` (chosen once per layer shape from the
+    capacity, never per call: :func:`~h2o_compress.kernels.decode_attention.choose_splits`, 2-4 programs per SM)."""
+    sms = sm_count if sm_count is not None else _sm_count(device or torch.device("cpu"))
+    store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), BLOCK_N, sms)
+    ring_splits, ring_split_tokens = (0, BLOCK_N) if ring_size == 0 else choose_splits(
+        batch, kv_heads, ring_size, BLOCK_N, sms)
+    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens)
+
+
+class DecodeScratch:
+    """fp32 scratch of one layer's decode step, allocated once for its shape: split partials ``part_m``/``part_l``
+    ``[batch * q_heads, num_slots]``, ``part_acc`` ``[batch * q_heads, num_slots, head_dim]`` and, with scores,
+    ``logits`` ``[batch * q_heads, slots + ring_size]`` (else a 1-element placeholder)."""
+
+    def __init__(self, plan: SplitPlan, batch: int, q_heads: int, head_dim: int, tokens: int, with_scores: bool,
+                 device: torch.device):
+        rows = batch * q_heads
+        self.plan, self.key = plan, (batch, q_heads, tokens, with_scores)
+        self.part_m = torch.empty(rows, plan.num_slots, device=device)
+        self.part_l = torch.empty(rows, plan.num_slots, device=device)
+        self.part_acc = torch.empty(rows, plan.num_slots, head_dim, device=device)
+        self.logits = torch.empty(rows, tokens if with_scores else 1, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.part_m, self.part_l, self.part_acc, self.logits
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def supported(device: torch.device, head_dim: int, formats) -> str | None:
+    """Why the op cannot run a layer with ``head_dim`` and key/value quantizers ``formats`` on ``device``, or
+    ``None``: it takes int4/int8 (``IntQuantizer``, power-of-two groups) and raw 16-bit storage, ``head_dim`` a
+    power of two >= 16, on CUDA (or on the CPU under ``TRITON_INTERPRET=1``)."""
+    from ..quantization import IntQuantizer, NoQuantizer
+
+    if device.type != "cuda" and not isinstance(_slot_partial_kernel, InterpretedFunction):
+        return f"the Triton kernel runs on CUDA (or under TRITON_INTERPRET=1), not on {device}"
+    if not power_of_two(head_dim, 16):
+        return f"head_dim={head_dim} is not a power of two >= 16"
+    for f in formats:
+        if type(f) not in (IntQuantizer, NoQuantizer):
+            return f"the {type(f).__name__} format is not read by the Triton kernel (int or 16-bit only)"
+        if type(f) is IntQuantizer and not power_of_two(f.group_size, 2):
+            return f"group_size={f.group_size} is not a power of two"
+    return None
+
+
+def _parts(data: torch.Tensor, scale_zero: torch.Tensor | None, bits: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(data, scale_zero, format)`` for the kernel: 16-bit storage passes its data twice."""
+    return (data, data, 16) if bits == 16 else (data, scale_zero, bits)
+
+
+def _slot_decode_attention(
+    query: torch.Tensor, k_data: torch.Tensor, k_scale_zero: torch.Tensor | None, v_data: torch.Tensor,
+    v_scale_zero: torch.Tensor | None, positions: torch.Tensor, leave_keys: torch.Tensor, leave_values: torch.Tensor,
+    leave_slot: torch.Tensor, ring_keys: torch.Tensor | None, ring_values: torch.Tensor | None,
+    ring_positions: torch.Tensor | None, seen: torch.Tensor, scores: torch.Tensor | None,
+    ring_scores: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
+    logits: torch.Tensor, scaling: float, key_bits: int, value_bits: int, group_size: int, store_splits: int,
+    split_tokens: int, ring_splits: int, ring_split_tokens: int, accumulate: bool,
+) -> torch.Tensor:
+    """Attention of one decode query over a layer's slots and ring, plus the fused H2O score update.
+
+    Args:
+        query: ``[batch, q_heads, head_dim]`` fp16/bf16/fp32, last dim contiguous, in the keys' basis.
+        k_data, v_data: the store's parts ``[batch, kv_heads, slots, ...]``: uint8 codes (``*_bits`` 4/8) with fp16
+            ``*_scale_zero`` ``[batch, kv_heads, slots, head_dim / group_size, 2]``, or raw 16-bit (bits 16,
+            scale_zero ``None``); last dims dense.
+        positions: int32 ``[batch, kv_heads, slots]`` (``-1`` = empty), contiguous.
+        leave_keys, leave_values: ``[batch, kv_heads, head_dim]`` contiguous: this step's token entering the store,
+            at full precision, read instead of its slot ``leave_slot`` (int64 ``[batch, kv_heads]``, contiguous).
+        ring_keys, ring_values: ``[batch, kv_heads, ring, head_dim]`` (last dim dense) with int32
+            ``ring_positions`` ``[batch, ring]`` (contiguous), or all ``None``.
+        seen: int64 0-dim, tokens seen (this one included): slots at or past ``min(slots, seen)`` are not read.
+        scores, ring_scores: fp32 ``[batch, kv_heads, slots]`` / ``[batch, kv_heads, ring]``, contiguous, updated in
+            place (``accumulate``: ``+=`` this query's probabilities summed over each KV head's query heads; else
+            ``=``); ``scores`` ``None`` for no scoring.
+        part_m, part_l, part_acc, logits: the layer's :class:`DecodeScratch` (overwritten).
+        scaling: softmax scale. key_bits, value_bits: 4, 8 or 16. group_size: quantization group (power of two).
+        store_splits, split_tokens, ring_splits, ring_split_tokens: the layer's :class:`SplitPlan`.
+
+    Returns:
+        ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis). Softmax and accumulation in fp32;
+        the matmuls take ``query.dtype`` operands.
+    """
+    batch, q_heads, head_dim = query.shape
+    kv_heads, slots = positions.shape[1], positions.shape[2]
+    group = q_heads // kv_heads
+    ring_size = 0 if ring_positions is None else ring_positions.shape[1]
+    total = slots + ring_size
+    kd, ksz, k_fmt = _parts(k_data, k_scale_zero, key_bits)
+    vd, vsz, v_fmt = _parts(v_data, v_scale_zero, value_bits)
+    rk = ring_keys if ring_keys is not None else leave_keys
+    rv = ring_values if ring_values is not None else leave_values
+    r_strides = ring_keys.stride()[:3] if ring_keys is not None else (0, 0, 0)
+    rpos = ring_positions if ring_positions is not None else positions
+    with_scores = scores is not None
+    interpreted = isinstance(_slot_partial_kernel, InterpretedFunction)
+    # Matmul operands in the query's dtype; the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9), so fp32 there.
+    dot = tl.float32 if interpreted and query.dtype == torch.bfloat16 else getattr(tl, str(query.dtype)[6:])
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    num_slots = store_splits + ring_splits
+    gp = max(16, triton.next_power_of_2(group))
+    _slot_partial_kernel[(batch * kv_heads, num_slots)](
+        query, query.stride(0), query.stride(1),
+        kd, ksz, *kd.stride()[:3], *ksz.stride()[:3],
+        vd, vsz, *vd.stride()[:3], *vsz.stride()[:3],
+        positions, leave_keys, leave_values, leave_slot,
+        rk, rv, *r_strides, rpos,
+        seen, part_m, part_l, part_acc, logits,
+        slots, ring_size, store_splits, split_tokens, ring_split_tokens, num_slots, total, float(scaling),
+        KV_HEADS=kv_heads, G=group, GP=gp, D=head_dim, GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=BLOCK_N,
+        WRITE_LOGITS=with_scores, DOT=dot, PRECISION=precision, num_warps=4,
+    )
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    blocks = triton.cdiv(total, BLOCK_T) if with_scores else 1
+    _slot_combine_kernel[(batch * kv_heads, blocks)](
+        part_m, part_l, part_acc, out, logits, positions, rpos, seen,
+        scores if with_scores else part_m, ring_scores if ring_scores is not None else part_m,
+        slots, ring_size, num_slots, total,
+        KV_HEADS=kv_heads, G=group, GP=max(2, triton.next_power_of_2(group)), D=head_dim, BLOCK_S=BLOCK_S,
+        BLOCK_T=BLOCK_T, SCORES=with_scores, ACCUMULATE=accumulate, HAS_RING=with_scores and ring_size > 0,
+        num_warps=4,
+    )
+    return out
+
+
+#: The op ``h2o_compress::slot_decode_attention`` around :func:`_slot_decode_attention`: what ``torch.compile``
+#: traces (a fake implementation gives Dynamo its output; the score buffers and the scratch are declared mutated).
+slot_decode_attention = torch.library.custom_op(
+    "h2o_compress::slot_decode_attention",
+    mutates_args=("scores", "ring_scores", "part_m", "part_l", "part_acc", "logits"),
+)(_slot_decode_attention)
+
+
+@slot_decode_attention.register_fake
+def _(query, *args, **kwargs):
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -1,0 +1,116 @@
+"""The compressed layer's decode step through the Triton op (``attention_kernel='triton'``) against its torch form.
+
+On the CPU the op runs under the Triton interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), so the models
+are the tiny ones and the runs short. What is checked: the same logits as the torch form (one token per step
+read at full precision in its new slot, as there) and the same tokens kept, eagerly and captured by Dynamo with
+``fullgraph=True`` (one graph, buffers written in place); and a clear error where the op cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from conftest import TINY_MODELS
+import test_compile
+from test_compile import run, setting
+
+from h2o_compress import CompressionConfig, ConfigError, make_cache
+from h2o_compress.compiled import decode_step
+from h2o_compress.kernels import slot_attention
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and slot_attention.supported(torch.device("cpu"), 32, ()) is not None,
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+
+@pytest.fixture(autouse=True)
+def short_runs(monkeypatch):
+    """8 decode steps (capacity 12 of 28 tokens: an eviction every step): the interpreter is slow."""
+    monkeypatch.setattr(test_compile, "STEPS", 8)
+
+
+def kept(cache) -> list[torch.Tensor]:
+    return [layer.positions() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("policy,bits", [("h2o", 4), ("tova", 8), ("h2o", 16)])
+def test_triton_step_matches_torch_form(policy, bits):
+    model = TINY_MODELS["llama"]()
+    with torch.inference_mode():
+        reference, torch_cache, _, _ = run(model, setting(policy, bits, "torch"), decode_step)
+        ours, cache, before, after = run(model, setting(policy, bits, "triton"), decode_step)
+    assert all(layer.fused and not layer.native for layer in cache.layers)
+    assert after == before
+    torch.testing.assert_close(ours, reference, atol=2e-4, rtol=0)
+    for a, b in zip(kept(cache), kept(torch_cache)):
+        assert torch.equal(a, b)
+    if cache.layers[0].with_scores:
+        for a, b in zip(cache.layers, torch_cache.layers):
+            torch.testing.assert_close(a.store.scores, b.store.scores, atol=1e-4, rtol=0)
+
+
+def test_triton_step_captures_in_one_graph():
+    model = TINY_MODELS["llama"]()
+    config = setting("h2o", 4, "triton")
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
+    with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=False):
+        eager, _, _, _ = run(model, config, decode_step)
+        ours, cache, before, after = run(model, config, compiled)
+    assert counter.frame_count <= 2
+    assert after == before
+    scratch = [layer.scratch.part_acc.data_ptr() for layer in cache.layers]
+    assert all(layer.fused for layer in cache.layers)
+    torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
+    assert scratch == [layer.scratch.part_acc.data_ptr() for layer in cache.layers]  # allocated once
+
+
+def test_triton_refused_where_it_cannot_run():
+    model = TINY_MODELS["llama"]()
+    cache = make_cache(model, CompressionConfig(budget=12, kv_bits=4, quant="nf4", attention_kernel="triton"),
+                       max_length=40)
+    with pytest.raises(ConfigError, match="attention_kernel='triton' cannot run layer 0: the Bits"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), past_key_values=cache)
+
+
+def test_auto_on_cpu_keeps_the_cpu_kernel():
+    model = TINY_MODELS["llama"]()
+    with torch.inference_mode():
+        _, cache, _, _ = run(model, setting("h2o", 4, "auto"), decode_step)
+    assert not any(layer.fused for layer in cache.layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [4, 16])
+def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
+    """The CUDA default (Triton op, compiled with mode='reduce-overhead') against the eager torch form, fp16, 64
+    teacher-forced steps with evictions: the same logits within fp16 tolerance and the same tokens kept."""
+    from conftest import tiny_llama
+
+    from h2o_compress.compiled import compiled_decode_step, decode_one
+
+    model = tiny_llama().to("cuda", torch.float16)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 128, (2, 40), generator=generator).cuda()
+    tokens = torch.randint(0, 128, (2, 64), generator=generator).cuda()
+    base = CompressionConfig(budget=24, kv_bits=bits, residual=2)
+
+    def go(kernel, step):
+        cache = make_cache(model, dataclasses.replace(base, attention_kernel=kernel), max_length=104)
+        with torch.inference_mode():
+            model(input_ids=prompt, past_key_values=cache)
+            logits = [decode_one(step, model, cache, tokens[:, i:i + 1], 40 + i).clone() for i in range(64)]
+        return torch.stack(logits).float(), cache
+
+    reference, torch_cache = go("torch", decode_step)
+    ours, cache = go("auto", compiled_decode_step(model, "cuda"))
+    assert all(layer.fused for layer in cache.layers)
+    torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
+    for a, b in zip(kept(cache), kept(torch_cache)):
+        assert torch.equal(a, b)
