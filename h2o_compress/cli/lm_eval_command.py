@@ -15,24 +15,17 @@ from typing import Optional
 import typer
 
 from ..errors import ConfigError, InputError, short
+from ..lm_eval_tasks import SKIPPED_KEYS, check_task_options, check_tasks, import_lm_eval
 from .common import set_threads, user_errors
 from .options import JsonOpt, ThreadsOpt
 
-SKIPPED_KEYS = ("name", "alias", "sample_len")
 
-
-def _lm_eval():
-    """The ``lm_eval`` package, or ConfigError naming the extra that installs it."""
-    try:
-        import lm_eval  # noqa: F401
-        from lm_eval.tasks import TaskManager  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "lm-evaluation-harness is not installed; allowed: pip install -e '.[lm-eval]' (lm_eval>=0.4.13)"
-        ) from None
-    import lm_eval
-
-    return lm_eval
+def split_tasks(tasks: str, option: str = "--tasks") -> list[str]:
+    """The task names of a comma-separated option value. Raises ConfigError when it names none."""
+    task_list = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not task_list:
+        raise ConfigError(f"{option} {short(tasks)} names no task; allowed: lm-eval task names, comma-separated")
+    return task_list
 
 
 def check_output(output: Optional[str]) -> None:
@@ -75,32 +68,18 @@ def lm_eval_command(
 ):
     """lm-evaluation-harness tasks with the compressed cache: loglikelihood scored against the compressed context,
     generation decoded with the cache, rolling loglikelihood streamed through it."""
-    from ..profiling.stream import check_count
-
-    lm_eval = _lm_eval()
-    from lm_eval.tasks import TaskManager
+    lm_eval = import_lm_eval()
     from lm_eval.utils import handle_non_serializable, simple_parse_args_string
 
     from ..lm_eval_model import MODEL_TYPE, check_model_args
 
     args = simple_parse_args_string(model_args)
     check_model_args(args)
-    task_list = [name.strip() for name in tasks.split(",") if name.strip()]
-    if not task_list:
-        raise ConfigError(f"--tasks {short(tasks)} names no task; allowed: lm-eval task names, comma-separated")
-    if limit is not None:
-        check_count("limit", limit, unit="documents")
-    if include_path is not None and not Path(include_path).is_dir():
-        raise InputError(f"--include-path {short(include_path)} is not a directory; allowed: a folder of task YAML files")
+    task_list = split_tasks(tasks)
+    check_task_options(task_list, limit, include_path)
     check_output(output)
     set_threads(threads)
-    manager = TaskManager(include_path=include_path)
-    unknown = [name for name in task_list if not manager.match_tasks([name])]
-    if unknown:
-        raise ConfigError(
-            f"unknown lm-eval task(s) {', '.join(map(short, unknown))}; allowed: a task lm-eval knows (lm-eval ls tasks)"
-            " or one defined under --include-path"
-        )
+    manager = check_tasks(task_list, limit, include_path)
     results = lm_eval.simple_evaluate(
         model=MODEL_TYPE, model_args=args, tasks=task_list, limit=limit, task_manager=manager, log_samples=False,
     )

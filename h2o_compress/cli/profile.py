@@ -9,6 +9,7 @@ from typer.core import TyperCommand
 
 from .common import user_errors
 from .evaluate import parse_list
+from .lm_eval_command import split_tasks
 from .options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
 )
@@ -68,11 +69,18 @@ def profile_command(
     resume: bool = typer.Option(
         True, "--resume/--no-resume", help="Reuse the rows a previous run of the same sweep finished in "
         "OUT/rows (default); --no-resume measures every row again."),
+    lm_eval_tasks: str = typer.Option(
+        "", "--lm-eval-tasks", help="lm-evaluation-harness tasks scored for every configuration, comma-separated "
+        "(e.g. lambada_openai,hellaswag; empty = skip; needs the lm-eval extra)."),
+    lm_eval_limit: Optional[int] = typer.Option(None, "--lm-eval-limit", help="At most N documents per lm-eval task."),
+    lm_eval_include_path: Optional[str] = typer.Option(
+        None, "--lm-eval-include-path", help="A folder of extra lm-eval task YAML files."),
     render: Optional[str] = typer.Option(
         None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
     compression: Compression = None,
 ):
-    """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity and agreement, as a report."""
+    """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity, agreement and optionally
+    lm-eval scores, as a report."""
     from ..profiling.corpus import load_text
     from ..profiling.profile import ProfileSettings, run_profile
     from ..profiling.report import load_report, write_report
@@ -95,6 +103,8 @@ def profile_command(
         text_file=text_file, heavy_ratio=values["heavy_ratio"], quant=values["quant"],
         group_size=values["group_size"], residual=values["residual"], isolate=isolate, threads=threads,
         trust_remote_code=trust_remote_code, compile=compile_step,
+        lm_eval_tasks=tuple(split_tasks(lm_eval_tasks, "--lm-eval-tasks")) if lm_eval_tasks else (),
+        lm_eval_limit=lm_eval_limit, lm_eval_include_path=lm_eval_include_path,
     )
     if text_file is not None:
         load_text(text_file)

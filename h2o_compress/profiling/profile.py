@@ -7,7 +7,8 @@ what it saves and what it costs (DESIGN.md §4):
   the figure at a length is the process peak up to and including that run);
 - prefill and decode tokens/s per context length;
 - streaming perplexity of the corpus (:mod:`.perplexity`), greedy agreement with the uncompressed output
-  (:mod:`.agreement`) and, optionally, passkey retrieval (:mod:`.needle`).
+  (:mod:`.agreement`) and, optionally, passkey retrieval (:mod:`.needle`) and lm-evaluation-harness task scores
+  (:func:`h2o_compress.lm_eval_tasks.score_model`: the ``h2o-compress`` model type on the loaded model).
 
 The uncompressed configuration (``full``, 16 bits) always runs first: it is the reference of every ratio.
 """
@@ -64,6 +65,11 @@ class ProfileSettings:
         compile: run decode steps through the compiled step (``None``: on with CUDA; see
             :func:`h2o_compress.generate`); compilation runs in the warm-up, outside the timings.
         trust_remote_code: let the model directory run its own code (``load_model``'s flag).
+        lm_eval_tasks: lm-evaluation-harness task names scored for every configuration (the reference included)
+            with the ``h2o-compress`` model type on the already-loaded model; empty (default) skips. Needs the
+            ``lm-eval`` extra.
+        lm_eval_limit: at most this many documents per task (``None``: all).
+        lm_eval_include_path: a folder of extra task YAML files (lm-eval's ``--include-path``).
     """
 
     model: str = "smollm2-135m"
@@ -89,11 +95,14 @@ class ProfileSettings:
     threads: int | None = None
     trust_remote_code: bool = False
     compile: bool | None = None
+    lm_eval_tasks: tuple[str, ...] = ()
+    lm_eval_limit: int | None = None
+    lm_eval_include_path: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths"):
+        for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths", "lm_eval_tasks"):
             setattr(self, name, tuple(getattr(self, name)))
-            if not getattr(self, name) and name not in ("needle_lengths", "needle_depths"):
+            if not getattr(self, name) and name not in ("needle_lengths", "needle_depths", "lm_eval_tasks"):
                 raise ConfigError(f"{name} is empty; allowed: at least one value")
         for bits in self.kv_bits:
             if bits not in ALLOWED_BITS:
@@ -108,6 +117,22 @@ class ProfileSettings:
         if self.threads is not None:
             check_count("threads", self.threads, unit="threads", maximum=4096)
         self.configs()  # validates policies, budgets and the fixed options
+        if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
+            from ..lm_eval_tasks import check_task_options
+
+            check_task_options(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
+
+    def check_lm_eval_tasks(self) -> None:
+        """Check every ``lm_eval_tasks`` name against lm-eval's tasks and ``lm_eval_include_path`` (builds lm-eval's
+        task index, seconds, so not in the constructor); nothing to do without tasks.
+
+        Raises:
+            ConfigError: lm-eval not installed, or an unknown task name.
+        """
+        if self.lm_eval_tasks:
+            from ..lm_eval_tasks import check_tasks
+
+            check_tasks(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
 
     def configs(self) -> list[CompressionConfig]:
         """The sweep: the reference first, then every (kv bits, budget, policy); a budget of 1 runs once per
@@ -225,6 +250,11 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
         needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
                              reference=False, corpus=text, compile=settings.compile)
         record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
+    if settings.lm_eval_tasks:
+        from ..lm_eval_tasks import score_model
+
+        record["lm_eval"] = score_model(model, tokenizer, config, settings.lm_eval_tasks, settings.lm_eval_limit,
+                                        settings.lm_eval_include_path)
     record["seconds"] = time.perf_counter() - started
     return record
 
@@ -369,7 +399,7 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
             agreement of every other row compares with its generations), then the rest in parallel.
 
     Raises:
-        ConfigError: bad settings; Ray asked for but not installed (the message names the ``ray`` extra) or not
+        ConfigError: bad settings (an unknown lm-eval task name included); Ray asked for but not installed (the message names the ``ray`` extra) or not
             reachable; ``ray_address`` with ``model``. ModelLoadError: the model cannot be loaded.
         InputError: ``out_dir`` (or its ``rows``) exists and is not a directory.
     """
@@ -377,6 +407,7 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
     from .report import finalize, prepare_out_dir, write_report
     from .rows import RowStore, row_key
 
+    settings.check_lm_eval_tasks()  # unknown task names: before Ray starts, a model loads or a file is written
     if ray_address is not None:
         from .ray_sweep import RaySweep
 

@@ -104,9 +104,70 @@ def finalize(report: dict) -> dict:
             "agreement": (record.get("agreement") or {}).get("token_match"),
             "passkey_accuracy": ((record.get("needle") or {}).get("overall") or {}).get("compressed"),
         }
+    ref_scores = (ref.get("lm_eval") or {}).get("scores") or {}
+    for record in results:
+        if record.get("lm_eval"):
+            record["lm_eval"]["vs_reference"] = lm_eval_vs_reference(record["lm_eval"].get("scores") or {}, ref_scores)
     report["reference"] = ref["label"]
     report["policy_comparison"] = policy_comparison(results)
     return report
+
+
+def lm_eval_vs_reference(scores: dict, reference: dict) -> dict:
+    """``{task: {"metric,filter": {"difference": ours - ref, "ratio": ours / ref}}}`` for each numeric lm-eval
+    metric of ``scores`` also in ``reference`` (stderr entries left out; ``ratio`` is ``None`` where the
+    reference is 0)."""
+    out: dict = {}
+    for task, metrics in scores.items():
+        for key, value in metrics.items():
+            base = (reference.get(task) or {}).get(key)
+            if "_stderr," in key or not isinstance(value, (int, float)) or not isinstance(base, (int, float)):
+                continue
+            out.setdefault(task, {})[key] = {"difference": value - base, "ratio": value / base if base else None}
+    return out
+
+
+def _lm_eval_table(report: dict) -> Table | None:
+    """One column per (task, metric) beside the perplexity, each with its change against the reference: the
+    ratio for perplexity-like metrics (lower is better), the difference for the others (accuracy, exact match...);
+    ``None`` when the sweep scored no lm-eval task."""
+    results = report["results"]
+    columns: list[tuple[str, str]] = []
+    for r in results:
+        for task, metrics in ((r.get("lm_eval") or {}).get("scores") or {}).items():
+            columns += [(task, key) for key in metrics if "_stderr," not in key and (task, key) not in columns]
+    if not columns:
+        return None
+    headers = ["Configuration", "Perplexity", "vs ref"]
+    for task, key in columns:
+        metric = key.split(",", 1)[0] if key.endswith(",none") else key
+        ratio = "perplexity" in metric
+        headers += [f"{task} {metric}", "vs ref" if ratio else "Δ vs ref"]
+    rows = []
+    for r in results:
+        lm = r.get("lm_eval") or {}
+        row = [r["label"], _f(r["perplexity"]["perplexity"], 3), _f(r["perplexity"].get("ratio"), 3, suffix="x")]
+        for task, key in columns:
+            value = ((lm.get("scores") or {}).get(task) or {}).get(key)
+            change = ((lm.get("vs_reference") or {}).get(task) or {}).get(key) or {}
+            row.append(_f(value, 4))
+            if "perplexity" in key.split(",", 1)[0]:
+                row.append(_f(change.get("ratio"), 3, suffix="x"))
+            else:
+                diff = change.get("difference")
+                row.append("-" if diff is None else f"{diff:+.4f}")
+        rows.append(row)
+    settings = report["settings"]
+    limit = settings.get("lm_eval_limit")
+    return Table(
+        "lm-eval scores",
+        headers,
+        rows,
+        note=(f"lm-evaluation-harness tasks through the compressed cache (model type h2o-compress, "
+              f"{'at most ' + str(limit) + ' documents' if limit else 'every document'} per task). "
+              "Loglikelihood requests are scored against the compressed context, generation decodes with the cache, "
+              f"rolling loglikelihood streams through it. Reference: {report.get('reference', results[0]['label'])}."),
+    )
 
 
 def policy_comparison(results: list[dict]) -> list[dict]:
@@ -136,7 +197,8 @@ def _f(value, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
 
 
 def tables(report: dict) -> list[Table]:
-    """The report's tables: summary, policy comparison, speed/memory per length, environment."""
+    """The report's tables: summary, lm-eval scores (when the sweep scored tasks), policy comparison,
+    speed/memory per length, environment."""
     settings, results = report["settings"], report["results"]
     longest = max(settings["seq_lens"])
     summary = []
@@ -188,7 +250,9 @@ def tables(report: dict) -> list[Table]:
     env_rows = [[k, str(v)] for k, v in env.items() if k != "packages"]
     env_rows += [[name, str(v)] for name, v in env["packages"].items()]
     env_rows += [["created", report["created"]], ["command", report.get("command") or "-"]]
-    return [summary_table, comparison, speed, Table("Environment", ["Key", "Value"], env_rows)]
+    lm_eval = _lm_eval_table(report)
+    return [summary_table, *([lm_eval] if lm_eval else []), comparison, speed,
+            Table("Environment", ["Key", "Value"], env_rows)]
 
 
 def _dtype_note(results: list[dict]) -> str:
