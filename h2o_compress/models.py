@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -258,9 +259,18 @@ def _require_hub(name: str, timeout_s: float = 3.0) -> None:
         ) from None
 
 
-def _placement(device, dtype, weights_bits, device_map, max_memory, offload_folder) -> dict:
-    """Check the placement options (before anything is read) and give ``from_pretrained``'s keyword arguments,
-    plus ``_device`` (where a model without a map goes; the main device with one) and ``_dtype``."""
+def placement_options(
+    device="auto", dtype=None, weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
+) -> dict:
+    """Check where and how :func:`load_model` would place the weights, before anything is read (the CLI calls it
+    before any side effect), and give ``from_pretrained``'s keyword arguments (``quantization_config``,
+    ``device_map``, ``max_memory``, ``offload_folder``) plus ``_device`` (where a model without a map goes; the
+    lowest GPU of a map, else CPU) and ``_dtype``. Arguments as for :func:`load_model`.
+
+    Raises:
+        ConfigError: a bad value, or ``device`` and ``device_map`` both given.
+        ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
+    """
     from .weights import (
         check_bnb_backend, check_device_map, check_offload_folder, check_weights_bits, parse_max_memory,
         quantization_config,
@@ -343,7 +353,7 @@ def load_model(
         raise ModelLoadError(f"model name {short(name_or_path)} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
     if not isinstance(trust_remote_code, bool):
         raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
-    placement = _placement(device, dtype, weights_bits, device_map, max_memory, offload_folder)
+    placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder)
     resolved_device, torch_dtype = placement.pop("_device"), placement.pop("_dtype")
     source = name_or_path
     if Path(name_or_path).is_dir():
@@ -357,6 +367,9 @@ def load_model(
         )
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # load reports (e.g. of mismatched weights) become our one-line error
+    offload_log = logging.getLogger("accelerate.big_modeling")  # "Some parameters are on the meta device..."
+    offload_level = offload_log.level
+    offload_log.setLevel(logging.ERROR)  # offloading is what the device_map asked for: not worth a warning
     try:
         try:  # a local directory, or a hub id already in the local Hugging Face cache
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
@@ -381,6 +394,7 @@ def load_model(
         raise ModelLoadError(f"cannot load model {short(name_or_path)}: {first_line[:300]}{hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        offload_log.setLevel(offload_level)
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
         model.to(resolved_device)
     if weights_bits == 4:

@@ -298,3 +298,16 @@ def avoid_cpu_4bit_repack(model) -> int:
             module.support_avx512bf16_for_cpu = False
             switched += 1
     return switched
+
+
+def loaded_weights_bits(model) -> int:
+    """Bits of a loaded model's Linear weights: 8 or 4 when bitsandbytes quantized them, else the width of its
+    floating dtype (16, or 32 for fp32)."""
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quant is not None:
+        get = quant.get if isinstance(quant, dict) else lambda name, default=None: getattr(quant, name, default)
+        if get("load_in_4bit", False):
+            return 4
+        if get("load_in_8bit", False):
+            return 8
+    return 8 * torch.empty((), dtype=floating_dtype(model)).element_size()

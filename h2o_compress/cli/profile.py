@@ -6,15 +6,17 @@ from typing import Optional
 
 import typer
 
-from .common import user_errors
+from .common import load_options, user_errors
 from .evaluate import parse_list
 from .options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
+    placement_options,
 )
 
 
 @user_errors
 @compression_options(only=("heavy_ratio", "quant", "group_size", "residual"))
+@placement_options
 def profile_command(
     ctx: typer.Context,
     out: str = typer.Option(..., "--out", help="Directory for report.json, report.md, PNG plots and report.html."),
@@ -44,6 +46,7 @@ def profile_command(
     render: Optional[str] = typer.Option(
         None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
     compression: Compression = None,
+    placement: dict = None,
 ):
     """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity and agreement, as a report."""
     from ..profiling.corpus import load_text
@@ -55,6 +58,7 @@ def profile_command(
         typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
         return
     values = compression.values
+    load = load_options(device, dtype, placement)
     settings = ProfileSettings(
         model=model, device=device, dtype=dtype,
         policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
@@ -68,6 +72,7 @@ def profile_command(
         text_file=text_file, heavy_ratio=values["heavy_ratio"], quant=values["quant"],
         group_size=values["group_size"], residual=values["residual"], isolate=isolate, threads=threads,
         trust_remote_code=trust_remote_code, compile=compile_step,
+        placement={k: load[k] for k in ("weights_bits", "device_map", "max_memory", "offload_folder")},
     )
     if text_file is not None:
         load_text(text_file)

@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from .corpus import load_prompts, load_text, tokenize_text
 from .needle import needle_eval
 from .perplexity import streaming_perplexity
 from ..compiled import decode_step, resolve_compile
+from ..weights import floating_dtype
 from .stream import check_count, greedy_decode, model_device, read_stream, step_function, sync
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
@@ -64,6 +65,8 @@ class ProfileSettings:
         compile: run decode steps through the compiled step (``None``: on with CUDA; see
             :func:`h2o_compress.generate`); compilation runs in the warm-up, outside the timings.
         trust_remote_code: let the model directory run its own code (``load_model``'s flag).
+        placement: ``load_model``'s ``weights_bits``/``device_map``/``max_memory``/``offload_folder`` (empty:
+            16-bit weights on ``device``).
     """
 
     model: str = "smollm2-135m"
@@ -89,8 +92,17 @@ class ProfileSettings:
     threads: int | None = None
     trust_remote_code: bool = False
     compile: bool | None = None
+    placement: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.placement:  # refused now, not in a worker after the first configuration
+            from ..models import placement_options
+
+            unknown = set(self.placement) - {"weights_bits", "device_map", "max_memory", "offload_folder"}
+            if unknown:
+                raise ConfigError(f"placement keys {sorted(unknown)} are unknown; allowed: weights_bits, device_map, "
+                                  "max_memory, offload_folder")
+            placement_options(self.device, self.dtype, **self.placement)
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name) and name not in ("needle_lengths", "needle_depths"):
@@ -200,7 +212,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     with torch.inference_mode():  # warm-up: first-call initialisation (and compilation) is not part of any timing
         read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
     record: dict = {"label": label(config), "config": config.to_dict(),
-                    "model_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+                    "model_dtype": str(floating_dtype(model)).replace("torch.", "")}
     record["memory_after_warmup_bytes"], record["memory_kind"] = peak_memory_bytes(device)
     record["speed"] = [
         measure_speed(model, config, corpus_ids, n, settings.decode_tokens, settings.compile)
@@ -235,7 +247,7 @@ def _load(settings: ProfileSettings):
     if settings.threads:
         torch.set_num_threads(settings.threads)
     return load_model(settings.model, device=settings.device, dtype=settings.dtype,
-                      trust_remote_code=settings.trust_remote_code)
+                      trust_remote_code=settings.trust_remote_code, **settings.placement)
 
 
 def _worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
