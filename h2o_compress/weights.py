@@ -130,7 +130,8 @@ def parse_max_memory(value) -> dict | None:
             if not sep:
                 raise ConfigError(f"max_memory entry {short(part.strip())} is invalid; allowed: {MAX_MEMORY_ALLOWED}")
             device = device.strip()
-            entries[int(device) if device.isdigit() else device] = amount.strip()
+            amount = amount.strip()
+            entries[int(device) if device.isdigit() else device] = int(amount) if amount.isdigit() else amount
         value = entries
     if not isinstance(value, dict) or not value:
         raise ConfigError(f"max_memory={short(value)} is invalid; allowed: {MAX_MEMORY_ALLOWED}")
@@ -219,9 +220,10 @@ def execution_device(module: torch.nn.Module) -> torch.device | None:
     """The device accelerate runs ``module`` on (its hook's ``execution_device``), else that of its first
     parameter that is not on ``meta``; ``None`` if neither exists."""
     hook = getattr(module, "_hf_hook", None)
-    target = getattr(hook, "execution_device", None)
-    if target is not None:
-        return torch.device(target if not isinstance(target, int) else f"cuda:{target}")
+    for one in getattr(hook, "hooks", [hook]):  # a SequentialHook holds several
+        target = getattr(one, "execution_device", None)
+        if target is not None:
+            return torch.device("cuda", target) if isinstance(target, int) else torch.device(target)
     for param in module.parameters():
         if param.device.type != "meta":
             return param.device
