@@ -237,6 +237,20 @@ def test_memory_limit_plans_with_the_loaded_weight_bits(tiny_dir):
     assert "[peak memory: planned" in text.output and "measured" in text.output
 
 
+@pytest.mark.integration
+def test_smollm2_alias_loads_int8_weights():
+    """The embedded SmolLM2 alias with LLM.int8 weights (bitsandbytes' CPU backend here): a few coherent tokens
+    through a compressed cache, and the planner's 8-bit weight bytes for it."""
+    if not bnb_runs_here(8):
+        pytest.skip("bitsandbytes cannot run 8-bit weights here")
+    model, tokenizer = load_model("smollm2-135m", weights_bits=8)
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Linear8bitLt" and loaded_weights_bits(model) == 8
+    result = generate(model, tokenizer, "The capital of France is", CompressionConfig(budget=0.5, kv_bits=4), 4)
+    assert result.new_tokens == 4 and result.text.strip()
+    fp16_bytes = 2 * sum(p.numel() for p in model.parameters())
+    assert loaded_weight_bytes(model) < 0.65 * fp16_bytes  # Linear weights at 1 byte; embeddings stay fp16
+
+
 # -- CUDA only -------------------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
