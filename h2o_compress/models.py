@@ -298,7 +298,7 @@ def placement_options(
     if bits != 16:
         out["quantization_config"] = quantization_config(bits, torch_dtype)
         if device_map is None:  # bitsandbytes quantizes while loading: the weights must land on their device
-            device_map = {"": str(resolved)}
+            device_map = {"": (resolved.index or 0) if resolved.type == "cuda" else "cpu"}
     if device_map is not None:
         out["device_map"] = device_map
     if max_memory is not None:

@@ -220,6 +220,21 @@ def test_cli_refuses_bad_placement_in_one_line_before_any_side_effect(tmp_path, 
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
+def test_profile_settings_carry_the_placement_to_the_loader(monkeypatch, tmp_path):
+    import h2o_compress.models as models
+    from h2o_compress.profiling.profile import ProfileSettings, _load
+
+    with pytest.raises(ConfigError, match="weights_bits=3 is not supported"):
+        ProfileSettings(placement={"weights_bits": 3})
+    with pytest.raises(ConfigError, match="placement keys \\['bits'\\] are unknown"):
+        ProfileSettings(placement={"bits": 4})
+    seen = {}
+    monkeypatch.setattr(models, "load_model", lambda name, **kwargs: seen.update(kwargs, name=name))
+    placement = {"device_map": {"model": "disk"}, "offload_folder": str(tmp_path)}
+    _load(ProfileSettings(model="m", device="auto", placement=placement))
+    assert seen["device_map"] == {"model": "disk"} and seen["offload_folder"] == str(tmp_path) and seen["name"] == "m"
+
+
 # -- generate --memory-limit: planned with the weights it loads, planned vs measured peak --------------------
 def test_memory_limit_plans_with_the_loaded_weight_bits(tiny_dir):
     if not bnb_runs_here(4):
