@@ -249,7 +249,7 @@ def test_memory_limit_plans_with_the_loaded_weight_bits(tiny_dir):
     assert figures["measured_peak_kind"] == "cpu_peak_rss_growth" and figures["measured_peak_bytes"] >= 0
     text = runner.invoke(app, ["generate", PROMPT, "--model", tiny_dir, "--no-chat", "--max-new-tokens", "4",
                                "--weights-bits", "4", "--memory-limit", "1GiB"])
-    assert "[peak memory: planned" in text.output and "measured" in text.output
+    assert "[peak memory while generating: planned" in text.output and "measured" in text.output
 
 
 @pytest.mark.integration

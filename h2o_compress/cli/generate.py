@@ -82,6 +82,8 @@ def generate(
 
     peak = PeakMemory() if memory_limit is not None else None  # from before the weights load: the planner counts them
     lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)
+    if peak is not None:
+        peak.loaded()  # the weights are resident: count them, not the transient of loading them
     row = None
     if memory_limit is not None:
         from ..planner import choose_for_prompt, describe_choice
@@ -138,8 +140,8 @@ def peak_line(figures: dict) -> str:
 
     planned, measured = figures["planned_peak_bytes"], figures["measured_peak_bytes"]
     share = f" = {measured / planned:.0%} of planned" if planned else ""
-    return (f"[peak memory: planned {format_bytes(planned)} (weights + KV cache + workspace), measured "
-            f"{format_bytes(measured)} ({figures['measured_peak_kind']}){share}]")
+    return (f"[peak memory while generating: planned {format_bytes(planned)} (weights + KV cache + workspace), "
+            f"measured {format_bytes(measured)} ({figures['measured_peak_kind']}){share}]")
 
 
 def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> str:
