@@ -106,6 +106,18 @@ def test_saved_cache_loads_onto_a_split_model(whole, split, tmp_path):
     assert generate(one, tokenizer, PROMPT, config, 6, chat=False).text == json.loads(saved.output)["text"]
 
 
+def test_cli_ask_on_a_disk_offloaded_model_answers_as_in_one_piece(tiny_dir, tmp_path):
+    (tmp_path / "doc.txt").write_text(PROMPT)
+    common = ["ask", "--context-file", str(tmp_path / "doc.txt"), "--question", "w7 w8", "--model", tiny_dir,
+              "--no-chat", "--max-new-tokens", "6", "--json"]
+    plain = runner.invoke(app, common)
+    mapped = runner.invoke(app, [*common, "--device-map", json.dumps(SPLIT), "--offload-folder", str(tmp_path / "o")])
+    assert plain.exit_code == 0 and mapped.exit_code == 0, mapped.output
+    same = ("text", "kv_bytes", "new_tokens")
+    answers = [[{k: a[k] for k in same} for a in json.loads(r.output)["answers"]] for r in (plain, mapped)]
+    assert answers[1] == answers[0] and answers[0][0]["new_tokens"] == 6
+
+
 def test_cli_generate_with_a_device_map_file_prints_the_same_text(tiny_dir, tmp_path):
     common = ["generate", PROMPT, "--model", tiny_dir, "--no-chat", "--max-new-tokens", "8", "--budget", "0.4",
               "--kv-bits", "4", "--json"]
@@ -212,9 +224,12 @@ def test_device_map_and_max_memory_parsing(tmp_path):
     (["--device-map", "{nope"], "error: device_map='{nope' is not valid JSON"),
     (["--device-map", '{"model": "disk"}'], "error: device_map puts modules on disk but no offload_folder"),
 ])
-@pytest.mark.parametrize("command", [["generate", "hi"], ["eval", "perplexity"], ["profile", "--out", "OUT"]])
+@pytest.mark.parametrize("command", [["generate", "hi"], ["eval", "perplexity"], ["profile", "--out", "OUT"],
+                                     ["ask", "--context-file", "CONTEXT", "--question", "Q"]])
 def test_cli_refuses_bad_placement_in_one_line_before_any_side_effect(tmp_path, command, args, message):
-    command = [str(tmp_path / "out") if c == "OUT" else c for c in command]
+    (tmp_path / "context.txt").write_text("A short document.")
+    names = {"OUT": str(tmp_path / "out"), "CONTEXT": str(tmp_path / "context.txt")}
+    command = [names.get(c, c) for c in command]
     result = runner.invoke(app, [*command, "--model", "/no/such/model", *args])
     assert result.exit_code == 2 and result.output.startswith(message), result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
