@@ -209,6 +209,25 @@ def test_offload_folder_must_be_a_directory(tmp_path):
         load_model("/no/such/model", device_map={"model": "disk"}, offload_folder=str(tmp_path / "file"))
 
 
+def test_placement_options_are_declared_once_and_taken_by_every_command_that_loads_a_model():
+    import pathlib
+
+    import typer
+
+    cli = pathlib.Path(__file__).resolve().parents[1] / "h2o_compress" / "cli"
+    flags = ("--weights-bits", "--device-map", "--max-memory", "--offload-folder")
+    for flag in flags:
+        assert [p.name for p in cli.glob("*.py") if f'"{flag}"' in p.read_text()] == ["options.py"], flag
+    root = typer.main.get_command(app)
+    for path in (("generate",), ("ask",), ("eval", "perplexity"), ("eval", "needle"), ("eval", "agreement"),
+                 ("profile",), ("plan",)):
+        command = root
+        for name in path:
+            command = command.commands[name]
+        options = {o for p in command.params for o in p.opts}
+        assert ({"--weights-bits"} if path == ("plan",) else set(flags)) <= options, path
+
+
 def test_device_map_and_max_memory_parsing(tmp_path):
     assert parse_device_map(None) is None and parse_device_map("auto") == "auto"
     assert parse_device_map('{"model": "cpu", "lm_head": "disk"}') == {"model": "cpu", "lm_head": "disk"}
