@@ -150,8 +150,9 @@ def parse_max_memory(value) -> dict | None:
 
 
 def check_offload_folder(device_map, offload_folder) -> str | None:
-    """The folder accelerate writes offloaded weights to: needed (and created later) when the map has ``disk``
-    entries or is a strategy that may spill to disk; an existing path must be a directory. Raises ConfigError."""
+    """The folder accelerate writes offloaded weights to (``<name>.dat`` + ``index.json``): needed when the map
+    has ``disk`` entries (created if missing); an existing path must be a directory holding nothing else.
+    Raises ConfigError."""
     if offload_folder is None:
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ConfigError("device_map puts modules on disk but no offload_folder was given; allowed: "
@@ -161,6 +162,12 @@ def check_offload_folder(device_map, offload_folder) -> str | None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"offload_folder {short(str(offload_folder))} exists and is not a directory; allowed: a "
                           "directory (it is created if missing)")
+    if path.is_dir():  # accelerate writes <weight name>.dat files and index.json there: never over the user's files
+        foreign = sorted(p.name for p in path.iterdir() if p.suffix != ".dat" and p.name != "index.json")
+        if foreign:
+            raise ConfigError(f"offload_folder {short(str(offload_folder))} holds other files ({short(foreign[0])}"
+                              f"{' and more' if len(foreign) > 1 else ''}) that offloading could overwrite; allowed: "
+                              "a new or empty directory, or one an earlier offload wrote")
     return str(path)
 
 

@@ -203,10 +203,15 @@ def test_bad_placement_is_refused_before_loading(kwargs, message):
         load_model("/no/such/model", **kwargs)
 
 
-def test_offload_folder_must_be_a_directory(tmp_path):
+def test_offload_folder_must_be_a_directory_without_other_files(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         load_model("/no/such/model", device_map={"model": "disk"}, offload_folder=str(tmp_path / "file"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match=r"holds other files \('notes.txt'\) that offloading could overwrite"):
+        load_model("/no/such/model", device_map={"model": "disk"}, offload_folder=str(tmp_path / "mine"))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
 def test_placement_options_are_declared_once_and_taken_by_every_command_that_loads_a_model():
