@@ -212,7 +212,7 @@ def generate(
     check_context(model, prompt_tokens, max_new_tokens)
     if cache is None:
         cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
-    compiled = resolve_compile(compile, cache, device)
+    compiled = resolve_compile(compile, cache, device, model)
     step = compiled_decode_step(model, device) if compiled else decode_step
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_ids(model, tokenizer)

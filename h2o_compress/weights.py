@@ -320,3 +320,15 @@ def loaded_weights_bits(model) -> int:
         if get("load_in_8bit", False):
             return 8
     return 8 * torch.empty((), dtype=floating_dtype(model)).element_size()
+
+
+def eager_only_reason(model) -> str | None:
+    """Why the decode step of ``model`` runs eagerly by default (``None``: no reason): bitsandbytes weights, or a
+    model accelerate dispatched over several devices or with CPU/disk offload (its hooks move weights per
+    forward, which transformers does not compile either)."""
+    if loaded_weights_bits(model) in (8, 4):
+        return "bitsandbytes weights"
+    placed = {str(target) for target in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(placed) > 1 or "disk" in placed:
+        return "a model split or offloaded by device_map"
+    return None

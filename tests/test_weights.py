@@ -77,6 +77,13 @@ def test_disk_offloaded_model_generates_the_same_tokens(whole, split, config):
         assert b.capacity == 16 and b.kv_bytes < b.kv_bytes_full_fp16 / 4
 
 
+def test_split_or_quantized_models_decode_eagerly_by_default(whole, split):
+    from h2o_compress.weights import eager_only_reason
+
+    assert eager_only_reason(whole[0]) is None
+    assert eager_only_reason(split[0]) == "a model split or offloaded by device_map"
+
+
 def test_disk_offloaded_prefill_logits_are_exact(whole, split):
     """Budget 1.0, 16-bit: the split model's logits through our cache equal the whole model's bit for bit, and
     every layer's storage is on the device its attention ran on."""
@@ -137,6 +144,9 @@ def test_quantized_weights_load_and_generate_on_cpu(tiny_dir, whole, bits, layer
     model, tokenizer = load_model(tiny_dir, weights_bits=bits)
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == layer_type
     assert loaded_weights_bits(model) == bits
+    from h2o_compress.weights import eager_only_reason
+
+    assert eager_only_reason(model) == "bitsandbytes weights"
     # the planner's weight bytes for these bits are what bitsandbytes holds (with its scales; plus the buffers,
     # e.g. rotary frequencies, which a loaded model's figure also counts)
     spec = resolve_model(tiny_dir)

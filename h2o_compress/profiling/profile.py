@@ -177,7 +177,7 @@ def measure_speed(
     ids = corpus_ids[:, :seq_len].to(device)
     reset_peak_memory(device)
     cache = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
-    step = step_function(model, resolve_compile(compile, cache, device))
+    step = step_function(model, resolve_compile(compile, cache, device, model))
     if step is not decode_step:  # compile for these shapes, untimed
         warm = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
         logits, _ = read_stream(model, warm, ids, None)
