@@ -28,6 +28,7 @@ from .errors import CacheStateError, InputError
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_cache
 from .models import model_dims
 from .prompt_cache import check_context, prefill, shared_prefix_length
+from .weights import input_device
 
 ASK_DEFAULTS = CompressionConfig(policy="h2o-mean", budget=0.2, heavy_ratio=0.9, kv_bits=4)
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
@@ -156,7 +157,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     """
     config = ASK_DEFAULTS if config is None else _check_config(config)
     check_prompt(context)
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
     check_context(model, ids.shape[1], 0)
     check_usable(config, config.capacity(ids.shape[1]))

@@ -79,9 +79,11 @@ def check_compile(compile: bool | None, config) -> None:
         )
 
 
-def resolve_compile(compile: bool | None, cache, device: torch.device) -> bool:
+def resolve_compile(compile: bool | None, cache, device: torch.device, model=None) -> bool:
     """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
-    (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``).
+    (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``), and off by default for a
+    ``model`` with bitsandbytes weights or dispatched by accelerate over several devices or with offload (as
+    transformers' own auto-compile does; :func:`h2o_compress.weights.eager_only_reason`).
 
     Raises:
         ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a
@@ -89,7 +91,10 @@ def resolve_compile(compile: bool | None, cache, device: torch.device) -> bool:
     """
     check_compile(compile, cache.config)
     if compile is None:
-        return device.type == "cuda" and cache.compile_blocker is None
+        from .weights import eager_only_reason
+
+        return device.type == "cuda" and cache.compile_blocker is None and (
+            model is None or eager_only_reason(model) is None)
     if compile and cache.compile_blocker is not None:
         raise ConfigError(f"compile=True cannot compile this cache: {cache.compile_blocker}; allowed: compile=False")
     return compile

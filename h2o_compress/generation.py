@@ -16,6 +16,7 @@ from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
 from .identity import model_fingerprint, model_identity
 from .prompt_cache import check_context, prefill
+from .weights import input_device
 
 
 def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None) -> CompressedCache:
@@ -205,13 +206,13 @@ def generate(
     elif _check_config(config) != cache.config:
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
     check_generation_args(max_new_tokens, temperature, seed)
-    device = next(model.parameters()).device
+    device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
     if cache is None:
         cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
-    compiled = resolve_compile(compile, cache, device)
+    compiled = resolve_compile(compile, cache, device, model)
     step = compiled_decode_step(model, device) if compiled else decode_step
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos = _eos_ids(model, tokenizer)

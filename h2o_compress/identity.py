@@ -23,7 +23,8 @@ def model_fingerprint(model) -> str:
     Cheap (a few elements per parameter are read), stable across devices and processes, and different for two
     models that differ in architecture, dtype or weights (the first and last 4 values of every parameter).
     Checkpoint names, the transformers version and the attention implementation are left out; parameters
-    offloaded by accelerate (on the ``meta`` device here) contribute their name, shape and dtype only.
+    offloaded by accelerate (on the ``meta`` device here) are read from the offload (disk or CPU) through their
+    module's hook, so a model split by ``device_map`` has the fingerprint of the same model in one piece.
     Raises CacheStateError when ``model`` is not a transformers model (e.g. ``None``).
     """
     if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "to_dict"):
@@ -37,12 +38,29 @@ def model_fingerprint(model) -> str:
     with torch.no_grad():
         for name, param in model.named_parameters():
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
-            if param.device.type == "meta":  # offloaded by accelerate (weights elsewhere): shape and dtype only
-                continue
+            if param.device.type == "meta":  # offloaded by accelerate: the value is in its hook's weights map
+                param = _offloaded_value(model, name)
+                if param is None:  # nowhere to read it from: name, shape and dtype only
+                    continue
             flat = param.detach().reshape(-1)
             sample = torch.cat((flat[:4], flat[-4:])).to("cpu", copy=True).contiguous()
             digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def _offloaded_value(model, name: str):
+    """The value of parameter ``name`` that accelerate offloaded (its module hook's ``weights_map``), or None."""
+    path, _, local = name.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    hook = getattr(module, "_hf_hook", None)
+    for one in getattr(hook, "hooks", [hook]):
+        weights = getattr(one, "weights_map", None)
+        if weights is not None and local in weights:
+            return weights[local]
+    return None
 
 
 def model_identity(model) -> str:

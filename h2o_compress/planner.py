@@ -25,6 +25,7 @@ from .eviction import POLICIES
 from .kernels import decode_scratch_bytes
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
+from .weights import loaded_weights_bits
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -569,7 +570,7 @@ def plan(
     fp16 = spec.dims.fp16_bytes_per_token * batch * (prompt_len + gen_len - 1)
     return PlanReport(
         model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
-        weights_bits=weights_bits if spec.loaded_bytes is None else 8 * _element_size(kv_dtype),
+        weights_bits=weights_bits if spec.loaded_bytes is None else loaded_weights_bits(model),
         dtype=str(kv_dtype).removeprefix("torch."),
         weight_bytes=weights, fp16_cache_bytes=fp16, model_context=spec.max_context, rows=rows,
         recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,

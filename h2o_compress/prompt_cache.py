@@ -12,6 +12,7 @@ import torch
 
 from .errors import CacheStateError, InputError
 from .persistence import PromptState, check_save_target, load_cache, model_fingerprint, save_cache
+from .weights import input_device
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -131,7 +132,7 @@ def prepare_prompt_cache(
 
     if save is not None:
         check_save_target(save, overwrite)
-    device = next(model.parameters()).device
+    device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     check_context(model, input_ids.shape[1], max_new_tokens)
     if load is not None:

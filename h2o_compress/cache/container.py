@@ -45,11 +45,15 @@ class CompressedCache(Cache):
             )
         layer = self.layers[layer_idx]
         if key_states.shape[2] == 1 and layer_idx and layer.is_initialized and self.layers[0].is_initialized:
-            # every layer follows layer 0 within a step: a flag, read with the others (no host sync here)
+            # every layer follows layer 0 within a step: a flag, read with the others (no host sync here); layer 0
+            # may live on another device (a model split by device_map): its counter is copied without a sync
+            reference = self.layers[0].seen
+            if reference.device != layer.device:
+                reference = reference.to(layer.device, non_blocking=True)
             if layer.native:  # the CPU kernel sets the flag itself
-                layer.reference_seen = self.layers[0].seen
+                layer.reference_seen = reference
             else:
-                layer.consistent &= layer.seen + 1 == self.layers[0].seen
+                layer.consistent &= layer.seen + 1 == reference
         if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
             self.check()
             seen = {int(layer.seen) for layer in self.layers if layer.is_initialized}

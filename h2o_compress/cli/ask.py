@@ -13,11 +13,11 @@ from typing import List, Optional
 import typer
 
 from ..ask import ASK_DEFAULTS
-from .common import check_cache_paths, fail, merged_config, set_threads, user_errors
+from .common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
 from .generate import summary_line
 from .options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
-    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
 
 DEFAULTS = {
@@ -28,6 +28,7 @@ DEFAULTS = {
 
 @user_errors
 @compression_options(defaults=DEFAULTS)
+@placement_options
 def ask(
     ctx: typer.Context,
     context_file: str = typer.Option(..., "--context-file", help="The document (UTF-8 text), compressed once."),
@@ -51,6 +52,7 @@ def ask(
     trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
     compression: Compression = None,
+    placement: dict = None,
 ):
     """Compress a document once (defaults: h2o-mean, budget 0.2 of the document, heavy ratio 0.9, 4 bits), then
     answer each --question from the same compressed context."""
@@ -61,6 +63,7 @@ def ask(
     from ..errors import InputError
     from ..generation import check_generation_args, check_prompt
     from ..models import load_model
+    from ..weights import floating_dtype
 
     # -- every check first ---------------------------------------------------------------------------------
     context = check_prompt(read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES))
@@ -72,9 +75,10 @@ def ask(
     if save_cache is not None and load_cache is not None:
         fail("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
     check_cache_paths(save_cache, load_cache, overwrite)
+    load = load_options(device, dtype, placement)
     set_threads(threads)
     # -- then the work -------------------------------------------------------------------------------------
-    lm, tokenizer = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)
     started = time.perf_counter()
     if load_cache is not None:
         compressed = CompressedContext.load(load_cache, lm, tokenizer, context, chat, config=overrides)
@@ -96,7 +100,7 @@ def ask(
             f" of an fp16 cache, {'loaded' if load_cache else 'compressed'} in {context_s:.2f} s]", err=True,
         )
     answers = []
-    kv_dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    kv_dtype = str(floating_dtype(lm)).removeprefix("torch.")
     for text in question:
         if not as_json:
             sys.stdout.write(f"Q: {text}\nA: ")

@@ -71,3 +71,15 @@ def merged_config(compression: Compression, config_file: Optional[str]) -> tuple
         return config, overrides
     merged = check_usable(load_config(config_file, overrides))
     return merged, {**read_config_values(config_file), **overrides}
+
+
+def load_options(device: str, dtype: Optional[str], placement: dict) -> dict:
+    """The keyword arguments of :func:`h2o_compress.load_model` for ``--device``, ``--dtype`` and the placement
+    flags (:func:`~h2o_compress.cli.options.placement_options`), all checked now, before any side effect
+    (``--device-map`` parsed from its name, JSON or file). Raises ConfigError or ModelLoadError."""
+    from ..models import placement_options
+    from ..weights import parse_device_map
+
+    options = {"device": device, "dtype": dtype, **placement, "device_map": parse_device_map(placement["device_map"])}
+    placement_options(**options)
+    return options

@@ -15,11 +15,11 @@ import typer
 from ..compiled import check_compile
 from ..config import check_usable
 from ..errors import ConfigError, short
-from .common import set_threads, user_errors
+from .common import load_options, set_threads, user_errors
 from .lm_eval_command import lm_eval_command
 from .options import (
     CompileOpt,
-    Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options,
+    Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
 )
 
 eval_app = typer.Typer(
@@ -48,11 +48,14 @@ def progress_bar(description: str, enabled: bool = True):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int] = None, trust: bool = False):
+def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int], trust: bool, placement: dict):
+    """Load the model as the flags say (``placement``: the weights/placement flags, see
+    :func:`~h2o_compress.cli.options.placement_options`)."""
     from ..models import load_model
 
+    options = load_options(device, dtype, placement)
     set_threads(threads)
-    return load_model(model, device=device, dtype=dtype, trust_remote_code=trust)
+    return load_model(model, trust_remote_code=trust, **options)
 
 
 def _mib(value: int) -> str:
@@ -62,6 +65,7 @@ def _mib(value: int) -> str:
 @eval_app.command("perplexity")
 @user_errors
 @compression_options
+@placement_options
 def perplexity_command(
     ctx: typer.Context,
     text_file: Optional[str] = typer.Option(None, "--text-file", help="UTF-8 text (default: the shipped corpus)."),
@@ -75,7 +79,7 @@ def perplexity_command(
                                    help="Also score the text with the uncompressed cache (one fast pass)."),
     as_json: bool = JsonOpt, threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
-    compression: Compression = None,
+    compression: Compression = None, placement: dict = None,
 ):
     """Streaming perplexity: the text is read through the compressed cache chunk by chunk."""
     from ..profiling.corpus import load_text
@@ -89,7 +93,7 @@ def perplexity_command(
     check_count("chunk_size", chunk_size)
     if text_file is not None:
         load_text(text_file)  # fail on a bad file before loading the model
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement)
     with progress_bar("reading", enabled=not as_json) as update:
         result = text_perplexity(lm, tokenizer, text_file, max_tokens, config, chunk_size, reference, update,
                                  compile=compile_step)
@@ -111,6 +115,7 @@ def perplexity_command(
 @eval_app.command("needle")
 @user_errors
 @compression_options
+@placement_options
 def needle_command(
     ctx: typer.Context,
     lengths: str = typer.Option("512,1024", "--lengths", help="Context lengths in tokens, comma-separated."),
@@ -130,7 +135,7 @@ def needle_command(
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
     threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
-    compile_step: Optional[bool] = CompileOpt, compression: Compression = None,
+    compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
     from ..profiling.corpus import load_text
@@ -142,7 +147,7 @@ def needle_command(
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol)
     corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
                              max_new_tokens, True, chat, corpus=corpus, progress=update, compile=compile_step,
@@ -169,6 +174,7 @@ def needle_command(
 @eval_app.command("agreement")
 @user_errors
 @compression_options
+@placement_options
 def agreement_command(
     ctx: typer.Context,
     prompts_file: Optional[str] = typer.Option(
@@ -178,7 +184,7 @@ def agreement_command(
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
     threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
-    compile_step: Optional[bool] = CompileOpt, compression: Compression = None,
+    compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
     from ..profiling.agreement import agreement_eval
@@ -191,7 +197,7 @@ def agreement_command(
     prompts = load_prompts(prompts_file)
     if limit is not None:
         prompts = prompts[: check_count("limit", limit, unit="prompts")]
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement)
     with progress_bar("generating", enabled=not as_json) as update:
         result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update, compile=compile_step)
     if as_json:

@@ -13,15 +13,16 @@ from typing import Optional
 
 import typer
 
-from .common import check_cache_paths, fail, merged_config, set_threads, user_errors
+from .common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
 from .options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
-    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options,
+    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
 
 
 @user_errors
 @compression_options
+@placement_options
 def generate(
     ctx: typer.Context,
     prompt: str = typer.Argument(..., help="The prompt."),
@@ -47,8 +48,11 @@ def generate(
     trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
     compression: Compression = None,
+    placement: dict = None,
 ):
-    """Generate text with a compressed KV cache, streaming tokens as they come."""
+    """Generate text with a compressed KV cache, streaming tokens as they come. With --memory-limit the planner
+    picks the setting for the weights as loaded (--weights-bits) and the summary gives planned vs measured peak
+    memory."""
     from ..generation import check_generation_args, check_prompt
     from ..generation import generate as run_generate
     from ..models import load_model
@@ -67,13 +71,20 @@ def generate(
 
         parse_memory(memory_limit)
     check_cache_paths(save_cache, load_cache, overwrite)
+    load = load_options(device, dtype, placement)
     set_threads(threads)
     if seed is not None:
         import torch
 
         torch.manual_seed(seed)
     # -- then the work -------------------------------------------------------------------------------------
-    lm, tokenizer = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    from ..memory import PeakMemory
+
+    peak = PeakMemory() if memory_limit is not None else None  # from before the weights load: the planner counts them
+    lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)
+    if peak is not None:
+        peak.loaded()  # the weights are resident: count them, not the transient of loading them
+    row = None
     if memory_limit is not None:
         from ..planner import choose_for_prompt, describe_choice
 
@@ -104,7 +115,13 @@ def generate(
     figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
     figures["config"] = config.to_dict()
     figures["model"] = model
-    figures["kv_dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    from ..weights import floating_dtype
+
+    figures["kv_dtype"] = str(floating_dtype(lm)).removeprefix("torch.")
+    figures["weights_bits"] = placement["weights_bits"]
+    if row is not None:
+        figures["planned_peak_bytes"] = row.total_bytes
+        figures["measured_peak_bytes"], figures["measured_peak_kind"] = peak.measure()
     if load_s is not None:  # the prompt went through the cache before generate: that time is not "prefill"
         figures["prefill_s"] = load_s
         figures["cache_load_s" if load_cache is not None else "cache_save_s"] = load_s
@@ -113,6 +130,18 @@ def generate(
         return
     sys.stdout.write("\n")
     typer.echo(summary_line(figures, loaded=load_cache is not None, saved=save_cache is not None), err=True)
+    if row is not None:
+        typer.echo(peak_line(figures), err=True)
+
+
+def peak_line(figures: dict) -> str:
+    """The stderr line of ``--memory-limit``: the planner's total against the peak measured over load + generation."""
+    from ..planner import format_bytes
+
+    planned, measured = figures["planned_peak_bytes"], figures["measured_peak_bytes"]
+    share = f" = {measured / planned:.0%} of planned" if planned else ""
+    return (f"[peak memory while generating: planned {format_bytes(planned)} (weights + KV cache + workspace), "
+            f"measured {format_bytes(measured)} ({figures['measured_peak_kind']}){share}]")
 
 
 def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> str:

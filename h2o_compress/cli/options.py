@@ -165,3 +165,36 @@ CompileOpt = typer.Option(
     help="torch.compile the decode step (fullgraph; CUDA graphs on CUDA). Default: on with CUDA, off on CPU "
          "(eager measured faster there: benchmarks/results/decode_speed_cpu.md). The first step pays the compile.")
 ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (.json/.toml); flags given override it.")
+
+
+# -- weights and placement options (generate, eval, profile; plan takes --weights-bits) -----------------------
+WeightsBitsOpt = typer.Option(
+    16, "--weights-bits", help="Weights: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4), through bitsandbytes.")
+PLACEMENT_FLAGS: dict[str, _Flag] = {
+    "weights_bits": _Flag(int, WeightsBitsOpt),
+    "device_map": _Flag(Optional[str], typer.Option(
+        None, "--device-map", help="Split the model with accelerate: auto, balanced, balanced_low_0, sequential, "
+        "or a JSON object (or .json file) {module: GPU index, cuda:N, cpu or disk}. Leave --device at auto.")),
+    "max_memory": _Flag(Optional[str], typer.Option(
+        None, "--max-memory", help="Per-device limits for a --device-map strategy, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")),
+    "offload_folder": _Flag(Optional[str], typer.Option(
+        None, "--offload-folder", help="Directory for the weights of modules a --device-map puts on disk.")),
+}
+
+
+def placement_options(command):
+    """Decorator: add ``--weights-bits``, ``--device-map``, ``--max-memory`` and ``--offload-folder`` to a typer
+    command, handed to it as one keyword argument ``placement`` (a dict of the raw values, keyed like
+    :func:`h2o_compress.load_model`'s arguments; see :func:`h2o_compress.cli.common.load_options`)."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "placement"]
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=f.annotation, default=f.option)
+             for n, f in PLACEMENT_FLAGS.items()]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        return command(*args, placement={n: kwargs.pop(n) for n in PLACEMENT_FLAGS}, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=own + added)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+    return wrapper

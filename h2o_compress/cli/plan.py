@@ -9,7 +9,7 @@ import typer
 
 from ..config import CompressionConfig
 from .common import user_errors
-from .options import Compression, TrustOpt, compression_options, parse_budget
+from .options import Compression, TrustOpt, WeightsBitsOpt, compression_options, parse_budget
 
 
 @user_errors
@@ -21,7 +21,7 @@ def plan(
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     prompt_len: int = typer.Option(2048, "--prompt-len", help="Prompt tokens per sequence."),
     gen_len: int = typer.Option(128, "--gen-len", help="New tokens per sequence."),
-    weights_bits: int = typer.Option(16, "--weights-bits", help="Weights: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4)."),
+    weights_bits: int = WeightsBitsOpt,
     dtype: str = typer.Option("float16", "--dtype", help="Compute and KV dtype: float16, bfloat16 or float32."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Profile report (JSON) giving the quality order."),
     policies: str = typer.Option("h2o", "--policies", help="Eviction policies to consider (comma-separated)."),

@@ -7,11 +7,12 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand
 
-from .common import user_errors
+from .common import load_options, user_errors
 from .evaluate import parse_list
 from .lm_eval_command import split_tasks
 from .options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
+    placement_options,
 )
 
 
@@ -35,6 +36,7 @@ class ProfileCommand(TyperCommand):
 
 @user_errors
 @compression_options(only=("heavy_ratio", "quant", "group_size", "residual"))
+@placement_options
 def profile_command(
     ctx: typer.Context,
     out: str = typer.Option(..., "--out", help="Directory for report.json, report.md, PNG plots and report.html."),
@@ -78,6 +80,7 @@ def profile_command(
     render: Optional[str] = typer.Option(
         None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
     compression: Compression = None,
+    placement: dict = None,
 ):
     """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity, agreement and optionally
     lm-eval scores, as a report."""
@@ -90,6 +93,7 @@ def profile_command(
         typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
         return
     values = compression.values
+    load = load_options(device, dtype, placement)
     settings = ProfileSettings(
         model=model, device=device, dtype=dtype,
         policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
@@ -105,6 +109,7 @@ def profile_command(
         trust_remote_code=trust_remote_code, compile=compile_step,
         lm_eval_tasks=tuple(split_tasks(lm_eval_tasks, "--lm-eval-tasks")) if lm_eval_tasks else (),
         lm_eval_limit=lm_eval_limit, lm_eval_include_path=lm_eval_include_path,
+        placement={k: load[k] for k in ("weights_bits", "device_map", "max_memory", "offload_folder")},
     )
     if text_file is not None:
         load_text(text_file)

@@ -199,7 +199,7 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
         else:
             read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
         cache, input_ids = context.frozen_copy(total), input_ids[:, context_tokens:]
-    step = step_function(model, resolve_compile(compile, cache, input_ids.device))
+    step = step_function(model, resolve_compile(compile, cache, input_ids.device, model))
     logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)
     ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id}, step=step)
     return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()

@@ -133,7 +133,7 @@ def streaming_perplexity(
         raise InputError(f"a stream of {tokens} tokens exceeds the model's context of {limit} tokens")
     input_ids = input_ids.to(model_device(model))
     cache = make_cache(model, config, max_length=tokens)
-    step = step_function(model, resolve_compile(compile, cache, input_ids.device))
+    step = step_function(model, resolve_compile(compile, cache, input_ids.device, model))
     scorer = NLLAccumulator(input_ids)
     _, seconds = read_stream(model, cache, input_ids, chunk_size, on_logits=scorer, progress=progress, decoder=step)
     result = PerplexityResult(

@@ -23,7 +23,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from .corpus import load_prompts, load_text, tokenize_text
 from .needle import needle_eval
 from .perplexity import streaming_perplexity
 from ..compiled import decode_step, resolve_compile
+from ..weights import floating_dtype
 from .stream import check_count, greedy_decode, model_device, read_stream, step_function, sync
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
@@ -70,6 +71,8 @@ class ProfileSettings:
             ``lm-eval`` extra.
         lm_eval_limit: at most this many documents per task (``None``: all).
         lm_eval_include_path: a folder of extra task YAML files (lm-eval's ``--include-path``).
+        placement: ``load_model``'s ``weights_bits``/``device_map``/``max_memory``/``offload_folder`` (empty:
+            16-bit weights on ``device``).
     """
 
     model: str = "smollm2-135m"
@@ -98,8 +101,17 @@ class ProfileSettings:
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_limit: int | None = None
     lm_eval_include_path: str | None = None
+    placement: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.placement:  # refused now, not in a worker after the first configuration
+            from ..models import placement_options
+
+            unknown = set(self.placement) - {"weights_bits", "device_map", "max_memory", "offload_folder"}
+            if unknown:
+                raise ConfigError(f"placement keys {sorted(unknown)} are unknown; allowed: weights_bits, device_map, "
+                                  "max_memory, offload_folder")
+            placement_options(self.device, self.dtype, **self.placement)
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths", "lm_eval_tasks"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name) and name not in ("needle_lengths", "needle_depths", "lm_eval_tasks"):
@@ -190,7 +202,7 @@ def measure_speed(
     ids = corpus_ids[:, :seq_len].to(device)
     reset_peak_memory(device)
     cache = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
-    step = step_function(model, resolve_compile(compile, cache, device))
+    step = step_function(model, resolve_compile(compile, cache, device, model))
     if step is not decode_step:  # compile for these shapes, untimed
         warm = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
         logits, _ = read_stream(model, warm, ids, None)
@@ -225,7 +237,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     with torch.inference_mode():  # warm-up: first-call initialisation (and compilation) is not part of any timing
         read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
     record: dict = {"label": label(config), "config": config.to_dict(),
-                    "model_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+                    "model_dtype": str(floating_dtype(model)).replace("torch.", "")}
     record["memory_after_warmup_bytes"], record["memory_kind"] = peak_memory_bytes(device)
     record["speed"] = [
         measure_speed(model, config, corpus_ids, n, settings.decode_tokens, settings.compile)
@@ -265,7 +277,7 @@ def _load(settings: ProfileSettings):
     if settings.threads:
         torch.set_num_threads(settings.threads)
     return load_model(settings.model, device=settings.device, dtype=settings.dtype,
-                      trust_remote_code=settings.trust_remote_code)
+                      trust_remote_code=settings.trust_remote_code, **settings.placement)
 
 
 def _worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:

@@ -31,8 +31,11 @@ def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximu
 
 
 def model_device(model) -> torch.device:
-    """The device of the model's first parameter."""
-    return next(model.parameters()).device
+    """Where the model takes its inputs (its input embeddings' execution device; see
+    :func:`h2o_compress.weights.input_device`)."""
+    from ..weights import input_device
+
+    return input_device(model)
 
 
 def sync(device: torch.device) -> None:

@@ -1,0 +1,89 @@
+"""Peak memory while a loaded model generates (a leaf module): what ``generate --memory-limit`` sets against the
+planner's total (weights + KV cache + workspace).
+
+The window opens before the weights load (its baseline excludes what the process held before) and its peak
+restarts once they are loaded (:meth:`PeakMemory.loaded`), so a transient of loading (bitsandbytes quantizing a
+checkpoint read in full precision) is not counted; the resident weights are.
+
+- CUDA: ``torch.cuda.max_memory_allocated`` summed over the GPUs (a model split by ``device_map`` uses several),
+  less what was allocated before loading. The planner counts the same tensors; the CUDA context and the
+  allocator's reserve are in neither.
+- CPU (Linux): the process's peak resident set (``VmHWM`` in ``/proc/self/status``, restarted by writing ``5`` to
+  ``/proc/self/clear_refs``) less its resident set before loading. It also holds allocator slack and memory freed
+  while loading but not returned to the system, so it reads above the planner's total for small models.
+  Elsewhere: ``getrusage`` ``ru_maxrss`` growth, including the load.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _rss_peak() -> int:
+    peak = _status_kib("VmHWM")
+    if peak is not None:
+        return peak
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024)
+
+
+def _restart_rss_peak() -> bool:
+    """Restart the kernel's peak-RSS counter (Linux >= 4.0); False where it cannot be restarted."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Opens a peak-memory window at construction (before loading); :meth:`loaded` restarts the peak once the
+    weights are in place; :meth:`measure` gives ``(bytes, kind)``.
+
+    ``kind``: ``cuda_max_memory_allocated`` (all GPUs), ``cpu_peak_rss_growth`` (peak since :meth:`loaded`, above
+    the resident set before loading) or ``cpu_peak_rss_growth_with_load`` (the peak could not be restarted).
+    """
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.restarted = False
+        if self.cuda:
+            self.devices = list(range(torch.cuda.device_count()))
+            self.start = sum(torch.cuda.memory_allocated(index) for index in self.devices)
+        else:
+            self.start = _status_kib("VmRSS") or _rss_peak()
+        self.loaded()
+
+    def loaded(self) -> None:
+        """Restart the peak: from now on it counts what is resident (the weights) and what generation adds."""
+        if self.cuda:
+            for index in self.devices:
+                torch.cuda.synchronize(index)
+                torch.cuda.reset_peak_memory_stats(index)
+        else:
+            self.restarted = _restart_rss_peak()
+
+    def measure(self) -> tuple[int, str]:
+        """Peak bytes above the baseline taken before loading, and how they were measured."""
+        if self.cuda:
+            for index in self.devices:
+                torch.cuda.synchronize(index)
+            peak = sum(torch.cuda.max_memory_allocated(index) for index in self.devices)
+            return max(peak - self.start, 0), "cuda_max_memory_allocated"
+        kind = "cpu_peak_rss_growth" if self.restarted else "cpu_peak_rss_growth_with_load"
+        return max(_rss_peak() - self.start, 0), kind
