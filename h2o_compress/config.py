@@ -22,6 +22,28 @@ PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai 
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
 SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided", "kvzip")  # the policies that split the budget by heavy_ratio
 
+BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
+# What a real model can have: the longest context of any model this library knows is far below this.
+MAX_TOKENS = 2**31 - 1
+
+
+def parse_budget(text: str) -> float | int:
+    """A budget as typed (CLI, lm-eval model_args): ``"0.2"`` -> 0.2 (fraction of the sequence), ``"100"`` -> 100
+    (tokens). Raises ConfigError naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"budget {short(text)} is not a number; allowed: {BUDGET_ALLOWED}") from None
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"budget={short(text, repr_=False)} is not finite; allowed: {BUDGET_ALLOWED}")
+    if value > 1 and value == int(value) and "." not in text and "e" not in text.lower():
+        if value > MAX_TOKENS:
+            raise ConfigError(f"budget={short(text, repr_=False)} tokens is too large; allowed: at most {MAX_TOKENS}")
+        return int(value)
+    if value > 1:
+        raise ConfigError(f"budget={short(text, repr_=False)} is invalid; allowed: {BUDGET_ALLOWED}")
+    return value
+
 
 def _number(name: str, value, allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):

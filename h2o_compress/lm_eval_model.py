@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .ask import prefill_context
-from .config import CompressionConfig, check_usable
+from .config import CompressionConfig, check_usable, parse_budget
 from .errors import ConfigError, short
 from .generation import make_cache
 from .models import DEFAULT_MODEL, load_model
@@ -85,7 +85,6 @@ def compression_from_args(args: dict) -> CompressionConfig:
     Raises:
         ConfigError: a bad value, naming it and what is allowed.
     """
-    from .cli.options import parse_budget
 
     values = {name: args[name] for name in COMPRESSION_ARGS if name in args}
     if "budget" in values:

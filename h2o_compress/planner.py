@@ -9,11 +9,9 @@ for 8/4-bit ones; the activation/workspace figure is an estimate of the largest 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 

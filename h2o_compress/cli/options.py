@@ -11,36 +11,12 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig, check_usable
-from ..errors import ConfigError, short
-
-BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
-# What a real model can have: the longest context of any model this library knows is far below this.
-MAX_TOKENS = 2**31 - 1
-
-
-def parse_budget(text: str) -> float | int:
-    """``"0.2"`` -> 0.2 (fraction of the sequence), ``"100"`` -> 100 (tokens). Raises ConfigError."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"budget {short(text)} is not a number; allowed: {BUDGET_ALLOWED}") from None
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"budget={short(text, repr_=False)} is not finite; allowed: {BUDGET_ALLOWED}")
-    if value > 1 and value == int(value) and "." not in text and "e" not in text.lower():
-        if value > MAX_TOKENS:
-            raise ConfigError(f"budget={short(text, repr_=False)} tokens is too large; allowed: at most {MAX_TOKENS}")
-        return int(value)
-    if value > 1:
-        raise ConfigError(f"budget={short(text, repr_=False)} is invalid; allowed: {BUDGET_ALLOWED}")
-    return value
-
+from ..config import CompressionConfig, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
 
 # -- the compression options (one declaration each) -------------------------------------------------------
 @dataclass(frozen=True)
