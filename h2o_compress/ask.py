@@ -59,8 +59,8 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
 
     batch, tokens = context_ids.shape
     device = context_ids.device
-    repeat = tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
-    follow = torch.cat((repeat.expand(batch, -1), context_ids), dim=1)
+    repeat, body = _reconstruction_prompt(tokenizer, context_ids)
+    follow = torch.cat((repeat.to(device).expand(batch, -1), body), dim=1)
     dims = model_dims(model.config)
     q_heads, kv_heads = dims.num_heads, dims.kv_heads
     width = tokens + follow.shape[1]
@@ -82,6 +82,39 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     finally:
         model.set_attn_implementation(previous)
     return scores
+
+
+def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Token ids ``[n]`` of what the tokenizer's chat template puts before one user message (system prompt, user
+    header) and after it (end of the turn, assistant header), or ``None`` without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
+    )
+    before, suffix = text.split(separator)
+    prefix = before.split(dummy)[0]
+    encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids[0]  # noqa: E731
+    return encode(prefix), encode(suffix)
+
+
+def _reconstruction_prompt(tokenizer, context_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(repeat [1, r], body [batch, b])``: the reconstruction pass reads ``repeat`` then ``body``. A context that
+    opens with the chat template's user turn (as :func:`compress` encodes it) is repeated as the assistant's
+    answer: the request closes the user turn and opens the assistant's, and the body is the context without
+    the template's header (KVzip's own prompt, arXiv 2505.23416 §3.1, as kvpress's ``KVzipPress`` builds it).
+    Otherwise the request and the whole context follow as plain text."""
+    frame = _chat_frame(tokenizer)
+    encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
+    if frame is not None:
+        prefix, suffix = frame
+        head = context_ids[:, : prefix.numel()].cpu()
+        if 0 < prefix.numel() < context_ids.shape[1] and bool((head == prefix).all()):
+            request = torch.cat((encode(REPEAT_PROMPT.rstrip("\n")), suffix.unsqueeze(0)), dim=1)
+            return request, context_ids[:, prefix.numel() :]
+    return encode(REPEAT_PROMPT), context_ids
 
 
 def prefill_context(model, tokenizer, context_ids: torch.Tensor, cache: CompressedCache) -> torch.Tensor:

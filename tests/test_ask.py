@@ -163,3 +163,21 @@ def test_bad_inputs_of_compress_then_ask_are_refused():
         ask(model, tokenizer, context, "  ")
     with pytest.raises(ConfigError, match="protocol='other' is not supported"):
         check_needle_args((512,), (0.5,), protocol="other")
+
+
+@pytest.mark.integration
+def test_kvzip_reconstruction_is_asked_as_the_assistant_turn(smollm2):
+    """KVzip's prompt (arXiv 2505.23416 §3.1, as kvpress builds it): the request closes the user turn, and the
+    context is repeated as the assistant's answer, without the template's system/user header."""
+    from h2o_compress.ask import _reconstruction_prompt
+    from h2o_compress.generation import encode_prompt
+
+    _, tokenizer = smollm2
+    context = encode_prompt(tokenizer, "The pass key is 48213. Some more prose follows here.")
+    request, body = _reconstruction_prompt(tokenizer, context)
+    assert tokenizer.decode(request[0]).endswith("Repeat the previous context exactly.<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(body[0]).startswith("The pass key is 48213.")
+    assert torch.equal(body, context[:, context.shape[1] - body.shape[1] :])
+    plain = tokenizer("The pass key is 48213.", return_tensors="pt").input_ids  # no chat header: plain text
+    request, body = _reconstruction_prompt(tokenizer, plain)
+    assert torch.equal(body, plain) and "<|im_start|>" not in tokenizer.decode(request[0])
