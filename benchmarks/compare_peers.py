@@ -709,7 +709,12 @@ def main() -> None:
             "max_abs_logit_diff", result.get("error"))
         sanity["same argmax at every position"] = result.get("argmax_agreement")
 
-    report: dict = {"command": "python benchmarks/compare_peers.py" + ("" if mode == "default" else f" --{mode}"),
+    shown, skip = [], False  # the command as given, without the venv path (this machine's own)
+    for arg in sys.argv[1:]:
+        if not skip and not arg.startswith("--venv"):
+            shown.append(arg)
+        skip = arg == "--venv"
+    report: dict = {"command": " ".join(["python benchmarks/compare_peers.py", *shown]),
                     "mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
                     "core_revision": core_revision(),
                     "ours_env": ours_env, "peer_env": peer_env, "grid": {k: str(v) for k, v in grid.items()},
