@@ -115,7 +115,7 @@ class CompressionConfig:
     layer_budgets: str = "uniform"
 
     def __post_init__(self) -> None:
-        from .eviction import POLICIES
+        from .policies import POLICIES
 
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
@@ -218,7 +218,7 @@ class CompressionConfig:
         total ``num_layers x capacity`` (see ``layer_budgets``); ``None`` (unbounded) stays ``None``."""
         if capacity is None or self.layer_budgets == "uniform" or num_layers < 2:
             return [capacity] * num_layers
-        from .eviction import make_policy
+        from .policies import make_policy
 
         policy = make_policy(self.policy, heavy_ratio=self.heavy_ratio, sink_tokens=self.sinks)
         floor = next((c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1), capacity)
@@ -263,7 +263,7 @@ def check_usable(config: CompressionConfig, capacity: int | None = None) -> Comp
     Raises:
         ConfigError: naming the values and what is allowed.
     """
-    from .eviction import make_policy
+    from .policies import make_policy
 
     if config.policy == "full":
         if config.budget != 1:

@@ -548,7 +548,7 @@ def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer
     Raises:
         CacheFileError: naming the layer and the broken invariant.
     """
-    from .eviction.base import NO_POSITION
+    from .policies.base import NO_POSITION
 
     def fail(what: str):
         raise CacheFileError(f"layer {i}: {what}")

@@ -19,7 +19,7 @@ from .cache import build_layers
 from .config import ALLOWED_GROUP_SIZES, MAX_RESIDUAL, CompressionConfig
 from .errors import ConfigError, short
 from .files import read_json
-from .eviction import POLICIES
+from .policies import POLICIES
 from .kernels import decode_scratch_bytes
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype

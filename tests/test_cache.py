@@ -11,8 +11,8 @@ from transformers import DynamicCache
 
 from h2o_compress import CacheStateError, CompressionConfig, InputError, make_cache
 from h2o_compress.cache import CompressedLayer
-from h2o_compress.eviction import POLICIES, H2OPolicy, LocalPolicy
-from h2o_compress.quantization import IntQuantizer, NoQuantizer
+from h2o_compress.policies import POLICIES, H2OPolicy, LocalPolicy
+from h2o_compress.formats import IntQuantizer, NoQuantizer
 
 
 def run_steps(model, cache, prompt, steps):

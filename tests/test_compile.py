@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
-from h2o_compress.eviction import POLICIES as REGISTERED
+from h2o_compress.policies import POLICIES as REGISTERED
 
 PROMPT, STEPS = 20, 24
 POLICIES = sorted(REGISTERED)  # every registered policy

@@ -18,7 +18,7 @@ from test_compile import POLICIES, run, setting
 
 from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.compiled import decode_step
-from h2o_compress.eviction import make_policy
+from h2o_compress.policies import make_policy
 from h2o_compress.kernels import cpu
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler: the CPU kernel cannot be built")

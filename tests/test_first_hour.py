@@ -112,7 +112,7 @@ def test_settings_without_a_recent_window_are_refused(config, capacity, message)
 # -- plots --------------------------------------------------------------------------------------------------------------
 def test_one_colour_per_policy_and_one_marker_per_bit_width():
     from h2o_compress.config import ALLOWED_BITS
-    from h2o_compress.eviction import POLICIES
+    from h2o_compress.policies import POLICIES
     from h2o_compress.profiling.report import bits_marker, policy_color
 
     colours = [policy_color(p) for p in POLICIES]

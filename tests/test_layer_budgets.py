@@ -19,7 +19,7 @@ def test_pyramid_keeps_the_total_and_slopes_down(capacity, layers, policy):
     assert sum(caps) == capacity * layers
     assert caps == sorted(caps, reverse=True) and caps[0] > caps[-1]
     assert all(config.layer_capacities(c, 1) == [c] for c in caps)
-    from h2o_compress.eviction import make_policy
+    from h2o_compress.policies import make_policy
 
     rule = make_policy(policy, config.heavy_ratio, config.sinks)
     assert all(rule.recent_window(c) >= 1 for c in caps)  # every layer keeps a recent window

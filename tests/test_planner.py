@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, ConfigError, ModelLoadError, generate, make_cache
 from h2o_compress.cli import app
-from h2o_compress.eviction import POLICIES
+from h2o_compress.policies import POLICIES
 from h2o_compress.known_models import _key, known_models, resolve_model
 from h2o_compress.models import model_dims
 from h2o_compress.planner import (

@@ -7,8 +7,8 @@ from transformers.cache_utils import Cache
 
 from ..config import CompressionConfig
 from ..errors import CacheStateError, InputError
-from ..eviction import make_policy
-from ..quantization import make_quantizer
+from ..policies import make_policy
+from ..formats import make_quantizer
 from .layer import CompressedLayer
 
 

@@ -28,10 +28,10 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..attention import announce, decode_attention, withdraw
 from ..errors import CacheStateError, ConfigError, InputError
-from ..eviction import EvictionPolicy
-from ..eviction.base import NO_POSITION as NO_REAL_TOKEN, keep_top
+from ..policies import EvictionPolicy
+from ..policies.base import NO_POSITION as NO_REAL_TOKEN, keep_top
 from ..kernels import cpu as cpu_kernel
-from ..quantization import BitsAndBytesQuantizer, KVQuantizer
+from ..formats import BitsAndBytesQuantizer, KVQuantizer
 from .ring import RingWindow
 from .slots import SlotStore
 
@@ -64,7 +64,7 @@ class CompressedLayer(CacheLayerMixin):
 
     Args:
         layer_idx: index of the model layer (the side-channel key).
-        policy: eviction policy (its :meth:`~h2o_compress.eviction.EvictionPolicy.priority` ranks every eviction).
+        policy: eviction policy (its :meth:`~h2o_compress.policies.EvictionPolicy.priority` ranks every eviction).
         capacity: tokens kept per sequence and KV head, ``None`` for no eviction; capped at ``max_tokens``.
         key_quantizer, value_quantizer: storage formats of keys and values.
         residual: newest tokens kept in full precision when quantizing (the ring size), capped at half the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quantization import KVQuantizer, StoredTensor
+from ..formats import KVQuantizer, StoredTensor
 
 
 class SlotStore:

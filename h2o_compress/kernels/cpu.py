@@ -5,7 +5,7 @@ compressed layer's step dispatches ~150 small ops, each a few microseconds. ``cp
 step of a layer (ring in, the leaving token quantized once into the first empty slot, attention over the
 dequantized slots and the ring with one softmax per query head, H2O score accumulation, the Hadamard bases
 folded in) in one call, reading the int4/int8 codes in registers. Eviction stays in torch: it ranks by the
-policy's :meth:`~h2o_compress.eviction.EvictionPolicy.priority`, stated once, in Python.
+policy's :meth:`~h2o_compress.policies.EvictionPolicy.priority`, stated once, in Python.
 
 The C file is compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
 into ``$H2O_COMPRESS_CACHE/kernels`` and loaded with :mod:`ctypes`. Where no compiler works, or with
@@ -103,7 +103,7 @@ def library() -> ctypes.CDLL | None:
 def supported(device: torch.device, dtype: torch.dtype, storage_dtype: torch.dtype, head_dim: int, formats) -> bool:
     """Whether a layer on ``device`` with model ``dtype``, window/16-bit storage ``storage_dtype``, ``head_dim``
     and key/value quantizers ``formats`` can run the native step (and the kernel builds)."""
-    from ..quantization import IntQuantizer, NoQuantizer
+    from ..formats import IntQuantizer, NoQuantizer
 
     return (
         device.type == "cpu"
@@ -200,7 +200,7 @@ def decode_layer(
     head_dim]`` as the model made them (not rotated); returns the attention output ``[batch, 1, q_heads,
     head_dim]`` in the query's dtype. Updates the store, ring, scores, ``seen``, ``first_real``, ``finite`` and
     ``consistent`` (against ``reference_seen``, layer 0's count) in place, and evicts when the policy ranks by
-    nothing or by the accumulated scores themselves (:attr:`~h2o_compress.eviction.EvictionPolicy.ranks_by`);
+    nothing or by the accumulated scores themselves (:attr:`~h2o_compress.policies.EvictionPolicy.ranks_by`);
     a policy with its own ranking is evicted by the caller (:meth:`CompressedLayer._evict`)."""
     store, ring = layer.store, layer.ring
     batch, q_heads, _, head_dim = query.shape

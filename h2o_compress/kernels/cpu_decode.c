@@ -13,7 +13,7 @@
  * Then seen += 1, first_real = min(first_real, position), and the flags: finite &= every new key and value is
  * finite; consistent &= this layer now has seen what layer 0 has (`reference_seen`).
  *
- * Arithmetic follows the torch reference (h2o_compress.cache.layer, quantization.integer): fp32 throughout,
+ * Arithmetic follows the torch reference (h2o_compress.cache.layer, formats.integer): fp32 throughout,
  * scale = max((high - low) / qmax, 1e-6) and zero = low rounded to fp16, codes = round-half-even((x - zero) /
  * scale) clamped to [0, qmax], int4 packed low nibble first. Storage elements: 0 fp32, 1 fp16, 2 bf16.
  * Scratch (logits of one KV head's query group) is a per-thread buffer grown when a larger layer needs it, so

@@ -1,7 +1,7 @@
 """Fused decode attention over the compressed KV cache (Triton).
 
 One new query token per sequence attends to the *stored* tokens (int4/int8 codes with an fp16 (scale, zero)
-pair per group, as :class:`~h2o_compress.quantization.integer.IntQuantizer` packs them, or raw 16-bit
+pair per group, as :class:`~h2o_compress.formats.integer.IntQuantizer` packs them, or raw 16-bit
 ``{"x": ...}`` storage) followed by the full-precision residual *window*, without materialising a
 dequantized copy: each packed byte is read once and dequantized in registers.
 
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..quantization.base import StoredTensor
+from ..formats.base import StoredTensor
 from . import H100_SMS, power_of_two, split_count
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..quantization.base import StoredTensor
-from ..quantization.integer import IntQuantizer
+from ..formats.base import StoredTensor
+from ..formats.integer import IntQuantizer
 
 
 def _dequantize(stored: StoredTensor, bits: int, group_size: int, head_dim: int) -> torch.Tensor:

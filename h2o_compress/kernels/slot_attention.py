@@ -249,7 +249,7 @@ def supported(device: torch.device, head_dim: int, formats) -> str | None:
     """Why the op cannot run a layer with ``head_dim`` and key/value quantizers ``formats`` on ``device``, or
     ``None``: it takes int4/int8 (``IntQuantizer``, power-of-two groups) and raw 16-bit storage, ``head_dim`` a
     power of two >= 16, on CUDA (or on the CPU under ``TRITON_INTERPRET=1``)."""
-    from ..quantization import IntQuantizer, NoQuantizer
+    from ..formats import IntQuantizer, NoQuantizer
 
     if device.type != "cuda" and not isinstance(_slot_partial_kernel, InterpretedFunction):
         return f"the Triton kernel runs on CUDA (or under TRITON_INTERPRET=1), not on {device}"

@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 from h2o_compress.kernels import decode_attention as da  # noqa: E402
 from h2o_compress.kernels.decode_attention import choose_splits, fused_decode_attention  # noqa: E402
 from h2o_compress.kernels.reference import reference_decode_attention  # noqa: E402
-from h2o_compress.quantization.base import StoredTensor  # noqa: E402
-from h2o_compress.quantization.integer import IntQuantizer  # noqa: E402
+from h2o_compress.formats.base import StoredTensor  # noqa: E402
+from h2o_compress.formats.integer import IntQuantizer  # noqa: E402
 
 PAD = 5  # garbage tokens after the valid ones in every stored/window buffer
 

@@ -21,8 +21,8 @@ pytest.importorskip("triton")
 
 from h2o_compress.attention import decode_attention  # noqa: E402
 from h2o_compress.kernels import slot_attention as sa  # noqa: E402
-from h2o_compress.quantization.base import StoredTensor  # noqa: E402
-from h2o_compress.quantization.integer import IntQuantizer  # noqa: E402
+from h2o_compress.formats.base import StoredTensor  # noqa: E402
+from h2o_compress.formats.integer import IntQuantizer  # noqa: E402
 
 TOLERANCE = {torch.float32: (2e-3, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compress.eviction import POLICIES, H2OPolicy, LocalPolicy, SinkPolicy, make_policy
+from h2o_compress.policies import POLICIES, H2OPolicy, LocalPolicy, SinkPolicy, make_policy
 
 
 def reference_h2o(scores: list[float], capacity: int, heavy: int) -> list[int]:
@@ -63,7 +63,7 @@ def test_registry_builds_every_policy(name):
 
 def test_h2o_mean_ranks_by_mean_attention_not_the_sum():
     """An old token with a large sum but a small mean loses to a young token with a smaller sum, larger mean."""
-    from h2o_compress.eviction import H2OMeanPolicy
+    from h2o_compress.policies import H2OMeanPolicy
 
     seen = 10
     scores = torch.tensor([[[3.0, 0.5, 1.2, 0.1, 0.1, 0.1]]])  # tokens at positions 0, 6, 7, 4, 8, 9
@@ -97,7 +97,7 @@ def step(layer, keys, query):
 def test_tova_ranks_by_the_current_query_only():
     """After a decode step, the scores are that step's attention (not a sum), so the token the current query
     ignores is evicted even if earlier queries attended it most."""
-    from h2o_compress.eviction import TOVAPolicy
+    from h2o_compress.policies import TOVAPolicy
 
     assert not TOVAPolicy.accumulates and TOVAPolicy.ranks_by == "scores"
     layer = one_layer("tova", 4)
@@ -115,7 +115,7 @@ def test_tova_ranks_by_the_current_query_only():
 
 
 def test_snapkv_votes_with_the_last_window_queries_and_pools_neighbours():
-    from h2o_compress.eviction import SnapKVPolicy
+    from h2o_compress.policies import SnapKVPolicy
 
     policy = SnapKVPolicy(window=2, pool=3)
     keys = torch.eye(32)[:10].view(1, 1, 10, 32) * 6
@@ -131,7 +131,7 @@ def test_snapkv_votes_with_the_last_window_queries_and_pools_neighbours():
 
 
 def test_strided_keeps_the_strided_positions_first():
-    from h2o_compress.eviction import StridedPolicy
+    from h2o_compress.policies import StridedPolicy
 
     policy = StridedPolicy(heavy_ratio=0.5, stride=4)
     scores = torch.tensor([[[0.0, 9.0, 9.0, 9.0, 0.0, 9.0, 9.0, 9.0, 0.1, 0.0, 0.0, 0.0]]])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h2o_compress import ConfigError
-from h2o_compress.quantization import BitsAndBytesQuantizer, IntQuantizer, hadamard_matrix, make_quantizer
+from h2o_compress.formats import BitsAndBytesQuantizer, IntQuantizer, hadamard_matrix, make_quantizer
 
 
 def sample(shape=(2, 3, 9, 64), seed=0):
@@ -89,7 +89,7 @@ def test_make_quantizer_and_bad_group_size():
 
 def test_rotation_made_in_inference_mode_works_with_autograd_on():
     """The Hadamard matrix is cached: one first built under torch.inference_mode must not poison later runs."""
-    from h2o_compress.quantization.integer import hadamard_matrix
+    from h2o_compress.formats.integer import hadamard_matrix
 
     hadamard_matrix.cache_clear()
     with torch.inference_mode():
