@@ -84,6 +84,40 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-dir"))
 
 
+@pytest.fixture(scope="session")
+def four_layer_dir(tmp_path_factory):
+    """The same with 4 layers (enough to split a model over devices or offload some layers)."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-4"), layers=4)
+
+
+SM90_PREAMBLE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+target = GPUTarget("cuda", 90, 32)
+def compile(fn, sig, consts):
+    sig = dict(sig, **{c: "constexpr" for c in consts})
+    triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=target, options={"num_warps": 4})
+"""
+
+
+def compile_for_sm90(body: str, **env) -> None:
+    """Run ``body`` (Python source that calls ``compile(kernel, signature, constexprs)`` for each kernel, then
+    prints ``compiled``) in a fresh interpreter without ``TRITON_INTERPRET``: Triton lowers the kernels to sm_90
+    machine code with its bundled ptxas, no GPU needed. ``env``: extra environment variables. Fails the test with
+    the subprocess's stderr."""
+    import subprocess
+    import sys
+    import textwrap
+
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = SM90_PREAMBLE + textwrap.dedent(body)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environ, cwd=repo,
+                            timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present (``pytest -m cuda`` on a GPU machine)."""
     if torch.cuda.is_available():

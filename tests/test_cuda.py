@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODELS, save_tiny_model_dir, tiny_llama
+from conftest import TINY_MODELS, tiny_llama
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from h2o_compress import CompressionConfig, make_cache
@@ -100,11 +100,6 @@ def assert_cache_on_layer_devices(model, cache) -> list[torch.device]:
         held = {t.device for t in layer.tensors()}
         assert held == {device}, f"layer {index}: cache on {held}, layer computes on {device}"
     return devices
-
-
-@pytest.fixture(scope="module")
-def four_layer_dir(tmp_path_factory):
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-4"), layers=4)
 
 
 @pytest.fixture(scope="module")

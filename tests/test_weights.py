@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from conftest import save_tiny_model_dir
 from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, generate, load_model
@@ -38,20 +37,14 @@ def bnb_runs_here(bits: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A 4-layer tiny LLaMA with a word-level tokenizer, as a local Hugging Face directory."""
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-4"), layers=4)
+def whole(four_layer_dir):
+    return load_model(four_layer_dir, device="cpu")
 
 
 @pytest.fixture(scope="module")
-def whole(tiny_dir):
-    return load_model(tiny_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def split(tiny_dir, tmp_path_factory):
+def split(four_layer_dir, tmp_path_factory):
     """The same model with layers 1 and 3 offloaded through accelerate to disk (weights read per forward)."""
-    return load_model(tiny_dir, device_map=SPLIT, offload_folder=str(tmp_path_factory.mktemp("offload")))
+    return load_model(four_layer_dir, device_map=SPLIT, offload_folder=str(tmp_path_factory.mktemp("offload")))
 
 
 # -- a model split by device_map generates as in one piece ------------------------------------------------
@@ -114,9 +107,9 @@ def test_saved_cache_loads_onto_a_split_model(whole, tmp_path):
     assert generate(one, tokenizer, PROMPT, config, 6, chat=False).text == json.loads(saved.output)["text"]
 
 
-def test_cli_ask_on_a_disk_offloaded_model_answers_as_in_one_piece(tiny_dir, tmp_path):
+def test_cli_ask_on_a_disk_offloaded_model_answers_as_in_one_piece(four_layer_dir, tmp_path):
     (tmp_path / "doc.txt").write_text(PROMPT)
-    common = ["ask", "--context-file", str(tmp_path / "doc.txt"), "--question", "w7 w8", "--model", tiny_dir,
+    common = ["ask", "--context-file", str(tmp_path / "doc.txt"), "--question", "w7 w8", "--model", four_layer_dir,
               "--no-chat", "--max-new-tokens", "6", "--json"]
     plain = runner.invoke(app, common)
     mapped = runner.invoke(app, [*common, "--device-map", json.dumps(SPLIT), "--offload-folder", str(tmp_path / "o")])
@@ -126,8 +119,8 @@ def test_cli_ask_on_a_disk_offloaded_model_answers_as_in_one_piece(tiny_dir, tmp
     assert answers[1] == answers[0] and answers[0][0]["new_tokens"] == 6
 
 
-def test_cli_generate_with_a_device_map_file_prints_the_same_text(tiny_dir, tmp_path):
-    common = ["generate", PROMPT, "--model", tiny_dir, "--no-chat", "--max-new-tokens", "8", "--budget", "0.4",
+def test_cli_generate_with_a_device_map_file_prints_the_same_text(four_layer_dir, tmp_path):
+    common = ["generate", PROMPT, "--model", four_layer_dir, "--no-chat", "--max-new-tokens", "8", "--budget", "0.4",
               "--kv-bits", "4", "--json"]
     plain = runner.invoke(app, common)
     (tmp_path / "map.json").write_text(json.dumps(SPLIT))
@@ -139,10 +132,10 @@ def test_cli_generate_with_a_device_map_file_prints_the_same_text(tiny_dir, tmp_
 
 # -- bitsandbytes 8/4-bit weights on this machine ----------------------------------------------------------
 @pytest.mark.parametrize("bits,layer_type", [(8, "Linear8bitLt"), (4, "Linear4bit")])
-def test_quantized_weights_load_and_generate_on_cpu(tiny_dir, whole, bits, layer_type):
+def test_quantized_weights_load_and_generate_on_cpu(four_layer_dir, whole, bits, layer_type):
     if not bnb_runs_here(bits):
         pytest.skip("bitsandbytes has no backend for this device here (test_no_backend_is_one_clear_error covers it)")
-    model, tokenizer = load_model(tiny_dir, weights_bits=bits)
+    model, tokenizer = load_model(four_layer_dir, weights_bits=bits)
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == layer_type
     assert loaded_weights_bits(model) == bits
     from h2o_compress.weights import eager_only_reason
@@ -150,7 +143,7 @@ def test_quantized_weights_load_and_generate_on_cpu(tiny_dir, whole, bits, layer
     assert eager_only_reason(model) == "bitsandbytes weights"
     # the planner's weight bytes for these bits are what bitsandbytes holds (with its scales; plus the buffers,
     # e.g. rotary frequencies, which a loaded model's figure also counts)
-    spec = resolve_model(tiny_dir)
+    spec = resolve_model(four_layer_dir)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert loaded_weight_bytes(model) == weight_bytes(spec, bits, model.dtype) + buffers
     assert loaded_weight_bytes(model) < loaded_weight_bytes(whole[0]) / (2 if bits == 8 else 3)
@@ -167,7 +160,7 @@ def test_quantized_weights_load_and_generate_on_cpu(tiny_dir, whole, bits, layer
     assert (ours - full).abs().mean() < (0.1 if bits == 8 else 0.4) * full.abs().mean()
 
 
-def test_no_backend_is_one_clear_error(tiny_dir, monkeypatch):
+def test_no_backend_is_one_clear_error(four_layer_dir, monkeypatch):
     """Where bitsandbytes cannot run (here simulated: its probe fails as it does without CUDA or a CPU backend),
     one error says what would work, before anything is loaded."""
     import h2o_compress.weights as weights
@@ -178,18 +171,18 @@ def test_no_backend_is_one_clear_error(tiny_dir, monkeypatch):
     monkeypatch.setattr(weights, "_probe", no_kernels)
     with pytest.raises(ModelLoadError, match=r"cannot run 4-bit weights on cpu .*what would work: weights_bits=16, or a "
                                              r"CUDA GPU"):
-        load_model(tiny_dir, weights_bits=4)
-    result = runner.invoke(app, ["generate", "hi", "--model", tiny_dir, "--weights-bits", "8"])
+        load_model(four_layer_dir, weights_bits=4)
+    result = runner.invoke(app, ["generate", "hi", "--model", four_layer_dir, "--weights-bits", "8"])
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert result.output.startswith("error: bitsandbytes") and "Traceback" not in result.output
 
 
-def test_missing_bitsandbytes_names_the_package(tiny_dir, monkeypatch):
+def test_missing_bitsandbytes_names_the_package(four_layer_dir, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ModelLoadError, match="needs bitsandbytes; install it with: pip install"):
-        load_model(tiny_dir, weights_bits=8)
+        load_model(four_layer_dir, weights_bits=8)
 
 
 # -- options checked before loading ------------------------------------------------------------------------
@@ -286,18 +279,18 @@ def test_profile_settings_carry_the_placement_to_the_loader(monkeypatch, tmp_pat
 
 
 # -- generate --memory-limit: planned with the weights it loads, planned vs measured peak --------------------
-def test_memory_limit_plans_with_the_loaded_weight_bits(tiny_dir):
+def test_memory_limit_plans_with_the_loaded_weight_bits(four_layer_dir):
     if not bnb_runs_here(4):
         pytest.skip("bitsandbytes cannot run 4-bit weights here")
-    result = runner.invoke(app, ["generate", PROMPT, "--model", tiny_dir, "--no-chat", "--max-new-tokens", "6",
+    result = runner.invoke(app, ["generate", PROMPT, "--model", four_layer_dir, "--no-chat", "--max-new-tokens", "6",
                                  "--weights-bits", "4", "--memory-limit", "1GiB", "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output.splitlines()[-1])
-    model, _ = load_model(tiny_dir, weights_bits=4)
+    model, _ = load_model(four_layer_dir, weights_bits=4)
     assert figures["weights_bits"] == 4
     assert figures["planned_peak_bytes"] > loaded_weight_bytes(model)  # weights as loaded + cache + workspace
     assert figures["measured_peak_kind"] == "cpu_peak_rss_growth" and figures["measured_peak_bytes"] >= 0
-    text = runner.invoke(app, ["generate", PROMPT, "--model", tiny_dir, "--no-chat", "--max-new-tokens", "4",
+    text = runner.invoke(app, ["generate", PROMPT, "--model", four_layer_dir, "--no-chat", "--max-new-tokens", "4",
                                "--weights-bits", "4", "--memory-limit", "1GiB"])
     assert "[peak memory while generating: planned" in text.output and "measured" in text.output
 
@@ -319,11 +312,11 @@ def test_smollm2_alias_loads_int8_weights():
 # -- CUDA only -------------------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_gpu_split_generates_the_same_tokens(tiny_dir):
-    one, tokenizer = load_model(tiny_dir, device="cuda:0", dtype="float32")
+def test_two_gpu_split_generates_the_same_tokens(four_layer_dir):
+    one, tokenizer = load_model(four_layer_dir, device="cuda:0", dtype="float32")
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
                   "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
-    two, _ = load_model(tiny_dir, device_map=device_map, dtype="float32")
+    two, _ = load_model(four_layer_dir, device_map=device_map, dtype="float32")
     assert attention_devices(two, 4) == [torch.device("cuda", 0)] * 2 + [torch.device("cuda", 1)] * 2
     for config in (CompressionConfig(), CompressionConfig(budget=0.3, kv_bits=4)):
         a = generate(one, tokenizer, PROMPT, config, 24, chat=False)

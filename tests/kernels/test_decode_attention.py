@@ -9,13 +9,10 @@ an element never written shows up as a wrong or non-finite result.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from conftest import compile_for_sm90
 
 pytest.importorskip("triton")
 
@@ -198,15 +195,8 @@ def test_kernels_compile_for_h100():
     """The kernels lower to sm_90 machine code (no GPU needed: Triton's bundled ptxas), for every format, so a
     typo that the interpreter forgives fails here rather than on the first GPU run."""
     pytest.importorskip("triton.backends.nvidia")
-    script = textwrap.dedent("""
-        import triton, triton.language as tl
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+    compile_for_sm90("""
         from h2o_compress.kernels import decode_attention as da
-        target = GPUTarget("cuda", 90, 32)
-        def compile(fn, sig, consts):
-            sig = dict(sig, **{c: "constexpr" for c in consts})
-            triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=target, options={"num_warps": 4})
         ints = ("q_b q_h q_d k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n "
                 "seq_len split_tokens slot_base token_base num_slots total_tokens")
         for q, dot, k_fmt, v_fmt, head_dim, group_size, group in [
@@ -222,13 +212,7 @@ def test_kernels_compile_for_h100():
         compile(da._prob_sums_kernel, dict(logits="*fp32", lse="*fp32", probs="*fp32", total_tokens="i32"),
                 dict(G=3, GP=4, BLOCK_T=256))
         print("compiled")
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=repo,
-                            timeout=300)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    """, TRITON_DEFAULT_FP_FUSION="1")
 
 
 @pytest.mark.cuda

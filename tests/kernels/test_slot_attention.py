@@ -9,13 +9,9 @@ Every scratch buffer starts as NaN, so reading an element never written shows up
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from conftest import compile_for_sm90
 
 pytest.importorskip("triton")
 
@@ -231,15 +227,8 @@ def test_slot_kernels_compile_for_h100():
     """Both kernels lower to sm_90 machine code (Triton's bundled ptxas, no GPU) for int4/int8/16-bit, fp16 and
     bf16 queries, with and without scores and ring: what the interpreter forgives fails here."""
     pytest.importorskip("triton.backends.nvidia")
-    script = textwrap.dedent("""
-        import triton, triton.language as tl
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+    compile_for_sm90("""
         from h2o_compress.kernels import slot_attention as sa
-        target = GPUTarget("cuda", 90, 32)
-        def compile(fn, sig, consts):
-            sig = dict(sig, **{c: "constexpr" for c in consts})
-            triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=target, options={"num_warps": 4})
         ints = ("q_b q_h k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n r_b r_h r_n slots ring_size "
                 "store_splits split_tokens ring_split_tokens num_slots total")
         for q, dot, k_fmt, v_fmt, head_dim, group_size, group, scores in [
@@ -259,11 +248,6 @@ def test_slot_kernels_compile_for_h100():
                          BLOCK_S=8, BLOCK_T=256, SCORES=scores, ACCUMULATE=True, HAS_RING=scores))
         print("compiled")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=repo,
-                            timeout=300)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.mark.cuda
