@@ -290,16 +290,17 @@ def main(argv=None) -> None:
         table.add_column(column.replace("_", " "))
     for row in rows:
         table.add_row(*(fmt(row[c]) for c in columns))
-    Console().print(table)
+    console = Console(width=200)
+    console.print(table)
     for row in rows:
         if row["generated_kernels"] or row["generated_externs"]:
-            Console().print(f"{row['mode']}: kernels {row['generated_kernels']}, externs {row['generated_externs']}")
+            console.print(f"{row['mode']}: kernels {row['generated_kernels']}, externs {row['generated_externs']}")
     if args.out is not None:
         result = {"device": device, "torch": torch.__version__, "command": " ".join(["python"] + sys.argv),
                   "prompt": args.prompt, "steps": args.steps, "layers": args.layers, "rows": rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-        Console().print(f"wrote {args.out}")
+        console.print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
