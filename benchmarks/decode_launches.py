@@ -180,7 +180,7 @@ def profile_steps(step, args) -> dict:
         name = event.name
         if name.startswith("h2o_compress::"):
             custom += 1
-        if name.startswith(("cpp_fused", "triton_")) and event.device_type.name == "CPU":
+        if re.match(r"(graph_\d+_)?(cpp_fused|triton_)", name) and event.device_type.name == "CPU":
             fused += 1
         if event.device_type.name == "CUDA":
             gpu_kernels += 1
@@ -232,6 +232,7 @@ def measure(mode: str, args) -> dict:
         "compute_ops": len(counts["compute"]) / per,
         "inductor_kernels": len(code["kernels"]) / len(modules) if compiled else None,
         "extern_calls": len(code["externs"]) / len(modules) if compiled else None,
+        "inductor_kernel_events": counts["fused_events"] / per if compiled else None,
         "custom_op_calls": counts["custom"] / per,
         "triton_launches": counts["triton"] / per,
         "gpu_kernels": counts["gpu_kernels"] / per if args.device == "cuda" else None,
@@ -284,7 +285,8 @@ def main(argv=None) -> None:
             progress.advance(task)
     device = device_name(args.device)
     table = Table(title=f"Ops and kernels per layer per decode step, h2o 0.2 int4, head_dim 128, GQA 8/2, {device}")
-    columns = ("mode", "aten_ops", "compute_ops", "inductor_kernels", "extern_calls", "custom_op_calls",
+    columns = ("mode", "aten_ops", "compute_ops", "inductor_kernels", "inductor_kernel_events", "extern_calls",
+               "custom_op_calls",
                "triton_launches", "launch_estimate") + (("gpu_kernels",) if args.device == "cuda" else ())
     for column in columns:
         table.add_column(column.replace("_", " "))
