@@ -20,6 +20,10 @@ those buffers in two kernel launches, with no host sync and no allocation but th
     ``G`` query heads and adds them to (``accumulate``) or writes them over (TOVA) the layer's score buffers in
     place: H2O's accumulated attention (Zhang et al. 2023, arXiv 2306.14048 §4), fused into the same pass.
 
+With the layer's Hadamard bases (``key_basis``/``value_basis``) the split pass rotates the query into the keys'
+basis and the combine rotates the output back from the values' basis (fp32 ``tl.dot`` against the ``[D, D]``
+matrix, ``DC`` rows at a time), so neither rotation is a matmul launch of its own (issue 14: kernels per layer).
+
 The scratch (split partials, logits) is owned by the layer (:class:`DecodeScratch`, allocated once) and passed in
 as mutated arguments. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (the tests).
 """
