@@ -227,7 +227,9 @@ class CompressedLayer(CacheLayerMixin):
 
     def _fused_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """The decode step's attention and score update in the Triton op (two launches, no host sync): ``query``
-        ``[batch, q_heads, 1, head_dim]`` in the keys' basis; returns ``[batch, q_heads, 1, head_dim]``."""
+        ``[batch, q_heads, 1, head_dim]`` in the model's basis (the op rotates it into the keys' basis in its first
+        launch and the output back from the values' basis in its second); returns ``[batch, q_heads, 1,
+        head_dim]`` in the model's basis."""
         from ..kernels.slot_attention import slot_decode_attention
 
         (keys, values, slot), self.leaving = self.leaving, None
@@ -237,7 +239,7 @@ class CompressedLayer(CacheLayerMixin):
         k_parts, v_parts = store.keys.parts, store.values.parts
         group = next((q.group_size for q in (self.key_quantizer, self.value_quantizer) if q.bits < 16), 32)
         output = slot_decode_attention(
-            query.reshape(batch, q_heads, head_dim).contiguous(),
+            query.reshape(batch, q_heads, head_dim),  # the op reads its strides: no copy
             k_parts.get("data", k_parts.get("x")), k_parts.get("scale_zero"),
             v_parts.get("data", v_parts.get("x")), v_parts.get("scale_zero"),
             store.positions, keys.reshape(batch, self.kv_heads, head_dim).contiguous(),
@@ -246,7 +248,7 @@ class CompressedLayer(CacheLayerMixin):
             None if ring is None else ring.positions, self.seen, store.scores, None if ring is None else ring.scores,
             *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), self.key_quantizer.bits,
             self.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
-            plan.ring_split_tokens, self.policy.accumulates,
+            plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis,
         )
         return output.view(batch, q_heads, 1, head_dim)
 
@@ -490,9 +492,10 @@ class CompressedLayer(CacheLayerMixin):
             if self.policy.ranks_by == "custom":
                 self._evict()
             return output
-        if self.key_basis is not None:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
+        fused = query.shape[2] == 1 and self.chunk is None and self.leaving is not None
+        if self.key_basis is not None and not fused:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
             query = (query.float() @ self.key_basis).to(query.dtype)
-        if query.shape[2] == 1 and self.chunk is None and self.leaving is not None:
+        if fused:  # the op applies both bases in its own launches
             output = self._fused_attention(query, scaling)
             self._evict()
         elif query.shape[2] == 1 and self.chunk is None:
@@ -502,7 +505,7 @@ class CompressedLayer(CacheLayerMixin):
         else:
             output, sums = self._chunk_attention(module, query, key, value, attention_mask, scaling, **kwargs)
         output = output.transpose(1, 2)
-        if self.value_basis is not None:  # values are held as v @ H: P.v = (P.(v @ H)) @ H, H symmetric
+        if self.value_basis is not None and not fused:  # values are held as v @ H: P.v = (P.(v @ H)) @ H
             output = (output.float() @ self.value_basis).to(query.dtype)
         return output.contiguous()
 

@@ -20,6 +20,10 @@ those buffers in two kernel launches, with no host sync and no allocation but th
     ``G`` query heads and adds them to (``accumulate``) or writes them over (TOVA) the layer's score buffers in
     place: H2O's accumulated attention (Zhang et al. 2023, arXiv 2306.14048 §4), fused into the same pass.
 
+With the layer's Hadamard bases (``key_basis``/``value_basis``) the split pass rotates the query into the keys'
+basis and the combine rotates the output back from the values' basis (fp32 ``tl.dot`` against the ``[D, D]``
+matrix, ``DC`` rows at a time), so neither rotation is a matmul launch of its own (issue 14: kernels per layer).
+
 The scratch (split partials, logits) is owned by the layer (:class:`DecodeScratch`, allocated once) and passed in
 as mutated arguments. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (the tests).
 """
@@ -66,11 +70,11 @@ def _slot_partial_kernel(
     v, vsz, v_b, v_h, v_n, vsz_b, vsz_h, vsz_n,
     pos, lk, lv, leave_slot,
     rk, rv, r_b, r_h, r_n, rpos,
-    seen, part_m, part_l, part_acc, logits,
+    seen, part_m, part_l, part_acc, logits, qb,
     slots, ring_size, store_splits, split_tokens, ring_split_tokens, num_slots, total, scaling,
     KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, BLOCK: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, ROTATE_Q: tl.constexpr = False, DC: tl.constexpr = 32,
 ):
     """Split ``split`` of (sequence ``b``, KV head ``h``): store slots ``[split * split_tokens, +split_tokens)``
     below the live bound, or (``split >= store_splits``) ring slots. Writes ``part_m``/``part_l`` ``[batch *
@@ -85,8 +89,18 @@ def _slot_partial_kernel(
     head_mask = heads < G
     rows = bh * G + heads  # = b * q_heads + h * G + r
     offs_d = tl.arange(0, D)
-    qv = tl.load(q + b * q_b + (h * G + heads)[:, None] * q_h + offs_d[None, :],
-                 mask=head_mask[:, None], other=0.0).to(DOT)
+    if ROTATE_Q:  # q @ H (the keys' basis, fp32 [D, D]) in fp32, DC rows of H at a time, rounded as q
+        offs_c = tl.arange(0, DC)
+        qf = tl.zeros((GP, D), tl.float32)
+        for c0 in tl.static_range(0, D, DC):
+            qc = tl.load(q + b * q_b + (h * G + heads)[:, None] * q_h + (c0 + offs_c)[None, :],
+                         mask=head_mask[:, None], other=0.0).to(tl.float32)
+            hc = tl.load(qb + (c0 + offs_c)[:, None] * D + offs_d[None, :])
+            qf += tl.dot(qc, hc, input_precision="ieee")
+        qv = qf.to(q.dtype.element_ty).to(DOT)
+    else:
+        qv = tl.load(q + b * q_b + (h * G + heads)[:, None] * q_h + offs_d[None, :],
+                     mask=head_mask[:, None], other=0.0).to(DOT)
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
@@ -130,10 +144,11 @@ def _slot_partial_kernel(
 
 @triton.jit
 def _slot_combine_kernel(
-    part_m, part_l, part_acc, out, logits, pos, rpos, seen, scores, ring_scores,
+    part_m, part_l, part_acc, out, logits, pos, rpos, seen, scores, ring_scores, vb,
     slots, ring_size, num_slots, total,
     KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr, SCORES: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_RING: tl.constexpr,
+    ROTATE_OUT: tl.constexpr = False, DC: tl.constexpr = 32,
 ):
     """Log-sum-exp of the ``G`` query rows of KV head ``bh`` from the splits; output ``out[row, :D]`` (block 0);
     with ``SCORES``, the probabilities of token block ``program_id(1)`` summed over the rows, added to (or, without
@@ -160,14 +175,28 @@ def _slot_combine_kernel(
     norm = tl.where(head_mask, norm, 1.0)
     if block == 0:
         offs_d = tl.arange(0, D)
-        acc = tl.zeros((GP, D), tl.float32)
-        for s0 in range(0, num_slots):
-            at = rows * num_slots + s0
-            w = tl.exp(tl.load(part_m + at, mask=head_mask, other=float("-inf")) - big)
-            acc += w[:, None] * tl.load(part_acc + at[:, None].to(tl.int64) * D + offs_d[None, :],
-                                        mask=head_mask[:, None], other=0.0)
-        tl.store(out + rows[:, None].to(tl.int64) * D + offs_d[None, :], acc / norm[:, None],
-                 mask=head_mask[:, None])
+        if ROTATE_OUT:  # (P.V) @ H (the values' basis, fp32 [D, D]): DC columns of P.V at a time, in fp32
+            offs_c = tl.arange(0, DC)
+            acc = tl.zeros((GP, D), tl.float32)
+            for c0 in tl.static_range(0, D, DC):
+                part = tl.zeros((GP, DC), tl.float32)
+                for s0 in range(0, num_slots):
+                    at = rows * num_slots + s0
+                    w = tl.exp(tl.load(part_m + at, mask=head_mask, other=float("-inf")) - big)
+                    part += w[:, None] * tl.load(part_acc + at[:, None].to(tl.int64) * D + (c0 + offs_c)[None, :],
+                                                 mask=head_mask[:, None], other=0.0)
+                hc = tl.load(vb + (c0 + offs_c)[:, None] * D + offs_d[None, :])
+                acc += tl.dot(part / norm[:, None], hc, input_precision="ieee")
+            tl.store(out + rows[:, None].to(tl.int64) * D + offs_d[None, :], acc, mask=head_mask[:, None])
+        else:
+            acc = tl.zeros((GP, D), tl.float32)
+            for s0 in range(0, num_slots):
+                at = rows * num_slots + s0
+                w = tl.exp(tl.load(part_m + at, mask=head_mask, other=float("-inf")) - big)
+                acc += w[:, None] * tl.load(part_acc + at[:, None].to(tl.int64) * D + offs_d[None, :],
+                                            mask=head_mask[:, None], other=0.0)
+            tl.store(out + rows[:, None].to(tl.int64) * D + offs_d[None, :], acc / norm[:, None],
+                     mask=head_mask[:, None])
     if SCORES:
         lse = big + tl.log(norm)
         offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -276,6 +305,7 @@ def _slot_decode_attention(
     ring_scores: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
     logits: torch.Tensor, scaling: float, key_bits: int, value_bits: int, group_size: int, store_splits: int,
     split_tokens: int, ring_splits: int, ring_split_tokens: int, accumulate: bool,
+    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one decode query over a layer's slots and ring, plus the fused H2O score update.
 
@@ -296,9 +326,15 @@ def _slot_decode_attention(
         part_m, part_l, part_acc, logits: the layer's :class:`DecodeScratch` (overwritten).
         scaling: softmax scale. key_bits, value_bits: 4, 8 or 16. group_size: quantization group (power of two).
         store_splits, split_tokens, ring_splits, ring_split_tokens: the layer's :class:`SplitPlan`.
+        key_basis, value_basis: the layer's orthonormal, symmetric bases fp32 ``[head_dim, head_dim]``
+            contiguous (the Hadamard rotation of the stored keys / values, ``formats/integer.py``), or ``None``:
+            with ``key_basis`` the query is given in the model's basis and rotated in the first launch
+            (``(q @ H)`` in fp32, rounded to ``query.dtype``, as the torch form does); with ``value_basis`` the
+            output is rotated back (``@ H``, fp32) in the second, so neither costs a launch of its own.
 
     Returns:
-        ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis). Softmax and accumulation in fp32;
+        ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis; in the model's with
+        ``value_basis``). Softmax and accumulation in fp32;
         the matmuls take ``query.dtype`` operands.
     """
     batch, q_heads, head_dim = query.shape
@@ -325,19 +361,22 @@ def _slot_decode_attention(
         vd, vsz, *vd.stride()[:3], *vsz.stride()[:3],
         positions, leave_keys, leave_values, leave_slot,
         rk, rv, *r_strides, rpos,
-        seen, part_m, part_l, part_acc, logits,
+        seen, part_m, part_l, part_acc, logits, query if key_basis is None else key_basis,
         slots, ring_size, store_splits, split_tokens, ring_split_tokens, num_slots, total, float(scaling),
         KV_HEADS=kv_heads, G=group, GP=gp, D=head_dim, GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=BLOCK_N,
-        WRITE_LOGITS=with_scores, DOT=dot, PRECISION=precision, num_warps=4,
+        WRITE_LOGITS=with_scores, DOT=dot, PRECISION=precision, ROTATE_Q=key_basis is not None,
+        DC=min(head_dim, 32), num_warps=4,
     )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     blocks = triton.cdiv(total, BLOCK_T) if with_scores else 1
     _slot_combine_kernel[(batch * kv_heads, blocks)](
         part_m, part_l, part_acc, out, logits, positions, rpos, seen,
         scores if with_scores else part_m, ring_scores if ring_scores is not None else part_m,
+        part_m if value_basis is None else value_basis,
         slots, ring_size, num_slots, total,
-        KV_HEADS=kv_heads, G=group, GP=max(2, triton.next_power_of_2(group)), D=head_dim, BLOCK_S=BLOCK_S,
-        BLOCK_T=BLOCK_T, SCORES=with_scores, ACCUMULATE=accumulate, HAS_RING=with_scores and ring_size > 0,
+        KV_HEADS=kv_heads, G=group, GP=max(2 if value_basis is None else 16, triton.next_power_of_2(group)),
+        D=head_dim, BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T, SCORES=with_scores, ACCUMULATE=accumulate,
+        HAS_RING=with_scores and ring_size > 0, ROTATE_OUT=value_basis is not None, DC=min(head_dim, 32),
         num_warps=4,
     )
     return out

@@ -168,11 +168,35 @@ def test_several_blocks_per_split():
     torch.testing.assert_close(check(kw), out_one, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bases_applied_in_the_launches(dtype):
+    """With ``key_basis``/``value_basis`` the op takes the query in the model's basis and returns the output in it:
+    the same as the torch form's ``(q @ H)`` in, ``@ H`` out around the op without bases (same scores)."""
+    from h2o_compress.formats.integer import hadamard_matrix
+
+    basis = hadamard_matrix(64)
+    case = dict(kv_heads=2, group=4, head_dim=64, slots=40, ring=2, group_size=32, key_bits=4, value_bits=8,
+                dtype=dtype)
+    plain, folded = make_case(**case), make_case(**case)
+    plain["query"] = (plain["query"].float() @ basis).to(dtype)
+    expected = (check(plain).float() @ basis).to(dtype)
+    output = sa.slot_decode_attention(**folded, key_basis=basis, value_basis=basis)
+    out_tol, prob_tol = TOLERANCE[dtype]
+    scale = expected.float().abs().max().item()
+    assert (output.float() - expected.float()).abs().max().item() <= out_tol * scale
+    torch.testing.assert_close(folded["scores"], plain["scores"], atol=prob_tol, rtol=0)
+    torch.testing.assert_close(folded["ring_scores"], plain["ring_scores"], atol=prob_tol, rtol=0)
+    assert not torch.allclose(output.float(), check(make_case(**case)).float(), atol=out_tol * scale)  # rotated
+
+
 def test_opcheck():
     """The op's schema, mutation declarations and fake implementation agree with what it does."""
     for case in (make_case(slots=20, ring=2), make_case(slots=20, ring=0, with_scores=False, key_bits=16,
                                                        value_bits=16)):
         torch.library.opcheck(sa.slot_decode_attention, (), case)
+    basis = torch.eye(32)[torch.randperm(32, generator=torch.Generator().manual_seed(0))]
+    torch.library.opcheck(sa.slot_decode_attention, (), make_case(slots=20, ring=2) | dict(
+        key_basis=basis, value_basis=basis))
 
 
 def test_dynamo_captures_the_op_fullgraph():
@@ -231,21 +255,23 @@ def test_slot_kernels_compile_for_h100():
         from h2o_compress.kernels import slot_attention as sa
         ints = ("q_b q_h k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n r_b r_h r_n slots ring_size "
                 "store_splits split_tokens ring_split_tokens num_slots total")
-        for q, dot, k_fmt, v_fmt, head_dim, group_size, group, scores in [
-                ("*fp16", tl.float16, 4, 4, 128, 32, 1, True), ("*bf16", tl.bfloat16, 8, 4, 64, 32, 3, True),
-                ("*fp16", tl.float16, 16, 16, 128, 32, 4, False)]:
+        for q, dot, k_fmt, v_fmt, head_dim, group_size, group, scores, rotate in [
+                ("*fp16", tl.float16, 4, 4, 128, 32, 1, True, True), ("*bf16", tl.bfloat16, 8, 4, 64, 32, 3, True,
+                False), ("*fp16", tl.float16, 16, 16, 128, 32, 4, False, False), ("*bf16", tl.bfloat16, 4, 8, 64,
+                32, 4, True, True)]:
             sig = dict({n: "i32" for n in ints.split()}, q=q, scaling="fp32",
                        k="*fp16" if k_fmt == 16 else "*u8", v="*fp16" if v_fmt == 16 else "*u8", ksz="*fp16",
                        vsz="*fp16", pos="*i32", lk=q, lv=q, leave_slot="*i64", rk=q, rv=q, rpos="*i32",
-                       seen="*i64", part_m="*fp32", part_l="*fp32", part_acc="*fp32", logits="*fp32")
+                       seen="*i64", part_m="*fp32", part_l="*fp32", part_acc="*fp32", logits="*fp32", qb="*fp32")
             compile(sa._slot_partial_kernel, sig, dict(KV_HEADS=32 // group, G=group, GP=16, D=head_dim,
                     GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=64, WRITE_LOGITS=scores, DOT=dot,
-                    PRECISION="tf32"))
+                    PRECISION="tf32", ROTATE_Q=rotate, DC=32))
             compile(sa._slot_combine_kernel, dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", out=q,
                     logits="*fp32", pos="*i32", rpos="*i32", seen="*i64", scores="*fp32", ring_scores="*fp32",
-                    slots="i32", ring_size="i32", num_slots="i32", total="i32"),
-                    dict(KV_HEADS=32 // group, G=group, GP=max(2, triton.next_power_of_2(group)), D=head_dim,
-                         BLOCK_S=8, BLOCK_T=256, SCORES=scores, ACCUMULATE=True, HAS_RING=scores))
+                    vb="*fp32", slots="i32", ring_size="i32", num_slots="i32", total="i32"),
+                    dict(KV_HEADS=32 // group, G=group, GP=max(16 if rotate else 2, triton.next_power_of_2(group)),
+                         D=head_dim, BLOCK_S=8, BLOCK_T=256, SCORES=scores, ACCUMULATE=True, HAS_RING=scores,
+                         ROTATE_OUT=rotate, DC=32))
         print("compiled")
     """)
 
