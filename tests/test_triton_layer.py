@@ -114,3 +114,21 @@ def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
     torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
     for a, b in zip(kept(cache), kept(torch_cache)):
         assert torch.equal(a, b)
+
+
+def test_fused_token_rotation_equals_the_matmul():
+    """The fused path rotates the new token as a product + sum over head_dim (Inductor fuses it into the ring-write
+    kernel): ``x @ basis`` to float reassociation, eagerly and compiled, for a non-symmetric basis too (a transposed
+    sum would fail there; the Hadamard basis is symmetric)."""
+    from h2o_compress.cache.layer import _rotate, _rotate_token
+    from h2o_compress.formats import hadamard_matrix
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 1, 128, generator=gen).half()
+    compiled = torch.compile(_rotate_token, fullgraph=True)
+    for basis in (hadamard_matrix(128, "cpu"), torch.randn(128, 128, generator=gen) / 128**0.5):
+        expected = _rotate(x, basis)
+        for rotated in (_rotate_token(x, basis), compiled(x, basis)):
+            assert rotated.dtype == torch.float32 and rotated.shape == x.shape
+            torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(_rotate_token(x, basis), _rotate(x, basis.T), atol=1e-3)
