@@ -60,7 +60,8 @@ def _rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """:func:`_rotate` of one token per (sequence, KV head) as a product and a sum over ``head_dim`` (fp32; equal to
     the matmul to float reassociation): Inductor fuses it into the step's kernel that writes the ring instead of
     launching a ``[batch * kv_heads, head_dim] @ [head_dim, head_dim]`` matmul of its own (issue 14: kernels per
-    layer). The fused (Triton) decode path only; the torch and native CPU paths keep the matmul."""
+    layer). Compiled fused (Triton) decode steps only: eagerly it would materialize ``[batch, kv_heads, 1, head_dim,
+    head_dim]`` fp32, so eager steps, the torch path and the native CPU path keep the matmul."""
     return (x.float().unsqueeze(-1) * basis).sum(-2)
 
 
@@ -388,7 +389,8 @@ class CompressedLayer(CacheLayerMixin):
             return key_states, value_states
         finite = torch.isfinite(torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32))
         self.finite &= finite
-        rotate = _rotate_token if self.fused and key_states.shape[2] == 1 else _rotate
+        # compiled fused one-token steps: a rotation Inductor fuses (eager keeps the matmul: no [.., D, D] temporary)
+        rotate = _rotate_token if self.fused and key_states.shape[2] == 1 and torch.compiler.is_compiling() else _rotate
         if self.key_basis is not None:
             key_states = rotate(key_states, self.key_basis)
         if self.value_basis is not None:
