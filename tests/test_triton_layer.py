@@ -117,9 +117,9 @@ def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
 
 
 def test_fused_token_rotation_equals_the_matmul():
-    """The fused path rotates the new token as a product + sum over head_dim (Inductor fuses it into the ring-write
-    kernel): ``x @ basis`` to float reassociation, eagerly and compiled, for a non-symmetric basis too (a transposed
-    sum would fail there; the Hadamard basis is symmetric)."""
+    """Compiled fused steps rotate the new token as a product + sum over head_dim (Inductor fuses it into the
+    ring-write kernel): ``x @ basis`` to float reassociation, eagerly and compiled, for a non-symmetric basis too (a
+    transposed sum would fail there; the Hadamard basis is symmetric)."""
     from h2o_compress.cache.layer import _rotate, _rotate_token
     from h2o_compress.formats import hadamard_matrix
 
