@@ -19,7 +19,7 @@ import test_compile
 from test_compile import run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
-from h2o_compress.compiled import decode_step
+from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
 from h2o_compress.kernels import slot_attention
 
 pytestmark = pytest.mark.skipif(
@@ -69,6 +69,24 @@ def test_triton_step_captures_in_one_graph():
     assert all(layer.fused for layer in cache.layers)
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     assert scratch == [layer.scratch.part_acc.data_ptr() for layer in cache.layers]  # allocated once
+
+
+def test_triton_step_under_inductor_matches_eager():
+    """Inductor (not only Dynamo) compiles the fused step, with the new token's rotation fused into its ring-write
+    kernel (a product + sum instead of the eager matmul): the same tokens kept and the eager logits to float
+    reassociation (5e-4, as tests/test_compile.py allows a quantized cache under Inductor)."""
+    model = TINY_MODELS["llama"]()
+    config = setting("h2o", 4, "triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+    with torch.inference_mode():
+        eager, eager_cache, _, _ = run(model, config, decode_step)
+        ours, cache, before, after = run(model, config, compiled)
+    assert all(layer.fused for layer in cache.layers)
+    assert after == before
+    torch.testing.assert_close(ours, eager, atol=5e-4, rtol=0)
+    for a, b in zip(kept(cache), kept(eager_cache)):
+        assert torch.equal(a, b)
 
 
 def test_triton_refused_where_it_cannot_run():
