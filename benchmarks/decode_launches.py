@@ -108,11 +108,21 @@ def build(args, kernel: str):
 
 def layer_steps(cache, modules, inputs):
     """Every layer's part of one decode step, in order: the cache update, then the ``h2o_compress`` attention
-    function with what it returned. Returns the attention outputs."""
+    function with what it returned. Returns the attention outputs.
+
+    Layer ``i + 1``'s key and value are its fixed inputs plus layer ``i``'s attention output (one add, which stands
+    in for the model's projections and rotary): as in a model, a layer's cache work cannot start before the previous
+    layer's attention, so Inductor cannot merge the layers' cache kernels into one (independent inputs would let it
+    run every layer's ring write in one kernel and every eviction in another, which no model allows). The query
+    stays independent: it goes to the op as it is (its add would be a kernel of its own, the model's work)."""
     from h2o_compress.attention import h2o_attention_forward
 
     outs = []
     for i, (query, key, value) in enumerate(inputs):
+        if outs:
+            previous = outs[-1].transpose(1, 2)  # [batch, q_heads, 1, head_dim]
+            kv_heads = key.shape[1]
+            key, value = key + previous[:, :kv_heads], value + previous[:, -kv_heads:]
         keys, values = cache.update(key, value, i)
         out, _ = h2o_attention_forward(modules[i], query, keys, values, None, scaling=modules[i].scaling)
         outs.append(out)

@@ -19,7 +19,7 @@ import test_compile
 from test_compile import run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
-from h2o_compress.compiled import decode_step
+from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
 from h2o_compress.kernels import slot_attention
 
 pytestmark = pytest.mark.skipif(
@@ -71,6 +71,24 @@ def test_triton_step_captures_in_one_graph():
     assert scratch == [layer.scratch.part_acc.data_ptr() for layer in cache.layers]  # allocated once
 
 
+def test_triton_step_under_inductor_matches_eager():
+    """Inductor (not only Dynamo) compiles the fused step, with the new token's rotation fused into its ring-write
+    kernel (a product + sum instead of the eager matmul): the same tokens kept and the eager logits to float
+    reassociation (5e-4, as tests/test_compile.py allows a quantized cache under Inductor)."""
+    model = TINY_MODELS["llama"]()
+    config = setting("h2o", 4, "triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+    with torch.inference_mode():
+        eager, eager_cache, _, _ = run(model, config, decode_step)
+        ours, cache, before, after = run(model, config, compiled)
+    assert all(layer.fused for layer in cache.layers)
+    assert after == before
+    torch.testing.assert_close(ours, eager, atol=5e-4, rtol=0)
+    for a, b in zip(kept(cache), kept(eager_cache)):
+        assert torch.equal(a, b)
+
+
 def test_triton_refused_where_it_cannot_run():
     model = TINY_MODELS["llama"]()
     cache = make_cache(model, CompressionConfig(budget=12, kv_bits=4, quant="nf4", attention_kernel="triton"),
@@ -114,3 +132,21 @@ def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
     torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
     for a, b in zip(kept(cache), kept(torch_cache)):
         assert torch.equal(a, b)
+
+
+def test_fused_token_rotation_equals_the_matmul():
+    """Compiled fused steps rotate the new token as a product + sum over head_dim (Inductor fuses it into the
+    ring-write kernel): ``x @ basis`` to float reassociation, eagerly and compiled, for a non-symmetric basis too (a
+    transposed sum would fail there; the Hadamard basis is symmetric)."""
+    from h2o_compress.cache.layer import _rotate, _rotate_token
+    from h2o_compress.formats import hadamard_matrix
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 1, 128, generator=gen).half()
+    compiled = torch.compile(_rotate_token, fullgraph=True)
+    for basis in (hadamard_matrix(128, "cpu"), torch.randn(128, 128, generator=gen) / 128**0.5):
+        expected = _rotate(x, basis)
+        for rotated in (_rotate_token(x, basis), compiled(x, basis)):
+            assert rotated.dtype == torch.float32 and rotated.shape == x.shape
+            torch.testing.assert_close(rotated, expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(_rotate_token(x, basis), _rotate(x, basis.T), atol=1e-3)

@@ -51,6 +51,20 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def _rotate(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``x @ basis`` in fp32: ``x`` ``[batch, kv_heads, tokens, head_dim]``, ``basis`` fp32 ``[head_dim, head_dim]``."""
+    return x.float() @ basis
+
+
+def _rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """:func:`_rotate` of one token per (sequence, KV head) as a product and a sum over ``head_dim`` (fp32; equal to
+    the matmul to float reassociation): Inductor fuses it into the step's kernel that writes the ring instead of
+    launching a ``[batch * kv_heads, head_dim] @ [head_dim, head_dim]`` matmul of its own (issue 14: kernels per
+    layer). Compiled fused (Triton) decode steps only: eagerly it would materialize ``[batch, kv_heads, 1, head_dim,
+    head_dim]`` fp32, so eager steps, the torch path and the native CPU path keep the matmul."""
+    return (x.float().unsqueeze(-1) * basis).sum(-2)
+
+
 def _mark_static(tensors) -> None:
     """Tell Dynamo these buffers keep their address (CUDA graphs replay them; transformers' StaticLayer does it)."""
     if torch.compiler.is_compiling():
@@ -375,10 +389,12 @@ class CompressedLayer(CacheLayerMixin):
             return key_states, value_states
         finite = torch.isfinite(torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32))
         self.finite &= finite
+        # compiled fused one-token steps: a rotation Inductor fuses (eager keeps the matmul: no [.., D, D] temporary)
+        rotate = _rotate_token if self.fused and key_states.shape[2] == 1 and torch.compiler.is_compiling() else _rotate
         if self.key_basis is not None:
-            key_states = key_states.float() @ self.key_basis
+            key_states = rotate(key_states, self.key_basis)
         if self.value_basis is not None:
-            value_states = value_states.float() @ self.value_basis
+            value_states = rotate(value_states, self.value_basis)
         key_states, value_states = key_states.to(self.residual_dtype), value_states.to(self.residual_dtype)
         self.awaiting_attention = True
         announce(self.layer_idx, self)
