@@ -262,3 +262,36 @@ def test_cli_errors_are_one_line(args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_damaged_slot_index_is_refused_on_load(model, tmp_path):
+    from safetensors.torch import load_file
+
+    from h2o_compress.errors import CacheFileError
+    from h2o_compress.persistence import _check_layer_values
+
+    _, cache = run(model, setting(0.5), steps=3)
+    path = cache.save(tmp_path / "mixed.safetensors", model=model)
+    saved = {k.removeprefix("layers.0."): v for k, v in load_file(path).items() if k.startswith("layers.0.")}
+    seen = int(cache.layers[0].seen)
+    _check_layer_values(saved, 0, seen, cache.layers[0])  # as saved: fine
+    for rows, message in (([cache.layers[0].store.slots, -1], "refine.slots outside"), ([0, 0], "name the same slot")):
+        damaged = dict(saved, **{"refine.slots": saved["refine.slots"].clone()})
+        damaged["refine.slots"][0, 0, :2] = torch.tensor(rows)
+        with pytest.raises(CacheFileError, match=message):
+            _check_layer_values(damaged, 0, seen, cache.layers[0])
+
+
+def test_cli_plan_counts_the_8bit_tokens():
+    import json
+
+    args = ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--bits", "4", "--budgets", "0.25", "--json"]
+    rows = {}
+    for fraction in ("0", "0.5"):
+        result = runner.invoke(app, [*args, "--high-bits-fraction", fraction])
+        assert result.exit_code == 0, result.output
+        rows[fraction] = json.loads(result.output)["rows"][0]
+    assert "hi8 50%" in rows["0.5"]["label"] and "hi8" not in rows["0"]["label"]
+    assert rows["0.5"]["cache"]["packed"] > rows["0"]["cache"]["packed"]
+    bad = runner.invoke(app, ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--high-bits-fraction", "7"])
+    assert bad.exit_code == 2 and "error: high_bits_fraction=7.0 is out of range" in bad.output
