@@ -295,3 +295,23 @@ def test_cli_plan_counts_the_8bit_tokens():
     assert rows["0.5"]["cache"]["packed"] > rows["0"]["cache"]["packed"]
     bad = runner.invoke(app, ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--high-bits-fraction", "7"])
     assert bad.exit_code == 2 and "error: high_bits_fraction=7.0 is out of range" in bad.output
+
+
+def test_cli_generate_flag_reaches_the_cache(tmp_path):
+    import json
+
+    from conftest import save_tiny_model_dir
+    from h2o_compress.planner import cache_bytes
+
+    directory = save_tiny_model_dir(tmp_path / "tiny")
+    args = ["generate", "--model", directory, "--no-chat", "--budget", "0.5", "--kv-bits", "4", "--max-new-tokens",
+            "6", "--json", " ".join(f"w{i}" for i in range(20))]
+    figures = {}
+    for fraction in ("0", "0.5"):
+        result = runner.invoke(app, [*args, "--high-bits-fraction", fraction])
+        assert result.exit_code == 0, result.output
+        figures[fraction] = json.loads(result.stdout)
+    dims = model_dims(tiny_llama().config)
+    config = CompressionConfig(budget=0.5, kv_bits=4, high_bits_fraction=0.5)
+    assert figures["0.5"]["kv_bytes"] == cache_bytes(dims, config, 1, 20, 5, kv_dtype=torch.float32).total
+    assert figures["0.5"]["kv_bytes"] > figures["0"]["kv_bytes"]
