@@ -315,3 +315,43 @@ def test_cli_generate_flag_reaches_the_cache(tmp_path):
     config = CompressionConfig(budget=0.5, kv_bits=4, high_bits_fraction=0.5)
     assert figures["0.5"]["kv_bytes"] == cache_bytes(dims, config, 1, 20, 5, kv_dtype=torch.float32).total
     assert figures["0.5"]["kv_bytes"] > figures["0"]["kv_bytes"]
+
+
+@torch.inference_mode()
+def chunked_logits(model, config, chunk=4, length=44):
+    """Read ``length`` tokens in chunks of ``chunk`` (held tokens dequantized at each chunk: the eager path);
+    checks after every chunk that the 8-bit rows name distinct held slots. Returns the logits of every token."""
+    ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(5))
+    cache = make_cache(model, config, max_length=length)
+    out = []
+    for start in range(0, length, chunk):
+        out.append(model(input_ids=ids[:, start : start + chunk], past_key_values=cache).logits)
+        for layer in cache.layers if isinstance(cache, CompressedCache) else ():
+            if isinstance(layer, MixedPrecisionLayer):
+                used = layer.refine.in_use(layer.store.positions)
+                slots = layer.refine.slots.long().masked_fill(~used, -1).sort(-1).values
+                assert not bool(((slots[..., 1:] == slots[..., :-1]) & (slots[..., 1:] >= 0)).any())
+                assert int(used.sum(-1).max()) <= layer.refined_rows()
+    return torch.cat(out, 1)
+
+
+def test_chunked_reads_get_the_8bit_values_back(model):
+    """Chunks after the first read the held tokens through the eager path: with every token refined (F = 1) the
+    logits are as close to 16-bit as an 8-bit cache's, far closer than int4's."""
+    reference = chunked_logits(model, CompressionConfig(policy="h2o", budget=16, residual=2))
+    err = {name: (chunked_logits(model, CompressionConfig(policy="h2o", budget=16, residual=2, **kw)) - reference)
+           .abs().mean().item()
+           for name, kw in {"int8": {"kv_bits": 8}, "int4": {"kv_bits": 4},
+                            "mixed1": {"kv_bits": 4, "high_bits_fraction": 1.0},
+                            "mixed05": {"kv_bits": 4, "high_bits_fraction": 0.5}}.items()}
+    assert err["mixed1"] <= 1.5 * err["int8"] and err["mixed1"] < 0.3 * err["int4"]
+    assert err["mixed05"] < err["int4"]
+
+
+def test_pyramid_layer_budgets_count_each_layer(model):
+    config = CompressionConfig(policy="h2o", budget=0.5, kv_bits=4, residual=2, high_bits_fraction=0.5,
+                               layer_budgets="pyramid")
+    _, cache = run(model, config)
+    assert len({layer.refined_rows() for layer in cache.layers}) == 2  # each layer its own share of its own slots
+    dims = model_dims(model.config)
+    assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
