@@ -355,3 +355,18 @@ def test_pyramid_layer_budgets_count_each_layer(model):
     assert len({layer.refined_rows() for layer in cache.layers}) == 2  # each layer its own share of its own slots
     dims = model_dims(model.config)
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+@torch.inference_mode()
+def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy):
+    """Token by token from the first token (every step a decode step), with evictions: at F = 1 each held token
+    keeps its low plane at every step (a row per slot; an evicted token's row is free for the next)."""
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = make_cache(model, CompressionConfig(policy=policy, budget=0.25, kv_bits=4, high_bits_fraction=1.0), max_length=40)
+    for t in range(40):
+        model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+        for layer in cache.layers:
+            held = (layer.store.positions >= 0).sum(-1)
+            assert torch.equal(layer.refine.in_use(layer.store.positions).sum(-1), held)
+    assert int(cache.layers[0].seen) == 40 and cache.kept_length() == 10
