@@ -370,3 +370,20 @@ def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy):
             held = (layer.store.positions >= 0).sum(-1)
             assert torch.equal(layer.refine.in_use(layer.store.positions).sum(-1), held)
     assert int(cache.layers[0].seen) == 40 and cache.kept_length() == 10
+
+
+@pytest.mark.parametrize("policy", ["h2o-mean", "kvzip"])
+def test_compress_then_ask_twice_gives_the_same_answer(tmp_path, policy):
+    from conftest import save_tiny_model_dir
+
+    from h2o_compress import load_model
+    from h2o_compress.ask import ask, compress
+
+    model, tokenizer = load_model(save_tiny_model_dir(tmp_path / "tiny"), device="cpu")
+    config = CompressionConfig(policy=policy, budget=0.3, kv_bits=4, high_bits_fraction=0.5)
+    context = compress(model, tokenizer, " ".join(f"w{i % 100}" for i in range(80)), config, chat=False)
+    assert all(isinstance(layer, MixedPrecisionLayer) for layer in context.cache.layers)
+    before = {k: t.clone() for k, t in context.cache.layers[0].tensors().items()}
+    first, second = (ask(model, tokenizer, context, "w1 w2", max_new_tokens=5) for _ in range(2))
+    assert first.text == second.text
+    assert all(torch.equal(t, before[k]) for k, t in context.cache.layers[0].tensors().items())
