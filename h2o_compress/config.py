@@ -94,6 +94,11 @@ class CompressionConfig:
             from ``2C - C/20`` tokens at the first layer down to ``C/20`` at the last, each at least the smallest
             capacity that leaves a recent window; lower layers attend broadly, upper ones to few tokens). Each
             layer allocates only its own capacity, so the bytes follow (:meth:`layer_capacities`).
+        high_bits_fraction: share in [0, 1] of each layer's stored tokens kept at 8 bits, the rest at 4 (mixed
+            precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
+            slots)`` by the policy's rank keep the low plane of their 8-bit code (:mod:`h2o_compress.cache.mixed`).
+            0 (default): off. Needs 4-bit ``int`` keys or values; the decode step is the torch form (not
+            ``attention_kernel='triton'``).
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -113,6 +118,7 @@ class CompressionConfig:
     score_chunk_size: int = 64
     attention_kernel: str = "auto"
     layer_budgets: str = "uniform"
+    high_bits_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         from .policies import POLICIES
@@ -165,6 +171,27 @@ class CompressionConfig:
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
+            )
+        self._check_high_bits()
+
+    def _check_high_bits(self) -> None:
+        """``high_bits_fraction``: a number in [0, 1]; above 0 only with 4-bit ``int`` keys or values and a
+        decode step that reads the low planes (not the Triton op)."""
+        fraction = _number("high_bits_fraction", self.high_bits_fraction, "a number in [0, 1]")
+        if not 0 <= fraction <= 1:
+            raise ConfigError(f"high_bits_fraction={short(self.high_bits_fraction)} is out of range; allowed: [0, 1]")
+        if fraction == 0:
+            return
+        if self.quant != "int" or 4 not in (self.key_bits, self.value_bits):
+            raise ConfigError(
+                f"high_bits_fraction={fraction!r} keeps some 4-bit tokens at 8 bits, but keys are {self.key_bits}-bit "
+                f"and values {self.value_bits}-bit with quant={self.quant!r}; allowed: kv_bits (or k_bits / v_bits) "
+                "4 with quant 'int', or high_bits_fraction 0"
+            )
+        if self.attention_kernel == "triton":
+            raise ConfigError(
+                f"high_bits_fraction={fraction!r} runs the torch decode step (the Triton op does not read the 8-bit "
+                "tokens' low planes); allowed: attention_kernel 'auto' or 'torch', or high_bits_fraction 0"
             )
 
     @property

@@ -583,3 +583,10 @@ def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer
     first = saved["first_real"]
     if not bool(((first >= 0) & (first <= seen) | (first == NO_POSITION)).all()):
         fail(f"first_real outside [0, {seen}]")
+    if "refine.slots" in saved:  # mixed precision: each 8-bit row names one store slot, or -1 (free)
+        rows = saved["refine.slots"].long()
+        if int(rows.min()) < -1 or int(rows.max()) >= store.shape[2]:
+            fail(f"refine.slots outside [-1, {store.shape[2]})")
+        taken = rows.masked_fill(rows < 0, -1).sort(-1).values
+        if bool(((taken[..., 1:] == taken[..., :-1]) & (taken[..., 1:] >= 0)).any()):
+            fail("two 8-bit rows name the same slot")

@@ -100,7 +100,8 @@ class CacheBytes:
         scales: bytes of scales, zero points and absmax values, every slot.
         window: bytes of the ring window's keys and values.
         scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies).
-        positions: bytes of the int32 positions (store and ring).
+        positions: bytes of the int32 positions (store and ring) and of the 8-bit tokens' slot indices
+            (``high_bits_fraction``; their low planes count as ``packed``).
         counters: bytes of the per-layer counters (tokens seen, first real token per sequence, finite flag).
     """
 
@@ -122,7 +123,7 @@ class CacheBytes:
 
 
 _CATEGORIES = (
-    ("scores", ("scores",)), ("positions", ("positions",)), ("window", ("ring.keys", "ring.values")),
+    ("scores", ("scores",)), ("positions", ("positions", "refine.slots")), ("window", ("ring.keys", "ring.values")),
     ("packed", (".data", ".x")), ("scales", (".scale_zero", ".absmax")), ("counters", ("seen", "first_real", "finite", "consistent")),
 )
 
@@ -333,18 +334,20 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
 
     kind = fmt(config.key_bits) if config.key_bits == config.value_bits else \
         f"k:{fmt(config.key_bits)}/v:{fmt(config.value_bits)}"
-    return f"{head} {kind} g{config.group_size} r{config.residual}"
+    mixed = f" hi8 {config.high_bits_fraction * 100:g}%" if config.high_bits_fraction else ""
+    return f"{head} {kind}{mixed} g{config.group_size} r{config.residual}"
 
 
 def candidates(
     head_dim: int, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4), group_sizes=(32, 128),
     residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
-    sink_tokens: int | None = None,
+    sink_tokens: int | None = None, high_bits_fraction: float = 0.0,
 ) -> list[CompressionConfig]:
     """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated.
 
     A budget of 1.0 (or policy ``full``) becomes the ``full`` policy (no eviction, no scores); 16 bits ignores
-    group size and residual; group sizes that do not divide ``head_dim`` are skipped.
+    group size and residual; group sizes that do not divide ``head_dim`` are skipped; ``high_bits_fraction``
+    applies to the 4-bit candidates (mixed precision by importance).
 
     Raises:
         ConfigError: an invalid value in any list (from :class:`CompressionConfig`).
@@ -367,6 +370,7 @@ def candidates(
                             policy="full" if full else policy, budget=1.0 if full else budget,
                             heavy_ratio=heavy_ratio, sink_tokens=sink_tokens, kv_bits=b, quant=quant,
                             group_size=group, residual=residual,
+                            high_bits_fraction=high_bits_fraction if b == 4 else 0.0,
                         )
                         key = _setting_key(config)
                         if key not in seen:
@@ -383,7 +387,7 @@ def _setting_key(config: CompressionConfig) -> tuple:
         config.key_bits, config.value_bits, config.quant if quantized else None,
         config.group_size if quantized else None, config.residual if quantized else None,
         None if full else (config.heavy_ratio, config.sinks),
-    )
+    ) + ((config.high_bits_fraction,) if config.high_bits_fraction else ())
 
 
 def load_quality(path, warnings: list | None = None) -> dict[tuple, float]:
@@ -491,7 +495,7 @@ def plan(
     model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, weights_bits: int = 16,
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
-    sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False,
+    sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, high_bits_fraction: float = 0.0,
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -509,7 +513,8 @@ def plan(
         weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
         dtype: compute and KV dtype name (default ``float16``).
         profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
-        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens: the candidate grid.
+        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, high_bits_fraction: the
+            candidate grid (:func:`candidates`).
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
@@ -537,7 +542,7 @@ def plan(
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
-                      sink_tokens)
+                      sink_tokens, high_bits_fraction)
     if not grid:
         raise ConfigError(
             f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "

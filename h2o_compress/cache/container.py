@@ -10,6 +10,7 @@ from ..errors import CacheStateError, InputError
 from ..policies import make_policy
 from ..formats import make_quantizer
 from .layer import CompressedLayer
+from .mixed import MixedPrecisionLayer
 
 
 class CompressedCache(Cache):
@@ -179,10 +180,13 @@ def build_layers(
         ConfigError: a group size that does not divide ``head_dim``.
     """
     capacities = config.layer_capacities(capacity, num_layers)
+    layer_type, own = CompressedLayer, {}
+    if config.high_bits_fraction > 0:  # mixed precision by importance (cache/mixed.py)
+        layer_type, own = MixedPrecisionLayer, {"high_bits_fraction": config.high_bits_fraction}
     layers = []
     for idx in range(num_layers):
         layers.append(
-            CompressedLayer(
+            layer_type(
                 idx,
                 make_policy(config.policy, config.heavy_ratio, config.sink_tokens),
                 capacities[idx],
@@ -192,6 +196,7 @@ def build_layers(
                 score_chunk_size=config.score_chunk_size,
                 attention_kernel=config.attention_kernel,
                 max_tokens=max_tokens,
+                **own,
             )
         )
     for layer in layers:

@@ -273,9 +273,9 @@ class CompressedLayer(CacheLayerMixin):
         Raises:
             InputError: naming both sizes.
         """
-        probe = CompressedLayer(
+        probe = type(self)(
             self.layer_idx, self.policy, self.capacity, self.key_quantizer, self.value_quantizer, self.residual,
-            max_tokens=self.max_tokens,
+            max_tokens=self.max_tokens, **self._own_args(),
         )
         probe.lazy_initialization(key_states.to("meta"), value_states.to("meta"))
         needed = probe.nbytes() * self.num_layers
@@ -298,6 +298,10 @@ class CompressedLayer(CacheLayerMixin):
         return held | {
             "seen": self.seen, "first_real": self.first_real, "finite": self.finite, "consistent": self.consistent,
         }
+
+    def _own_args(self) -> dict:
+        """A subclass's own constructor arguments (a probe or a frozen copy is built like this layer)."""
+        return {}
 
     def nbytes(self) -> int:
         """Bytes of every buffer held (:meth:`tensors`), empty slots included: the cache's real footprint."""
@@ -332,9 +336,10 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError(
                 f"layer {self.layer_idx}: a frozen copy needs an initialised layer and extra_tokens >= 0"
             )
-        copy = CompressedLayer(  # an unbounded layer of known size: slots = max_tokens - residual
+        copy = type(self)(  # an unbounded layer of known size: slots = max_tokens - residual
             self.layer_idx, self.policy, None, self.key_quantizer, self.value_quantizer, self.residual,
             self.score_chunk_size, self.attention_kernel, max_tokens=self.store.slots + self.residual + extra_tokens,
+            **self._own_args(),
         )
         copy.num_layers = self.num_layers
         empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -422,8 +427,7 @@ class CompressedLayer(CacheLayerMixin):
             score = torch.zeros(self.batch, self.kv_heads, 1, device=self.device) if self.with_scores else None
         slot = self.store.first_free()
         self.store.insert(
-            slot, self.key_quantizer.quantize(keys), self.value_quantizer.quantize(values),
-            leaving.unsqueeze(1).expand(-1, self.kv_heads, -1), score,
+            slot, *self._quantize_incoming(keys, values), leaving.unsqueeze(1).expand(-1, self.kv_heads, -1), score,
         )
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
@@ -438,12 +442,22 @@ class CompressedLayer(CacheLayerMixin):
         ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
         keys = self._read(self.key_quantizer, self.store.keys, ring_keys, keys, index)
         values = self._read(self.value_quantizer, self.store.values, ring_values, values, index)
+        self._after_read(keys, values, slot)
         valid = self.store.positions >= 0
         if self.ring is not None:
             ring_valid = (self.ring.positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)
             valid = torch.cat((valid, ring_valid), dim=2)
         self.decode_valid = valid
         return keys, values
+
+    def _quantize_incoming(self, keys: torch.Tensor, values: torch.Tensor):
+        """The stored forms of tokens entering the store ``[batch, kv_heads, n, head_dim]`` (a hook: the
+        mixed-precision layer also keeps their low planes)."""
+        return self.key_quantizer.quantize(keys), self.value_quantizer.quantize(values)
+
+    def _after_read(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
+        """A hook after a quantized decode step built what attention reads (``[batch, kv_heads, slots + residual,
+        head_dim]``; the token that entered the store sits in ``slot`` at full precision). Nothing here."""
 
     def _grow_for_token(self) -> None:
         """Make room for one more token in an unbounded cache of unknown length (a host counter; eager only)."""
@@ -632,11 +646,12 @@ class CompressedLayer(CacheLayerMixin):
                              tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n])
         self.seen.fill_(seen)
 
-    def _store_incoming(self, incoming, keys, values, positions, scores) -> None:
+    def _store_incoming(self, incoming, keys, values, positions, scores):
         """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and
-        write them into empty slots, lowest first (eager: prefill)."""
+        write them into empty slots, lowest first (eager: prefill). Returns where they went, ``(b, h, slot, i)``
+        (1-D int64: token ``i`` of sequence ``b``, head ``h`` in ``slot``), or ``None`` when nothing entered."""
         if not bool(incoming.any()):
-            return
+            return None
         empty = self.store.positions < 0
         if bool((incoming.sum(-1) > empty.sum(-1)).any()):
             if not self.growable:
@@ -650,11 +665,13 @@ class CompressedLayer(CacheLayerMixin):
         target = free_first.gather(-1, (incoming.long().cumsum(-1) - 1).clamp(min=0))
         b, h, i = incoming.nonzero(as_tuple=True)
         slot = target[b, h, i]
-        self.store.keys.put_((b, h, slot), self.key_quantizer.quantize(keys), (b, h, i))
-        self.store.values.put_((b, h, slot), self.value_quantizer.quantize(values), (b, h, i))
+        stored_keys, stored_values = self._quantize_incoming(keys, values)
+        self.store.keys.put_((b, h, slot), stored_keys, (b, h, i))
+        self.store.values.put_((b, h, slot), stored_values, (b, h, i))
         self.store.positions[b, h, slot] = positions[b, i].to(torch.int32)
         if scores is not None:
             self.store.scores[b, h, slot] = scores[b, h, i]
+        return b, h, slot, i
 
     # -- transformers' sizes -----------------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

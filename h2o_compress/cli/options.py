@@ -46,6 +46,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "layer_budgets": _Flag(str, typer.Option(
         "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, or pyramid (PyramidKV: "
         "more for the first layers, less for the last, same total bytes).")),
+    "high_bits_fraction": _Flag(float, typer.Option(
+        0.0, "--high-bits-fraction", help="Share in [0, 1] of the stored tokens kept at 8 bits, the top-ranked by "
+        "the policy, the rest at 4 (needs --kv-bits 4, quant int; 0 = off).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "

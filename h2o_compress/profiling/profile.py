@@ -60,6 +60,7 @@ class ProfileSettings:
         agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips.
         needle_lengths, needle_depths: passkey retrieval cells; empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
+        high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
@@ -94,6 +95,7 @@ class ProfileSettings:
     quant: str = _DEFAULTS.quant
     group_size: int = _DEFAULTS.group_size
     residual: int = _DEFAULTS.residual
+    high_bits_fraction: float = 0.0
     isolate: bool | None = None
     threads: int | None = None
     trust_remote_code: bool = False
@@ -155,7 +157,9 @@ class ProfileSettings:
             for budget in self.budgets:
                 no_eviction = isinstance(budget, float) and budget >= 1
                 for policy in ["full"] if no_eviction else self.policies:
-                    config = CompressionConfig(policy=policy, budget=budget, kv_bits=bits, **fixed)
+                    mixed = self.high_bits_fraction if bits == 4 else 0.0  # 8-bit tokens among 4-bit ones
+                    config = CompressionConfig(policy=policy, budget=budget, kv_bits=bits, **fixed,
+                                               high_bits_fraction=mixed)
                     if config not in configs:
                         configs.append(config)
         return configs
@@ -164,6 +168,8 @@ class ProfileSettings:
 def label(config: CompressionConfig) -> str:
     """Short name of a configuration, e.g. ``h2o 0.2 4-bit`` or ``full 16-bit``."""
     bits = f"{config.key_bits}-bit" if config.key_bits == config.value_bits else f"k{config.key_bits}v{config.value_bits}"
+    if config.high_bits_fraction:
+        bits += f" hi8 {config.high_bits_fraction:g}"
     if config.policy == "full" or config.capacity(1 << 30) is None:
         return f"full {bits}"
     return f"{config.policy} {config.budget:g} {bits}"
