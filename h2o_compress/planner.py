@@ -100,7 +100,8 @@ class CacheBytes:
         scales: bytes of scales, zero points and absmax values, every slot.
         window: bytes of the ring window's keys and values.
         scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies).
-        positions: bytes of the int32 positions (store and ring).
+        positions: bytes of the int32 positions (store and ring) and of the int8 head tags of a head-adaptive
+            layer's slot pool (``head_budgets="adaptive"``).
         counters: bytes of the per-layer counters (tokens seen, first real token per sequence, finite flag).
     """
 
@@ -122,7 +123,7 @@ class CacheBytes:
 
 
 _CATEGORIES = (
-    ("scores", ("scores",)), ("positions", ("positions",)), ("window", ("ring.keys", "ring.values")),
+    ("scores", ("scores",)), ("positions", ("positions", "owner")), ("window", ("ring.keys", "ring.values")),
     ("packed", (".data", ".x")), ("scales", (".scale_zero", ".absmax")), ("counters", ("seen", "first_real", "finite", "consistent")),
 )
 

@@ -3,12 +3,18 @@
 - :mod:`.slots`: :class:`SlotStore`, kept tokens in stored form (quantized once) in fixed slots.
 - :mod:`.ring`: :class:`RingWindow`, the newest tokens in full precision (KIVI's residual).
 - :mod:`.layer`: :class:`CompressedLayer`, one attention layer: decode step, chunk step, eviction.
+- :mod:`.slot_pool`, :mod:`.head_adaptive_layer`: :class:`SlotPool` and :class:`HeadAdaptiveLayer`, one layer's
+  budget shared by its KV heads (Ada-KV, ``head_budgets="adaptive"``).
 - :mod:`.container`: :class:`CompressedCache`, the transformers ``Cache`` over the layers.
 """
 
 from .container import CompressedCache, build_layers
+from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
 from .ring import RingWindow
+from .slot_pool import SlotPool
 from .slots import SlotStore
 
-__all__ = ["CompressedCache", "CompressedLayer", "RingWindow", "SlotStore", "build_layers"]
+__all__ = [
+    "CompressedCache", "CompressedLayer", "HeadAdaptiveLayer", "RingWindow", "SlotPool", "SlotStore", "build_layers",
+]
