@@ -46,6 +46,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "layer_budgets": _Flag(str, typer.Option(
         "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, or pyramid (PyramidKV: "
         "more for the first layers, less for the last, same total bytes).")),
+    "head_budgets": _Flag(str, typer.Option(
+        "uniform", "--head-budgets", help="Spread each layer's capacity over its KV heads: uniform, or adaptive "
+        "(Ada-KV: heavy hitters ranked over all heads together, same bytes; scoring policies, torch decode form).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
