@@ -322,6 +322,8 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
         head = f"{config.policy} {config.budget * 100:g}%"
     else:
         head = f"{config.policy} {int(config.budget)} tok"
+    if config.head_budgets != "uniform" and head != "full":
+        head += f" {config.head_budgets} heads"
     if not config.quantized:
         return f"{head} {width}-bit"
 
@@ -340,9 +342,10 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
 def candidates(
     head_dim: int, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4), group_sizes=(32, 128),
     residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
-    sink_tokens: int | None = None,
+    sink_tokens: int | None = None, head_budgets: str = "uniform",
 ) -> list[CompressionConfig]:
-    """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated.
+    """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated (each evicting
+    setting with ``head_budgets``).
 
     A budget of 1.0 (or policy ``full``) becomes the ``full`` policy (no eviction, no scores); 16 bits ignores
     group size and residual; group sizes that do not divide ``head_dim`` are skipped.
@@ -367,7 +370,7 @@ def candidates(
                         config = CompressionConfig(
                             policy="full" if full else policy, budget=1.0 if full else budget,
                             heavy_ratio=heavy_ratio, sink_tokens=sink_tokens, kv_bits=b, quant=quant,
-                            group_size=group, residual=residual,
+                            group_size=group, residual=residual, head_budgets="uniform" if full else head_budgets,
                         )
                         key = _setting_key(config)
                         if key not in seen:
@@ -384,6 +387,7 @@ def _setting_key(config: CompressionConfig) -> tuple:
         config.key_bits, config.value_bits, config.quant if quantized else None,
         config.group_size if quantized else None, config.residual if quantized else None,
         None if full else (config.heavy_ratio, config.sinks),
+        None if full or config.head_budgets == "uniform" else config.head_budgets,
     )
 
 
@@ -492,7 +496,7 @@ def plan(
     model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, weights_bits: int = 16,
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
-    sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False,
+    sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, head_budgets: str = "uniform",
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -510,7 +514,8 @@ def plan(
         weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
         dtype: compute and KV dtype name (default ``float16``).
         profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
-        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens: the candidate grid.
+        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, head_budgets: the
+            candidate grid.
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
@@ -538,7 +543,7 @@ def plan(
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
-                      sink_tokens)
+                      sink_tokens, head_budgets)
     if not grid:
         raise ConfigError(
             f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "

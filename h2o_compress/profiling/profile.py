@@ -60,6 +60,7 @@ class ProfileSettings:
         agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips.
         needle_lengths, needle_depths: passkey retrieval cells; empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
+        head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
@@ -94,6 +95,7 @@ class ProfileSettings:
     quant: str = _DEFAULTS.quant
     group_size: int = _DEFAULTS.group_size
     residual: int = _DEFAULTS.residual
+    head_budgets: str = _DEFAULTS.head_budgets
     isolate: bool | None = None
     threads: int | None = None
     trust_remote_code: bool = False
@@ -155,7 +157,8 @@ class ProfileSettings:
             for budget in self.budgets:
                 no_eviction = isinstance(budget, float) and budget >= 1
                 for policy in ["full"] if no_eviction else self.policies:
-                    config = CompressionConfig(policy=policy, budget=budget, kv_bits=bits, **fixed)
+                    config = CompressionConfig(policy=policy, budget=budget, kv_bits=bits, **fixed,
+                                               head_budgets="uniform" if policy == "full" else self.head_budgets)
                     if config not in configs:
                         configs.append(config)
         return configs
@@ -166,7 +169,8 @@ def label(config: CompressionConfig) -> str:
     bits = f"{config.key_bits}-bit" if config.key_bits == config.value_bits else f"k{config.key_bits}v{config.value_bits}"
     if config.policy == "full" or config.capacity(1 << 30) is None:
         return f"full {bits}"
-    return f"{config.policy} {config.budget:g} {bits}"
+    heads = "" if config.head_budgets == "uniform" else f" {config.head_budgets} heads"
+    return f"{config.policy} {config.budget:g}{heads} {bits}"
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int | None, str]:
