@@ -235,3 +235,69 @@ def test_cli_flag_reaches_the_cache(tiny_dir):
     bad = runner.invoke(app, ["generate", "--head-budgets", "fancy", "hello"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert bad.output.strip() == "error: head_budgets='fancy' is not supported; allowed: uniform, adaptive"
+
+
+ADAPTIVE_CASES = [  # policy, budget, k_bits, v_bits, group, residual, batch, prompt, new (as test_planner.CASES)
+    ("h2o", 0.5, 16, 16, 32, 4, 2, 30, 10),
+    ("h2o", 0.3, 4, 4, 32, 4, 1, 30, 12),
+    ("h2o-mean", 12, 8, 4, 64, 2, 2, 25, 20),
+    ("tova", 0.4, 8, 8, 128, 8, 3, 33, 17),
+    ("snapkv", 0.3, 4, 4, 64, 0, 1, 40, 10),
+    ("kvzip", 0.5, 16, 16, 32, 4, 2, 30, 8),
+]
+
+
+@pytest.mark.parametrize("case", ADAPTIVE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_planner_counts_the_pool_to_the_byte(case):
+    from test_planner import llama128, predicted, run_cache
+
+    policy, budget, kb, vb, group, residual, batch, prompt, new = case
+    config = adaptive(policy=policy, budget=budget, k_bits=kb, v_bits=vb, group_size=group, residual=residual)
+    model = llama128()
+    with torch.inference_mode():
+        cache = run_cache(model, config, batch, prompt, new)
+    guess = predicted(model, config, batch, prompt, new)
+    layer = cache.layers[0]
+    assert isinstance(layer, HeadAdaptiveLayer)
+    assert guess.total == cache.nbytes() == cache.storage_nbytes()
+    assert guess.slots == layer.store.slots == 2 * (layer.capacity - layer.residual + 1)
+    held = torch.stack([layer.kept_per_head().sum(-1) for layer in cache.layers])
+    assert bool((held == 2 * min(layer.capacity, prompt + new - 1)).all())  # every sequence at its layer budget
+
+
+def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
+    """``h2o_compress.compress`` with kvzip: each layer keeps, over both heads together, the tokens the
+    reconstruction attends most (plus each head's recent window); asking twice gives the same answer and leaves the
+    compressed context as it was."""
+    from profiling.profiling_helpers import tiny_lm
+
+    from h2o_compress import ask, compress
+    from h2o_compress.ask import reconstruction_scores
+    from h2o_compress.generation import encode_prompt
+    from h2o_compress.profiling import default_corpus
+
+    text = default_corpus()[:400]
+    model, tokenizer = tiny_lm()
+    config = adaptive(policy="kvzip", budget=0.25, heavy_ratio=0.9, kv_bits=16)
+    context = compress(model, tokenizer, text, config, chat=False)
+    ids = encode_prompt(tokenizer, text, False)
+    scores = reconstruction_scores(model, tokenizer, ids)
+    capacity = context.cache.capacity
+    heavy = context.cache.layers[0].policy.heavy(capacity)
+    recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
+    spread = []
+    for layer, layer_scores in zip(context.cache.layers, scores):
+        assert isinstance(layer, HeadAdaptiveLayer)
+        ranked = sorted(((float(layer_scores[0, h, p]), -p, -h) for h in range(2) for p in range(ids.shape[1])
+                         if p not in recent), reverse=True)[: 2 * heavy]
+        kept = layer.positions()[0]
+        for head in range(2):
+            assert set(kept[head][kept[head] >= 0].tolist()) == {-p for _, p, h in ranked if -h == head} | recent
+        spread.append(layer.kept_per_head()[0].tolist())
+    assert any(a != b for a, b in spread)  # the heads of some layer really hold different counts
+    before = {(i, k): v.clone() for i, layer in enumerate(context.cache.layers) for k, v in layer.tensors().items()}
+    first = ask(model, tokenizer, context, "Who?", max_new_tokens=4)
+    again = ask(model, tokenizer, context, "Who?", max_new_tokens=4)
+    assert first.text == again.text
+    after = {(i, k): v for i, layer in enumerate(context.cache.layers) for k, v in layer.tensors().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
