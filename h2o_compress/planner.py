@@ -218,7 +218,8 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
     ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
     (:func:`h2o_compress.kernels.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
-    allocate it). The CUDA-graph pool of a compiled step is not counted: still to measure on a GPU.
+    allocate it; a head-adaptive cache neither, and its decode step reads ``kv_heads x`` the kept tokens per head).
+    The CUDA-graph pool of a compiled step is not counted: still to measure on a GPU.
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
@@ -227,7 +228,10 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     """
     size = _element_size(dtype)
     scratch = 0
-    if slots is not None:
+    adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
+    if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
+        kept *= spec.dims.kv_heads
+    elif slots is not None:
         d = spec.dims
         with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
         scratch = d.num_layers * decode_scratch_bytes(

@@ -301,3 +301,4 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     assert first.text == again.text
     after = {(i, k): v for i, layer in enumerate(context.cache.layers) for k, v in layer.tensors().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)
+
