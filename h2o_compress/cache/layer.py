@@ -338,7 +338,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def positions(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (sequences with fewer held
-        tokens, e.g. padded ones, are filled with ``-1`` at the front)."""
+        tokens, e.g. padded ones or the heads of a head-adaptive layer that keep fewer, are filled with ``-1`` at
+        the front)."""
         held = self.head_positions().long()
         if self.ring is not None:
             held = torch.cat((held, self.ring.positions.long()[:, None].expand(-1, self.kv_heads, -1)), dim=2)
