@@ -143,9 +143,10 @@ class HeadAdaptiveLayer(CompressedLayer):
             valid = torch.cat((valid, (self.ring.positions >= 0).unsqueeze(1).expand(-1, heads, -1)), dim=2)
         self.decode_valid = valid
         index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
-        return self._pool_read(self.key_quantizer, self.store.keys, keys, index, None if self.ring is None else
-                               self.ring.keys), self._pool_read(self.value_quantizer, self.store.values, values,
-                                                                index, None if self.ring is None else self.ring.values)
+        ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
+        keys = self._pool_read(self.key_quantizer, self.store.keys, keys, index, ring_keys)
+        values = self._pool_read(self.value_quantizer, self.store.values, values, index, ring_values)
+        return keys, values
 
     def _pool_read(self, quantizer, stored, leaving, index, ring) -> torch.Tensor:
         """The pool dequantized (the tokens leaving the ring at full precision in their new slots, as uniform's
