@@ -221,7 +221,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_cli_flag_reaches_the_cache(tiny_dir):
+def test_cli_flag_and_config_file_reach_the_cache(tiny_dir, tmp_path):
     figures = {}
     for mode in ("uniform", "adaptive"):
         result = runner.invoke(app, [
@@ -232,6 +232,12 @@ def test_cli_flag_reaches_the_cache(tiny_dir):
         figures[mode] = json.loads(result.stdout)
     # capacity 16, residual 3: a pool of 2 x 14 slots per layer, one int8 tag each, 2 layers
     assert figures["adaptive"]["kv_bytes"] - figures["uniform"]["kv_bytes"] == 2 * 2 * 14
+    settings = tmp_path / "adaptive.json"
+    settings.write_text(json.dumps({"head_budgets": "adaptive", "budget": 0.5, "kv_bits": 4}))
+    from_file = runner.invoke(app, ["generate", "--model", tiny_dir, "--no-chat", "--max-new-tokens", "12", "--config",
+                                    str(settings), "--json", " ".join(f"w{i}" for i in range(20))])
+    assert from_file.exit_code == 0, from_file.output
+    assert json.loads(from_file.stdout)["kv_bytes"] == figures["adaptive"]["kv_bytes"]
     bad = runner.invoke(app, ["generate", "--head-budgets", "fancy", "hello"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert bad.output.strip() == "error: head_budgets='fancy' is not supported; allowed: uniform, adaptive"
@@ -302,3 +308,17 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     after = {(i, k): v for i, layer in enumerate(context.cache.layers) for k, v in layer.tensors().items()}
     assert all(torch.equal(before[k], after[k]) for k in before)
 
+
+
+def test_plan_and_profile_sweep_take_the_head_budgets():
+    from h2o_compress.planner import candidates, describe
+    from h2o_compress.profiling.profile import ProfileSettings, label
+
+    grid = candidates(64, policies=("h2o",), budgets=(1.0, 0.2), bits=(4,), group_sizes=(32,), head_budgets="adaptive")
+    assert [c.head_budgets for c in grid] == ["uniform", "adaptive"]  # budget 1.0 keeps everything: nothing to share
+    assert describe(grid[1]) == "h2o 20% adaptive heads int4 g32 r3" and describe(grid[0]) == "full int4 g32 r3"
+    configs = ProfileSettings(policies=("tova",), budgets=(1, 0.1), kv_bits=(4,), head_budgets="adaptive").configs()
+    assert [c.head_budgets for c in configs] == ["uniform", "uniform", "adaptive"]
+    assert label(configs[-1]) == "tova 0.1 adaptive heads 4-bit"
+    with pytest.raises(ConfigError, match="policy='sink'"):
+        ProfileSettings(policies=("sink",), budgets=(0.1,), kv_bits=(4,), head_budgets="adaptive").configs()
