@@ -317,7 +317,7 @@ def test_plan_and_profile_sweep_take_the_head_budgets():
     grid = candidates(64, policies=("h2o",), budgets=(1.0, 0.2), bits=(4,), group_sizes=(32,), head_budgets="adaptive")
     assert [c.head_budgets for c in grid] == ["uniform", "adaptive"]  # budget 1.0 keeps everything: nothing to share
     assert describe(grid[1]) == "h2o 20% adaptive heads int4 g32 r3" and describe(grid[0]) == "full int4 g32 r3"
-    configs = ProfileSettings(policies=("tova",), budgets=(1, 0.1), kv_bits=(4,), head_budgets="adaptive").configs()
+    configs = ProfileSettings(policies=("tova",), budgets=(1.0, 0.1), kv_bits=(4,), head_budgets="adaptive").configs()
     assert [c.head_budgets for c in configs] == ["uniform", "uniform", "adaptive"]
     assert label(configs[-1]) == "tova 0.1 adaptive heads 4-bit"
     with pytest.raises(ConfigError, match="policy='sink'"):
