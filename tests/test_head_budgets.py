@@ -322,3 +322,20 @@ def test_plan_and_profile_sweep_take_the_head_budgets():
     assert label(configs[-1]) == "tova 0.1 adaptive heads 4-bit"
     with pytest.raises(ConfigError, match="policy='sink'"):
         ProfileSettings(policies=("sink",), budgets=(0.1,), kv_bits=(4,), head_budgets="adaptive").configs()
+
+
+def test_reorder_and_select_move_the_head_tags_with_their_tokens():
+    model = tiny_llama()
+    cache = make_cache(model, adaptive(budget=8, kv_bits=4), max_length=30)
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # buffers reordered outside the forward pass: not inference tensors
+        model(input_ids=ids, past_key_values=cache)
+    layer = cache.layers[0]
+    before = [(layer.positions()[row].clone(), layer.kept_per_head()[row].clone()) for row in range(2)]
+    pointers = {k: v.data_ptr() for k, v in layer.tensors().items()}
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert {k: v.data_ptr() for k, v in layer.tensors().items()} == pointers  # in place
+    for row, (positions, kept) in zip((1, 0), before):
+        assert torch.equal(layer.positions()[row], positions) and torch.equal(layer.kept_per_head()[row], kept)
+    cache.batch_select_indices(torch.tensor([0]))
+    assert layer.store.owner.shape[0] == 1 and torch.equal(layer.positions()[0], before[1][0])
