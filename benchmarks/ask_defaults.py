@@ -6,7 +6,8 @@ Passkey retrieval on the real SmolLM2 with the haystack compressed before the qu
 (:func:`h2o_compress.profiling.needle.needle_eval` with ``protocol="compress-then-ask"``), the same prompts for
 every setting (same seed), at one budget and bit width: policies h2o / h2o-mean / snapkv / tova / strided at heavy
 ratio 0.5 and 0.9, h2o 0.9 with pyramid layer budgets, and the uncompressed reference. Prints a table and writes
-``--out`` (JSON) and the same path with ``.md``.
+``--out`` (JSON) and the same path with ``.md``. ``--settings`` picks some of them, ``--head-budgets
+uniform,adaptive`` runs each with both head budgets (Ada-KV), ``--no-reference`` skips the uncompressed run.
 """
 
 from __future__ import annotations
@@ -46,23 +47,31 @@ def main() -> None:
     parser.add_argument("--kv-bits", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="Names of SETTINGS, comma-separated.")
+    parser.add_argument("--head-budgets", default="uniform", help="uniform, adaptive or both, comma-separated.")
+    parser.add_argument("--no-reference", action="store_true", help="Skip the uncompressed run.")
     parser.add_argument("--out", default="benchmarks/results/ask_defaults.json")
     args = parser.parse_args()
+    unknown = [name for name in args.settings.split(",") if name not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; allowed: {', '.join(SETTINGS)}")
+    grid = [(name + ("" if heads == "uniform" else f" {heads} heads"), {**SETTINGS[name], "head_budgets": heads})
+            for name in args.settings.split(",") for heads in args.head_budgets.split(",")]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device="cpu")
     lengths = tuple(int(x) for x in args.lengths.split(","))
     depths = tuple(float(x) for x in args.depths.split(","))
     rows, started = [], time.perf_counter()
     with Progress() as progress:
-        task = progress.add_task("settings", total=len(SETTINGS))
-        for index, (name, fields) in enumerate(SETTINGS.items()):
+        task = progress.add_task("settings", total=len(grid))
+        for index, (name, fields) in enumerate(grid):
             config = CompressionConfig(budget=args.budget, kv_bits=args.kv_bits, **fields)
             result = needle_eval(model, tokenizer, config, lengths, depths, args.trials, args.seed,
-                                 reference=index == 0, protocol="compress-then-ask")
+                                 reference=index == 0 and not args.no_reference, protocol="compress-then-ask")
             rows.append({"setting": name, "config": config.to_dict(), "right": result.overall("compressed"),
                          "kv_bytes": sum(t.kv_bytes for t in result.trials if t.setting == "compressed")
                          / max(1, sum(t.setting == "compressed" for t in result.trials))})
-            if index == 0:
+            if index == 0 and not args.no_reference:
                 rows.insert(0, {"setting": "uncompressed", "config": None, "right": result.overall("reference"),
                                 "kv_bytes": None})
             progress.advance(task)
@@ -81,7 +90,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/ask_defaults.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")
+        f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+        for k, v in vars(args).items() if k != "out" and v is not False)
     out.write_text(json.dumps({"command": command, "rows": rows, "minutes": (time.perf_counter() - started) / 60},
                               indent=2))
     out.with_suffix(".md").write_text("\n".join(lines + ["", f"`{command}`"]) + "\n")

@@ -18,6 +18,11 @@ ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
 ATTENTION_KERNELS = ("auto", "torch", "triton")
 LAYER_BUDGETS = ("uniform", "pyramid")
+HEAD_BUDGETS = ("uniform", "adaptive")
+# The policies whose ranking compares tokens across KV heads (a score of attention received): the ones that can
+# share a layer's budget between its heads (Ada-KV). The others rank every token alike (local, sink, full) or by
+# a pattern shared by every head (strided), so a shared budget would change nothing but the tie order.
+HEAD_ADAPTIVE_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "kvzip")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
 SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided", "kvzip")  # the policies that split the budget by heavy_ratio
@@ -99,6 +104,14 @@ class CompressionConfig:
             slots)`` by the policy's rank keep the low plane of their 8-bit code (:mod:`h2o_compress.cache.mixed`).
             0 (default): off. Needs 4-bit ``int`` keys or values; the decode step is the torch form (not
             ``attention_kernel='triton'``).
+        head_budgets: how a layer's capacity is spread over its KV heads: ``uniform`` (``C`` tokens per head) or
+            ``adaptive`` (Ada-KV, Feng et al. 2024, arXiv 2407.11550 §3: ``kv_heads x C`` tokens per layer, each
+            head keeping its own recent window and sinks, the heavy-hitter rest going to the highest-ranked tokens
+            over all heads together). The layer's tokens live in one slot pool tagged by head
+            (:class:`~h2o_compress.cache.HeadAdaptiveLayer`), so evicted tokens really free memory and the bytes
+            are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
+            ``C``); needs a scoring policy (``HEAD_ADAPTIVE_POLICIES``); decode steps run the torch form
+            (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -119,6 +132,7 @@ class CompressionConfig:
     attention_kernel: str = "auto"
     layer_budgets: str = "uniform"
     high_bits_fraction: float = 0.0
+    head_budgets: str = "uniform"
 
     def __post_init__(self) -> None:
         from .policies import POLICIES
@@ -172,7 +186,14 @@ class CompressionConfig:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
             )
+        self._check_head_budgets()
         self._check_high_bits()
+        if self.high_bits_fraction and self.head_budgets == "adaptive":
+            raise ConfigError(
+                f"high_bits_fraction={self.high_bits_fraction!r} with head_budgets='adaptive': mixed precision is not "
+                "built for the head-tagged slot pool yet; allowed: one of them (high_bits_fraction 0 or head_budgets "
+                "'uniform')"
+            )
 
     def _check_high_bits(self) -> None:
         """``high_bits_fraction``: a number in [0, 1]; above 0 only with 4-bit ``int`` keys or values and a
@@ -192,6 +213,24 @@ class CompressionConfig:
             raise ConfigError(
                 f"high_bits_fraction={fraction!r} runs the torch decode step (the Triton op does not read the 8-bit "
                 "tokens' low planes); allowed: attention_kernel 'auto' or 'torch', or high_bits_fraction 0"
+            )
+
+    def _check_head_budgets(self) -> None:
+        if not isinstance(self.head_budgets, str) or self.head_budgets not in HEAD_BUDGETS:
+            raise ConfigError(
+                f"head_budgets={short(self.head_budgets)} is not supported; allowed: {', '.join(HEAD_BUDGETS)}"
+            )
+        if self.head_budgets != "adaptive":
+            return
+        if self.policy not in HEAD_ADAPTIVE_POLICIES and self.policy != "full":
+            raise ConfigError(
+                f"head_budgets='adaptive' with policy={self.policy!r}: it ranks every head's tokens alike, so there is "
+                f"nothing to share between heads; allowed policies: {', '.join(HEAD_ADAPTIVE_POLICIES)}"
+            )
+        if self.attention_kernel == "triton":
+            raise ConfigError(
+                "head_budgets='adaptive' with attention_kernel='triton': the Triton op reads per-head slots and an "
+                "adaptive layer pools them; allowed: attention_kernel='auto' or 'torch'"
             )
 
     @property

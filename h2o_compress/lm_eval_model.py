@@ -145,8 +145,9 @@ class H2OCompressLM(HFLM):
         chunk_size: tokens per forward pass of rolling loglikelihood (1 = exact decode semantics).
         **kwargs: the fields of :class:`~h2o_compress.CompressionConfig` (``policy``, ``budget``, ``heavy_ratio``,
             ``sink_tokens``, ``kv_bits``, ``k_bits``, ``v_bits``, ``quant``, ``group_size``, ``residual``,
-            ``rotate``, ``score_chunk_size``, ``attention_kernel``, ``layer_budgets``, ``high_bits_fraction``) and the HFLM arguments of
-            :data:`HFLM_ARGS` (e.g. ``max_length``, ``add_bos_token``, ``softmax_dtype``).
+            ``rotate``, ``score_chunk_size``, ``attention_kernel``, ``layer_budgets``, ``head_budgets``,
+            ``high_bits_fraction``) and the HFLM arguments of :data:`HFLM_ARGS` (e.g. ``max_length``, ``add_bos_token``,
+            ``softmax_dtype``).
 
     Raises:
         ConfigError: a bad or unknown model_arg (checked before the model is loaded).

@@ -560,6 +560,12 @@ def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer
     store = saved["store.positions"].long()
     if int(store.min()) < -1 or int(store.max()) >= max(seen, 1):
         fail(f"store positions outside [-1, {seen})")
+    limit = layer.capacity
+    if "store.owner" in saved:  # a head-adaptive slot pool: per-head positions, kv_heads x capacity per sequence
+        owner, heads = saved["store.owner"].long(), layer.kv_heads
+        if bool(((owner < 0) | (owner >= heads))[store >= 0].any()):
+            fail(f"store.owner outside [0, {heads})")
+        store = torch.where(owner == torch.arange(heads).view(1, -1, 1), store, -1)
     held = store
     if "ring.positions" in saved:
         ring = saved["ring.positions"].long()
@@ -572,8 +578,11 @@ def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer
     valid = held.masked_fill(held < 0, -1).sort(-1).values
     if bool(((valid[..., 1:] == valid[..., :-1]) & (valid[..., 1:] >= 0)).any()):
         fail("a position is held twice")
-    if layer.capacity is not None and int((held >= 0).sum(-1).max()) > layer.capacity:
-        fail(f"holds more than the capacity {layer.capacity}")
+    if "store.owner" in saved and limit is not None:
+        if int((held >= 0).sum((1, 2)).max()) > layer.kv_heads * limit:
+            fail(f"holds more than kv_heads x the capacity {limit}")
+    elif limit is not None and int((held >= 0).sum(-1).max()) > limit:
+        fail(f"holds more than the capacity {limit}")
     for name, tensor in saved.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             fail(f"{name} holds NaN or Inf")

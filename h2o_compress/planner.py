@@ -100,8 +100,9 @@ class CacheBytes:
         scales: bytes of scales, zero points and absmax values, every slot.
         window: bytes of the ring window's keys and values.
         scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies).
-        positions: bytes of the int32 positions (store and ring) and of the 8-bit tokens' slot indices
-            (``high_bits_fraction``; their low planes count as ``packed``).
+        positions: bytes of the int32 positions (store and ring), of the 8-bit tokens' slot indices
+            (``high_bits_fraction``; their low planes count as ``packed``) and of the int8 head tags of a head-adaptive
+            layer's slot pool (``head_budgets="adaptive"``).
         counters: bytes of the per-layer counters (tokens seen, first real token per sequence, finite flag).
     """
 
@@ -123,7 +124,7 @@ class CacheBytes:
 
 
 _CATEGORIES = (
-    ("scores", ("scores",)), ("positions", ("positions", "refine.slots")), ("window", ("ring.keys", "ring.values")),
+    ("scores", ("scores",)), ("positions", ("positions", "refine.slots", "owner")), ("window", ("ring.keys", "ring.values")),
     ("packed", (".data", ".x")), ("scales", (".scale_zero", ".absmax")), ("counters", ("seen", "first_real", "finite", "consistent")),
 )
 
@@ -218,7 +219,8 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
     ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
     (:func:`h2o_compress.kernels.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
-    allocate it). The CUDA-graph pool of a compiled step is not counted: still to measure on a GPU.
+    allocate it; a head-adaptive cache neither, and its decode step reads ``kv_heads x`` the kept tokens per head).
+    The CUDA-graph pool of a compiled step is not counted: still to measure on a GPU.
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
@@ -227,7 +229,10 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     """
     size = _element_size(dtype)
     scratch = 0
-    if slots is not None:
+    adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
+    if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
+        kept *= spec.dims.kv_heads
+    elif slots is not None:
         d = spec.dims
         with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
         scratch = d.num_layers * decode_scratch_bytes(
@@ -322,6 +327,8 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
         head = f"{config.policy} {config.budget * 100:g}%"
     else:
         head = f"{config.policy} {int(config.budget)} tok"
+    if config.head_budgets != "uniform" and head != "full":
+        head += f" {config.head_budgets} heads"
     if not config.quantized:
         return f"{head} {width}-bit"
 
@@ -341,9 +348,10 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
 def candidates(
     head_dim: int, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4), group_sizes=(32, 128),
     residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
-    sink_tokens: int | None = None, high_bits_fraction: float = 0.0,
+    sink_tokens: int | None = None, high_bits_fraction: float = 0.0, head_budgets: str = "uniform",
 ) -> list[CompressionConfig]:
-    """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated.
+    """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated (each evicting
+    setting with ``head_budgets``).
 
     A budget of 1.0 (or policy ``full``) becomes the ``full`` policy (no eviction, no scores); 16 bits ignores
     group size and residual; group sizes that do not divide ``head_dim`` are skipped; ``high_bits_fraction``
@@ -369,7 +377,7 @@ def candidates(
                         config = CompressionConfig(
                             policy="full" if full else policy, budget=1.0 if full else budget,
                             heavy_ratio=heavy_ratio, sink_tokens=sink_tokens, kv_bits=b, quant=quant,
-                            group_size=group, residual=residual,
+                            group_size=group, residual=residual, head_budgets="uniform" if full else head_budgets,
                             high_bits_fraction=high_bits_fraction if b == 4 else 0.0,
                         )
                         key = _setting_key(config)
@@ -387,6 +395,7 @@ def _setting_key(config: CompressionConfig) -> tuple:
         config.key_bits, config.value_bits, config.quant if quantized else None,
         config.group_size if quantized else None, config.residual if quantized else None,
         None if full else (config.heavy_ratio, config.sinks),
+        None if full or config.head_budgets == "uniform" else config.head_budgets,
     ) + ((config.high_bits_fraction,) if config.high_bits_fraction else ())
 
 
@@ -496,6 +505,7 @@ def plan(
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
     sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, high_bits_fraction: float = 0.0,
+    head_budgets: str = "uniform",
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -513,8 +523,8 @@ def plan(
         weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
         dtype: compute and KV dtype name (default ``float16``).
         profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
-        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, high_bits_fraction: the
-            candidate grid (:func:`candidates`).
+        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, high_bits_fraction,
+            head_budgets: the candidate grid (:func:`candidates`).
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
@@ -542,7 +552,7 @@ def plan(
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
-                      sink_tokens, high_bits_fraction)
+                      sink_tokens, high_bits_fraction, head_budgets)
     if not grid:
         raise ConfigError(
             f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "

@@ -239,6 +239,8 @@ def test_batch_selection_moves_the_side_buffer(model):
     ({"high_bits_fraction": 0.5, "kv_bits": 8}, "keys are 8-bit and values 8-bit"),
     ({"high_bits_fraction": 0.5, "kv_bits": 4, "quant": "nf4"}, "quant='nf4'"),
     ({"high_bits_fraction": 0.5, "kv_bits": 4, "attention_kernel": "triton"}, "attention_kernel 'auto' or 'torch'"),
+    ({"high_bits_fraction": 0.5, "kv_bits": 4, "budget": 0.2, "head_budgets": "adaptive"},
+     "with head_budgets='adaptive': mixed precision is not built for the head-tagged slot pool"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):

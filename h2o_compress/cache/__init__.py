@@ -5,16 +5,21 @@
 - :mod:`.layer`: :class:`CompressedLayer`, one attention layer: decode step, chunk step, eviction.
 - :mod:`.mixed`: :class:`MixedPrecisionLayer`, a layer whose top-ranked stored tokens are 8-bit, the rest 4-bit;
   :mod:`.refinement`: :class:`RefinedPlanes`, its side buffer of low planes.
+- :mod:`.slot_pool`, :mod:`.head_adaptive_layer`: :class:`SlotPool` and :class:`HeadAdaptiveLayer`, one layer's
+  budget shared by its KV heads (Ada-KV, ``head_budgets="adaptive"``).
 - :mod:`.container`: :class:`CompressedCache`, the transformers ``Cache`` over the layers.
 """
 
 from .container import CompressedCache, build_layers
+from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
 from .mixed import MixedPrecisionLayer
 from .refinement import RefinedPlanes
 from .ring import RingWindow
+from .slot_pool import SlotPool
 from .slots import SlotStore
 
 __all__ = [
-    "CompressedCache", "CompressedLayer", "MixedPrecisionLayer", "RefinedPlanes", "RingWindow", "SlotStore", "build_layers",
+    "CompressedCache", "CompressedLayer", "HeadAdaptiveLayer", "MixedPrecisionLayer", "RefinedPlanes", "RingWindow",
+    "SlotPool", "SlotStore", "build_layers",
 ]

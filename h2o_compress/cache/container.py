@@ -9,6 +9,7 @@ from ..config import CompressionConfig
 from ..errors import CacheStateError, InputError
 from ..policies import make_policy
 from ..formats import make_quantizer
+from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
 from .mixed import MixedPrecisionLayer
 
@@ -174,7 +175,9 @@ def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None
 ) -> list[CompressedLayer]:
     """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
-    ``i`` with ``config.layer_capacities(capacity, num_layers)[i]`` tokens (``capacity`` per layer on average).
+    ``i`` with ``config.layer_capacities(capacity, num_layers)[i]`` tokens (``capacity`` per layer on average);
+    a :class:`HeadAdaptiveLayer` where ``config.head_budgets == "adaptive"`` and the layer evicts (an unbounded
+    layer keeps everything, so the heads have nothing to share).
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
@@ -185,8 +188,9 @@ def build_layers(
         layer_type, own = MixedPrecisionLayer, {"high_bits_fraction": config.high_bits_fraction}
     layers = []
     for idx in range(num_layers):
+        kind = HeadAdaptiveLayer if config.head_budgets == "adaptive" and capacities[idx] is not None else layer_type
         layers.append(
-            layer_type(
+            kind(
                 idx,
                 make_policy(config.policy, config.heavy_ratio, config.sink_tokens),
                 capacities[idx],

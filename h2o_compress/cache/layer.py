@@ -182,9 +182,7 @@ class CompressedLayer(CacheLayerMixin):
         shape = (self.batch, self.kv_heads, self.store_slots(first), self.head_dim)
         if self.device.type != "meta":
             self._check_fits(key_states, value_states)
-        self.store = SlotStore(
-            self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device, self.with_scores
-        )
+        self.store = self._new_store(shape)
         if self.residual:
             shape = (self.batch, self.kv_heads, self.residual, self.head_dim)
             self.ring = RingWindow(shape, self.residual_dtype, self.device, self.with_scores)
@@ -200,6 +198,44 @@ class CompressedLayer(CacheLayerMixin):
         if self.device.type != "meta":
             _mark_static(self.tensors())
         self.is_initialized = True
+
+    def _new_store(self, shape: tuple[int, int, int, int]) -> SlotStore:
+        """The store for ``shape`` ``(batch, kv_heads, slots, head_dim)`` (a hook: head-adaptive layers pool it)."""
+        return SlotStore(
+            self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device, self.with_scores
+        )
+
+    def head_positions(self) -> torch.Tensor:
+        """int ``[batch, kv_heads, slots]``: the position each store slot holds for each KV head, ``-1`` where it
+        holds nothing for that head (a hook: a head-adaptive pool shares its slots between heads)."""
+        return self.store.positions
+
+    def _head_scores(self) -> torch.Tensor:
+        """fp32 ``[batch, kv_heads, slots]``: the store's scores per KV head (0 where the head holds nothing)."""
+        return self.store.scores
+
+    def _store_share(self, sums: torch.Tensor) -> torch.Tensor:
+        """What per-head probability sums ``[batch, kv_heads, slots]`` add to the store's scores (a hook)."""
+        return sums
+
+    def _held_store(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store's keys and values per KV head, ``[batch, kv_heads, slots, head_dim]`` in the model dtype."""
+        return self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+
+    def _keep(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """bool ``[batch, kv_heads, tokens]``: what a multi-token step keeps, ``capacity`` per sequence and head."""
+        return keep_top(priority, positions, self.capacity)
+
+    def _settle_store(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """After a multi-token step: empty the store slots not kept (bool ``keep`` ``[batch, kv_heads, slots]``)
+        and set their scores (fp32, same shape, or ``None``)."""
+        self.store.positions.masked_fill_(~keep, -1)
+        if scores is not None:
+            self.store.scores.copy_(scores)
+
+    def _slots_per_head(self) -> int:
+        """Store slots per KV head (a frozen copy keeps as many, plus its extra tokens)."""
+        return self.store.slots
 
     def _fused_kernel(self, formats) -> bool:
         """Whether decode steps run the Triton op :func:`~h2o_compress.kernels.slot_attention.slot_decode_attention`
@@ -311,15 +347,20 @@ class CompressedLayer(CacheLayerMixin):
         """Tokens held now, per sequence and KV head (the largest over sequences and heads). Reads the device."""
         if not self.is_initialized:
             return 0
-        held = (self.store.positions >= 0).sum(-1)
+        return int(self.kept_per_head().max())
+
+    def kept_per_head(self) -> torch.Tensor:
+        """int64 ``[batch, kv_heads]``: tokens held now by each sequence and KV head."""
+        held = (self.head_positions() >= 0).sum(-1)
         if self.ring is not None:
             held = held + (self.ring.positions >= 0).sum(-1, keepdim=True)
-        return int(held.max())
+        return held
 
     def positions(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (sequences with fewer held
-        tokens, e.g. padded ones, are filled with ``-1`` at the front)."""
-        held = self.store.positions.long()
+        tokens, e.g. padded ones or the heads of a head-adaptive layer that keep fewer, are filled with ``-1`` at
+        the front)."""
+        held = self.head_positions().long()
         if self.ring is not None:
             held = torch.cat((held, self.ring.positions.long()[:, None].expand(-1, self.kv_heads, -1)), dim=2)
         return held.sort(-1).values[..., -self.kept_length() :] if self.kept_length() else held[..., :0]
@@ -336,10 +377,10 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError(
                 f"layer {self.layer_idx}: a frozen copy needs an initialised layer and extra_tokens >= 0"
             )
-        copy = type(self)(  # an unbounded layer of known size: slots = max_tokens - residual
+        copy = type(self)(  # an unbounded layer of known size: slots = max_tokens - residual (per head)
             self.layer_idx, self.policy, None, self.key_quantizer, self.value_quantizer, self.residual,
-            self.score_chunk_size, self.attention_kernel, max_tokens=self.store.slots + self.residual + extra_tokens,
-            **self._own_args(),
+            self.score_chunk_size, self.attention_kernel,
+            max_tokens=self._slots_per_head() + self.residual + extra_tokens, **self._own_args(),
         )
         copy.num_layers = self.num_layers
         empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -489,7 +530,7 @@ class CompressedLayer(CacheLayerMixin):
             self.grown_to = seen + keys.shape[2]
         if not self.chunk["held"]:
             return keys.to(self.dtype), values.to(self.dtype)
-        held_keys, held_values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        held_keys, held_values = self._held_store()
         parts_k, parts_v = [held_keys], [held_values]
         if self.ring is not None:
             order = self.ring.order(seen)
@@ -544,11 +585,11 @@ class CompressedLayer(CacheLayerMixin):
         holds more than the capacity (in place, no host sync)."""
         slots = self.store.slots
         if sums is not None and self.policy.accumulates:
-            self.store.scores += sums[..., :slots]
+            self.store.scores += self._store_share(sums[..., :slots])
             if self.ring is not None:
                 self.ring.scores += sums[..., slots:]
         elif sums is not None:  # the current query's attention replaces the scores (TOVA)
-            self.store.scores.copy_(sums[..., :slots])
+            self.store.scores.copy_(self._store_share(sums[..., :slots]))
             if self.ring is not None:
                 self.ring.scores.copy_(sums[..., slots:])
         self._evict()
@@ -584,7 +625,7 @@ class CompressedLayer(CacheLayerMixin):
             new_block = new_block | eye  # a padding query sees itself: no fully masked row
         mask = new_block
         if chunk["held"]:
-            held_valid = self.store.positions >= 0
+            held_valid = self.head_positions() >= 0
             if self.ring is not None:
                 ring_positions = self.ring.positions.index_select(1, self.ring.order(chunk["seen"]))
                 held_valid = torch.cat((held_valid, (ring_positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)), 2)
@@ -618,10 +659,10 @@ class CompressedLayer(CacheLayerMixin):
             tail_positions = torch.cat((self.ring.positions.index_select(1, order).long(), new_positions), dim=1)
             if self.with_scores:
                 tail_scores = torch.cat((self.ring.scores.index_select(2, order), tail_scores), dim=2)
-        positions = torch.cat((self.store.positions.long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
+        positions = torch.cat((self.head_positions().long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
         scores = None
         if self.with_scores:
-            scores = torch.cat((self.store.scores, tail_scores), dim=2)
+            scores = torch.cat((self._head_scores(), tail_scores), dim=2)
             covered = scores[..., scores.shape[2] - sums.shape[2] :]
             covered.add_(sums) if self.policy.accumulates else covered.copy_(sums)
         seen += n
@@ -629,12 +670,11 @@ class CompressedLayer(CacheLayerMixin):
         self.first_real.copy_(torch.minimum(self.first_real, first))
         if self.capacity is not None:
             priority = self.policy.priority(scores, positions, seen, self.first_real, self.capacity)
-            keep = keep_top(priority, positions, self.capacity)
+            keep = self._keep(priority, positions)
         else:
             keep = positions >= 0
-        self.store.positions.masked_fill_(~keep[..., :slots], -1)
+        self._settle_store(keep[..., :slots], scores[..., :slots] if self.with_scores else None)
         if self.with_scores:
-            self.store.scores.copy_(scores[..., :slots])
             tail_scores = scores[..., slots:]
         if self.ring is not None:  # the newest `size` positions, all inside the recent window
             ring_positions = torch.where(keep[:, 0, -size:], tail_positions[:, -size:], -1)
@@ -712,8 +752,8 @@ class CompressedLayer(CacheLayerMixin):
         for holder in (self.store, self.ring):
             if holder is None:
                 continue
-            for attr in ("keys", "values", "positions", "scores"):
-                value = getattr(holder, attr)
+            for attr in ("keys", "values", "positions", "scores", "owner"):
+                value = getattr(holder, attr, None)
                 if value is None:
                     continue
                 if hasattr(value, "parts"):

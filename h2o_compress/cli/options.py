@@ -49,6 +49,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "high_bits_fraction": _Flag(float, typer.Option(
         0.0, "--high-bits-fraction", help="Share in [0, 1] of the stored tokens kept at 8 bits, the top-ranked by "
         "the policy, the rest at 4 (needs --kv-bits 4, quant int; 0 = off).")),
+    "head_budgets": _Flag(str, typer.Option(
+        "uniform", "--head-budgets", help="Spread each layer's capacity over its KV heads: uniform, or adaptive "
+        "(Ada-KV: heavy hitters ranked over all heads together, same bytes; scoring policies, torch decode form).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "

@@ -35,7 +35,7 @@ class ProfileCommand(TyperCommand):
 
 
 @user_errors
-@compression_options(only=("heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction"))
+@compression_options(only=("heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets"))
 @placement_options
 def profile_command(
     ctx: typer.Context,
@@ -106,7 +106,7 @@ def profile_command(
         needle_depths=tuple(parse_list(needle_depths, float, "needle-depths", "fractions in [0, 1]")),
         text_file=text_file, heavy_ratio=values["heavy_ratio"], quant=values["quant"],
         group_size=values["group_size"], residual=values["residual"], isolate=isolate, threads=threads,
-        high_bits_fraction=values["high_bits_fraction"],
+        high_bits_fraction=values["high_bits_fraction"], head_budgets=values["head_budgets"],
         trust_remote_code=trust_remote_code, compile=compile_step,
         lm_eval_tasks=tuple(split_tasks(lm_eval_tasks, "--lm-eval-tasks")) if lm_eval_tasks else (),
         lm_eval_limit=lm_eval_limit, lm_eval_include_path=lm_eval_include_path,

@@ -61,6 +61,7 @@ class ProfileSettings:
         needle_lengths, needle_depths: passkey retrieval cells; empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
+        head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
@@ -96,6 +97,7 @@ class ProfileSettings:
     group_size: int = _DEFAULTS.group_size
     residual: int = _DEFAULTS.residual
     high_bits_fraction: float = 0.0
+    head_budgets: str = _DEFAULTS.head_budgets
     isolate: bool | None = None
     threads: int | None = None
     trust_remote_code: bool = False
@@ -159,7 +161,8 @@ class ProfileSettings:
                 for policy in ["full"] if no_eviction else self.policies:
                     mixed = self.high_bits_fraction if bits == 4 else 0.0  # 8-bit tokens among 4-bit ones
                     config = CompressionConfig(policy=policy, budget=budget, kv_bits=bits, **fixed,
-                                               high_bits_fraction=mixed)
+                                               high_bits_fraction=mixed,
+                                               head_budgets="uniform" if policy == "full" else self.head_budgets)
                     if config not in configs:
                         configs.append(config)
         return configs
@@ -172,7 +175,8 @@ def label(config: CompressionConfig) -> str:
         bits += f" hi8 {config.high_bits_fraction:g}"
     if config.policy == "full" or config.capacity(1 << 30) is None:
         return f"full {bits}"
-    return f"{config.policy} {config.budget:g} {bits}"
+    heads = "" if config.head_budgets == "uniform" else f" {config.head_budgets} heads"
+    return f"{config.policy} {config.budget:g}{heads} {bits}"
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int | None, str]:

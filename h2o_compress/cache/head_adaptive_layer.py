@@ -1,0 +1,175 @@
+"""`HeadAdaptiveLayer`: one layer's budget spread over its KV heads by where the attention goes (Ada-KV).
+
+Ada-KV (Feng et al. 2024, arXiv 2407.11550 §3) replaces "``C`` tokens per KV head" by "``kv_heads x C`` tokens per
+layer": every head keeps its own protected tokens (recent window, sinks: ``+inf`` in
+:meth:`~h2o_compress.policies.EvictionPolicy.priority`), and the heavy-hitter rest of the layer's budget goes to
+the highest-ranked tokens over all heads together (one flat top-k over heads), so a head whose attention is spread
+over many old tokens keeps more of them than a head that attends to few.
+
+Layout (:class:`~h2o_compress.cache.slot_pool.SlotPool`): the store is one pool of ``kv_heads x (C - residual + 1)``
+slots per sequence (uniform's ``C - residual + 1`` per head, the same bytes) with a head tag per slot; the ring of
+the newest ``residual`` tokens stays per head. Evicting a token frees its slot for any head: ``nbytes`` is the
+layer's total budget, not ``kv_heads x`` the largest head's share.
+
+Decode step (static shapes, no host sync, ``torch.compile(fullgraph=True)``): the ``kv_heads`` tokens leaving the
+ring take the lowest free slots of the pool, attention reads the pool (dequantized once, broadcast over the heads)
+and the ring with validity ``position >= 0 & owner == head``, each slot's score is its owner's probability, and
+while the layer holds more than ``kv_heads x C`` tokens the lowest-priority pool token over all heads is evicted
+(at most ``kv_heads`` per step, one masked argmin each). Multi-token steps keep the flat top ``kv_heads x C``.
+Attention runs in the torch form only: the CPU kernel and the Triton op assume per-head slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CacheStateError, ConfigError
+from ..policies.base import keep_top
+from .layer import CompressedLayer
+from .slot_pool import SlotPool
+
+
+class HeadAdaptiveLayer(CompressedLayer):
+    """A :class:`CompressedLayer` whose capacity ``C`` is per layer and sequence on average over the KV heads
+    (``kv_heads x C`` in all), shared by the heads by the policy's ranking (Ada-KV). Arguments as
+    :class:`CompressedLayer`; ``capacity`` or ``max_tokens`` must be given (the pool has a fixed size).
+
+    Raises:
+        ConfigError: ``attention_kernel='triton'`` (the Triton op reads per-head slots), or no capacity and no
+            ``max_tokens``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.attention_kernel == "triton":
+            raise ConfigError(
+                "attention_kernel='triton' cannot run head_budgets='adaptive': the Triton op reads per-head slots and "
+                "an adaptive layer pools them; allowed: attention_kernel='auto' or 'torch' (the torch form)"
+            )
+        if self.growable:
+            raise ConfigError("head_budgets='adaptive' needs a capacity or max_length (its slot pool has a fixed size)")
+
+    # -- layout ------------------------------------------------------------------------------------------
+    def store_slots(self, first_chunk: int = 0) -> int:
+        """Pool slots: ``kv_heads x`` uniform's slots per head (one free slot per head before each step)."""
+        return self.kv_heads * super().store_slots(first_chunk)
+
+    def _slots_per_head(self) -> int:
+        return self.store.slots // self.kv_heads
+
+    def _new_store(self, shape: tuple[int, int, int, int]) -> SlotPool:
+        return SlotPool(self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device,
+                        self.with_scores)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """As :meth:`CompressedLayer.lazy_initialization`; decode steps always run the torch form."""
+        super().lazy_initialization(key_states, value_states)
+        self.native = self.fused = False
+
+    def head_positions(self) -> torch.Tensor:
+        return self.store.head_positions()
+
+    def _head_scores(self) -> torch.Tensor:
+        return torch.where(self.store.head_mask(), self.store.scores, 0.0)
+
+    def _store_share(self, sums: torch.Tensor) -> torch.Tensor:
+        """A slot's score is its owner's: the other heads gave it probability 0 (masked), so the sum over heads."""
+        return sums.sum(1, keepdim=True)
+
+    def _held_store(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        return keys.expand(-1, self.kv_heads, -1, -1), values.expand(-1, self.kv_heads, -1, -1)
+
+    # -- multi-token steps (eager) ---------------------------------------------------------------------------
+    def _keep(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The flat top ``kv_heads x C`` over every head of a sequence (Ada-KV §3; ties keep the older token, then
+        the lower head)."""
+        batch, heads, tokens = priority.shape
+        keep = keep_top(priority.reshape(batch, 1, heads * tokens), positions.reshape(batch, 1, heads * tokens),
+                        heads * self.capacity)
+        return keep.view(batch, heads, tokens)
+
+    def _settle_store(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
+        self.store.positions.masked_fill_(~keep.any(1, keepdim=True), -1)
+        if scores is not None:
+            self.store.scores.copy_(scores.sum(1, keepdim=True))
+
+    def _store_incoming(self, incoming, keys, values, positions, scores) -> None:
+        """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and
+        write them into the lowest free slots of each sequence's pool, tagged with their head (eager)."""
+        if not bool(incoming.any()):
+            return
+        batch, heads, n = incoming.shape
+        flat = incoming.reshape(batch, heads * n)
+        empty = self.store.positions[:, 0] < 0
+        if bool((flat.sum(-1) > empty.sum(-1)).any()):
+            raise CacheStateError(
+                f"layer {self.layer_idx}: more tokens than the cache was built for (max_length={self.max_tokens}); "
+                "build the cache with the full length (prompt + new tokens)"
+            )
+        free_first = torch.sort(empty.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        target = free_first.gather(-1, (flat.long().cumsum(-1) - 1).clamp(min=0))
+        b, j = flat.nonzero(as_tuple=True)
+        h, i, slot, row = j // n, j % n, target[b, j], torch.zeros_like(b)
+        self.store.keys.put_((b, row, slot), self.key_quantizer.quantize(keys), (b, h, i))
+        self.store.values.put_((b, row, slot), self.value_quantizer.quantize(values), (b, h, i))
+        self.store.positions[b, row, slot] = positions[b, i].to(torch.int32)
+        self.store.owner[b, row, slot] = h.to(self.store.owner.dtype)
+        if scores is not None:
+            self.store.scores[b, row, slot] = scores[b, h, i]
+
+    # -- decode steps (compiled) ------------------------------------------------------------------------------
+    def _decode_update(self, keys: torch.Tensor, values: torch.Tensor):
+        """One token per head: ring in, the ``kv_heads`` tokens leaving it into the lowest free pool slots
+        (quantized once), then what attention reads, ``[batch, kv_heads, pool_slots + residual, head_dim]`` (the
+        pool broadcast over heads) with validity ``position >= 0 & owner == head``. No host sync."""
+        position, heads = self.seen, self.kv_heads
+        if self.ring is not None:
+            keys, values, leaving, score = self.ring.push(keys, values, position)
+        else:
+            leaving = position.to(torch.int32).expand(self.batch, 1)
+            score = torch.zeros(self.batch, heads, 1, device=self.device) if self.with_scores else None
+        slot = self.store.free_slots(heads)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [batch, 1, kv_heads, head_dim]
+        owner = torch.arange(heads, device=self.device).view(1, 1, heads).expand(self.batch, 1, heads)
+        self.store.insert(
+            slot, self.key_quantizer.quantize(keys), self.value_quantizer.quantize(values),
+            leaving.unsqueeze(1).expand(-1, 1, heads), None if score is None else score.transpose(1, 2), owner,
+        )
+        self.first_real.clamp_(max=position)
+        self.seen.add_(1)
+        valid = self.head_positions() >= 0
+        if self.ring is not None:
+            valid = torch.cat((valid, (self.ring.positions >= 0).unsqueeze(1).expand(-1, heads, -1)), dim=2)
+        self.decode_valid = valid
+        index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
+        ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
+        keys = self._pool_read(self.key_quantizer, self.store.keys, keys, index, ring_keys)
+        values = self._pool_read(self.value_quantizer, self.store.values, values, index, ring_values)
+        return keys, values
+
+    def _pool_read(self, quantizer, stored, leaving, index, ring) -> torch.Tensor:
+        """The pool dequantized (the tokens leaving the ring at full precision in their new slots, as uniform's
+        :meth:`~CompressedLayer._read`), broadcast over the heads, then the ring: ``[batch, kv_heads, pool_slots
+        + residual, head_dim]`` in the model dtype."""
+        if not self.quantized:  # 16-bit: the pool itself, broadcast (no copy)
+            return quantizer.dequantize(stored, self.dtype).expand(-1, self.kv_heads, -1, -1)
+        held = torch.empty(self.batch, 1, self.store.slots, self.head_dim, dtype=self.dtype, device=self.device)
+        quantizer.dequantize_into(stored, held)
+        held.scatter_(2, index, leaving.to(self.dtype))
+        held = held.expand(-1, self.kv_heads, -1, -1)
+        return held if ring is None else torch.cat((held, ring.to(self.dtype)), dim=2)
+
+    def _evict(self) -> None:
+        """While a sequence holds more than ``kv_heads x C`` tokens (pool + ring over every head), evict the
+        lowest-priority pool token of any head (at most ``kv_heads`` a step: one masked argmin + scatter each, ties
+        evicting the newer token; in place, no host sync)."""
+        if self.capacity is None:
+            return
+        positions, heads = self.store.positions, self.kv_heads
+        limit = heads * self.capacity
+        ring = 0 if self.ring is None else heads * (self.ring.positions >= 0).sum(-1, keepdim=True)
+        priority = self.policy.priority(self.store.scores, positions, self.seen, self.first_real, self.capacity)
+        for _ in range(heads):
+            priority = priority.masked_fill(positions < 0, float("inf"))
+            self.store.evict_lowest(priority, (positions >= 0).sum(-1) + ring > limit)

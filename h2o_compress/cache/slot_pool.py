@@ -1,0 +1,70 @@
+"""`SlotPool`: one layer's kept tokens in one pool of slots shared by its KV heads, each slot tagged with its head.
+
+The layout behind head-adaptive budgets (Ada-KV, Feng et al. 2024, arXiv 2407.11550): a :class:`SlotStore` with a
+single head row, ``[batch, 1, pool_slots, ...]``, plus ``owner`` ``[batch, 1, pool_slots]`` naming the KV head
+whose token a slot holds. A head that keeps more tokens simply holds more slots of the pool, so the bytes are those
+of the layer's total budget, however it is spread over the heads (kvpress's AdaKV masks evicted tokens with a fake
+key and keeps their bytes; here an evicted token's slot is free for any head). Static shapes, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import KVQuantizer
+from .slots import SlotStore
+
+
+class SlotPool(SlotStore):
+    """Keys, values, positions, scores and owning head of ``pool_slots`` slots per sequence, shared by ``kv_heads``.
+
+    Attributes (beside :class:`SlotStore`'s, all with head dim 1):
+        owner: int8 (int16 above 127 heads) ``[batch, 1, pool_slots]``, the KV head of each held token
+            (meaningless where ``positions`` is ``-1``).
+
+    Args:
+        key_quantizer, value_quantizer: storage formats.
+        shape: ``(batch, kv_heads, pool_slots, head_dim)``.
+        dtype, device, with_scores: as :class:`SlotStore`.
+    """
+
+    def __init__(
+        self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
+        dtype: torch.dtype, device: torch.device, with_scores: bool,
+    ):
+        batch, heads, slots, head_dim = shape
+        super().__init__(key_quantizer, value_quantizer, (batch, 1, slots, head_dim), dtype, device, with_scores)
+        self.heads = heads
+        tag = torch.int8 if heads <= 127 else torch.int16
+        self.owner = torch.zeros(batch, 1, slots, dtype=tag, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer, by name (:class:`SlotStore`'s and ``owner``)."""
+        return super().tensors() | {"owner": self.owner}
+
+    def head_mask(self) -> torch.Tensor:
+        """bool ``[batch, kv_heads, pool_slots]``: slot ``s`` holds a token of head ``h``."""
+        heads = torch.arange(self.heads, device=self.owner.device).view(1, -1, 1)
+        return (self.owner == heads) & (self.positions >= 0)
+
+    def head_positions(self) -> torch.Tensor:
+        """int32 ``[batch, kv_heads, pool_slots]``: the position each slot holds for each head, ``-1`` elsewhere."""
+        return torch.where(self.head_mask(), self.positions, -1)
+
+    def free_slots(self, count: int) -> torch.Tensor:
+        """int64 ``[batch, 1, count]``: the ``count`` lowest empty slots of each sequence (callers guarantee that
+        many are empty; static shapes, no host sync)."""
+        free = self.positions < 0
+        rank = free.to(torch.int32).cumsum(-1)
+        wanted = torch.arange(1, count + 1, device=free.device, dtype=torch.int32).view(1, count, 1)
+        return (free & (rank == wanted)).to(torch.uint8).argmax(-1).unsqueeze(1)
+
+    def insert(self, slot, keys, values, position, score, owner: torch.Tensor | None = None) -> None:
+        """:meth:`SlotStore.insert` with head dim 1 (``slot`` int64 ``[batch, 1, n]``), also tagging each slot
+        with its head (``owner`` int ``[batch, 1, n]``)."""
+        super().insert(slot, keys, values, position, score)
+        if owner is not None:
+            self.owner.scatter_(2, slot, owner.to(self.owner.dtype))
+
+    def resize(self, slots: int) -> None:
+        raise NotImplementedError("a slot pool has a fixed size (head-adaptive layers are always bounded)")
