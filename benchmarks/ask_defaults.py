@@ -7,7 +7,10 @@ Passkey retrieval on the real SmolLM2 with the haystack compressed before the qu
 every setting (same seed), at one budget and bit width: policies h2o / h2o-mean / snapkv / tova / strided at heavy
 ratio 0.5 and 0.9, h2o 0.9 with pyramid layer budgets, and the uncompressed reference. Prints a table and writes
 ``--out`` (JSON) and the same path with ``.md``. ``--settings`` picks some of them, ``--head-budgets
-uniform,adaptive`` runs each with both head budgets (Ada-KV), ``--no-reference`` skips the uncompressed run.
+uniform,adaptive`` runs each with both head budgets (Ada-KV), ``--no-reference`` skips the uncompressed run,
+``--high-bits-fraction F`` keeps that share at 8 bits, ``--protocol question-in-prompt`` asks with the question
+inside the prompt instead (the plain generate path; ``benchmarks/results/passkey_cpu.md``). The JSON keeps every
+trial, and ``OUT.partial.json`` is rewritten after each setting.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from h2o_compress.profiling.needle import needle_eval
 SETTINGS = {  # name: CompressionConfig fields besides budget and bits
     "h2o 0.5": {"policy": "h2o", "heavy_ratio": 0.5},
     "h2o 0.9": {"policy": "h2o", "heavy_ratio": 0.9},
+    "h2o-mean 0.5": {"policy": "h2o-mean", "heavy_ratio": 0.5},
     "h2o-mean 0.9": {"policy": "h2o-mean", "heavy_ratio": 0.9},
+    "snapkv 0.5": {"policy": "snapkv", "heavy_ratio": 0.5},
     "snapkv 0.9": {"policy": "snapkv", "heavy_ratio": 0.9},
+    "tova 0.5": {"policy": "tova", "heavy_ratio": 0.5},
     "tova 0.9": {"policy": "tova", "heavy_ratio": 0.9},
     "strided 0.9": {"policy": "strided", "heavy_ratio": 0.9},
     "kvzip 0.9": {"policy": "kvzip", "heavy_ratio": 0.9},
@@ -50,6 +56,8 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS), help="Names of SETTINGS, comma-separated.")
     parser.add_argument("--head-budgets", default="uniform", help="uniform, adaptive or both, comma-separated.")
     parser.add_argument("--no-reference", action="store_true", help="Skip the uncompressed run.")
+    parser.add_argument("--protocol", default="compress-then-ask", help="compress-then-ask or question-in-prompt.")
+    parser.add_argument("--high-bits-fraction", type=float, default=0.0, help="Share of stored tokens at 8 bits.")
     parser.add_argument("--out", default="benchmarks/results/ask_defaults.json")
     args = parser.parse_args()
     unknown = [name for name in args.settings.split(",") if name not in SETTINGS]
@@ -65,17 +73,20 @@ def main() -> None:
     with Progress() as progress:
         task = progress.add_task("settings", total=len(grid))
         for index, (name, fields) in enumerate(grid):
-            config = CompressionConfig(budget=args.budget, kv_bits=args.kv_bits, **fields)
+            config = CompressionConfig(budget=args.budget, kv_bits=args.kv_bits,
+                                       high_bits_fraction=args.high_bits_fraction, **fields)
             result = needle_eval(model, tokenizer, config, lengths, depths, args.trials, args.seed,
-                                 reference=index == 0 and not args.no_reference, protocol="compress-then-ask")
+                                 reference=index == 0 and not args.no_reference, protocol=args.protocol)
             rows.append({"setting": name, "config": config.to_dict(), "right": result.overall("compressed"),
                          "kv_bytes": sum(t.kv_bytes for t in result.trials if t.setting == "compressed")
-                         / max(1, sum(t.setting == "compressed" for t in result.trials))})
+                         / max(1, sum(t.setting == "compressed" for t in result.trials)),
+                         "trials": [t for t in result.to_dict()["trials"] if t["setting"] == "compressed"]})
             if index == 0 and not args.no_reference:
                 rows.insert(0, {"setting": "uncompressed", "config": None, "right": result.overall("reference"),
                                 "kv_bytes": None})
             progress.advance(task)
-    title = (f"Compress-then-ask passkey accuracy, {args.model}, budget {args.budget:g} of the context, "
+            Path(args.out).with_suffix(".partial.json").write_text(json.dumps(rows, indent=2))  # survives a kill
+    title = (f"{args.protocol} passkey accuracy, {args.model}, budget {args.budget:g} of the context, "
              f"{args.kv_bits}-bit, lengths {args.lengths}, {len(depths)} depths x {args.trials} trials")
     table = Table(title=title)
     lines = [f"# {title}", "", "| setting | right | KV MiB answering |", "|---|---:|---:|"]
