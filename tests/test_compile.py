@@ -63,16 +63,24 @@ def pointers(cache) -> dict:
     return {(i, name): t.data_ptr() for i, layer in enumerate(cache.layers) for name, t in layer.tensors().items()}
 
 
-def check_compiled(arch, policy, bits, backend, kernel="auto", atol=1e-5):
-    model = TINY_MODELS[arch]()
-    config = setting(policy, bits, kernel)
+def eager_and_compiled(model, config, backend):
+    """The same prompt and decode steps (:func:`run`) through ``decode_step`` eagerly and through
+    ``torch.compile(decode_step, fullgraph=True, backend=backend)``: ``(eager logits, compiled logits, the compiled
+    run's cache, its buffer addresses before and after the steps, compiled graph count)``."""
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
     with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=False):
         eager, _, _, _ = run(model, config, decode_step)
         ours, cache, before, after = run(model, config, compiled)
-    assert counter.frame_count <= 2, f"{counter.frame_count} compiled graphs"
+    return eager, ours, cache, before, after, counter.frame_count
+
+
+def check_compiled(arch, policy, bits, backend, kernel="auto", atol=1e-5):
+    model = TINY_MODELS[arch]()
+    config = setting(policy, bits, kernel)
+    eager, ours, cache, before, after, graphs = eager_and_compiled(model, config, backend)
+    assert graphs <= 2, f"{graphs} compiled graphs"
     assert after == before  # every buffer written in place
     assert all(layer.native == (kernel == "auto") for layer in cache.layers)
     torch.testing.assert_close(ours, eager, atol=atol, rtol=0)

@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_MODELS, save_tiny_model_dir, tiny_llama
-from test_compile import PROMPT, STEPS, run
+from test_compile import PROMPT, STEPS, eager_and_compiled, run
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
@@ -138,13 +138,8 @@ def test_compiled_decode_matches_eager(policy, bits):
     place, the eager logits, the layer at its budget on every step."""
     model = tiny_llama()
     config = adaptive(policy=policy, budget=12, kv_bits=bits, residual=2)
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
-    compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
-    with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=False):
-        eager, _, _, _ = run(model, config, decode_step)
-        ours, cache, before, after = run(model, config, compiled)
-    assert counter.frame_count <= 2 and after == before
+    eager, ours, cache, before, after, graphs = eager_and_compiled(model, config, "eager")
+    assert graphs <= 2 and after == before
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     for layer in cache.layers:
         assert isinstance(layer, HeadAdaptiveLayer) and not layer.native

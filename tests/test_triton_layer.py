@@ -16,7 +16,7 @@ import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_MODELS
 import test_compile
-from test_compile import run, setting
+from test_compile import eager_and_compiled, run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
@@ -57,13 +57,8 @@ def test_triton_step_matches_torch_form(policy, bits):
 def test_triton_step_captures_in_one_graph():
     model = TINY_MODELS["llama"]()
     config = setting("h2o", 4, "triton")
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
-    with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=False):
-        eager, _, _, _ = run(model, config, decode_step)
-        ours, cache, before, after = run(model, config, compiled)
-    assert counter.frame_count <= 2
+    eager, ours, cache, before, after, graphs = eager_and_compiled(model, config, "aot_eager")
+    assert graphs <= 2
     assert after == before
     scratch = [layer.scratch.part_acc.data_ptr() for layer in cache.layers]
     assert all(layer.fused for layer in cache.layers)
