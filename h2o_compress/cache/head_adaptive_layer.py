@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CacheStateError, ConfigError
+from ..errors import ConfigError
 from ..policies.base import keep_top
 from .layer import CompressedLayer
 from .slot_pool import SlotPool
@@ -94,29 +94,21 @@ class HeadAdaptiveLayer(CompressedLayer):
         if scores is not None:
             self.store.scores.copy_(scores.sum(1, keepdim=True))
 
-    def _store_incoming(self, incoming, keys, values, positions, scores) -> None:
+    def _store_incoming(self, incoming, keys, values, positions, scores):
         """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and
-        write them into the lowest free slots of each sequence's pool, tagged with their head (eager)."""
-        if not bool(incoming.any()):
-            return
+        write them into the lowest free slots of each sequence's pool, tagged with their head (eager): uniform's
+        writer over the pool seen as one row of ``kv_heads x n`` tokens. Returns where they went, as uniform's."""
         batch, heads, n = incoming.shape
-        flat = incoming.reshape(batch, heads * n)
-        empty = self.store.positions[:, 0] < 0
-        if bool((flat.sum(-1) > empty.sum(-1)).any()):
-            raise CacheStateError(
-                f"layer {self.layer_idx}: more tokens than the cache was built for (max_length={self.max_tokens}); "
-                "build the cache with the full length (prompt + new tokens)"
-            )
-        free_first = torch.sort(empty.to(torch.uint8), dim=-1, descending=True, stable=True).indices
-        target = free_first.gather(-1, (flat.long().cumsum(-1) - 1).clamp(min=0))
-        b, j = flat.nonzero(as_tuple=True)
-        h, i, slot, row = j // n, j % n, target[b, j], torch.zeros_like(b)
-        self.store.keys.put_((b, row, slot), self.key_quantizer.quantize(keys), (b, h, i))
-        self.store.values.put_((b, row, slot), self.value_quantizer.quantize(values), (b, h, i))
-        self.store.positions[b, row, slot] = positions[b, i].to(torch.int32)
-        self.store.owner[b, row, slot] = h.to(self.store.owner.dtype)
-        if scores is not None:
-            self.store.scores[b, row, slot] = scores[b, h, i]
+
+        def one_row(t: torch.Tensor) -> torch.Tensor:  # [batch, kv_heads, n, ...] -> [batch, 1, kv_heads * n, ...]
+            return t.reshape(batch, 1, heads * n, *t.shape[3:])
+
+        placed = super()._store_incoming(one_row(incoming), one_row(keys), one_row(values), positions.repeat(1, heads),
+                                         None if scores is None else one_row(scores))
+        if placed is not None:
+            b, row, slot, j = placed
+            self.store.owner[b, row, slot] = (j // n).to(self.store.owner.dtype)
+        return placed
 
     # -- decode steps (compiled) ------------------------------------------------------------------------------
     def _decode_update(self, keys: torch.Tensor, values: torch.Tensor):
