@@ -31,7 +31,7 @@ import torch
 from ..errors import ConfigError
 from ..formats import IntQuantizer
 from ..formats.split import SplitIntQuantizer
-from .layer import CompressedLayer
+from .layer import CompressedLayer, _mark_static
 from .refinement import RefinedPlanes
 
 
@@ -87,9 +87,8 @@ class MixedPrecisionLayer(CompressedLayer):
         self.refine = RefinedPlanes(
             self.refined_rows(), self.batch, self.kv_heads, self.head_dim, tuple(self.split), self.device
         )
-        if self.device.type != "meta" and not torch.compiler.is_compiling():
-            for tensor in self.refine.tensors().values():
-                torch._dynamo.mark_static_address(tensor)
+        if self.device.type != "meta":
+            _mark_static(self.refine.tensors().values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """:meth:`CompressedLayer.tensors` plus ``refine.slots`` and ``refine.keys.data``/``refine.values.data``."""
