@@ -5,12 +5,12 @@
 Passkey retrieval on the real SmolLM2 with the haystack compressed before the question is read
 (:func:`h2o_compress.profiling.needle.needle_eval` with ``protocol="compress-then-ask"``), the same prompts for
 every setting (same seed), at one budget and bit width: policies h2o / h2o-mean / snapkv / tova / strided at heavy
-ratio 0.5 and 0.9, h2o 0.9 with pyramid layer budgets, and the uncompressed reference. Prints a table and writes
+ratio 0.5 and 0.9, kvzip and lookahead at 0.9, h2o 0.9 with pyramid layer budgets, and the uncompressed reference. Prints a table and writes
 ``--out`` (JSON) and the same path with ``.md``. ``--settings`` picks some of them, ``--head-budgets
 uniform,adaptive`` runs each with both head budgets (Ada-KV), ``--no-reference`` skips the uncompressed run,
 ``--high-bits-fraction F`` keeps that share at 8 bits, ``--protocol question-in-prompt`` asks with the question
-inside the prompt instead (the plain generate path; ``benchmarks/results/passkey_cpu.md``). The JSON keeps every
-trial, and ``OUT.partial.json`` is rewritten after each setting.
+inside the prompt instead (the plain generate path; ``benchmarks/results/passkey_cpu.md``), ``--text-file`` takes
+the haystack from other prose. The JSON keeps every trial, and ``OUT.partial.json`` is rewritten after each setting.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from h2o_compress import CompressionConfig, load_model
+from h2o_compress.profiling.corpus import load_text
 from h2o_compress.profiling.needle import needle_eval
 
 SETTINGS = {  # name: CompressionConfig fields besides budget and bits
@@ -39,6 +40,7 @@ SETTINGS = {  # name: CompressionConfig fields besides budget and bits
     "tova 0.9": {"policy": "tova", "heavy_ratio": 0.9},
     "strided 0.9": {"policy": "strided", "heavy_ratio": 0.9},
     "kvzip 0.9": {"policy": "kvzip", "heavy_ratio": 0.9},
+    "lookahead 0.9": {"policy": "lookahead", "heavy_ratio": 0.9},
     "h2o 0.9 pyramid": {"policy": "h2o", "heavy_ratio": 0.9, "layer_budgets": "pyramid"},
 }
 #: The default grid (the one results/ask_defaults.md was measured on); the other SETTINGS are picked by --settings.
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="Skip the uncompressed run.")
     parser.add_argument("--protocol", default="compress-then-ask", help="compress-then-ask or question-in-prompt.")
     parser.add_argument("--high-bits-fraction", type=float, default=0.0, help="Share of stored tokens at 8 bits.")
+    parser.add_argument("--text-file", default=None, help="Prose for the haystack (default: the shipped corpus).")
     parser.add_argument("--out", default="benchmarks/results/ask_defaults.json")
     args = parser.parse_args()
     unknown = [name for name in args.settings.split(",") if name not in SETTINGS]
@@ -71,6 +74,7 @@ def main() -> None:
             for name in args.settings.split(",") for heads in args.head_budgets.split(",")]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device="cpu")
+    corpus = load_text(args.text_file)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     depths = tuple(float(x) for x in args.depths.split(","))
     rows, started = [], time.perf_counter()
@@ -80,7 +84,8 @@ def main() -> None:
             config = CompressionConfig(budget=args.budget, kv_bits=args.kv_bits,
                                        high_bits_fraction=args.high_bits_fraction, **fields)
             result = needle_eval(model, tokenizer, config, lengths, depths, args.trials, args.seed,
-                                 reference=index == 0 and not args.no_reference, protocol=args.protocol)
+                                 reference=index == 0 and not args.no_reference, protocol=args.protocol,
+                                 corpus=corpus)
             rows.append({"setting": name, "config": config.to_dict(), "right": result.overall("compressed"),
                          "kv_bytes": sum(t.kv_bytes for t in result.trials if t.setting == "compressed")
                          / max(1, sum(t.setting == "compressed" for t in result.trials)),

@@ -24,106 +24,24 @@ import torch
 
 from .cache import CompressedCache
 from .config import CompressionConfig, check_usable
+from .context_scores import score_context
 from .errors import CacheStateError, InputError
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_cache
-from .models import model_dims
 from .prompt_cache import check_context, prefill, shared_prefix_length
 from .weights import input_device
 
 ASK_DEFAULTS = CompressionConfig(policy="h2o-mean", budget=0.2, heavy_ratio=0.9, kv_bits=4)
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
-REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
-ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)
-
-
-@torch.inference_mode()
-def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[torch.Tensor]:
-    """KVzip's question-agnostic scores (Kim et al. 2025, arXiv 2505.23416 §3.1-3.2): per layer, fp32 ``[batch,
-    kv_heads, context tokens]``, the largest attention each context token receives while the model reads
-    "repeat the previous context" and the context again after it (max over those queries and over the query
-    heads of each KV group).
-
-    Costs one pass over about twice the context through an uncompressed ``DynamicCache`` with eager attention
-    (which returns the probabilities), in chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
-    are held. The model's attention implementation is restored afterwards.
-
-    Args:
-        model, tokenizer: the LM (its attention must support transformers' ``eager`` implementation) and its
-            tokenizer.
-        context_ids: int64 ``[batch, tokens]`` on the model's device.
-
-    Raises:
-        ValueError: from transformers, for a model without an ``eager`` attention implementation.
-    """
-    from transformers import DynamicCache
-
-    batch, tokens = context_ids.shape
-    device = context_ids.device
-    repeat, body = _reconstruction_prompt(tokenizer, context_ids)
-    follow = torch.cat((repeat.to(device).expand(batch, -1), body), dim=1)
-    dims = model_dims(model.config)
-    q_heads, kv_heads = dims.num_heads, dims.kv_heads
-    width = tokens + follow.shape[1]
-    chunk = max(1, min(128, ATTENTION_FLOATS // (dims.num_layers * batch * q_heads * width)))
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        scores = None
-        for start in range(0, follow.shape[1], chunk):
-            out = model(input_ids=follow[:, start : start + chunk], past_key_values=cache, use_cache=True,
-                        output_attentions=True, logits_to_keep=1)
-            parts = [
-                attention[..., :tokens].float().view(batch, kv_heads, q_heads // kv_heads, -1, tokens).amax(dim=(2, 3))
-                for attention in out.attentions
-            ]
-            scores = parts if scores is None else [torch.maximum(a, b) for a, b in zip(scores, parts)]
-    finally:
-        model.set_attn_implementation(previous)
-    return scores
-
-
-def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Token ids ``[n]`` of what the tokenizer's chat template puts before one user message (system prompt, user
-    header) and after it (end of the turn, assistant header), or ``None`` without a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    dummy = "dummy context"
-    separator = "\n" + "#" * len(dummy)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
-    )
-    before, suffix = text.split(separator)
-    prefix = before.split(dummy)[0]
-    encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids[0]  # noqa: E731
-    return encode(prefix), encode(suffix)
-
-
-def _reconstruction_prompt(tokenizer, context_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(repeat [1, r], body [batch, b])``: the reconstruction pass reads ``repeat`` then ``body``. A context that
-    opens with the chat template's user turn (as :func:`compress` encodes it) is repeated as the assistant's
-    answer: the request closes the user turn and opens the assistant's, and the body is the context without
-    the template's header (KVzip's own prompt, arXiv 2505.23416 §3.1, as kvpress's ``KVzipPress`` builds it).
-    Otherwise the request and the whole context follow as plain text."""
-    frame = _chat_frame(tokenizer)
-    encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
-    if frame is not None:
-        prefix, suffix = frame
-        head = context_ids[:, : prefix.numel()].cpu()
-        if 0 < prefix.numel() < context_ids.shape[1] and bool((head == prefix).all()):
-            request = torch.cat((encode(REPEAT_PROMPT.rstrip("\n")), suffix.unsqueeze(0)), dim=1)
-            return request, context_ids[:, prefix.numel() :]
-    return encode(REPEAT_PROMPT), context_ids
 
 
 def prefill_context(model, tokenizer, context_ids: torch.Tensor, cache: CompressedCache) -> torch.Tensor:
-    """Prefill ``context_ids`` ``[batch, tokens]`` into a fresh ``cache``; for ``policy="kvzip"`` first score the
-    context by reconstruction (:func:`reconstruction_scores`) and hand each layer its scores. Returns the
-    next-token logits ``[batch, vocab]``."""
-    if cache.config.policy == "kvzip":
-        for layer, scores in zip(cache.layers, reconstruction_scores(model, tokenizer, context_ids)):
-            layer.policy.context_scores = scores
+    """Prefill ``context_ids`` ``[batch, tokens]`` into a fresh ``cache``; for a question-agnostic policy
+    (``kvzip``, ``lookahead``) first score the context by its pass
+    (:func:`~h2o_compress.context_scores.score_context`) and hand each layer its scores. Returns the next-token
+    logits ``[batch, vocab]``."""
+    scores = score_context(model, tokenizer, context_ids, getattr(cache.layers[0], "policy", None))
+    for layer, layer_scores in zip(cache.layers, scores or ()):
+        layer.policy.context_scores = layer_scores
     return prefill(model, context_ids, cache)
 
 

@@ -124,7 +124,7 @@ def test_cli_ask_refuses_a_missing_context_file(tmp_path):
 
 
 def test_kvzip_keeps_what_the_reconstruction_attends_most():
-    from h2o_compress.ask import reconstruction_scores
+    from h2o_compress.context_scores import reconstruction_scores
 
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=0.9, kv_bits=16)
@@ -144,6 +144,67 @@ def test_kvzip_keeps_what_the_reconstruction_attends_most():
                       if p not in recent][:heavy]
             assert set(kept[head].tolist()) == set(ranked) | recent
     assert ask(model, tokenizer, context, "Who?", max_new_tokens=4).new_tokens >= 1
+
+
+def test_lookahead_keeps_what_the_answer_to_its_request_attends_most():
+    """``lookahead``: the prefill keeps, per KV head, the top of the attention the model's own answer to the fixed
+    request gives the context (pooled), plus the recent window; the compressed context then answers as usual."""
+    from h2o_compress.context_scores import lookahead_scores
+    from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
+
+    model, tokenizer = tiny_lm()
+    config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=16)
+    context = compress(model, tokenizer, CONTEXT[:400], config, chat=False)
+    ids = encode_prompt(tokenizer, CONTEXT[:400], False)
+    assert model.config._attn_implementation == "h2o_compress"  # restored after the eager lookahead pass
+    scores = lookahead_scores(model, tokenizer, ids, LOOKAHEAD_REQUEST, new_tokens=16, pool=7)
+    assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
+    capacity = context.cache.capacity
+    heavy = context.cache.layers[0].policy.heavy(capacity)
+    recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
+    for layer, layer_scores in zip(context.cache.layers, scores):
+        kept = layer.positions()[0]  # [kv_heads, kept]
+        for head in range(2):
+            ranked = [p for p in layer_scores[0, head].argsort(descending=True, stable=True).tolist()
+                      if p not in recent][:heavy]
+            assert set(kept[head].tolist()) == set(ranked) | recent
+    assert ask(model, tokenizer, context, "Who?", max_new_tokens=4).new_tokens >= 1
+
+
+def test_lookahead_scores_sum_the_answers_attention_and_pool_it(monkeypatch):
+    """A hand-made attention pattern: every query of the request and answer gives key 5 of layer 0 all its
+    weight (head 0) and key 2 half of it (head 1); unpooled, the scores are those sums; pooled over 3, the
+    neighbours take the maximum."""
+    from types import SimpleNamespace
+
+    from h2o_compress import context_scores
+
+    model, tokenizer = tiny_lm()
+    ids = encode_prompt(tokenizer, CONTEXT[:120], False)
+    tokens = ids.shape[1]
+    calls = []
+
+    def fake_forward(input_ids, past_key_values, use_cache, output_attentions=False, logits_to_keep=1):
+        queries = input_ids.shape[1]
+        logits = torch.zeros(1, 1, 128)
+        if not output_attentions:
+            return SimpleNamespace(logits=logits)
+        calls.append(queries)
+        probs = torch.zeros(1, 4, queries, tokens + 40)  # 4 query heads, 2 KV heads
+        probs[:, 0:2, :, 5] = 1.0
+        probs[:, 2:4, :, 2] = 0.5
+        return SimpleNamespace(logits=logits, attentions=(probs, probs * 0))
+
+    monkeypatch.setattr(type(model), "__call__", lambda self, **kw: fake_forward(**kw))
+    monkeypatch.setattr(context_scores, "model_dims", lambda config: SimpleNamespace(kv_heads=2, num_heads=4))
+    raw = context_scores.lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=3, pool=1)
+    asked = calls[0]
+    assert calls == [asked, 1, 1]  # the request, then one query per answer token after the first
+    votes = asked + 2
+    assert raw[0][0, 0, 5] == 2 * votes and raw[0][0, 1, 2] == 2 * 0.5 * votes
+    assert float(raw[0].sum()) == 2 * votes + votes and float(raw[1].abs().sum()) == 0
+    pooled = context_scores.lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=3, pool=3)
+    assert pooled[0][0, 0, 4:7].tolist() == [2 * votes] * 3 and pooled[0][0, 1, 1:4].tolist() == [votes] * 3
 
 
 def test_bad_inputs_of_compress_then_ask_are_refused():
@@ -169,7 +230,7 @@ def test_bad_inputs_of_compress_then_ask_are_refused():
 def test_kvzip_reconstruction_is_asked_as_the_assistant_turn(smollm2):
     """KVzip's prompt (arXiv 2505.23416 §3.1, as kvpress builds it): the request closes the user turn, and the
     context is repeated as the assistant's answer, without the template's system/user header."""
-    from h2o_compress.ask import _reconstruction_prompt
+    from h2o_compress.context_scores import _reconstruction_prompt
     from h2o_compress.generation import encode_prompt
 
     _, tokenizer = smollm2

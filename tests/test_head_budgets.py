@@ -273,7 +273,7 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     from profiling.profiling_helpers import tiny_lm
 
     from h2o_compress import ask, compress
-    from h2o_compress.ask import reconstruction_scores
+    from h2o_compress.context_scores import reconstruction_scores
     from h2o_compress.generation import encode_prompt
     from h2o_compress.profiling import default_corpus
 

@@ -85,6 +85,7 @@ CASES = [  # policy, budget, k_bits, v_bits, group, residual, batch, prompt, new
     ("tova", 0.4, 8, 4, 32, 2, 2, 25, 15),
     ("strided", 0.3, 4, 4, 32, 4, 1, 40, 10),
     ("kvzip", 0.5, 16, 16, 32, 4, 2, 30, 8),
+    ("lookahead", 0.4, 4, 4, 32, 4, 2, 30, 8),
 ]
 
 

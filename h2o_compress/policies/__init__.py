@@ -8,6 +8,7 @@ from .h2o import H2OPolicy
 from .h2o_mean import H2OMeanPolicy
 from .kvzip import KVzipPolicy
 from .local import LocalPolicy
+from .lookahead import LookaheadPolicy
 from .sink import SinkPolicy
 from .snapkv import SnapKVPolicy
 from .strided import StridedPolicy
@@ -23,11 +24,12 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "tova": TOVAPolicy,
     "strided": StridedPolicy,
     "kvzip": KVzipPolicy,
+    "lookahead": LookaheadPolicy,
 }
 
 __all__ = [
     "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
-    "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "POLICIES", "make_policy",
+    "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "make_policy",
 ]
 
 

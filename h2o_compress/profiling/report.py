@@ -32,8 +32,9 @@ def _reading(chunk_size: int, short: bool = False) -> str:
 # One colour per policy, one marker per bit width (no two policies share a colour).
 POLICY_COLORS = {"full": "black", "h2o": "tab:red", "h2o-mean": "tab:purple", "local": "tab:blue",
                  "sink": "tab:green", "snapkv": "tab:orange", "tova": "tab:brown",
-                 "strided": "tab:pink", "kvzip": "tab:olive"}
-SPARE_COLORS = ("tab:cyan", "tab:gray")
+                 "strided": "tab:pink", "kvzip": "tab:olive",
+                 "lookahead": "tab:cyan"}
+SPARE_COLORS = ("tab:gray", "gold")
 BITS_MARKERS = {16: "o", 8: "s", 4: "^"}
 
 

@@ -1,0 +1,172 @@
+"""Question-agnostic context scores for compress-then-ask: a separate pass over the context, before its compressed
+prefill, whose attention ranks the context's tokens (``kvzip``: the model reconstructs the context; ``lookahead``:
+the model answers a fixed request about it). :func:`score_context` runs the pass a policy names."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from .models import model_dims
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
+ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)
+
+
+@contextmanager
+def _eager_attention(model):
+    """transformers' ``eager`` attention (the one that returns probabilities) inside the block; the model's own
+    implementation restored after it."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _group_attention(attentions, batch: int, kv_heads: int, tokens: int, reduce: str) -> list[torch.Tensor]:
+    """Per layer, fp32 ``[batch, kv_heads, tokens]``: the probabilities ``[batch, q_heads, queries, keys]`` the
+    queries give the first ``tokens`` keys, reduced (``"max"`` or ``"sum"``) over the queries and the query heads
+    of each KV group."""
+    out = []
+    for attention in attentions:
+        grouped = attention[..., :tokens].float().view(batch, kv_heads, -1, attention.shape[2], tokens)
+        out.append(grouped.amax(dim=(2, 3)) if reduce == "max" else grouped.sum(dim=(2, 3)))
+    return out
+
+
+@torch.inference_mode()
+def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[torch.Tensor]:
+    """KVzip's question-agnostic scores (Kim et al. 2025, arXiv 2505.23416 §3.1-3.2): per layer, fp32 ``[batch,
+    kv_heads, context tokens]``, the largest attention each context token receives while the model reads
+    "repeat the previous context" and the context again after it (max over those queries and over the query
+    heads of each KV group).
+
+    Costs one pass over about twice the context through an uncompressed ``DynamicCache`` with eager attention
+    (which returns the probabilities), in chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
+    are held. The model's attention implementation is restored afterwards.
+
+    Args:
+        model, tokenizer: the LM (its attention must support transformers' ``eager`` implementation) and its
+            tokenizer.
+        context_ids: int64 ``[batch, tokens]`` on the model's device.
+
+    Raises:
+        ValueError: from transformers, for a model without an ``eager`` attention implementation.
+    """
+    from transformers import DynamicCache
+
+    batch, tokens = context_ids.shape
+    repeat, body = _reconstruction_prompt(tokenizer, context_ids)
+    follow = torch.cat((repeat.to(context_ids.device).expand(batch, -1), body), dim=1)
+    dims = model_dims(model.config)
+    width = tokens + follow.shape[1]
+    chunk = max(1, min(128, ATTENTION_FLOATS // (dims.num_layers * batch * dims.num_heads * width)))
+    with _eager_attention(model):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        scores = None
+        for start in range(0, follow.shape[1], chunk):
+            out = model(input_ids=follow[:, start : start + chunk], past_key_values=cache, use_cache=True,
+                        output_attentions=True, logits_to_keep=1)
+            parts = _group_attention(out.attentions, batch, dims.kv_heads, tokens, "max")
+            scores = parts if scores is None else [torch.maximum(a, b) for a, b in zip(scores, parts)]
+    return scores
+
+
+@torch.inference_mode()
+def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, new_tokens: int = 16,
+                     pool: int = 7) -> list[torch.Tensor]:
+    """Pseudo lookahead queries (Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334 §3): per layer, fp32
+    ``[batch, kv_heads, context tokens]``, the attention each context token receives while the model reads
+    ``request`` after the context and answers it greedily for ``new_tokens`` tokens (summed over those queries
+    and the query heads of each KV group), max-pooled over ``pool`` neighbouring positions (SnapKV, arXiv
+    2404.14469 §4.2). A context that opens with the chat template's user turn gets the request at the end of that
+    turn and the answer as the assistant's, as :func:`reconstruction_scores` asks for the reconstruction.
+
+    Costs one prefill of the context plus ``new_tokens`` decode steps through an uncompressed ``DynamicCache``
+    with eager attention; the model's attention implementation is restored afterwards.
+
+    Args:
+        model, tokenizer: the LM (eager attention) and its tokenizer.
+        context_ids: int64 ``[batch, tokens]`` on the model's device.
+        request: the text the model answers (e.g. :data:`h2o_compress.policies.lookahead.LOOKAHEAD_REQUEST`).
+        new_tokens: answer tokens whose queries vote (>= 1).
+        pool: odd max-pool width (1: no pooling).
+
+    Raises:
+        ValueError: from transformers, for a model without an ``eager`` attention implementation.
+    """
+    from transformers import DynamicCache
+
+    batch, tokens = context_ids.shape
+    kv_heads = model_dims(model.config).kv_heads
+    asked, _ = _request_prompt(tokenizer, context_ids, "\n\n" + request + "\n")
+    step = asked.to(context_ids.device).expand(batch, -1)
+    scores = None
+    with _eager_attention(model):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(new_tokens):
+            out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
+                        logits_to_keep=1)
+            parts = _group_attention(out.attentions, batch, kv_heads, tokens, "sum")
+            scores = parts if scores is None else [a + b for a, b in zip(scores, parts)]
+            step = out.logits[:, -1:].argmax(-1)
+    if pool <= 1:
+        return scores
+    return [F.max_pool1d(s.view(-1, 1, tokens), pool, stride=1, padding=pool // 2).view(batch, kv_heads, tokens)
+            for s in scores]
+
+
+def score_context(model, tokenizer, context_ids: torch.Tensor, policy) -> list[torch.Tensor] | None:
+    """The scores of ``policy``'s pass (its ``scorer``: ``"reconstruction"`` or ``"lookahead"``), per layer
+    ``[batch, kv_heads, tokens]``, or ``None`` for a policy that ranks without one."""
+    scorer = getattr(policy, "scorer", "")
+    if scorer == "reconstruction":
+        return reconstruction_scores(model, tokenizer, context_ids)
+    if scorer == "lookahead":
+        return lookahead_scores(model, tokenizer, context_ids, policy.request, policy.new_tokens, policy.pool)
+    return None
+
+
+def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Token ids ``[n]`` of what the tokenizer's chat template puts before one user message (system prompt, user
+    header) and after it (end of the turn, assistant header), or ``None`` without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
+    )
+    before, suffix = text.split(separator)
+    prefix = before.split(dummy)[0]
+    encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids[0]  # noqa: E731
+    return encode(prefix), encode(suffix)
+
+
+def _request_prompt(tokenizer, context_ids: torch.Tensor, request: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(asked [1, r], body [batch, b])``: ``request`` as read after the context, and the context without the
+    chat template's header. A context that opens with the template's user turn (as
+    :func:`h2o_compress.ask.compress` encodes it) gets the request at the end of that turn, then the end of the
+    turn and the assistant's header; otherwise the request follows as plain text and the body is the whole
+    context."""
+    frame = _chat_frame(tokenizer)
+    encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
+    if frame is not None:
+        prefix, suffix = frame
+        head = context_ids[:, : prefix.numel()].cpu()
+        if 0 < prefix.numel() < context_ids.shape[1] and bool((head == prefix).all()):
+            return torch.cat((encode(request.rstrip("\n")), suffix.unsqueeze(0)), dim=1), context_ids[:, prefix.numel() :]
+    return encode(request), context_ids
+
+
+def _reconstruction_prompt(tokenizer, context_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(repeat [1, r], body [batch, b])``: the reconstruction pass reads ``repeat`` then ``body``: the context
+    repeated as the assistant's answer when it opens with the chat template's user turn (KVzip's own prompt,
+    arXiv 2505.23416 §3.1, as kvpress's ``KVzipPress`` builds it), else after the request as plain text."""
+    return _request_prompt(tokenizer, context_ids, REPEAT_PROMPT)

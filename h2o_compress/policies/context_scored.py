@@ -1,0 +1,34 @@
+"""Question-agnostic policies whose prefill ranks the context by scores from a separate pass over it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .h2o import H2OPolicy
+
+
+@dataclass
+class ContextScoredPolicy(H2OPolicy):
+    """Base of the compress-then-ask policies (``kvzip``, ``lookahead``): before the context's prefill,
+    :func:`h2o_compress.context_scores.score_context` runs the pass that :attr:`scorer` names and hands each
+    layer its scores; the prefill keeps the top of them (split by ``heavy_ratio`` as ``h2o``), and decode steps
+    then accumulate attention as ``h2o``. Without such scores (a plain ``generate``), the policy ranks as ``h2o``.
+
+    Attributes:
+        context_scores: fp32 ``[batch, kv_heads, context tokens]`` of this layer, handed to its next multi-token
+            step (the context's prefill) and then dropped.
+    """
+
+    #: The scoring pass, a key of :data:`h2o_compress.context_scores.SCORERS`.
+    scorer: ClassVar[str] = ""
+    context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+        """The context scores, if given for this step; else ``h2o``'s sums."""
+        scores, self.context_scores = self.context_scores, None
+        if scores is None or scores.shape[-1] != keys.shape[2]:
+            return super().chunk_scores(query, keys, mask, scaling, chunk_size)
+        return scores.to(device=keys.device, dtype=torch.float32)

@@ -1,0 +1,38 @@
+"""``lookahead``: the context ranked by the attention of the model's own answer to a fixed request about it
+(pseudo lookahead queries, Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334 §3; SnapKV's pooling, arXiv
+2404.14469 §4.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .context_scored import ContextScoredPolicy
+
+#: The request the model answers before the question is known: generic, asked of every context.
+LOOKAHEAD_REQUEST = "List the important facts and numbers in the text above."
+
+
+@dataclass
+class LookaheadPolicy(ContextScoredPolicy):
+    """Question-agnostic: before the context is compressed, the model is asked :attr:`request` about it and
+    answers greedily for :attr:`new_tokens` tokens; each context token is scored by the attention it receives
+    from those queries (the request's and the answer's, summed over the query heads of each KV group), max-pooled
+    over :attr:`pool` neighbouring positions so that a kept token comes with its sentence. What the model itself
+    names as the document's facts (a pass key, a name, a date) is what stays, whatever the later question;
+    decode steps then accumulate attention as ``h2o``.
+
+    Lookahead Q-Cache (arXiv 2505.20334) generates such pseudo queries from the prompt with the question; here
+    the request stands in for the question that is not known yet. Costs one prefill of the context plus
+    ``new_tokens`` decode steps, with eager attention (:func:`h2o_compress.context_scores.lookahead_scores`).
+    Without that pass (a plain ``generate``), the policy ranks as ``h2o``.
+
+    Args:
+        request: what the model is asked about the context (default :data:`LOOKAHEAD_REQUEST`).
+        new_tokens: tokens of the model's answer whose queries vote.
+        pool: max-pool width over positions, odd.
+    """
+
+    scorer = "lookahead"
+    request: str = LOOKAHEAD_REQUEST
+    new_tokens: int = 16
+    pool: int = 7
