@@ -60,10 +60,11 @@ PPL_PRESSES = PRESSES[:6]
 SHORT = {"ObservedAttentionPress": "ObservedAttention", "SnapKVPress": "SnapKV", "StreamingLLMPress": "StreamingLLM",
          "TOVAPress": "TOVA", "KnormPress": "Knorm", "ExpectedAttentionPress": "ExpectedAttention",
          "KVzipPress": "KVzip", "PyramidKVPress": "PyramidKV", "AdaKVPress": "AdaKV-ExpectedAttention"}
-# Ours beyond the paper's h2o: the compress-then-ask defaults (h2o-mean, heavy 0.9), SnapKV and KVzip scoring, and
+# Ours beyond the paper's h2o: h2o-mean (heavy 0.9), SnapKV, KVzip and lookahead scoring, and
 # the PyramidKV layer schedule; (policy, bits, heavy_ratio, layer_budgets).
 OURS_ASK = [("h2o-mean", 16, 0.9), ("h2o-mean", 4, 0.9), ("snapkv", 16, 0.9), ("snapkv", 4, 0.9),
-            ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16)]
+            ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("lookahead", 16, 0.9), ("lookahead", 4, 0.9),
+            ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16)]
 COLORS = ("red", "blue", "green")
 DEPTHS = (0.2, 0.5, 0.8)
 INSTRUCTION = ("There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "

@@ -7,12 +7,14 @@ compressed cache that keeps every token after the context (nothing more is evict
 so every question starts from the same compressed context, which is never changed. A compressed context can be
 saved and loaded (:meth:`CompressedContext.save`, :meth:`CompressedContext.load`).
 
-Defaults (:data:`ASK_DEFAULTS`): ``h2o-mean`` (heavy hitters ranked by the mean attention a token received, as
-kvpress's ObservedAttention) at budget 0.2 of the context with 90% of it for heavy hitters, 4-bit keys and values:
-on this protocol (passkey retrieval with the haystack compressed before the question, SmolLM2-135M, 1,024 tokens,
-``benchmarks/ask_defaults.py``, two runs of 15 and 20 prompts) it was right 9 times of 35, against 8 for h2o at
-heavy ratio 0.5 and for snapkv 0.9, 3 for h2o 0.9 and 33 for the uncompressed cache (budget 0.2 with 4 bits is
-harsh for a single 25-token needle; see ``benchmarks/results/ask_defaults.md``).
+Defaults (:data:`ASK_DEFAULTS`): ``lookahead`` (before compressing, the model is asked "List the important facts and
+numbers in the text above."; the context tokens its 32-token answer attends to are kept:
+:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`) at budget 0.2 of the context with 90% of it for those
+heavy hitters, 4-bit keys and values. On this protocol (passkey retrieval with the haystack compressed before the
+question, SmolLM2-135M, 1.5k tokens, 3 depths x 3 seeds, ``benchmarks/ask_defaults.py``) it was right 8 of 9 times
+on the shipped prose and 6 of 9 on license texts, against 3 of 9 for ``h2o-mean`` and ``kvzip`` at heavy ratio 0.9
+and 9 of 9 uncompressed (``benchmarks/results/lookahead_cpu.md``). Its cost: one extra prefill of the context and
+32 decode steps.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .generation import GenerationResult, _check_config, check_prompt, encode_pr
 from .prompt_cache import check_context, prefill, shared_prefix_length
 from .weights import input_device
 
-ASK_DEFAULTS = CompressionConfig(policy="h2o-mean", budget=0.2, heavy_ratio=0.9, kv_bits=4)
+ASK_DEFAULTS = CompressionConfig(policy="lookahead", budget=0.2, heavy_ratio=0.9, kv_bits=4)
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
 
 
@@ -95,8 +97,10 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     Args:
         model, tokenizer: a transformers causal LM (see :func:`h2o_compress.make_cache`) and its tokenizer.
         context: the document (one user turn with the chat template, up to the end of its text).
-        config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="kvzip"`` first scores the context
-            by reconstruction (:func:`reconstruction_scores`: about one extra prefill of twice the context).
+        config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="lookahead"`` (the default) and
+            ``policy="kvzip"`` first score the context by their pass
+            (:func:`~h2o_compress.context_scores.score_context`: about one extra prefill of the context, twice it
+            for kvzip).
         chat: apply the tokenizer's chat template.
 
     Returns:

@@ -16,15 +16,27 @@ ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstr
 
 
 @contextmanager
-def _eager_attention(model):
-    """transformers' ``eager`` attention (the one that returns probabilities) inside the block; the model's own
-    implementation restored after it."""
+def _attention(model, implementation: str):
+    """The model runs transformers' ``implementation`` attention inside the block (``"eager"`` returns the
+    probabilities; ``"sdpa"`` reads the context without materializing them); its own implementation is restored
+    after it."""
     previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(implementation)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+def _read_context(model, context_ids: torch.Tensor):
+    """A ``DynamicCache`` holding ``context_ids`` ``[batch, tokens]``, read with SDPA where the model has it (no
+    probabilities materialized), else eager attention."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with _attention(model, "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"):
+        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
 
 
 def _group_attention(attentions, batch: int, kv_heads: int, tokens: int, reduce: str) -> list[torch.Tensor]:
@@ -45,8 +57,9 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     "repeat the previous context" and the context again after it (max over those queries and over the query
     heads of each KV group).
 
-    Costs one pass over about twice the context through an uncompressed ``DynamicCache`` with eager attention
-    (which returns the probabilities), in chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
+    Costs one pass over about twice the context through an uncompressed ``DynamicCache``: the context read with
+    SDPA (where the model has it), then the request and the repeated context with eager attention (which returns the probabilities), in
+    chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
     are held. The model's attention implementation is restored afterwards.
 
     Args:
@@ -57,18 +70,15 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     Raises:
         ValueError: from transformers, for a model without an ``eager`` attention implementation.
     """
-    from transformers import DynamicCache
-
     batch, tokens = context_ids.shape
     repeat, body = _reconstruction_prompt(tokenizer, context_ids)
     follow = torch.cat((repeat.to(context_ids.device).expand(batch, -1), body), dim=1)
     dims = model_dims(model.config)
     width = tokens + follow.shape[1]
     chunk = max(1, min(128, ATTENTION_FLOATS // (dims.num_layers * batch * dims.num_heads * width)))
-    with _eager_attention(model):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        scores = None
+    cache = _read_context(model, context_ids)
+    scores = None
+    with _attention(model, "eager"):
         for start in range(0, follow.shape[1], chunk):
             out = model(input_ids=follow[:, start : start + chunk], past_key_values=cache, use_cache=True,
                         output_attentions=True, logits_to_keep=1)
@@ -78,7 +88,7 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
 
 
 @torch.inference_mode()
-def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, new_tokens: int = 16,
+def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, new_tokens: int = 32,
                      pool: int = 7) -> list[torch.Tensor]:
     """Pseudo lookahead queries (Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334 §3): per layer, fp32
     ``[batch, kv_heads, context tokens]``, the attention each context token receives while the model reads
@@ -87,8 +97,8 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     2404.14469 §4.2). A context that opens with the chat template's user turn gets the request at the end of that
     turn and the answer as the assistant's, as :func:`reconstruction_scores` asks for the reconstruction.
 
-    Costs one prefill of the context plus ``new_tokens`` decode steps through an uncompressed ``DynamicCache``
-    with eager attention; the model's attention implementation is restored afterwards.
+    Costs one prefill of the context (SDPA) plus ``new_tokens`` decode steps with eager attention through an
+    uncompressed ``DynamicCache``; the model's attention implementation is restored afterwards.
 
     Args:
         model, tokenizer: the LM (eager attention) and its tokenizer.
@@ -100,16 +110,13 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     Raises:
         ValueError: from transformers, for a model without an ``eager`` attention implementation.
     """
-    from transformers import DynamicCache
-
     batch, tokens = context_ids.shape
     kv_heads = model_dims(model.config).kv_heads
     asked, _ = _request_prompt(tokenizer, context_ids, "\n\n" + request + "\n")
     step = asked.to(context_ids.device).expand(batch, -1)
+    cache = _read_context(model, context_ids)
     scores = None
-    with _eager_attention(model):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with _attention(model, "eager"):
         for _ in range(new_tokens):
             out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
                         logits_to_keep=1)

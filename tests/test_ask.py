@@ -150,14 +150,15 @@ def test_lookahead_keeps_what_the_answer_to_its_request_attends_most():
     """``lookahead``: the prefill keeps, per KV head, the top of the attention the model's own answer to the fixed
     request gives the context (pooled), plus the recent window; the compressed context then answers as usual."""
     from h2o_compress.context_scores import lookahead_scores
-    from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
 
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=16)
     context = compress(model, tokenizer, CONTEXT[:400], config, chat=False)
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
     assert model.config._attn_implementation == "h2o_compress"  # restored after the eager lookahead pass
-    scores = lookahead_scores(model, tokenizer, ids, LOOKAHEAD_REQUEST, new_tokens=16, pool=7)
+    policy = context.cache.layers[0].policy
+    assert (policy.request, policy.new_tokens, policy.pool) == ("List the important facts and numbers in the text above.", 32, 7)
+    scores = lookahead_scores(model, tokenizer, ids, policy.request, policy.new_tokens, policy.pool)
     assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
     capacity = context.cache.capacity
     heavy = context.cache.layers[0].policy.heavy(capacity)

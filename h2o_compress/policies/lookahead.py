@@ -34,5 +34,5 @@ class LookaheadPolicy(ContextScoredPolicy):
 
     scorer = "lookahead"
     request: str = LOOKAHEAD_REQUEST
-    new_tokens: int = 16
+    new_tokens: int = 32
     pool: int = 7
