@@ -87,18 +87,33 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     return scores
 
 
+def segment_ends(tokens: int, segment: int) -> list[int]:
+    """Where :func:`lookahead_scores` asks its request: after every ``segment`` tokens and at the end, a last
+    piece shorter than half a segment joined to the one before (``tokens=4096, segment=1024``: ``[1024, 2048,
+    3072, 4096]``; ``1500, 1024``: ``[1500]``)."""
+    ends = list(range(segment, tokens, segment)) + [tokens]
+    if len(ends) > 1 and tokens - ends[-2] < segment / 2:
+        del ends[-2]
+    return ends
+
+
 @torch.inference_mode()
 def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, new_tokens: int = 32,
-                     pool: int = 7) -> list[torch.Tensor]:
+                     pool: int = 7, segment: int = 1024) -> list[torch.Tensor]:
     """Pseudo lookahead queries (Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334 §3): per layer, fp32
     ``[batch, kv_heads, context tokens]``, the attention each context token receives while the model reads
-    ``request`` after the context and answers it greedily for ``new_tokens`` tokens (summed over those queries
-    and the query heads of each KV group), max-pooled over ``pool`` neighbouring positions (SnapKV, arXiv
-    2404.14469 §4.2). A context that opens with the chat template's user turn gets the request at the end of that
-    turn and the answer as the assistant's, as :func:`reconstruction_scores` asks for the reconstruction.
+    ``request`` and answers it greedily for ``new_tokens`` tokens (summed over those queries and the query heads
+    of each KV group, max-pooled over ``pool`` neighbouring positions as SnapKV does, arXiv 2404.14469 §4.2).
 
-    Costs one prefill of the context (SDPA) plus ``new_tokens`` decode steps with eager attention through an
-    uncompressed ``DynamicCache``; the model's attention implementation is restored afterwards.
+    The request is asked after every ``segment`` tokens of the context and at its end (:func:`segment_ends`; the
+    request and answer are then dropped from the cache and the reading goes on), and a token keeps the largest
+    score any request gave it: a small model that overlooks a fact in a long document still names it right after
+    reading it (KVzip likewise scores long contexts chunk by chunk, arXiv 2505.23416 §3.2). A context that opens
+    with the chat template's user turn gets the request at the end of that turn and the answer as the assistant's,
+    as :func:`reconstruction_scores` asks for the reconstruction.
+
+    Costs one prefill of the context (SDPA) plus ``new_tokens`` decode steps with eager attention per request,
+    through an uncompressed ``DynamicCache``; the model's attention implementation is restored afterwards.
 
     Args:
         model, tokenizer: the LM (eager attention) and its tokenizer.
@@ -106,27 +121,37 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
         request: the text the model answers (e.g. :data:`h2o_compress.policies.lookahead.LOOKAHEAD_REQUEST`).
         new_tokens: answer tokens whose queries vote (>= 1).
         pool: odd max-pool width (1: no pooling).
+        segment: context tokens read between two requests (>= 1).
 
     Raises:
         ValueError: from transformers, for a model without an ``eager`` attention implementation.
     """
+    from transformers import DynamicCache
+
     batch, tokens = context_ids.shape
-    kv_heads = model_dims(model.config).kv_heads
+    dims = model_dims(model.config)
     asked, _ = _request_prompt(tokenizer, context_ids, "\n\n" + request + "\n")
-    step = asked.to(context_ids.device).expand(batch, -1)
-    cache = _read_context(model, context_ids)
-    scores = None
-    with _attention(model, "eager"):
-        for _ in range(new_tokens):
-            out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
-                        logits_to_keep=1)
-            parts = _group_attention(out.attentions, batch, kv_heads, tokens, "sum")
-            scores = parts if scores is None else [a + b for a, b in zip(scores, parts)]
-            step = out.logits[:, -1:].argmax(-1)
-    if pool <= 1:
-        return scores
-    return [F.max_pool1d(s.view(-1, 1, tokens), pool, stride=1, padding=pool // 2).view(batch, kv_heads, tokens)
-            for s in scores]
+    asked = asked.to(context_ids.device).expand(batch, -1)
+    scores = [torch.zeros(batch, dims.kv_heads, tokens, device=context_ids.device) for _ in range(dims.num_layers)]
+    cache, start = DynamicCache(config=model.config), 0
+    for end in segment_ends(tokens, segment):
+        with _attention(model, "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"):
+            model(input_ids=context_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        votes, step = None, asked
+        with _attention(model, "eager"):
+            for _ in range(new_tokens):
+                out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
+                            logits_to_keep=1)
+                parts = _group_attention(out.attentions, batch, dims.kv_heads, end, "sum")
+                votes = parts if votes is None else [a + b for a, b in zip(votes, parts)]
+                step = out.logits[:, -1:].argmax(-1)
+        cache.crop(end - cache.get_seq_length())  # drop the request and the answer (a negative count)
+        for layer_scores, layer_votes in zip(scores, votes):
+            if pool > 1:
+                layer_votes = F.max_pool1d(layer_votes.reshape(-1, 1, end), pool, stride=1, padding=pool // 2)
+            layer_scores[..., :end] = torch.maximum(layer_scores[..., :end], layer_votes.view(batch, dims.kv_heads, end))
+        start = end
+    return scores
 
 
 def score_context(model, tokenizer, context_ids: torch.Tensor, policy) -> list[torch.Tensor] | None:
@@ -136,7 +161,8 @@ def score_context(model, tokenizer, context_ids: torch.Tensor, policy) -> list[t
     if scorer == "reconstruction":
         return reconstruction_scores(model, tokenizer, context_ids)
     if scorer == "lookahead":
-        return lookahead_scores(model, tokenizer, context_ids, policy.request, policy.new_tokens, policy.pool)
+        return lookahead_scores(model, tokenizer, context_ids, policy.request, policy.new_tokens, policy.pool,
+                                policy.segment)
     return None
 
 

@@ -157,8 +157,9 @@ def test_lookahead_keeps_what_the_answer_to_its_request_attends_most():
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
     assert model.config._attn_implementation == "h2o_compress"  # restored after the eager lookahead pass
     policy = context.cache.layers[0].policy
-    assert (policy.request, policy.new_tokens, policy.pool) == ("List the important facts and numbers in the text above.", 32, 7)
-    scores = lookahead_scores(model, tokenizer, ids, policy.request, policy.new_tokens, policy.pool)
+    assert (policy.request, policy.new_tokens, policy.pool, policy.segment) == (
+        "List the important facts and numbers in the text above.", 32, 7, 1024)
+    scores = lookahead_scores(model, tokenizer, ids, policy.request, policy.new_tokens, policy.pool, policy.segment)
     assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
     capacity = context.cache.capacity
     heavy = context.cache.layers[0].policy.heavy(capacity)
@@ -178,6 +179,8 @@ def test_lookahead_scores_sum_the_answers_attention_and_pool_it(monkeypatch):
     neighbours take the maximum."""
     from types import SimpleNamespace
 
+    from transformers import DynamicCache
+
     from h2o_compress import context_scores
 
     model, tokenizer = tiny_lm()
@@ -191,13 +194,16 @@ def test_lookahead_scores_sum_the_answers_attention_and_pool_it(monkeypatch):
         if not output_attentions:
             return SimpleNamespace(logits=logits)
         calls.append(queries)
-        probs = torch.zeros(1, 4, queries, tokens + 40)  # 4 query heads, 2 KV heads
+        probs = torch.zeros(1, 4, queries, tokens + 40)  # 4 query heads, 2 KV heads (keys beyond: the request's)
         probs[:, 0:2, :, 5] = 1.0
         probs[:, 2:4, :, 2] = 0.5
         return SimpleNamespace(logits=logits, attentions=(probs, probs * 0))
 
     monkeypatch.setattr(type(model), "__call__", lambda self, **kw: fake_forward(**kw))
-    monkeypatch.setattr(context_scores, "model_dims", lambda config: SimpleNamespace(kv_heads=2, num_heads=4))
+    monkeypatch.setattr(context_scores, "model_dims",
+                        lambda config: SimpleNamespace(kv_heads=2, num_heads=4, num_layers=2))
+    monkeypatch.setattr(DynamicCache, "crop", lambda self, count: None)
+    monkeypatch.setattr(DynamicCache, "get_seq_length", lambda self, layer_idx=0: 0)
     raw = context_scores.lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=3, pool=1)
     asked = calls[0]
     assert calls == [asked, 1, 1]  # the request, then one query per answer token after the first
@@ -206,6 +212,31 @@ def test_lookahead_scores_sum_the_answers_attention_and_pool_it(monkeypatch):
     assert float(raw[0].sum()) == 2 * votes + votes and float(raw[1].abs().sum()) == 0
     pooled = context_scores.lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=3, pool=3)
     assert pooled[0][0, 0, 4:7].tolist() == [2 * votes] * 3 and pooled[0][0, 1, 1:4].tolist() == [votes] * 3
+
+
+def test_lookahead_asks_again_after_every_segment_and_keeps_the_largest_score():
+    """A context read in segments: the request (and its answer) is dropped from the cache after each ask, so the
+    last segment's tokens get exactly the scores of one request after the whole context, and every earlier
+    token at least the score its own segment's request gave it."""
+    from h2o_compress.context_scores import lookahead_scores, segment_ends
+
+    assert segment_ends(4096, 1024) == [1024, 2048, 3072, 4096]
+    assert segment_ends(1500, 1024) == [1500] and segment_ends(1536, 1024) == [1024, 1536]
+    assert segment_ends(100, 1024) == [100] and segment_ends(90, 40) == [40, 90]
+    model, tokenizer = tiny_lm()
+    ids = encode_prompt(tokenizer, CONTEXT[:400], False)
+    tokens, cut = ids.shape[1], 120
+    whole = lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=6, pool=3, segment=tokens)
+    first = lookahead_scores(model, tokenizer, ids[:, :cut], "List it.", new_tokens=6, pool=3, segment=cut)
+    pieces = lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=6, pool=3, segment=cut)
+    assert segment_ends(tokens, cut)[0] == cut
+    last = segment_ends(tokens, cut)[-2]
+    for layer_whole, layer_first, layer_pieces in zip(whole, first, pieces):
+        assert layer_pieces.shape == (1, 2, tokens)
+        torch.testing.assert_close(layer_pieces[..., last + 2 :], layer_whole[..., last + 2 :], rtol=1e-4, atol=1e-6)
+        assert bool((layer_pieces[..., : cut - 1] >= layer_first[..., : cut - 1] - 1e-6).all())
+        assert bool((layer_pieces >= layer_whole - 1e-6).all())
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_bad_inputs_of_compress_then_ask_are_refused():

@@ -17,22 +17,26 @@ class LookaheadPolicy(ContextScoredPolicy):
     """Question-agnostic: before the context is compressed, the model is asked :attr:`request` about it and
     answers greedily for :attr:`new_tokens` tokens; each context token is scored by the attention it receives
     from those queries (the request's and the answer's, summed over the query heads of each KV group), max-pooled
-    over :attr:`pool` neighbouring positions so that a kept token comes with its sentence. What the model itself
-    names as the document's facts (a pass key, a name, a date) is what stays, whatever the later question;
+    over :attr:`pool` neighbouring positions so that a kept token comes with its sentence. In a long context the
+    request is asked after every :attr:`segment` tokens read, and a token keeps its largest score. What the model
+    itself names as the document's facts (a pass key, a name, a date) is what stays, whatever the later question;
     decode steps then accumulate attention as ``h2o``.
 
     Lookahead Q-Cache (arXiv 2505.20334) generates such pseudo queries from the prompt with the question; here
     the request stands in for the question that is not known yet. Costs one prefill of the context plus
-    ``new_tokens`` decode steps, with eager attention (:func:`h2o_compress.context_scores.lookahead_scores`).
+    ``new_tokens`` decode steps per request, with eager attention (:func:`h2o_compress.context_scores.lookahead_scores`).
     Without that pass (a plain ``generate``), the policy ranks as ``h2o``.
 
     Args:
         request: what the model is asked about the context (default :data:`LOOKAHEAD_REQUEST`).
         new_tokens: tokens of the model's answer whose queries vote.
         pool: max-pool width over positions, odd.
+        segment: context tokens read between two requests (a last piece under half a segment joins the one
+            before it, so a 1.5k-token context gets one request, a 4k one four).
     """
 
     scorer = "lookahead"
     request: str = LOOKAHEAD_REQUEST
     new_tokens: int = 32
     pool: int = 7
+    segment: int = 1024
