@@ -28,12 +28,12 @@ def _attention(model, implementation: str):
         model.set_attn_implementation(previous)
 
 
-def _read_context(model, context_ids: torch.Tensor):
-    """A ``DynamicCache`` holding ``context_ids`` ``[batch, tokens]``, read with SDPA where the model has it (no
-    probabilities materialized), else eager attention."""
+def _read_context(model, context_ids: torch.Tensor, cache=None):
+    """``cache`` (default: a new ``DynamicCache``) after reading ``context_ids`` ``[batch, tokens]`` into it, with
+    SDPA where the model has it (no probabilities materialized), else eager attention."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
     with _attention(model, "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"):
         model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
@@ -126,17 +126,14 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     Raises:
         ValueError: from transformers, for a model without an ``eager`` attention implementation.
     """
-    from transformers import DynamicCache
-
     batch, tokens = context_ids.shape
     dims = model_dims(model.config)
     asked, _ = _request_prompt(tokenizer, context_ids, "\n\n" + request + "\n")
     asked = asked.to(context_ids.device).expand(batch, -1)
     scores = [torch.zeros(batch, dims.kv_heads, tokens, device=context_ids.device) for _ in range(dims.num_layers)]
-    cache, start = DynamicCache(config=model.config), 0
+    cache, start = None, 0
     for end in segment_ends(tokens, segment):
-        with _attention(model, "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"):
-            model(input_ids=context_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = _read_context(model, context_ids[:, start:end], cache)
         votes, step = None, asked
         with _attention(model, "eager"):
             for _ in range(new_tokens):
