@@ -239,6 +239,39 @@ def test_lookahead_asks_again_after_every_segment_and_keeps_the_largest_score():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("policy", ["lookahead", "kvzip"])
+def test_question_agnostic_scoring_runs_on_every_architecture(tiny_model, policy):
+    """LLaMA, OPT and GPT-NeoX: the scoring pass (lookahead in two segments) leaves the model's attention as it was,
+    the prefill keeps the capacity, and its kept set follows the scores (a token the scores put first is kept)."""
+    from types import SimpleNamespace
+
+    from h2o_compress.ask import prefill_context
+    from h2o_compress.context_scores import score_context
+
+    class CharTokenizer:  # no chat template: the request follows as plain text
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+            return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 100 for c in text]]))
+
+    ids = torch.randint(0, 100, (1, 90), generator=torch.Generator().manual_seed(0))
+    config = CompressionConfig(policy=policy, budget=0.3, heavy_ratio=0.9, kv_bits=4)
+    cache = make_cache(tiny_model, config, max_length=90)
+    cache.layers[0].policy.segment = 40  # lookahead: requests after 40 and 90 tokens (ignored by kvzip)
+    scores = score_context(tiny_model, CharTokenizer(), ids, cache.layers[0].policy)
+    implementation = tiny_model.config._attn_implementation
+    with torch.inference_mode():
+        prefill_context(tiny_model, CharTokenizer(), ids, cache)
+    assert tiny_model.config._attn_implementation == implementation == "h2o_compress"
+    assert cache.kept_length() == cache.capacity == 27
+    recent = 27 - cache.layers[0].policy.heavy(27)
+    for layer, layer_scores in zip(cache.layers, scores):
+        kept = layer.positions()[0]
+        for head in range(kept.shape[0]):
+            top = int(layer_scores[0, head, : 90 - recent].argmax())
+            assert top in kept[head].tolist()
+
+
 def test_bad_inputs_of_compress_then_ask_are_refused():
     from h2o_compress import CacheStateError, ConfigError
     from h2o_compress.profiling.needle import check_needle_args
