@@ -112,6 +112,9 @@ class CompressionConfig:
             are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
             ``C``); needs a scoring policy (``HEAD_ADAPTIVE_POLICIES``); decode steps run the torch form
             (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).
+        lookahead_request: with ``policy="lookahead"``, what the model is asked about a context before it is
+            compressed (:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`); ``None`` (default): "List the
+            important facts and numbers in the text above.". 1 to 1,000 characters.
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -133,12 +136,20 @@ class CompressionConfig:
     layer_budgets: str = "uniform"
     high_bits_fraction: float = 0.0
     head_budgets: str = "uniform"
+    lookahead_request: str | None = None
 
     def __post_init__(self) -> None:
         from .policies import POLICIES
 
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
+        if self.lookahead_request is not None:
+            if not isinstance(self.lookahead_request, str) or not 1 <= len(self.lookahead_request.strip()) <= 1000:
+                raise ConfigError(f"lookahead_request={short(self.lookahead_request)} is invalid; allowed: a text of "
+                                  "1 to 1000 characters, or None for the default request")
+            if self.policy != "lookahead":
+                raise ConfigError(f"lookahead_request is set but policy={short(self.policy)}; allowed: "
+                                  "lookahead_request with policy 'lookahead' only")
         budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
             raise ConfigError(

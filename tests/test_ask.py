@@ -101,6 +101,30 @@ def test_cli_ask_answers_every_question_and_saves_the_context(tmp_path):
     assert json.loads(loaded.stdout)["answers"][0]["text"] == figures["answers"][0]["text"]
 
 
+def test_cli_ask_passes_the_lookahead_request_to_the_scoring_pass(tmp_path, monkeypatch):
+    """``--lookahead-request`` reaches the pass that scores the document (and the default request otherwise)."""
+    from h2o_compress import context_scores
+
+    asked = []
+    real = context_scores.lookahead_scores
+
+    def spy(model, tokenizer, ids, request, *args):
+        asked.append(request)
+        return real(model, tokenizer, ids, request, *args)
+
+    monkeypatch.setattr(context_scores, "lookahead_scores", spy)
+    model_dir = save_tiny_lm(tmp_path / "model")
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT[:600])
+    base = ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document), "--max-new-tokens", "2",
+            "--question", "Who?", "--json"]
+    result = CliRunner().invoke(app, [*base, "--lookahead-request", "Which names and places?"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"]["lookahead_request"] == "Which names and places?"
+    assert CliRunner().invoke(app, base).exit_code == 0  # the default policy of ask is lookahead too
+    assert asked == ["Which names and places?", "List the important facts and numbers in the text above."]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--question", ""], "empty"),
     (["--question", "Q", "--budget", "0"], "budget"),

@@ -57,6 +57,10 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
              "op), torch (torch code that --compile fuses) or triton (the Triton op, CUDA).")),
+    "lookahead_request": _Flag(Optional[str], typer.Option(
+        None, "--lookahead-request",
+        help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "
+             "\"List the important facts and numbers in the text above.\").")),
 }
 
 

@@ -33,10 +33,14 @@ __all__ = [
 ]
 
 
-def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None) -> EvictionPolicy:
-    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`)."""
+def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None,
+                request: str | None = None) -> EvictionPolicy:
+    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`); ``request``: ``lookahead``'s request
+    (``None``: its default)."""
     cls = POLICIES[name]
     kwargs = {"heavy_ratio": heavy_ratio}
     if sink_tokens is not None:
         kwargs["sink_tokens"] = sink_tokens
+    if request is not None:
+        kwargs["request"] = request
     return cls(**kwargs)
