@@ -151,16 +151,20 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     return scores
 
 
+#: The scoring passes by the name a policy gives as its ``scorer``: ``(model, tokenizer, context_ids, policy) ->``
+#: per layer ``[batch, kv_heads, tokens]``.
+SCORERS = {
+    "reconstruction": lambda model, tokenizer, ids, policy: reconstruction_scores(model, tokenizer, ids),
+    "lookahead": lambda model, tokenizer, ids, policy: lookahead_scores(
+        model, tokenizer, ids, policy.request, policy.new_tokens, policy.pool, policy.segment),
+}
+
+
 def score_context(model, tokenizer, context_ids: torch.Tensor, policy) -> list[torch.Tensor] | None:
-    """The scores of ``policy``'s pass (its ``scorer``: ``"reconstruction"`` or ``"lookahead"``), per layer
-    ``[batch, kv_heads, tokens]``, or ``None`` for a policy that ranks without one."""
-    scorer = getattr(policy, "scorer", "")
-    if scorer == "reconstruction":
-        return reconstruction_scores(model, tokenizer, context_ids)
-    if scorer == "lookahead":
-        return lookahead_scores(model, tokenizer, context_ids, policy.request, policy.new_tokens, policy.pool,
-                                policy.segment)
-    return None
+    """The scores of ``policy``'s pass (its ``scorer``, a key of :data:`SCORERS`), per layer ``[batch, kv_heads,
+    tokens]``, or ``None`` for a policy that ranks without one."""
+    scorer = SCORERS.get(getattr(policy, "scorer", ""))
+    return None if scorer is None else scorer(model, tokenizer, context_ids, policy)
 
 
 def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from ..config import CompressionConfig, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from ..policies.lookahead import LOOKAHEAD_REQUEST
 
 # -- the compression options (one declaration each) -------------------------------------------------------
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "lookahead_request": _Flag(Optional[str], typer.Option(
         None, "--lookahead-request",
         help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "
-             "\"List the important facts and numbers in the text above.\").")),
+             f"\"{LOOKAHEAD_REQUEST}\").")),
 }
 
 

@@ -192,7 +192,7 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
         cache = make_cache(model, config, max_length=total)
     else:
         context = make_cache(model, config, max_length=context_tokens)
-        if chunk_size is None:  # as compress() does (kvzip: scored by reconstruction first)
+        if chunk_size is None:  # as compress() does (kvzip, lookahead: scored by their pass first)
             from ..ask import prefill_context
 
             prefill_context(model, tokenizer, input_ids[:, :context_tokens], context)
