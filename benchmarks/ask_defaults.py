@@ -40,6 +40,7 @@ SETTINGS = {  # name: CompressionConfig fields besides budget and bits
     "tova 0.9": {"policy": "tova", "heavy_ratio": 0.9},
     "strided 0.9": {"policy": "strided", "heavy_ratio": 0.9},
     "kvzip 0.9": {"policy": "kvzip", "heavy_ratio": 0.9},
+    "lookahead 0.5": {"policy": "lookahead", "heavy_ratio": 0.5},
     "lookahead 0.9": {"policy": "lookahead", "heavy_ratio": 0.9},
     "h2o 0.9 pyramid": {"policy": "h2o", "heavy_ratio": 0.9, "layer_budgets": "pyramid"},
 }

@@ -26,7 +26,7 @@ import torch
 
 from .cache import CompressedCache
 from .config import CompressionConfig, check_usable
-from .context_scores import score_context
+from .context_scores import hand_context_scores
 from .errors import CacheStateError, InputError
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_cache
 from .prompt_cache import check_context, prefill, shared_prefix_length
@@ -41,9 +41,7 @@ def prefill_context(model, tokenizer, context_ids: torch.Tensor, cache: Compress
     (``kvzip``, ``lookahead``) first score the context by its pass
     (:func:`~h2o_compress.context_scores.score_context`) and hand each layer its scores. Returns the next-token
     logits ``[batch, vocab]``."""
-    scores = score_context(model, tokenizer, context_ids, getattr(cache.layers[0], "policy", None))
-    for layer, layer_scores in zip(cache.layers, scores or ()):
-        layer.policy.context_scores = layer_scores
+    hand_context_scores(model, tokenizer, context_ids, cache)
     return prefill(model, context_ids, cache)
 
 

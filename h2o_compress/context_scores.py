@@ -98,7 +98,7 @@ def segment_ends(tokens: int, segment: int) -> list[int]:
 
 
 @torch.inference_mode()
-def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, new_tokens: int = 32,
+def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str | None, new_tokens: int = 32,
                      pool: int = 7, segment: int = 1024) -> list[torch.Tensor]:
     """Pseudo lookahead queries (Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334 §3): per layer, fp32
     ``[batch, kv_heads, context tokens]``, the attention each context token receives while the model reads
@@ -118,7 +118,9 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     Args:
         model, tokenizer: the LM (eager attention) and its tokenizer.
         context_ids: int64 ``[batch, tokens]`` on the model's device.
-        request: the text the model answers (e.g. :data:`h2o_compress.policies.lookahead.LOOKAHEAD_REQUEST`).
+        request: the text the model answers (e.g. :data:`h2o_compress.policies.lookahead.LOOKAHEAD_REQUEST`);
+            ``None``: ``context_ids`` is a whole prompt, question included, and the model answers it as it
+            stands (its last token gives the first answer query), once, after the whole prompt.
         new_tokens: answer tokens whose queries vote (>= 1).
         pool: odd max-pool width (1: no pooling).
         segment: context tokens read between two requests (>= 1).
@@ -128,13 +130,23 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     """
     batch, tokens = context_ids.shape
     dims = model_dims(model.config)
-    asked, _ = _request_prompt(tokenizer, context_ids, "\n\n" + request + "\n")
-    asked = asked.to(context_ids.device).expand(batch, -1)
+    if request is None:  # the prompt holds its question: its last token opens the answer, once, at the end
+        ends, asked = [tokens], None
+    else:
+        ends = segment_ends(tokens, segment)
+        asked, _ = _request_prompt(tokenizer, context_ids, "\n\n" + request + "\n")
+        asked = asked.to(context_ids.device).expand(batch, -1)
     scores = [torch.zeros(batch, dims.kv_heads, tokens, device=context_ids.device) for _ in range(dims.num_layers)]
     cache, start = None, 0
-    for end in segment_ends(tokens, segment):
-        cache = _read_context(model, context_ids[:, start:end], cache)
-        votes, step = None, asked
+    for end in ends:
+        read_to = end if asked is not None else end - 1
+        if read_to > start:
+            cache = _read_context(model, context_ids[:, start:read_to], cache)
+        elif cache is None:  # a one-token prompt
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+        votes, step = None, asked if asked is not None else context_ids[:, read_to:end]
         with _attention(model, "eager"):
             for _ in range(new_tokens):
                 out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
@@ -151,20 +163,32 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str, 
     return scores
 
 
-#: The scoring passes by the name a policy gives as its ``scorer``: ``(model, tokenizer, context_ids, policy) ->``
-#: per layer ``[batch, kv_heads, tokens]``.
+#: The scoring passes by the name a policy gives as its ``scorer``: ``(model, tokenizer, context_ids, policy,
+#: question_in_prompt) ->`` per layer ``[batch, kv_heads, tokens]``.
 SCORERS = {
-    "reconstruction": lambda model, tokenizer, ids, policy: reconstruction_scores(model, tokenizer, ids),
-    "lookahead": lambda model, tokenizer, ids, policy: lookahead_scores(
-        model, tokenizer, ids, policy.request, policy.new_tokens, policy.pool, policy.segment),
+    "reconstruction": lambda model, tokenizer, ids, policy, question_in_prompt: reconstruction_scores(
+        model, tokenizer, ids),
+    "lookahead": lambda model, tokenizer, ids, policy, question_in_prompt: lookahead_scores(
+        model, tokenizer, ids, policy.request_for(question_in_prompt), policy.new_tokens, policy.pool, policy.segment),
 }
 
 
-def score_context(model, tokenizer, context_ids: torch.Tensor, policy) -> list[torch.Tensor] | None:
+def score_context(model, tokenizer, context_ids: torch.Tensor, policy,
+                  question_in_prompt: bool = False) -> list[torch.Tensor] | None:
     """The scores of ``policy``'s pass (its ``scorer``, a key of :data:`SCORERS`), per layer ``[batch, kv_heads,
-    tokens]``, or ``None`` for a policy that ranks without one."""
+    tokens]``, or ``None`` for a policy that ranks without one. ``question_in_prompt``: ``context_ids`` is a whole
+    prompt, question included (``generate``), rather than a document whose questions come later (``ask``)."""
     scorer = SCORERS.get(getattr(policy, "scorer", ""))
-    return None if scorer is None else scorer(model, tokenizer, context_ids, policy)
+    return None if scorer is None else scorer(model, tokenizer, context_ids, policy, question_in_prompt)
+
+
+def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, question_in_prompt: bool = False) -> None:
+    """Before ``context_ids`` ``[batch, tokens]`` is prefilled into the empty compressed ``cache``: run its policy's
+    scoring pass (:func:`score_context`, nothing for a policy without one) and hand each layer its scores, which
+    that prefill then ranks by."""
+    scores = score_context(model, tokenizer, context_ids, getattr(cache.layers[0], "policy", None), question_in_prompt)
+    for layer, layer_scores in zip(cache.layers, scores or ()):
+        layer.policy.context_scores = layer_scores
 
 
 def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,6 +15,7 @@ from .compiled import compiled_decode_step, decode_one, decode_step, resolve_com
 from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
 from .identity import model_fingerprint, model_identity
+from .context_scores import hand_context_scores
 from .prompt_cache import check_context, prefill
 from .weights import input_device
 
@@ -225,6 +226,8 @@ def generate(
 
     _sync(device)
     start = time.perf_counter()
+    if cache.seen_tokens() == 0:  # kvzip, lookahead: their scoring pass over the prompt first
+        hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
     logits = prefill(model, input_ids, cache)
     token = pick(logits)
     _sync(device)

@@ -181,9 +181,10 @@ def test_lookahead_keeps_what_the_answer_to_its_request_attends_most():
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
     assert model.config._attn_implementation == "h2o_compress"  # restored after the eager lookahead pass
     policy = context.cache.layers[0].policy
-    assert (policy.request, policy.new_tokens, policy.pool, policy.segment) == (
-        "List the important facts and numbers in the text above.", 32, 7, 1024)
-    scores = lookahead_scores(model, tokenizer, ids, policy.request, policy.new_tokens, policy.pool, policy.segment)
+    assert (policy.request, policy.new_tokens, policy.pool, policy.segment) == (None, 32, 7, 1024)
+    assert policy.request_for(question_in_prompt=False) == "List the important facts and numbers in the text above."
+    scores = lookahead_scores(model, tokenizer, ids, policy.request_for(False), policy.new_tokens, policy.pool,
+                              policy.segment)
     assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
     capacity = context.cache.capacity
     heavy = context.cache.layers[0].policy.heavy(capacity)
@@ -236,6 +237,99 @@ def test_lookahead_scores_sum_the_answers_attention_and_pool_it(monkeypatch):
     assert float(raw[0].sum()) == 2 * votes + votes and float(raw[1].abs().sum()) == 0
     pooled = context_scores.lookahead_scores(model, tokenizer, ids, "List it.", new_tokens=3, pool=3)
     assert pooled[0][0, 0, 4:7].tolist() == [2 * votes] * 3 and pooled[0][0, 1, 1:4].tolist() == [votes] * 3
+
+
+def test_lookahead_without_a_request_answers_the_prompt_itself(monkeypatch):
+    """The question is in the prompt (``request=None``): the prompt is read up to its last token, which opens the
+    answer; that token and the answer's vote, once, whatever the segment length."""
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache
+
+    from h2o_compress import context_scores
+
+    model, tokenizer = tiny_lm()
+    ids = encode_prompt(tokenizer, CONTEXT[:120], False)
+    tokens = ids.shape[1]
+    calls = []
+
+    def fake_forward(input_ids, past_key_values, use_cache, output_attentions=False, logits_to_keep=1):
+        calls.append((input_ids.shape[1], output_attentions))
+        probs = torch.zeros(1, 4, input_ids.shape[1], tokens + 40)
+        probs[:, 0:2, :, tokens - 1] = 1.0  # head 0: the prompt's last token
+        probs[:, 2:4, :, 7] = 0.5
+        return SimpleNamespace(logits=torch.zeros(1, 1, 128), attentions=(probs, probs * 0))
+
+    monkeypatch.setattr(type(model), "__call__", lambda self, **kw: fake_forward(**kw))
+    monkeypatch.setattr(context_scores, "model_dims",
+                        lambda config: SimpleNamespace(kv_heads=2, num_heads=4, num_layers=2))
+    monkeypatch.setattr(DynamicCache, "crop", lambda self, count: None)
+    monkeypatch.setattr(DynamicCache, "get_seq_length", lambda self, layer_idx=0: 0)
+    raw = context_scores.lookahead_scores(model, tokenizer, ids, None, new_tokens=3, pool=1, segment=50)
+    assert calls == [(tokens - 1, False), (1, True), (1, True), (1, True)]  # read, then 3 single-token queries
+    assert raw[0][0, 0, tokens - 1] == 2 * 3 and raw[0][0, 1, 7] == 2 * 0.5 * 3
+    assert float(raw[0].sum()) == 2 * 3 + 3 and float(raw[1].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("entry", ["generate", "needle"])
+@pytest.mark.parametrize("request_text", [None, "Which names?"])
+def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatch, entry, request_text):
+    """``generate`` (and ``eval needle``'s question-in-prompt protocol) with ``lookahead``: the pass over the whole
+    prompt answers the prompt itself (or the request given), and the prefill keeps the top of those scores plus the
+    recent window."""
+    from h2o_compress import context_scores, generate
+    from h2o_compress.profiling.needle import answer_prompt
+
+    asked, computed = [], []
+    real = context_scores.lookahead_scores
+
+    def spy(model, tokenizer, ids, request, *args):
+        asked.append(request)
+        computed.append(real(model, tokenizer, ids, request, *args))
+        return computed[-1]
+
+    monkeypatch.setattr(context_scores, "lookahead_scores", spy)
+    model, tokenizer = tiny_lm()
+    config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=16,
+                               lookahead_request=request_text)
+    ids = encode_prompt(tokenizer, CONTEXT[:400], False)
+    cache = make_cache(model, config, max_length=ids.shape[1] + 1)
+    if entry == "generate":
+        generate(model, tokenizer, CONTEXT[:400], config, max_new_tokens=1, chat=False, cache=cache)
+    else:
+        monkeypatch.setattr("h2o_compress.profiling.needle.make_cache", lambda *args, **kwargs: cache)
+        answer_prompt(model, tokenizer, ids, config, max_new_tokens=1)
+    assert asked == [request_text]
+    assert model.config._attn_implementation == "h2o_compress"
+    heavy = cache.layers[0].policy.heavy(cache.capacity)
+    recent = set(range(ids.shape[1] - (cache.capacity - heavy), ids.shape[1]))
+    for layer, layer_scores in zip(cache.layers, computed[0]):
+        kept = layer.positions()[0]
+        for head in range(2):
+            ranked = [p for p in layer_scores[0, head].argsort(descending=True, stable=True).tolist()
+                      if p not in recent][:heavy]
+            assert set(kept[head].tolist()) == set(ranked) | recent
+
+
+def test_generate_runs_kvzips_reconstruction_over_the_prompt(monkeypatch):
+    """``kvzip`` in ``generate``: its reconstruction pass scores the prompt once; a prompt continuing a cache
+    that already holds tokens is not scored again."""
+    from h2o_compress import context_scores, generate
+    from h2o_compress.prompt_cache import prefill
+
+    calls = []
+    real = context_scores.reconstruction_scores
+    monkeypatch.setattr(context_scores, "reconstruction_scores",
+                        lambda model, tokenizer, ids: calls.append(ids.shape[1]) or real(model, tokenizer, ids))
+    model, tokenizer = tiny_lm()
+    config = CompressionConfig(policy="kvzip", budget=0.5, kv_bits=16)
+    first = generate(model, tokenizer, CONTEXT[:200], config, max_new_tokens=2, chat=False)
+    assert calls == [first.prompt_tokens]
+    cache = make_cache(model, config, max_length=400)
+    with torch.inference_mode():
+        prefill(model, encode_prompt(tokenizer, CONTEXT[:260], False)[:, :100], cache)
+    generate(model, tokenizer, CONTEXT[:260], max_new_tokens=2, chat=False, cache=cache)
+    assert calls == [first.prompt_tokens]
 
 
 def test_lookahead_asks_again_after_every_segment_and_keeps_the_largest_score():

@@ -15,7 +15,8 @@ class ContextScoredPolicy(H2OPolicy):
     """Base of the compress-then-ask policies (``kvzip``, ``lookahead``): before the context's prefill,
     :func:`h2o_compress.context_scores.score_context` runs the pass that :attr:`scorer` names and hands each
     layer its scores; the prefill keeps the top of them (split by ``heavy_ratio`` as ``h2o``), and decode steps
-    then accumulate attention as ``h2o``. Without such scores (a plain ``generate``), the policy ranks as ``h2o``.
+    then accumulate attention as ``h2o``. Without such scores (a prompt streamed in chunks), the policy ranks as
+    ``h2o``.
 
     Attributes:
         context_scores: fp32 ``[batch, kv_heads, context tokens]`` of this layer, handed to its next multi-token

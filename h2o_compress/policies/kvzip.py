@@ -15,8 +15,9 @@ class KVzipPolicy(ContextScoredPolicy):
     document, whatever the question; decode steps then accumulate attention as ``h2o``.
 
     The reconstruction (:func:`h2o_compress.context_scores.reconstruction_scores`) costs about one extra prefill
-    of twice the context, with eager attention, before the context's own prefill. Without it (a plain
-    ``generate``), the policy ranks as ``h2o``.
+    of twice the context, with eager attention, before the context's own prefill (in ``generate``, over the whole
+    prompt). Where a prompt is read without that pass (streamed in chunks, a prompt continuing a loaded cache),
+    the policy ranks as ``h2o``.
     """
 
     scorer = "reconstruction"

@@ -25,10 +25,15 @@ class LookaheadPolicy(ContextScoredPolicy):
     Lookahead Q-Cache (arXiv 2505.20334) generates such pseudo queries from the prompt with the question; here
     the request stands in for the question that is not known yet. Costs one prefill of the context plus
     ``new_tokens`` decode steps per request, with eager attention (:func:`h2o_compress.context_scores.lookahead_scores`).
-    Without that pass (a plain ``generate``), the policy ranks as ``h2o``.
+
+    In ``generate`` the prompt holds its question: there the pass answers the prompt itself (its own first
+    ``new_tokens`` tokens, one pass at the end: Lookahead Q-Cache's own setting), unless a request was given;
+    the answer then starts again from the compressed cache. Where a prompt is read without that pass (streamed
+    in chunks, a prompt continuing a loaded cache), the policy ranks as ``h2o``.
 
     Args:
-        request: what the model is asked about the context (default :data:`LOOKAHEAD_REQUEST`).
+        request: what the model is asked about the context; ``None`` (default): :data:`LOOKAHEAD_REQUEST` in
+            compress-then-ask, the prompt itself in ``generate`` (:meth:`request_for`).
         new_tokens: tokens of the model's answer whose queries vote.
         pool: max-pool width over positions, odd.
         segment: context tokens read between two requests (a last piece under half a segment joins the one
@@ -36,7 +41,14 @@ class LookaheadPolicy(ContextScoredPolicy):
     """
 
     scorer = "lookahead"
-    request: str = LOOKAHEAD_REQUEST
+    request: str | None = None
     new_tokens: int = 32
     pool: int = 7
     segment: int = 1024
+
+    def request_for(self, question_in_prompt: bool) -> str | None:
+        """The request the scoring pass asks: :attr:`request` if given; else ``None`` (the prompt answers itself)
+        when the question is in the prompt, :data:`LOOKAHEAD_REQUEST` when it comes after compression."""
+        if self.request is not None:
+            return self.request
+        return None if question_in_prompt else LOOKAHEAD_REQUEST

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import CompressionConfig
+from ..context_scores import hand_context_scores
 from ..errors import ConfigError, InputError, short
 from ..generation import make_cache
 from .corpus import default_corpus
@@ -190,6 +191,8 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
     total = input_ids.shape[1] + max_new_tokens
     if context_tokens is None:
         cache = make_cache(model, config, max_length=total)
+        if chunk_size is None:  # as generate() does (kvzip, lookahead: their pass over the whole prompt first)
+            hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
     else:
         context = make_cache(model, config, max_length=context_tokens)
         if chunk_size is None:  # as compress() does (kvzip, lookahead: scored by their pass first)
