@@ -60,11 +60,14 @@ PPL_PRESSES = PRESSES[:6]
 SHORT = {"ObservedAttentionPress": "ObservedAttention", "SnapKVPress": "SnapKV", "StreamingLLMPress": "StreamingLLM",
          "TOVAPress": "TOVA", "KnormPress": "Knorm", "ExpectedAttentionPress": "ExpectedAttention",
          "KVzipPress": "KVzip", "PyramidKVPress": "PyramidKV", "AdaKVPress": "AdaKV-ExpectedAttention"}
-# Ours beyond the paper's h2o: h2o-mean (heavy 0.9), SnapKV, KVzip and lookahead scoring, and
-# the PyramidKV layer schedule; (policy, bits, heavy_ratio, layer_budgets).
+# Ours beyond the paper's h2o: h2o-mean (heavy 0.9), SnapKV, KVzip and lookahead scoring, the PyramidKV layer
+# schedule, and KVzip's own allocation (global layer budgets, adaptive heads);
+# (policy, bits, heavy_ratio, layer_budgets, head_budgets).
 OURS_ASK = [("h2o-mean", 16, 0.9), ("h2o-mean", 4, 0.9), ("snapkv", 16, 0.9), ("snapkv", 4, 0.9),
             ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("lookahead", 16, 0.9), ("lookahead", 4, 0.9),
-            ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16)]
+            ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16),
+            ("kvzip", 16, 0.9, "global", "adaptive"), ("kvzip", 4, 0.9, "global", "adaptive"),
+            ("lookahead", 4, 0.9, "global", "adaptive")]
 COLORS = ("red", "blue", "green")
 DEPTHS = (0.2, 0.5, 0.8)
 INSTRUCTION = ("There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
@@ -252,9 +255,11 @@ def needle_methods(grid: dict) -> tuple[list[dict], list[dict]]:
         ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
                      "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0, "bits": bits})
     for policy, bits, *extra in grid["ours_needle"]:
-        heavy, layers = (extra + [None, None])[:2]
-        label = policy + (f"-heavy{heavy:g}" if heavy else "") + (f"-{layers}" if layers else "")
-        options = ({"heavy_ratio": heavy} if heavy else {}) | ({"layer_budgets": layers} if layers else {})
+        heavy, layers, heads = (extra + [None, None, None])[:3]
+        label = policy + (f"-heavy{heavy:g}" if heavy else "") + (f"-{layers}" if layers else "") + (
+            f"-{heads}-heads" if heads else "")
+        options = ({"heavy_ratio": heavy} if heavy else {}) | ({"layer_budgets": layers} if layers else {}) | (
+            {"head_budgets": heads} if heads else {})
         for keep in grid["keeps"]:
             ours.append({"name": f"ours {label} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
                          "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {label} {bits}-bit",

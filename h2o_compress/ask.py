@@ -7,14 +7,16 @@ compressed cache that keeps every token after the context (nothing more is evict
 so every question starts from the same compressed context, which is never changed. A compressed context can be
 saved and loaded (:meth:`CompressedContext.save`, :meth:`CompressedContext.load`).
 
-Defaults (:data:`ASK_DEFAULTS`): ``lookahead`` (before compressing, the model is asked "List the important facts and
-numbers in the text above."; the context tokens its 32-token answer attends to are kept:
-:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`) at budget 0.2 of the context with 90% of it for those
-heavy hitters, 4-bit keys and values. On this protocol (passkey retrieval with the haystack compressed before the
-question, SmolLM2-135M, 1.5k tokens, 3 depths x 3 seeds, ``benchmarks/ask_defaults.py``) it was right 8 of 9 times
-on the shipped prose and 6 of 9 on license texts, against 3 of 9 for ``h2o-mean`` and ``kvzip`` at heavy ratio 0.9
-and 9 of 9 uncompressed (``benchmarks/results/lookahead_cpu.md``). Its cost: one extra prefill of the context and
-32 decode steps.
+Defaults (:data:`ASK_DEFAULTS`): ``kvzip`` (before compressing, each context token is scored by the attention it
+gets while the model reconstructs the context: :class:`~h2o_compress.policies.kvzip.KVzipPolicy`) with KVzip's own
+allocation: ``layer_budgets="global"`` (each layer sized by its share of the best-scored tokens of the whole model)
+and ``head_budgets="adaptive"`` (each layer's budget ranked over its KV heads together), budget 0.2 of the context
+with 90% of it for those heavy hitters, 4-bit keys and values. On this protocol (SmolLM2-135M, keep 0.2 + 4 bits,
+3 depths x 3 seeds, ``benchmarks/ask_defaults.py``) it found the passkey 8 of 9 times at 1.5k tokens of the shipped
+prose, 7 of 9 on licence texts and 5 of 9 at 4k (``lookahead``, the earlier default: 8, 6 and 6 of 9; uncompressed
+9, 9 and 7), and it gave the lowest answer NLL of our settings on three pass keys in one document
+(``benchmarks/compare_peers.py``; ``benchmarks/results/global_layers_cpu.md``). Its cost: one pass over about twice
+the context with eager attention before the compressed prefill.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from .cache import CompressedCache
 from .config import CompressionConfig, check_usable
 from .context_scores import hand_context_scores
 from .errors import CacheStateError, InputError
-from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_cache
+from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
 from .prompt_cache import check_context, prefill, shared_prefix_length
 from .weights import input_device
 
-ASK_DEFAULTS = CompressionConfig(policy="lookahead", budget=0.2, heavy_ratio=0.9, kv_bits=4)
+ASK_DEFAULTS = CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=0.9, kv_bits=4, layer_budgets="global",
+                                 head_budgets="adaptive")
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
 
 
@@ -95,8 +98,8 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     Args:
         model, tokenizer: a transformers causal LM (see :func:`h2o_compress.make_cache`) and its tokenizer.
         context: the document (one user turn with the chat template, up to the end of its text).
-        config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="lookahead"`` (the default) and
-            ``policy="kvzip"`` first score the context by their pass
+        config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="kvzip"`` (the default) and
+            ``policy="lookahead"`` first score the context by their pass
             (:func:`~h2o_compress.context_scores.score_context`: about one extra prefill of the context, twice it
             for kvzip).
         chat: apply the tokenizer's chat template.
@@ -114,8 +117,8 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
     check_context(model, ids.shape[1], 0)
     check_usable(config, config.capacity(ids.shape[1]))
-    cache = make_cache(model, config, max_length=ids.shape[1])
-    prefill_context(model, tokenizer, ids, cache)
+    cache = make_scored_cache(model, tokenizer, ids, config, ids.shape[1])  # kvzip, lookahead: scored first
+    prefill(model, ids, cache)
     cache.check()
     return CompressedContext(cache, context, chat)
 

@@ -17,7 +17,9 @@ ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
 QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
 ATTENTION_KERNELS = ("auto", "torch", "triton")
-LAYER_BUDGETS = ("uniform", "pyramid")
+LAYER_BUDGETS = ("uniform", "pyramid", "global")
+# The policies whose scoring pass runs before the cache is built (so ``layer_budgets="global"`` can size each layer)
+CONTEXT_SCORED_POLICIES = ("kvzip", "lookahead")
 HEAD_BUDGETS = ("uniform", "adaptive")
 # The policies whose ranking compares tokens across KV heads (a score of attention received): the ones that can
 # share a layer's budget between its heads (Ada-KV). The others rank every token alike (local, sink, full) or by
@@ -97,8 +99,13 @@ class CompressionConfig:
         layer_budgets: how the capacity is spread over the layers under the same total: ``uniform`` (every layer
             the same) or ``pyramid`` (PyramidKV, Cai et al. 2024, arXiv 2406.02069 §3.2: an arithmetic sequence
             from ``2C - C/20`` tokens at the first layer down to ``C/20`` at the last, each at least the smallest
-            capacity that leaves a recent window; lower layers attend broadly, upper ones to few tokens). Each
-            layer allocates only its own capacity, so the bytes follow (:meth:`layer_capacities`).
+            capacity that leaves a recent window; lower layers attend broadly, upper ones to few tokens) or
+            ``global`` (KVzip's allocation, Kim et al. 2025, arXiv 2505.23416 §3.3: with ``kvzip`` or ``lookahead``,
+            whose scoring pass runs before the cache is built, the ``num_layers x kv_heads x C`` best-scored
+            (layer, head, token) entries over the whole model are counted per layer, and each layer gets its
+            share of the same total: :func:`~h2o_compress.context_scores.global_layer_capacities`; where a prompt
+            is read without that pass, the layers stay uniform). Each layer allocates only its own capacity, so the
+            bytes follow (:meth:`layer_capacities`; ``global`` holds uniform's total).
         high_bits_fraction: share in [0, 1] of each layer's stored tokens kept at 8 bits, the rest at 4 (mixed
             precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
             slots)`` by the policy's rank keep the low plane of their 8-bit code (:mod:`h2o_compress.cache.mixed`).
@@ -199,6 +206,16 @@ class CompressionConfig:
             )
         self._check_head_budgets()
         self._check_high_bits()
+        if self.layer_budgets == "global" and self.policy not in CONTEXT_SCORED_POLICIES:
+            raise ConfigError(
+                f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
+                f"pass run before the cache is built; allowed policies: {', '.join(CONTEXT_SCORED_POLICIES)}"
+            )
+        if self.layer_budgets == "global" and self.high_bits_fraction:
+            raise ConfigError(
+                f"high_bits_fraction={self.high_bits_fraction!r} with layer_budgets='global': the 8-bit rows of "
+                "layers sized by the scores are not counted by the planner yet; allowed: one of them"
+            )
         if self.high_bits_fraction and self.head_budgets == "adaptive":
             raise ConfigError(
                 f"high_bits_fraction={self.high_bits_fraction!r} with head_budgets='adaptive': mixed precision is not "
@@ -290,15 +307,21 @@ class CompressionConfig:
             return max(1, math.ceil(self.budget * length))
         return int(self.budget)
 
-    def layer_capacities(self, capacity: int | None, num_layers: int) -> list[int | None]:
-        """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` (:meth:`capacity`), with the same
-        total ``num_layers x capacity`` (see ``layer_budgets``); ``None`` (unbounded) stays ``None``."""
-        if capacity is None or self.layer_budgets == "uniform" or num_layers < 2:
-            return [capacity] * num_layers
+    def min_layer_capacity(self, capacity: int) -> int:
+        """The smallest capacity (tokens per KV head, at most ``capacity``) whose split leaves a recent window of
+        at least one token: the floor of a layer whose budget is spread (``layer_budgets``)."""
         from .policies import make_policy
 
         policy = make_policy(self.policy, heavy_ratio=self.heavy_ratio, sink_tokens=self.sinks)
-        floor = next((c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1), capacity)
+        return next((c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1), capacity)
+
+    def layer_capacities(self, capacity: int | None, num_layers: int) -> list[int | None]:
+        """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` (:meth:`capacity`), with the same
+        total ``num_layers x capacity`` (see ``layer_budgets``; ``global`` before any scores: uniform); ``None``
+        (unbounded) stays ``None``."""
+        if capacity is None or self.layer_budgets in ("uniform", "global") or num_layers < 2:
+            return [capacity] * num_layers
+        floor = self.min_layer_capacity(capacity)
         last = max(capacity / PYRAMID_BETA, floor)
         first = 2 * capacity - last
         caps = [max(floor, int(first + (last - first) * i / (num_layers - 1))) for i in range(num_layers)]

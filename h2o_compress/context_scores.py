@@ -191,6 +191,48 @@ def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, ques
         layer.policy.context_scores = layer_scores
 
 
+def global_layer_capacities(scores: list[torch.Tensor], capacity: int, floor: int = 1,
+                            ceiling: int | None = None) -> list[int]:
+    """Each layer's capacity (tokens per KV head) under one ranking over the whole model (KVzip's non-uniform
+    allocation, Kim et al. 2025, arXiv 2505.23416 §3.3; kvpress's ``KVzipPress(layerwise=False)``): of every
+    sequence's ``num_layers x kv_heads x capacity`` best-scored (layer, head, token) entries, layer ``l`` holds a
+    share ``n_l``; its capacity is ``n_l / kv_heads`` averaged over the batch, rounded so that the capacities sum
+    to exactly ``num_layers x capacity`` (the bytes of the uniform split) and stay within ``[floor, ceiling]``.
+
+    Args:
+        scores: per layer, ``[batch, kv_heads, tokens]`` (comparable across layers: attention probabilities).
+        capacity: the uniform per-layer capacity whose total is spread (>= 1).
+        floor: the smallest capacity a layer may get (one that leaves a recent window), clipped to ``capacity``.
+        ceiling: the largest (default: ``tokens``).
+
+    Returns:
+        ``num_layers`` ints summing to ``num_layers x capacity`` (when the bounds allow it).
+    """
+    stacked = torch.stack([layer.float() for layer in scores])  # [layers, batch, kv_heads, tokens]
+    layers, batch, heads, tokens = stacked.shape
+    floor, ceiling = min(floor, capacity), max(ceiling or tokens, capacity)
+    per_sequence = stacked.permute(1, 0, 2, 3).reshape(batch, -1)
+    top = per_sequence.topk(min(per_sequence.shape[1], layers * heads * capacity), dim=1).indices
+    share = torch.bincount((top // (heads * tokens)).flatten(), minlength=layers).double() / (batch * heads)
+    caps = share.floor().clamp(floor, ceiling).long().tolist()
+    remainder = (share - share.floor()).tolist()
+    spare = layers * capacity - sum(caps)
+    order = sorted(range(layers), key=lambda layer: -remainder[layer]) if spare > 0 else \
+        sorted(range(layers), key=lambda layer: remainder[layer])
+    while spare != 0:
+        moved = False
+        for layer in order:
+            if spare > 0 and caps[layer] < ceiling:
+                caps[layer], spare, moved = caps[layer] + 1, spare - 1, True
+            elif spare < 0 and caps[layer] > floor:
+                caps[layer], spare, moved = caps[layer] - 1, spare + 1, True
+            if spare == 0:
+                break
+        if not moved:
+            break
+    return caps
+
+
 def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Token ids ``[n]`` of what the tokenizer's chat template puts before one user message (system prompt, user
     header) and after it (end of the turn, assistant header), or ``None`` without a chat template."""

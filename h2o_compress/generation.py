@@ -10,17 +10,19 @@ import torch
 
 from .attention import use_h2o_attention
 from .cache import CompressedCache, build_layers
-from .config import CompressionConfig
+from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
 from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile
 from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
+from .policies import make_policy
 from .identity import model_fingerprint, model_identity
-from .context_scores import hand_context_scores
+from .context_scores import global_layer_capacities, hand_context_scores, score_context
 from .prompt_cache import check_context, prefill
 from .weights import input_device
 
 
-def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None) -> CompressedCache:
+def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None,
+               layer_capacities: list[int] | None = None) -> CompressedCache:
     """Build a :class:`CompressedCache` for ``model`` and switch the model to the ``h2o_compress`` attention.
 
     Args:
@@ -28,10 +30,13 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         config: the compression setting (default: no compression).
         max_length: tokens the cache will see (prompt + new tokens); needed when ``config.budget`` is a
             fraction below 1 (capacity = ``ceil(budget x max_length)`` tokens per layer and KV head).
+        layer_capacities: with ``config.layer_budgets == "global"``, each layer's capacity (tokens per KV head,
+            one int >= 1 per layer: what :func:`make_scored_cache` computes from the scores); default: the
+            config's own split.
 
     Raises:
-        ConfigError: bad ``max_length``, a fractional budget without ``max_length``, or a group size that does
-            not divide the model's ``head_dim``.
+        ConfigError: bad ``max_length`` or ``layer_capacities``, a fractional budget without ``max_length``, or a
+            group size that does not divide the model's ``head_dim``.
         UnsupportedModelError: the model's attention cannot be scored.
     """
     config = _check_config(config)
@@ -48,9 +53,50 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     capacity = config.capacity(max_length)
     if capacity is not None and max_length is not None:
         capacity = min(capacity, max_length)  # storage never exceeds what the cache can see
-    layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length)
+    if layer_capacities is not None:
+        layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
+    layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
+                          capacities=layer_capacities)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
+    return cache
+
+
+def _check_layer_capacities(capacities, config: CompressionConfig, num_layers: int, capacity: int | None) -> list[int]:
+    """``capacities`` as a list of ``num_layers`` ints >= 1, given for ``layer_budgets="global"`` and a bounded
+    cache; raises ConfigError naming what is wrong."""
+    if config.layer_budgets != "global" or capacity is None:
+        raise ConfigError(f"layer_capacities given with layer_budgets={config.layer_budgets!r} and capacity "
+                          f"{capacity}; allowed: layer_capacities only with layer_budgets 'global' and a budget below 1")
+    values = list(capacities) if isinstance(capacities, (list, tuple)) else None
+    if values is None or len(values) != num_layers or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
+        raise ConfigError(f"layer_capacities={short(capacities)} is invalid; allowed: {num_layers} integers >= 1 "
+                          "(tokens per KV head, one per layer)")
+    return values
+
+
+def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_length: int,
+                      question_in_prompt: bool = False) -> CompressedCache:
+    """A cache ready for the prefill of ``input_ids`` ``[batch, tokens]``: for ``kvzip`` and ``lookahead`` their
+    scoring pass runs first (:func:`~h2o_compress.context_scores.score_context`), the cache is built with the layer
+    capacities those scores give under ``layer_budgets="global"``
+    (:func:`~h2o_compress.context_scores.global_layer_capacities`; the config's own split otherwise), and each
+    layer gets its scores for the prefill. Other policies: ``make_cache(model, config, max_length)``.
+    ``question_in_prompt``: ``input_ids`` is a whole prompt, question included (``generate``), not a document
+    asked about later."""
+    config = _check_config(config)
+    if config.policy not in CONTEXT_SCORED_POLICIES:
+        return make_cache(model, config, max_length)
+    policy = make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request)
+    scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
+    capacities, capacity = None, config.capacity(max_length)
+    if config.layer_budgets == "global" and capacity is not None:
+        capacity = min(capacity, max_length)
+        capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length)
+    cache = make_cache(model, config, max_length, layer_capacities=capacities)
+    for layer, layer_scores in zip(cache.layers, scores):
+        layer.policy.context_scores = layer_scores
     return cache
 
 
@@ -211,8 +257,13 @@ def generate(
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
+    _sync(device)
+    start = time.perf_counter()  # the prefill's time includes a policy's scoring pass
     if cache is None:
-        cache = make_cache(model, config, max_length=prompt_tokens + max_new_tokens)
+        cache = make_scored_cache(model, tokenizer, input_ids, config, prompt_tokens + max_new_tokens,
+                                  question_in_prompt=True)
+    elif cache.seen_tokens() == 0:  # a fresh cache given: kvzip and lookahead score the prompt first
+        hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
     compiled = resolve_compile(compile, cache, device, model)
     step = compiled_decode_step(model, device) if compiled else decode_step
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -224,10 +275,6 @@ def generate(
         probs = torch.softmax(logits.float() / temperature, -1)
         return torch.multinomial(probs, 1, generator=generator)
 
-    _sync(device)
-    start = time.perf_counter()
-    if cache.seen_tokens() == 0:  # kvzip, lookahead: their scoring pass over the prompt first
-        hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
     logits = prefill(model, input_ids, cache)
     token = pick(logits)
     _sync(device)

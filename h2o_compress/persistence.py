@@ -417,7 +417,16 @@ def load_cache(path, model, config=None):
     use_h2o_attention(model)
     device = input_device(model)
     devices = attention_devices(model, dims.num_layers)  # each layer's storage where its attention runs
-    layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens)
+    capacities = None
+    if saved.layer_budgets == "global" and capacity is not None:  # sized by the scores: the file says how
+        capacities = [state["capacity"] for state in layer_states]
+        if sum(capacities) != capacity * dims.num_layers:
+            raise CacheFileError(
+                f"cache file {str(source)!r}: its layers' capacities sum to {sum(capacities)}, not the "
+                f"{dims.num_layers} x {capacity} that global layer budgets of {capacity} hold"
+            )
+    layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens,
+                          capacities=capacities)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         if layer.capacity != state["capacity"]:
             raise CacheFileError(

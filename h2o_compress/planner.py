@@ -158,7 +158,9 @@ def cache_bytes(
         capacity = min(capacity, max_length)
     empty = torch.empty(batch, dims.kv_heads, 0, dims.head_dim, dtype=kv_dtype, device="meta")
     sizes = {name: 0 for name, _ in _CATEGORIES}
-    if config.layer_budgets == "uniform":  # every layer alike: size one, count it num_layers times
+    # every layer alike: size one, count it num_layers times ("global" spreads the same total by the scores, and a
+    # layer's bytes are affine in its capacity, so the total is uniform's)
+    if config.layer_budgets in ("uniform", "global"):
         layers, repeat = build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length), dims.num_layers
     else:
         layers, repeat = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length), 1

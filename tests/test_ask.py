@@ -46,7 +46,10 @@ def test_each_question_starts_from_the_same_compressed_context():
     model, tokenizer = tiny_lm()
     context = compress(model, tokenizer, CONTEXT, chat=False)
     assert context.cache.capacity == ASK_DEFAULTS.capacity(context.tokens)
-    assert context.cache.kept_length() == context.cache.capacity
+    layers = range(len(context.cache.layers))  # the defaults size each layer by the scores: the same total
+    kept = [int(layer.kept_per_head().sum()) for layer in context.cache.layers]  # adaptive heads: per layer
+    assert kept == [c * context.cache.layers[0].kept_per_head().shape[1] for c in context.cache.capacities]
+    assert sum(context.cache.capacities) == context.cache.capacity * len(layers)
     before = snapshot(context.cache)
     first = ask(model, tokenizer, context, "Who is the detective?", max_new_tokens=6)
     ask(model, tokenizer, context, "What is the pass key?", max_new_tokens=6)
@@ -118,11 +121,32 @@ def test_cli_ask_passes_the_lookahead_request_to_the_scoring_pass(tmp_path, monk
     document.write_text(CONTEXT[:600])
     base = ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document), "--max-new-tokens", "2",
             "--question", "Who?", "--json"]
-    result = CliRunner().invoke(app, [*base, "--lookahead-request", "Which names and places?"])
+    result = CliRunner().invoke(app, [*base, "--policy", "lookahead", "--lookahead-request", "Which names and places?"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"]["lookahead_request"] == "Which names and places?"
-    assert CliRunner().invoke(app, base).exit_code == 0  # the default policy of ask is lookahead too
+    assert CliRunner().invoke(app, [*base, "--policy", "lookahead"]).exit_code == 0
     assert asked == ["Which names and places?", "List the important facts and numbers in the text above."]
+
+
+def test_cli_ask_defaults_give_way_to_a_policy_they_do_not_fit(tmp_path):
+    """``ask``'s defaults are KVzip's (kvzip, global layers, adaptive heads); ``--policy h2o`` gets uniform layers
+    and ``--policy local`` uniform heads instead of an error, while the same flags given by hand are refused."""
+    model_dir = save_tiny_lm(tmp_path / "model")
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT[:600])
+    base = ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document), "--max-new-tokens", "2",
+            "--question", "Who?", "--json"]
+    configs = {}
+    for policy in (None, "h2o", "local"):
+        result = CliRunner().invoke(app, base + (["--policy", policy] if policy else []))
+        assert result.exit_code == 0, result.output
+        configs[policy] = json.loads(result.stdout)["config"]
+    pick = lambda c: (c["policy"], c["layer_budgets"], c["head_budgets"])  # noqa: E731
+    assert pick(configs[None]) == ("kvzip", "global", "adaptive") == pick(ASK_DEFAULTS.to_dict())
+    assert pick(configs["h2o"]) == ("h2o", "uniform", "uniform")
+    assert pick(configs["local"]) == ("local", "uniform", "uniform")
+    refused = CliRunner().invoke(app, base + ["--policy", "h2o", "--layer-budgets", "global"])
+    assert refused.exit_code != 0 and "allowed policies: kvzip, lookahead" in refused.output
 
 
 @pytest.mark.parametrize("args,message", [
@@ -271,13 +295,14 @@ def test_lookahead_without_a_request_answers_the_prompt_itself(monkeypatch):
     assert float(raw[0].sum()) == 2 * 3 + 3 and float(raw[1].abs().sum()) == 0
 
 
-@pytest.mark.parametrize("entry", ["generate", "needle"])
+@pytest.mark.parametrize("entry", ["generate", "generate, a fresh cache given", "needle"])
 @pytest.mark.parametrize("request_text", [None, "Which names?"])
 def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatch, entry, request_text):
     """``generate`` (and ``eval needle``'s question-in-prompt protocol) with ``lookahead``: the pass over the whole
     prompt answers the prompt itself (or the request given), and the prefill keeps the top of those scores plus the
     recent window."""
     from h2o_compress import context_scores, generate
+    from h2o_compress.generation import make_scored_cache
     from h2o_compress.profiling.needle import answer_prompt
 
     asked, computed = [], []
@@ -293,12 +318,19 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
     config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=16,
                                lookahead_request=request_text)
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
-    cache = make_cache(model, config, max_length=ids.shape[1] + 1)
+    made = []
+    module = "h2o_compress.profiling.needle" if entry == "needle" else "h2o_compress.generation"
+    real_make = make_scored_cache
+    monkeypatch.setattr(f"{module}.make_scored_cache",
+                        lambda *args, **kwargs: made.append(real_make(*args, **kwargs)) or made[-1])
     if entry == "generate":
-        generate(model, tokenizer, CONTEXT[:400], config, max_new_tokens=1, chat=False, cache=cache)
+        generate(model, tokenizer, CONTEXT[:400], config, max_new_tokens=1, chat=False)
+    elif entry == "generate, a fresh cache given":
+        made.append(make_cache(model, config, max_length=ids.shape[1] + 1))
+        generate(model, tokenizer, CONTEXT[:400], config, max_new_tokens=1, chat=False, cache=made[0])
     else:
-        monkeypatch.setattr("h2o_compress.profiling.needle.make_cache", lambda *args, **kwargs: cache)
         answer_prompt(model, tokenizer, ids, config, max_new_tokens=1)
+    (cache,) = made
     assert asked == [request_text]
     assert model.config._attn_implementation == "h2o_compress"
     heavy = cache.layers[0].policy.heavy(cache.capacity)

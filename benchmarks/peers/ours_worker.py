@@ -56,7 +56,7 @@ def _config(method: dict, budget):
 
     if method["policy"] == "full":
         return CompressionConfig(policy="full", kv_bits=method["kv_bits"])
-    extra = {key: method[key] for key in ("heavy_ratio", "layer_budgets") if key in method}
+    extra = {key: method[key] for key in ("heavy_ratio", "layer_budgets", "head_budgets") if key in method}
     return CompressionConfig(policy=method["policy"], budget=budget, kv_bits=method["kv_bits"], **extra)
 
 
@@ -109,10 +109,12 @@ def cmd_needle(command: dict) -> dict:
                 longest_question = max(len(q["ids"]) for q in item["questions"])
                 compressed = method["kind"] == "ours" and method["policy"] != "full"
                 if compressed:  # compress-then-ask: the context alone is compressed, then frozen per question
-                    from h2o_compress.ask import prefill_context
+                    from h2o_compress.generation import make_scored_cache
+                    from h2o_compress.prompt_cache import prefill
 
-                    cache = _cache(method, context.shape[1], max(int(context.shape[1] * method["keep"]), 1))
-                    prefill_context(model, STATE["tokenizer"], context, cache)
+                    config = _config(method, max(int(context.shape[1] * method["keep"]), 1))
+                    cache = make_scored_cache(model, STATE["tokenizer"], context, config, context.shape[1])
+                    prefill(model, context, cache)  # as h2o_compress.compress (kvzip, lookahead: scored first)
                 else:
                     cache = _cache(method, context.shape[1] + longest_question + max_new)
                     model(input_ids=context, past_key_values=cache, logits_to_keep=1)

@@ -172,17 +172,19 @@ class CompressedCache(Cache):
 
 
 def build_layers(
-    config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None
+    config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
+    capacities: list[int] | None = None,
 ) -> list[CompressedLayer]:
     """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
-    ``i`` with ``config.layer_capacities(capacity, num_layers)[i]`` tokens (``capacity`` per layer on average);
-    a :class:`HeadAdaptiveLayer` where ``config.head_budgets == "adaptive"`` and the layer evicts (an unbounded
-    layer keeps everything, so the heads have nothing to share).
+    ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
+    per layer on average); a :class:`HeadAdaptiveLayer` where ``config.head_budgets == "adaptive"`` and the layer
+    evicts (an unbounded layer keeps everything, so the heads have nothing to share).
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
     """
-    capacities = config.layer_capacities(capacity, num_layers)
+    if capacities is None:
+        capacities = config.layer_capacities(capacity, num_layers)
     layer_type, own = CompressedLayer, {}
     if config.high_bits_fraction > 0:  # mixed precision by importance (cache/mixed.py)
         layer_type, own = MixedPrecisionLayer, {"high_bits_fraction": config.high_bits_fraction}

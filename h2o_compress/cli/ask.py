@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 
 from ..ask import ASK_DEFAULTS
+from ..errors import ConfigError
 from .common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
 from .generate import summary_line
 from .options import (
@@ -22,8 +23,25 @@ from .options import (
 
 DEFAULTS = {
     "policy": ASK_DEFAULTS.policy, "budget": str(ASK_DEFAULTS.budget), "heavy_ratio": ASK_DEFAULTS.heavy_ratio,
-    "kv_bits": ASK_DEFAULTS.kv_bits,
+    "kv_bits": ASK_DEFAULTS.kv_bits, "layer_budgets": ASK_DEFAULTS.layer_budgets,
+    "head_budgets": ASK_DEFAULTS.head_budgets,
 }
+#: Defaults that give way: kept only where the rest of the setting allows them (``--policy h2o`` gets uniform
+#: layers, ``--policy local`` uniform heads), so that a flag that changes the policy never trips over them.
+SOFT_DEFAULTS = ("layer_budgets", "head_budgets")
+
+
+def fitted_config(compression: Compression, config_file: Optional[str]):
+    """:func:`merged_config` with ``ask``'s defaults; where the setting refuses them, those of
+    :data:`SOFT_DEFAULTS` not given on the command line fall back to ``uniform``. Raises ConfigError (the setting's
+    own, when even that does not fit)."""
+    try:
+        return merged_config(compression, config_file)
+    except ConfigError:
+        soft = {name: "uniform" for name in SOFT_DEFAULTS if name not in compression.given}
+        if not soft:
+            raise
+        return merged_config(Compression({**compression.values, **soft}, compression.given), config_file)
 
 
 @user_errors
@@ -69,7 +87,7 @@ def ask(
     context = check_prompt(read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES))
     for text in question:
         check_prompt(text)
-    config, overrides = merged_config(compression, config_file)
+    config, overrides = fitted_config(compression, config_file)
     check_generation_args(max_new_tokens, temperature, seed)
     check_compile(compile_step, config)
     if save_cache is not None and load_cache is not None:

@@ -46,8 +46,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "residual": _Flag(int, typer.Option(
         3, "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
     "layer_budgets": _Flag(str, typer.Option(
-        "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, or pyramid (PyramidKV: "
-        "more for the first layers, less for the last, same total bytes).")),
+        "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, pyramid (PyramidKV: "
+        "more for the first layers, less for the last) or global (KVzip: with --policy kvzip or lookahead, each "
+        "layer's share of the best-scored tokens over the whole model); same total bytes.")),
     "high_bits_fraction": _Flag(float, typer.Option(
         0.0, "--high-bits-fraction", help="Share in [0, 1] of the stored tokens kept at 8 bits, the top-ranked by "
         "the policy, the rest at 4 (needs --kv-bits 4, quant int; 0 = off).")),

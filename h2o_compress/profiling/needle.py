@@ -16,9 +16,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..config import CompressionConfig
-from ..context_scores import hand_context_scores
 from ..errors import ConfigError, InputError, short
-from ..generation import make_cache
+from ..generation import make_cache, make_scored_cache
 from .corpus import default_corpus
 from ..compiled import resolve_compile
 from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream, step_function
@@ -190,17 +189,16 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
     input_ids = input_ids.to(model_device(model))
     total = input_ids.shape[1] + max_new_tokens
     if context_tokens is None:
-        cache = make_cache(model, config, max_length=total)
         if chunk_size is None:  # as generate() does (kvzip, lookahead: their pass over the whole prompt first)
-            hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
-    else:
-        context = make_cache(model, config, max_length=context_tokens)
-        if chunk_size is None:  # as compress() does (kvzip, lookahead: scored by their pass first)
-            from ..ask import prefill_context
-
-            prefill_context(model, tokenizer, input_ids[:, :context_tokens], context)
+            cache = make_scored_cache(model, tokenizer, input_ids, config, total, question_in_prompt=True)
         else:
-            read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
+            cache = make_cache(model, config, max_length=total)
+    else:
+        if chunk_size is None:  # as compress() does (kvzip, lookahead: scored by their pass first)
+            context = make_scored_cache(model, tokenizer, input_ids[:, :context_tokens], config, context_tokens)
+        else:
+            context = make_cache(model, config, max_length=context_tokens)
+        read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
         cache, input_ids = context.frozen_copy(total), input_ids[:, context_tokens:]
     step = step_function(model, resolve_compile(compile, cache, input_ids.device, model))
     logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)
