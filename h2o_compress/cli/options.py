@@ -29,8 +29,8 @@ class _Flag:
 COMPRESSION_FLAGS: dict[str, _Flag] = {
     "policy": _Flag(str, typer.Option(
         "h2o", "--policy", help="Eviction policy: h2o, h2o-mean, snapkv, tova, strided, kvzip (scored by "
-        "reconstruction in ask and compress-then-ask), lookahead (scored by the model's answer to a fixed request "
-        "about the context, in ask and compress-then-ask), local, sink or full.")),
+        "reconstructing the prompt or document first), lookahead (scored by the model's own answer first: to a "
+        "fixed request about a document in ask, to the prompt itself in generate), local, sink or full.")),
     "budget": _Flag(str, typer.Option(
         "1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
     "heavy_ratio": _Flag(float, typer.Option(
