@@ -84,7 +84,12 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     (:func:`~h2o_compress.context_scores.global_layer_capacities`; the config's own split otherwise), and each
     layer gets its scores for the prefill. Other policies: ``make_cache(model, config, max_length)``.
     ``question_in_prompt``: ``input_ids`` is a whole prompt, question included (``generate``), not a document
-    asked about later."""
+    asked about later.
+
+    Raises:
+        ConfigError: a bad setting (see :func:`make_cache`).
+        ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
+    """
     config = _check_config(config)
     if config.policy not in CONTEXT_SCORED_POLICIES:
         return make_cache(model, config, max_length)
