@@ -123,7 +123,8 @@ class GenerationResult:
         kv_bytes: ``cache.nbytes()`` at the end (bytes).
         kv_bytes_full_fp16: bytes of the uncompressed fp16 cache for the same tokens.
         capacity: tokens kept per layer and KV head (``None``: unbounded).
-        prefill_s: seconds of the prompt forward pass (gives the first new token).
+        prefill_s: seconds of the prompt forward pass (gives the first new token), with the scoring pass of
+            ``kvzip`` and ``lookahead`` before it.
         decode_s: seconds of the decode forward passes (with ``compiled``, the first one, which compiles, is
             left out and reported as ``compile_s``).
         decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
@@ -263,12 +264,14 @@ def generate(
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
     _sync(device)
-    start = time.perf_counter()  # the prefill's time includes a policy's scoring pass
+    start = time.perf_counter()
     if cache is None:
         cache = make_scored_cache(model, tokenizer, input_ids, config, prompt_tokens + max_new_tokens,
                                   question_in_prompt=True)
     elif cache.seen_tokens() == 0:  # a fresh cache given: kvzip and lookahead score the prompt first
         hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
+    _sync(device)
+    scoring_s = time.perf_counter() - start  # counted in the prefill's time (kvzip, lookahead: their pass)
     compiled = resolve_compile(compile, cache, device, model)
     step = compiled_decode_step(model, device) if compiled else decode_step
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -280,10 +283,12 @@ def generate(
         probs = torch.softmax(logits.float() / temperature, -1)
         return torch.multinomial(probs, 1, generator=generator)
 
+    _sync(device)
+    start = time.perf_counter()
     logits = prefill(model, input_ids, cache)
     token = pick(logits)
     _sync(device)
-    prefill_s = time.perf_counter() - start
+    prefill_s = time.perf_counter() - start + scoring_s
     generated: list[int] = [token.item()]
     emitted = ""
     decode_s = compile_s = 0.0
