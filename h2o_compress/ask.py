@@ -28,7 +28,6 @@ import torch
 
 from .cache import CompressedCache
 from .config import CompressionConfig, check_usable
-from .context_scores import hand_context_scores
 from .errors import CacheStateError, InputError
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
 from .prompt_cache import check_context, prefill, shared_prefix_length
@@ -37,15 +36,6 @@ from .weights import input_device
 ASK_DEFAULTS = CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=0.9, kv_bits=4, layer_budgets="global",
                                  head_budgets="adaptive")
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
-
-
-def prefill_context(model, tokenizer, context_ids: torch.Tensor, cache: CompressedCache) -> torch.Tensor:
-    """Prefill ``context_ids`` ``[batch, tokens]`` into a fresh ``cache``; for a question-agnostic policy
-    (``kvzip``, ``lookahead``) first score the context by its pass
-    (:func:`~h2o_compress.context_scores.score_context`) and hand each layer its scores. Returns the next-token
-    logits ``[batch, vocab]``."""
-    hand_context_scores(model, tokenizer, context_ids, cache)
-    return prefill(model, context_ids, cache)
 
 
 @dataclass

@@ -325,18 +325,33 @@ class CompressionConfig:
         last = max(capacity / PYRAMID_BETA, floor)
         first = 2 * capacity - last
         caps = [max(floor, int(first + (last - first) * i / (num_layers - 1))) for i in range(num_layers)]
-        spare = capacity * num_layers - sum(caps)  # rounding: hand it out (or take it back) from the first layers
-        while spare > 0 or (spare < 0 and any(c > floor for c in caps)):
-            for layer in range(num_layers):
-                if spare > 0:
-                    caps[layer], spare = caps[layer] + 1, spare - 1
-                elif spare < 0 and caps[layer] > floor:
-                    caps[layer], spare = caps[layer] - 1, spare + 1
-        return caps
+        return fit_to_total(caps, capacity * num_layers, floor)  # rounding: from the first layers on
 
     def to_dict(self) -> dict:
         """Plain-dict form (JSON-serialisable)."""
         return asdict(self)
+
+
+def fit_to_total(caps: list[int], total: int, floor: int, ceiling: int | None = None,
+                 order: list[int] | None = None) -> list[int]:
+    """``caps`` (per-layer capacities, tokens per KV head) moved one token at a time, layer by layer in ``order``
+    (default: first to last) and round again, until they sum to ``total``: a layer gains up to ``ceiling`` (default:
+    no limit) or loses down to ``floor``. Stops short of ``total`` only where the bounds forbid it. Used by the
+    ``pyramid`` and ``global`` layer budgets to round to the uniform total."""
+    caps, order = list(caps), list(range(len(caps))) if order is None else order
+    spare = total - sum(caps)
+    while spare != 0:
+        moved = False
+        for layer in order:
+            if spare > 0 and (ceiling is None or caps[layer] < ceiling):
+                caps[layer], spare, moved = caps[layer] + 1, spare - 1, True
+            elif spare < 0 and caps[layer] > floor:
+                caps[layer], spare, moved = caps[layer] - 1, spare + 1, True
+            if spare == 0:
+                break
+        if not moved:
+            break
+    return caps
 
 
 def check_usable(config: CompressionConfig, capacity: int | None = None) -> CompressionConfig:

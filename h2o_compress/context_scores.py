@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .config import fit_to_total
 from .models import model_dims
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
@@ -182,11 +183,14 @@ def score_context(model, tokenizer, context_ids: torch.Tensor, policy,
     return None if scorer is None else scorer(model, tokenizer, context_ids, policy, question_in_prompt)
 
 
-def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, question_in_prompt: bool = False) -> None:
+def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, question_in_prompt: bool = False,
+                        scores: list[torch.Tensor] | None = None) -> None:
     """Before ``context_ids`` ``[batch, tokens]`` is prefilled into the empty compressed ``cache``: run its policy's
-    scoring pass (:func:`score_context`, nothing for a policy without one) and hand each layer its scores, which
-    that prefill then ranks by."""
-    scores = score_context(model, tokenizer, context_ids, getattr(cache.layers[0], "policy", None), question_in_prompt)
+    scoring pass (:func:`score_context`, nothing for a policy without one; ``scores``: already run) and hand each
+    layer its scores, which that prefill then ranks by."""
+    if scores is None:
+        policy = getattr(cache.layers[0], "policy", None)
+        scores = score_context(model, tokenizer, context_ids, policy, question_in_prompt)
     for layer, layer_scores in zip(cache.layers, scores or ()):
         layer.policy.context_scores = layer_scores
 
@@ -216,21 +220,9 @@ def global_layer_capacities(scores: list[torch.Tensor], capacity: int, floor: in
     share = torch.bincount((top // (heads * tokens)).flatten(), minlength=layers).double() / (batch * heads)
     caps = share.floor().clamp(floor, ceiling).long().tolist()
     remainder = (share - share.floor()).tolist()
-    spare = layers * capacity - sum(caps)
-    order = sorted(range(layers), key=lambda layer: -remainder[layer]) if spare > 0 else \
-        sorted(range(layers), key=lambda layer: remainder[layer])
-    while spare != 0:
-        moved = False
-        for layer in order:
-            if spare > 0 and caps[layer] < ceiling:
-                caps[layer], spare, moved = caps[layer] + 1, spare - 1, True
-            elif spare < 0 and caps[layer] > floor:
-                caps[layer], spare, moved = caps[layer] - 1, spare + 1, True
-            if spare == 0:
-                break
-        if not moved:
-            break
-    return caps
+    gaining = layers * capacity > sum(caps)  # the largest remainders gain first, the smallest lose first
+    order = sorted(range(layers), key=lambda layer: -remainder[layer] if gaining else remainder[layer])
+    return fit_to_total(caps, layers * capacity, floor, ceiling, order)
 
 
 def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -100,8 +100,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         capacity = min(capacity, max_length)
         capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length)
     cache = make_cache(model, config, max_length, layer_capacities=capacities)
-    for layer, layer_scores in zip(cache.layers, scores):
-        layer.policy.context_scores = layer_scores
+    hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
     return cache
 
 

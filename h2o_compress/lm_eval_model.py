@@ -46,10 +46,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .ask import prefill_context
 from .config import CompressionConfig, check_usable, parse_budget
 from .errors import ConfigError, short
-from .generation import make_cache
+from .generation import make_cache, make_scored_cache
+from .prompt_cache import prefill
 from .models import DEFAULT_MODEL, load_model
 from .profiling.stream import check_count, read_stream
 
@@ -208,8 +208,8 @@ class H2OCompressLM(HFLM):
         """Prefill ``context`` through a fresh compressed cache (budget relative to its tokens); returns the cache and
         the next-token logits ``[1, vocab]``."""
         ids = torch.tensor([context], dtype=torch.long, device=self.device)
-        cache = make_cache(self.model, self.compression, max_length=len(context))
-        return cache, prefill_context(self.model, self.tokenizer, ids, cache)
+        cache = make_scored_cache(self.model, self.tokenizer, ids, self.compression, len(context))
+        return cache, prefill(self.model, ids, cache)
 
     @torch.inference_mode()
     def _score_continuation(self, cache, last_logits: torch.Tensor, context_tokens: int, continuation: list[int]):

@@ -395,7 +395,8 @@ def test_question_agnostic_scoring_runs_on_every_architecture(tiny_model, policy
     the prefill keeps the capacity, and its kept set follows the scores (a token the scores put first is kept)."""
     from types import SimpleNamespace
 
-    from h2o_compress.ask import prefill_context
+    from h2o_compress.context_scores import hand_context_scores
+    from h2o_compress.prompt_cache import prefill
     from h2o_compress.context_scores import score_context
 
     class CharTokenizer:  # no chat template: the request follows as plain text
@@ -411,7 +412,8 @@ def test_question_agnostic_scoring_runs_on_every_architecture(tiny_model, policy
     scores = score_context(tiny_model, CharTokenizer(), ids, cache.layers[0].policy)
     implementation = tiny_model.config._attn_implementation
     with torch.inference_mode():
-        prefill_context(tiny_model, CharTokenizer(), ids, cache)
+        hand_context_scores(tiny_model, CharTokenizer(), ids, cache)
+        prefill(tiny_model, ids, cache)
     assert tiny_model.config._attn_implementation == implementation == "h2o_compress"
     assert cache.kept_length() == cache.capacity == 27
     recent = 27 - cache.layers[0].policy.heavy(27)

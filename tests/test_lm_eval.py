@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import save_tiny_model_dir
 from typer.testing import CliRunner
 
@@ -128,6 +129,22 @@ def test_the_context_is_compressed_before_the_continuation_is_scored(loaded):
     assert together[0] == first
     full = H2OCompressLM(pretrained=model, tokenizer=tokenizer)._loglikelihood_tokens(requests[:1], disable_tqdm=True)
     assert abs(full[0][0] - first[0]) > 1e-3
+
+
+def test_a_scored_policy_scores_and_sizes_the_context_as_ask_does(loaded):
+    """lm-eval's contexts go through the same scored cache as ``compress``: kvzip's reconstruction scores, and with
+    ``layer_budgets=global`` the layers sized by them under the uniform total."""
+    from h2o_compress.context_scores import global_layer_capacities, score_context
+
+    model, tokenizer = loaded
+    lm = H2OCompressLM(pretrained=model, tokenizer=tokenizer, policy="kvzip", budget=0.2, kv_bits=4,
+                       layer_budgets="global")
+    context = [(7 * i) % 120 for i in range(100)]
+    cache, _ = lm._compressed_context(context)
+    ids = torch.tensor([context])
+    scores = score_context(model, tokenizer, ids, cache.layers[0].policy)
+    assert cache.capacities == global_layer_capacities(scores, 20, lm.compression.min_layer_capacity(20), 100)
+    assert sum(cache.capacities) == 20 * len(cache.layers) and len(set(cache.capacities)) > 1  # not uniform
 
 
 @pytest.mark.parametrize(
