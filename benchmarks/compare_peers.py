@@ -62,12 +62,14 @@ SHORT = {"ObservedAttentionPress": "ObservedAttention", "SnapKVPress": "SnapKV",
          "KVzipPress": "KVzip", "PyramidKVPress": "PyramidKV", "AdaKVPress": "AdaKV-ExpectedAttention"}
 # Ours beyond the paper's h2o: h2o-mean (heavy 0.9), SnapKV, KVzip and lookahead scoring, the PyramidKV layer
 # schedule, and KVzip's own allocation (global layer budgets, adaptive heads);
-# (policy, bits, heavy_ratio, layer_budgets, head_budgets).
+# (policy, bits, heavy_ratio, layer_budgets, head_budgets, sink_tokens).
 OURS_ASK = [("h2o-mean", 16, 0.9), ("h2o-mean", 4, 0.9), ("snapkv", 16, 0.9), ("snapkv", 4, 0.9),
             ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("lookahead", 16, 0.9), ("lookahead", 4, 0.9),
             ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16),
             ("kvzip", 16, 0.9, "global", "adaptive"), ("kvzip", 4, 0.9, "global", "adaptive"),
-            ("lookahead", 4, 0.9, "global", "adaptive")]
+            ("lookahead", 4, 0.9, "global", "adaptive"),
+            ("kvzip", 16, 1.0, "global", "adaptive", 4), ("kvzip", 8, 1.0, "global", "adaptive", 4),
+            ("kvzip", 4, 1.0, "global", "adaptive", 4)]  # KVzip's own setting: no recent window, 4 sinks
 COLORS = ("red", "blue", "green")
 DEPTHS = (0.2, 0.5, 0.8)
 INSTRUCTION = ("There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
@@ -255,11 +257,11 @@ def needle_methods(grid: dict) -> tuple[list[dict], list[dict]]:
         ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
                      "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0, "bits": bits})
     for policy, bits, *extra in grid["ours_needle"]:
-        heavy, layers, heads = (extra + [None, None, None])[:3]
+        heavy, layers, heads, sinks = (extra + [None, None, None, None])[:4]
         label = policy + (f"-heavy{heavy:g}" if heavy else "") + (f"-{layers}" if layers else "") + (
-            f"-{heads}-heads" if heads else "")
+            f"-{heads}-heads" if heads else "") + (f"-sinks{sinks}" if sinks else "")
         options = ({"heavy_ratio": heavy} if heavy else {}) | ({"layer_budgets": layers} if layers else {}) | (
-            {"head_budgets": heads} if heads else {})
+            {"head_budgets": heads} if heads else {}) | ({"sink_tokens": sinks} if sinks else {})
         for keep in grid["keeps"]:
             ours.append({"name": f"ours {label} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
                          "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {label} {bits}-bit",
@@ -535,6 +537,26 @@ def comparisons(needle_rows: list[dict]) -> list[dict]:
     return pairs
 
 
+def keep_targets(needle_rows: list[dict]) -> list[dict]:
+    """Issue 16's target, press by press at each keep fraction: of our settings at that keep holding no more bytes
+    (2% slack) than the press, the one with the lowest answer NLL among those with at least its passkey accuracy
+    (else the lowest NLL), and whether it beats the press on NLL with at least its accuracy."""
+    rows = [r for r in needle_rows if not r.get("error") and r.get("keep") is not None and r["keep"] < 1]
+    out = []
+    for press in (r for r in rows if r["family"] in ("kvpress", "kvpress+quanto")):
+        mine = [r for r in rows if r["family"] == "ours" and r["keep"] == press["keep"]
+                and r["kv_bytes"] <= press["kv_bytes"] * 1.02]
+        if not mine:
+            continue
+        enough = [r for r in mine if r["accuracy"] >= press["accuracy"]] or mine
+        best = min(enough, key=lambda r: (r["answer_nll"], -r["accuracy"]))
+        out.append({"keep": press["keep"], "press": press["name"], "press_accuracy": press["accuracy"],
+                    "press_nll": press["answer_nll"], "press_kv_bytes": press["kv_bytes"], "ours": best["name"],
+                    "ours_accuracy": best["accuracy"], "ours_nll": best["answer_nll"], "ours_kv_bytes": best["kv_bytes"],
+                    "met": best["answer_nll"] < press["answer_nll"] and best["accuracy"] >= press["accuracy"]})
+    return sorted(out, key=lambda t: (-t["keep"], t["press"]))
+
+
 def write_markdown(report: dict, path: Path) -> None:
     lines = [
         "# h2o-compress against kvpress and transformers' QuantizedCache",
@@ -582,6 +604,23 @@ def write_markdown(report: dict, path: Path) -> None:
             f"| {pair['keep']:g} | {pair['peer']} | {pair['peer_right']:.2f} | {pair['peer_nll']:.3f} | "
             f"{pair['peer_kv_bytes'] / 1024:.0f} | {cell(pair['ours_default'])} | {cell(pair['ours_heavy'])} | "
             f"{pair['better']} |")
+    targets = report.get("keep_targets") or keep_targets(needle)
+    if targets:
+        lines += ["", "### Every press at its keep: our best setting there, at equal or fewer bytes", "",
+                  "Ours = of our settings at the same keep holding no more bytes than the press (2% slack), the lowest "
+                  "answer NLL among those with at least the press's passkey accuracy. 'met': lower NLL and at least "
+                  "the accuracy.", "",
+                  "| keep | press | right | NLL | KiB | ours | right | NLL | KiB | met |",
+                  "|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
+        for t in targets:
+            lines.append(
+                f"| {t['keep']:g} | {t['press']} | {t['press_accuracy']:.2f} | {t['press_nll']:.3f} | "
+                f"{t['press_kv_bytes'] / 1024:.0f} | {t['ours']} | {t['ours_accuracy']:.2f} | {t['ours_nll']:.3f} | "
+                f"{t['ours_kv_bytes'] / 1024:.0f} | {'yes' if t['met'] else '**no**'} |")
+        for keep in sorted({t["keep"] for t in targets}, reverse=True):
+            missed = [t["press"] for t in targets if t["keep"] == keep and not t["met"]]
+            lines.append(f"\nkeep {keep:g}: " + ("met against every press" if not missed else
+                                                 "not met against " + ", ".join(missed)))
     lines += ["",
               "### Matched at equal or fewer bytes (ours = our best setting holding no more bytes than the peer)", "",
               "| peer | right | NLL | KiB | ours | right | NLL | KiB | better |", "|---|---:|---:|---:|---|---:|---:|---:|---|"]
@@ -755,6 +794,7 @@ def main() -> None:
                                             tokenizer)
         report["comparisons"] = comparisons(report["needle"])
         report["same_keep"] = same_keep_pairs(report["needle"])
+        report["keep_targets"] = keep_targets(report["needle"])
     if "ppl" in records:
         report["ppl"] = summarize_ppl(records["ppl"], ours_ppl + (peer_ppl if peers else []))
         reference = next((r.get("perplexity") for r in report["ppl"]

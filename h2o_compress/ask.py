@@ -106,7 +106,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     device = input_device(model)
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
     check_context(model, ids.shape[1], 0)
-    check_usable(config, config.capacity(ids.shape[1]))
+    check_usable(config, config.capacity(ids.shape[1]), frozen=True)  # the context never evicts again
     cache = make_scored_cache(model, tokenizer, ids, config, ids.shape[1])  # kvzip, lookahead: scored first
     prefill(model, ids, cache)
     cache.check()

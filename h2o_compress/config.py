@@ -104,7 +104,10 @@ class CompressionConfig:
             whose scoring pass runs before the cache is built, the ``num_layers x kv_heads x C`` best-scored
             (layer, head, token) entries over the whole model are counted per layer, and each layer gets its
             share of the same total: :func:`~h2o_compress.context_scores.global_layer_capacities`; where a prompt
-            is read without that pass, the layers stay uniform). Each layer allocates only its own capacity, so the
+            is read without that pass, the layers stay uniform), or per-layer weights: a sequence of
+            ``num_layers`` positive numbers, or the path of a JSON file holding one (a list, or ``{"weights":
+            [...]}``; read once, here, and kept as the tuple), each layer getting its weight's share of the total
+            (at least the capacity that leaves a recent window). Each layer allocates only its own capacity, so the
             bytes follow (:meth:`layer_capacities`; ``global`` holds uniform's total).
         high_bits_fraction: share in [0, 1] of each layer's stored tokens kept at 8 bits, the rest at 4 (mixed
             precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
@@ -140,7 +143,7 @@ class CompressionConfig:
     rotate: bool = True
     score_chunk_size: int = 64
     attention_kernel: str = "auto"
-    layer_budgets: str = "uniform"
+    layer_budgets: str | tuple[float, ...] = "uniform"
     high_bits_fraction: float = 0.0
     head_budgets: str = "uniform"
     lookahead_request: str | None = None
@@ -196,10 +199,8 @@ class CompressionConfig:
             or self.score_chunk_size < 1
         ):
             raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
-        if not isinstance(self.layer_budgets, str) or self.layer_budgets not in LAYER_BUDGETS:
-            raise ConfigError(
-                f"layer_budgets={short(self.layer_budgets)} is not supported; allowed: {', '.join(LAYER_BUDGETS)}"
-            )
+        if not (isinstance(self.layer_budgets, str) and self.layer_budgets in LAYER_BUDGETS):
+            self.layer_budgets = layer_weights(self.layer_budgets)
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
@@ -309,19 +310,31 @@ class CompressionConfig:
 
     def min_layer_capacity(self, capacity: int) -> int:
         """The smallest capacity (tokens per KV head, at most ``capacity``) whose split leaves a recent window of
-        at least one token: the floor of a layer whose budget is spread (``layer_budgets``)."""
+        at least one token (``sink_tokens + 1`` for a heavy ratio below 1), or, for a split without a recent
+        window (``heavy_ratio=1``, compress-then-ask), that holds the sinks (at least one token): the floor of a
+        layer whose budget is spread (``layer_budgets``)."""
         from .policies import make_policy
 
         policy = make_policy(self.policy, heavy_ratio=self.heavy_ratio, sink_tokens=self.sinks)
-        return next((c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1), capacity)
+        if policy.recent_window(capacity) < 1:  # no recent window at all (heavy_ratio 1): the sinks, or one token
+            return min(capacity, max(1, self.sinks))
+        return next(c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1)
 
     def layer_capacities(self, capacity: int | None, num_layers: int) -> list[int | None]:
         """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` (:meth:`capacity`), with the same
         total ``num_layers x capacity`` (see ``layer_budgets``; ``global`` before any scores: uniform); ``None``
         (unbounded) stays ``None``."""
+        weights = self.layer_budgets if isinstance(self.layer_budgets, tuple) else None
+        if weights is not None and len(weights) != num_layers:
+            raise ConfigError(f"layer_budgets gives {len(weights)} layer weights but the model has {num_layers} layers; "
+                              f"allowed: {num_layers} weights, one per layer")
         if capacity is None or self.layer_budgets in ("uniform", "global") or num_layers < 2:
             return [capacity] * num_layers
         floor = self.min_layer_capacity(capacity)
+        if weights is not None:  # each layer its weight's share, rounded down, then to the exact total
+            caps = [max(floor, int(capacity * num_layers * w / sum(weights))) for w in weights]
+            order = sorted(range(num_layers), key=lambda i: -weights[i])  # the heaviest gain (or lose) first
+            return fit_to_total(caps, capacity * num_layers, floor, order=order)
         last = max(capacity / PYRAMID_BETA, floor)
         first = 2 * capacity - last
         caps = [max(floor, int(first + (last - first) * i / (num_layers - 1))) for i in range(num_layers)]
@@ -330,6 +343,40 @@ class CompressionConfig:
     def to_dict(self) -> dict:
         """Plain-dict form (JSON-serialisable)."""
         return asdict(self)
+
+
+MAX_LAYERS = 10_000  # layer weights a config may give
+
+
+def layer_weights(value) -> tuple[float, ...]:
+    """``layer_budgets`` given as per-layer weights: a sequence of positive finite numbers, or the path of a JSON
+    file holding one (a list, or an object with a ``weights`` list), as a tuple of floats.
+
+    Raises:
+        ConfigError: naming the value (or file) and what is allowed.
+    """
+    import json
+    from pathlib import Path
+
+    allowed = (f"allowed: {', '.join(LAYER_BUDGETS)}, per-layer weights (1 to {MAX_LAYERS} positive numbers) or "
+               "the path of a JSON file holding them (a list, or {\"weights\": [...]})")
+    source = "layer_budgets"
+    if isinstance(value, str):
+        path = Path(value)
+        if not path.is_file():
+            raise ConfigError(f"layer_budgets={short(value)} is not supported (no such file); {allowed}")
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"layer_budgets file {str(path)!r} is not readable JSON ({exc}); {allowed}") from None
+        if isinstance(value, dict):
+            value = value.get("weights")
+        source = f"layer_budgets file {str(path)!r}"
+    numbers = (int, float)
+    if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_LAYERS
+            or not all(isinstance(w, numbers) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in value)):
+        raise ConfigError(f"{source} holds {short(value)}, not per-layer weights; {allowed}")
+    return tuple(float(w) for w in value)
 
 
 def fit_to_total(caps: list[int], total: int, floor: int, ceiling: int | None = None,
@@ -354,7 +401,7 @@ def fit_to_total(caps: list[int], total: int, floor: int, ceiling: int | None = 
     return caps
 
 
-def check_usable(config: CompressionConfig, capacity: int | None = None) -> CompressionConfig:
+def check_usable(config: CompressionConfig, capacity: int | None = None, frozen: bool = False) -> CompressionConfig:
     """Refuse settings that are valid field by field but make no sense together (what the CLI runs first).
 
     - ``policy="full"`` with a budget other than 1.0: the budget would be ignored silently.
@@ -362,6 +409,10 @@ def check_usable(config: CompressionConfig, capacity: int | None = None) -> Comp
       generated from) could be evicted and the text degenerates ("of of of ...").
     - a capacity (``capacity``, or an integer budget) whose split leaves no recent window, e.g.
       ``sink_tokens=50`` with ``budget=20``.
+
+    With ``frozen`` (compress-then-ask: the compressed context never evicts again, each question and answer is
+    added to a copy that grows) the two recent-window refusals do not apply: there is no newest token to lose, and
+    KVzip's own setting keeps no recent window (``heavy_ratio=1`` with ``sink_tokens=4``).
 
     The choice is to refuse, not to change the split: the eviction policies keep exactly the split documented
     in DESIGN.md §2. The Python API (``CompressionConfig`` and ``make_cache``) still accepts these settings for
@@ -371,6 +422,7 @@ def check_usable(config: CompressionConfig, capacity: int | None = None) -> Comp
         config: the setting.
         capacity: tokens per layer and KV head the cache will keep, when known (``None``: unbounded, or not yet
             known; an integer budget is then used).
+        frozen: the cache holds a context compressed once, then asked about (no decode eviction).
 
     Returns:
         ``config``.
@@ -386,6 +438,8 @@ def check_usable(config: CompressionConfig, capacity: int | None = None) -> Comp
                 f"policy='full' keeps every token, so budget={config.budget!r} would be ignored; allowed: budget 1.0 "
                 "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, strided, kvzip, lookahead, local, sink) for a smaller budget"
             )
+        return config
+    if frozen:
         return config
     if config.policy in SCORED_POLICIES and config.heavy_ratio >= 1:
         raise ConfigError(

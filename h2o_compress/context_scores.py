@@ -196,7 +196,7 @@ def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, ques
 
 
 def global_layer_capacities(scores: list[torch.Tensor], capacity: int, floor: int = 1,
-                            ceiling: int | None = None) -> list[int]:
+                            ceiling: int | None = None, sinks: int = 0) -> list[int]:
     """Each layer's capacity (tokens per KV head) under one ranking over the whole model (KVzip's non-uniform
     allocation, Kim et al. 2025, arXiv 2505.23416 §3.3; kvpress's ``KVzipPress(layerwise=False)``): of every
     sequence's ``num_layers x kv_heads x capacity`` best-scored (layer, head, token) entries, layer ``l`` holds a
@@ -208,11 +208,15 @@ def global_layer_capacities(scores: list[torch.Tensor], capacity: int, floor: in
         capacity: the uniform per-layer capacity whose total is spread (>= 1).
         floor: the smallest capacity a layer may get (one that leaves a recent window), clipped to ``capacity``.
         ceiling: the largest (default: ``tokens``).
+        sinks: the first ``sinks`` tokens, which every layer keeps whatever their score (attention sinks), rank
+            above all others (as kvpress's ``KVzipPress`` gives its ``n_sink`` tokens the highest score).
 
     Returns:
         ``num_layers`` ints summing to ``num_layers x capacity`` (when the bounds allow it).
     """
     stacked = torch.stack([layer.float() for layer in scores])  # [layers, batch, kv_heads, tokens]
+    if sinks:
+        stacked[..., :sinks] = float("inf")
     layers, batch, heads, tokens = stacked.shape
     floor, ceiling = min(floor, capacity), max(ceiling or tokens, capacity)
     per_sequence = stacked.permute(1, 0, 2, 3).reshape(batch, -1)

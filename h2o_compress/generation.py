@@ -98,7 +98,8 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     capacities, capacity = None, config.capacity(max_length)
     if config.layer_budgets == "global" and capacity is not None:
         capacity = min(capacity, max_length)
-        capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length)
+        capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length,
+                                             config.sinks)
     cache = make_cache(model, config, max_length, layer_capacities=capacities)
     hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
     return cache

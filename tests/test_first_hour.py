@@ -100,7 +100,7 @@ def test_usable_settings_pass(config, capacity):
     (CompressionConfig(policy="sink", budget=4), None, "sink_tokens=4"),
     (CompressionConfig(budget=0.2, heavy_ratio=1.0), None, "heavy_ratio=1.0 leaves no recent window"),
     (CompressionConfig(policy="h2o-mean", budget=0.2, heavy_ratio=1.0), None, "heavy_ratio=1.0"),
-    (CompressionConfig(budget=0.2, heavy_ratio=0.9), 4, "a capacity of 4 tokens"),
+    (CompressionConfig(budget=0.2, heavy_ratio=0.9, sink_tokens=4), 4, "a capacity of 4 tokens"),
     (CompressionConfig(policy="full", budget=0.1), None, "policy='full' keeps every token, so budget=0.1"),
     (CompressionConfig(policy="full", budget=64), None, "budget=64 would be ignored"),
 ])

@@ -153,3 +153,53 @@ def test_cli_ask_takes_global_layer_budgets(tmp_path):
     refused = CliRunner().invoke(app, ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document),
                                        "--question", "Who?", "--policy", "h2o", "--layer-budgets", "global"])
     assert refused.exit_code != 0 and "allowed policies: kvzip, lookahead" in refused.output
+
+
+def test_sinks_rank_first_and_the_floor_needs_no_recent_window_at_heavy_ratio_1():
+    """KVzip's own setting (``heavy_ratio=1``, 4 sinks; kvpress's ``KVzipPress(n_sink=4)``): the sinks of every layer
+    are counted first, so a layer whose other scores are all 0 still gets them; the floor is the sinks, not the
+    capacity that leaves a recent window (which at heavy ratio 1 would be the whole capacity: uniform)."""
+    scores = [torch.full((1, 1, 10), 1.0), torch.zeros(1, 1, 10)]
+    assert global_layer_capacities(scores, capacity=3, floor=1) == [5, 1]
+    assert global_layer_capacities(scores, capacity=3, floor=1, sinks=2) == [4, 2]
+    kvzip = CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=1.0, sink_tokens=4, layer_budgets="global")
+    assert kvzip.min_layer_capacity(100) == 4
+    assert CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=1.0).min_layer_capacity(100) == 1
+    assert CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=0.99, sink_tokens=4).min_layer_capacity(100) == 5
+
+
+def test_heavy_ratio_below_1_always_leaves_one_recent_token():
+    for ratio, capacity, sinks, heavy in [(0.99, 20, 0, 19), (0.9, 4, 0, 3), (0.99, 6, 4, 1), (0.5, 10, 0, 5),
+                                          (1.0, 20, 0, 20), (0.99, 4, 4, 0), (0.0, 5, 0, 0)]:
+        policy = make_policy("h2o", heavy_ratio=ratio, sink_tokens=sinks)
+        assert policy.heavy(capacity) == heavy, (ratio, capacity, sinks)
+        assert policy.recent_window(capacity) == capacity - min(sinks, capacity) - heavy
+
+
+def test_compress_then_ask_takes_heavy_ratio_1_where_decoding_refuses_it(tmp_path):
+    """No recent window is KVzip's setting for a context compressed once (``compress``, ``ask``, ``eval needle
+    --protocol compress-then-ask``): nothing is evicted afterwards. ``generate`` still refuses it."""
+    from h2o_compress.config import check_usable
+
+    config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=1.0, sink_tokens=4, kv_bits=4,
+                               layer_budgets="global", head_budgets="adaptive")
+    assert check_usable(config, 30, frozen=True) is config
+    with pytest.raises(ConfigError, match="heavy_ratio=1.0 leaves no recent window"):
+        check_usable(config, 30)
+    model, tokenizer = tiny_lm()
+    context = compress(model, tokenizer, TEXT[:400], config, chat=False)
+    caps = context.cache.capacities
+    assert sum(caps) == len(caps) * context.cache.capacity and min(caps) >= 4
+    for layer in context.cache.layers:  # every head keeps its 4 sinks, and no more than its layer's share
+        positions = layer.head_positions()[0]
+        for head in range(positions.shape[0]):
+            assert set(range(4)) <= set(positions[head][positions[head] >= 0].tolist())
+    model_dir = save_tiny_lm(tmp_path / "model")
+    document = tmp_path / "doc.txt"
+    document.write_text(TEXT[:600])
+    flags = ["--model", model_dir, "--policy", "kvzip", "--budget", "0.25", "--heavy-ratio", "1", "--sink-tokens", "4"]
+    result = CliRunner().invoke(app, ["ask", *flags, "--no-chat", "--context-file", str(document), "--question", "Who?",
+                                      "--max-new-tokens", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    refused = CliRunner().invoke(app, ["generate", *flags, "--max-new-tokens", "2", "Hello"])
+    assert refused.exit_code != 0 and "leaves no recent window" in refused.output

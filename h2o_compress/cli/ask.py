@@ -36,12 +36,12 @@ def fitted_config(compression: Compression, config_file: Optional[str]):
     :data:`SOFT_DEFAULTS` not given on the command line fall back to ``uniform``. Raises ConfigError (the setting's
     own, when even that does not fit)."""
     try:
-        return merged_config(compression, config_file)
+        return merged_config(compression, config_file, frozen=True)
     except ConfigError:
         soft = {name: "uniform" for name in SOFT_DEFAULTS if name not in compression.given}
         if not soft:
             raise
-        return merged_config(Compression({**compression.values, **soft}, compression.given), config_file)
+        return merged_config(Compression({**compression.values, **soft}, compression.given), config_file, frozen=True)
 
 
 @user_errors

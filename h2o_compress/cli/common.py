@@ -57,19 +57,21 @@ def check_cache_paths(save_cache: Optional[str], load_cache: Optional[str], over
         check_cache_source(load_cache)
 
 
-def merged_config(compression: Compression, config_file: Optional[str]) -> tuple[CompressionConfig, dict]:
-    """The compression flags merged over ``--config FILE`` (JSON/TOML): flags given on the command line win.
+def merged_config(compression: Compression, config_file: Optional[str],
+                  frozen: bool = False) -> tuple[CompressionConfig, dict]:
+    """The compression flags merged over ``--config FILE`` (JSON/TOML): flags given on the command line win;
+    checked by :func:`~h2o_compress.config.check_usable` (``frozen``: for compress-then-ask).
 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
     file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
     """
     from ..config_file import load_config, read_config_values
 
-    config = compression.config(check=config_file is None)
+    config = compression.config(check=config_file is None, frozen=frozen)
     overrides = compression.overrides(config)
     if config_file is None:
         return config, overrides
-    merged = check_usable(load_config(config_file, overrides))
+    merged = check_usable(load_config(config_file, overrides), frozen=frozen)
     return merged, {**read_config_values(config_file), **overrides}
 
 

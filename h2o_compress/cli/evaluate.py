@@ -141,7 +141,7 @@ def needle_command(
     from ..profiling.corpus import load_text
     from ..profiling.needle import check_needle_args, needle_eval
 
-    config = compression.config()
+    config = compression.config(frozen=protocol == "compress-then-ask")
     check_compile(compile_step, config)
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")

@@ -47,8 +47,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         3, "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
     "layer_budgets": _Flag(str, typer.Option(
         "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, pyramid (PyramidKV: "
-        "more for the first layers, less for the last) or global (KVzip: with --policy kvzip or lookahead, each "
-        "layer's share of the best-scored tokens over the whole model); same total bytes.")),
+        "more for the first layers, less for the last), global (KVzip: with --policy kvzip or lookahead, each "
+        "layer's share of the best-scored tokens over the whole model) or FILE (a JSON list of per-layer weights, "
+        "one per layer: each layer its weight's share); same total bytes.")),
     "high_bits_fraction": _Flag(float, typer.Option(
         0.0, "--high-bits-fraction", help="Share in [0, 1] of the stored tokens kept at 8 bits, the top-ranked by "
         "the policy, the rest at 4 (needs --kv-bits 4, quant int; 0 = off).")),
@@ -73,14 +74,15 @@ class Compression:
     values: dict
     given: frozenset
 
-    def config(self, check: bool = True) -> CompressionConfig:
+    def config(self, check: bool = True, frozen: bool = False) -> CompressionConfig:
         """A validated :class:`CompressionConfig` of the flags; with ``check``, also refused when the flags make
-        no sense together (:func:`~h2o_compress.config.check_usable`). Raises ConfigError."""
+        no sense together (:func:`~h2o_compress.config.check_usable`, ``frozen``: for compress-then-ask). Raises
+        ConfigError."""
         values = dict(self.values)
         if "budget" in values:
             values["budget"] = parse_budget(values["budget"])
         config = CompressionConfig(**values)
-        return check_usable(config) if check else config
+        return check_usable(config, frozen=frozen) if check else config
 
     def overrides(self, config: CompressionConfig) -> dict:
         """The fields of ``config`` the user gave on the command line."""

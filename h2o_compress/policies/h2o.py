@@ -15,7 +15,8 @@ class H2OPolicy(EvictionPolicy):
     """Keeps the heavy hitters (largest accumulated attention) plus the recent window.
 
     Of the capacity ``C`` (after ``sink_tokens``), ``round(heavy_ratio * C)`` tokens go to heavy hitters
-    and the rest to the recent window. Heavy hitters are the top scores among tokens outside the recent
+    and the rest to the recent window; a ``heavy_ratio`` below 1 always leaves the recent window at least one
+    token (0.99 at ``C = 20``: 19 + 1, not 20 + 0). Heavy hitters are the top scores among tokens outside the recent
     window and the sinks; ties keep the older token. Scores are the summed post-softmax attention each token
     received since it entered the cache, GQA query heads summed per KV head (DESIGN.md §2).
     """
@@ -26,7 +27,8 @@ class H2OPolicy(EvictionPolicy):
     def heavy(self, capacity: int) -> int:
         """Heavy-hitter slots at ``capacity``."""
         free = capacity - min(self.sink_tokens, capacity)
-        return min(free, round(self.heavy_ratio * free))
+        heavy = min(free, round(self.heavy_ratio * free))
+        return heavy - 1 if heavy == free > 0 and self.heavy_ratio < 1 else heavy
 
     def recent_window(self, capacity: int) -> int:
         return capacity - min(self.sink_tokens, capacity) - self.heavy(capacity)
