@@ -45,6 +45,7 @@ def attention_probability_sums(
     attention_mask: torch.Tensor | None,
     scaling: float | None,
     chunk_size: int = 256,
+    decay: float = 1.0,
 ) -> torch.Tensor:
     """Sum of post-softmax attention each key receives from ``query``, GQA query heads summed per KV head.
 
@@ -59,6 +60,8 @@ def attention_probability_sums(
             ``keys - queries + i``), boolean (``True`` = visible) or additive float, ``[batch | 1, kv_heads | 1,
             queries, keys]`` (a per-KV-head mask applies to every query head of that KV head).
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
+        decay: query ``i`` of ``n`` weighs ``decay ** (n - 1 - i)`` (1: the plain sum; A2SF's forgetting factor,
+            arXiv 2407.20485 §3, applied over the chunk's queries in order).
 
     Returns:
         fp32 ``[batch, kv_heads, keys]`` (H2O, arXiv 2306.14048 §4: the accumulated attention score).
@@ -81,6 +84,10 @@ def attention_probability_sums(
         probs = torch.softmax(logits, dim=-1)
         if attention_mask is not None:
             probs = probs.nan_to_num_(0.0)  # queries that see nothing (padding rows) add nothing
+        if decay != 1.0:
+            weights = decay ** torch.arange(queries - 1 - start, queries - 1 - stop, -1, device=key.device,
+                                            dtype=torch.float64)
+            probs = probs * weights.float().view(1, 1, 1, stop - start, 1)
         total[..., :seen] += probs.sum(dim=(2, 3))
     return total
 

@@ -24,10 +24,10 @@ HEAD_BUDGETS = ("uniform", "adaptive")
 # The policies whose ranking compares tokens across KV heads (a score of attention received): the ones that can
 # share a layer's budget between its heads (Ada-KV). The others rank every token alike (local, sink, full) or by
 # a pattern shared by every head (strided), so a shared budget would change nothing but the tie order.
-HEAD_ADAPTIVE_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "kvzip", "lookahead")
+HEAD_ADAPTIVE_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "a2sf", "kvzip", "lookahead")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
-SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "strided", "kvzip", "lookahead")  # the policies that split the budget by heavy_ratio
+SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "a2sf", "strided", "kvzip", "lookahead")  # the policies that split the budget by heavy_ratio
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.

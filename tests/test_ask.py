@@ -97,7 +97,8 @@ def test_cli_ask_answers_every_question_and_saves_the_context(tmp_path):
     assert result.exit_code == 0, result.output
     figures = json.loads(result.stdout)
     assert [a["question"] for a in figures["answers"]] == ["Who?", "Where?"]
-    assert figures["config"]["heavy_ratio"] == 0.9 and figures["config"]["kv_bits"] == 4  # ask's own defaults
+    assert figures["config"]["heavy_ratio"] == 1.0 and figures["config"]["kv_bits"] == 4  # ask's own defaults
+    assert figures["config"]["sink_tokens"] == 4
     assert figures["context_kv_bytes"] < figures["context_kv_bytes_full_fp16"]
     loaded = runner.invoke(app, [*base, "--question", "Who?", "--load-cache", str(saved)])
     assert loaded.exit_code == 0, loaded.output

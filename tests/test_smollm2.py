@@ -63,7 +63,7 @@ def test_compress_then_ask_with_the_chat_template(smollm2):
     answer = ask(model, tokenizer, context, question, max_new_tokens=16)
     whole = generate(model, tokenizer, document + SEPARATOR + question, full, max_new_tokens=16)
     assert answer.token_ids == whole.token_ids
-    compressed = compress(model, tokenizer, document)  # ASK_DEFAULTS: kvzip 0.2, heavy 0.9, 4 bits, global layers
+    compressed = compress(model, tokenizer, document)  # ASK_DEFAULTS: kvzip 0.2, heavy 1, 4 sinks, 4 bits, global layers
     assert compressed.cache.nbytes() < 0.1 * context.cache.nbytes()
     text = ask(model, tokenizer, compressed, question, max_new_tokens=24).text
     words = text.lower().replace(".", " ").replace(",", " ").replace("'", " ").split()

@@ -556,6 +556,9 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
                 "and values, so build a new one with make_cache(model, ...)"
             )
+        decay = self.policy.score_decay
+        if self.with_scores and 0.0 < decay < 1.0 and query.shape[2] == 1 and self.chunk is None:
+            self._forget(decay)  # A2SF: the held scores fade before this query's attention adds to them
         if self.incoming is not None:  # the native CPU step in one call (a policy with its own ranking evicts here)
             (keys, values), self.incoming = self.incoming, None
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -579,6 +582,13 @@ class CompressedLayer(CacheLayerMixin):
         if self.value_basis is not None and not fused:  # values are held as v @ H: P.v = (P.(v @ H)) @ H
             output = (output.float() @ self.value_basis).to(query.dtype)
         return output.contiguous()
+
+    def _forget(self, factor: float) -> None:
+        """Scale every held score by ``factor`` (in place, no host sync): A2SF's forgetting factor, applied before
+        a decode step's attention is added, on every decode path (CPU kernel, Triton op, torch form)."""
+        self.store.scores.mul_(factor)
+        if self.ring is not None:
+            self.ring.scores.mul_(factor)
 
     def _after_decode(self, sums: torch.Tensor | None) -> None:
         """Add this query's probabilities to the scores; evict the lowest-priority stored token where a sequence
@@ -664,6 +674,9 @@ class CompressedLayer(CacheLayerMixin):
         if self.with_scores:
             scores = torch.cat((self._head_scores(), tail_scores), dim=2)
             covered = scores[..., scores.shape[2] - sums.shape[2] :]
+            decay = self.policy.score_decay
+            if 0.0 < decay < 1.0:  # A2SF: what was held fades over the chunk's n queries (its own are weighted)
+                scores.mul_(decay**n)
             covered.add_(sums) if self.policy.accumulates else covered.copy_(sums)
         seen += n
         first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)

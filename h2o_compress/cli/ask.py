@@ -23,6 +23,7 @@ from .options import (
 
 DEFAULTS = {
     "policy": ASK_DEFAULTS.policy, "budget": str(ASK_DEFAULTS.budget), "heavy_ratio": ASK_DEFAULTS.heavy_ratio,
+    "sink_tokens": ASK_DEFAULTS.sink_tokens,
     "kv_bits": ASK_DEFAULTS.kv_bits, "layer_budgets": ASK_DEFAULTS.layer_budgets,
     "head_budgets": ASK_DEFAULTS.head_budgets,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .a2sf import A2SFPolicy
 from .base import EvictionPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
@@ -22,13 +23,14 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "full": FullPolicy,
     "snapkv": SnapKVPolicy,
     "tova": TOVAPolicy,
+    "a2sf": A2SFPolicy,
     "strided": StridedPolicy,
     "kvzip": KVzipPolicy,
     "lookahead": LookaheadPolicy,
 }
 
 __all__ = [
-    "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
+    "A2SFPolicy", "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
     "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "make_policy",
 ]
 

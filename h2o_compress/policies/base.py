@@ -45,6 +45,13 @@ class EvictionPolicy:
     #: attention replaces them (TOVA ranks by the current query's attention only).
     accumulates: ClassVar[bool] = True
 
+    @property
+    def score_decay(self) -> float:
+        """How a token's score carries over to the next query: ``score = score_decay x score + this query's
+        attention``. 1: summed (H2O), 0: replaced (TOVA, ``accumulates=False``), between: a forgetting factor
+        (A2SF)."""
+        return 1.0 if self.accumulates else 0.0
+
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
         """What a multi-token step (prefill, a chunk) contributes to the scores of the keys it sees: fp32
         ``[batch, kv_heads, keys]``. Default: the probabilities every query of the chunk gives each key, GQA query

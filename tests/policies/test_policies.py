@@ -139,3 +139,61 @@ def test_strided_keeps_the_strided_positions_first():
     assert keep.tolist() == [[[0, 4, 8, 9, 10, 11]]]
     # 2 strided slots: 8 (more attention), then 0 over 4 (a tie keeps the older)
     assert policy.keep_indices(scores, 12, 4).tolist() == [[[0, 8, 10, 11]]]
+
+
+# -- a2sf ------------------------------------------------------------------------------------------------------------
+def test_a2sf_weighs_a_chunks_queries_by_the_forgetting_factor():
+    """Query i of n counts factor ** (n - 1 - i): against a plain softmax loop over hand-made queries."""
+    from h2o_compress.policies import A2SFPolicy
+
+    generator = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(1, 2, 5, 8, generator=generator), torch.randn(1, 1, 5, 8, generator=generator)
+    expected = torch.zeros(5)
+    for i in range(5):  # causal: query i sees keys 0..i; both query heads share the KV head
+        probs = torch.softmax(query[0, :, i] @ keys[0, 0, : i + 1].T * 8**-0.5, dim=-1).sum(0)
+        expected[: i + 1] += 0.5 ** (4 - i) * probs
+    torch.testing.assert_close(A2SFPolicy(forgetting_factor=0.5).chunk_scores(query, keys, None, None, 2)[0, 0],
+                               expected)
+    torch.testing.assert_close(A2SFPolicy(forgetting_factor=1.0).chunk_scores(query, keys, None, None, 2),
+                               H2OPolicy().chunk_scores(query, keys, None, None, 2))
+    with pytest.raises(Exception, match=r"forgetting_factor=0 is invalid; allowed: a number in \(0, 1\]"):
+        A2SFPolicy(forgetting_factor=0)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+def test_a2sf_decode_scores_fade_then_add_the_steps_attention(kernel):
+    """Every decode path (the torch form, the CPU kernel): after a step, a held token's score is factor x its score
+    before + the step's attention (read off an ``h2o`` layer fed the same steps, whose scores only add)."""
+    from h2o_compress import CompressionConfig
+    from h2o_compress.cache import build_layers
+
+    def layer(policy):
+        config = CompressionConfig(policy=policy, budget=32, attention_kernel=kernel)
+        (built,) = build_layers(config, 1, 32, 32, max_tokens=64)
+        return built
+
+    generator = torch.Generator().manual_seed(1)
+    summed, faded = layer("h2o"), layer("a2sf")
+    keys, query = torch.randn(1, 1, 6, 32, generator=generator), torch.randn(1, 1, 6, 32, generator=generator)
+    step(summed, keys, query)
+    step(faded, keys, query)
+
+    def held(layer):  # scores by position: store and ring
+        out = {}
+        for positions, scores in ((layer.store.positions, layer.store.scores),
+                                  (getattr(layer.ring, "positions", None), getattr(layer.ring, "scores", None))):
+            if positions is not None:
+                for p, s in zip(positions[0, 0].tolist(), scores[0, 0].tolist()):
+                    if p >= 0:
+                        out[p] = s
+        return out
+
+    for _ in range(4):
+        before_sum, before_faded = held(summed), held(faded)
+        new, q = torch.randn(1, 1, 1, 32, generator=generator), torch.randn(1, 1, 1, 32, generator=generator)
+        step(summed, new, q)
+        step(faded, new, q)
+        after_sum, after_faded = held(summed), held(faded)
+        for position, score in before_faded.items():
+            expected = 0.8 * score + after_sum[position] - before_sum[position]
+            assert after_faded[position] == pytest.approx(expected, rel=1e-5, abs=1e-6), position

@@ -1,0 +1,44 @@
+"""``a2sf``: Accumulative Attention Score with Forgetting Factor (Jo & Shin 2024, arXiv 2407.20485 §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from .h2o import H2OPolicy
+
+
+@dataclass
+class A2SFPolicy(H2OPolicy):
+    """H2O's accumulated attention with a forgetting factor: each query first scales every held token's score by
+    :attr:`forgetting_factor`, then adds its attention (GQA query heads summed per KV head), so a token's score is
+    ``sum_t factor ** (age of query t) x p_t``. Between ``h2o`` (factor 1: every past query counts alike, which
+    favours old tokens) and ``tova`` (factor 0: the current query alone). A multi-token step weighs its queries the
+    same way, in order. The capacity is split as for ``h2o`` (``heavy_ratio``).
+
+    The default 0.8 is what streamed SmolLM2 best at budget 0.1 + 4 bits among 0.5 / 0.8 / 0.9
+    (``benchmarks/results/a2sf_cpu.md``). Every decode path (CPU kernel, Triton op, torch form) runs it: the
+    scores are scaled in place before the step's attention accumulates into them.
+
+    Raises:
+        ConfigError: a factor outside (0, 1].
+    """
+
+    forgetting_factor: float = 0.8
+
+    def __post_init__(self) -> None:
+        factor = self.forgetting_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ConfigError(f"forgetting_factor={factor!r} is invalid; allowed: a number in (0, 1]")
+
+    @property
+    def score_decay(self) -> float:
+        return float(self.forgetting_factor)
+
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+        """The chunk's probabilities, query ``i`` of ``n`` weighed ``factor ** (n - 1 - i)``."""
+        from ..attention import attention_probability_sums
+
+        return attention_probability_sums(query, keys, mask, scaling, chunk_size, decay=self.score_decay)
