@@ -125,6 +125,9 @@ class CompressionConfig:
         lookahead_request: with ``policy="lookahead"``, what the model is asked about a context before it is
             compressed (:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`); ``None`` (default): "List the
             important facts and numbers in the text above.". 1 to 1,000 characters.
+        forgetting_factor: with ``policy="a2sf"``, the factor in (0, 1] by which each query scales the held
+            scores before adding its attention (:class:`~h2o_compress.policies.a2sf.A2SFPolicy`); ``None``
+            (default): 0.8.
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -147,6 +150,7 @@ class CompressionConfig:
     high_bits_fraction: float = 0.0
     head_budgets: str = "uniform"
     lookahead_request: str | None = None
+    forgetting_factor: float | None = None
 
     def __post_init__(self) -> None:
         from .policies import POLICIES
@@ -160,6 +164,13 @@ class CompressionConfig:
             if self.policy != "lookahead":
                 raise ConfigError(f"lookahead_request is set but policy={short(self.policy)}; allowed: "
                                   "lookahead_request with policy 'lookahead' only")
+        if self.forgetting_factor is not None:
+            factor = _number("forgetting_factor", self.forgetting_factor, "a number in (0, 1]")
+            if not 0 < factor <= 1:
+                raise ConfigError(f"forgetting_factor={short(self.forgetting_factor)} is out of range; allowed: (0, 1]")
+            if self.policy != "a2sf":
+                raise ConfigError(f"forgetting_factor is set but policy={short(self.policy)}; allowed: "
+                                  "forgetting_factor with policy 'a2sf' only")
         budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
             raise ConfigError(

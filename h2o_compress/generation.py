@@ -93,7 +93,8 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     config = _check_config(config)
     if config.policy not in CONTEXT_SCORED_POLICIES:
         return make_cache(model, config, max_length)
-    policy = make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request)
+    policy = make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request,
+                         config.forgetting_factor)
     scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
     capacities, capacity = None, config.capacity(max_length)
     if config.layer_budgets == "global" and capacity is not None:

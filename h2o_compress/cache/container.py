@@ -194,7 +194,8 @@ def build_layers(
         layers.append(
             kind(
                 idx,
-                make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request),
+                make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request,
+                            config.forgetting_factor),
                 capacities[idx],
                 make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
                 make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),

@@ -60,6 +60,9 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
              "op), torch (torch code that --compile fuses) or triton (the Triton op, CUDA).")),
+    "forgetting_factor": _Flag(Optional[float], typer.Option(
+        None, "--forgetting-factor", help="With --policy a2sf: the factor in (0, 1] each query scales the held "
+        "scores by before adding its attention (default 0.8).")),
     "lookahead_request": _Flag(Optional[str], typer.Option(
         None, "--lookahead-request",
         help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "

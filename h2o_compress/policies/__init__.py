@@ -36,13 +36,15 @@ __all__ = [
 
 
 def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None,
-                request: str | None = None) -> EvictionPolicy:
-    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`); ``request``: ``lookahead``'s request
-    (``None``: its default)."""
+                request: str | None = None, forgetting_factor: float | None = None) -> EvictionPolicy:
+    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`); ``request``: ``lookahead``'s request,
+    ``forgetting_factor``: ``a2sf``'s (``None``: their defaults)."""
     cls = POLICIES[name]
     kwargs = {"heavy_ratio": heavy_ratio}
     if sink_tokens is not None:
         kwargs["sink_tokens"] = sink_tokens
     if request is not None:
         kwargs["request"] = request
+    if forgetting_factor is not None:
+        kwargs["forgetting_factor"] = forgetting_factor
     return cls(**kwargs)

@@ -19,7 +19,8 @@ class A2SFPolicy(H2OPolicy):
     same way, in order. The capacity is split as for ``h2o`` (``heavy_ratio``).
 
     The default 0.8 is what streamed SmolLM2 best at budget 0.1 + 4 bits among 0.5 / 0.8 / 0.9
-    (``benchmarks/results/a2sf_cpu.md``). Every decode path (CPU kernel, Triton op, torch form) runs it: the
+    (``benchmarks/results/a2sf_cpu.md``); ``CompressionConfig(forgetting_factor=...)`` (``--forgetting-factor``)
+    sets another. Every decode path (CPU kernel, Triton op, torch form) runs it: the
     scores are scaled in place before the step's attention accumulates into them.
 
     Raises:

@@ -197,3 +197,27 @@ def test_a2sf_decode_scores_fade_then_add_the_steps_attention(kernel):
         for position, score in before_faded.items():
             expected = 0.8 * score + after_sum[position] - before_sum[position]
             assert after_faded[position] == pytest.approx(expected, rel=1e-5, abs=1e-6), position
+
+
+def test_a2sf_factor_is_a_setting_of_its_own_policy_only(tmp_path):
+    import json
+
+    from profiling.profiling_helpers import save_tiny_lm, tiny_lm
+    from typer.testing import CliRunner
+
+    from h2o_compress import CompressionConfig, ConfigError, make_cache
+    from h2o_compress.cli import app
+
+    model, _ = tiny_lm()
+    cache = make_cache(model, CompressionConfig(policy="a2sf", budget=0.5, forgetting_factor=0.5), max_length=40)
+    assert {layer.policy.score_decay for layer in cache.layers} == {0.5}
+    assert make_cache(model, CompressionConfig(policy="a2sf", budget=0.5), max_length=40).layers[0].policy.score_decay == 0.8
+    with pytest.raises(ConfigError, match=r"forgetting_factor=1.5 is out of range; allowed: \(0, 1\]"):
+        CompressionConfig(policy="a2sf", budget=0.5, forgetting_factor=1.5)
+    with pytest.raises(ConfigError, match="forgetting_factor is set but policy='h2o'; allowed: forgetting_factor with"):
+        CompressionConfig(policy="h2o", budget=0.5, forgetting_factor=0.5)
+    model_dir = save_tiny_lm(tmp_path / "model")
+    result = CliRunner().invoke(app, ["eval", "perplexity", "--model", model_dir, "--policy", "a2sf", "--budget", "0.25",
+                                      "--forgetting-factor", "0.6", "--max-tokens", "40", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"]["forgetting_factor"] == 0.6
