@@ -447,7 +447,7 @@ def check_usable(config: CompressionConfig, capacity: int | None = None, frozen:
         if config.budget != 1:
             raise ConfigError(
                 f"policy='full' keeps every token, so budget={config.budget!r} would be ignored; allowed: budget 1.0 "
-                "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, strided, kvzip, lookahead, local, sink) for a smaller budget"
+                "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, a2sf, strided, kvzip, lookahead, local, sink) for a smaller budget"
             )
         return config
     if frozen:

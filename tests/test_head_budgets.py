@@ -195,7 +195,7 @@ def test_frozen_copy_and_save_load_roundtrip(tmp_path):
 def test_config_refuses_what_cannot_share():
     with pytest.raises(ConfigError, match="head_budgets='per-token' is not supported; allowed: uniform, adaptive"):
         CompressionConfig(head_budgets="per-token")
-    with pytest.raises(ConfigError, match="policy='local'.*allowed policies: h2o, h2o-mean, snapkv, tova, kvzip"):
+    with pytest.raises(ConfigError, match="policy='local'.*allowed policies: h2o, h2o-mean, snapkv, tova, a2sf, kvzip"):
         CompressionConfig(policy="local", budget=0.2, head_budgets="adaptive")
     with pytest.raises(ConfigError, match="attention_kernel='triton'"):
         CompressionConfig(budget=0.2, head_budgets="adaptive", attention_kernel="triton")
