@@ -319,14 +319,20 @@ class CompressionConfig:
             return max(1, math.ceil(self.budget * length))
         return int(self.budget)
 
+    def eviction_policy(self):
+        """A fresh :class:`~h2o_compress.policies.EvictionPolicy` of this setting (``policy`` with its heavy ratio,
+        sinks, ``lookahead_request`` and ``forgetting_factor``): what each cache layer ranks by."""
+        from .policies import make_policy
+
+        return make_policy(self.policy, self.heavy_ratio, self.sink_tokens, self.lookahead_request,
+                           self.forgetting_factor)
+
     def min_layer_capacity(self, capacity: int) -> int:
         """The smallest capacity (tokens per KV head, at most ``capacity``) whose split leaves a recent window of
         at least one token (``sink_tokens + 1`` for a heavy ratio below 1), or, for a split without a recent
         window (``heavy_ratio=1``, compress-then-ask), that holds the sinks (at least one token): the floor of a
         layer whose budget is spread (``layer_budgets``)."""
-        from .policies import make_policy
-
-        policy = make_policy(self.policy, heavy_ratio=self.heavy_ratio, sink_tokens=self.sinks)
+        policy = self.eviction_policy()
         if policy.recent_window(capacity) < 1:  # no recent window at all (heavy_ratio 1): the sinks, or one token
             return min(capacity, max(1, self.sinks))
         return next(c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1)
@@ -441,8 +447,6 @@ def check_usable(config: CompressionConfig, capacity: int | None = None, frozen:
     Raises:
         ConfigError: naming the values and what is allowed.
     """
-    from .policies import make_policy
-
     if config.policy == "full":
         if config.budget != 1:
             raise ConfigError(
@@ -460,7 +464,7 @@ def check_usable(config: CompressionConfig, capacity: int | None = None, frozen:
     if capacity is None and not config.budget_is_fraction:
         capacity = int(config.budget)
     if capacity is not None:
-        policy = make_policy(config.policy, heavy_ratio=config.heavy_ratio, sink_tokens=config.sinks)
+        policy = config.eviction_policy()
         if policy.recent_window(capacity) < 1:
             raise ConfigError(
                 f"a capacity of {capacity} tokens (budget={config.budget!r}) with sink_tokens={config.sinks} and "

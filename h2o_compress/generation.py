@@ -14,7 +14,6 @@ from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
 from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile
 from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
-from .policies import make_policy
 from .identity import model_fingerprint, model_identity
 from .context_scores import global_layer_capacities, hand_context_scores, score_context
 from .prompt_cache import check_context, prefill
@@ -93,9 +92,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     config = _check_config(config)
     if config.policy not in CONTEXT_SCORED_POLICIES:
         return make_cache(model, config, max_length)
-    policy = make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request,
-                         config.forgetting_factor)
-    scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
+    scores = score_context(model, tokenizer, input_ids, config.eviction_policy(), question_in_prompt)
     capacities, capacity = None, config.capacity(max_length)
     if config.layer_budgets == "global" and capacity is not None:
         capacity = min(capacity, max_length)

@@ -7,7 +7,6 @@ from transformers.cache_utils import Cache
 
 from ..config import CompressionConfig
 from ..errors import CacheStateError, InputError
-from ..policies import make_policy
 from ..formats import make_quantizer
 from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
@@ -194,8 +193,7 @@ def build_layers(
         layers.append(
             kind(
                 idx,
-                make_policy(config.policy, config.heavy_ratio, config.sink_tokens, config.lookahead_request,
-                            config.forgetting_factor),
+                config.eviction_policy(),
                 capacities[idx],
                 make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
                 make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),

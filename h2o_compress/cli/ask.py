@@ -74,7 +74,7 @@ def ask(
     placement: dict = None,
 ):
     """Compress a document once (defaults: kvzip with global layer budgets and adaptive heads, budget 0.2 of the
-    document, heavy ratio 0.9, 4 bits), then answer each --question from the same compressed context."""
+    document, heavy ratio 1 with 4 sinks, 4 bits), then answer each --question from the same compressed context."""
     from ..ask import CompressedContext, compress
     from ..ask import ask as run_ask
     from ..compiled import check_compile
