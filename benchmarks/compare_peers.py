@@ -62,7 +62,7 @@ SHORT = {"ObservedAttentionPress": "ObservedAttention", "SnapKVPress": "SnapKV",
          "KVzipPress": "KVzip", "PyramidKVPress": "PyramidKV", "AdaKVPress": "AdaKV-ExpectedAttention"}
 # Ours beyond the paper's h2o: h2o-mean (heavy 0.9), SnapKV, KVzip and lookahead scoring, the PyramidKV layer
 # schedule, and KVzip's own allocation (global layer budgets, adaptive heads);
-# (policy, bits, heavy_ratio, layer_budgets, head_budgets, sink_tokens).
+# (policy, bits, heavy_ratio, layer_budgets, head_budgets, sink_tokens, high_bits_fraction).
 OURS_ASK = [("h2o-mean", 16, 0.9), ("h2o-mean", 4, 0.9), ("snapkv", 16, 0.9), ("snapkv", 4, 0.9),
             ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("lookahead", 16, 0.9), ("lookahead", 4, 0.9),
             ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16),
@@ -257,11 +257,12 @@ def needle_methods(grid: dict) -> tuple[list[dict], list[dict]]:
         ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
                      "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0, "bits": bits})
     for policy, bits, *extra in grid["ours_needle"]:
-        heavy, layers, heads, sinks = (extra + [None, None, None, None])[:4]
+        heavy, layers, heads, sinks, high = (extra + [None] * 5)[:5]
         label = policy + (f"-heavy{heavy:g}" if heavy else "") + (f"-{layers}" if layers else "") + (
-            f"-{heads}-heads" if heads else "") + (f"-sinks{sinks}" if sinks else "")
+            f"-{heads}-heads" if heads else "") + (f"-sinks{sinks}" if sinks else "") + (f"-hi8-{high:g}" if high else "")
         options = ({"heavy_ratio": heavy} if heavy else {}) | ({"layer_budgets": layers} if layers else {}) | (
-            {"head_budgets": heads} if heads else {}) | ({"sink_tokens": sinks} if sinks else {})
+            {"head_budgets": heads} if heads else {}) | ({"sink_tokens": sinks} if sinks else {}) | (
+            {"high_bits_fraction": high} if high else {})
         for keep in grid["keeps"]:
             ours.append({"name": f"ours {label} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
                          "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {label} {bits}-bit",
@@ -687,6 +688,9 @@ def main() -> None:
     parser.add_argument("--venv", default=str(PEERS / ".venv"), help="where the peer virtual environment lives")
     parser.add_argument("--no-peers", action="store_true", help="run our side only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default="",
+                        help="comma list of substrings: run only the QA / perplexity settings whose name contains "
+                             "one of them (the DynamicCache references always run), e.g. 'kvzip-heavy1,KVzip keep'")
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--keep-workdir", action="store_true", help="keep worker logs and intermediate JSON")
     parser.add_argument("--report-only", action="store_true",
@@ -766,6 +770,11 @@ def main() -> None:
                     "needle": [], "ppl": [], "speed": [], "comparisons": []}
     ours_needle, peer_needle = needle_methods(grid)
     ours_ppl, peer_ppl = ppl_methods(grid, len(inputs["ppl_ids"]))
+    if args.methods:
+        wanted = [part.strip() for part in args.methods.split(",") if part.strip()]
+        ours_needle, peer_needle, ours_ppl, peer_ppl = (
+            [m for m in methods if m["name"].startswith("DynamicCache") or any(w in m["name"] for w in wanted)]
+            for methods in (ours_needle, peer_needle, ours_ppl, peer_ppl))
 
     # quality: both workers at once
     queued = []

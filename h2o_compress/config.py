@@ -113,7 +113,8 @@ class CompressionConfig:
             precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
             slots)`` by the policy's rank keep the low plane of their 8-bit code (:mod:`h2o_compress.cache.mixed`).
             0 (default): off. Needs 4-bit ``int`` keys or values; the decode step is the torch form (not
-            ``attention_kernel='triton'``).
+            ``attention_kernel='triton'``). Composes with ``head_budgets='adaptive'`` (the rows shared over the
+            pool) and any ``layer_budgets`` (``global``: each layer's share of the uniform layers' rows).
         head_budgets: how a layer's capacity is spread over its KV heads: ``uniform`` (``C`` tokens per head) or
             ``adaptive`` (Ada-KV, Feng et al. 2024, arXiv 2407.11550 §3: ``kv_heads x C`` tokens per layer, each
             head keeping its own recent window and sinks, the heavy-hitter rest going to the highest-ranked tokens
@@ -222,17 +223,6 @@ class CompressionConfig:
             raise ConfigError(
                 f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
                 f"pass run before the cache is built; allowed policies: {', '.join(CONTEXT_SCORED_POLICIES)}"
-            )
-        if self.layer_budgets == "global" and self.high_bits_fraction:
-            raise ConfigError(
-                f"high_bits_fraction={self.high_bits_fraction!r} with layer_budgets='global': the 8-bit rows of "
-                "layers sized by the scores are not counted by the planner yet; allowed: one of them"
-            )
-        if self.high_bits_fraction and self.head_budgets == "adaptive":
-            raise ConfigError(
-                f"high_bits_fraction={self.high_bits_fraction!r} with head_budgets='adaptive': mixed precision is not "
-                "built for the head-tagged slot pool yet; allowed: one of them (high_bits_fraction 0 or head_budgets "
-                "'uniform')"
             )
 
     def _check_high_bits(self) -> None:

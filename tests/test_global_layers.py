@@ -51,14 +51,14 @@ def test_capacities_always_sum_to_the_uniform_total_within_bounds():
         assert all(floor <= c <= ceiling for c in caps), (trial, caps)
 
 
-@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_compress_sizes_the_layers_by_the_scores_and_keeps_uniforms_bytes(heads):
+@pytest.mark.parametrize("heads,high_bits", [("uniform", 0.0), ("adaptive", 0.0), ("uniform", 0.3), ("adaptive", 0.3)])
+def test_compress_sizes_the_layers_by_the_scores_and_keeps_uniforms_bytes(heads, high_bits):
     """``compress`` with ``kvzip`` + global budgets: each layer's capacity is what the scores give, the prefill keeps
     the top of its layer's scores, the total bytes equal the uniform split's and the planner's to the byte, and
-    the layers really differ."""
+    the layers really differ (with mixed precision: their 8-bit rows too, the uniform layers' total)."""
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=0.9, kv_bits=4, layer_budgets="global",
-                               head_budgets=heads)
+                               head_budgets=heads, high_bits_fraction=high_bits)
     context = compress(model, tokenizer, TEXT, config, chat=False)
     ids = encode_prompt(tokenizer, TEXT, False)
     tokens = ids.shape[1]
@@ -74,6 +74,10 @@ def test_compress_sizes_the_layers_by_the_scores_and_keeps_uniforms_bytes(heads)
     planned = cache_bytes(model_dims(model.config), config, batch=1, prompt_len=tokens, max_length=tokens,
                           kv_dtype=torch.float32)
     assert planned.total == cache.nbytes()
+    if high_bits:
+        rows = [layer.refine.slots.shape[2] for layer in cache.layers]
+        assert len(set(rows)) > 1 and sum(rows) == sum(layer.refine.slots.shape[2] for layer in uniform.layers)
+        assert all(0 < layer.refine.in_use(layer.store.positions).sum() for layer in cache.layers)
     if heads == "uniform":
         for layer, layer_scores, layer_capacity in zip(cache.layers, scores, expected):
             heavy = layer.policy.heavy(layer_capacity)
@@ -130,8 +134,6 @@ def test_generate_and_save_load_keep_the_scored_layers(tmp_path):
 def test_bad_global_settings_are_refused():
     with pytest.raises(ConfigError, match="layer_budgets='global' with policy='h2o'.*allowed policies: kvzip, lookahead"):
         CompressionConfig(policy="h2o", budget=0.2, layer_budgets="global")
-    with pytest.raises(ConfigError, match="high_bits_fraction=0.5 with layer_budgets='global'"):
-        CompressionConfig(policy="kvzip", budget=0.2, kv_bits=4, layer_budgets="global", high_bits_fraction=0.5)
     model, _ = tiny_lm()
     config = CompressionConfig(policy="kvzip", budget=10, layer_budgets="global")
     layers = len(make_cache(model, config).layers)
@@ -203,3 +205,20 @@ def test_compress_then_ask_takes_heavy_ratio_1_where_decoding_refuses_it(tmp_pat
     assert result.exit_code == 0, result.output
     refused = CliRunner().invoke(app, ["generate", *flags, "--max-new-tokens", "2", "Hello"])
     assert refused.exit_code != 0 and "leaves no recent window" in refused.output
+
+
+def test_mixed_precision_global_layers_save_load_and_answer_alike(tmp_path):
+    """Global layers with 8-bit rows: a saved context loads with each layer's rows and answers the same."""
+    from h2o_compress import ask
+    from h2o_compress.ask import CompressedContext
+
+    model, tokenizer = tiny_lm()
+    config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=1.0, sink_tokens=2, kv_bits=4,
+                               layer_budgets="global", head_budgets="adaptive", high_bits_fraction=0.25)
+    context = compress(model, tokenizer, TEXT, config, chat=False)
+    context.save(tmp_path / "ctx.safetensors")
+    loaded = CompressedContext.load(tmp_path / "ctx.safetensors", model, tokenizer, TEXT, chat=False)
+    assert [layer.refine.slots.shape for layer in loaded.cache.layers] == \
+        [layer.refine.slots.shape for layer in context.cache.layers]
+    assert ask(model, tokenizer, loaded, "Who?", max_new_tokens=4).token_ids == \
+        ask(model, tokenizer, context, "Who?", max_new_tokens=4).token_ids

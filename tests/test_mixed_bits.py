@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressedCache, CompressionConfig, ConfigError, make_cache
 from h2o_compress.cache import CompressedLayer
-from h2o_compress.cache.mixed import MixedPrecisionLayer
+from h2o_compress.cache.mixed import AdaptiveMixedPrecisionLayer, MixedPrecisionLayer
 from h2o_compress.cache.refinement import RefinedPlanes
 from h2o_compress.cli import app
 from h2o_compress.compiled import decode_step
@@ -171,12 +171,13 @@ def test_nbytes_equal_the_planner_and_grow_as_the_formula(model, fraction, bits)
 
 
 # -- the decode step, persistence, copies, batches --------------------------------------------------------------
-@pytest.mark.parametrize("policy", ["h2o", "tova", "sink"])
-def test_compiled_decode_matches_eager(model, policy):
+@pytest.mark.parametrize("policy,heads", [("h2o", "uniform"), ("tova", "uniform"), ("sink", "uniform"),
+                                          ("h2o", "adaptive"), ("tova", "adaptive")])
+def test_compiled_decode_matches_eager(model, policy, heads):
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
-    config = setting(0.5, policy=policy)
+    config = setting(0.5, policy=policy, head_budgets=heads)
     with torch._dynamo.config.patch(capture_scalar_outputs=False):
         eager, _ = run(model, config)
         ours, cache = run(model, config, step=compiled)
@@ -239,8 +240,6 @@ def test_batch_selection_moves_the_side_buffer(model):
     ({"high_bits_fraction": 0.5, "kv_bits": 8}, "keys are 8-bit and values 8-bit"),
     ({"high_bits_fraction": 0.5, "kv_bits": 4, "quant": "nf4"}, "quant='nf4'"),
     ({"high_bits_fraction": 0.5, "kv_bits": 4, "attention_kernel": "triton"}, "attention_kernel 'auto' or 'torch'"),
-    ({"high_bits_fraction": 0.5, "kv_bits": 4, "budget": 0.2, "head_budgets": "adaptive"},
-     "with head_budgets='adaptive': mixed precision is not built for the head-tagged slot pool"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
@@ -359,13 +358,15 @@ def test_pyramid_layer_budgets_count_each_layer(model):
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova"])
+@pytest.mark.parametrize("policy,heads", [("h2o", "uniform"), ("tova", "uniform"), ("h2o", "adaptive")])
 @torch.inference_mode()
-def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy):
+def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy, heads):
     """Token by token from the first token (every step a decode step), with evictions: at F = 1 each held token
-    keeps its low plane at every step (a row per slot; an evicted token's row is free for the next)."""
+    keeps its low plane at every step (a row per slot; an evicted token's row is free for the next; a head-adaptive
+    pool admits its kv_heads entering tokens one after the other)."""
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
-    cache = make_cache(model, CompressionConfig(policy=policy, budget=0.25, kv_bits=4, high_bits_fraction=1.0), max_length=40)
+    cache = make_cache(model, CompressionConfig(policy=policy, budget=0.25, kv_bits=4, high_bits_fraction=1.0,
+                                                head_budgets=heads), max_length=40)
     for t in range(40):
         model(input_ids=ids[:, t : t + 1], past_key_values=cache)
         for layer in cache.layers:
@@ -374,18 +375,45 @@ def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy):
     assert int(cache.layers[0].seen) == 40 and cache.kept_length() == 10
 
 
-@pytest.mark.parametrize("policy", ["h2o-mean", "kvzip"])
-def test_compress_then_ask_twice_gives_the_same_answer(tmp_path, policy):
+@pytest.mark.parametrize("policy,heads", [("h2o-mean", "uniform"), ("kvzip", "uniform"), ("kvzip", "adaptive")])
+def test_compress_then_ask_twice_gives_the_same_answer(tmp_path, policy, heads):
     from conftest import save_tiny_model_dir
 
     from h2o_compress import load_model
     from h2o_compress.ask import ask, compress
 
     model, tokenizer = load_model(save_tiny_model_dir(tmp_path / "tiny"), device="cpu")
-    config = CompressionConfig(policy=policy, budget=0.3, kv_bits=4, high_bits_fraction=0.5)
+    config = CompressionConfig(policy=policy, budget=0.3, kv_bits=4, high_bits_fraction=0.5, head_budgets=heads)
     context = compress(model, tokenizer, " ".join(f"w{i % 100}" for i in range(80)), config, chat=False)
     assert all(isinstance(layer, MixedPrecisionLayer) for layer in context.cache.layers)
     before = {k: t.clone() for k, t in context.cache.layers[0].tensors().items()}
     first, second = (ask(model, tokenizer, context, "w1 w2", max_new_tokens=5) for _ in range(2))
     assert first.text == second.text
     assert all(torch.equal(t, before[k]) for k, t in context.cache.layers[0].tensors().items())
+
+
+# -- on a head-adaptive layer (head_budgets="adaptive") ----------------------------------------------------------
+def test_head_adaptive_layers_share_the_8bit_rows_and_the_planner_counts_them(model):
+    """One row table per sequence over the whole pool: kv_heads x ceil(F x slots per head) rows (uniform's count),
+    each an int32 slot index plus the low planes; the bytes equal the planner's."""
+    config = setting(0.5, head_budgets="adaptive")
+    _, cache = run(model, config)
+    _, plain = run(model, CompressionConfig(policy="h2o", budget=CAPACITY, kv_bits=4, residual=2, head_budgets="adaptive"))
+    layer, dims = cache.layers[0], model_dims(model.config)
+    assert isinstance(layer, AdaptiveMixedPrecisionLayer) and layer.refine.slots.shape[1] == 1
+    assert layer.store.slots == dims.kv_heads * (CAPACITY - 2 + 1)  # the pool: kv_heads x the uniform slots
+    rows = dims.kv_heads * math.ceil(0.5 * (CAPACITY - 2 + 1))
+    assert layer.refine.slots.shape[2] == rows
+    assert cache.nbytes() - plain.nbytes() == dims.num_layers * 2 * rows * (4 + 2 * layer.head_dim // 2)
+    assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
+    held = layer.refine.in_use(layer.store.positions)
+    assert int(held.sum()) > 0 and bool((layer.store.owner.gather(2, layer.refine.slots.long().clamp(min=0))[held]
+                                          < dims.kv_heads).all())
+
+
+def test_head_adaptive_quality_sits_between_int4_and_int8(model):
+    reference, _ = run(model, CompressionConfig(policy="h2o", budget=CAPACITY, residual=2, head_budgets="adaptive"))
+    err = {f: logit_error(model, setting(f, head_budgets="adaptive"), reference) for f in (0.0, 0.5, 1.0)}
+    err8 = logit_error(model, setting(0.0, bits=8, head_budgets="adaptive"), reference)
+    assert err[1.0] <= 1.5 * err8 and err[1.0] < 0.3 * err[0.0]
+    assert err[0.5] < err[0.0]

@@ -10,7 +10,7 @@ from ..errors import CacheStateError, InputError
 from ..formats import make_quantizer
 from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
-from .mixed import MixedPrecisionLayer
+from .mixed import AdaptiveMixedPrecisionLayer, MixedPrecisionLayer, spread_refined_rows
 
 
 class CompressedCache(Cache):
@@ -170,6 +170,11 @@ class CompressedCache(Cache):
         return load_cache(path, model, config=config)
 
 
+# (head_budgets == "adaptive" and the layer evicts, high_bits_fraction > 0) -> the layer class
+LAYER_TYPES = {(False, False): CompressedLayer, (True, False): HeadAdaptiveLayer,
+               (False, True): MixedPrecisionLayer, (True, True): AdaptiveMixedPrecisionLayer}
+
+
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
     capacities: list[int] | None = None,
@@ -177,19 +182,20 @@ def build_layers(
     """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
     per layer on average); a :class:`HeadAdaptiveLayer` where ``config.head_budgets == "adaptive"`` and the layer
-    evicts (an unbounded layer keeps everything, so the heads have nothing to share).
+    evicts (an unbounded layer keeps everything, so the heads have nothing to share); their mixed-precision forms
+    (:class:`MixedPrecisionLayer`, :class:`AdaptiveMixedPrecisionLayer`) where ``config.high_bits_fraction > 0``.
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
     """
     if capacities is None:
         capacities = config.layer_capacities(capacity, num_layers)
-    layer_type, own = CompressedLayer, {}
-    if config.high_bits_fraction > 0:  # mixed precision by importance (cache/mixed.py)
-        layer_type, own = MixedPrecisionLayer, {"high_bits_fraction": config.high_bits_fraction}
+    mixed = config.high_bits_fraction > 0  # mixed precision by importance (cache/mixed.py)
+    own = {"high_bits_fraction": config.high_bits_fraction} if mixed else {}
     layers = []
     for idx in range(num_layers):
-        kind = HeadAdaptiveLayer if config.head_budgets == "adaptive" and capacities[idx] is not None else layer_type
+        adaptive = config.head_budgets == "adaptive" and capacities[idx] is not None
+        kind = LAYER_TYPES[adaptive, mixed]
         layers.append(
             kind(
                 idx,
@@ -204,6 +210,13 @@ def build_layers(
                 **own,
             )
         )
+    if mixed and config.layer_budgets == "global" and capacity is not None:  # the planner counts uniform's rows
+        uniform = CompressedLayer(0, config.eviction_policy(), capacity, layers[0].key_quantizer,
+                                  layers[0].value_quantizer, residual=config.residual, max_tokens=max_tokens)
+        per_head = [CompressedLayer.store_slots(layer) for layer in layers]  # a pool's slots per head
+        rows = spread_refined_rows(per_head, config.high_bits_fraction, uniform.store_slots())
+        for layer, per_head in zip(layers, rows):
+            layer.refined_per_head = per_head
     for layer in layers:
         layer.num_layers = num_layers
     return layers

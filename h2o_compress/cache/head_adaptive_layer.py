@@ -77,7 +77,7 @@ class HeadAdaptiveLayer(CompressedLayer):
         return sums.sum(1, keepdim=True)
 
     def _held_store(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        keys, values = super()._held_store()
         return keys.expand(-1, self.kv_heads, -1, -1), values.expand(-1, self.kv_heads, -1, -1)
 
     # -- multi-token steps (eager) ---------------------------------------------------------------------------
@@ -125,9 +125,10 @@ class HeadAdaptiveLayer(CompressedLayer):
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [batch, 1, kv_heads, head_dim]
         owner = torch.arange(heads, device=self.device).view(1, 1, heads).expand(self.batch, 1, heads)
         self.store.insert(
-            slot, self.key_quantizer.quantize(keys), self.value_quantizer.quantize(values),
+            slot, *self._quantize_incoming(keys, values),
             leaving.unsqueeze(1).expand(-1, 1, heads), None if score is None else score.transpose(1, 2), owner,
         )
+        self._after_insert(slot)
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
         valid = self.head_positions() >= 0
@@ -136,11 +137,11 @@ class HeadAdaptiveLayer(CompressedLayer):
         self.decode_valid = valid
         index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
         ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
-        keys = self._pool_read(self.key_quantizer, self.store.keys, keys, index, ring_keys)
-        values = self._pool_read(self.value_quantizer, self.store.values, values, index, ring_values)
+        keys = self._pool_read("keys", self.key_quantizer, self.store.keys, keys, index, ring_keys)
+        values = self._pool_read("values", self.value_quantizer, self.store.values, values, index, ring_values)
         return keys, values
 
-    def _pool_read(self, quantizer, stored, leaving, index, ring) -> torch.Tensor:
+    def _pool_read(self, name, quantizer, stored, leaving, index, ring) -> torch.Tensor:
         """The pool dequantized (the tokens leaving the ring at full precision in their new slots, as uniform's
         :meth:`~CompressedLayer._read`), broadcast over the heads, then the ring: ``[batch, kv_heads, pool_slots
         + residual, head_dim]`` in the model dtype."""
@@ -148,6 +149,7 @@ class HeadAdaptiveLayer(CompressedLayer):
             return quantizer.dequantize(stored, self.dtype).expand(-1, self.kv_heads, -1, -1)
         held = torch.empty(self.batch, 1, self.store.slots, self.head_dim, dtype=self.dtype, device=self.device)
         quantizer.dequantize_into(stored, held)
+        self._refine_read(name, held)
         held.scatter_(2, index, leaving.to(self.dtype))
         held = held.expand(-1, self.kv_heads, -1, -1)
         return held if ring is None else torch.cat((held, ring.to(self.dtype)), dim=2)

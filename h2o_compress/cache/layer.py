@@ -220,7 +220,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def _held_store(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The store's keys and values per KV head, ``[batch, kv_heads, slots, head_dim]`` in the model dtype."""
-        return self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
+        if self.quantized:
+            self._refine_read("keys", keys)
+            self._refine_read("values", values)
+        return keys, values
 
     def _keep(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """bool ``[batch, kv_heads, tokens]``: what a multi-token step keeps, ``capacity`` per sequence and head."""
@@ -470,6 +474,7 @@ class CompressedLayer(CacheLayerMixin):
         self.store.insert(
             slot, *self._quantize_incoming(keys, values), leaving.unsqueeze(1).expand(-1, self.kv_heads, -1), score,
         )
+        self._after_insert(slot)
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
         if self.fused:  # attend() reads the store and ring in place: nothing is dequantized here
@@ -481,9 +486,8 @@ class CompressedLayer(CacheLayerMixin):
             return keys, values
         index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
         ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
-        keys = self._read(self.key_quantizer, self.store.keys, ring_keys, keys, index)
-        values = self._read(self.value_quantizer, self.store.values, ring_values, values, index)
-        self._after_read(keys, values, slot)
+        keys = self._read("keys", self.key_quantizer, self.store.keys, ring_keys, keys, index)
+        values = self._read("values", self.value_quantizer, self.store.values, ring_values, values, index)
         valid = self.store.positions >= 0
         if self.ring is not None:
             ring_valid = (self.ring.positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)
@@ -496,9 +500,14 @@ class CompressedLayer(CacheLayerMixin):
         mixed-precision layer also keeps their low planes)."""
         return self.key_quantizer.quantize(keys), self.value_quantizer.quantize(values)
 
-    def _after_read(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
-        """A hook after a quantized decode step built what attention reads (``[batch, kv_heads, slots + residual,
-        head_dim]``; the token that entered the store sits in ``slot`` at full precision). Nothing here."""
+    def _after_insert(self, slot: torch.Tensor) -> None:
+        """A hook after a decode step wrote the tokens leaving the window into the store (int64 ``slot``
+        ``[batch, store rows, k]``: where they went, one per KV head). Nothing here."""
+
+    def _refine_read(self, name: str, held: torch.Tensor) -> None:
+        """A hook on the store's ``keys`` or ``values`` (``name``) just dequantized for attention, ``[batch, store
+        rows, slots, head_dim]`` (a fresh tensor), before anything else is written into it. Nothing here (the
+        mixed-precision layer adds its 8-bit tokens' low planes)."""
 
     def _grow_for_token(self) -> None:
         """Make room for one more token in an unbounded cache of unknown length (a host counter; eager only)."""
@@ -507,7 +516,7 @@ class CompressedLayer(CacheLayerMixin):
             if self.grown_to - self.residual >= self.store.slots:
                 self.store.resize(self.store.slots + GROWTH)
 
-    def _read(self, quantizer, stored, ring, leaving, index) -> torch.Tensor:
+    def _read(self, name: str, quantizer, stored, ring, leaving, index) -> torch.Tensor:
         """What attention reads, ``[batch, kv_heads, slots + residual, head_dim]`` in the model dtype, built in one
         buffer: the store dequantized in place, the token leaving the window at full precision in its new slot
         (its last step at full precision, as in a chunk), then the ring."""
@@ -516,6 +525,7 @@ class CompressedLayer(CacheLayerMixin):
         out = torch.empty(self.batch, self.kv_heads, slots + size, self.head_dim, dtype=self.dtype, device=self.device)
         held = out[:, :, :slots]
         quantizer.dequantize_into(stored, held)
+        self._refine_read(name, held)
         held.scatter_(2, index, leaving.to(self.dtype))
         if ring is not None:
             out[:, :, slots:].copy_(ring)

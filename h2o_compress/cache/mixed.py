@@ -31,6 +31,7 @@ import torch
 from ..errors import ConfigError
 from ..formats import IntQuantizer
 from ..formats.split import SplitIntQuantizer
+from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer, _mark_static
 from .refinement import RefinedPlanes
 
@@ -48,15 +49,17 @@ class MixedPrecisionLayer(CompressedLayer):
 
     Args:
         high_bits_fraction: share of the store's slots whose tokens are kept at 8 bits, in (0, 1].
+        refined_per_head: 8-bit rows per KV head when given (the layers of ``layer_budgets="global"``:
+            :func:`spread_refined_rows`), else ``ceil(high_bits_fraction x slots per head)``.
 
     Raises:
         ConfigError: no 4-bit ``int`` keys or values, ``attention_kernel='triton'``, or an unbounded cache of
             unknown length (pass ``max_length``).
     """
 
-    def __init__(self, *args, high_bits_fraction: float, **kwargs):
+    def __init__(self, *args, high_bits_fraction: float, refined_per_head: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.high_bits_fraction = high_bits_fraction
+        self.high_bits_fraction, self.refined_per_head = high_bits_fraction, refined_per_head
         self.key_quantizer, self.value_quantizer = _split(self.key_quantizer), _split(self.value_quantizer)
         self.split = {n: q for n, q in (("keys", self.key_quantizer), ("values", self.value_quantizer))
                       if isinstance(q, SplitIntQuantizer)}
@@ -70,7 +73,8 @@ class MixedPrecisionLayer(CompressedLayer):
             raise ConfigError("high_bits_fraction > 0 needs a cache of known length; pass max_length to make_cache")
 
     def _own_args(self) -> dict:
-        return {"high_bits_fraction": self.high_bits_fraction}
+        own = {"high_bits_fraction": self.high_bits_fraction}
+        return own if self.refined_per_head is None else own | {"refined_per_head": self.refined_per_head}
 
     def reset(self) -> None:
         super().reset()
@@ -78,14 +82,19 @@ class MixedPrecisionLayer(CompressedLayer):
         self.pending_low: dict | None = None  # the low planes of the tokens being stored in this step
 
     def refined_rows(self) -> int:
-        """Tokens kept at 8 bits per sequence and KV head: ``ceil(high_bits_fraction x store slots)``."""
-        return math.ceil(self.high_bits_fraction * self.store.slots)
+        """Tokens kept at 8 bits per sequence and store row: ``ceil(high_bits_fraction x slots per head)`` (or
+        ``refined_per_head``) per KV head; a head-adaptive pool shares ``kv_heads x`` that."""
+        per_head = self.refined_per_head
+        if per_head is None:
+            per_head = math.ceil(self.high_bits_fraction * self._slots_per_head())
+        return per_head * (self.store.slots // self._slots_per_head())
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.native = self.fused = False  # the torch form reads the side buffer
-        self.refine = RefinedPlanes(
-            self.refined_rows(), self.batch, self.kv_heads, self.head_dim, tuple(self.split), self.device
+        self.refine = RefinedPlanes(  # per store row: a KV head, or the whole pool of a head-adaptive layer
+            self.refined_rows(), self.batch, self.store.positions.shape[1], self.head_dim, tuple(self.split),
+            self.device,
         )
         if self.device.type != "meta":
             _mark_static(self.refine.tensors().values())
@@ -120,26 +129,20 @@ class MixedPrecisionLayer(CompressedLayer):
         self.pending_low = low
         return stored["keys"], stored["values"]
 
-    def _after_read(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
-        """Decode step: admit the token that entered ``slot``, then add the refined tokens' low planes to the
-        store part of what attention reads."""
+    def _after_insert(self, slot: torch.Tensor) -> None:
+        """Decode step: admit the tokens that entered ``slot`` (int64 ``[batch, store rows, k]``: one per KV head,
+        ``k`` of them in one row of a head-adaptive pool), one after the other."""
         low, self.pending_low = self.pending_low, None
-        self.refine.admit_one(slot, low, self._rank(), self.store.positions)
-        self._correct(keys, values, slot)
+        rank = self._rank()
+        for k in range(slot.shape[2]):
+            self.refine.admit_one(slot[..., k:k + 1], {n: t[:, :, k:k + 1] for n, t in low.items()}, rank,
+                                  self.store.positions)
 
-    def _correct(self, keys: torch.Tensor, values: torch.Tensor, skip: torch.Tensor | None = None) -> None:
-        slots = self.store.slots
-        for name, out in (("keys", keys), ("values", values)):
-            if name in self.split:
-                stored = getattr(self.store, name)
-                self.refine.correct(out[:, :, :slots], name, self.split[name], stored.parts["scale_zero"],
-                                    self.store.positions, skip)
-
-    def _chunk_update(self, keys: torch.Tensor, values: torch.Tensor):
-        keys, values = super()._chunk_update(keys, values)
-        if self.chunk["held"]:  # the store's part is read at 4 bits: the refined tokens get their low planes back
-            self._correct(keys, values)
-        return keys, values
+    def _refine_read(self, name: str, held: torch.Tensor) -> None:
+        """The refined tokens of the store part just read at 4 bits get their low planes back (8-bit values)."""
+        if name in self.split:
+            stored = getattr(self.store, name)
+            self.refine.correct(held, name, self.split[name], stored.parts["scale_zero"], self.store.positions)
 
     def _store_incoming(self, incoming, keys, values, positions, scores):
         refined = self.refine.in_use(self.store.positions)  # before the new tokens take their slots
@@ -147,3 +150,28 @@ class MixedPrecisionLayer(CompressedLayer):
         low, self.pending_low = self.pending_low, None
         self.refine.admit_many(refined, placed, low, self._rank(), self.store.positions)
         return placed
+
+
+def spread_refined_rows(slots: list[int], fraction: float, uniform_slots: int) -> list[int]:
+    """8-bit rows per KV head for layers of ``slots`` store slots per head (``layer_budgets="global"``: sized by
+    the scores, so unknown to the planner), summing to ``len(slots) x ceil(fraction x uniform_slots)``, the
+    uniform layers' rows, which is what the planner counts: ``floor(fraction x slots)`` each, then one more row at a
+    time to the largest remainders (never more rows than slots)."""
+    rows = [min(s, math.floor(fraction * s)) for s in slots]
+    spare = len(slots) * math.ceil(fraction * uniform_slots) - sum(rows)
+    order = sorted(range(len(slots)), key=lambda i: rows[i] - fraction * slots[i])
+    while spare > 0:
+        growing = [i for i in order if rows[i] < slots[i]][:spare]
+        if not growing:
+            break
+        for i in growing:
+            rows[i] += 1
+        spare -= len(growing)
+    return rows
+
+
+class AdaptiveMixedPrecisionLayer(MixedPrecisionLayer, HeadAdaptiveLayer):
+    """Mixed precision by importance on a head-adaptive layer (``head_budgets="adaptive"`` with
+    ``high_bits_fraction``): the 8-bit rows are shared by the KV heads as the pool's slots are,
+    ``ceil(high_bits_fraction x pool slots)`` per sequence, given to the top-ranked tokens of any head (the rank is
+    comparable across heads: the same ranking Ada-KV shares the slots by). Arguments and errors as both parents."""

@@ -88,16 +88,12 @@ class RefinedPlanes:
         for name, buffer in self.low.items():
             buffer.copy_(by_slot[name].gather(2, order.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])))
 
-    def correct(self, out: torch.Tensor, name: str, quantizer, scale_zero: torch.Tensor, positions: torch.Tensor,
-                skip: torch.Tensor | None = None) -> None:
+    def correct(self, out: torch.Tensor, name: str, quantizer, scale_zero: torch.Tensor, positions: torch.Tensor) -> None:
         """Add the low planes' corrections to ``out`` ``[batch, kv_heads, slots, head_dim]`` (the store read at
         4 bits), in place: refined slots then hold their 8-bit values. ``scale_zero``: the store's fp16
-        ``[batch, kv_heads, slots, groups, 2]``; ``skip`` (int64 ``[batch, kv_heads, 1]``): a slot read at full
-        precision this step (the token leaving the window), left as it is."""
+        ``[batch, kv_heads, slots, groups, 2]``."""
         rows = self.slots.long().clamp(min=0)
         use = self.in_use(positions)
-        if skip is not None:
-            use = use & (rows != skip)
         pairs = scale_zero.gather(2, rows[..., None, None].expand(-1, -1, -1, *scale_zero.shape[3:]))
         delta = quantizer.correction(self.low[name], pairs) * use.unsqueeze(-1)
         out.scatter_add_(2, rows.unsqueeze(-1).expand(-1, -1, -1, out.shape[-1]), delta.to(out.dtype))
