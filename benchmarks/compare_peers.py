@@ -62,14 +62,18 @@ SHORT = {"ObservedAttentionPress": "ObservedAttention", "SnapKVPress": "SnapKV",
          "KVzipPress": "KVzip", "PyramidKVPress": "PyramidKV", "AdaKVPress": "AdaKV-ExpectedAttention"}
 # Ours beyond the paper's h2o: h2o-mean (heavy 0.9), SnapKV, KVzip and lookahead scoring, the PyramidKV layer
 # schedule, and KVzip's own allocation (global layer budgets, adaptive heads);
-# (policy, bits, heavy_ratio, layer_budgets, head_budgets, sink_tokens, high_bits_fraction).
+# (policy, bits, heavy_ratio, layer_budgets, head_budgets, sink_tokens, high_bits_fraction, evict_chat_header).
 OURS_ASK = [("h2o-mean", 16, 0.9), ("h2o-mean", 4, 0.9), ("snapkv", 16, 0.9), ("snapkv", 4, 0.9),
             ("kvzip", 16, 0.9), ("kvzip", 4, 0.9), ("lookahead", 16, 0.9), ("lookahead", 4, 0.9),
             ("h2o-mean", 4, 0.9, "pyramid"), ("tova", 16),
             ("kvzip", 16, 0.9, "global", "adaptive"), ("kvzip", 4, 0.9, "global", "adaptive"),
             ("lookahead", 4, 0.9, "global", "adaptive"),
             ("kvzip", 16, 1.0, "global", "adaptive", 4), ("kvzip", 8, 1.0, "global", "adaptive", 4),
-            ("kvzip", 4, 1.0, "global", "adaptive", 4)]  # KVzip's own setting: no recent window, 4 sinks
+            ("kvzip", 4, 1.0, "global", "adaptive", 4),  # KVzip's own setting: no recent window, 4 sinks
+            ("kvzip", 4, 1.0, "global", "adaptive", 4, 0.5),  # + half the held tokens at 8 bits
+            # + the chat template's header evicted first, as kvpress's KVzipPress does
+            ("kvzip", 16, 1.0, "global", "adaptive", 4, None, True), ("kvzip", 8, 1.0, "global", "adaptive", 4, None, True),
+            ("kvzip", 4, 1.0, "global", "adaptive", 4, None, True)]
 COLORS = ("red", "blue", "green")
 DEPTHS = (0.2, 0.5, 0.8)
 INSTRUCTION = ("There are pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
@@ -257,12 +261,13 @@ def needle_methods(grid: dict) -> tuple[list[dict], list[dict]]:
         ours.append({"name": f"ours full {bits}-bit", "kind": "ours", "policy": "full", "kv_bits": bits,
                      "family": "ours", "line": f"ours full {bits}-bit", "keep": 1.0, "bits": bits})
     for policy, bits, *extra in grid["ours_needle"]:
-        heavy, layers, heads, sinks, high = (extra + [None] * 5)[:5]
+        heavy, layers, heads, sinks, high, header = (extra + [None] * 6)[:6]
         label = policy + (f"-heavy{heavy:g}" if heavy else "") + (f"-{layers}" if layers else "") + (
-            f"-{heads}-heads" if heads else "") + (f"-sinks{sinks}" if sinks else "") + (f"-hi8-{high:g}" if high else "")
+            f"-{heads}-heads" if heads else "") + (f"-sinks{sinks}" if sinks else "") + (
+            f"-hi8-{high:g}" if high else "") + ("-evict-header" if header else "")
         options = ({"heavy_ratio": heavy} if heavy else {}) | ({"layer_budgets": layers} if layers else {}) | (
             {"head_budgets": heads} if heads else {}) | ({"sink_tokens": sinks} if sinks else {}) | (
-            {"high_bits_fraction": high} if high else {})
+            {"high_bits_fraction": high} if high else {}) | ({"evict_chat_header": True} if header else {})
         for keep in grid["keeps"]:
             ours.append({"name": f"ours {label} {bits}-bit{keep_label(keep)}", "kind": "ours", "policy": policy,
                          "kv_bits": bits, "keep": keep, "family": "ours", "line": f"ours {label} {bits}-bit",

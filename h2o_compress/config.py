@@ -123,6 +123,10 @@ class CompressionConfig:
             are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
             ``C``); needs a scoring policy (``HEAD_ADAPTIVE_POLICIES``); decode steps run the torch form
             (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).
+        evict_chat_header: with ``kvzip`` or ``lookahead``, the chat template's header at the start of a context
+            (system prompt, user-turn opening) gets score 0 beyond the sinks, so it is evicted first, as kvpress's
+            ``KVzipPress`` does (it scores only the reconstructed context); ``False`` (default): scored like the
+            rest. See the README's compress-then-ask section for when it helps.
         lookahead_request: with ``policy="lookahead"``, what the model is asked about a context before it is
             compressed (:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`); ``None`` (default): "List the
             important facts and numbers in the text above.". 1 to 1,000 characters.
@@ -152,6 +156,7 @@ class CompressionConfig:
     head_budgets: str = "uniform"
     lookahead_request: str | None = None
     forgetting_factor: float | None = None
+    evict_chat_header: bool = False
 
     def __post_init__(self) -> None:
         from .policies import POLICIES
@@ -165,6 +170,11 @@ class CompressionConfig:
             if self.policy != "lookahead":
                 raise ConfigError(f"lookahead_request is set but policy={short(self.policy)}; allowed: "
                                   "lookahead_request with policy 'lookahead' only")
+        if not isinstance(self.evict_chat_header, bool):
+            raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
+        if self.evict_chat_header and self.policy not in CONTEXT_SCORED_POLICIES:
+            raise ConfigError(f"evict_chat_header is set but policy={short(self.policy)}; allowed: evict_chat_header "
+                              f"with policies {', '.join(CONTEXT_SCORED_POLICIES)} (their scoring pass sets the scores)")
         if self.forgetting_factor is not None:
             factor = _number("forgetting_factor", self.forgetting_factor, "a number in (0, 1]")
             if not 0 < factor <= 1:
@@ -315,7 +325,7 @@ class CompressionConfig:
         from .policies import make_policy
 
         return make_policy(self.policy, self.heavy_ratio, self.sink_tokens, self.lookahead_request,
-                           self.forgetting_factor)
+                           self.forgetting_factor, self.evict_chat_header)
 
     def min_layer_capacity(self, capacity: int) -> int:
         """The smallest capacity (tokens per KV head, at most ``capacity``) whose split leaves a recent window of

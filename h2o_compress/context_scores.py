@@ -177,10 +177,25 @@ SCORERS = {
 def score_context(model, tokenizer, context_ids: torch.Tensor, policy,
                   question_in_prompt: bool = False) -> list[torch.Tensor] | None:
     """The scores of ``policy``'s pass (its ``scorer``, a key of :data:`SCORERS`), per layer ``[batch, kv_heads,
-    tokens]``, or ``None`` for a policy that ranks without one. ``question_in_prompt``: ``context_ids`` is a whole
+    tokens]``, or ``None`` for a policy that ranks without one; with ``policy.evict_chat_header``, 0 over the chat
+    template's header (:func:`chat_header_length`). ``question_in_prompt``: ``context_ids`` is a whole
     prompt, question included (``generate``), rather than a document whose questions come later (``ask``)."""
     scorer = SCORERS.get(getattr(policy, "scorer", ""))
-    return None if scorer is None else scorer(model, tokenizer, context_ids, policy, question_in_prompt)
+    if scorer is None:
+        return None
+    scores = scorer(model, tokenizer, context_ids, policy, question_in_prompt)
+    header = chat_header_length(tokenizer, context_ids) if getattr(policy, "evict_chat_header", False) else 0
+    if header:  # evicted first, beyond the sinks (which rank above every score)
+        index = torch.arange(header, device=context_ids.device)
+        scores = [layer.index_fill(-1, index, 0.0) for layer in scores]
+    return scores
+
+
+def chat_header_length(tokenizer, context_ids: torch.Tensor) -> int:
+    """Tokens of the chat template's header (system prompt, user-turn opening) that ``context_ids`` ``[batch,
+    tokens]`` opens with, or 0 (no chat template, or a context that does not open with it)."""
+    _, body = _request_prompt(tokenizer, context_ids, "")
+    return context_ids.shape[1] - body.shape[1]
 
 
 def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, question_in_prompt: bool = False,

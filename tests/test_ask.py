@@ -9,7 +9,7 @@ import torch
 from profiling.profiling_helpers import save_tiny_lm, tiny_lm
 from typer.testing import CliRunner
 
-from h2o_compress import ASK_DEFAULTS, CompressionConfig, InputError, ask, compress, make_cache
+from h2o_compress import ASK_DEFAULTS, CompressionConfig, ConfigError, InputError, ask, compress, make_cache
 from h2o_compress.ask import SEPARATOR, CompressedContext
 from h2o_compress.cli import app
 from h2o_compress.generation import encode_prompt
@@ -460,3 +460,40 @@ def test_kvzip_reconstruction_is_asked_as_the_assistant_turn(smollm2):
     plain = tokenizer("The pass key is 48213.", return_tensors="pt").input_ids  # no chat header: plain text
     request, body = _reconstruction_prompt(tokenizer, plain)
     assert torch.equal(body, plain) and "<|im_start|>" not in tokenizer.decode(request[0])
+
+
+def test_evict_chat_header_scores_the_template_header_zero(tmp_path, monkeypatch):
+    """``evict_chat_header``: after the scoring pass the chat template's header (what the context opens with
+    before the document) scores 0 in every layer, so beyond the sinks it is evicted first; without it the header
+    is scored like the rest; a context without the header is left alone."""
+    from conftest import save_tiny_model_dir
+
+    from h2o_compress import load_model
+    from h2o_compress.context_scores import chat_header_length, score_context
+    from h2o_compress.generation import encode_prompt
+
+    template = ("{% for m in messages %}w120 w119 w118 {{ m['content'] }} w121{% endfor %}"
+                "{% if add_generation_prompt %} w122 w123{% endif %}")
+    model, tokenizer = load_model(save_tiny_model_dir(tmp_path / "tiny", chat_template=template), device="cpu")
+    ids = encode_prompt(tokenizer, " ".join(f"w{i}" for i in range(1, 40)), chat=True)
+    header = chat_header_length(tokenizer, ids)
+    assert header == 3 and tokenizer.decode(ids[0, :header]).split() == ["w120", "w119", "w118"]
+    plain = score_context(model, tokenizer, ids, CompressionConfig(policy="kvzip", budget=0.3).eviction_policy())
+    zeroed = score_context(model, tokenizer, ids, CompressionConfig(
+        policy="kvzip", budget=0.3, evict_chat_header=True).eviction_policy())
+    assert all(bool((layer[..., :header] > 0).all()) for layer in plain)
+    for a, b in zip(plain, zeroed):
+        assert bool((b[..., :header] == 0).all()) and torch.equal(a[..., header:], b[..., header:])
+    no_chat = encode_prompt(tokenizer, " ".join(f"w{i}" for i in range(1, 40)), chat=False)
+    assert chat_header_length(tokenizer, no_chat) == 0
+    config = CompressionConfig(policy="kvzip", budget=0.3, heavy_ratio=1.0, sink_tokens=1, evict_chat_header=True)
+    context = compress(model, tokenizer, " ".join(f"w{i}" for i in range(1, 40)), config, chat=True)
+    kept = {int(p) for layer in context.cache.layers for p in layer.positions().flatten() if p >= 0}
+    assert 0 in kept and not kept & {1, 2}  # the sink stays, the rest of the header goes first
+
+
+def test_evict_chat_header_is_refused_where_nothing_scores_the_context():
+    with pytest.raises(ConfigError, match="evict_chat_header is set but policy='h2o'.*kvzip, lookahead"):
+        CompressionConfig(policy="h2o", evict_chat_header=True)
+    with pytest.raises(ConfigError, match="evict_chat_header='yes' is invalid; allowed: True or False"):
+        CompressionConfig(policy="kvzip", evict_chat_header="yes")

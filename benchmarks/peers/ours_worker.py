@@ -57,7 +57,7 @@ def _config(method: dict, budget):
     if method["policy"] == "full":
         return CompressionConfig(policy="full", kv_bits=method["kv_bits"])
     extra = {key: method[key] for key in ("heavy_ratio", "layer_budgets", "head_budgets", "sink_tokens",
-                                          "high_bits_fraction")
+                                          "high_bits_fraction", "evict_chat_header")
              if key in method}
     return CompressionConfig(policy=method["policy"], budget=budget, kv_bits=method["kv_bits"], **extra)
 

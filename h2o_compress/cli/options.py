@@ -63,6 +63,10 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "forgetting_factor": _Flag(Optional[float], typer.Option(
         None, "--forgetting-factor", help="With --policy a2sf: the factor in (0, 1] each query scales the held "
         "scores by before adding its attention (default 0.8).")),
+    "evict_chat_header": _Flag(bool, typer.Option(
+        False, "--evict-chat-header", help="With --policy kvzip or lookahead: score the chat template's header "
+        "(system prompt, user-turn opening) 0, so that beyond the sinks it is evicted first (as kvpress's "
+        "KVzipPress).")),
     "lookahead_request": _Flag(Optional[str], typer.Option(
         None, "--lookahead-request",
         help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "

@@ -36,9 +36,11 @@ __all__ = [
 
 
 def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None,
-                request: str | None = None, forgetting_factor: float | None = None) -> EvictionPolicy:
+                request: str | None = None, forgetting_factor: float | None = None,
+                evict_chat_header: bool = False) -> EvictionPolicy:
     """Instantiate the policy registered as ``name`` (see :data:`POLICIES`); ``request``: ``lookahead``'s request,
-    ``forgetting_factor``: ``a2sf``'s (``None``: their defaults)."""
+    ``forgetting_factor``: ``a2sf``'s (``None``: their defaults); ``evict_chat_header``: ``kvzip``/``lookahead``
+    score the chat template's header 0."""
     cls = POLICIES[name]
     kwargs = {"heavy_ratio": heavy_ratio}
     if sink_tokens is not None:
@@ -47,4 +49,6 @@ def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = N
         kwargs["request"] = request
     if forgetting_factor is not None:
         kwargs["forgetting_factor"] = forgetting_factor
+    if evict_chat_header:
+        kwargs["evict_chat_header"] = True
     return cls(**kwargs)

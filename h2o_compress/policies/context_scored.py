@@ -19,12 +19,16 @@ class ContextScoredPolicy(H2OPolicy):
     ``h2o``.
 
     Attributes:
+        evict_chat_header: the scoring pass gives the chat template's header at the start of the context (system
+            prompt, user-turn opening) score 0, so that beyond the sinks it is evicted first (kvpress's
+            ``KVzipPress`` scores only the context it reconstructs); ``False``: scored like the rest.
         context_scores: fp32 ``[batch, kv_heads, context tokens]`` of this layer, handed to its next multi-token
             step (the context's prefill) and then dropped.
     """
 
     #: The scoring pass, a key of :data:`h2o_compress.context_scores.SCORERS`.
     scorer: ClassVar[str] = ""
+    evict_chat_header: bool = False
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
