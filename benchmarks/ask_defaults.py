@@ -47,6 +47,8 @@ SETTINGS = {  # name: CompressionConfig fields besides budget and bits
     "lookahead 0.9 global": {"policy": "lookahead", "heavy_ratio": 0.9, "layer_budgets": "global"},
     "kvzip 1 sinks4 global": {"policy": "kvzip", "heavy_ratio": 1.0, "sink_tokens": 4, "layer_budgets": "global"},
     "kvzip 0.99 sinks4 global": {"policy": "kvzip", "heavy_ratio": 0.99, "sink_tokens": 4, "layer_budgets": "global"},
+    "kvzip 1 sinks4 global evict-header": {"policy": "kvzip", "heavy_ratio": 1.0, "sink_tokens": 4,
+                                           "layer_budgets": "global", "evict_chat_header": True},
 }
 #: The default grid (the one results/ask_defaults.md was measured on); the other SETTINGS are picked by --settings.
 DEFAULT_SETTINGS = ("h2o 0.5", "h2o 0.9", "h2o-mean 0.9", "snapkv 0.9", "tova 0.9", "strided 0.9", "kvzip 0.9",

@@ -329,6 +329,8 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
         head = f"{config.policy} {config.budget * 100:g}%"
     else:
         head = f"{config.policy} {int(config.budget)} tok"
+    if config.layer_budgets != "uniform" and head != "full":
+        head += f" {config.layer_budgets} layers" if isinstance(config.layer_budgets, str) else " weighted layers"
     if config.head_budgets != "uniform" and head != "full":
         head += f" {config.head_budgets} heads"
     if not config.quantized:
@@ -351,9 +353,10 @@ def candidates(
     head_dim: int, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4), group_sizes=(32, 128),
     residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
     sink_tokens: int | None = None, high_bits_fraction: float = 0.0, head_budgets: str = "uniform",
+    layer_budgets="uniform",
 ) -> list[CompressionConfig]:
     """The candidate grid: every policy x budget x bits x group size x residual, de-duplicated (each evicting
-    setting with ``head_budgets``).
+    setting with ``head_budgets`` and ``layer_budgets``).
 
     A budget of 1.0 (or policy ``full``) becomes the ``full`` policy (no eviction, no scores); 16 bits ignores
     group size and residual; group sizes that do not divide ``head_dim`` are skipped; ``high_bits_fraction``
@@ -381,6 +384,7 @@ def candidates(
                             heavy_ratio=heavy_ratio, sink_tokens=sink_tokens, kv_bits=b, quant=quant,
                             group_size=group, residual=residual, head_budgets="uniform" if full else head_budgets,
                             high_bits_fraction=high_bits_fraction if b == 4 else 0.0,
+                            layer_budgets="uniform" if full else layer_budgets,
                         )
                         key = _setting_key(config)
                         if key not in seen:
@@ -398,7 +402,8 @@ def _setting_key(config: CompressionConfig) -> tuple:
         config.group_size if quantized else None, config.residual if quantized else None,
         None if full else (config.heavy_ratio, config.sinks),
         None if full or config.head_budgets == "uniform" else config.head_budgets,
-    ) + ((config.high_bits_fraction,) if config.high_bits_fraction else ())
+    ) + ((config.high_bits_fraction,) if config.high_bits_fraction else ()) + (
+        () if full or config.layer_budgets == "uniform" else (config.layer_budgets,))
 
 
 def load_quality(path, warnings: list | None = None) -> dict[tuple, float]:
@@ -507,7 +512,7 @@ def plan(
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
     sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, high_bits_fraction: float = 0.0,
-    head_budgets: str = "uniform",
+    head_budgets: str = "uniform", layer_budgets="uniform",
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -526,7 +531,7 @@ def plan(
         dtype: compute and KV dtype name (default ``float16``).
         profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
         policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, high_bits_fraction,
-            head_budgets: the candidate grid (:func:`candidates`).
+            head_budgets, layer_budgets: the candidate grid (:func:`candidates`).
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
@@ -554,7 +559,7 @@ def plan(
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
-                      sink_tokens, high_bits_fraction, head_budgets)
+                      sink_tokens, high_bits_fraction, head_budgets, layer_budgets)
     if not grid:
         raise ConfigError(
             f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "

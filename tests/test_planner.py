@@ -366,6 +366,29 @@ def test_cli_plan_table_and_json():
     assert "full 16-bit" in out.output and "h2o 10% int4 g128 r3" in out.output
 
 
+def test_cli_plan_takes_layer_budgets(tmp_path):
+    """``--layer-budgets pyramid|global|FILE`` reaches the candidates: each row's bytes are the planner's for that
+    setting (pyramid and a weights file: every layer counted; global: uniform's total), and the label says it."""
+    weights = tmp_path / "weights.json"
+    weights.write_text(json.dumps([1] * 16 + [3] * 16))
+    base = ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--bits", "4", "--budgets", "0.2", "--json"]
+    rows = {}
+    for layers, policy in (("uniform", "h2o"), ("pyramid", "h2o"), (str(weights), "h2o"), ("global", "kvzip")):
+        out = runner.invoke(app, [*base, "--policies", policy, "--layer-budgets", layers])
+        assert out.exit_code == 0, out.output
+        rows[layers] = json.loads(out.output)["rows"][0]
+    spec = resolve_model("llama-2-7b")
+    for layers, row in rows.items():
+        config = CompressionConfig(policy=row["config"]["policy"], budget=0.2, kv_bits=4,
+                                   layer_budgets=str(weights) if layers == str(weights) else layers)
+        assert row["cache"]["total"] == cache_bytes(spec.dims, config, 1, 2048, 127, 2176).total
+    assert "pyramid layers" in rows["pyramid"]["label"] and "weighted layers" in rows[str(weights)]["label"]
+    assert rows["global"]["cache"]["total"] == cache_bytes(
+        spec.dims, CompressionConfig(policy="kvzip", budget=0.2, kv_bits=4), 1, 2048, 127, 2176).total
+    out = runner.invoke(app, [*base, "--layer-budgets", "global"])
+    assert out.exit_code == 2 and "layer_budgets='global' with policy='h2o'" in out.output
+
+
 @pytest.mark.parametrize("args,message", [
     (["--memory", "24G"], "error: memory '24G' is invalid"),
     (["--model", "gpt-17"], "error: unknown model 'gpt-17'"),

@@ -13,7 +13,8 @@ from .options import Compression, TrustOpt, WeightsBitsOpt, compression_options,
 
 
 @user_errors
-@compression_options(only=("quant", "heavy_ratio", "sink_tokens", "high_bits_fraction", "head_budgets"))
+@compression_options(only=("quant", "heavy_ratio", "sink_tokens", "high_bits_fraction", "head_budgets",
+                           "layer_budgets"))
 def plan(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="Local model directory or known model name (e.g. llama-2-7b)."),
@@ -49,7 +50,7 @@ def plan(
         group_sizes=parse_list(group_sizes, "group_sizes"), residuals=parse_list(residuals, "residuals"),
         quant=values["quant"], heavy_ratio=values["heavy_ratio"], sink_tokens=values["sink_tokens"],
         headroom=headroom, trust_remote_code=trust_remote_code, high_bits_fraction=values["high_bits_fraction"],
-        head_budgets=values["head_budgets"],
+        head_budgets=values["head_budgets"], layer_budgets=values["layer_budgets"],
     )
     for warning in report.warnings:
         typer.echo(f"warning: {warning}", err=True)
