@@ -36,6 +36,9 @@ SETTINGS = {  # name: (cache kind or CompressionConfig, compiled)
     "StaticCache + compile": ("static", True),
     "ours h2o 0.2 int4 eager": (CompressionConfig(budget=0.2, kv_bits=4), False),
     "ours h2o 0.2 int4 compiled": (CompressionConfig(budget=0.2, kv_bits=4), True),
+    "ours h2o 0.2 int4 adaptive heads eager": (CompressionConfig(budget=0.2, kv_bits=4, head_budgets="adaptive"), False),
+    "ours h2o 0.2 int4 adaptive heads torch form": (
+        CompressionConfig(budget=0.2, kv_bits=4, head_budgets="adaptive", attention_kernel="torch"), False),
 }
 
 

@@ -16,7 +16,10 @@ import torch
 from conftest import TINY_MODELS
 from test_compile import POLICIES, run, setting
 
+import torch._dynamo
+
 from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.config import HEAD_ADAPTIVE_POLICIES
 from h2o_compress.compiled import decode_step
 from h2o_compress.policies import make_policy
 from h2o_compress.kernels import cpu
@@ -50,6 +53,36 @@ def test_kernel_keeps_the_same_tokens_and_logits_as_the_torch_form(arch, policy,
     if policy != "full":
         assert native_cache.kept_length() == 12
     native_cache.check()
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("policy", sorted(HEAD_ADAPTIVE_POLICIES))
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+def test_head_adaptive_pool_in_the_kernel_keeps_the_same_tokens(arch, policy, bits):
+    """A head-adaptive layer's slot pool (``owner`` tags) in the kernel: each head's leaving token in the lowest
+    free slot, attention over the slots its head owns, eviction over the pool by the caller; the same tokens and
+    logits as the torch form, and the compiled step agrees."""
+    config = dataclasses.replace(setting(policy, bits), head_budgets="adaptive")
+    native, reference, native_cache, torch_cache = both_forms(arch, config)
+    same_tokens(native_cache, torch_cache)
+    for left, right in zip(native_cache.layers, torch_cache.layers):
+        assert torch.equal(left.kept_per_head(), right.kept_per_head())
+    torch.testing.assert_close(native, reference, atol=1e-5 if bits == 16 else 1e-3, rtol=0)
+    assert native_cache.kept_length() <= 12 * native_cache.layers[0].kv_heads
+    native_cache.check()
+
+
+def test_head_adaptive_pool_compiles_with_the_kernel():
+    model = TINY_MODELS["llama"]()
+    config = dataclasses.replace(setting("h2o", 4), head_budgets="adaptive")
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True, backend="eager")
+    with torch.inference_mode():
+        eager, eager_cache, _, _ = run(model, config, decode_step)
+        ours, cache, _, _ = run(model, config, compiled)
+    assert all(layer.native for layer in cache.layers)
+    torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
+    same_tokens(cache, eager_cache)
 
 
 @pytest.mark.parametrize("rotate", [True, False])
@@ -87,10 +120,10 @@ def test_half_precision_models(dtype):
     torch.testing.assert_close(native.float(), reference.float(), atol=0.05, rtol=0.05)
 
 
-def prefilled():
-    """A tiny LLaMA and its h2o int4 cache after a 20-token prompt."""
+def prefilled(heads: str = "uniform"):
+    """A tiny LLaMA and its h2o int4 cache (``head_budgets=heads``) after a 20-token prompt."""
     model = TINY_MODELS["llama"]()
-    cache = make_cache(model, setting("h2o", 4), max_length=40)
+    cache = make_cache(model, dataclasses.replace(setting("h2o", 4), head_budgets=heads), max_length=40)
     with torch.inference_mode():
         model(input_ids=torch.randint(0, 128, (1, 20)), past_key_values=cache)
     return model, cache
@@ -158,8 +191,9 @@ def test_switched_off_or_without_a_compiler_the_torch_form_runs(monkeypatch, tmp
         cpu.library.cache_clear()
 
 
-def test_custom_op_passes_opcheck():
-    _, cache = prefilled()
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_custom_op_passes_opcheck(heads):
+    _, cache = prefilled(heads)
     layer = cache.layers[1]
     store, ring = layer.store, layer.ring
     heads, dim = layer.kv_heads, layer.head_dim
@@ -169,6 +203,7 @@ def test_custom_op_passes_opcheck():
         4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.value_basis,
         store.positions.clone(), store.scores.clone(), ring.keys.clone(), ring.values.clone(),
         ring.positions.clone(), ring.scores.clone(), layer.seen.clone(), layer.first_real.clone(),
-        layer.finite.clone(), 12, 6, 0, None, True, None, layer.consistent.clone(), False,
+        layer.finite.clone(), 12, 6, 0, None, heads == "uniform", None, layer.consistent.clone(), False,
+        store.owner.clone() if heads == "adaptive" else None,
     )
     torch.library.opcheck(cpu.cpu_decode_layer, args, test_utils=("test_schema", "test_faketensor"))

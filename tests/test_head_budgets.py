@@ -132,17 +132,21 @@ def test_memory_is_really_freed_and_counted_by_the_planner():
     assert planned.total < full.total / 3
 
 
-@pytest.mark.parametrize("policy,bits", [("h2o", 4), ("tova", 16), ("h2o-mean", 8)])
-def test_compiled_decode_matches_eager(policy, bits):
+@pytest.mark.parametrize("policy,bits,kernel", [("h2o", 4, "torch"), ("tova", 16, "torch"), ("h2o-mean", 8, "torch"),
+                                                ("h2o", 4, "auto"), ("tova", 16, "auto")])
+def test_compiled_decode_matches_eager(policy, bits, kernel):
     """``torch.compile(fullgraph=True)`` over the decode step (no graph break, no host read), buffers written in
-    place, the eager logits, the layer at its budget on every step."""
+    place, the eager logits, the layer at its budget on every step; the torch form and (``auto`` on the CPU) the
+    native kernel."""
+    from h2o_compress.kernels import cpu
+
     model = tiny_llama()
-    config = adaptive(policy=policy, budget=12, kv_bits=bits, residual=2)
+    config = adaptive(policy=policy, budget=12, kv_bits=bits, residual=2, attention_kernel=kernel)
     eager, ours, cache, before, after, graphs = eager_and_compiled(model, config, "eager")
     assert graphs <= 2 and after == before
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     for layer in cache.layers:
-        assert isinstance(layer, HeadAdaptiveLayer) and not layer.native
+        assert isinstance(layer, HeadAdaptiveLayer) and layer.native == (kernel == "auto" and cpu.library() is not None)
         assert layer.kept_per_head().sum(-1).tolist() == [2 * 12, 2 * 12]
     cache.check()
 

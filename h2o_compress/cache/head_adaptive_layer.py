@@ -16,7 +16,9 @@ ring take the lowest free slots of the pool, attention reads the pool (dequantiz
 and the ring with validity ``position >= 0 & owner == head``, each slot's score is its owner's probability, and
 while the layer holds more than ``kv_heads x C`` tokens the lowest-priority pool token over all heads is evicted
 (at most ``kv_heads`` per step, one masked argmin each). Multi-token steps keep the flat top ``kv_heads x C``.
-Attention runs in the torch form only: the CPU kernel and the Triton op assume per-head slots.
+On the CPU the step is one call of the native kernel (``kernels/cpu_decode.c`` reads the head tags: each head's
+leaving token takes the lowest free slot, its attention reads the slots it owns) and the eviction above follows it;
+elsewhere the torch form (the Triton op assumes per-head slots).
 """
 
 from __future__ import annotations
@@ -62,9 +64,11 @@ class HeadAdaptiveLayer(CompressedLayer):
                         self.with_scores)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """As :meth:`CompressedLayer.lazy_initialization`; decode steps always run the torch form."""
+        """As :meth:`CompressedLayer.lazy_initialization`; decode steps run the CPU kernel (which reads the pool's
+        head tags) where it runs, else the torch form (never the Triton op)."""
         super().lazy_initialization(key_states, value_states)
-        self.native = self.fused = False
+        self.fused = False
+        self.native = self.native and self.store.owner.dtype == torch.int8
 
     def head_positions(self) -> torch.Tensor:
         return self.store.head_positions()

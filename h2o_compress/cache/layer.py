@@ -573,7 +573,7 @@ class CompressedLayer(CacheLayerMixin):
             (keys, values), self.incoming = self.incoming, None
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             output = cpu_kernel.decode_layer(self, query, keys, values, scale, self.reference_seen)
-            if self.policy.ranks_by == "custom":
+            if not cpu_kernel.evicts(self):
                 self._evict()
             return output
         fused = query.shape[2] == 1 and self.chunk is None and self.leaving is not None

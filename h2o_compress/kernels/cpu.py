@@ -127,7 +127,7 @@ def _decode(
     ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
-    replace_scores: bool,
+    replace_scores: bool, owner: torch.Tensor | None,
 ) -> torch.Tensor:
     """One call of ``cpu_decode.c`` over a layer's buffers (see :func:`decode_layer` for what they are): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
@@ -139,7 +139,7 @@ def _decode(
     """
     out = torch.empty_like(q)
     batch, q_heads, head_dim = q.shape
-    kv_heads, slots = store_positions.shape[1], store_positions.shape[2]
+    kv_heads, slots = k_new.shape[1], store_positions.shape[2]
     size = 0 if ring_positions is None else ring_positions.shape[1]
     storage = k_data if k_bits == 16 else (v_data if v_bits == 16 else ring_keys)
     element = ELEMENTS[storage.dtype] if storage is not None else 0
@@ -152,7 +152,7 @@ def _decode(
         _pointer(ring_keys), _pointer(ring_values), _pointer(ring_positions), _pointer(ring_scores),
         _pointer(seen), _pointer(first_real), _pointer(finite),
         capacity, recent, sinks, _pointer(rank), int(evict), _pointer(reference_seen), _pointer(consistent),
-        int(replace_scores),
+        int(replace_scores), _pointer(owner),
     )
     if status:
         raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")
@@ -164,7 +164,7 @@ cpu_decode_layer = torch.library.custom_op(
     "h2o_compress::cpu_decode_layer",
     mutates_args=(
         "k_data", "k_scale_zero", "v_data", "v_scale_zero", "store_positions", "store_scores", "ring_keys",
-        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent",
+        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent", "owner",
     ),
     device_types="cpu",
 )(_decode)
@@ -175,10 +175,22 @@ def _(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
+def evicts(layer) -> bool:
+    """Whether the kernel evicts for ``layer`` (per-head slots and a policy ranking by nothing or by its scores);
+    else the caller does (:meth:`CompressedLayer._evict`): a policy with its own ranking, or a head-adaptive pool,
+    whose eviction ranks over every head of the layer."""
+    return layer.capacity is not None and layer.policy.ranks_by != "custom" and _owner(layer) is None
+
+
+def _owner(layer) -> torch.Tensor | None:
+    """The head tags of a head-adaptive layer's slot pool, or ``None`` for per-head slots."""
+    return getattr(layer.store, "owner", None)
+
+
 def _eviction_args(layer) -> tuple:
     """``(capacity, recent, sinks, rank | None, evict)`` of the kernel's eviction (EvictionPolicy.priority's rules)."""
     policy, capacity = layer.policy, layer.capacity
-    if capacity is None or policy.ranks_by == "custom":
+    if not evicts(layer):
         return 0, 0, 0, None, False
     sinks = min(policy.sink_tokens, capacity)
     rank = layer.store.scores if policy.ranks_by == "scores" else None
@@ -201,7 +213,9 @@ def decode_layer(
     head_dim]`` in the query's dtype. Updates the store, ring, scores, ``seen``, ``first_real``, ``finite`` and
     ``consistent`` (against ``reference_seen``, layer 0's count) in place, and evicts when the policy ranks by
     nothing or by the accumulated scores themselves (:attr:`~h2o_compress.policies.EvictionPolicy.ranks_by`);
-    a policy with its own ranking is evicted by the caller (:meth:`CompressedLayer._evict`)."""
+    a policy with its own ranking, and a head-adaptive layer's slot pool (int8 ``owner`` tags: each head's
+    token takes the lowest free pool slot, attention reads the slots its head owns), are evicted by the caller
+    (:func:`evicts`)."""
     store, ring = layer.store, layer.ring
     batch, q_heads, _, head_dim = query.shape
     k_bits, k_group, k_data, k_scale_zero = _format_args(layer.key_quantizer, store.keys)
@@ -217,7 +231,7 @@ def decode_layer(
         None if ring is None else ring.keys, None if ring is None else ring.values,
         None if ring is None else ring.positions, None if ring is None else ring.scores,
         layer.seen, layer.first_real, layer.finite,
-        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates,
+        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates, _owner(layer),
     )
     # compiled: the custom op; eager: the same function without the op's dispatch (microseconds per layer and step)
     out = cpu_decode_layer(*args) if torch.compiler.is_compiling() else _decode(*args)

@@ -200,7 +200,7 @@ int h2o_cpu_decode_layer(
     void *ring_k, void *ring_v, int32_t *ring_pos, float *ring_scores,
     int64_t *seen, int64_t *first_real, uint8_t *finite,
     int capacity, int recent, int sinks, const float *rank, int evict,
-    const int64_t *reference_seen, uint8_t *consistent, int replace_scores)
+    const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner)
 {
     static __thread float *scratch = 0;
     static __thread size_t scratch_size = 0;
@@ -233,6 +233,10 @@ int h2o_cpu_decode_layer(
         const int32_t *rpos = R ? ring_pos + (int64_t)b * R : 0;
         for (int h = 0; h < Hkv; h++) {
             const int64_t bh = (int64_t)b * Hkv + h;
+            /* the store row: this head's slots, or a head-adaptive layer's pool of the sequence (slots tagged by
+             * `owner`, a slot valid for head h where it holds a token and owner == h) */
+            const int64_t srow = owner ? (int64_t)b : bh;
+            int8_t *tags = owner ? owner + srow * S : 0;
             const float *kx = k_new + bh * D, *vx = v_new + bh * D;
             for (int i = 0; i < D; i++) all_finite &= isfinite(kx[i]) && isfinite(vx[i]);
             rotate(kx, k_basis, D, kin);
@@ -261,14 +265,15 @@ int h2o_cpu_decode_layer(
                 }
             }
             /* 2. the leaving token into the first empty slot, quantized once */
-            int32_t *pos = store_pos + bh * S;
+            int32_t *pos = store_pos + srow * S;
             int j = 0;
             while (j < S && pos[j] >= 0) j++;
             if (j == S) j = 0;
-            quantize_into(&kf, bh * S + j, leaving_k, D);
-            quantize_into(&vf, bh * S + j, leaving_v, D);
+            quantize_into(&kf, srow * S + j, leaving_k, D);
+            quantize_into(&vf, srow * S + j, leaving_v, D);
             pos[j] = leaving_pos;
-            float *scores = store_scores ? store_scores + bh * S : 0;
+            if (tags) tags[j] = (int8_t)h;
+            float *scores = store_scores ? store_scores + srow * S : 0;
             if (scores) scores[j] = leaving_score;
             for (int i = 0; i < D; i++) { /* the leaving token at full precision, in read order */
                 leaving_kr[i] = leaving_k[korder[i]];
@@ -280,14 +285,14 @@ int h2o_cpu_decode_layer(
                 for (int i = 0; i < D; i++) qread[g * D + i] = row[korder[i]];
             }
             for (int n = 0; n < N; n++) {
-                const int valid = n < S ? pos[n] >= 0 : rpos[n - S] >= 0;
+                const int valid = n < S ? pos[n] >= 0 && (!tags || tags[n] == h) : rpos[n - S] >= 0;
                 if (!valid) {
                     for (int g = 0; g < group; g++) logits[g * N + n] = -INFINITY;
                     continue;
                 }
                 const float *key = kbuf;
                 if (n == j) key = leaving_kr;
-                else if (n < S) dequantize(&kf, bh * S + n, D, kbuf);
+                else if (n < S) dequantize(&kf, srow * S + n, D, kbuf);
                 else for (int i = 0; i < D; i++) kbuf[i] = load_elem(ring_k, (bh * R + n - S) * D + korder[i], elem);
                 for (int g = 0; g < group; g++) logits[g * N + n] = dot(qread + g * D, key, D) * scale;
             }
@@ -303,11 +308,11 @@ int h2o_cpu_decode_layer(
             }
             memset(acc, 0, sizeof(float) * group * D);
             for (int n = 0; n < N; n++) { /* output: one value dequantized at a time */
-                const int valid = n < S ? pos[n] >= 0 : rpos[n - S] >= 0;
+                const int valid = n < S ? pos[n] >= 0 && (!tags || tags[n] == h) : rpos[n - S] >= 0;
                 if (!valid) continue;
                 const float *value = kbuf;
                 if (n == j) value = leaving_vr;
-                else if (n < S) dequantize(&vf, bh * S + n, D, kbuf);
+                else if (n < S) dequantize(&vf, srow * S + n, D, kbuf);
                 else for (int i = 0; i < D; i++) kbuf[i] = load_elem(ring_v, (bh * R + n - S) * D + vorder[i], elem);
                 float received = 0.0f;
                 for (int g = 0; g < group; g++) {
@@ -334,7 +339,7 @@ int h2o_cpu_decode_layer(
                 rotate(row, v_basis, D, out + (bh * group + g) * D);
             }
             if (first_real[b] > position) first_real[b] = position;
-            if (evict) evict_lowest(pos, rank ? rank + bh * S : 0, rpos, S, R, capacity, position + 1 - recent,
+            if (evict && !owner) evict_lowest(pos, rank ? rank + bh * S : 0, rpos, S, R, capacity, position + 1 - recent,
                                     first_real[b], sinks);
         }
     }
