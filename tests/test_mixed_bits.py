@@ -417,3 +417,24 @@ def test_head_adaptive_quality_sits_between_int4_and_int8(model):
     err8 = logit_error(model, setting(0.0, bits=8, head_budgets="adaptive"), reference)
     assert err[1.0] <= 1.5 * err8 and err[1.0] < 0.3 * err[0.0]
     assert err[0.5] < err[0.0]
+
+
+def test_spread_rows_keep_the_uniform_total_within_each_layer():
+    """Global layer budgets: each layer's 8-bit rows near its share, never above its slots, summing to the uniform
+    layers' count (what the planner counts)."""
+    import random
+
+    from h2o_compress.cache.mixed import spread_refined_rows
+
+    rng = random.Random(0)
+    for _ in range(300):
+        layers, uniform = rng.randint(1, 8), rng.randint(1, 60)
+        fraction = rng.choice([0.1, 0.25, 0.3, 0.5, 0.9, 1.0])
+        slots = [rng.randint(1, 2 * uniform) for _ in range(layers - 1)]
+        slots.append(layers * uniform - sum(slots))
+        if slots[-1] < 1:
+            continue
+        rows = spread_refined_rows(slots, fraction, uniform)
+        assert sum(rows) == layers * math.ceil(fraction * uniform), (slots, fraction, rows)
+        assert all(0 <= r <= s and abs(r - fraction * s) < 2 + layers for r, s in zip(rows, slots))
+    assert spread_refined_rows([10, 30, 20], 0.5, 20) == [5, 15, 10]

@@ -19,7 +19,10 @@ which makes them 8-bit. Which ones:
 
 Without scores (policies that keep none, or a frozen copy for compress-then-ask, which evicts nothing) every rank
 is equal: free rows go to tokens as they arrive. The decode step is the torch form (the CPU kernel and the Triton
-op do not read the side buffer) and still captures with ``torch.compile(fullgraph=True)``.
+op do not read the side buffer) and still captures with ``torch.compile(fullgraph=True)``. The side buffer is
+reached through two hooks of :class:`CompressedLayer` (``_after_insert``, ``_refine_read``), so the same code runs
+on a head-adaptive pool (:class:`AdaptiveMixedPrecisionLayer`); global layer budgets get their rows from
+:func:`spread_refined_rows`.
 """
 
 from __future__ import annotations
@@ -172,6 +175,8 @@ def spread_refined_rows(slots: list[int], fraction: float, uniform_slots: int) -
 
 class AdaptiveMixedPrecisionLayer(MixedPrecisionLayer, HeadAdaptiveLayer):
     """Mixed precision by importance on a head-adaptive layer (``head_budgets="adaptive"`` with
-    ``high_bits_fraction``): the 8-bit rows are shared by the KV heads as the pool's slots are,
-    ``ceil(high_bits_fraction x pool slots)`` per sequence, given to the top-ranked tokens of any head (the rank is
-    comparable across heads: the same ranking Ada-KV shares the slots by). Arguments and errors as both parents."""
+    ``high_bits_fraction``): the 8-bit rows are shared by the KV heads as the pool's slots are, ``kv_heads x
+    ceil(high_bits_fraction x slots per head)`` per sequence (uniform heads' count), given to the top-ranked tokens
+    of any head (the rank is comparable across heads: the same ranking Ada-KV shares the slots by); the pool's
+    ``kv_heads`` entering tokens of a decode step are admitted one after the other. Arguments and errors as both
+    parents."""
