@@ -191,19 +191,23 @@ def test_switched_off_or_without_a_compiler_the_torch_form_runs(monkeypatch, tmp
         cpu.library.cache_clear()
 
 
-@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_custom_op_passes_opcheck(heads):
-    _, cache = prefilled(heads)
+@pytest.mark.parametrize("budgets", ["uniform", "adaptive"])
+def test_custom_op_passes_opcheck(budgets):
+    _, cache = prefilled(budgets)
     layer = cache.layers[1]
     store, ring = layer.store, layer.ring
     heads, dim = layer.kv_heads, layer.head_dim
+    pool = budgets == "adaptive"
     args = (
         torch.randn(1, 2 * heads, dim), torch.randn(1, heads, dim), torch.randn(1, heads, dim), dim**-0.5,
         4, 32, store.keys.parts["data"].clone(), store.keys.parts["scale_zero"].clone(), layer.key_basis,
         4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.value_basis,
-        store.positions.clone(), store.scores.clone(), ring.keys.clone(), ring.values.clone(),
-        ring.positions.clone(), ring.scores.clone(), layer.seen.clone(), layer.first_real.clone(),
-        layer.finite.clone(), 12, 6, 0, None, heads == "uniform", None, layer.consistent.clone(), False,
-        store.owner.clone() if heads == "adaptive" else None,
+        store.positions.clone(), store.owner.clone() if pool else None, store.scores.clone(),
+        ring.keys.clone(), ring.values.clone(), ring.positions.clone(), ring.scores.clone(), layer.seen.clone(),
+        layer.first_real.clone(), layer.finite.clone(), 12, 6, 0, None, not pool, None,
+        layer.consistent.clone(), False,
     )
     torch.library.opcheck(cpu.cpu_decode_layer, args, test_utils=("test_schema", "test_faketensor"))
+    if pool:  # a pool without its head tags would be read as per-head slots, past its end: refused
+        with pytest.raises(ValueError, match="store rows"):
+            cpu._decode(*args[:15], None, *args[16:])

@@ -123,11 +123,12 @@ def _decode(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
     k_bits: int, k_group: int, k_data: torch.Tensor, k_scale_zero: torch.Tensor | None, k_basis: torch.Tensor | None,
     v_bits: int, v_group: int, v_data: torch.Tensor, v_scale_zero: torch.Tensor | None, v_basis: torch.Tensor | None,
-    store_positions: torch.Tensor, store_scores: torch.Tensor | None, ring_keys: torch.Tensor | None,
+    store_positions: torch.Tensor, owner: torch.Tensor | None, store_scores: torch.Tensor | None,
+    ring_keys: torch.Tensor | None,
     ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
-    replace_scores: bool, owner: torch.Tensor | None,
+    replace_scores: bool,
 ) -> torch.Tensor:
     """One call of ``cpu_decode.c`` over a layer's buffers (see :func:`decode_layer` for what they are): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
@@ -136,10 +137,15 @@ def _decode(
     Raises:
         RuntimeError: the kernel refused a shape (``head_dim`` above :data:`MAX_HEAD_DIM`, query heads not a
             multiple of KV heads) or could not allocate its scratch.
+        ValueError: store positions whose rows are not ``[batch, kv_heads]`` (or ``[batch, 1]`` with ``owner``).
     """
     out = torch.empty_like(q)
     batch, q_heads, head_dim = q.shape
     kv_heads, slots = k_new.shape[1], store_positions.shape[2]
+    rows = 1 if owner is not None else kv_heads  # a head-adaptive pool is one row of slots per sequence
+    if store_positions.shape[:2] != (batch, rows) or (owner is not None and owner.shape != store_positions.shape):
+        raise ValueError(f"store rows {tuple(store_positions.shape[:2])} do not fit batch {batch} x {rows} (owner "
+                         f"{None if owner is None else tuple(owner.shape)}): the kernel would read past the store")
     size = 0 if ring_positions is None else ring_positions.shape[1]
     storage = k_data if k_bits == 16 else (v_data if v_bits == 16 else ring_keys)
     element = ELEMENTS[storage.dtype] if storage is not None else 0
@@ -163,8 +169,8 @@ def _decode(
 cpu_decode_layer = torch.library.custom_op(
     "h2o_compress::cpu_decode_layer",
     mutates_args=(
-        "k_data", "k_scale_zero", "v_data", "v_scale_zero", "store_positions", "store_scores", "ring_keys",
-        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent", "owner",
+        "k_data", "k_scale_zero", "v_data", "v_scale_zero", "store_positions", "owner", "store_scores", "ring_keys",
+        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent",
     ),
     device_types="cpu",
 )(_decode)
@@ -227,11 +233,11 @@ def decode_layer(
         float(scale),
         k_bits, k_group, k_data, k_scale_zero, layer.key_basis,
         v_bits, v_group, v_data, v_scale_zero, layer.value_basis,
-        store.positions, store.scores,
+        store.positions, _owner(layer), store.scores,
         None if ring is None else ring.keys, None if ring is None else ring.values,
         None if ring is None else ring.positions, None if ring is None else ring.scores,
         layer.seen, layer.first_real, layer.finite,
-        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates, _owner(layer),
+        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates,
     )
     # compiled: the custom op; eager: the same function without the op's dispatch (microseconds per layer and step)
     out = cpu_decode_layer(*args) if torch.compiler.is_compiling() else _decode(*args)
