@@ -194,8 +194,19 @@ def score_context(model, tokenizer, context_ids: torch.Tensor, policy,
 def chat_header_length(tokenizer, context_ids: torch.Tensor) -> int:
     """Tokens of the chat template's header (system prompt, user-turn opening) that ``context_ids`` ``[batch,
     tokens]`` opens with, or 0 (no chat template, or a context that does not open with it)."""
-    _, body = _request_prompt(tokenizer, context_ids, "")
-    return context_ids.shape[1] - body.shape[1]
+    return _header_length(_chat_frame(tokenizer), context_ids)
+
+
+def _header_length(frame: tuple[torch.Tensor, torch.Tensor] | None, context_ids: torch.Tensor) -> int:
+    """How many tokens of ``context_ids`` ``[batch, tokens]`` are the header of ``frame`` (:func:`_chat_frame`):
+    its prefix, where every sequence opens with it and something follows; else 0."""
+    if frame is None:
+        return 0
+    prefix = frame[0]
+    head = context_ids[:, : prefix.numel()].cpu()
+    if 0 < prefix.numel() < context_ids.shape[1] and bool((head == prefix).all()):
+        return prefix.numel()
+    return 0
 
 
 def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, question_in_prompt: bool = False,
@@ -268,11 +279,9 @@ def _request_prompt(tokenizer, context_ids: torch.Tensor, request: str) -> tuple
     context."""
     frame = _chat_frame(tokenizer)
     encode = lambda part: tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids  # noqa: E731
-    if frame is not None:
-        prefix, suffix = frame
-        head = context_ids[:, : prefix.numel()].cpu()
-        if 0 < prefix.numel() < context_ids.shape[1] and bool((head == prefix).all()):
-            return torch.cat((encode(request.rstrip("\n")), suffix.unsqueeze(0)), dim=1), context_ids[:, prefix.numel() :]
+    header = _header_length(frame, context_ids)
+    if header:
+        return torch.cat((encode(request.rstrip("\n")), frame[1].unsqueeze(0)), dim=1), context_ids[:, header:]
     return encode(request), context_ids
 
 

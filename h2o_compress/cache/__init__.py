@@ -4,7 +4,8 @@
 - :mod:`.ring`: :class:`RingWindow`, the newest tokens in full precision (KIVI's residual).
 - :mod:`.layer`: :class:`CompressedLayer`, one attention layer: decode step, chunk step, eviction.
 - :mod:`.mixed`: :class:`MixedPrecisionLayer`, a layer whose top-ranked stored tokens are 8-bit, the rest 4-bit
-  (:class:`AdaptiveMixedPrecisionLayer` on a head-adaptive pool); :mod:`.refinement`: :class:`RefinedPlanes`, its side buffer of low planes.
+  (:class:`AdaptiveMixedPrecisionLayer` on a head-adaptive pool); :mod:`.refinement`: :class:`RefinedPlanes`, its
+  side buffer of low planes.
 - :mod:`.slot_pool`, :mod:`.head_adaptive_layer`: :class:`SlotPool` and :class:`HeadAdaptiveLayer`, one layer's
   budget shared by its KV heads (Ada-KV, ``head_budgets="adaptive"``).
 - :mod:`.container`: :class:`CompressedCache`, the transformers ``Cache`` over the layers.
@@ -20,6 +21,6 @@ from .slot_pool import SlotPool
 from .slots import SlotStore
 
 __all__ = [
-    "AdaptiveMixedPrecisionLayer", "CompressedCache", "CompressedLayer", "HeadAdaptiveLayer", "MixedPrecisionLayer", "RefinedPlanes", "RingWindow",
-    "SlotPool", "SlotStore", "build_layers",
+    "AdaptiveMixedPrecisionLayer", "CompressedCache", "CompressedLayer", "HeadAdaptiveLayer", "MixedPrecisionLayer",
+    "RefinedPlanes", "RingWindow", "SlotPool", "SlotStore", "build_layers",
 ]

@@ -213,10 +213,9 @@ def build_layers(
     if mixed and config.layer_budgets == "global" and capacity is not None:  # the planner counts uniform's rows
         uniform = CompressedLayer(0, config.eviction_policy(), capacity, layers[0].key_quantizer,
                                   layers[0].value_quantizer, residual=config.residual, max_tokens=max_tokens)
-        per_head = [CompressedLayer.store_slots(layer) for layer in layers]  # a pool's slots per head
-        rows = spread_refined_rows(per_head, config.high_bits_fraction, uniform.store_slots())
-        for layer, per_head in zip(layers, rows):
-            layer.refined_per_head = per_head
+        slots = [CompressedLayer.store_slots(layer) for layer in layers]  # a pool's slots per head
+        for layer, rows in zip(layers, spread_refined_rows(slots, config.high_bits_fraction, uniform.store_slots())):
+            layer.refined_per_head = rows
     for layer in layers:
         layer.num_layers = num_layers
     return layers
