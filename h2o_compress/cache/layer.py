@@ -302,7 +302,8 @@ class CompressedLayer(CacheLayerMixin):
             None if ring is None else ring.positions, self.seen, store.scores, None if ring is None else ring.scores,
             *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), self.key_quantizer.bits,
             self.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
-            plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis,
+            plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis, plan.block,
+            plan.num_warps, plan.num_stages,
         )
         return output.view(batch, q_heads, 1, head_dim)
 

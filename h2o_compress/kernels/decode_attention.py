@@ -34,12 +34,14 @@ from . import H100_SMS, power_of_two, split_count
 
 @triton.jit
 def _load_tokens(data, sz, s_b, s_h, s_n, z_b, z_h, z_n, b, h, offs_n, mask_n,
-                 D: tl.constexpr, GROUP: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens ``offs_n`` of (sequence ``b``, KV head ``h``) as fp32 ``[BLOCK_N, D]``; masked tokens read as 0.
+                 D: tl.constexpr, GROUP: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 OUT: tl.constexpr = tl.float32):
+    """Tokens ``offs_n`` of (sequence ``b``, KV head ``h``) as ``OUT`` ``[BLOCK_N, D]``; masked tokens read as 0.
 
     ``FMT`` 16: raw ``data[b, h, n, :D]``. 8: uint8 codes ``data[b, h, n, :D]``. 4: uint8 ``data[b, h, n, :D/2]``,
     element ``2i`` in the low nibble of byte ``i``, ``2i+1`` in the high one. Codes dequantize to
-    ``code * scale + zero`` with ``sz[b, h, n, g] = (scale, zero)`` fp16 for group ``g = d // GROUP``.
+    ``code * scale + zero`` (in ``OUT``: fp32, or fp16 for fp16 models, half the registers) with ``sz[b, h, n, g] =
+    (scale, zero)`` fp16 for group ``g = d // GROUP``.
     """
     rows = data + b * s_b + h * s_h + offs_n[:, None] * s_n
     if FMT == 4:
@@ -48,13 +50,13 @@ def _load_tokens(data, sz, s_b, s_h, s_n, z_b, z_h, z_n, b, h, offs_n, mask_n,
     else:
         codes = tl.load(rows + tl.arange(0, D)[None, :], mask=mask_n[:, None], other=0)
     if FMT == 16:
-        x = codes.to(tl.float32)
+        x = codes.to(OUT)
     else:
         NG: tl.constexpr = D // GROUP
         pairs = (sz + b * z_b + h * z_h + offs_n[:, None, None] * z_n
                  + tl.arange(0, NG)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :])
-        scale, zero = tl.split(tl.load(pairs, mask=mask_n[:, None, None], other=0.0).to(tl.float32))
-        x = tl.reshape(codes.to(tl.float32), (BLOCK_N, NG, GROUP)) * scale[:, :, None] + zero[:, :, None]
+        scale, zero = tl.split(tl.load(pairs, mask=mask_n[:, None, None], other=0.0).to(OUT))
+        x = tl.reshape(codes.to(OUT), (BLOCK_N, NG, GROUP)) * scale[:, :, None] + zero[:, :, None]
         x = tl.reshape(x, (BLOCK_N, D))
     return x
 

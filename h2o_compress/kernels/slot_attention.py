@@ -40,7 +40,9 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import power_of_two
 from .decode_attention import _load_tokens, _sm_count, choose_splits
 
-BLOCK_N = 64  # tokens per loop iteration of the partial kernel
+BLOCK_N = 64  # tokens per loop iteration of the partial kernel (default; SplitPlan.block)
+NUM_WARPS = 4  # warps per program of the partial kernel (default; SplitPlan.num_warps)
+NUM_STAGES = 3  # depth of its software load pipeline on sm_80+ (default; SplitPlan.num_stages)
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
 BLOCK_S = 8  # split partials merged per iteration of the combine kernel
 
@@ -75,6 +77,7 @@ def _slot_partial_kernel(
     KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, BLOCK: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, ROTATE_Q: tl.constexpr = False, DC: tl.constexpr = 32,
+    DQ: tl.constexpr = tl.float32,
 ):
     """Split ``split`` of (sequence ``b``, KV head ``h``): store slots ``[split * split_tokens, +split_tokens)``
     below the live bound, or (``split >= store_splits``) ring slots. Writes ``part_m``/``part_l`` ``[batch *
@@ -110,17 +113,17 @@ def _slot_partial_kernel(
         start = split * split_tokens
         end = tl.minimum(start + split_tokens, live)
         leave = tl.load(leave_slot + bh)
-        leave_k = tl.load(lk + bh.to(tl.int64) * D + offs_d).to(tl.float32)
-        leave_v = tl.load(lv + bh.to(tl.int64) * D + offs_d).to(tl.float32)
+        leave_k = tl.load(lk + bh.to(tl.int64) * D + offs_d).to(DQ)
+        leave_v = tl.load(lv + bh.to(tl.int64) * D + offs_d).to(DQ)
         for n0 in range(start, end, BLOCK):
             offs_n = n0 + tl.arange(0, BLOCK)
             in_range = offs_n < end
             valid = in_range & (tl.load(pos + bh.to(tl.int64) * slots + offs_n, mask=in_range, other=-1) >= 0)
             is_leave = (offs_n == leave)[:, None]
             kt = _load_tokens(k, ksz, k_b, k_h, k_n, ksz_b, ksz_h, ksz_n, b, h, offs_n, in_range, D, GROUP, K_FMT,
-                              BLOCK)
+                              BLOCK, DQ)
             vt = _load_tokens(v, vsz, v_b, v_h, v_n, vsz_b, vsz_h, vsz_n, b, h, offs_n, in_range, D, GROUP, V_FMT,
-                              BLOCK)
+                              BLOCK, DQ)
             kt = tl.where(is_leave, leave_k[None, :], kt)
             vt = tl.where(is_leave, leave_v[None, :], vt)
             m_i, l_i, acc = _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_rows, head_mask,
@@ -228,13 +231,18 @@ def _slot_combine_kernel(
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """The fixed launch grid of one layer shape: ``store_splits`` splits of ``split_tokens`` slots, then
-    ``ring_splits`` of ``ring_split_tokens`` ring slots (each a multiple of :data:`BLOCK_N`)."""
+    """The fixed launch of one layer shape: ``store_splits`` splits of ``split_tokens`` slots, then ``ring_splits``
+    of ``ring_split_tokens`` ring slots (each a multiple of ``block``), ``block`` tokens per loop iteration of the
+    partial kernel, run with ``num_warps`` warps and a ``num_stages``-deep load pipeline (Triton's launch options;
+    ``benchmarks/kernel_bandwidth.py`` compares them)."""
 
     store_splits: int
     split_tokens: int
     ring_splits: int
     ring_split_tokens: int
+    block: int = BLOCK_N
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
 
     @property
     def num_slots(self) -> int:
@@ -243,14 +251,26 @@ class SplitPlan:
 
 
 def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count: int | None = None,
-                device: torch.device | None = None) -> SplitPlan:
+                device: torch.device | None = None, block: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                num_stages: int = NUM_STAGES) -> SplitPlan:
     """The split counts for ``slots`` store slots and a ring of ``ring_size`` (chosen once per layer shape from the
-    capacity, never per call: :func:`~h2o_compress.kernels.decode_attention.choose_splits`, 2-4 programs per SM)."""
+    capacity, never per call: :func:`~h2o_compress.kernels.decode_attention.choose_splits`, 2-4 programs per SM),
+    with ``block`` tokens per iteration, ``num_warps`` and ``num_stages``.
+
+    Raises:
+        ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8 or ``num_stages`` not 1-6.
+    """
+    if not power_of_two(block, 16) or block > 256:
+        raise ValueError(f"block={block} tokens per iteration is not allowed; allowed: a power of two in [16, 256]")
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps={num_warps} is not allowed; allowed: 1, 2, 4, 8")
+    if num_stages not in range(1, 7):
+        raise ValueError(f"num_stages={num_stages} is not allowed; allowed: 1 to 6")
     sms = sm_count if sm_count is not None else _sm_count(device or torch.device("cpu"))
-    store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), BLOCK_N, sms)
-    ring_splits, ring_split_tokens = (0, BLOCK_N) if ring_size == 0 else choose_splits(
-        batch, kv_heads, ring_size, BLOCK_N, sms)
-    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens)
+    store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), block, sms)
+    ring_splits, ring_split_tokens = (0, block) if ring_size == 0 else choose_splits(
+        batch, kv_heads, ring_size, block, sms)
+    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens, block, num_warps, num_stages)
 
 
 class DecodeScratch:
@@ -305,7 +325,8 @@ def _slot_decode_attention(
     ring_scores: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
     logits: torch.Tensor, scaling: float, key_bits: int, value_bits: int, group_size: int, store_splits: int,
     split_tokens: int, ring_splits: int, ring_split_tokens: int, accumulate: bool,
-    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None,
+    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None, block: int = BLOCK_N,
+    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Attention of one decode query over a layer's slots and ring, plus the fused H2O score update.
 
@@ -331,11 +352,14 @@ def _slot_decode_attention(
             with ``key_basis`` the query is given in the model's basis and rotated in the first launch
             (``(q @ H)`` in fp32, rounded to ``query.dtype``, as the torch form does); with ``value_basis`` the
             output is rotated back (``@ H``, fp32) in the second, so neither costs a launch of its own.
+        block, num_warps, num_stages: the partial kernel's tokens per iteration, warps and pipeline depth
+            (:class:`SplitPlan`; the split sizes must be multiples of ``block``).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis; in the model's with
         ``value_basis``). Softmax and accumulation in fp32;
-        the matmuls take ``query.dtype`` operands.
+        the matmuls take ``query.dtype`` operands; codes dequantize in fp16 for fp16 queries (fewer registers per
+        thread, the torch form's rounding: it dequantizes in fp32 and rounds to fp16), else in fp32.
     """
     batch, q_heads, head_dim = query.shape
     kv_heads, slots = positions.shape[1], positions.shape[2]
@@ -363,9 +387,10 @@ def _slot_decode_attention(
         rk, rv, *r_strides, rpos,
         seen, part_m, part_l, part_acc, logits, query if key_basis is None else key_basis,
         slots, ring_size, store_splits, split_tokens, ring_split_tokens, num_slots, total, float(scaling),
-        KV_HEADS=kv_heads, G=group, GP=gp, D=head_dim, GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=BLOCK_N,
+        KV_HEADS=kv_heads, G=group, GP=gp, D=head_dim, GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=block,
         WRITE_LOGITS=with_scores, DOT=dot, PRECISION=precision, ROTATE_Q=key_basis is not None,
-        DC=min(head_dim, 32), num_warps=4,
+        DC=min(head_dim, 32), DQ=tl.float16 if query.dtype == torch.float16 else tl.float32, num_warps=num_warps,
+        num_stages=num_stages,
     )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     blocks = triton.cdiv(total, BLOCK_T) if with_scores else 1

@@ -265,7 +265,7 @@ def test_slot_kernels_compile_for_h100():
                        seen="*i64", part_m="*fp32", part_l="*fp32", part_acc="*fp32", logits="*fp32", qb="*fp32")
             compile(sa._slot_partial_kernel, sig, dict(KV_HEADS=32 // group, G=group, GP=16, D=head_dim,
                     GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=64, WRITE_LOGITS=scores, DOT=dot,
-                    PRECISION="tf32", ROTATE_Q=rotate, DC=32))
+                    PRECISION="tf32", ROTATE_Q=rotate, DC=32, DQ=dot if dot == tl.float16 else tl.float32))
             compile(sa._slot_combine_kernel, dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", out=q,
                     logits="*fp32", pos="*i32", rpos="*i32", seen="*i64", scores="*fp32", ring_scores="*fp32",
                     vb="*fp32", slots="i32", ring_size="i32", num_slots="i32", total="i32"),
