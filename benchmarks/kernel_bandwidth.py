@@ -9,7 +9,8 @@ the card's measured copy bandwidth in a kernel microbenchmark ... register press
 two shapes: ``llama-7b`` (issue 14's 16k x batch 16 at budget 0.2: batch 16, 32 KV heads, head_dim 128, 3,277
 slots + a ring of 3) and ``smollm2`` (batch 1, 3 KV heads x 3 query heads, head_dim 64, 1k at 0.2), for int4, int8
 and 16-bit storage (group 32, H2O scores on, fp16), and for every launch option ``--blocks`` x ``--warps`` x
-``--stages`` (tokens per loop iteration, warps per program, load-pipeline depth: :class:`SplitPlan`).
+``--stages`` x ``--max-registers`` (tokens per loop iteration, warps per program, load-pipeline depth, register
+cap per thread, 0 = none: :class:`SplitPlan`).
 
 **Resources** (any machine with Triton's NVIDIA backend; no GPU needed): the split pass is compiled for sm_90 by
 Triton with its bundled ptxas, specialised as Triton's JIT would specialise it at that shape (16-byte aligned
@@ -49,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, what the JIT compiles with; no warning
 
 SM90 = dict(registers=65536, shared=228 * 1024, reserved_shared=1024, warps=64, programs=32)
 
@@ -83,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=ints, default=[32, 64, 128], help="tokens per iteration (default 32,64,128)")
     p.add_argument("--warps", type=ints, default=[4, 8], help="warps per program (default 4,8)")
     p.add_argument("--stages", type=ints, default=[2, 3, 4], help="pipeline depths (default 2,3,4)")
+    p.add_argument("--max-registers", type=ints, default=[0], help="register caps, 0 = none (default 0)")
     p.add_argument("--repeats", type=int, default=50, help="op calls per timing (cuda)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: a temp dir)")
     args = p.parse_args(argv)
@@ -111,7 +114,7 @@ def tools() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int):
+def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int = 0):
     """The split pass compiled for sm_90 at ``shape`` (fp16, scores on, no rotation), as the JIT specialises it."""
     import triton
     import triton.language as tl
@@ -146,12 +149,13 @@ def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int):
                   DOT=tl.float16, PRECISION="tf32", ROTATE_Q=False, DC=min(shape.head_dim, 32), DQ=tl.float16)
     sig |= {c: "constexpr" for c in consts}
     return triton.compile(ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+                          | ({"maxnreg": max_registers} if max_registers else {}))
 
 
-def resources(shape: Shape, bits: int, block: int, warps: int, stages: int) -> dict:
+def resources(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int = 0) -> dict:
     """Registers, spills, shared memory and the occupancy / bytes-in-flight proxy of one option on sm_90."""
-    kernel = compile_sm90(shape, bits, block, warps, stages)
+    kernel = compile_sm90(shape, bits, block, warps, stages, max_registers)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -205,7 +209,7 @@ def make_inputs(shape: Shape, bits: int, device, plan):
         part_acc=scratch.part_acc, logits=scratch.logits, scaling=d**-0.5, key_bits=bits, value_bits=bits,
         group_size=shape.group_size, store_splits=plan.store_splits, split_tokens=plan.split_tokens,
         ring_splits=plan.ring_splits, ring_split_tokens=plan.ring_split_tokens, accumulate=True,
-        block=plan.block, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        block=plan.block, num_warps=plan.num_warps, num_stages=plan.num_stages, max_registers=plan.max_registers,
     ), scratch.nbytes()
 
 
@@ -220,7 +224,7 @@ def moved_bytes(kw: dict, scratch_bytes: int) -> int:
     return read + scores + 2 * scratch_bytes + kw["query"].numel() * 2
 
 
-def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, repeats: int) -> dict:
+def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int, repeats: int) -> dict:
     """Median seconds per op call over 5 timings of ``repeats`` calls (CUDA events), and the bytes it moves."""
     import torch
 
@@ -228,7 +232,7 @@ def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, repeat
 
     device = torch.device("cuda")
     plan = sa.plan_splits(shape.batch, shape.kv_heads, shape.slots, shape.ring, device=device, block=block,
-                          num_warps=warps, num_stages=stages)
+                          num_warps=warps, num_stages=stages, max_registers=max_registers)
     kw, scratch_bytes = make_inputs(shape, bits, device, plan)
     for _ in range(3):
         sa.slot_decode_attention(**kw)
@@ -272,15 +276,16 @@ def render(data: dict) -> str:
     lines += ["", "Resources: compiled for sm_90 with Triton's ptxas (no GPU needed); programs/SM and bytes in flight "
               "are derived (see the script's docstring). Defaults (`slot_attention.py`): block "
               f"{data['defaults']['block']}, {data['defaults']['num_warps']} warps, {data['defaults']['num_stages']} "
-              "stages.", ""]
+              "stages, no register cap.", ""]
     gpu = any("gb_per_s" in row for row in data["rows"])
     for shape in dict.fromkeys(row["shape"] for row in data["rows"]):
-        lines += [f"## {shape}", "", "| bits | block | warps | stages | registers | spill B | shared KiB | programs/SM "
-                  "| KiB/iteration | KiB in flight/SM |" + (" GB/s | share of copy |" if gpu else ""),
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
+        lines += [f"## {shape}", "", "| bits | block | warps | stages | cap | registers | spill B | shared KiB | "
+                  "programs/SM | KiB/iteration | KiB in flight/SM |" + (" GB/s | share of copy |" if gpu else ""),
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else "")]
         for row in (r for r in data["rows"] if r["shape"] == shape):
             mark = " **(default)**" if row["default"] else ""
-            cells = [row["bits"], row["block"], row["warps"], f"{row['stages']}{mark}", row["registers"],
+            cells = [row["bits"], row["block"], row["warps"], f"{row['stages']}{mark}", row["max_registers"] or "-",
+                     row["registers"],
                      row["spill_bytes"], f"{row['shared_bytes'] / 1024:.0f}", row["programs_per_sm"],
                      f"{row['bytes_per_iteration'] / 1024:.1f}", f"{row['bytes_in_flight_per_sm'] / 1024:.0f}"]
             if gpu:
@@ -288,7 +293,8 @@ def render(data: dict) -> str:
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
         for bits in dict.fromkeys(r["bits"] for r in data["rows"] if r["shape"] == shape):
-            rows = [r for r in data["rows"] if r["shape"] == shape and r["bits"] == bits and r["spill_bytes"] == 0]
+            rows = [r for r in data["rows"] if r["shape"] == shape and r["bits"] == bits
+                    and (gpu or r["spill_bytes"] == 0)]  # measured: spills count in the time already
             if not rows:
                 continue
             key = "gb_per_s" if gpu else "bytes_in_flight_per_sm"
@@ -298,8 +304,9 @@ def render(data: dict) -> str:
                     else f"{best['bytes_in_flight_per_sm'] / 1024:.0f} KiB in flight per SM (proxy)")
             was = "" if default is None else (f"; default {default['gb_per_s']:.0f} GB/s" if gpu else
                                               f"; default {default['bytes_in_flight_per_sm'] / 1024:.0f} KiB")
-            lines.append(f"- {bits}-bit: best without spills block {best['block']}, {best['warps']} warps, "
-                         f"{best['stages']} stages: {what}{was}.")
+            cap = f", cap {best['max_registers']}" if best["max_registers"] else ""
+            lines.append(f"- {bits}-bit: best{'' if gpu else ' without spills'} block {best['block']}, "
+                         f"{best['warps']} warps, {best['stages']} stages{cap}: {what}{was}.")
         lines.append("")
     return "\n".join(lines)
 
@@ -316,7 +323,8 @@ def plot(data: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(shapes), 1, figsize=(12, 3.6 * len(shapes)), squeeze=False)
     for ax, shape in zip(axes[:, 0], shapes):
         rows = [r for r in data["rows"] if r["shape"] == shape]
-        labels = [f"{r['bits']}b B{r['block']} w{r['warps']} s{r['stages']}" for r in rows]
+        labels = [f"{r['bits']}b B{r['block']} w{r['warps']} s{r['stages']}"
+                  + (f" r{r['max_registers']}" if r["max_registers"] else "") for r in rows]
         values = [r["copy_share"] * 100 if gpu else r["bytes_in_flight_per_sm"] / 1024 for r in rows]
         colors = ["tab:red" if r["spill_bytes"] else {4: "tab:blue", 8: "tab:orange", 16: "tab:green"}[r["bits"]]
                   for r in rows]
@@ -341,21 +349,24 @@ def main(argv=None) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
-    options = list(itertools.product(args.shapes.split(","), args.formats, args.blocks, args.warps, args.stages))
+    options = list(itertools.product(args.shapes.split(","), args.formats, args.blocks, args.warps, args.stages,
+                                     args.max_registers))
     data = dict(command="python " + " ".join([sys.argv[0]] + sys.argv[1:]), triton=triton.__version__,
                 torch=torch.__version__, device=(torch.cuda.get_device_name() if args.device == "cuda"
                                                  else f"{platform.processor() or platform.machine()} CPU (resources "
                                                  "only)"),
-                defaults=dict(block=sa.BLOCK_N, num_warps=sa.NUM_WARPS, num_stages=sa.NUM_STAGES), rows=[])
+                defaults=dict(block=sa.BLOCK_N, num_warps=sa.NUM_WARPS, num_stages=sa.NUM_STAGES,
+                              max_registers=sa.MAX_REGISTERS), rows=[])
     if args.device == "cuda":
         data["copy_gb_per_s"] = copy_bandwidth()
-    for name, bits, block, warps, stages in track(options, description="compiling for sm_90"):
+    defaults = (sa.BLOCK_N, sa.NUM_WARPS, sa.NUM_STAGES, sa.MAX_REGISTERS)
+    for name, bits, block, warps, stages, cap in track(options, description="compiling for sm_90"):
         shape = SHAPES[name]
-        row = dict(shape=name, bits=bits, block=block, warps=warps, stages=stages,
-                   default=(block, warps, stages) == (sa.BLOCK_N, sa.NUM_WARPS, sa.NUM_STAGES))
-        row |= resources(shape, bits, block, warps, stages)
+        row = dict(shape=name, bits=bits, block=block, warps=warps, stages=stages, max_registers=cap,
+                   default=(block, warps, stages, cap) == defaults)
+        row |= resources(shape, bits, block, warps, stages, cap)
         if args.device == "cuda":
-            row |= measure(shape, bits, block, warps, stages, args.repeats)
+            row |= measure(shape, bits, block, warps, stages, cap, args.repeats)
             row["copy_share"] = row["gb_per_s"] / data["copy_gb_per_s"]
         data["rows"].append(row | dict(shape_fields=asdict(shape)))
     out = args.out or Path(tempfile.mkdtemp()) / "kernel_bandwidth.json"

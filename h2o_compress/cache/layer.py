@@ -303,7 +303,7 @@ class CompressedLayer(CacheLayerMixin):
             *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), self.key_quantizer.bits,
             self.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
             plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis, plan.block,
-            plan.num_warps, plan.num_stages,
+            plan.num_warps, plan.num_stages, plan.max_registers,
         )
         return output.view(batch, q_heads, 1, head_dim)
 

@@ -43,6 +43,7 @@ from .decode_attention import _load_tokens, _sm_count, choose_splits
 BLOCK_N = 64  # tokens per loop iteration of the partial kernel (default; SplitPlan.block)
 NUM_WARPS = 4  # warps per program of the partial kernel (default; SplitPlan.num_warps)
 NUM_STAGES = 3  # depth of its software load pipeline on sm_80+ (default; SplitPlan.num_stages)
+MAX_REGISTERS = 0  # registers per thread cap of the partial kernel, 0 = the compiler's choice (SplitPlan.max_registers)
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
 BLOCK_S = 8  # split partials merged per iteration of the combine kernel
 
@@ -63,6 +64,20 @@ def _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_row_ptr, hea
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt.to(DOT), input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _leave_row(ptr, bh, offs_d, held, D: tl.constexpr, FMT: tl.constexpr, DQ: tl.constexpr):
+    """The leaving token's ``[D]`` keys or values for a block's select: ``held`` (loaded before the loop) for 16-bit
+    storage, else loaded again here (an L1 hit after the first block). With dequantization in the loop, the held
+    vector's broadcast over the tile layout took ~50 registers per thread for the whole loop (sm_90, int4,
+    head_dim 128: 219 -> 168, one more program per SM); with 16-bit storage the reload cost registers instead
+    (SmolLM2 shape: 128 -> 134). ``benchmarks/kernel_bandwidth.py`` measures both."""
+    if FMT == 16:
+        row = held
+    else:
+        row = tl.load(ptr + bh.to(tl.int64) * D + offs_d).to(DQ)
+    return row
 
 
 @triton.jit
@@ -124,8 +139,8 @@ def _slot_partial_kernel(
                               BLOCK, DQ)
             vt = _load_tokens(v, vsz, v_b, v_h, v_n, vsz_b, vsz_h, vsz_n, b, h, offs_n, in_range, D, GROUP, V_FMT,
                               BLOCK, DQ)
-            kt = tl.where(is_leave, leave_k[None, :], kt)
-            vt = tl.where(is_leave, leave_v[None, :], vt)
+            kt = tl.where(is_leave, _leave_row(lk, bh, offs_d, leave_k, D, K_FMT, DQ)[None, :], kt)
+            vt = tl.where(is_leave, _leave_row(lv, bh, offs_d, leave_v, D, V_FMT, DQ)[None, :], vt)
             m_i, l_i, acc = _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_rows, head_mask,
                                           offs_n, WRITE_LOGITS, DOT, PRECISION)
     else:
@@ -233,8 +248,9 @@ def _slot_combine_kernel(
 class SplitPlan:
     """The fixed launch of one layer shape: ``store_splits`` splits of ``split_tokens`` slots, then ``ring_splits``
     of ``ring_split_tokens`` ring slots (each a multiple of ``block``), ``block`` tokens per loop iteration of the
-    partial kernel, run with ``num_warps`` warps and a ``num_stages``-deep load pipeline (Triton's launch options;
-    ``benchmarks/kernel_bandwidth.py`` compares them)."""
+    partial kernel, run with ``num_warps`` warps, a ``num_stages``-deep load pipeline and at most ``max_registers``
+    registers per thread (0: the compiler's choice; a cap trades spills for more programs per SM). Triton's launch
+    options: ``benchmarks/kernel_bandwidth.py`` compares them."""
 
     store_splits: int
     split_tokens: int
@@ -243,6 +259,7 @@ class SplitPlan:
     block: int = BLOCK_N
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    max_registers: int = MAX_REGISTERS
 
     @property
     def num_slots(self) -> int:
@@ -252,13 +269,14 @@ class SplitPlan:
 
 def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count: int | None = None,
                 device: torch.device | None = None, block: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                num_stages: int = NUM_STAGES) -> SplitPlan:
+                num_stages: int = NUM_STAGES, max_registers: int = MAX_REGISTERS) -> SplitPlan:
     """The split counts for ``slots`` store slots and a ring of ``ring_size`` (chosen once per layer shape from the
     capacity, never per call: :func:`~h2o_compress.kernels.decode_attention.choose_splits`, 2-4 programs per SM),
-    with ``block`` tokens per iteration, ``num_warps`` and ``num_stages``.
+    with ``block`` tokens per iteration, ``num_warps``, ``num_stages`` and ``max_registers``.
 
     Raises:
-        ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8 or ``num_stages`` not 1-6.
+        ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8, ``num_stages`` not 1-6 or
+            ``max_registers`` neither 0 nor in [32, 255].
     """
     if not power_of_two(block, 16) or block > 256:
         raise ValueError(f"block={block} tokens per iteration is not allowed; allowed: a power of two in [16, 256]")
@@ -266,11 +284,14 @@ def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count:
         raise ValueError(f"num_warps={num_warps} is not allowed; allowed: 1, 2, 4, 8")
     if num_stages not in range(1, 7):
         raise ValueError(f"num_stages={num_stages} is not allowed; allowed: 1 to 6")
+    if max_registers != 0 and max_registers not in range(32, 256):
+        raise ValueError(f"max_registers={max_registers} is not allowed; allowed: 0 (no cap) or 32 to 255")
     sms = sm_count if sm_count is not None else _sm_count(device or torch.device("cpu"))
     store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), block, sms)
     ring_splits, ring_split_tokens = (0, block) if ring_size == 0 else choose_splits(
         batch, kv_heads, ring_size, block, sms)
-    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens, block, num_warps, num_stages)
+    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens, block, num_warps, num_stages,
+                     max_registers)
 
 
 class DecodeScratch:
@@ -326,7 +347,7 @@ def _slot_decode_attention(
     logits: torch.Tensor, scaling: float, key_bits: int, value_bits: int, group_size: int, store_splits: int,
     split_tokens: int, ring_splits: int, ring_split_tokens: int, accumulate: bool,
     key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None, block: int = BLOCK_N,
-    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, max_registers: int = MAX_REGISTERS,
 ) -> torch.Tensor:
     """Attention of one decode query over a layer's slots and ring, plus the fused H2O score update.
 
@@ -352,8 +373,8 @@ def _slot_decode_attention(
             with ``key_basis`` the query is given in the model's basis and rotated in the first launch
             (``(q @ H)`` in fp32, rounded to ``query.dtype``, as the torch form does); with ``value_basis`` the
             output is rotated back (``@ H``, fp32) in the second, so neither costs a launch of its own.
-        block, num_warps, num_stages: the partial kernel's tokens per iteration, warps and pipeline depth
-            (:class:`SplitPlan`; the split sizes must be multiples of ``block``).
+        block, num_warps, num_stages, max_registers: the partial kernel's tokens per iteration, warps, pipeline
+            depth and register cap (:class:`SplitPlan`; the split sizes must be multiples of ``block``).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis; in the model's with
@@ -390,7 +411,7 @@ def _slot_decode_attention(
         KV_HEADS=kv_heads, G=group, GP=gp, D=head_dim, GROUP=group_size, K_FMT=k_fmt, V_FMT=v_fmt, BLOCK=block,
         WRITE_LOGITS=with_scores, DOT=dot, PRECISION=precision, ROTATE_Q=key_basis is not None,
         DC=min(head_dim, 32), DQ=tl.float16 if query.dtype == torch.float16 else tl.float32, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     blocks = triton.cdiv(total, BLOCK_T) if with_scores else 1

@@ -168,6 +168,65 @@ def test_several_blocks_per_split():
     torch.testing.assert_close(check(kw), out_one, atol=1e-5, rtol=1e-5)
 
 
+def with_plan(kw, plan):
+    """``kw`` re-planned with ``plan`` (its splits, launch options and fresh NaN scratch)."""
+    batch, q_heads, head_dim = kw["query"].shape
+    ring = 0 if kw["ring_positions"] is None else kw["ring_positions"].shape[1]
+    scratch = sa.DecodeScratch(plan, batch, q_heads, head_dim, kw["positions"].shape[2] + ring,
+                               kw["scores"] is not None, torch.device("cpu"))
+    for t in scratch.tensors():
+        t.fill_(float("nan"))
+    return kw | dict(part_m=scratch.part_m, part_l=scratch.part_l, part_acc=scratch.part_acc, logits=scratch.logits,
+                     store_splits=plan.store_splits, split_tokens=plan.split_tokens, ring_splits=plan.ring_splits,
+                     ring_split_tokens=plan.ring_split_tokens, block=plan.block, num_warps=plan.num_warps,
+                     num_stages=plan.num_stages, max_registers=plan.max_registers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block", [16, 32, 128])
+def test_launch_options_give_the_same_attention(dtype, block):
+    """Every ``block`` (tokens per iteration; warps and stages only change the GPU schedule) gives the torch form's
+    output and scores, and the default block's within rounding: the option the benchmark picks changes speed only."""
+    case = dict(slots=150, ring=70, key_bits=4, value_bits=8, dtype=dtype, seed=block)
+    default = check(make_case(**case))
+    plan = sa.plan_splits(2, 2, 150, 70, sm_count=2, block=block, num_warps=8, num_stages=2, max_registers=128)
+    assert plan.split_tokens % block == 0 and plan.ring_split_tokens % block == 0
+    output = check(with_plan(make_case(**case), plan))
+    torch.testing.assert_close(output.float(), default.float(), atol=2e-3 if dtype == torch.float16 else 1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("option, message", [(dict(block=48), "block=48"), (dict(block=512), "block=512"),
+                                             (dict(num_warps=3), "num_warps=3"), (dict(num_stages=0), "num_stages=0"),
+                                             (dict(max_registers=16), "max_registers=16"),
+                                             (dict(max_registers=256), "max_registers=256")])
+def test_plan_splits_refuses_bad_launch_options(option, message):
+    with pytest.raises(ValueError, match=message):
+        sa.plan_splits(1, 2, 100, 3, sm_count=1, **option)
+
+
+def test_default_launch_spills_no_registers_on_h100():
+    """At issue 14's shapes (LLaMA-7B 16k x 16 at 0.2; SmolLM2 1k) every storage format's split pass, compiled for
+    sm_90 as the JIT specialises it, fits in registers with the default launch: a spill would put local-memory
+    traffic on the path that must run at copy bandwidth (``benchmarks/kernel_bandwidth.py``'s resources)."""
+    pytest.importorskip("triton.backends.nvidia")
+    compile_for_sm90("""
+        import sys
+        sys.path.insert(0, "benchmarks")
+        import kernel_bandwidth as kb
+        from h2o_compress.kernels import slot_attention as sa
+        for shape in kb.SHAPES.values():
+            for bits in (4, 8, 16):
+                r = kb.resources(shape, bits, sa.BLOCK_N, sa.NUM_WARPS, sa.NUM_STAGES)
+                assert r["spill_bytes"] == 0 and r["programs_per_sm"] >= 2, (shape.name, bits, r)
+        # the cap reaches ptxas: at 128 registers the SmolLM2-shaped int4 pass fits 4 programs per SM instead of 3
+        free = kb.resources(kb.SHAPES["smollm2"], 4, sa.BLOCK_N, sa.NUM_WARPS, sa.NUM_STAGES)
+        capped = kb.resources(kb.SHAPES["smollm2"], 4, sa.BLOCK_N, sa.NUM_WARPS, sa.NUM_STAGES, 128)
+        assert capped["registers"] <= 128 < free["registers"] and capped["programs_per_sm"] == 4, (free, capped)
+        print("compiled")
+    """)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_bases_applied_in_the_launches(dtype):
     """With ``key_basis``/``value_basis`` the op takes the query in the model's basis and returns the output in it:
