@@ -1,11 +1,16 @@
-"""The GPU throughput benchmark's smoke mode runs end to end on the CPU (tiny model, tiny contexts)."""
+"""The GPU benchmarks run end to end on the CPU: gpu_throughput's smoke mode (tiny model, tiny contexts) and
+kernel_bandwidth's sm_90 resources (compiled with Triton's ptxas, no GPU)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,3 +48,34 @@ def test_gpu_throughput_smoke_writes_every_part(tmp_path):
     markdown = (tmp_path / "gpu.md").read_text()
     assert "Done criterion" in markdown and "RANDOM" in markdown and "## Decode at 192 tokens" in markdown
     assert before == {p.name: p.stat().st_mtime_ns for p in results.glob("gpu.*")}  # GPU results untouched
+
+
+def test_kernel_bandwidth_reports_sm90_resources_without_a_gpu(tmp_path):
+    """``benchmarks/kernel_bandwidth.py`` on a machine without a GPU: every option compiled for sm_90, its resources
+    and the bytes-in-flight proxy in the JSON, a markdown table naming the default and the best option, a plot; a
+    register cap lowers the registers it reports; ``--device cuda`` is refused here with a clear message."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "kb.json"
+    command = [sys.executable, "benchmarks/kernel_bandwidth.py", "--shapes", "smollm2", "--formats", "4,16",
+               "--blocks", "64", "--warps", "4", "--stages", "3", "--max-registers", "0,96", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 4 and data["defaults"] == dict(block=64, num_warps=4, num_stages=3, max_registers=0)
+    rows = {(r["bits"], r["max_registers"]): r for r in data["rows"]}
+    for row in rows.values():
+        assert row["registers"] > 0 and row["shared_bytes"] > 0 and row["programs_per_sm"] >= 1
+        per_token = 2 * (64 * row["bits"] / 8 + (4 * 64 / 32 if row["bits"] < 16 else 0))
+        assert row["bytes_per_iteration"] == 64 * per_token
+        assert row["bytes_in_flight_per_sm"] == row["programs_per_sm"] * row["bytes_per_iteration"] * 2
+    assert rows[(4, 96)]["registers"] <= 96 < rows[(4, 0)]["registers"]
+    assert rows[(4, 0)]["default"] and not rows[(4, 96)]["default"]
+    text = out.with_suffix(".md").read_text()
+    assert "## smollm2" in text and "**(default)**" in text and "- 4-bit: best" in text
+    assert out.with_suffix(".png").stat().st_size > 0
+    refused = subprocess.run([sys.executable, "benchmarks/kernel_bandwidth.py", "--device", "cuda", "--out",
+                              str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=env)
+    if not torch.cuda.is_available():
+        assert refused.returncode != 0 and "no CUDA GPU here" in refused.stderr + refused.stdout
