@@ -272,7 +272,10 @@ class CompressedLayer(CacheLayerMixin):
         ring = 0 if self.ring is None else self.ring.size
         key = (self.batch, q_heads, self.store.slots + ring, self.with_scores)
         if self.scratch is None or self.scratch.key != key:
-            plan = slot_attention.plan_splits(self.batch, self.kv_heads, self.store.slots, ring, device=self.device)
+            plan = slot_attention.plan_splits(
+                self.batch, self.kv_heads, self.store.slots, ring, device=self.device,
+                launch=slot_attention.launch_for(self.key_quantizer.bits, self.value_quantizer.bits),
+            )
             self.scratch = slot_attention.DecodeScratch(
                 plan, self.batch, q_heads, self.head_dim, self.store.slots + ring, self.with_scores, self.device
             )
@@ -302,8 +305,8 @@ class CompressedLayer(CacheLayerMixin):
             None if ring is None else ring.positions, self.seen, store.scores, None if ring is None else ring.scores,
             *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), self.key_quantizer.bits,
             self.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
-            plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis, plan.block,
-            plan.num_warps, plan.num_stages, plan.max_registers,
+            plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis, plan.launch.block,
+            plan.launch.num_warps, plan.launch.num_stages, plan.launch.max_registers,
         )
         return output.view(batch, q_heads, 1, head_dim)
 

@@ -40,10 +40,6 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import power_of_two
 from .decode_attention import _load_tokens, _sm_count, choose_splits
 
-BLOCK_N = 64  # tokens per loop iteration of the partial kernel (default; SplitPlan.block)
-NUM_WARPS = 4  # warps per program of the partial kernel (default; SplitPlan.num_warps)
-NUM_STAGES = 3  # depth of its software load pipeline on sm_80+ (default; SplitPlan.num_stages)
-MAX_REGISTERS = 0  # registers per thread cap of the partial kernel, 0 = the compiler's choice (SplitPlan.max_registers)
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
 BLOCK_S = 8  # split partials merged per iteration of the combine kernel
 
@@ -146,7 +142,9 @@ def _slot_partial_kernel(
     else:
         start = (split - store_splits) * ring_split_tokens
         end = tl.minimum(start + ring_split_tokens, ring_size)
-        for n0 in range(start, end, BLOCK):
+        # The ring holds `residual` tokens (3 by default): one or two blocks, nothing to pipeline; its pipeline
+        # buffers would take shared memory from the store's (sm_90, int4: 72 -> 40 KiB; kernel_bandwidth.py).
+        for n0 in tl.range(start, end, BLOCK, num_stages=1):
             offs_n = n0 + tl.arange(0, BLOCK)
             in_range = offs_n < end
             valid = in_range & (tl.load(rpos + b * ring_size + offs_n, mask=in_range, other=-1) >= 0)
@@ -245,21 +243,57 @@ def _slot_combine_kernel(
 
 
 @dataclass(frozen=True)
+class LaunchOptions:
+    """How the split pass runs (Triton's launch options; fixed per layer like the split count): ``block`` tokens
+    per loop iteration, ``num_warps`` warps per program, a ``num_stages``-deep software pipeline of the store's loads
+    (sm_80+), at most ``max_registers`` registers per thread (0: the compiler's choice; a cap trades spills for
+    more programs per SM). ``benchmarks/kernel_bandwidth.py`` compares them.
+
+    Raises:
+        ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8, ``num_stages`` not 1-6 or
+            ``max_registers`` neither 0 nor in [32, 255].
+    """
+
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    max_registers: int = 0
+
+    def __post_init__(self):
+        if not power_of_two(self.block, 16) or self.block > 256:
+            raise ValueError(f"block={self.block} tokens per iteration is not allowed; allowed: a power of two in "
+                             "[16, 256]")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps={self.num_warps} is not allowed; allowed: 1, 2, 4, 8")
+        if self.num_stages not in range(1, 7):
+            raise ValueError(f"num_stages={self.num_stages} is not allowed; allowed: 1 to 6")
+        if self.max_registers != 0 and self.max_registers not in range(32, 256):
+            raise ValueError(f"max_registers={self.max_registers} is not allowed; allowed: 0 (no cap) or 32 to 255")
+
+
+#: The launch by storage width (the narrower of keys and values), chosen without a GPU from the split pass's sm_90
+#: resources at the LLaMA-7B (16k x 16 at 0.2) and SmolLM2 shapes (``benchmarks/results/kernel_bandwidth_cpu.md``):
+#: the most bytes in flight per SM at both shapes with at most 16 bytes of spills. Narrower storage carries fewer
+#: bytes per token, so it takes a deeper pipeline, and int4 twice the tokens per iteration too. A proxy, not a
+#: timing: ``kernel_bandwidth.py --device cuda`` measures them on a card.
+LAUNCH = {4: LaunchOptions(block=128, num_stages=5), 8: LaunchOptions(num_stages=4), 16: LaunchOptions()}
+
+
+def launch_for(key_bits: int, value_bits: int) -> LaunchOptions:
+    """:data:`LAUNCH`'s options for a layer storing keys and values in ``key_bits`` / ``value_bits`` (4, 8, 16)."""
+    return LAUNCH[min(key_bits, value_bits)]
+
+
+@dataclass(frozen=True)
 class SplitPlan:
     """The fixed launch of one layer shape: ``store_splits`` splits of ``split_tokens`` slots, then ``ring_splits``
-    of ``ring_split_tokens`` ring slots (each a multiple of ``block``), ``block`` tokens per loop iteration of the
-    partial kernel, run with ``num_warps`` warps, a ``num_stages``-deep load pipeline and at most ``max_registers``
-    registers per thread (0: the compiler's choice; a cap trades spills for more programs per SM). Triton's launch
-    options: ``benchmarks/kernel_bandwidth.py`` compares them."""
+    of ``ring_split_tokens`` ring slots (each a multiple of ``launch.block``), run with ``launch``."""
 
     store_splits: int
     split_tokens: int
     ring_splits: int
     ring_split_tokens: int
-    block: int = BLOCK_N
-    num_warps: int = NUM_WARPS
-    num_stages: int = NUM_STAGES
-    max_registers: int = MAX_REGISTERS
+    launch: LaunchOptions = LaunchOptions()
 
     @property
     def num_slots(self) -> int:
@@ -268,30 +302,15 @@ class SplitPlan:
 
 
 def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count: int | None = None,
-                device: torch.device | None = None, block: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                num_stages: int = NUM_STAGES, max_registers: int = MAX_REGISTERS) -> SplitPlan:
+                device: torch.device | None = None, launch: LaunchOptions = LaunchOptions()) -> SplitPlan:
     """The split counts for ``slots`` store slots and a ring of ``ring_size`` (chosen once per layer shape from the
     capacity, never per call: :func:`~h2o_compress.kernels.decode_attention.choose_splits`, 2-4 programs per SM),
-    with ``block`` tokens per iteration, ``num_warps``, ``num_stages`` and ``max_registers``.
-
-    Raises:
-        ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8, ``num_stages`` not 1-6 or
-            ``max_registers`` neither 0 nor in [32, 255].
-    """
-    if not power_of_two(block, 16) or block > 256:
-        raise ValueError(f"block={block} tokens per iteration is not allowed; allowed: a power of two in [16, 256]")
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps={num_warps} is not allowed; allowed: 1, 2, 4, 8")
-    if num_stages not in range(1, 7):
-        raise ValueError(f"num_stages={num_stages} is not allowed; allowed: 1 to 6")
-    if max_registers != 0 and max_registers not in range(32, 256):
-        raise ValueError(f"max_registers={max_registers} is not allowed; allowed: 0 (no cap) or 32 to 255")
+    in blocks of ``launch.block`` tokens."""
     sms = sm_count if sm_count is not None else _sm_count(device or torch.device("cpu"))
-    store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), block, sms)
-    ring_splits, ring_split_tokens = (0, block) if ring_size == 0 else choose_splits(
-        batch, kv_heads, ring_size, block, sms)
-    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens, block, num_warps, num_stages,
-                     max_registers)
+    store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), launch.block, sms)
+    ring_splits, ring_split_tokens = (0, launch.block) if ring_size == 0 else choose_splits(
+        batch, kv_heads, ring_size, launch.block, sms)
+    return SplitPlan(store_splits, split_tokens, ring_splits, ring_split_tokens, launch)
 
 
 class DecodeScratch:
@@ -346,8 +365,8 @@ def _slot_decode_attention(
     ring_scores: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
     logits: torch.Tensor, scaling: float, key_bits: int, value_bits: int, group_size: int, store_splits: int,
     split_tokens: int, ring_splits: int, ring_split_tokens: int, accumulate: bool,
-    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None, block: int = BLOCK_N,
-    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, max_registers: int = MAX_REGISTERS,
+    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None, block: int = 64,
+    num_warps: int = 4, num_stages: int = 3, max_registers: int = 0,
 ) -> torch.Tensor:
     """Attention of one decode query over a layer's slots and ring, plus the fused H2O score update.
 
@@ -373,8 +392,8 @@ def _slot_decode_attention(
             with ``key_basis`` the query is given in the model's basis and rotated in the first launch
             (``(q @ H)`` in fp32, rounded to ``query.dtype``, as the torch form does); with ``value_basis`` the
             output is rotated back (``@ H``, fp32) in the second, so neither costs a launch of its own.
-        block, num_warps, num_stages, max_registers: the partial kernel's tokens per iteration, warps, pipeline
-            depth and register cap (:class:`SplitPlan`; the split sizes must be multiples of ``block``).
+        block, num_warps, num_stages, max_registers: the split pass's :class:`LaunchOptions` (the split sizes
+            must be multiples of ``block``).
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis; in the model's with
