@@ -20,7 +20,7 @@ from .config import ALLOWED_GROUP_SIZES, MAX_RESIDUAL, CompressionConfig
 from .errors import ConfigError, short
 from .files import read_json
 from .policies import POLICIES
-from .kernels import decode_scratch_bytes
+from .kernels import decode_scratch_bytes, launch_for
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
 from .weights import loaded_weights_bits
@@ -237,8 +237,9 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     elif slots is not None:
         d = spec.dims
         with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
+        block = launch_for(config.key_bits, config.value_bits).block
         scratch = d.num_layers * decode_scratch_bytes(
-            batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores)
+            batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
     return scratch + max(
         _forward_peak(spec, config, batch, prompt_len, prompt_len, size),
         _forward_peak(spec, config, batch, 1, kept + 1, size),

@@ -4,6 +4,8 @@ Nothing here imports Triton at package import time: :mod:`.decode_attention` (Tr
 callers that run on a GPU, and :mod:`.reference` is its pure-torch specification.
 """
 
+from dataclasses import dataclass
+
 
 def power_of_two(n: int, minimum: int = 1) -> bool:
     """Whether ``n`` is a power of two ``>= minimum`` (the kernels' tile sizes: ``head_dim``, group, block)."""
@@ -21,6 +23,49 @@ def split_count(batch: int, kv_heads: int, tokens: int, block_tokens: int, sm_co
     wanted = min(blocks, max(1, 4 * sm_count // (batch * kv_heads)))
     split_blocks = -(-blocks // wanted)
     return -(-blocks // split_blocks), split_blocks * block_tokens
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How the split pass runs (Triton's launch options; fixed per layer like the split count): ``block`` tokens
+    per loop iteration, ``num_warps`` warps per program, a ``num_stages``-deep software pipeline of the store's loads
+    (sm_80+), at most ``max_registers`` registers per thread (0: the compiler's choice; a cap trades spills for
+    more programs per SM). ``benchmarks/kernel_bandwidth.py`` compares them. (Here, not in :mod:`.slot_attention`: the planner
+    sizes the scratch by the block without importing Triton.)
+
+    Raises:
+        ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8, ``num_stages`` not 1-6 or
+            ``max_registers`` neither 0 nor in [32, 255].
+    """
+
+    block: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    max_registers: int = 0
+
+    def __post_init__(self):
+        if not power_of_two(self.block, 16) or self.block > 256:
+            raise ValueError(f"block={self.block} tokens per iteration is not allowed; allowed: a power of two in "
+                             "[16, 256]")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps={self.num_warps} is not allowed; allowed: 1, 2, 4, 8")
+        if self.num_stages not in range(1, 7):
+            raise ValueError(f"num_stages={self.num_stages} is not allowed; allowed: 1 to 6")
+        if self.max_registers != 0 and self.max_registers not in range(32, 256):
+            raise ValueError(f"max_registers={self.max_registers} is not allowed; allowed: 0 (no cap) or 32 to 255")
+
+
+#: The launch by storage width (the narrower of keys and values), chosen without a GPU from the split pass's sm_90
+#: resources at the LLaMA-7B (16k x 16 at 0.2) and SmolLM2 shapes (``benchmarks/results/kernel_bandwidth_cpu.md``):
+#: the most bytes in flight per SM at both shapes with at most 16 bytes of spills. Narrower storage carries fewer
+#: bytes per token, so it takes a deeper pipeline, and int4 twice the tokens per iteration too. A proxy, not a
+#: timing: ``kernel_bandwidth.py --device cuda`` measures them on a card.
+LAUNCH = {4: LaunchOptions(block=128, num_stages=5), 8: LaunchOptions(num_stages=4), 16: LaunchOptions()}
+
+
+def launch_for(key_bits: int, value_bits: int) -> LaunchOptions:
+    """:data:`LAUNCH`'s options for a layer storing keys and values in ``key_bits`` / ``value_bits`` (4, 8, 16)."""
+    return LAUNCH[min(key_bits, value_bits)]
 
 
 def decode_scratch_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, slots: int, ring: int,

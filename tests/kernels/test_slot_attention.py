@@ -300,9 +300,12 @@ def test_planner_counts_the_scratch(batch, kv_heads, group, slots, ring, scores)
     from h2o_compress.planner import workspace_bytes
     from transformers import LlamaConfig
 
-    plan = sa.plan_splits(batch, kv_heads, slots, ring, sm_count=132)
+    launch = sa.launch_for(4, 4)  # an int4 layer's launch: its block sets the split count
+    assert launch.block != 64  # (so the planner must follow the launch, not assume the old block)
+    plan = sa.plan_splits(batch, kv_heads, slots, ring, sm_count=132, launch=launch)
     scratch = sa.DecodeScratch(plan, batch, kv_heads * group, 64, slots + ring, scores, torch.device("meta"))
-    assert scratch.nbytes() == decode_scratch_bytes(batch, kv_heads * group, kv_heads, 64, slots, ring, scores)
+    assert scratch.nbytes() == decode_scratch_bytes(batch, kv_heads * group, kv_heads, 64, slots, ring, scores,
+                                                    block_tokens=launch.block)
     spec = resolve_model(LlamaConfig(hidden_size=kv_heads * group * 64, num_attention_heads=kv_heads * group,
                                      num_key_value_heads=kv_heads, num_hidden_layers=3, intermediate_size=64,
                                      vocab_size=100))
