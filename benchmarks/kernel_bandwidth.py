@@ -8,9 +8,9 @@ the card's measured copy bandwidth in a kernel microbenchmark ... register press
 ``h2o_compress::slot_decode_attention`` (``h2o_compress/kernels/slot_attention.py``) over one layer's buffers at
 two shapes: ``llama-7b`` (issue 14's 16k x batch 16 at budget 0.2: batch 16, 32 KV heads, head_dim 128, 3,277
 slots + a ring of 3) and ``smollm2`` (batch 1, 3 KV heads x 3 query heads, head_dim 64, 1k at 0.2), for int4, int8
-and 16-bit storage (group 32, H2O scores on, fp16), and for every launch option ``--blocks`` x ``--warps`` x
-``--stages`` x ``--max-registers`` (tokens per loop iteration, warps per program, load-pipeline depth, register
-cap per thread, 0 = none: :class:`LaunchOptions`).
+and 16-bit storage (group 32, H2O scores on, an fp16 or bf16 model: ``--dtype``), and for every launch option
+``--blocks`` x ``--warps`` x ``--stages`` x ``--max-registers`` (tokens per loop iteration, warps per program,
+load-pipeline depth, register cap per thread, 0 = none: :class:`LaunchOptions`).
 
 **Resources** (any machine with Triton's NVIDIA backend; no GPU needed): the split pass is compiled for sm_90 by
 Triton with its bundled ptxas, specialised as Triton's JIT would specialise it at that shape (16-byte aligned
@@ -82,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda adds the measured bandwidth")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="the model's dtype (default fp16)")
     p.add_argument("--formats", type=ints, default=[4, 8, 16], help="storage bits (default 4,8,16)")
     p.add_argument("--blocks", type=ints, default=[32, 64, 128], help="tokens per iteration (default 32,64,128)")
     p.add_argument("--warps", type=ints, default=[4, 8], help="warps per program (default 4,8)")
@@ -115,8 +116,10 @@ def tools() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int = 0):
-    """The split pass compiled for sm_90 at ``shape`` (fp16, scores on, no rotation), as the JIT specialises it."""
+def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int = 0,
+                 dtype: str = "fp16"):
+    """The split pass compiled for sm_90 at ``shape`` for a ``dtype`` model (scores on, no rotation), as the JIT
+    specialises it (and as the op picks its dequantization dtype: fp16 for fp16, else fp32)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -127,9 +130,10 @@ def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int, m
     fn = sa._slot_partial_kernel
     strides = "q_b q_h k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n r_b r_h r_n".split()
     scalars = "slots ring_size store_splits split_tokens ring_split_tokens num_slots total".split()
-    data = "*fp16" if bits == 16 else "*u8"
-    sig = dict({n: "i32" for n in strides + scalars}, q="*fp16", scaling="fp32", k=data, v=data, ksz="*fp16",
-               vsz="*fp16", pos="*i32", lk="*fp16", lv="*fp16", leave_slot="*i64", rk="*fp16", rv="*fp16",
+    act = f"*{dtype}"
+    data = act if bits == 16 else "*u8"
+    sig = dict({n: "i32" for n in strides + scalars}, q=act, scaling="fp32", k=data, v=data, ksz="*fp16",
+               vsz="*fp16", pos="*i32", lk=act, lv=act, leave_slot="*i64", rk=act, rv=act,
                rpos="*i32", seen="*i64", part_m="*fp32", part_l="*fp32", part_acc="*fp32", logits="*fp32",
                qb="*fp32")
     # what the JIT sees at this shape: 16-byte aligned buffers, and which strides are multiples of 16
@@ -147,16 +151,18 @@ def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int, m
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     consts = dict(KV_HEADS=shape.kv_heads, G=shape.group, GP=max(16, triton.next_power_of_2(shape.group)),
                   D=shape.head_dim, GROUP=shape.group_size, K_FMT=bits, V_FMT=bits, BLOCK=block, WRITE_LOGITS=True,
-                  DOT=tl.float16, PRECISION="tf32", ROTATE_Q=False, DC=min(shape.head_dim, 32), DQ=tl.float16)
+                  DOT=tl.float16 if dtype == "fp16" else tl.bfloat16, PRECISION="tf32", ROTATE_Q=False,
+                  DC=min(shape.head_dim, 32), DQ=tl.float16 if dtype == "fp16" else tl.float32)
     sig |= {c: "constexpr" for c in consts}
     return triton.compile(ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
                           | ({"maxnreg": max_registers} if max_registers else {}))
 
 
-def resources(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int = 0) -> dict:
+def resources(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int = 0,
+              dtype: str = "fp16") -> dict:
     """Registers, spills, shared memory and the occupancy / bytes-in-flight proxy of one option on sm_90."""
-    kernel = compile_sm90(shape, bits, block, warps, stages, max_registers)
+    kernel = compile_sm90(shape, bits, block, warps, stages, max_registers, dtype)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -177,9 +183,11 @@ def resources(shape: Shape, bits: int, block: int, warps: int, stages: int, max_
                 bytes_in_flight_per_sm=programs * per_iteration * max(stages - 1, 1), sass_instructions=instructions)
 
 
-def make_inputs(shape: Shape, bits: int, device, plan):
+def make_inputs(shape: Shape, bits: int, device, plan, dtype: str = "fp16"):
     """Random buffers of one layer (every slot and ring token valid) and the op's keyword arguments."""
     import torch
+
+    act = torch.float16 if dtype == "fp16" else torch.bfloat16
 
     from h2o_compress.kernels import slot_attention as sa
 
@@ -188,7 +196,7 @@ def make_inputs(shape: Shape, bits: int, device, plan):
 
     def store():
         if bits == 16:
-            return torch.randn(b, h, n, d, device=device, dtype=torch.float16, generator=g) * 0.5, None
+            return torch.randn(b, h, n, d, device=device, dtype=act, generator=g) * 0.5, None
         codes = torch.randint(0, 256, (b, h, n, d * bits // 8), device=device, dtype=torch.uint8, generator=g)
         sz = torch.rand(b, h, n, d // shape.group_size, 2, device=device, generator=g).half() * 0.1
         return codes, sz
@@ -196,14 +204,14 @@ def make_inputs(shape: Shape, bits: int, device, plan):
     (kd, ksz), (vd, vsz) = store(), store()
     scratch = sa.DecodeScratch(plan, b, h * shape.group, d, n + r, True, device)
     return dict(
-        query=torch.randn(b, h * shape.group, d, device=device, dtype=torch.float16, generator=g),
+        query=torch.randn(b, h * shape.group, d, device=device, dtype=act, generator=g),
         k_data=kd, k_scale_zero=ksz, v_data=vd, v_scale_zero=vsz,
         positions=torch.arange(n, device=device, dtype=torch.int32).expand(b, h, n).contiguous(),
-        leave_keys=torch.randn(b, h, d, device=device, dtype=torch.float16, generator=g),
-        leave_values=torch.randn(b, h, d, device=device, dtype=torch.float16, generator=g),
+        leave_keys=torch.randn(b, h, d, device=device, dtype=act, generator=g),
+        leave_values=torch.randn(b, h, d, device=device, dtype=act, generator=g),
         leave_slot=torch.zeros(b, h, device=device, dtype=torch.int64),
-        ring_keys=torch.randn(b, h, r, d, device=device, dtype=torch.float16, generator=g),
-        ring_values=torch.randn(b, h, r, d, device=device, dtype=torch.float16, generator=g),
+        ring_keys=torch.randn(b, h, r, d, device=device, dtype=act, generator=g),
+        ring_values=torch.randn(b, h, r, d, device=device, dtype=act, generator=g),
         ring_positions=torch.arange(n, n + r, device=device, dtype=torch.int32).expand(b, r).contiguous(),
         seen=torch.tensor(n + r, device=device), scores=torch.zeros(b, h, n, device=device),
         ring_scores=torch.zeros(b, h, r, device=device), part_m=scratch.part_m, part_l=scratch.part_l,
@@ -226,7 +234,8 @@ def moved_bytes(kw: dict, scratch_bytes: int) -> int:
     return read + scores + 2 * scratch_bytes + kw["query"].numel() * 2
 
 
-def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int, repeats: int) -> dict:
+def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_registers: int, repeats: int,
+            dtype: str = "fp16") -> dict:
     """Median seconds per op call over 5 timings of ``repeats`` calls (CUDA events), and the bytes it moves."""
     import torch
 
@@ -235,7 +244,7 @@ def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_re
     device = torch.device("cuda")
     plan = sa.plan_splits(shape.batch, shape.kv_heads, shape.slots, shape.ring, device=device,
                           launch=sa.LaunchOptions(block, warps, stages, max_registers))
-    kw, scratch_bytes = make_inputs(shape, bits, device, plan)
+    kw, scratch_bytes = make_inputs(shape, bits, device, plan, dtype)
     for _ in range(3):
         sa.slot_decode_attention(**kw)
     times = []
@@ -272,7 +281,8 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 def render(data: dict) -> str:
     """Markdown: environment, then per shape a table of every option, the best per format marked."""
     lines = ["# Decode attention op: resources on sm_90 and bandwidth", "",
-             f"Command: `{data['command']}`. Device: {data['device']}. Triton {data['triton']}, torch {data['torch']}."]
+             f"Command: `{data['command']}`. Device: {data['device']}. Model dtype {data['dtype']}. Triton "
+             f"{data['triton']}, torch {data['torch']}."]
     if data.get("copy_gb_per_s"):
         lines.append(f"Copy bandwidth (read + write): **{data['copy_gb_per_s']:.0f} GB/s**.")
     launch = "; ".join(f"{bits}-bit block {o['block']}, {o['num_warps']} warps, {o['num_stages']} stages"
@@ -355,7 +365,7 @@ def main(argv=None) -> None:
         raise SystemExit("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
     options = list(itertools.product(args.shapes.split(","), args.formats, args.blocks, args.warps, args.stages,
                                      args.max_registers))
-    data = dict(command="python " + " ".join([sys.argv[0]] + sys.argv[1:]), triton=triton.__version__,
+    data = dict(command="python " + " ".join([sys.argv[0]] + sys.argv[1:]), dtype=args.dtype, triton=triton.__version__,
                 torch=torch.__version__, device=(torch.cuda.get_device_name() if args.device == "cuda"
                                                  else f"{platform.processor() or platform.machine()} CPU (resources "
                                                  "only)"),
@@ -366,9 +376,9 @@ def main(argv=None) -> None:
         shape = SHAPES[name]
         row = dict(shape=name, bits=bits, block=block, warps=warps, stages=stages, max_registers=cap,
                    default=sa.LaunchOptions(block, warps, stages, cap) == sa.launch_for(bits, bits))
-        row |= resources(shape, bits, block, warps, stages, cap)
+        row |= resources(shape, bits, block, warps, stages, cap, args.dtype)
         if args.device == "cuda":
-            row |= measure(shape, bits, block, warps, stages, cap, args.repeats)
+            row |= measure(shape, bits, block, warps, stages, cap, args.repeats, args.dtype)
             row["copy_share"] = row["gb_per_s"] / data["copy_gb_per_s"]
         data["rows"].append(row | dict(shape_fields=asdict(shape)))
     out = args.out or Path(tempfile.mkdtemp()) / "kernel_bandwidth.json"
