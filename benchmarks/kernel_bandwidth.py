@@ -334,7 +334,8 @@ def plot(data: dict, path: Path) -> None:
 
     shapes = list(dict.fromkeys(r["shape"] for r in data["rows"]))
     gpu = any("gb_per_s" in r for r in data["rows"])
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(12, 3.6 * len(shapes)), squeeze=False)
+    most = max(sum(r["shape"] == shape for r in data["rows"]) for shape in shapes)
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(max(12, 0.12 * most), 4.2 * len(shapes)), squeeze=False)
     for ax, shape in zip(axes[:, 0], shapes):
         rows = [r for r in data["rows"] if r["shape"] == shape]
         labels = [f"{r['bits']}b B{r['block']} w{r['warps']} s{r['stages']}"
@@ -342,10 +343,16 @@ def plot(data: dict, path: Path) -> None:
         values = [r["copy_share"] * 100 if gpu else r["bytes_in_flight_per_sm"] / 1024 for r in rows]
         colors = ["tab:red" if r["spill_bytes"] else {4: "tab:blue", 8: "tab:orange", 16: "tab:green"}[r["bits"]]
                   for r in rows]
-        ax.bar(range(len(rows)), values, color=colors)
-        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+        ax.bar(range(len(rows)), values, color=colors, edgecolor=["black" if r["default"] else "none" for r in rows],
+               linewidth=2)
+        for i, r in enumerate(rows):
+            if r["default"]:
+                ax.annotate("default", (i, values[i]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+        ax.set_xlim(-1, len(rows))
         ax.set_ylabel("% of copy bandwidth" if gpu else "KiB in flight per SM")
-        ax.set_title(f"{shape} (red: spills registers)")
+        ax.set_title(f"{shape}: blue int4, orange int8, green 16-bit, red: spills registers; outlined: the format's "
+                     "launch (LAUNCH)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
