@@ -26,8 +26,9 @@ program reads per loop iteration, and the **bytes in flight per SM** (programs x
 **Bandwidth** (``--device cuda``): the op is timed per option (CUDA events over ``--repeats`` calls after a
 warm-up, median of 5) and the bytes it must move (codes, scales and zeros, positions, ring, scores read + written,
 logits written + read, split partials) per second are reported against the card's copy bandwidth measured in the
-same run (read + write of 2 GiB); the best option per format and shape is named, so the launch per format in
-``slot_attention.py`` (``LAUNCH``, chosen from the resources alone so far) can follow the measurement.
+same run (read + write of 2 GiB, ``gpu_throughput.copy_bandwidth``); the best option per format and shape is
+named, so the launch per format (``LAUNCH`` in ``h2o_compress/kernels/__init__.py``, chosen from the resources
+alone so far) can follow the measurement.
 
 Writes ``--out`` (JSON), the same name with ``.md`` (tables) and ``.png`` (bytes in flight per SM, and with a GPU the
 share of copy bandwidth, per option).
@@ -44,13 +45,13 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, what the JIT compiles with; no warning
+from h2o_compress.kernels import LaunchOptions, launch_for  # noqa: E402  (no Triton: kernels/slot_attention is lazy)
 
 SPILL_TOLERANCE = 16  # bytes of spills an option may have and still be picked from the resources alone (LAUNCH's rule)
 SM90 = dict(registers=65536, shared=228 * 1024, reserved_shared=1024, warps=64, programs=32)
@@ -187,10 +188,9 @@ def make_inputs(shape: Shape, bits: int, device, plan, dtype: str = "fp16"):
     """Random buffers of one layer (every slot and ring token valid) and the op's keyword arguments."""
     import torch
 
-    act = torch.float16 if dtype == "fp16" else torch.bfloat16
-
     from h2o_compress.kernels import slot_attention as sa
 
+    act = torch.float16 if dtype == "fp16" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
     b, h, d, n, r = shape.batch, shape.kv_heads, shape.head_dim, shape.slots, shape.ring
 
@@ -243,7 +243,7 @@ def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_re
 
     device = torch.device("cuda")
     plan = sa.plan_splits(shape.batch, shape.kv_heads, shape.slots, shape.ring, device=device,
-                          launch=sa.LaunchOptions(block, warps, stages, max_registers))
+                          launch=LaunchOptions(block, warps, stages, max_registers))
     kw, scratch_bytes = make_inputs(shape, bits, device, plan, dtype)
     for _ in range(3):
         sa.slot_decode_attention(**kw)
@@ -261,23 +261,6 @@ def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_re
     return dict(seconds=seconds, moved_bytes=moved, gb_per_s=moved / seconds / 1e9, store_splits=plan.store_splits)
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, read + write (as ``gpu_throughput.py`` measures it)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for repeats in (3, 10):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(repeats):
-            dst.copy_(src)
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - began
-    del src, dst
-    return 2 * nbytes * 10 / seconds / 1e9
-
-
 def render(data: dict) -> str:
     """Markdown: environment, then per shape a table of every option, the best per format marked."""
     lines = ["# Decode attention op: resources on sm_90 and bandwidth", "",
@@ -289,7 +272,7 @@ def render(data: dict) -> str:
                        + (f", cap {o['max_registers']}" if o["max_registers"] else "")
                        for bits, o in data["defaults"].items())
     lines += ["", "Resources: compiled for sm_90 with Triton's ptxas (no GPU needed); programs/SM and bytes in flight "
-              f"are derived (see the script's docstring). Defaults (`slot_attention.LAUNCH`): {launch}.", ""]
+              f"are derived (see the script's docstring). Defaults (`h2o_compress.kernels.LAUNCH`): {launch}.", ""]
     gpu = any("gb_per_s" in row for row in data["rows"])
     for shape in dict.fromkeys(row["shape"] for row in data["rows"]):
         lines += [f"## {shape}", "", "| bits | block | warps | stages | cap | registers | spill B | shared KiB | "
@@ -366,8 +349,6 @@ def main(argv=None) -> None:
     from rich.markdown import Markdown
     from rich.progress import track
 
-    from h2o_compress.kernels import slot_attention as sa
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False)")
     options = list(itertools.product(args.shapes.split(","), args.formats, args.blocks, args.warps, args.stages,
@@ -376,13 +357,15 @@ def main(argv=None) -> None:
                 torch=torch.__version__, device=(torch.cuda.get_device_name() if args.device == "cuda"
                                                  else f"{platform.processor() or platform.machine()} CPU (resources "
                                                  "only)"),
-                defaults={bits: asdict(sa.launch_for(bits, bits)) for bits in args.formats}, rows=[])
+                defaults={bits: asdict(launch_for(bits, bits)) for bits in args.formats}, rows=[])
     if args.device == "cuda":
-        data["copy_gb_per_s"] = copy_bandwidth()
+        from gpu_throughput import copy_bandwidth  # this directory's GPU benchmark: read + write GB/s
+
+        data["copy_gb_per_s"] = copy_bandwidth(torch.device("cuda"), 2 << 30)
     for name, bits, block, warps, stages, cap in track(options, description="compiling for sm_90"):
         shape = SHAPES[name]
         row = dict(shape=name, bits=bits, block=block, warps=warps, stages=stages, max_registers=cap,
-                   default=sa.LaunchOptions(block, warps, stages, cap) == sa.launch_for(bits, bits))
+                   default=LaunchOptions(block, warps, stages, cap) == launch_for(bits, bits))
         row |= resources(shape, bits, block, warps, stages, cap, args.dtype)
         if args.device == "cuda":
             row |= measure(shape, bits, block, warps, stages, cap, args.repeats, args.dtype)

@@ -267,14 +267,14 @@ class CompressedLayer(CacheLayerMixin):
         """This layer's :class:`~h2o_compress.kernels.slot_attention.DecodeScratch` for ``q_heads`` query heads,
         allocated once per shape (batch, slots) and kept at a static address (eager: at the prefill or the first
         decode step; a compiled step finds it)."""
-        from ..kernels import slot_attention
+        from ..kernels import launch_for, slot_attention
 
         ring = 0 if self.ring is None else self.ring.size
         key = (self.batch, q_heads, self.store.slots + ring, self.with_scores)
         if self.scratch is None or self.scratch.key != key:
             plan = slot_attention.plan_splits(
                 self.batch, self.kv_heads, self.store.slots, ring, device=self.device,
-                launch=slot_attention.launch_for(self.key_quantizer.bits, self.value_quantizer.bits),
+                launch=launch_for(self.key_quantizer.bits, self.value_quantizer.bits),
             )
             self.scratch = slot_attention.DecodeScratch(
                 plan, self.batch, q_heads, self.head_dim, self.store.slots + ring, self.with_scores, self.device

@@ -88,7 +88,8 @@ class RefinedPlanes:
         for name, buffer in self.low.items():
             buffer.copy_(by_slot[name].gather(2, order.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1])))
 
-    def correct(self, out: torch.Tensor, name: str, quantizer, scale_zero: torch.Tensor, positions: torch.Tensor) -> None:
+    def correct(self, out: torch.Tensor, name: str, quantizer, scale_zero: torch.Tensor,
+                positions: torch.Tensor) -> None:
         """Add the low planes' corrections to ``out`` ``[batch, kv_heads, slots, head_dim]`` (the store read at
         4 bits), in place: refined slots then hold their 8-bit values. ``scale_zero``: the store's fp16
         ``[batch, kv_heads, slots, groups, 2]``."""

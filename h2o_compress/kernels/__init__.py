@@ -30,8 +30,8 @@ class LaunchOptions:
     """How the split pass runs (Triton's launch options; fixed per layer like the split count): ``block`` tokens
     per loop iteration, ``num_warps`` warps per program, a ``num_stages``-deep software pipeline of the store's loads
     (sm_80+), at most ``max_registers`` registers per thread (0: the compiler's choice; a cap trades spills for
-    more programs per SM). ``benchmarks/kernel_bandwidth.py`` compares them. (Here, not in :mod:`.slot_attention`: the planner
-    sizes the scratch by the block without importing Triton.)
+    more programs per SM). ``benchmarks/kernel_bandwidth.py`` compares them. (Here, not in :mod:`.slot_attention`:
+    the planner sizes the scratch by the block without importing Triton.)
 
     Raises:
         ValueError: ``block`` not a power of two in [16, 256], ``num_warps`` not 1/2/4/8, ``num_stages`` not 1-6 or
@@ -69,7 +69,8 @@ def launch_for(key_bits: int, value_bits: int) -> LaunchOptions:
 
 
 def decode_scratch_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, slots: int, ring: int,
-                         with_scores: bool, sm_count: int = H100_SMS, block_tokens: int = 64) -> int:
+                         with_scores: bool, sm_count: int = H100_SMS,
+                         block_tokens: int = LaunchOptions.block) -> int:
     """Bytes of one layer's scratch for the Triton decode op (:class:`.slot_attention.DecodeScratch`): fp32 split
     partials ``(2 + head_dim) x splits`` and, with scores, logits ``slots + ring`` per query row. No Triton import
     (the planner sizes it offline)."""

@@ -339,8 +339,9 @@ int h2o_cpu_decode_layer(
                 rotate(row, v_basis, D, out + (bh * group + g) * D);
             }
             if (first_real[b] > position) first_real[b] = position;
-            if (evict && !owner) evict_lowest(pos, rank ? rank + bh * S : 0, rpos, S, R, capacity, position + 1 - recent,
-                                    first_real[b], sinks);
+            if (evict && !owner)
+                evict_lowest(pos, rank ? rank + bh * S : 0, rpos, S, R, capacity, position + 1 - recent, first_real[b],
+                             sinks);
         }
     }
     if (reference_seen && *reference_seen != position + 1) *consistent = 0;

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import LAUNCH, LaunchOptions, launch_for, power_of_two  # noqa: F401  (re-exported for callers)
+from . import LaunchOptions, power_of_two
 from .decode_attention import _load_tokens, _sm_count, choose_splits
 
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
@@ -323,8 +323,9 @@ def _slot_decode_attention(
     ring_scores: torch.Tensor | None, part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
     logits: torch.Tensor, scaling: float, key_bits: int, value_bits: int, group_size: int, store_splits: int,
     split_tokens: int, ring_splits: int, ring_split_tokens: int, accumulate: bool,
-    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None, block: int = 64,
-    num_warps: int = 4, num_stages: int = 3, max_registers: int = 0,
+    key_basis: torch.Tensor | None = None, value_basis: torch.Tensor | None = None,
+    block: int = LaunchOptions.block, num_warps: int = LaunchOptions.num_warps,
+    num_stages: int = LaunchOptions.num_stages, max_registers: int = LaunchOptions.max_registers,
 ) -> torch.Tensor:
     """Attention of one decode query over a layer's slots and ring, plus the fused H2O score update.
 

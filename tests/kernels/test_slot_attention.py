@@ -16,7 +16,7 @@ from conftest import compile_for_sm90
 pytest.importorskip("triton")
 
 from h2o_compress.attention import decode_attention  # noqa: E402
-from h2o_compress.kernels import slot_attention as sa  # noqa: E402
+from h2o_compress.kernels import LaunchOptions, launch_for, slot_attention as sa  # noqa: E402
 from h2o_compress.formats.base import StoredTensor  # noqa: E402
 from h2o_compress.formats.integer import IntQuantizer  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_launch_options_give_the_same_attention(dtype, block):
     output and scores, and the default block's within rounding: the option the benchmark picks changes speed only."""
     case = dict(slots=150, ring=70, key_bits=4, value_bits=8, dtype=dtype, seed=block)
     default = check(make_case(**case))
-    plan = sa.plan_splits(2, 2, 150, 70, sm_count=2, launch=sa.LaunchOptions(block, 8, 2, 128))
+    plan = sa.plan_splits(2, 2, 150, 70, sm_count=2, launch=LaunchOptions(block, 8, 2, 128))
     assert plan.split_tokens % block == 0 and plan.ring_split_tokens % block == 0
     output = check(with_plan(make_case(**case), plan))
     torch.testing.assert_close(output.float(), default.float(), atol=2e-3 if dtype == torch.float16 else 1e-5,
@@ -203,7 +203,7 @@ def test_launch_options_give_the_same_attention(dtype, block):
                                              (dict(max_registers=256), "max_registers=256")])
 def test_bad_launch_options_are_refused(option, message):
     with pytest.raises(ValueError, match=message):
-        sa.LaunchOptions(**option)
+        LaunchOptions(**option)
 
 
 def test_launch_per_format_keeps_more_bytes_in_flight_on_h100():
@@ -217,10 +217,10 @@ def test_launch_per_format_keeps_more_bytes_in_flight_on_h100():
         import sys
         sys.path.insert(0, "benchmarks")
         import kernel_bandwidth as kb
-        from h2o_compress.kernels import slot_attention as sa
+        from h2o_compress.kernels import launch_for
         for shape in kb.SHAPES.values():
             for bits in (4, 8, 16):
-                o = sa.launch_for(bits, bits)
+                o = launch_for(bits, bits)
                 chosen = kb.resources(shape, bits, o.block, o.num_warps, o.num_stages, o.max_registers)
                 uniform = kb.resources(shape, bits, 64, 4, 3)
                 assert chosen["spill_bytes"] <= 16 and chosen["programs_per_sm"] >= 2, (shape.name, bits, chosen)
@@ -303,7 +303,7 @@ def test_planner_counts_the_scratch(batch, kv_heads, group, slots, ring, scores)
     from h2o_compress.planner import workspace_bytes
     from transformers import LlamaConfig
 
-    launch = sa.launch_for(4, 4)  # an int4 layer's launch: its block sets the split count
+    launch = launch_for(4, 4)  # an int4 layer's launch: its block sets the split count
     assert launch.block != 64  # (so the planner must follow the launch, not assume the old block)
     plan = sa.plan_splits(batch, kv_heads, slots, ring, sm_count=132, launch=launch)
     scratch = sa.DecodeScratch(plan, batch, kv_heads * group, 64, slots + ring, scores, torch.device("meta"))
