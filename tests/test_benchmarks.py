@@ -81,3 +81,18 @@ def test_kernel_bandwidth_reports_sm90_resources_without_a_gpu(tmp_path):
                              env=env)
     if not torch.cuda.is_available():
         assert refused.returncode != 0 and "no CUDA GPU here" in refused.stderr + refused.stdout
+
+
+@pytest.mark.parametrize("argv, env_interpret, message", [
+    (["--shapes", "llama-7b,gpt-9"], False, "unknown shape(s) ['gpt-9']; allowed: llama-7b, smollm2"),
+    (["--formats", "4,3"], False, "--formats [3] not allowed; allowed: 4, 8, 16"),
+    ([], True, "TRITON_INTERPRET=1 is set: the kernels must compile for the GPU here; unset it"),
+])
+def test_kernel_bandwidth_refuses_bad_options(tmp_path, argv, env_interpret, message):
+    """Bad options stop ``kernel_bandwidth.py`` before any compile, naming the value and what is allowed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | ({"TRITON_INTERPRET": "1"}
+                                                                            if env_interpret else {})
+    done = subprocess.run([sys.executable, "benchmarks/kernel_bandwidth.py", *argv, "--out", str(tmp_path / "x.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "x.json").exists()
