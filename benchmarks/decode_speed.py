@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import DynamicCache, StaticCache
 
-from h2o_compress import CompressionConfig, load_model, make_cache
+from h2o_compress import CompressedCache, CompressionConfig, load_model, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
 
 BASELINES = ("DynamicCache", "StaticCache eager", "StaticCache + compile")
@@ -69,9 +69,11 @@ def run_once(model, prompt: torch.Tensor, new_tokens: int, kind, step) -> dict:
     for _ in range(new_tokens):
         token = logits.argmax(-1, keepdim=True)
         position = torch.full((1, 1), seen, dtype=torch.long)
-        mask = torch.ones(1, seen + 1, dtype=torch.long)
-        if step is not decode_step:
-            torch._dynamo.mark_dynamic(mask, 1)  # one graph for every length, for every compiled setting
+        mask = None  # ours: no mask, as h2o_compress.compiled.decode_one passes (the slots say what is held)
+        if not isinstance(cache, CompressedCache):
+            mask = torch.ones(1, seen + 1, dtype=torch.long)
+            if step is not decode_step:
+                torch._dynamo.mark_dynamic(mask, 1)  # one graph for every length
         logits = step(model, token, cache, position, mask)
         seen += 1
     decode_s = time.perf_counter() - start

@@ -2,8 +2,11 @@
 
 A decode step feeds one token per sequence through the model with the compressed cache. Every cache layer's
 part of it is static-shape code over fixed buffers (:mod:`h2o_compress.cache`), so
-``torch.compile(fullgraph=True)`` captures the whole step with no graph break, and the same graph serves every
-later step (one recompile at most, when the growing attention mask's length becomes dynamic).
+``torch.compile(fullgraph=True)`` captures the whole step with no graph break. A compressed cache's decode step
+takes no attention mask (which tokens are held comes from the cache's slots), so every step has the same input
+shapes and no size enters the graph as a number: one graph serves every step, and on CUDA one CUDA graph is recorded
+and replayed. (Inductor's CUDA-graph trees record a new graph for each value of a symbolic size: a growing 2D mask
+marked dynamic would cost a recording per token.)
 
 The compiled step is built with two Inductor options that make its arithmetic round as eager PyTorch does
 (``emulate_precision_casts``, ``eager_numerics.division_rounding``): quantization rounds to integers, so a
@@ -21,9 +24,9 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_ro
 
 
 def decode_step(model, input_ids, cache, position_ids, attention_mask=None) -> torch.Tensor:
-    """One decode step: ``input_ids`` int64 ``[batch, 1]`` at ``position_ids`` ``[batch, 1]`` (and the 2D
-    ``attention_mask`` ``[batch, tokens so far + 1]``, which OPT needs to compile); returns the next-token logits
-    ``[batch, vocab]``."""
+    """One decode step: ``input_ids`` int64 ``[batch, 1]`` at ``position_ids`` ``[batch, 1]`` (and, for a cache
+    other than the compressed one, the 2D ``attention_mask`` ``[batch, tokens so far + 1]``); returns the
+    next-token logits ``[batch, vocab]``."""
     out = model(
         input_ids=input_ids, past_key_values=cache, position_ids=position_ids, attention_mask=attention_mask,
         use_cache=True, logits_to_keep=1,
@@ -33,19 +36,31 @@ def decode_step(model, input_ids, cache, position_ids, attention_mask=None) -> t
 
 def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tensor:
     """One token ``[batch, 1]`` at position ``seen`` (tokens the cache has seen) through ``step``
-    (:func:`decode_step` or :func:`compiled_decode_step`'s), with an all-ones attention mask ``[batch, seen + 1]``;
-    returns logits ``[batch, vocab]``."""
+    (:func:`decode_step` or :func:`compiled_decode_step`'s); returns logits ``[batch, vocab]``.
+
+    A :class:`~h2o_compress.cache.CompressedCache` gets no attention mask (its decode attention reads its slots'
+    validity, and padding never entered them), so the step's inputs have the same shapes at every ``seen``; any
+    other cache gets the all-ones mask ``[batch, seen + 1]``.
+    """
+    from .cache import CompressedCache
+
     device, batch = token.device, token.shape[0]
     positions = torch.full((batch, 1), seen, dtype=torch.long, device=device)
-    return step(model, token, cache, positions, torch.ones(batch, seen + 1, dtype=torch.long, device=device))
+    mask = None if isinstance(cache, CompressedCache) else torch.ones(batch, seen + 1, dtype=torch.long, device=device)
+    return step(model, token, cache, positions, mask)
 
 
 def compiled_decode_step(model, device: torch.device | str | None = None):
     """The compiled :func:`decode_step` for ``model``, built once per model and device type and reused.
 
     ``torch.compile(fullgraph=True)`` with Inductor; on CUDA ``mode="reduce-overhead"`` (CUDA graphs replay the
-    step: the cache's buffers are marked static). The attention mask's length is marked dynamic, so one graph
-    serves every step. Compilation happens at the first call (about a minute for SmolLM2 on 2 CPU cores).
+    step: the cache's buffers are marked static). The step takes no attention mask (:func:`decode_one` passes
+    none for a compressed cache), so every step has the same shapes: one graph, one CUDA graph replayed.
+    Compilation happens at the first call (about a minute for SmolLM2 on 2 CPU cores).
+
+    Raises (from the returned step):
+        ValueError: an ``attention_mask`` is given (its length grows every step: a recompile, or a CUDA-graph
+            recording, per token).
     """
     kind = torch.device(device).type if device is not None else next(model.parameters()).device.type
     steps = model.__dict__.setdefault("_h2o_compiled_steps", {})
@@ -55,12 +70,25 @@ def compiled_decode_step(model, device: torch.device | str | None = None):
         compiled = torch.compile(decode_step, fullgraph=True, mode=mode, options=options)
 
         def step(model, input_ids, cache, position_ids, attention_mask=None):
-            if attention_mask is not None:  # its length grows every step: one graph for all lengths
-                torch._dynamo.mark_dynamic(attention_mask, 1)
-            return compiled(model, input_ids, cache, position_ids, attention_mask)
+            if attention_mask is not None:
+                raise ValueError(
+                    f"the compiled decode step got an attention mask of shape {tuple(attention_mask.shape)}; it "
+                    "takes none (a compressed cache's slots say which tokens are held, and a mask growing by one "
+                    "token per step would cost a recompile or a CUDA-graph recording per step): pass "
+                    "attention_mask=None, as decode_one does"
+                )
+            return compiled(model, input_ids, cache, position_ids)
 
         steps[kind] = step
     return steps[kind]
+
+
+def warmup_steps(device: torch.device | str) -> int:
+    """Calls of a compiled decode step, with a new cache, before it runs at speed (decode speeds leave them out):
+    1 on CPU (the first call compiles); 2 on CUDA, where Inductor's CUDA-graph trees run the first call of a new
+    function eagerly (warm-up) and record the CUDA graph at the next one (a new cache's buffers are new static
+    addresses: its first call records a graph again)."""
+    return 2 if torch.device(device).type == "cuda" else 1
 
 
 def check_compile(compile: bool | None, config) -> None:

@@ -11,7 +11,7 @@ import torch
 from .attention import use_h2o_attention
 from .cache import CompressedCache, build_layers
 from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
-from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile
+from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
 from .errors import CacheStateError, ConfigError, InputError, short
 from .models import model_dims
 from .identity import model_fingerprint, model_identity
@@ -123,11 +123,12 @@ class GenerationResult:
         capacity: tokens kept per layer and KV head (``None``: unbounded).
         prefill_s: seconds of the prompt forward pass (gives the first new token), with the scoring pass of
             ``kvzip`` and ``lookahead`` before it.
-        decode_s: seconds of the decode forward passes (with ``compiled``, the first one, which compiles, is
-            left out and reported as ``compile_s``).
+        decode_s: seconds of the decode forward passes (with ``compiled``, the first ones, which compile and on
+            CUDA record the CUDA graph (:func:`h2o_compress.compiled.warmup_steps`), are left out and reported as
+            ``compile_s``).
         decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
         compiled: whether the decode steps ran compiled (:mod:`h2o_compress.compiled`).
-        compile_s: seconds of the first compiled decode step (compilation included); 0 when not compiled.
+        compile_s: seconds of the compiled step's warm-up calls (compilation included); 0 when not compiled.
     """
 
     text: str
@@ -290,6 +291,7 @@ def generate(
     generated: list[int] = [token.item()]
     emitted = ""
     decode_s = compile_s = 0.0
+    untimed = warmup_steps(device) if compiled else 0  # decode steps that compile / record: not a decode speed
     while True:
         if on_text is not None:
             text = tokenizer.decode(generated, skip_special_tokens=True)
@@ -302,11 +304,11 @@ def generate(
         logits = decode_one(step, model, cache, token, prompt_tokens + len(generated) - 1)
         token = pick(logits)
         generated.append(token.item())
-        if compiled and len(generated) == 2:  # the first compiled step compiles: not a decode speed
-            compile_s = time.perf_counter() - start
+        if len(generated) - 1 <= untimed:
+            compile_s += time.perf_counter() - start
         else:
             decode_s += time.perf_counter() - start
-    steps = len(generated) - 1 - (1 if compile_s else 0)
+    steps = max(len(generated) - 1 - untimed, 0)
     cache.check()
     return GenerationResult(
         text=tokenizer.decode(generated, skip_special_tokens=True),

@@ -159,3 +159,116 @@ def test_bitsandbytes_formats_refuse_compile_with_one_clear_error():
     unknown_length = make_cache(model, CompressionConfig(policy="full"))
     with pytest.raises(ConfigError, match="pass max_length"):
         resolve_compile(True, unknown_length, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+def test_decode_one_steps_have_one_shape_so_cuda_graphs_record_once(arch):
+    """``decode_one`` passes a compressed cache no attention mask: across 24 steps the compiled step is one graph
+    whose inputs hold no symbolic size. (Inductor's CUDA-graph trees record a new CUDA graph for each value of a
+    SymInt input: a growing mask marked dynamic put one in, so every token recorded a graph.) Same logits as the
+    eager step with the growing mask."""
+    from h2o_compress.compiled import decode_one
+
+    model = TINY_MODELS[arch]()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"
+                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True, backend=recording)
+
+    def through_decode_one(model, token, cache, position, mask):  # run()'s step, as the library calls it
+        return decode_one(compiled, model, token=token, cache=cache, seen=int(position[-1]))
+
+    with torch.inference_mode():
+        eager, _, _, _ = run(model, setting("h2o", 4), decode_step, pads=(0, 0))
+        ours, cache, before, after = run(model, setting("h2o", 4), through_decode_one, pads=(0, 0))
+    assert graphs == [[]], f"compiled graphs and their SymInt inputs: {graphs}"
+    assert after == before
+    torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
+
+
+def test_a_growing_mask_would_put_a_symbolic_size_into_the_graph():
+    """The check above can fail: the same steps with the growing mask marked dynamic (the old way) give the graph
+    a SymInt input."""
+    model = TINY_MODELS["llama"]()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append([n for n in gm.graph.nodes if n.op == "placeholder"
+                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True, backend=recording)
+
+    def dynamic_mask(model, token, cache, position, mask):
+        torch._dynamo.mark_dynamic(mask, 1)
+        return compiled(model, token, cache, position, mask)
+
+    with torch.inference_mode():
+        run(model, setting("h2o", 4), dynamic_mask)
+    assert len(graphs) == 1 and graphs[0], graphs
+
+
+def test_the_compiled_step_refuses_an_attention_mask():
+    from h2o_compress.compiled import compiled_decode_step
+
+    model = TINY_MODELS["llama"]()
+    step = compiled_decode_step(model, "cpu")
+    mask = torch.ones(2, 21, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"attention mask of shape \(2, 21\); it takes none"):
+        step(model, torch.zeros(2, 1, dtype=torch.long), None, torch.zeros(2, 1, dtype=torch.long), mask)
+
+
+class _Clock:
+    """A ``time`` module whose ``perf_counter`` advances one second per call: a timed pass reads it twice."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("device_steps", [1, 2], ids=["one-warm-up-step", "two-warm-up-steps"])
+def test_generate_leaves_the_compiled_steps_warm_up_out_of_the_decode_speed(monkeypatch, tiny_model_dir,
+                                                                              device_steps):
+    """``generate(compile=True)``: the first ``warmup_steps`` decode passes (compile; on CUDA also the CUDA-graph
+    recording) go to ``compile_s``, the others to ``decode_s``. The compiled step is stood in for by the eager one
+    and time by a clock that ticks once per reading, so the split is exact."""
+    from transformers import AutoTokenizer
+
+    from h2o_compress import generation
+    from h2o_compress.compiled import warmup_steps
+
+    assert warmup_steps("cpu") == 1 and warmup_steps(torch.device("cuda")) == 2
+    model, tokenizer = TINY_MODELS["llama"](), AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(generation, "compiled_decode_step", lambda model, device: decode_step)
+    monkeypatch.setattr(generation, "warmup_steps", lambda device: device_steps)
+    monkeypatch.setattr(generation, "time", _Clock())
+    result = generation.generate(model, tokenizer, "w1 w2 w3", CompressionConfig(budget=0.5, kv_bits=4),
+                                 max_new_tokens=6, chat=False, compile=True)
+    passes = result.new_tokens - 1
+    assert result.compiled and passes > device_steps
+    assert result.compile_s == device_steps and result.decode_s == passes - device_steps
+    assert result.decode_tokens_per_s == 1.0
+
+
+def test_greedy_decode_leaves_untimed_passes_out(monkeypatch):
+    from h2o_compress.profiling import stream
+
+    model = TINY_MODELS["llama"]()
+    seconds = {}
+    for untimed in (0, 2):
+        cache = make_cache(model, CompressionConfig(budget=8, kv_bits=4), max_length=16)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.arange(1, 9)[None], past_key_values=cache).logits[:, -1]
+            monkeypatch.setattr(stream, "time", _Clock())
+            ids, seconds[untimed] = stream.greedy_decode(model, cache, logits, 6, untimed=untimed)
+        assert len(ids) == 6
+    assert seconds == {0: 5.0, 2: 3.0}

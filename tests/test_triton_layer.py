@@ -9,6 +9,7 @@ read at full precision in its new slot, as there) and the same tokens kept, eage
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -99,11 +100,23 @@ def test_auto_on_cpu_keeps_the_cpu_kernel():
     assert not any(layer.fused for layer in cache.layers)
 
 
+class _CountRecords(logging.Handler):
+    """Counts log records whose message holds ``prefix``."""
+
+    def __init__(self, prefix: str):
+        super().__init__(logging.INFO)
+        self.prefix, self.count = prefix, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += self.prefix in record.getMessage()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [4, 16])
 def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
     """The CUDA default (Triton op, compiled with mode='reduce-overhead') against the eager torch form, fp16, 64
-    teacher-forced steps with evictions: the same logits within fp16 tolerance and the same tokens kept."""
+    teacher-forced steps with evictions: the same logits within fp16 tolerance and the same tokens kept, and one CUDA
+    graph recorded for all 64 steps (Inductor's CUDA-graph trees log each recording)."""
     from conftest import tiny_llama
 
     from h2o_compress.compiled import compiled_decode_step, decode_one
@@ -122,7 +135,17 @@ def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
         return torch.stack(logits).float(), cache
 
     reference, torch_cache = go("torch", decode_step)
-    ours, cache = go("auto", compiled_decode_step(model, "cuda"))
+    recordings = _CountRecords("Recording cudagraph tree")
+    cudagraph_log = logging.getLogger("torch._inductor.cudagraph_trees")
+    level = cudagraph_log.level
+    cudagraph_log.addHandler(recordings)
+    cudagraph_log.setLevel(logging.INFO)
+    try:
+        ours, cache = go("auto", compiled_decode_step(model, "cuda"))
+    finally:
+        cudagraph_log.removeHandler(recordings)
+        cudagraph_log.setLevel(level)
+    assert recordings.count == 1, f"{recordings.count} CUDA graphs recorded over 64 steps (one is replayed)"
     assert all(layer.fused for layer in cache.layers)
     torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
     for a, b in zip(kept(cache), kept(torch_cache)):

@@ -123,14 +123,18 @@ def read_stream(
     return last, seconds
 
 
-def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[int] = frozenset(), step=None):
+def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[int] = frozenset(), step=None,
+                  untimed: int = 0):
     """Greedy tokens from ``logits`` (``[batch=1, vocab]``, after the prompt), ``steps`` tokens at most.
 
     The first token comes from ``logits``; each further one costs one forward pass through ``cache``. Stops
     after a token in ``stop_ids``. ``step``: the decode step function (:func:`step_function`; default eager).
+    ``untimed``: decode passes left out of the seconds, the first ones (a compiled step's warm-up,
+    :func:`h2o_compress.compiled.warmup_steps`).
 
     Returns:
-        ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes.
+        ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes after
+        the first ``untimed``.
     """
     token = logits.argmax(-1, keepdim=True)
     ids = [token.item()]
@@ -146,5 +150,6 @@ def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[
         token = logits.argmax(-1, keepdim=True)
         ids.append(token.item())
         sync(device)
-        seconds += time.perf_counter() - began
+        if len(ids) - 1 > untimed:
+            seconds += time.perf_counter() - began
     return ids, seconds
