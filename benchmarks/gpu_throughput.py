@@ -42,7 +42,7 @@ import h2o_compress  # noqa: E402
 from h2o_compress import CompressionConfig, load_model, make_cache  # noqa: E402
 from h2o_compress.known_models import resolve_model  # noqa: E402
 from h2o_compress.models import DTYPES  # noqa: E402
-from h2o_compress.planner import _forward_peak, cache_bytes, format_bytes, parse_memory  # noqa: E402
+from h2o_compress.planner import _forward_peak, cache_bytes, format_bytes, graph_pool_bytes, parse_memory  # noqa: E402
 from h2o_compress.profiling.corpus import load_text, tokenize_text  # noqa: E402
 from h2o_compress.profiling.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
 from h2o_compress.profiling.stream import sync  # noqa: E402  (cuda synchronize; no-op on CPU)
@@ -171,10 +171,12 @@ def replicates(setting: Setting, args) -> bool:
     return args.prefill == "replicate" and setting.kind != "qc"
 
 
-def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torch.dtype) -> tuple[int, int]:
-    """Predicted (cache bytes, workspace bytes) of a run: the planner's exact cache bytes for ours and the
-    uncompressed caches, an estimate for QuantizedCache; workspace = the larger of a prefill chunk and a decode
-    step (``planner._forward_peak``), plus the batch-1 cache while it is replicated."""
+def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Predicted (cache bytes, workspace bytes, CUDA-graph pool bytes) of a run: the planner's exact cache bytes
+    for ours and the uncompressed caches, an estimate for QuantizedCache; workspace = the larger of a prefill chunk
+    and a decode step (``planner._forward_peak``), plus the batch-1 cache while it is replicated; the pool of a
+    compiled run = ``planner.graph_pool_bytes`` (a decode step's buffers; ours with the Triton op reads the cache
+    in place), 0 for eager runs."""
     size, d = torch.empty((), dtype=dtype).element_size(), spec.dims
     steps = args.warmup + args.steps + args.instrument_steps
     bits = 16 if setting.kind != "qc" else 8 if setting.backend == "fp8" else 4
@@ -191,7 +193,9 @@ def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torc
     prefill_batch = 1 if replicates(setting, args) else batch
     work = max(_forward_peak(spec, config, prefill_batch, args.chunk, min(kept, context) + args.chunk, size),
                _forward_peak(spec, config, batch, 1, kept + 1, size))
-    return cache, work + (cache // batch if prefill_batch == 1 and batch > 1 else 0)
+    fused = setting.kind == "ours" and config.attention_kernel != "torch"
+    pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if setting.compiled else 0
+    return cache, work + (cache // batch if prefill_batch == 1 and batch > 1 else 0), pool
 
 
 def largest(fits: Callable[[int], bool], limit: int) -> int:
@@ -311,11 +315,13 @@ def measure(model, setting: Setting, context: int, batch: int, args, weight_byte
     sync(device)
     prefill_s = time.perf_counter() - began
     advance = Stepper(model, setting, cache, context)
+    pool_before = graph_pool_held(device)
     began = time.perf_counter()
     for _ in range(args.warmup):  # compiled: the first steps capture the graph
         token = advance(token)
     sync(device)
     warmup_s = time.perf_counter() - began
+    pool = None if pool_before is None or not setting.compiled else graph_pool_held(device) - pool_before
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     began = time.perf_counter()
@@ -336,10 +342,21 @@ def measure(model, setting: Setting, context: int, batch: int, args, weight_byte
             "warmup_s": warmup_s, "compiled": setting.compiled, **profiled,
             "floor_ms": None if floor_s is None else 1000 * floor_s,
             "prefill": "replicated from batch 1" if replicate else f"batch {batch}", "peak_bytes": peak,
+            "graph_pool_bytes": pool,
             "kv_bytes": held, "kv_s_per_step": kv_s, "kv_GBps": held / kv_s / 1e9 if kv_s else None,
             "step_GBps": (weight_bytes + held) / step_s / 1e9,
             "kept_tokens": cache.kept_length() if hasattr(cache, "kept_length") else None,
             "kernel": kernel_name(cache) if setting.config else None}
+
+
+def graph_pool_held(device: torch.device) -> int | None:
+    """Bytes the CUDA caching allocator holds in private pools, where CUDA graphs allocate (segments whose pool id
+    is not the default ``(0, 0)``); ``None`` off CUDA. Read before and after a compiled run's warm-up: the
+    difference is that run's CUDA-graph pool (each compiled run starts from ``torch._dynamo.reset()``)."""
+    if device.type != "cuda":
+        return None
+    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+               if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 def kernel_name(cache) -> str:
@@ -352,11 +369,11 @@ def run_cell(model, spec, setting: Setting, context: int, batch: int, args, dtyp
     """Planner check, then :func:`measure`: a row whose ``status`` is ok, does not fit, OOM or error."""
     device = next(model.parameters()).device
     row = {"setting": setting.key, "name": setting.name, "context": context, "batch": batch}
-    cache, work = estimate(spec, setting, batch, context, args, dtype)
+    cache, work, pool = estimate(spec, setting, batch, context, args, dtype)
     free = free_bytes(device, weight_bytes, args.memory)
-    row.update(planned_cache_bytes=cache, planned_workspace_bytes=work, free_bytes=free)
-    if cache + work + args.headroom > free:
-        need = format_bytes(cache + work + args.headroom)
+    row.update(planned_cache_bytes=cache, planned_workspace_bytes=work, planned_graph_pool_bytes=pool, free_bytes=free)
+    if cache + work + pool + args.headroom > free:
+        need = format_bytes(cache + work + pool + args.headroom)
         return {**row, "status": "does not fit",
                 "reason": f"planner: needs {need} (cache {format_bytes(cache)}), free {format_bytes(free)}"}
     try:
@@ -512,6 +529,16 @@ def render(data: dict) -> str:
                          f"{gib(r['peak_bytes'])} | {kv_bw} | {op_bw} | {fmt(r.get('launches_per_layer_step'))} | "
                          f"{fmt(r['step_GBps'], '.0f')} | ok |")
         lines.append("")
+    pools = [r for r in data["speed"] if r["status"] == "ok" and r.get("graph_pool_bytes") is not None]
+    if pools:
+        mib = lambda v: f"{v / 2**20:.1f}"  # noqa: E731
+        lines += ["## CUDA-graph pool of the compiled step: measured / planner (`planner.graph_pool_bytes`)", "",
+                  "| setting | context | batch | measured MiB | planned MiB | measured / planned |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['name']} | {r['context']} | {r['batch']} | {mib(r['graph_pool_bytes'])} | "
+                  f"{mib(r['planned_graph_pool_bytes'])} | "
+                  f"{fmt(r['graph_pool_bytes'] / r['planned_graph_pool_bytes'] if r['planned_graph_pool_bytes'] else None, '.2f')} |"
+                  for r in pools] + [""]
     if data["max_batch"]:
         lines += ["## Largest batch that fits (planner, confirmed by one run)", "",
                   "| setting | context | planner | confirmed | tok/s there | tries |", "|---|---:|---:|---:|---:|---|"]

@@ -69,6 +69,7 @@ def print_plan(report: PlanReport, console: Console | None = None) -> None:
                       f"settings fit within {format_bytes(report.usable_bytes)}{left}")
     if report.model_context and any(row.max_context > report.model_context for row in report.rows):
         console.print(f"* beyond the model's context window of {report.model_context:,} tokens")
-    console.print("KV cache bytes are exact; workspace is an estimate (no CUDA context, no fragmentation).")
+    pool = ", with the CUDA-graph pool of the compiled decode step" if report.compiled else ""
+    console.print(f"KV cache bytes are exact; workspace is an estimate{pool} (no CUDA context, no fragmentation).")
     for note in report.notes:
         console.print(f"note: {note}")

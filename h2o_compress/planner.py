@@ -23,7 +23,7 @@ from .policies import POLICIES
 from .kernels import decode_scratch_bytes, launch_for
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
-from .weights import loaded_weights_bits
+from .weights import eager_only_reason, loaded_weights_bits
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -215,14 +215,29 @@ def _forward_peak(spec: ModelSpec, config: CompressionConfig, batch: int, querie
     return residual_stream + max(qkv + kv + dequant + scoring, mlp, logits)
 
 
+def graph_pool_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, kept: int, dtype: torch.dtype,
+                     fused: bool) -> int:
+    """Estimated bytes of the CUDA-graph pool of the compiled decode step (``mode="reduce-overhead"``).
+
+    A captured step allocates its intermediate buffers (and its logits output) from the graph's private pool, which
+    stays reserved while the graph lives, beside the memory the eager prefill uses: so it adds to the prefill's
+    peak instead of sharing it. Estimated as one decode forward pass (1 query per sequence): with the Triton op
+    (``fused``) the cache is read in place (its scratch is counted by :func:`workspace_bytes`), without it the step
+    materialises the ``kept + 1`` keys and values as attention reads them. An estimate: the pool itself is
+    measured on a GPU by ``benchmarks/gpu_throughput.py`` (``graph_pool_bytes`` against this figure).
+    """
+    return _forward_peak(spec, config, batch, 1, 0 if fused else kept + 1, _element_size(dtype))
+
+
 def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, kept: int,
-                    dtype: torch.dtype, slots: int | None = None, residual: int = 0) -> int:
+                    dtype: torch.dtype, slots: int | None = None, residual: int = 0, compiled: bool = False) -> int:
     """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
     decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
     ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
     (:func:`h2o_compress.kernels.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
-    allocate it; a head-adaptive cache neither, and its decode step reads ``kv_heads x`` the kept tokens per head).
-    The CUDA-graph pool of a compiled step is not counted: still to measure on a GPU.
+    allocate it; a head-adaptive cache, mixed precision and the bitsandbytes formats neither: they decode in the
+    torch form, a head-adaptive one reading ``kv_heads x`` the kept tokens per head),
+    plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`).
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
@@ -232,15 +247,19 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     size = _element_size(dtype)
     scratch = 0
     adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
+    # the Triton op runs (and keeps scratch) for uniform heads without mixed precision, in 16 bits or int formats
+    fused = slots is not None and not adaptive and config.high_bits_fraction == 0 and (
+        not config.quantized or config.quant == "int")
     if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
         kept *= spec.dims.kv_heads
-    elif slots is not None:
+    elif fused:
         d = spec.dims
         with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
         block = launch_for(config.key_bits, config.value_bits).block
         scratch = d.num_layers * decode_scratch_bytes(
             batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
-    return scratch + max(
+    pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled else 0
+    return scratch + pool + max(
         _forward_peak(spec, config, batch, prompt_len, prompt_len, size),
         _forward_peak(spec, config, batch, 1, kept + 1, size),
     )
@@ -285,6 +304,8 @@ class PlanReport:
 
     ``order`` says how the recommendation was ranked: ``bytes`` (least compressed first) or the profile
     report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache at the same tokens (DESIGN.md §2).
+    ``compiled``: whether the workspace counts the CUDA-graph pool of the compiled decode step
+    (:func:`graph_pool_bytes`; rows in a bitsandbytes format decode eagerly and count none).
     """
 
     model: str
@@ -304,6 +325,7 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
     headroom_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    compiled: bool = False
 
     @property
     def usable_bytes(self) -> int:
@@ -513,7 +535,7 @@ def plan(
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
     sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, high_bits_fraction: float = 0.0,
-    head_budgets: str = "uniform", layer_budgets="uniform",
+    head_budgets: str = "uniform", layer_budgets="uniform", compiled: bool | None = None,
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -537,6 +559,10 @@ def plan(
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
         trust_remote_code: let a model directory with an ``auto_map`` be read (off: refused).
+        compiled: count the CUDA-graph pool of the compiled decode step in the workspace. ``None``: as
+            ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
+            weights (:func:`h2o_compress.compiled.resolve_compile`); otherwise for 16-bit weights (a plan for a
+            card: the CUDA default compiles).
 
     Returns:
         A :class:`PlanReport`, rows ordered by quality (with a profile) or by cache bytes, largest first.
@@ -546,6 +572,8 @@ def plan(
         ConfigError: a bad memory string, headroom, length, batch, bit width, dtype or candidate value (lengths
             at most :data:`MAX_CONTEXT` tokens, batch at most :data:`MAX_BATCH`).
     """
+    if compiled is not None and not isinstance(compiled, bool):
+        raise ConfigError(f"compiled={short(compiled)} is invalid; allowed: True, False or None (auto)")
     limit = parse_memory(memory)
     reserve = parse_headroom(headroom, limit)
     usable = limit - reserve
@@ -557,6 +585,8 @@ def plan(
     if spec.dtype is not None and spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ConfigError(f"loaded model dtype {spec.dtype} is not supported; allowed: float16, bfloat16, float32")
     weights = weight_bytes(spec, weights_bits, kv_dtype)
+    if compiled is None:
+        compiled = _compiled_by_default(model, spec, weights_bits)
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
@@ -569,7 +599,9 @@ def plan(
 
     def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
         cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
-        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual)
+        eager_format = config.quantized and config.quant != "int"  # bitsandbytes formats decode eagerly
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual,
+                               compiled=compiled and not eager_format)
         return cache, work, weights + cache.total + work
 
     rows = []
@@ -595,8 +627,16 @@ def plan(
         dtype=str(kv_dtype).removeprefix("torch."),
         weight_bytes=weights, fp16_cache_bytes=fp16, model_context=spec.max_context, rows=rows,
         recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,
-        headroom_bytes=reserve, warnings=warnings,
+        headroom_bytes=reserve, warnings=warnings, compiled=compiled,
     )
+
+
+def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:
+    """Whether ``generate`` would compile the decode step of ``model`` by default (see :func:`plan`)."""
+    if spec.loaded_bytes is None:
+        return weights_bits == 16
+    device = next(model.parameters()).device
+    return device.type == "cuda" and eager_only_reason(model) is None
 
 
 def choose(model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, **options) -> PlanRow:

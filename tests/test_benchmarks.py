@@ -48,6 +48,16 @@ def test_gpu_throughput_smoke_writes_every_part(tmp_path):
     markdown = (tmp_path / "gpu.md").read_text()
     assert "Done criterion" in markdown and "RANDOM" in markdown and "## Decode at 192 tokens" in markdown
     assert before == {p.name: p.stat().st_mtime_ns for p in results.glob("gpu.*")}  # GPU results untouched
+    # the CUDA-graph pool: planned for compiled runs only, measured on CUDA only; a measured row gets its table line
+    assert all((row["planned_graph_pool_bytes"] > 0) == row["compiled"] for row in ok)
+    assert all(row["graph_pool_bytes"] is None for row in ok) and "CUDA-graph pool" not in markdown
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_throughput
+
+    compiled = next(r for r in ok if r["setting"] == "h2o0.2-4+compile")
+    compiled["graph_pool_bytes"] = compiled["planned_graph_pool_bytes"] // 2
+    table = gpu_throughput.render(data).split("## CUDA-graph pool")[1]
+    assert f"| {compiled['name']} | {compiled['context']} | {compiled['batch']} |" in table and "| 0.50 |" in table
 
 
 def test_kernel_bandwidth_reports_sm90_resources_without_a_gpu(tmp_path):

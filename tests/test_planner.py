@@ -490,3 +490,43 @@ def test_labels_follow_the_real_kv_dtype():
     assert describe(CompressionConfig(budget=0.5, k_bits=16, v_bits=4), "float32") == "h2o 50% k:32/v:int4 g32 r3"
     rows = plan("llama-2-7b", "24GiB", dtype="float32").rows
     assert any(r.label == "full 32-bit" for r in rows) and not any("16-bit" in r.label for r in rows)
+
+
+def test_compiled_plans_count_the_cuda_graph_pool_of_the_decode_step():
+    """A compiled decode step keeps its buffers in the CUDA graph's private pool, beside the prefill's: the
+    workspace grows by ``graph_pool_bytes`` (one decode pass; the Triton op reads the cache in place, the torch form
+    of head-adaptive and mixed-precision layers reads every kept token), bitsandbytes rows (eager) by nothing."""
+    from h2o_compress.planner import _forward_peak, graph_pool_bytes
+
+    spec = resolve_model("llama-2-7b")
+    args = dict(memory="80GiB", batch=16, prompt_len=4000, gen_len=96, budgets=(0.2, 1.0), bits=(16, 4),
+                group_sizes=(32,))
+    compiled, eager = plan("llama-2-7b", compiled=True, **args), plan("llama-2-7b", compiled=False, **args)
+    assert compiled.compiled and not eager.compiled
+    for with_pool, without in zip(compiled.rows, eager.rows):
+        assert with_pool.config == without.config
+        pool = graph_pool_bytes(spec, with_pool.config, 16, with_pool.cache.kept, torch.float16, fused=True)
+        assert pool == _forward_peak(spec, with_pool.config, 16, 1, 0, 2) > 16 * spec.vocab_size * 2
+        assert with_pool.workspace_bytes - without.workspace_bytes == pool
+    nf4 = dict(args, bits=(4,), quant="nf4")
+    assert [r.workspace_bytes for r in plan("llama-2-7b", compiled=True, **nf4).rows] == \
+        [r.workspace_bytes for r in plan("llama-2-7b", compiled=False, **nf4).rows]
+    adaptive = dict(args, budgets=(0.2,), head_budgets="adaptive")
+    row = plan("llama-2-7b", compiled=True, **adaptive).rows[0]
+    torch_form = graph_pool_bytes(spec, row.config, 16, row.cache.kept * spec.dims.kv_heads, torch.float16, False)
+    assert row.workspace_bytes - plan("llama-2-7b", compiled=False, **adaptive).rows[0].workspace_bytes == torch_form
+    assert torch_form > 10 * graph_pool_bytes(spec, row.config, 16, row.cache.kept, torch.float16, fused=True)
+
+
+def test_compiled_by_default_as_generate_compiles():
+    """``compiled=None``: a plan for a card counts the pool for 16-bit weights (CUDA compiles by default), not for
+    bitsandbytes weights (eager); a loaded model on the CPU decodes eagerly. A bad value is refused."""
+    args = dict(memory="80GiB", budgets=(0.2,), bits=(4,), group_sizes=(32,))
+    assert plan("llama-2-7b", **args).compiled and not plan("llama-2-7b", weights_bits=4, **args).compiled
+    assert not plan(tiny_llama(), **args).compiled
+    with pytest.raises(ConfigError, match=r"compiled='yes' is invalid; allowed: True, False or None"):
+        plan("llama-2-7b", compiled="yes", **args)
+    out = runner.invoke(app, ["plan", "--model", "llama-2-7b", "--memory", "24GiB", "--no-compile", "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["compiled"] is False
+    out = runner.invoke(app, ["plan", "--model", "llama-2-7b", "--memory", "24GiB"], env={"COLUMNS": "200"})
+    assert "with the CUDA-graph pool of the compiled decode step" in out.output

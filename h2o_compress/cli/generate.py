@@ -88,7 +88,8 @@ def generate(
     if memory_limit is not None:
         from ..planner import choose_for_prompt, describe_choice
 
-        row = choose_for_prompt(lm, tokenizer, prompt, memory_limit, max_new_tokens, chat=chat, base=config)
+        row = choose_for_prompt(lm, tokenizer, prompt, memory_limit, max_new_tokens, chat=chat, base=config,
+                                compiled=compile_step)
         config = row.config
         typer.echo(describe_choice(row, memory_limit), err=True)
     if load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window

@@ -33,6 +33,9 @@ def plan(
     headroom: str = typer.Option(
         "10%", "--headroom", help="Memory left free for the CUDA context and fragmentation: a share (10%) or an "
         "amount (1GiB); 0 to plan up to the limit."),
+    compiled: Optional[bool] = typer.Option(
+        None, "--compile/--no-compile", help="Count the CUDA-graph pool of the compiled decode step in the workspace. "
+        "Default: for 16-bit weights (what generate --device cuda compiles)."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole plan as one JSON object (strict JSON)."),
     trust_remote_code: bool = TrustOpt,
     compression: Compression = None,
@@ -50,7 +53,7 @@ def plan(
         group_sizes=parse_list(group_sizes, "group_sizes"), residuals=parse_list(residuals, "residuals"),
         quant=values["quant"], heavy_ratio=values["heavy_ratio"], sink_tokens=values["sink_tokens"],
         headroom=headroom, trust_remote_code=trust_remote_code, high_bits_fraction=values["high_bits_fraction"],
-        head_budgets=values["head_budgets"], layer_budgets=values["layer_budgets"],
+        head_budgets=values["head_budgets"], layer_budgets=values["layer_budgets"], compiled=compiled,
     )
     for warning in report.warnings:
         typer.echo(f"warning: {warning}", err=True)
