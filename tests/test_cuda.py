@@ -168,3 +168,16 @@ def test_nan_in_a_cuda_decode_step_is_caught_by_the_check():
         model(input_ids=torch.randint(0, 128, (1, 1), device=CUDA), past_key_values=cache)  # still no sync
         with pytest.raises(InputError, match="earlier step were not finite"):
             cache.check()
+
+
+def test_compiled_perplexity_equals_eager_on_cuda():
+    """Issue 14's quality check: ``eval perplexity --device cuda`` gives the same figure with the compiled step
+    (Triton op, CUDA graph) as with ``--no-compile`` (eager, same op), fp16, with evictions and int4 storage."""
+    from h2o_compress.profiling import streaming_perplexity
+
+    model = tiny_llama().to(CUDA, torch.float16)
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(3))
+    config = CompressionConfig(budget=24, kv_bits=4, residual=2)
+    eager = streaming_perplexity(model, ids, config, compile=False)
+    compiled = streaming_perplexity(model, ids, config, compile=True)
+    assert compiled.perplexity == pytest.approx(eager.perplexity, rel=2e-3)

@@ -104,3 +104,15 @@ def test_real_model_streaming_perplexity(smollm2):
     local = text_perplexity(model, tokenizer, None, 160, CompressionConfig(policy="local", budget=0.2), chunk_size=16)
     assert h2o.capacity == 32 and h2o.kv_bytes < full.kv_bytes / 3
     assert 1.0 < h2o.perplexity_ratio < local.perplexity_ratio
+
+
+def test_compiled_stream_gives_the_eager_perplexity():
+    """``compile=True`` reads the one-token chunks through the compiled decode step (Inductor on CPU; on CUDA the
+    CUDA graph, tests/test_cuda.py): the same perplexity as the eager steps, with evictions and int4 storage."""
+    model, _ = tiny_lm()
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
+    config = CompressionConfig(budget=16, kv_bits=4, residual=2)
+    torch._dynamo.reset()
+    eager = streaming_perplexity(model, ids, config, compile=False)
+    compiled = streaming_perplexity(model, ids, config, compile=True)
+    assert compiled.perplexity == pytest.approx(eager.perplexity, rel=1e-4)
