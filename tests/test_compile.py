@@ -272,3 +272,33 @@ def test_greedy_decode_leaves_untimed_passes_out(monkeypatch):
             ids, seconds[untimed] = stream.greedy_decode(model, cache, logits, 6, untimed=untimed)
         assert len(ids) == 6
     assert seconds == {0: 5.0, 2: 3.0}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+def test_transformers_generate_auto_compile_captures_one_graph(arch):
+    """``model.generate(past_key_values=cache)`` compiles the decode forward by itself on CUDA (the cache is
+    compileable). Forced on CPU (``CompileConfig._compile_all_devices``, transformers' switch for its own tests) with
+    a recording backend: one graph for 12 steps, no SymInt input (so one CUDA graph on a GPU), and eager generate's
+    tokens."""
+    from transformers import CompileConfig
+
+    model = TINY_MODELS[arch]()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"
+                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compile_config = CompileConfig(fullgraph=True, backend=recording, mode=None)
+    compile_config._compile_all_devices = True
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    config = CompressionConfig(budget=12, kv_bits=4, residual=2)
+    runs = [
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                       past_key_values=make_cache(model, config, max_length=40), **extra)
+        for extra in ({}, {"compile_config": compile_config})
+    ]
+    assert graphs == [[]], f"compiled graphs and their SymInt inputs: {graphs}"
+    assert torch.equal(runs[1], runs[0])
