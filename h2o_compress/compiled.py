@@ -107,6 +107,15 @@ def check_compile(compile: bool | None, config) -> None:
         )
 
 
+def compiles_by_default(device: torch.device | str, model=None) -> bool:
+    """Whether ``compile=None`` compiles on ``device`` (for a cache that can compile): on CUDA, unless ``model`` has
+    bitsandbytes weights or is dispatched by accelerate over several devices or with offload
+    (:func:`h2o_compress.weights.eager_only_reason`); never on CPU."""
+    from .weights import eager_only_reason
+
+    return torch.device(device).type == "cuda" and (model is None or eager_only_reason(model) is None)
+
+
 def resolve_compile(compile: bool | None, cache, device: torch.device, model=None) -> bool:
     """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
     (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``), and off by default for a
@@ -119,10 +128,7 @@ def resolve_compile(compile: bool | None, cache, device: torch.device, model=Non
     """
     check_compile(compile, cache.config)
     if compile is None:
-        from .weights import eager_only_reason
-
-        return device.type == "cuda" and cache.compile_blocker is None and (
-            model is None or eager_only_reason(model) is None)
+        return cache.compile_blocker is None and compiles_by_default(device, model)
     if compile and cache.compile_blocker is not None:
         raise ConfigError(f"compile=True cannot compile this cache: {cache.compile_blocker}; allowed: compile=False")
     return compile

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .cache import build_layers
+from .compiled import compiles_by_default
 from .config import ALLOWED_GROUP_SIZES, MAX_RESIDUAL, CompressionConfig
 from .errors import ConfigError, short
 from .files import read_json
@@ -23,7 +24,7 @@ from .policies import POLICIES
 from .kernels import decode_scratch_bytes, launch_for
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
-from .weights import eager_only_reason, loaded_weights_bits
+from .weights import loaded_weights_bits
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -561,7 +562,7 @@ def plan(
         trust_remote_code: let a model directory with an ``auto_map`` be read (off: refused).
         compiled: count the CUDA-graph pool of the compiled decode step in the workspace. ``None``: as
             ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
-            weights (:func:`h2o_compress.compiled.resolve_compile`); otherwise for 16-bit weights (a plan for a
+            weights (:func:`h2o_compress.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
             card: the CUDA default compiles).
 
     Returns:
@@ -635,8 +636,7 @@ def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:
     """Whether ``generate`` would compile the decode step of ``model`` by default (see :func:`plan`)."""
     if spec.loaded_bytes is None:
         return weights_bits == 16
-    device = next(model.parameters()).device
-    return device.type == "cuda" and eager_only_reason(model) is None
+    return compiles_by_default(next(model.parameters()).device, model)
 
 
 def choose(model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, **options) -> PlanRow:
