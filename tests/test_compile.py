@@ -161,6 +161,19 @@ def test_bitsandbytes_formats_refuse_compile_with_one_clear_error():
         resolve_compile(True, unknown_length, torch.device("cpu"))
 
 
+def symint_recorder():
+    """``(backend, graphs)``: a Dynamo backend that runs each captured graph as is and appends to ``graphs`` the
+    names of its SymInt inputs (Inductor's CUDA-graph trees record a new CUDA graph for each value of one)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"
+                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
+        return gm.forward
+
+    return backend, graphs
+
+
 @pytest.mark.parametrize("arch", sorted(TINY_MODELS))
 def test_decode_one_steps_have_one_shape_so_cuda_graphs_record_once(arch):
     """``decode_one`` passes a compressed cache no attention mask: across 24 steps the compiled step is one graph
@@ -170,13 +183,7 @@ def test_decode_one_steps_have_one_shape_so_cuda_graphs_record_once(arch):
     from h2o_compress.compiled import decode_one
 
     model = TINY_MODELS[arch]()
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"
-                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
-        return gm.forward
-
+    recording, graphs = symint_recorder()
     torch._dynamo.reset()
     compiled = torch.compile(decode_step, fullgraph=True, backend=recording)
 
@@ -195,13 +202,7 @@ def test_a_growing_mask_would_put_a_symbolic_size_into_the_graph():
     """The check above can fail: the same steps with the growing mask marked dynamic (the old way) give the graph
     a SymInt input."""
     model = TINY_MODELS["llama"]()
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append([n for n in gm.graph.nodes if n.op == "placeholder"
-                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
-        return gm.forward
-
+    recording, graphs = symint_recorder()
     torch._dynamo.reset()
     compiled = torch.compile(decode_step, fullgraph=True, backend=recording)
 
@@ -283,13 +284,7 @@ def test_transformers_generate_auto_compile_captures_one_graph(arch):
     from transformers import CompileConfig
 
     model = TINY_MODELS[arch]()
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"
-                       and isinstance(n.meta.get("example_value"), torch.SymInt)])
-        return gm.forward
-
+    recording, graphs = symint_recorder()
     torch._dynamo.reset()
     compile_config = CompileConfig(fullgraph=True, backend=recording, mode=None)
     compile_config._compile_all_devices = True
