@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
 
@@ -59,7 +59,7 @@ def compiled_decode_step(model, device: torch.device | str | None = None):
     Compilation happens at the first call (about a minute for SmolLM2 on 2 CPU cores).
 
     Raises (from the returned step):
-        ValueError: an ``attention_mask`` is given (its length grows every step: a recompile, or a CUDA-graph
+        InputError: an ``attention_mask`` is given (its length grows every step: a recompile, or a CUDA-graph
             recording, per token).
     """
     kind = torch.device(device).type if device is not None else next(model.parameters()).device.type
@@ -71,7 +71,7 @@ def compiled_decode_step(model, device: torch.device | str | None = None):
 
         def step(model, input_ids, cache, position_ids, attention_mask=None):
             if attention_mask is not None:
-                raise ValueError(
+                raise InputError(
                     f"the compiled decode step got an attention mask of shape {tuple(attention_mask.shape)}; it "
                     "takes none (a compressed cache's slots say which tokens are held, and a mask growing by one "
                     "token per step would cost a recompile or a CUDA-graph recording per step): pass "

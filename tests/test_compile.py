@@ -17,7 +17,7 @@ import torch._dynamo.testing
 from conftest import TINY_MODELS
 from transformers import DynamicCache
 
-from h2o_compress import CompressionConfig, ConfigError, make_cache
+from h2o_compress import CompressionConfig, ConfigError, InputError, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
 from h2o_compress.policies import POLICIES as REGISTERED
 
@@ -221,7 +221,7 @@ def test_the_compiled_step_refuses_an_attention_mask():
     model = TINY_MODELS["llama"]()
     step = compiled_decode_step(model, "cpu")
     mask = torch.ones(2, 21, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"attention mask of shape \(2, 21\); it takes none"):
+    with pytest.raises(InputError, match=r"attention mask of shape \(2, 21\); it takes none"):
         step(model, torch.zeros(2, 1, dtype=torch.long), None, torch.zeros(2, 1, dtype=torch.long), mask)
 
 
