@@ -89,10 +89,12 @@ def test_only_regular_files_are_replaced(tmp_path, kind):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_during_save_removes_the_partial_file(tmp_path, signum):
     script = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
         from pathlib import Path
         sys.path.insert(0, {str(REPO)!r})
         from h2o_compress.persistence import _atomic_write
+
+        signal.signal({int(signum)}, signal.SIG_DFL)  # default disposition (nohup, for one, starts with SIGHUP ignored)
 
         def write(tmp):
             Path(tmp).write_bytes(b"x" * 1_000_000)
