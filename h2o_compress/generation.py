@@ -216,6 +216,29 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+class TextStream:
+    """Streams the text of a growing list of token ids to ``on_text``, piece by piece, decoding a short window per
+    call instead of every id so far (the full decode per new token grows with the output: ~0.8 ms at 4,096
+    SmolLM2 tokens, a third of a compiled GPU decode step). The window starts where the previous piece started: the
+    new piece is ``decode(ids[start:])`` less ``decode(ids[start:end])``, so a tokenizer that drops the leading
+    space of a decode's first token, or a character split over several byte tokens (held back while the text ends
+    in U+FFFD), streams as the full decode would (the incremental detokenization of vLLM's ``detokenize_incrementally``).
+    The pieces join to ``tokenizer.decode(ids, skip_special_tokens=True)``.
+    """
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.start = self.end = 0  # ids[start:end] were streamed; ids[end:] not yet
+
+    def update(self, ids: list[int]) -> None:
+        """Stream what ``ids`` (the whole list so far, grown since the last call) adds to the text."""
+        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True)  # noqa: E731
+        shown, text = decode(ids[self.start : self.end]), decode(ids[self.start :])
+        if len(text) > len(shown) and not text.endswith("\ufffd"):
+            self.on_text(text[len(shown) :])
+            self.start, self.end = self.end, len(ids)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -289,15 +312,12 @@ def generate(
     _sync(device)
     prefill_s = time.perf_counter() - start + scoring_s
     generated: list[int] = [token.item()]
-    emitted = ""
+    stream = None if on_text is None else TextStream(tokenizer, on_text)
     decode_s = compile_s = 0.0
     untimed = warmup_steps(device) if compiled else 0  # decode steps that compile / record: not a decode speed
     while True:
-        if on_text is not None:
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                on_text(text[len(emitted) :])
-                emitted = text
+        if stream is not None:
+            stream.update(generated)
         if generated[-1] in eos or len(generated) >= max_new_tokens:
             break
         start = time.perf_counter()
