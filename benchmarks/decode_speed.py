@@ -110,8 +110,10 @@ def main() -> None:
         prompt = torch.randint(100, vocab - 100, (1, tokens), generator=torch.Generator().manual_seed(0))
         warm = {}
         for name in names:  # warm-up (and compile) on this length, outside the timings
+            # the timed runs' own length: a budget fraction of another length gives another capacity, so other
+            # buffer sizes, which would recompile the step inside the first timed run (with dynamic sizes)
             start = time.perf_counter()
-            run_once(model, prompt, 2, SETTINGS[name][0], steps[name])
+            run_once(model, prompt, args.new_tokens, SETTINGS[name][0], steps[name])
             warm[name] = time.perf_counter() - start
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for _ in range(args.repeats):
