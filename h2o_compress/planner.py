@@ -238,7 +238,8 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     (:func:`h2o_compress.kernels.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
     allocate it; a head-adaptive cache, mixed precision and the bitsandbytes formats neither: they decode in the
     torch form, a head-adaptive one reading ``kv_heads x`` the kept tokens per head),
-    plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`).
+    plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`; none for
+    the bitsandbytes formats, which decode eagerly).
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
@@ -248,9 +249,9 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     size = _element_size(dtype)
     scratch = 0
     adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
+    eager_only = config.quantized and config.quant != "int"  # bitsandbytes formats: torch form, never compiled
     # the Triton op runs (and keeps scratch) for uniform heads without mixed precision, in 16 bits or int formats
-    fused = slots is not None and not adaptive and config.high_bits_fraction == 0 and (
-        not config.quantized or config.quant == "int")
+    fused = slots is not None and not adaptive and config.high_bits_fraction == 0 and not eager_only
     if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
         kept *= spec.dims.kv_heads
     elif fused:
@@ -259,7 +260,7 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
         block = launch_for(config.key_bits, config.value_bits).block
         scratch = d.num_layers * decode_scratch_bytes(
             batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
-    pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled else 0
+    pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled and not eager_only else 0
     return scratch + pool + max(
         _forward_peak(spec, config, batch, prompt_len, prompt_len, size),
         _forward_peak(spec, config, batch, 1, kept + 1, size),
@@ -600,9 +601,7 @@ def plan(
 
     def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
         cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
-        eager_format = config.quantized and config.quant != "int"  # bitsandbytes formats decode eagerly
-        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual,
-                               compiled=compiled and not eager_format)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual, compiled)
         return cache, work, weights + cache.total + work
 
     rows = []
