@@ -532,13 +532,15 @@ def render(data: dict) -> str:
     pools = [r for r in data["speed"] if r["status"] == "ok" and r.get("graph_pool_bytes") is not None]
     if pools:
         mib = lambda v: f"{v / 2**20:.1f}"  # noqa: E731
+
+        def share(r: dict) -> float | None:
+            return r["graph_pool_bytes"] / r["planned_graph_pool_bytes"] if r["planned_graph_pool_bytes"] else None
+
         lines += ["## CUDA-graph pool of the compiled step: measured / planner (`planner.graph_pool_bytes`)", "",
                   "| setting | context | batch | measured MiB | planned MiB | measured / planned |",
                   "|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['name']} | {r['context']} | {r['batch']} | {mib(r['graph_pool_bytes'])} | "
-                  f"{mib(r['planned_graph_pool_bytes'])} | "
-                  f"{fmt(r['graph_pool_bytes'] / r['planned_graph_pool_bytes'] if r['planned_graph_pool_bytes'] else None, '.2f')} |"
-                  for r in pools] + [""]
+                  f"{mib(r['planned_graph_pool_bytes'])} | {fmt(share(r), '.2f')} |" for r in pools] + [""]
     if data["max_batch"]:
         lines += ["## Largest batch that fits (planner, confirmed by one run)", "",
                   "| setting | context | planner | confirmed | tok/s there | tries |", "|---|---:|---:|---:|---:|---|"]

@@ -222,8 +222,8 @@ class TextStream:
     SmolLM2 tokens, a third of a compiled GPU decode step). The window starts where the previous piece started: the
     new piece is ``decode(ids[start:])`` less ``decode(ids[start:end])``, so a tokenizer that drops the leading
     space of a decode's first token, or a character split over several byte tokens (held back while the text ends
-    in U+FFFD), streams as the full decode would (the incremental detokenization of vLLM's ``detokenize_incrementally``).
-    The pieces join to ``tokenizer.decode(ids, skip_special_tokens=True)``.
+    in U+FFFD), streams as the full decode would (the incremental detokenization of vLLM's
+    ``detokenize_incrementally``). The pieces join to ``tokenizer.decode(ids, skip_special_tokens=True)``.
     """
 
     def __init__(self, tokenizer, on_text: Callable[[str], None]):

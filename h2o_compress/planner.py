@@ -601,7 +601,8 @@ def plan(
 
     def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
         cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
-        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual, compiled)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual,
+                               compiled)
         return cache, work, weights + cache.total + work
 
     rows = []
