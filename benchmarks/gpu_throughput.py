@@ -42,7 +42,9 @@ import h2o_compress  # noqa: E402
 from h2o_compress import CompressionConfig, load_model, make_cache  # noqa: E402
 from h2o_compress.known_models import resolve_model  # noqa: E402
 from h2o_compress.models import DTYPES  # noqa: E402
-from h2o_compress.planner import _forward_peak, cache_bytes, format_bytes, graph_pool_bytes, parse_memory  # noqa: E402
+from h2o_compress.planner import (  # noqa: E402
+    _forward_peak, cache_bytes, format_bytes, graph_pool_bytes, parse_memory, runs_decode_op,
+)
 from h2o_compress.profiling.corpus import load_text, tokenize_text  # noqa: E402
 from h2o_compress.profiling.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
 from h2o_compress.profiling.stream import sync  # noqa: E402  (cuda synchronize; no-op on CPU)
@@ -193,7 +195,7 @@ def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torc
     prefill_batch = 1 if replicates(setting, args) else batch
     work = max(_forward_peak(spec, config, prefill_batch, args.chunk, min(kept, context) + args.chunk, size),
                _forward_peak(spec, config, batch, 1, kept + 1, size))
-    fused = setting.kind == "ours" and config.attention_kernel != "torch"
+    fused = setting.kind == "ours" and runs_decode_op(config, adaptive=config.head_budgets == "adaptive")
     pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if setting.compiled else 0
     return cache, work + (cache // batch if prefill_batch == 1 and batch > 1 else 0), pool
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import CompressedCache
 from .errors import ConfigError, InputError
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
@@ -42,8 +43,6 @@ def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tens
     validity, and padding never entered them), so the step's inputs have the same shapes at every ``seen``; any
     other cache gets the all-ones mask ``[batch, seen + 1]``.
     """
-    from .cache import CompressedCache
-
     device, batch = token.device, token.shape[0]
     positions = torch.full((batch, 1), seen, dtype=torch.long, device=device)
     mask = None if isinstance(cache, CompressedCache) else torch.ones(batch, seen + 1, dtype=torch.long, device=device)

@@ -230,6 +230,15 @@ def graph_pool_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, kep
     return _forward_peak(spec, config, batch, 1, 0 if fused else kept + 1, _element_size(dtype))
 
 
+def runs_decode_op(config: CompressionConfig, adaptive: bool) -> bool:
+    """Whether a CUDA cache with ``config`` decodes through the Triton op (and keeps its per-layer scratch): uniform
+    heads (not ``adaptive``: a head-adaptive layer that evicts), no mixed precision, 16 bits or the ``int`` formats
+    (the bitsandbytes formats decode eagerly in the torch form), and ``attention_kernel`` other than ``torch``."""
+    eager_only = config.quantized and config.quant != "int"
+    return (not adaptive and config.high_bits_fraction == 0 and not eager_only
+            and config.attention_kernel != "torch")
+
+
 def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, kept: int,
                     dtype: torch.dtype, slots: int | None = None, residual: int = 0, compiled: bool = False) -> int:
     """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
@@ -250,8 +259,7 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     scratch = 0
     adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
     eager_only = config.quantized and config.quant != "int"  # bitsandbytes formats: torch form, never compiled
-    # the Triton op runs (and keeps scratch) for uniform heads without mixed precision, in 16 bits or int formats
-    fused = slots is not None and not adaptive and config.high_bits_fraction == 0 and not eager_only
+    fused = slots is not None and runs_decode_op(config, adaptive)
     if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
         kept *= spec.dims.kv_heads
     elif fused:

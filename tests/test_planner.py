@@ -530,3 +530,22 @@ def test_compiled_by_default_as_generate_compiles():
     assert out.exit_code == 0 and json.loads(out.output)["compiled"] is False
     out = runner.invoke(app, ["plan", "--model", "llama-2-7b", "--memory", "24GiB"], env={"COLUMNS": "200"})
     assert "with the CUDA-graph pool of the compiled decode step" in out.output
+
+
+def test_scratch_and_op_only_where_the_triton_op_runs():
+    """The op's scratch is counted for a cache that decodes through it, not for ``attention_kernel='torch'`` (the
+    torch form), mixed precision or the bitsandbytes formats."""
+    from dataclasses import replace as with_
+
+    from h2o_compress.planner import runs_decode_op, workspace_bytes
+
+    spec = resolve_model("llama-2-7b")
+    base = CompressionConfig(budget=0.2, kv_bits=4)
+    assert runs_decode_op(base, adaptive=False) and not runs_decode_op(base, adaptive=True)
+    for other in (with_(base, attention_kernel="torch"), with_(base, high_bits_fraction=0.25),
+                  CompressionConfig(budget=0.2, kv_bits=4, quant="nf4", group_size=64)):
+        assert not runs_decode_op(other, adaptive=False)
+        assert workspace_bytes(spec, other, 4, 1000, 200, torch.float16, 180, 3) == \
+            workspace_bytes(spec, other, 4, 1000, 200, torch.float16)
+    assert workspace_bytes(spec, base, 4, 1000, 200, torch.float16, 180, 3) > \
+        workspace_bytes(spec, base, 4, 1000, 200, torch.float16)
