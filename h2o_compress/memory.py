@@ -1,5 +1,5 @@
-"""Peak memory while a loaded model generates (a leaf module): what ``generate --memory-limit`` sets against the
-planner's total (weights + KV cache + workspace).
+"""Device memory (a leaf module): the bytes free now (:func:`available_memory`), and the peak while a loaded model
+generates: what ``generate --memory-limit`` sets against the planner's total (weights + KV cache + workspace).
 
 The window opens before the weights load (its baseline excludes what the process held before) and its peak
 restarts once they are loaded (:meth:`PeakMemory.loaded`), so a transient of loading (bitsandbytes quantizing a
@@ -16,6 +16,7 @@ checkpoint read in full precision) is not counted; the resident weights are.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -87,3 +88,16 @@ class PeakMemory:
             return max(peak - self.start, 0), "cuda_max_memory_allocated"
         kind = "cpu_peak_rss_growth" if self.restarted else "cpu_peak_rss_growth_with_load"
         return max(_rss_peak() - self.start, 0), kind
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now (CUDA: ``torch.cuda.mem_get_info``; CPU: available physical memory), or
+    ``None`` when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None

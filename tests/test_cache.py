@@ -10,7 +10,7 @@ from conftest import TINY_MODELS, tiny_llama
 from transformers import DynamicCache
 
 from h2o_compress import CacheStateError, CompressionConfig, InputError, make_cache
-from h2o_compress.cache import CompressedLayer
+from h2o_compress.cache import CompressedLayer, chunk
 from h2o_compress.policies import POLICIES, H2OPolicy, LocalPolicy
 from h2o_compress.formats import IntQuantizer, NoQuantizer
 
@@ -174,10 +174,10 @@ def test_each_token_is_quantized_exactly_once(capacity):
     layer = CompressedLayer(0, policy, capacity, quantizer, NoQuantizer(), residual=4)
     generator = torch.Generator().manual_seed(0)
     seen = 0
-    for chunk in [7, 1, 1, 3, 1, 1, 1, 5, 1, 1]:
-        keys = torch.zeros(1, 1, chunk, 32)
-        keys[..., 0] = torch.arange(seen + 1, seen + chunk + 1, dtype=torch.float32)
-        seen += chunk
+    for size in [7, 1, 1, 3, 1, 1, 1, 5, 1, 1]:
+        keys = torch.zeros(1, 1, size, 32)
+        keys[..., 0] = torch.arange(seen + 1, seen + size + 1, dtype=torch.float32)
+        seen += size
         feed(layer, keys, generator)
         if capacity:
             assert layer.kept_length() <= capacity
@@ -251,7 +251,7 @@ def test_decode_step_keeps_its_buffers_and_the_tokens_of_the_chunk_rule(policy, 
 
     def run(decode_path: bool):
         if not decode_path:
-            monkeypatch.setattr(CompressedLayer, "_decode_update", lambda self, k, v: self._chunk_update(k, v))
+            monkeypatch.setattr(CompressedLayer, "_decode_update", lambda self, k, v: chunk.update(self, k, v))
         cache = make_cache(model, CompressionConfig(policy=policy, budget=20, kv_bits=kv_bits, residual=2))
         logits = [model(input_ids=prompt, past_key_values=cache).logits[:, -1]]
         buffers = {name: t.data_ptr() for name, t in cache.layers[0].tensors().items()}

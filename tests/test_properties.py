@@ -26,8 +26,8 @@ from strategies import cached_llama, configs, fuzz, llama_shapes
 from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, make_cache
-from h2o_compress.attention import attention_probability_sums, withdraw
-from h2o_compress.cache import build_layers
+from h2o_compress.attention import withdraw
+from h2o_compress.cache import build_layers, chunk
 
 
 # -- layer level ---------------------------------------------------------------------------------------------
@@ -149,8 +149,8 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
         if count == 1:
             layer._after_decode(sums)
         else:
-            chunk, layer.chunk = layer.chunk, None
-            layer._after_chunk(chunk, torch.ones(batch, count, dtype=torch.bool), sums)
+            pending, layer.chunk = layer.chunk, None
+            chunk.settle(layer, pending, torch.ones(batch, count, dtype=torch.bool), sums)
         seen += count
         assert int(layer.get_seq_length()) == seen
         keys_at, values_at = held_positions(layer)

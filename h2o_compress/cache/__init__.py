@@ -2,7 +2,8 @@
 
 - :mod:`.slots`: :class:`SlotStore`, kept tokens in stored form (quantized once) in fixed slots.
 - :mod:`.ring`: :class:`RingWindow`, the newest tokens in full precision (KIVI's residual).
-- :mod:`.layer`: :class:`CompressedLayer`, one attention layer: decode step, chunk step, eviction.
+- :mod:`.layer`: :class:`CompressedLayer`, one attention layer: decode step, eviction, transformers' layer API;
+  :mod:`.chunk`: its multi-token step (prefill, chunked prefill).
 - :mod:`.mixed`: :class:`MixedPrecisionLayer`, a layer whose top-ranked stored tokens are 8-bit, the rest 4-bit
   (:class:`AdaptiveMixedPrecisionLayer` on a head-adaptive pool); :mod:`.refinement`: :class:`RefinedPlanes`, its
   side buffer of low planes.

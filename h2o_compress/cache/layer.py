@@ -10,9 +10,12 @@ A decode step (one new token) is static-shape code with no host sync and no allo
 token goes into the ring, the token it replaces is quantized once and written into the first empty slot of the
 store, attention reads the store (dequantized) and the ring with a validity mask, the probabilities are added to
 the scores, and the lowest-priority token outside the sinks and the recent window is marked empty (masked argmin
-+ scatter), all in place. ``torch.compile(fullgraph=True)`` captures it. Multi-token steps (prefill, chunked
-prefill, continuing a saved prompt) run eagerly over the same buffers: attention over the held tokens and the
-chunk, then the policy's top-``capacity`` selection, then the same layout.
++ scatter), all in place. ``torch.compile(fullgraph=True)`` captures it. Attention runs one of three ways: the CPU
+kernel (:func:`h2o_compress.kernels.cpu.decode_layer`, the whole step in one call), the Triton op on CUDA
+(:func:`h2o_compress.kernels.slot_attention.decode_layer`, attention and scores in two launches) or torch code.
+Multi-token steps (prefill, chunked prefill, continuing a saved prompt) run eagerly over the same buffers
+(:mod:`.chunk`): attention over the held tokens and the chunk, then the policy's top-``capacity`` selection, then
+the same layout.
 
 Slot counts: ``capacity - residual + 1`` (one slot is free before each step), ``max_tokens - residual`` for an
 unbounded cache of known length; an unbounded cache of unknown length grows (eager only).
@@ -20,7 +23,6 @@ unbounded cache of known length; an unbounded cache of unknown length grows (eag
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -30,25 +32,14 @@ from ..attention import announce, decode_attention, withdraw
 from ..errors import CacheStateError, ConfigError, InputError
 from ..policies import EvictionPolicy
 from ..policies.base import NO_POSITION as NO_REAL_TOKEN, keep_top
-from ..kernels import cpu as cpu_kernel
+from ..kernels import cpu as cpu_kernel, mark_static_address
+from ..memory import available_memory
 from ..formats import BitsAndBytesQuantizer, KVQuantizer
+from . import chunk
 from .ring import RingWindow
 from .slots import SlotStore
 
 GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free on ``device`` now (CUDA: ``torch.cuda.mem_get_info``; CPU: available physical memory), or
-    ``None`` when unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None
 
 
 def _rotate(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -63,14 +54,6 @@ def _rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     layer). Compiled fused (Triton) decode steps only: eagerly it would materialize ``[batch, kv_heads, 1, head_dim,
     head_dim]`` fp32, so eager steps, the torch path and the native CPU path keep the matmul."""
     return (x.float().unsqueeze(-1) * basis).sum(-2)
-
-
-def _mark_static(tensors) -> None:
-    """Tell Dynamo these buffers keep their address (CUDA graphs replay them; transformers' StaticLayer does it)."""
-    if torch.compiler.is_compiling():
-        return
-    for tensor in tensors:
-        torch._dynamo.mark_static_address(tensor)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -196,7 +179,7 @@ class CompressedLayer(CacheLayerMixin):
         )
         self.fused = not self.native and self._fused_kernel(formats)
         if self.device.type != "meta":
-            _mark_static(self.tensors())
+            mark_static_address(self.tensors())
         self.is_initialized = True
 
     def _new_store(self, shape: tuple[int, int, int, int]) -> SlotStore:
@@ -262,53 +245,6 @@ class CompressedLayer(CacheLayerMixin):
             raise ConfigError(f"attention_kernel='triton' cannot run layer {self.layer_idx}: {reason}; allowed: "
                               "attention_kernel='auto' or 'torch'")
         return reason is None
-
-    def decode_scratch(self, q_heads: int):
-        """This layer's :class:`~h2o_compress.kernels.slot_attention.DecodeScratch` for ``q_heads`` query heads,
-        allocated once per shape (batch, slots) and kept at a static address (eager: at the prefill or the first
-        decode step; a compiled step finds it)."""
-        from ..kernels import launch_for, slot_attention
-
-        ring = 0 if self.ring is None else self.ring.size
-        key = (self.batch, q_heads, self.store.slots + ring, self.with_scores)
-        if self.scratch is None or self.scratch.key != key:
-            plan = slot_attention.plan_splits(
-                self.batch, self.kv_heads, self.store.slots, ring, device=self.device,
-                launch=launch_for(self.key_quantizer.bits, self.value_quantizer.bits),
-            )
-            self.scratch = slot_attention.DecodeScratch(
-                plan, self.batch, q_heads, self.head_dim, self.store.slots + ring, self.with_scores, self.device
-            )
-            _mark_static(self.scratch.tensors())
-        return self.scratch
-
-    def _fused_attention(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """The decode step's attention and score update in the Triton op (two launches, no host sync): ``query``
-        ``[batch, q_heads, 1, head_dim]`` in the model's basis (the op rotates it into the keys' basis in its first
-        launch and the output back from the values' basis in its second); returns ``[batch, q_heads, 1,
-        head_dim]`` in the model's basis."""
-        from ..kernels.slot_attention import slot_decode_attention
-
-        (keys, values, slot), self.leaving = self.leaving, None
-        batch, q_heads, _, head_dim = query.shape
-        scratch = self.decode_scratch(q_heads)
-        plan, store, ring = scratch.plan, self.store, self.ring
-        k_parts, v_parts = store.keys.parts, store.values.parts
-        group = next((q.group_size for q in (self.key_quantizer, self.value_quantizer) if q.bits < 16), 32)
-        output = slot_decode_attention(
-            query.reshape(batch, q_heads, head_dim),  # the op reads its strides: no copy
-            k_parts.get("data", k_parts.get("x")), k_parts.get("scale_zero"),
-            v_parts.get("data", v_parts.get("x")), v_parts.get("scale_zero"),
-            store.positions, keys.reshape(batch, self.kv_heads, head_dim).contiguous(),
-            values.reshape(batch, self.kv_heads, head_dim).contiguous(), slot.reshape(batch, self.kv_heads),
-            None if ring is None else ring.keys, None if ring is None else ring.values,
-            None if ring is None else ring.positions, self.seen, store.scores, None if ring is None else ring.scores,
-            *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), self.key_quantizer.bits,
-            self.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
-            plan.ring_split_tokens, self.policy.accumulates, self.key_basis, self.value_basis, plan.launch.block,
-            plan.launch.num_warps, plan.launch.num_stages, plan.launch.max_registers,
-        )
-        return output.view(batch, q_heads, 1, head_dim)
 
     def _check_fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse, before allocating, buffers that the device cannot hold: this layer's bytes (sized on the
@@ -461,7 +397,7 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs and the model "
                 "weights: a non-finite token would poison every later step"
             )
-        return self._chunk_update(key_states, value_states)
+        return chunk.update(self, key_states, value_states)
 
     def _decode_update(self, keys: torch.Tensor, values: torch.Tensor):
         """One token: ring in, the ring's oldest token into the first empty slot (quantized once), then the keys
@@ -535,25 +471,6 @@ class CompressedLayer(CacheLayerMixin):
             out[:, :, slots:].copy_(ring)
         return out
 
-    def _chunk_update(self, keys: torch.Tensor, values: torch.Tensor):
-        """Several tokens (eager): the held tokens (store dequantized, ring oldest first) followed by the chunk.
-        A cache that holds nothing yet returns the chunk alone, exactly as DynamicCache would."""
-        seen = int(self.seen)
-        self.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
-        if self.growable:
-            self.grown_to = seen + keys.shape[2]
-        if not self.chunk["held"]:
-            return keys.to(self.dtype), values.to(self.dtype)
-        held_keys, held_values = self._held_store()
-        parts_k, parts_v = [held_keys], [held_values]
-        if self.ring is not None:
-            order = self.ring.order(seen)
-            parts_k.append(self.ring.keys.index_select(2, order).to(self.dtype))
-            parts_v.append(self.ring.values.index_select(2, order).to(self.dtype))
-        parts_k.append(keys.to(self.dtype))
-        parts_v.append(values.to(self.dtype))
-        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-
     # -- attention and what follows it -----------------------------------------------------------------
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
         """This step's attention (called by the ``h2o_compress`` attention function with what :meth:`update`
@@ -584,14 +501,16 @@ class CompressedLayer(CacheLayerMixin):
         if self.key_basis is not None and not fused:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
             query = (query.float() @ self.key_basis).to(query.dtype)
         if fused:  # the op applies both bases in its own launches
-            output = self._fused_attention(query, scaling)
+            from ..kernels import slot_attention
+
+            output = slot_attention.decode_layer(self, query, scaling)
             self._evict()
         elif query.shape[2] == 1 and self.chunk is None:
             output, sums = decode_attention(query, key, value, self.decode_valid, scaling, self.with_scores)
             self.decode_valid = None
             self._after_decode(sums)
         else:
-            output, sums = self._chunk_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+            output = chunk.attend(self, module, query, key, value, attention_mask, scaling, **kwargs)
         output = output.transpose(1, 2)
         if self.value_basis is not None and not fused:  # values are held as v @ H: P.v = (P.(v @ H)) @ H
             output = (output.float() @ self.value_basis).to(query.dtype)
@@ -629,89 +548,6 @@ class CompressedLayer(CacheLayerMixin):
         if self.ring is not None:
             held = held + (self.ring.positions >= 0).sum(-1, keepdim=True)
         self.store.evict_lowest(priority.masked_fill(positions < 0, float("inf")), held > self.capacity)
-
-    def _chunk_attention(self, module, query, keys, values, attention_mask, scaling, **kwargs):
-        """SDPA over (held tokens, chunk) with a mask built from the slot validity and the model's own causal +
-        padding mask for the chunk; the probability sums for the scores; then the chunk's eviction and layout."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        chunk, self.chunk = self.chunk, None
-        n, batch = query.shape[2], query.shape[0]
-        if self.fused:  # the decode steps' scratch, allocated eagerly before a compiled step needs it
-            self.decode_scratch(query.shape[1])
-        new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
-        if new_block is not None and new_block.dtype != torch.bool:
-            new_block = new_block > torch.finfo(new_block.dtype).min / 2
-        eye = torch.eye(n, dtype=torch.bool, device=query.device)
-        real = torch.ones(batch, n, dtype=torch.bool, device=query.device)
-        if new_block is not None:
-            real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)
-            new_block = new_block | eye  # a padding query sees itself: no fully masked row
-        mask = new_block
-        if chunk["held"]:
-            held_valid = self.head_positions() >= 0
-            if self.ring is not None:
-                ring_positions = self.ring.positions.index_select(1, self.ring.order(chunk["seen"]))
-                held_valid = torch.cat((held_valid, (ring_positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)), 2)
-            causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
-            mask = torch.cat(
-                (held_valid.unsqueeze(2).expand(-1, -1, n, -1), causal.expand(batch, self.kv_heads, n, n)), dim=3
-            )
-        group = query.shape[1] // self.kv_heads
-        sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
-        output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
-        sums = None
-        if self.with_scores:
-            sums = self.policy.chunk_scores(query, keys, mask, scaling, self.score_chunk_size)
-        self._after_chunk(chunk, real, sums)
-        return output.transpose(1, 2), None
-
-    def _after_chunk(self, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:
-        """Evict down to the capacity over (store, ring, chunk) by the policy's priority, then lay the survivors
-        out: the newest ``residual`` tokens in the ring, older kept ones from the ring and the chunk quantized
-        once into empty slots. ``real`` bool ``[batch, n]``: chunk tokens that are not padding."""
-        seen, keys, values = chunk["seen"], chunk["keys"], chunk["values"]
-        n, slots, size = keys.shape[2], self.store.slots, self.residual
-        device, heads = self.device, self.kv_heads
-        new_positions = torch.where(real, torch.arange(seen, seen + n, device=device), -1)
-        tail_keys, tail_values, tail_positions = keys, values, new_positions
-        tail_scores = torch.zeros(self.batch, heads, n, device=device) if self.with_scores else None
-        if self.ring is not None:
-            order = self.ring.order(seen)
-            tail_keys = torch.cat((self.ring.keys.index_select(2, order), keys), dim=2)
-            tail_values = torch.cat((self.ring.values.index_select(2, order), values), dim=2)
-            tail_positions = torch.cat((self.ring.positions.index_select(1, order).long(), new_positions), dim=1)
-            if self.with_scores:
-                tail_scores = torch.cat((self.ring.scores.index_select(2, order), tail_scores), dim=2)
-        positions = torch.cat((self.head_positions().long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
-        scores = None
-        if self.with_scores:
-            scores = torch.cat((self._head_scores(), tail_scores), dim=2)
-            covered = scores[..., scores.shape[2] - sums.shape[2] :]
-            decay = self.policy.score_decay
-            if 0.0 < decay < 1.0:  # A2SF: what was held fades over the chunk's n queries (its own are weighted)
-                scores.mul_(decay**n)
-            covered.add_(sums) if self.policy.accumulates else covered.copy_(sums)
-        seen += n
-        first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)
-        self.first_real.copy_(torch.minimum(self.first_real, first))
-        if self.capacity is not None:
-            priority = self.policy.priority(scores, positions, seen, self.first_real, self.capacity)
-            keep = self._keep(priority, positions)
-        else:
-            keep = positions >= 0
-        self._settle_store(keep[..., :slots], scores[..., :slots] if self.with_scores else None)
-        if self.with_scores:
-            tail_scores = scores[..., slots:]
-        if self.ring is not None:  # the newest `size` positions, all inside the recent window
-            ring_positions = torch.where(keep[:, 0, -size:], tail_positions[:, -size:], -1)
-            self.ring.write(
-                tail_keys[:, :, -size:], tail_values[:, :, -size:], ring_positions,
-                None if tail_scores is None else tail_scores[..., -size:], seen,
-            )
-        self._store_incoming(keep[..., slots : slots + n], tail_keys[:, :, :n], tail_values[:, :, :n],
-                             tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n])
-        self.seen.fill_(seen)
 
     def _store_incoming(self, incoming, keys, values, positions, scores):
         """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and

@@ -34,8 +34,9 @@ import torch
 from ..errors import ConfigError
 from ..formats import IntQuantizer
 from ..formats.split import SplitIntQuantizer
+from ..kernels import mark_static_address
 from .head_adaptive_layer import HeadAdaptiveLayer
-from .layer import CompressedLayer, _mark_static
+from .layer import CompressedLayer
 from .refinement import RefinedPlanes
 
 
@@ -100,7 +101,7 @@ class MixedPrecisionLayer(CompressedLayer):
             self.device,
         )
         if self.device.type != "meta":
-            _mark_static(self.refine.tensors().values())
+            mark_static_address(self.refine.tensors().values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """:meth:`CompressedLayer.tensors` plus ``refine.slots`` and ``refine.keys.data``/``refine.values.data``."""

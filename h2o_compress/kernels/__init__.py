@@ -6,10 +6,21 @@ callers that run on a GPU, and :mod:`.reference` is its pure-torch specification
 
 from dataclasses import dataclass
 
+import torch
+
 
 def power_of_two(n: int, minimum: int = 1) -> bool:
     """Whether ``n`` is a power of two ``>= minimum`` (the kernels' tile sizes: ``head_dim``, group, block)."""
     return n >= minimum and n & (n - 1) == 0
+
+
+def mark_static_address(tensors) -> None:
+    """Tell Dynamo these buffers keep their address (CUDA graphs replay them; transformers' StaticLayer does it);
+    nothing while compiling."""
+    if torch.compiler.is_compiling():
+        return
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
 
 
 H100_SMS = 132  # streaming multiprocessors of an H100/H200 SXM: the split plan of a device not at hand

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import LaunchOptions, power_of_two
+from . import LaunchOptions, launch_for, mark_static_address, power_of_two
 from .decode_attention import _load_tokens, _sm_count, choose_splits
 
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
@@ -274,7 +274,8 @@ def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count:
 class DecodeScratch:
     """fp32 scratch of one layer's decode step, allocated once for its shape: split partials ``part_m``/``part_l``
     ``[batch * q_heads, num_slots]``, ``part_acc`` ``[batch * q_heads, num_slots, head_dim]`` and, with scores,
-    ``logits`` ``[batch * q_heads, slots + ring_size]`` (else a 1-element placeholder)."""
+    ``logits`` ``[batch * q_heads, slots + ring_size]`` (else a 1-element placeholder), at static addresses (a
+    captured CUDA graph replays them)."""
 
     def __init__(self, plan: SplitPlan, batch: int, q_heads: int, head_dim: int, tokens: int, with_scores: bool,
                  device: torch.device):
@@ -284,6 +285,7 @@ class DecodeScratch:
         self.part_l = torch.empty(rows, plan.num_slots, device=device)
         self.part_acc = torch.empty(rows, plan.num_slots, head_dim, device=device)
         self.logits = torch.empty(rows, tokens if with_scores else 1, device=device)
+        mark_static_address(self.tensors())
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.part_m, self.part_l, self.part_acc, self.logits
@@ -417,3 +419,53 @@ slot_decode_attention = torch.library.custom_op(
 @slot_decode_attention.register_fake
 def _(query, *args, **kwargs):
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
+def layer_scratch(layer, q_heads: int) -> DecodeScratch:
+    """The :class:`DecodeScratch` of ``layer`` (a :class:`~h2o_compress.cache.layer.CompressedLayer` whose decode
+    steps run this op) for ``q_heads`` query heads, allocated once per shape (batch, slots) with the split plan of
+    that shape and the launch of its storage width (:func:`~h2o_compress.kernels.launch_for`), kept as
+    ``layer.scratch``. Eager steps allocate it (at the prefill, or the first decode step); a compiled step finds
+    it."""
+    ring = 0 if layer.ring is None else layer.ring.size
+    key = (layer.batch, q_heads, layer.store.slots + ring, layer.with_scores)
+    if layer.scratch is None or layer.scratch.key != key:
+        plan = plan_splits(
+            layer.batch, layer.kv_heads, layer.store.slots, ring, device=layer.device,
+            launch=launch_for(layer.key_quantizer.bits, layer.value_quantizer.bits),
+        )
+        layer.scratch = DecodeScratch(
+            plan, layer.batch, q_heads, layer.head_dim, layer.store.slots + ring, layer.with_scores, layer.device
+        )
+    return layer.scratch
+
+
+def decode_layer(layer, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """The attention and score update of one decode step of ``layer`` in this op (two launches, no host sync),
+    after the layer wrote the new token into its ring and the leaving one into the store (``layer.leaving``:
+    that token's keys and values ``[batch, kv_heads, 1, head_dim]`` at full precision and its int64 slot ``[batch,
+    kv_heads, 1]``, consumed here). ``query`` ``[batch, q_heads, 1, head_dim]`` in the model's basis (the op
+    rotates it into the keys' basis in its first launch and the output back from the values' basis in its
+    second); ``scaling`` ``None`` for ``head_dim ** -0.5``. Returns ``[batch, q_heads, 1, head_dim]`` in the
+    model's basis. Eviction stays with the layer (the policy's priority, in torch)."""
+    (keys, values, slot), layer.leaving = layer.leaving, None
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads, store, ring = layer.kv_heads, layer.store, layer.ring
+    scratch = layer_scratch(layer, q_heads)
+    plan = scratch.plan
+    k_parts, v_parts = store.keys.parts, store.values.parts
+    group = next((q.group_size for q in (layer.key_quantizer, layer.value_quantizer) if q.bits < 16), 32)
+    output = slot_decode_attention(
+        query.reshape(batch, q_heads, head_dim),  # the op reads its strides: no copy
+        k_parts.get("data", k_parts.get("x")), k_parts.get("scale_zero"),
+        v_parts.get("data", v_parts.get("x")), v_parts.get("scale_zero"),
+        store.positions, keys.reshape(batch, kv_heads, head_dim).contiguous(),
+        values.reshape(batch, kv_heads, head_dim).contiguous(), slot.reshape(batch, kv_heads),
+        None if ring is None else ring.keys, None if ring is None else ring.values,
+        None if ring is None else ring.positions, layer.seen, store.scores, None if ring is None else ring.scores,
+        *scratch.tensors(), head_dim**-0.5 if scaling is None else float(scaling), layer.key_quantizer.bits,
+        layer.value_quantizer.bits, group, plan.store_splits, plan.split_tokens, plan.ring_splits,
+        plan.ring_split_tokens, layer.policy.accumulates, layer.key_basis, layer.value_basis, plan.launch.block,
+        plan.launch.num_warps, plan.launch.num_stages, plan.launch.max_registers,
+    )
+    return output.view(batch, q_heads, 1, head_dim)

@@ -1,0 +1,130 @@
+"""The multi-token step of a :class:`~h2o_compress.cache.layer.CompressedLayer`: prefill, chunked prefill, and a
+saved prompt continued (eager; DESIGN.md §2 and §5).
+
+:func:`update` returns what the chunk's attention reads: the held tokens (store dequantized, ring oldest first)
+followed by the chunk. :func:`attend` runs SDPA over them with a mask from the slots' validity and the model's own
+causal + padding mask of the chunk, sums the probabilities each held and new token received (the policy's
+:meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores`), and :func:`settle` keeps the top ``capacity`` by the
+policy's priority, then lays the survivors out: the newest ``residual`` in the ring, the older ones quantized once
+into empty slots (the layer's ``_store_incoming``). The layer's hooks (``_held_store``, ``head_positions``,
+``_head_scores``, ``_keep``, ``_settle_store``, ``_store_incoming``) let head-adaptive and mixed-precision layers
+share this code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..policies.base import NO_POSITION as NO_REAL_TOKEN
+
+
+def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Take a chunk's ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` (in the layer's bases and residual
+    dtype); return what its attention reads, ``[batch, kv_heads, held + n, head_dim]`` in the model dtype: the held
+    tokens (store dequantized, ring oldest first) followed by the chunk. A cache that holds nothing yet returns the
+    chunk alone, exactly as DynamicCache would. Keeps the chunk in ``layer.chunk`` for :func:`attend` (one host
+    read of ``seen``: eager only)."""
+    seen = int(layer.seen)
+    layer.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
+    if layer.growable:
+        layer.grown_to = seen + keys.shape[2]
+    if not layer.chunk["held"]:
+        return keys.to(layer.dtype), values.to(layer.dtype)
+    held_keys, held_values = layer._held_store()
+    parts_k, parts_v = [held_keys], [held_values]
+    if layer.ring is not None:
+        order = layer.ring.order(seen)
+        parts_k.append(layer.ring.keys.index_select(2, order).to(layer.dtype))
+        parts_v.append(layer.ring.values.index_select(2, order).to(layer.dtype))
+    parts_k.append(keys.to(layer.dtype))
+    parts_v.append(values.to(layer.dtype))
+    return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+
+def attend(layer, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
+    """SDPA of ``query`` ``[batch, q_heads, n, head_dim]`` over what :func:`update` returned (``keys``/``values``)
+    with a mask built from the slot validity and the model's own causal + padding mask for the chunk
+    (``attention_mask`` ``[batch | 1, 1, n, n]`` or ``None``); the probability sums for the scores; then the
+    chunk's eviction and layout (:func:`settle`). Returns ``[batch, q_heads, n, head_dim]``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    chunk, layer.chunk = layer.chunk, None
+    n, batch = query.shape[2], query.shape[0]
+    if layer.fused:  # the decode steps' scratch, allocated eagerly before a compiled step needs it
+        from ..kernels import slot_attention
+
+        slot_attention.layer_scratch(layer, query.shape[1])
+    new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
+    if new_block is not None and new_block.dtype != torch.bool:
+        new_block = new_block > torch.finfo(new_block.dtype).min / 2
+    eye = torch.eye(n, dtype=torch.bool, device=query.device)
+    real = torch.ones(batch, n, dtype=torch.bool, device=query.device)
+    if new_block is not None:
+        real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)
+        new_block = new_block | eye  # a padding query sees itself: no fully masked row
+    mask = new_block
+    if chunk["held"]:
+        held_valid = layer.head_positions() >= 0
+        if layer.ring is not None:
+            ring_positions = layer.ring.positions.index_select(1, layer.ring.order(chunk["seen"]))
+            held_valid = torch.cat((held_valid, (ring_positions >= 0).unsqueeze(1).expand(-1, layer.kv_heads, -1)), 2)
+        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
+        mask = torch.cat(
+            (held_valid.unsqueeze(2).expand(-1, -1, n, -1), causal.expand(batch, layer.kv_heads, n, n)), dim=3
+        )
+    group = query.shape[1] // layer.kv_heads
+    sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
+    output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
+    sums = None
+    if layer.with_scores:
+        sums = layer.policy.chunk_scores(query, keys, mask, scaling, layer.score_chunk_size)
+    settle(layer, chunk, real, sums)
+    return output.transpose(1, 2)
+
+
+def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:
+    """Evict down to the capacity over (store, ring, chunk) by the policy's priority, then lay the survivors
+    out: the newest ``residual`` tokens in the ring, older kept ones from the ring and the chunk quantized
+    once into empty slots. ``real`` bool ``[batch, n]``: chunk tokens that are not padding."""
+    seen, keys, values = chunk["seen"], chunk["keys"], chunk["values"]
+    n, slots, size = keys.shape[2], layer.store.slots, layer.residual
+    device, heads = layer.device, layer.kv_heads
+    new_positions = torch.where(real, torch.arange(seen, seen + n, device=device), -1)
+    tail_keys, tail_values, tail_positions = keys, values, new_positions
+    tail_scores = torch.zeros(layer.batch, heads, n, device=device) if layer.with_scores else None
+    if layer.ring is not None:
+        order = layer.ring.order(seen)
+        tail_keys = torch.cat((layer.ring.keys.index_select(2, order), keys), dim=2)
+        tail_values = torch.cat((layer.ring.values.index_select(2, order), values), dim=2)
+        tail_positions = torch.cat((layer.ring.positions.index_select(1, order).long(), new_positions), dim=1)
+        if layer.with_scores:
+            tail_scores = torch.cat((layer.ring.scores.index_select(2, order), tail_scores), dim=2)
+    positions = torch.cat((layer.head_positions().long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
+    scores = None
+    if layer.with_scores:
+        scores = torch.cat((layer._head_scores(), tail_scores), dim=2)
+        covered = scores[..., scores.shape[2] - sums.shape[2] :]
+        decay = layer.policy.score_decay
+        if 0.0 < decay < 1.0:  # A2SF: what was held fades over the chunk's n queries (its own are weighted)
+            scores.mul_(decay**n)
+        covered.add_(sums) if layer.policy.accumulates else covered.copy_(sums)
+    seen += n
+    first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)
+    layer.first_real.copy_(torch.minimum(layer.first_real, first))
+    if layer.capacity is not None:
+        priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity)
+        keep = layer._keep(priority, positions)
+    else:
+        keep = positions >= 0
+    layer._settle_store(keep[..., :slots], scores[..., :slots] if layer.with_scores else None)
+    if layer.with_scores:
+        tail_scores = scores[..., slots:]
+    if layer.ring is not None:  # the newest `size` positions, all inside the recent window
+        ring_positions = torch.where(keep[:, 0, -size:], tail_positions[:, -size:], -1)
+        layer.ring.write(
+            tail_keys[:, :, -size:], tail_values[:, :, -size:], ring_positions,
+            None if tail_scores is None else tail_scores[..., -size:], seen,
+        )
+    layer._store_incoming(keep[..., slots : slots + n], tail_keys[:, :, :n], tail_values[:, :, :n],
+                         tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n])
+    layer.seen.fill_(seen)
