@@ -130,11 +130,11 @@ def layer_steps(cache, modules, inputs):
 
 
 class LaunchCounter:
-    """Counts launches of the Triton kernels of :mod:`h2o_compress.kernels.slot_attention` (patches their
+    """Counts launches of the Triton kernels of :mod:`h2o_compress.attention.slot_attention` (patches their
     ``run``; works for compiled kernels and under ``TRITON_INTERPRET=1``)."""
 
     def __init__(self):
-        from h2o_compress.kernels import slot_attention
+        from h2o_compress.attention import slot_attention
 
         self.kernels = [slot_attention._slot_partial_kernel, slot_attention._slot_combine_kernel]
         self.count = 0

@@ -8,7 +8,7 @@ what a user who wants speed runs). Ours: h2o 0.2 int4 (and 16-bit) eager and com
 the same number of greedy tokens through the same step function; settings are interleaved round-robin
 ``repeats`` times and the median decode time is reported. Compilation happens in a warm-up run per setting and
 length (a fresh compile per length), outside the timings (its seconds are reported). "ours eager" is what the CLI
-runs by default on CPU: the decode step of each layer is one call of the CPU kernel (``kernels/cpu_decode.c``). Writes ``--out`` (JSON) and the same path with ``.md``
+runs by default on CPU: the decode step of each layer is one call of the CPU kernel (``attention/cpu_decode.c``). Writes ``--out`` (JSON) and the same path with ``.md``
 (a markdown table), and prints the table; ratios are against the best of the three baselines at each length.
 """
 

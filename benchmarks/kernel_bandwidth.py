@@ -5,7 +5,7 @@ the card's measured copy bandwidth in a kernel microbenchmark ... register press
     python benchmarks/kernel_bandwidth.py --out benchmarks/results/kernel_bandwidth_cpu.json
     python benchmarks/kernel_bandwidth.py --device cuda       # H100/H200: resources + measured bandwidth, ~2 min
 
-``h2o_compress::slot_decode_attention`` (``h2o_compress/kernels/slot_attention.py``) over one layer's buffers at
+``h2o_compress::slot_decode_attention`` (``h2o_compress/attention/slot_attention.py``) over one layer's buffers at
 two shapes: ``llama-7b`` (issue 14's 16k x batch 16 at budget 0.2: batch 16, 32 KV heads, head_dim 128, 3,277
 slots + a ring of 3) and ``smollm2`` (batch 1, 3 KV heads x 3 query heads, head_dim 64, 1k at 0.2), for int4, int8
 and 16-bit storage (group 32, H2O scores on, an fp16 or bf16 model: ``--dtype``), and for every launch option
@@ -27,7 +27,7 @@ program reads per loop iteration, and the **bytes in flight per SM** (programs x
 warm-up, median of 5) and the bytes it must move (codes, scales and zeros, positions, ring, scores read + written,
 logits written + read, split partials) per second are reported against the card's copy bandwidth measured in the
 same run (read + write of 2 GiB, ``gpu_throughput.copy_bandwidth``); the best option per format and shape is
-named, so the launch per format (``LAUNCH`` in ``h2o_compress/kernels/__init__.py``, chosen from the resources
+named, so the launch per format (``LAUNCH`` in ``h2o_compress/attention/launch.py``, chosen from the resources
 alone so far) can follow the measurement.
 
 Writes ``--out`` (JSON), the same name with ``.md`` (tables) and ``.png`` (bytes in flight per SM, and with a GPU the
@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, what the JIT compiles with; no warning
-from h2o_compress.kernels import LaunchOptions, launch_for  # noqa: E402  (no Triton: kernels/slot_attention is lazy)
+from h2o_compress.attention.launch import LaunchOptions, launch_for  # noqa: E402  (no Triton: attention/slot_attention is lazy)
 
 SPILL_TOLERANCE = 16  # bytes of spills an option may have and still be picked from the resources alone (LAUNCH's rule)
 SM90 = dict(registers=65536, shared=228 * 1024, reserved_shared=1024, warps=64, programs=32)
@@ -126,7 +126,7 @@ def compile_sm90(shape: Shape, bits: int, block: int, warps: int, stages: int, m
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from h2o_compress.kernels import slot_attention as sa
+    from h2o_compress.attention import slot_attention as sa
 
     fn = sa._slot_partial_kernel
     strides = "q_b q_h k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n r_b r_h r_n".split()
@@ -188,7 +188,7 @@ def make_inputs(shape: Shape, bits: int, device, plan, dtype: str = "fp16"):
     """Random buffers of one layer (every slot and ring token valid) and the op's keyword arguments."""
     import torch
 
-    from h2o_compress.kernels import slot_attention as sa
+    from h2o_compress.attention import slot_attention as sa
 
     act = torch.float16 if dtype == "fp16" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
@@ -239,7 +239,7 @@ def measure(shape: Shape, bits: int, block: int, warps: int, stages: int, max_re
     """Median seconds per op call over 5 timings of ``repeats`` calls (CUDA events), and the bytes it moves."""
     import torch
 
-    from h2o_compress.kernels import slot_attention as sa
+    from h2o_compress.attention import slot_attention as sa
 
     device = torch.device("cuda")
     plan = sa.plan_splits(shape.batch, shape.kv_heads, shape.slots, shape.ring, device=device,
@@ -272,7 +272,7 @@ def render(data: dict) -> str:
                        + (f", cap {o['max_registers']}" if o["max_registers"] else "")
                        for bits, o in data["defaults"].items())
     lines += ["", "Resources: compiled for sm_90 with Triton's ptxas (no GPU needed); programs/SM and bytes in flight "
-              f"are derived (see the script's docstring). Defaults (`h2o_compress.kernels.LAUNCH`): {launch}.", ""]
+              f"are derived (see the script's docstring). Defaults (`h2o_compress.attention.launch.LAUNCH`): {launch}.", ""]
     gpu = any("gb_per_s" in row for row in data["rows"])
     for shape in dict.fromkeys(row["shape"] for row in data["rows"]):
         lines += [f"## {shape}", "", "| bits | block | warps | stages | cap | registers | spill B | shared KiB | "

@@ -89,8 +89,8 @@ class CompressionConfig:
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
         attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
-            one call of the native kernel of :mod:`h2o_compress.kernels.cpu`, built once with the system C
-            compiler; on CUDA, the Triton op of :mod:`h2o_compress.kernels.slot_attention`: attention and H2O
+            one call of the native kernel of :mod:`h2o_compress.attention.cpu`, built once with the system C
+            compiler; on CUDA, the Triton op of :mod:`h2o_compress.attention.slot_attention`: attention and H2O
             scoring over the slots in two launches, traced by ``torch.compile``; elsewhere, or without a compiler
             or Triton, the torch form), ``torch`` (the torch form: torch code over the slots, which
             ``torch.compile`` fuses) or ``triton`` (the Triton op always: an error where it cannot run; on the CPU

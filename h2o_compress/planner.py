@@ -21,7 +21,7 @@ from .config import ALLOWED_GROUP_SIZES, MAX_RESIDUAL, CompressionConfig
 from .errors import ConfigError, short
 from .files import read_json
 from .policies import POLICIES
-from .kernels import decode_scratch_bytes, launch_for
+from .attention.launch import decode_scratch_bytes, launch_for
 from .known_models import ModelSpec, resolve_model
 from .models import ModelDims, resolve_dtype
 from .weights import loaded_weights_bits
@@ -244,7 +244,7 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
     decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
     ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
-    (:func:`h2o_compress.kernels.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
+    (:func:`h2o_compress.attention.launch.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
     allocate it; a head-adaptive cache, mixed precision and the bitsandbytes formats neither: they decode in the
     torch form, a head-adaptive one reading ``kv_heads x`` the kept tokens per head),
     plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`; none for

@@ -27,7 +27,7 @@ POLICIES = sorted(REGISTERED)  # every registered policy
 
 def setting(policy: str, bits: int, kernel: str = "auto") -> CompressionConfig:
     """Capacity 12 of 44 tokens: about two evictions per three steps, the ring (2 tokens) turning every step.
-    ``kernel="auto"`` runs the CPU kernel's step (kernels/cpu.py), ``"torch"`` the torch form."""
+    ``kernel="auto"`` runs the CPU kernel's step (attention/cpu.py), ``"torch"`` the torch form."""
     budget = 1.0 if policy == "full" else 12
     return CompressionConfig(
         policy=policy, budget=budget, kv_bits=bits, residual=2, sink_tokens=None, attention_kernel=kernel
@@ -127,7 +127,7 @@ def test_compiled_full_budget_16bit_equals_dynamic_cache(arch):
 def test_a_host_read_in_the_step_would_fail_the_capture(kernel):
     """The check above can fail: a decode step that reads a tensor on the host breaks the fullgraph capture."""
     from h2o_compress.cache import CompressedLayer
-    from h2o_compress.kernels import cpu
+    from h2o_compress.attention import cpu
 
     model = TINY_MODELS["llama"]()
     owner, name = (cpu, "decode_layer") if kernel == "auto" else (CompressedLayer, "_after_decode")

@@ -1,4 +1,4 @@
-"""The CPU decode kernel (``h2o_compress/kernels/cpu_decode.c``) against the cache's torch form.
+"""The CPU decode kernel (``h2o_compress/attention/cpu_decode.c``) against the cache's torch form.
 
 Both forms run the same decode steps over the same buffers; the kernel must keep the same tokens (positions
 identical in every layer) and give the same logits up to float summation order (16 bits: 1e-5; quantized: a
@@ -22,7 +22,7 @@ from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.config import HEAD_ADAPTIVE_POLICIES
 from h2o_compress.compiled import decode_step
 from h2o_compress.policies import make_policy
-from h2o_compress.kernels import cpu
+from h2o_compress.attention import cpu
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler: the CPU kernel cannot be built")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2o_compress.kernels import slot_attention
+from h2o_compress.attention import slot_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import decode_launches  # noqa: E402

@@ -138,7 +138,7 @@ def test_compiled_decode_matches_eager(policy, bits, kernel):
     """``torch.compile(fullgraph=True)`` over the decode step (no graph break, no host read), buffers written in
     place, the eager logits, the layer at its budget on every step; the torch form and (``auto`` on the CPU) the
     native kernel."""
-    from h2o_compress.kernels import cpu
+    from h2o_compress.attention import cpu
 
     model = tiny_llama()
     config = adaptive(policy=policy, budget=12, kv_bits=bits, residual=2, attention_kernel=kernel)

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_llama
 
 from h2o_compress import CacheStateError, CompressionConfig, make_cache
-from h2o_compress import attention as attention_module
+from h2o_compress.attention import interface as attention_module
 from h2o_compress.cache import CompressedLayer
 
 CONFIG = CompressionConfig(budget=10, kv_bits=4, residual=2)

@@ -21,7 +21,7 @@ from test_compile import eager_and_compiled, run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
-from h2o_compress.kernels import slot_attention
+from h2o_compress.attention import slot_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and slot_attention.supported(torch.device("cpu"), 32, ()) is not None,

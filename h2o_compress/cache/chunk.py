@@ -51,7 +51,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, **kwargs
     chunk, layer.chunk = layer.chunk, None
     n, batch = query.shape[2], query.shape[0]
     if layer.fused:  # the decode steps' scratch, allocated eagerly before a compiled step needs it
-        from ..kernels import slot_attention
+        from ..attention import slot_attention
 
         slot_attention.layer_scratch(layer, query.shape[1])
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None

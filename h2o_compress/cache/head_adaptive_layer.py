@@ -16,7 +16,7 @@ ring take the lowest free slots of the pool, attention reads the pool (dequantiz
 and the ring with validity ``position >= 0 & owner == head``, each slot's score is its owner's probability, and
 while the layer holds more than ``kv_heads x C`` tokens the lowest-priority pool token over all heads is evicted
 (at most ``kv_heads`` per step, one masked argmin each). Multi-token steps keep the flat top ``kv_heads x C``.
-On the CPU the step is one call of the native kernel (``kernels/cpu_decode.c`` reads the head tags: each head's
+On the CPU the step is one call of the native kernel (``attention/cpu_decode.c`` reads the head tags: each head's
 leaving token takes the lowest free slot, its attention reads the slots it owns) and the eviction above follows it;
 elsewhere the torch form (the Triton op assumes per-head slots).
 """

@@ -11,8 +11,8 @@ token goes into the ring, the token it replaces is quantized once and written in
 store, attention reads the store (dequantized) and the ring with a validity mask, the probabilities are added to
 the scores, and the lowest-priority token outside the sinks and the recent window is marked empty (masked argmin
 + scatter), all in place. ``torch.compile(fullgraph=True)`` captures it. Attention runs one of three ways: the CPU
-kernel (:func:`h2o_compress.kernels.cpu.decode_layer`, the whole step in one call), the Triton op on CUDA
-(:func:`h2o_compress.kernels.slot_attention.decode_layer`, attention and scores in two launches) or torch code.
+kernel (:func:`h2o_compress.attention.cpu.decode_layer`, the whole step in one call), the Triton op on CUDA
+(:func:`h2o_compress.attention.slot_attention.decode_layer`, attention and scores in two launches) or torch code.
 Multi-token steps (prefill, chunked prefill, continuing a saved prompt) run eagerly over the same buffers
 (:mod:`.chunk`): attention over the held tokens and the chunk, then the policy's top-``capacity`` selection, then
 the same layout.
@@ -32,7 +32,8 @@ from ..attention import announce, decode_attention, withdraw
 from ..errors import CacheStateError, ConfigError, InputError
 from ..policies import EvictionPolicy
 from ..policies.base import NO_POSITION as NO_REAL_TOKEN, keep_top
-from ..kernels import cpu as cpu_kernel, mark_static_address
+from ..attention import cpu as cpu_kernel
+from ..attention.launch import mark_static_address
 from ..memory import available_memory
 from ..formats import BitsAndBytesQuantizer, KVQuantizer
 from . import chunk
@@ -132,8 +133,8 @@ class CompressedLayer(CacheLayerMixin):
         self.grown_to = 0  # host count of tokens seen, kept only by unbounded caches of unknown length
         self.chunk: dict | None = None  # a multi-token step between update() and attend()
         self.decode_valid: torch.Tensor | None = None
-        self.native = False  # decode steps run the CPU kernel (kernels/cpu.py), set at the first token
-        self.fused = False  # decode steps run the Triton op (kernels/slot_attention.py), set at the first token
+        self.native = False  # decode steps run the CPU kernel (attention/cpu.py), set at the first token
+        self.fused = False  # decode steps run the Triton op (attention/slot_attention.py), set at the first token
         self.scratch = None  # the Triton op's DecodeScratch (workspace, not cache state: not in tensors())
         self.leaving = None  # fused decode: the token entering the store (full precision) and its slot
         self.reference_seen: torch.Tensor | None = None  # layer 0's count, set by the container (native flag check)
@@ -225,7 +226,7 @@ class CompressedLayer(CacheLayerMixin):
         return self.store.slots
 
     def _fused_kernel(self, formats) -> bool:
-        """Whether decode steps run the Triton op :func:`~h2o_compress.kernels.slot_attention.slot_decode_attention`
+        """Whether decode steps run the Triton op :func:`~h2o_compress.attention.slot_attention.slot_decode_attention`
         (``auto``: on CUDA when Triton imports and the formats are supported; ``triton``: always, or an error).
 
         Raises:
@@ -236,7 +237,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.attention_kernel == "auto" and self.device.type != "cuda":
             return False
         try:
-            from ..kernels import slot_attention
+            from ..attention import slot_attention
         except ImportError as exc:
             reason = f"Triton does not import ({exc})"
         else:
@@ -501,7 +502,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.key_basis is not None and not fused:  # keys are held as k @ H: q.k = (q @ H).(k @ H), H orthonormal
             query = (query.float() @ self.key_basis).to(query.dtype)
         if fused:  # the op applies both bases in its own launches
-            from ..kernels import slot_attention
+            from ..attention import slot_attention
 
             output = slot_attention.decode_layer(self, query, scaling)
             self._evict()

@@ -34,7 +34,7 @@ import torch
 from ..errors import ConfigError
 from ..formats import IntQuantizer
 from ..formats.split import SplitIntQuantizer
-from ..kernels import mark_static_address
+from ..attention.launch import mark_static_address
 from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
 from .refinement import RefinedPlanes

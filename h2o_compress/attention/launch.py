@@ -1,7 +1,6 @@
-"""Fused GPU kernels over the compressed KV cache.
-
-Nothing here imports Triton at package import time: :mod:`.decode_attention` (Triton) is imported lazily by
-callers that run on a GPU, and :mod:`.reference` is its pure-torch specification.
+"""How the decode kernels launch, without importing Triton (the planner sizes their scratch offline): the split
+count of flash-decoding (:func:`split_count`), the launch options per storage width (:data:`LAUNCH`), the bytes of a
+layer's scratch (:func:`decode_scratch_bytes`), and static addresses for buffers a CUDA graph replays.
 """
 
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """Fused decode attention (Triton) against the pure-torch reference, on real IntQuantizer storage.
 
-Without a GPU the kernels run under the Triton interpreter (tests/kernels/conftest.py), so sizes stay small.
+Without a GPU the kernels run under the Triton interpreter (tests/attention/conftest.py), so sizes stay small.
 Every case reads the stored tokens and the window through views of larger buffers whose extra tokens are
 NaN/garbage, and the kernel's scratch buffers are pre-filled with NaN, so a read past the valid length or of
 an element never written shows up as a wrong or non-finite result.
@@ -16,9 +16,9 @@ from conftest import compile_for_sm90
 
 pytest.importorskip("triton")
 
-from h2o_compress.kernels import decode_attention as da  # noqa: E402
-from h2o_compress.kernels.decode_attention import choose_splits, fused_decode_attention  # noqa: E402
-from h2o_compress.kernels.reference import reference_decode_attention  # noqa: E402
+from h2o_compress.attention import prefix_attention as da  # noqa: E402
+from h2o_compress.attention.prefix_attention import choose_splits, fused_decode_attention  # noqa: E402
+from h2o_compress.attention.reference import reference_decode_attention  # noqa: E402
 from h2o_compress.formats.base import StoredTensor  # noqa: E402
 from h2o_compress.formats.integer import IntQuantizer  # noqa: E402
 
@@ -196,7 +196,7 @@ def test_kernels_compile_for_h100():
     typo that the interpreter forgives fails here rather than on the first GPU run."""
     pytest.importorskip("triton.backends.nvidia")
     compile_for_sm90("""
-        from h2o_compress.kernels import decode_attention as da
+        from h2o_compress.attention import prefix_attention as da
         ints = ("q_b q_h q_d k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n "
                 "seq_len split_tokens slot_base token_base num_slots total_tokens")
         for q, dot, k_fmt, v_fmt, head_dim, group_size, group in [

@@ -16,7 +16,8 @@ from conftest import compile_for_sm90
 pytest.importorskip("triton")
 
 from h2o_compress.attention import decode_attention  # noqa: E402
-from h2o_compress.kernels import LaunchOptions, launch_for, slot_attention as sa  # noqa: E402
+from h2o_compress.attention import slot_attention as sa  # noqa: E402
+from h2o_compress.attention.launch import LaunchOptions, launch_for  # noqa: E402
 from h2o_compress.formats.base import StoredTensor  # noqa: E402
 from h2o_compress.formats.integer import IntQuantizer  # noqa: E402
 
@@ -217,7 +218,7 @@ def test_launch_per_format_keeps_more_bytes_in_flight_on_h100():
         import sys
         sys.path.insert(0, "benchmarks")
         import kernel_bandwidth as kb
-        from h2o_compress.kernels import launch_for
+        from h2o_compress.attention.launch import launch_for
         for shape in kb.SHAPES.values():
             for bits in (4, 8, 16):
                 o = launch_for(bits, bits)
@@ -298,7 +299,7 @@ def test_dynamo_captures_the_op_fullgraph():
 def test_planner_counts_the_scratch(batch, kv_heads, group, slots, ring, scores):
     """The planner's figure (no Triton) is the scratch's real size, and the planner's workspace includes it."""
     from h2o_compress import CompressionConfig
-    from h2o_compress.kernels import decode_scratch_bytes
+    from h2o_compress.attention.launch import decode_scratch_bytes
     from h2o_compress.known_models import resolve_model
     from h2o_compress.planner import workspace_bytes
     from transformers import LlamaConfig
@@ -323,7 +324,7 @@ def test_slot_kernels_compile_for_h100():
     bf16 queries, with and without scores and ring: what the interpreter forgives fails here."""
     pytest.importorskip("triton.backends.nvidia")
     compile_for_sm90("""
-        from h2o_compress.kernels import slot_attention as sa
+        from h2o_compress.attention import slot_attention as sa
         ints = ("q_b q_h k_b k_h k_n ksz_b ksz_h ksz_n v_b v_h v_n vsz_b vsz_h vsz_n r_b r_h r_n slots ring_size "
                 "store_splits split_tokens ring_split_tokens num_slots total")
         for q, dot, k_fmt, v_fmt, head_dim, group_size, group, scores, rotate in [

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 ATTENTION_NAME = "h2o_compress"
 

@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import LaunchOptions, launch_for, mark_static_address, power_of_two
-from .decode_attention import _load_tokens, _sm_count, choose_splits
+from .launch import LaunchOptions, launch_for, mark_static_address, power_of_two
+from .prefix_attention import _load_tokens, _sm_count, choose_splits
 
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
 BLOCK_S = 8  # split partials merged per iteration of the combine kernel
@@ -262,7 +262,7 @@ class SplitPlan:
 def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count: int | None = None,
                 device: torch.device | None = None, launch: LaunchOptions = LaunchOptions()) -> SplitPlan:
     """The split counts for ``slots`` store slots and a ring of ``ring_size`` (chosen once per layer shape from the
-    capacity, never per call: :func:`~h2o_compress.kernels.decode_attention.choose_splits`, 2-4 programs per SM),
+    capacity, never per call: :func:`~h2o_compress.attention.prefix_attention.choose_splits`, 2-4 programs per SM),
     in blocks of ``launch.block`` tokens."""
     sms = sm_count if sm_count is not None else _sm_count(device or torch.device("cpu"))
     store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), launch.block, sms)
@@ -424,7 +424,7 @@ def _(query, *args, **kwargs):
 def layer_scratch(layer, q_heads: int) -> DecodeScratch:
     """The :class:`DecodeScratch` of ``layer`` (a :class:`~h2o_compress.cache.layer.CompressedLayer` whose decode
     steps run this op) for ``q_heads`` query heads, allocated once per shape (batch, slots) with the split plan of
-    that shape and the launch of its storage width (:func:`~h2o_compress.kernels.launch_for`), kept as
+    that shape and the launch of its storage width (:func:`~h2o_compress.attention.launch.launch_for`), kept as
     ``layer.scratch``. Eager steps allocate it (at the prefill, or the first decode step); a compiled step finds
     it."""
     ring = 0 if layer.ring is None else layer.ring.size

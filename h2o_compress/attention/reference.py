@@ -1,4 +1,4 @@
-"""Pure-torch specification of :func:`h2o_compress.kernels.decode_attention.fused_decode_attention`.
+"""Pure-torch specification of :func:`h2o_compress.attention.prefix_attention.fused_decode_attention`.
 
 Dequantizes the stored tokens with the real quantizer, appends the full-precision window and computes
 ``softmax(q k^T * scaling) v`` in fp32 with GQA, plus the per-key probability sums H2O accumulates (Zhang et

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..formats.base import StoredTensor
-from . import H100_SMS, power_of_two, split_count
+from .launch import H100_SMS, power_of_two, split_count
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def _sm_count(device: torch.device) -> int:
 def choose_splits(
     batch: int, kv_heads: int, tokens: int, block_tokens: int, sm_count: int = H100_SMS
 ) -> tuple[int, int]:
-    """``(num_splits, split_tokens)`` for ``tokens`` tokens (:func:`h2o_compress.kernels.split_count`)."""
+    """``(num_splits, split_tokens)`` for ``tokens`` tokens (:func:`h2o_compress.attention.launch.split_count`)."""
     return split_count(batch, kv_heads, tokens, block_tokens, sm_count)
 
 

@@ -1,0 +1,23 @@
+"""Attention over the compressed KV cache: the ``h2o_compress`` attention function and its decode kernels.
+
+- :mod:`.interface`: the attention function transformers calls (``AttentionInterface``), the side channel from
+  a cache layer to it, the torch form of decode attention over the slots, and the chunked H2O scorer.
+- :mod:`.cpu` (+ ``cpu_decode.c``): a layer's whole decode step in one native call on the CPU (a custom op under
+  ``torch.compile``).
+- :mod:`.slot_attention`: the Triton op ``h2o_compress::slot_decode_attention``, decode attention over the slots
+  on CUDA with the H2O scores fused; :mod:`.launch`: its split plan and launch options (no Triton import).
+- :mod:`.prefix_attention` (Triton flash-decoding over stored tensors, a benchmark reference) and
+  :mod:`.reference` (its pure-torch specification).
+
+Importing this package imports neither Triton nor the native kernel: the kernel modules load on first use.
+"""
+
+from .interface import (
+    ATTENTION_NAME, announce, attention_probability_sums, decode_attention, h2o_attention_forward,
+    register_attention, use_h2o_attention, withdraw,
+)
+
+__all__ = [
+    "ATTENTION_NAME", "announce", "attention_probability_sums", "decode_attention", "h2o_attention_forward",
+    "register_attention", "use_h2o_attention", "withdraw",
+]
