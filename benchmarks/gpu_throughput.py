@@ -40,10 +40,10 @@ from peers.common import transformers_cache_bytes  # noqa: E402  (every tensor a
 
 import h2o_compress  # noqa: E402
 from h2o_compress import CompressionConfig, load_model, make_cache  # noqa: E402
-from h2o_compress.known_models import resolve_model  # noqa: E402
+from h2o_compress.planner.known_models import resolve_model  # noqa: E402
 from h2o_compress.models import DTYPES  # noqa: E402
 from h2o_compress.planner import (  # noqa: E402
-    _forward_peak, cache_bytes, format_bytes, graph_pool_bytes, parse_memory, runs_decode_op,
+    cache_bytes, format_bytes, forward_peak_bytes, graph_pool_bytes, parse_memory, runs_decode_op,
 )
 from h2o_compress.profiling.corpus import load_text, tokenize_text  # noqa: E402
 from h2o_compress.profiling.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
@@ -176,7 +176,7 @@ def replicates(setting: Setting, args) -> bool:
 def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torch.dtype) -> tuple[int, int, int]:
     """Predicted (cache bytes, workspace bytes, CUDA-graph pool bytes) of a run: the planner's exact cache bytes
     for ours and the uncompressed caches, an estimate for QuantizedCache; workspace = the larger of a prefill chunk
-    and a decode step (``planner._forward_peak``), plus the batch-1 cache while it is replicated; the pool of a
+    and a decode step (``planner.forward_peak_bytes``), plus the batch-1 cache while it is replicated; the pool of a
     compiled run = ``planner.graph_pool_bytes`` (a decode step's buffers; ours with the Triton op reads the cache
     in place), 0 for eager runs."""
     size, d = torch.empty((), dtype=dtype).element_size(), spec.dims
@@ -193,8 +193,8 @@ def estimate(spec, setting: Setting, batch: int, context: int, args, dtype: torc
         per_element = 1 if setting.backend == "fp8" else 0.5 + 4 / QC_GROUP
         cache, kept = int(elements * ((context + steps) * per_element + QC_RESIDUAL * size)), context + steps
     prefill_batch = 1 if replicates(setting, args) else batch
-    work = max(_forward_peak(spec, config, prefill_batch, args.chunk, min(kept, context) + args.chunk, size),
-               _forward_peak(spec, config, batch, 1, kept + 1, size))
+    work = max(forward_peak_bytes(spec, config, prefill_batch, args.chunk, min(kept, context) + args.chunk, size),
+               forward_peak_bytes(spec, config, batch, 1, kept + 1, size))
     fused = setting.kind == "ours" and runs_decode_op(config, adaptive=config.head_budgets == "adaptive")
     pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if setting.compiled else 0
     return cache, work + (cache // batch if prefill_batch == 1 and batch > 1 else 0), pool

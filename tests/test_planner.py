@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from h2o_compress import CompressionConfig, ConfigError, ModelLoadError, generate, make_cache
 from h2o_compress.cli import app
 from h2o_compress.policies import POLICIES
-from h2o_compress.known_models import _key, known_models, resolve_model
+from h2o_compress.planner.known_models import _key, known_models, resolve_model
 from h2o_compress.models import model_dims
 from h2o_compress.planner import (
     cache_bytes, candidates, choose, choose_for_prompt, describe, load_quality, parse_memory, plan, weight_bytes,
@@ -496,7 +496,7 @@ def test_compiled_plans_count_the_cuda_graph_pool_of_the_decode_step():
     """A compiled decode step keeps its buffers in the CUDA graph's private pool, beside the prefill's: the
     workspace grows by ``graph_pool_bytes`` (one decode pass; the Triton op reads the cache in place, the torch form
     of head-adaptive and mixed-precision layers reads every kept token), bitsandbytes rows (eager) by nothing."""
-    from h2o_compress.planner import _forward_peak, graph_pool_bytes
+    from h2o_compress.planner import forward_peak_bytes, graph_pool_bytes
 
     spec = resolve_model("llama-2-7b")
     args = dict(memory="80GiB", batch=16, prompt_len=4000, gen_len=96, budgets=(0.2, 1.0), bits=(16, 4),
@@ -506,7 +506,7 @@ def test_compiled_plans_count_the_cuda_graph_pool_of_the_decode_step():
     for with_pool, without in zip(compiled.rows, eager.rows):
         assert with_pool.config == without.config
         pool = graph_pool_bytes(spec, with_pool.config, 16, with_pool.cache.kept, torch.float16, fused=True)
-        assert pool == _forward_peak(spec, with_pool.config, 16, 1, 0, 2) > 16 * spec.vocab_size * 2
+        assert pool == forward_peak_bytes(spec, with_pool.config, 16, 1, 0, 2) > 16 * spec.vocab_size * 2
         assert with_pool.workspace_bytes - without.workspace_bytes == pool
     nf4 = dict(args, bits=(4,), quant="nf4")
     assert [r.workspace_bytes for r in plan("llama-2-7b", compiled=True, **nf4).rows] == \

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from h2o_compress import CompressionConfig, generate, load_model
 from h2o_compress.cli import app
 from h2o_compress.errors import ConfigError, ModelLoadError
-from h2o_compress.known_models import resolve_model
+from h2o_compress.planner.known_models import resolve_model
 from h2o_compress.planner import weight_bytes
 from h2o_compress.prompt_cache import prefill
 from h2o_compress.weights import (

@@ -41,7 +41,7 @@ def plan(
     compression: Compression = None,
 ):
     """Plan memory: which compression settings fit, the largest batch and context for each, and a pick."""
-    from ..plan_view import print_plan
+    from ..planner.view import print_plan
     from ..planner import parse_list
     from ..planner import plan as run_plan
 

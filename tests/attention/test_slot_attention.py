@@ -300,7 +300,7 @@ def test_planner_counts_the_scratch(batch, kv_heads, group, slots, ring, scores)
     """The planner's figure (no Triton) is the scratch's real size, and the planner's workspace includes it."""
     from h2o_compress import CompressionConfig
     from h2o_compress.attention.launch import decode_scratch_bytes
-    from h2o_compress.known_models import resolve_model
+    from h2o_compress.planner.known_models import resolve_model
     from h2o_compress.planner import workspace_bytes
     from transformers import LlamaConfig
 

@@ -6,7 +6,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .planner import PlanReport, format_bytes
+from .plan import PlanReport
+from .units import format_bytes
 
 
 def plan_table(report: PlanReport) -> Table:

@@ -1,0 +1,26 @@
+"""Memory-budget planner: a memory limit -> a compression setting, and a setting -> bytes.
+
+- :mod:`.sizes`: bytes of the KV cache (exact: the same layer and quantizer objects the cache is built from,
+  :func:`h2o_compress.cache.build_layers`, at the end state of a :func:`h2o_compress.generate` run; DESIGN.md §2,
+  Memory accounting), of the weights (exact for 16-bit, bitsandbytes' formats for 8/4-bit) and of the workspace
+  (an estimate of the largest forward pass, the Triton op's scratch and a compiled step's CUDA-graph pool).
+- :mod:`.settings`: setting names, the candidate grid, quality read from a profile report.
+- :mod:`.plan`: :func:`plan` (every candidate against a limit), :func:`choose` and :func:`choose_for_prompt`.
+- :mod:`.known_models`: model shapes that plan offline (``data/known_models.json``), or a loaded model's.
+- :mod:`.units`: memory amounts, lists, headroom; :mod:`.view`: the ``h2o-compress plan`` table (rich).
+"""
+
+from .known_models import ModelSpec, resolve_model
+from .plan import PlanReport, PlanRow, choose, choose_for_prompt, describe_choice, plan
+from .settings import candidates, describe, load_quality
+from .sizes import (
+    CacheBytes, cache_bytes, forward_peak_bytes, graph_pool_bytes, runs_decode_op, weight_bytes, workspace_bytes,
+)
+from .units import format_bytes, parse_headroom, parse_list, parse_memory
+
+__all__ = [
+    "CacheBytes", "ModelSpec", "PlanReport", "PlanRow", "cache_bytes", "candidates", "choose", "choose_for_prompt",
+    "describe", "describe_choice", "format_bytes", "forward_peak_bytes", "graph_pool_bytes", "load_quality",
+    "parse_headroom", "parse_list", "parse_memory", "plan", "resolve_model", "runs_decode_op", "weight_bytes",
+    "workspace_bytes",
+]

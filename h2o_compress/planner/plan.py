@@ -1,0 +1,274 @@
+"""The memory-budget planner: a memory limit -> the best setting that fits (:func:`plan`, :func:`choose`), with the
+largest batch and context each setting allows."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from ..compiled import compiles_by_default
+from ..config import CompressionConfig
+from ..errors import ConfigError, short
+from ..models import ModelDims, resolve_dtype
+from ..weights import loaded_weights_bits
+from .known_models import ModelSpec, resolve_model
+from .settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
+from .sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
+from .units import format_bytes, parse_headroom, parse_memory
+
+MAX_BATCH = 2**20
+MAX_CONTEXT = 2**24
+
+
+@dataclass
+class PlanRow:
+    """One candidate setting evaluated at the requested batch and lengths (bytes; tokens for lengths).
+
+    ``max_batch`` is the largest batch that fits at the requested lengths, ``max_context`` the longest
+    prompt + generation (generation length fixed) that fits at the requested batch, both 0 when none does.
+    ``quality`` is the profile report's metric, lower is better (``None`` without a report entry).
+    """
+
+    config: CompressionConfig
+    cache: CacheBytes
+    weight_bytes: int
+    workspace_bytes: int
+    total_bytes: int
+    fits: bool
+    max_batch: int
+    max_context: int
+    quality: float | None = None
+    kv_dtype: str = "float16"
+
+    @property
+    def label(self) -> str:
+        """Short description, e.g. ``h2o 25% int4 g32 r8`` or ``full 32-bit`` (an fp32 cache)."""
+        return describe(self.config, self.kv_dtype)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["config"] = self.config.to_dict()
+        out["cache"]["total"] = self.cache.total
+        out["label"] = self.label
+        return out
+
+
+@dataclass
+class PlanReport:
+    """The planner's answer: every candidate evaluated, and the recommended one (``None`` if nothing fits).
+
+    ``order`` says how the recommendation was ranked: ``bytes`` (least compressed first) or the profile
+    report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache at the same tokens (DESIGN.md §2).
+    ``compiled``: whether the workspace counts the CUDA-graph pool of the compiled decode step
+    (:func:`graph_pool_bytes`; rows in a bitsandbytes format decode eagerly and count none).
+    """
+
+    model: str
+    dims: ModelDims
+    memory_limit: int
+    batch: int
+    prompt_len: int
+    gen_len: int
+    weights_bits: int
+    dtype: str
+    weight_bytes: int
+    fp16_cache_bytes: int
+    model_context: int | None
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    order: str = "bytes"
+    notes: list[str] = field(default_factory=list)
+    headroom_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+    compiled: bool = False
+
+    @property
+    def usable_bytes(self) -> int:
+        """The memory a setting may use: the limit less the headroom."""
+        return self.memory_limit - self.headroom_bytes
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("rows", "recommended")}
+        out["rows"] = [row.to_dict() for row in self.rows]
+        out["recommended"] = self.recommended.to_dict() if self.recommended else None
+        return out
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """Largest n in [low, high] with ``fits(n)`` (monotone: true then false), ``low - 1`` if none."""
+    if not fits(low):
+        return low - 1
+    good, step = low, 1
+    while good + step <= high and fits(good + step):  # grow geometrically, then bisect
+        good, step = good + step, step * 2
+    bad = min(good + step, high + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def _positive(name: str, value, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ConfigError(f"{name}={short(value)} is invalid; allowed: an integer >= 1, at most {maximum}")
+    return value
+
+
+def plan(
+    model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, weights_bits: int = 16,
+    dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
+    group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
+    sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, high_bits_fraction: float = 0.0,
+    head_budgets: str = "uniform", layer_budgets="uniform", compiled: bool | None = None,
+) -> PlanReport:
+    """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
+
+    For each candidate (:func:`candidates`): exact cache bytes after ``generate`` with a ``prompt_len``-token
+    prompt and ``gen_len`` new tokens at ``batch`` (seen = prompt + gen - 1, capacity from prompt + gen),
+    weight bytes, an activation/workspace estimate, whether the sum fits, the largest batch and the longest
+    context that fit. The recommendation is the fitting setting of best quality in the ``profile`` report, else
+    the least compressed (most cache bytes) that fits.
+
+    Args:
+        model: a local model directory, a known model name, a transformers config or a loaded model (then its
+            exact weight bytes and dtype are used, and ``weights_bits``/``dtype`` are ignored).
+        memory: the limit, bytes or a string like ``"24GiB"``.
+        batch, prompt_len, gen_len: sequences, prompt tokens, new tokens.
+        weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
+        dtype: compute and KV dtype name (default ``float16``).
+        profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
+        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, high_bits_fraction,
+            head_budgets, layer_budgets: the candidate grid (:func:`candidates`).
+        headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
+            ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
+            fits when its total is at most ``memory - headroom``.
+        trust_remote_code: let a model directory with an ``auto_map`` be read (off: refused).
+        compiled: count the CUDA-graph pool of the compiled decode step in the workspace. ``None``: as
+            ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
+            weights (:func:`h2o_compress.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
+            card: the CUDA default compiles).
+
+    Returns:
+        A :class:`PlanReport`, rows ordered by quality (with a profile) or by cache bytes, largest first.
+
+    Raises:
+        ModelLoadError: unknown model (the message lists the known ones).
+        ConfigError: a bad memory string, headroom, length, batch, bit width, dtype or candidate value (lengths
+            at most :data:`MAX_CONTEXT` tokens, batch at most :data:`MAX_BATCH`).
+    """
+    if compiled is not None and not isinstance(compiled, bool):
+        raise ConfigError(f"compiled={short(compiled)} is invalid; allowed: True, False or None (auto)")
+    limit = parse_memory(memory)
+    reserve = parse_headroom(headroom, limit)
+    usable = limit - reserve
+    for name, value, maximum in (("batch", batch, MAX_BATCH), ("prompt_len", prompt_len, MAX_CONTEXT),
+                                 ("gen_len", gen_len, MAX_CONTEXT)):
+        _positive(name, value, maximum)
+    spec = resolve_model(model, trust_remote_code=trust_remote_code)
+    kv_dtype = spec.dtype or resolve_dtype(dtype or "float16", torch.device("cpu"))
+    if spec.dtype is not None and spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ConfigError(f"loaded model dtype {spec.dtype} is not supported; allowed: float16, bfloat16, float32")
+    weights = weight_bytes(spec, weights_bits, kv_dtype)
+    if compiled is None:
+        compiled = _compiled_by_default(model, spec, weights_bits)
+    warnings: list[str] = []
+    quality = load_quality(profile, warnings) if profile is not None else {}
+    grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
+                      sink_tokens, high_bits_fraction, head_budgets, layer_budgets)
+    if not grid:
+        raise ConfigError(
+            f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "
+            "and 16 bits was not among the bit widths"
+        )
+
+    def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
+        cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual,
+                               compiled)
+        return cache, work, weights + cache.total + work
+
+    rows = []
+    for config in grid:
+        cache, work, need = total(config, batch, prompt_len)
+        longest_prompt = _largest(lambda p: total(config, batch, p)[2] <= usable, 1, MAX_CONTEXT)
+        rows.append(PlanRow(
+            config=config, cache=cache, weight_bytes=weights, workspace_bytes=work, total_bytes=need,
+            fits=need <= usable, max_batch=_largest(lambda b: total(config, b, prompt_len)[2] <= usable, 1, MAX_BATCH),
+            max_context=longest_prompt + gen_len if longest_prompt else 0, quality=quality.get(_setting_key(config)),
+            kv_dtype=str(kv_dtype).removeprefix("torch."),
+        ))
+    rows.sort(key=lambda r: (r.quality is None, r.quality or 0.0, -r.cache.total))
+    notes = []
+    if spec.max_context and prompt_len + gen_len > spec.max_context:
+        notes.append(f"prompt + gen = {prompt_len + gen_len} tokens exceeds the model's context of {spec.max_context}")
+    if any(b < 16 for b in bits) and all(spec.dims.head_dim % g for g in group_sizes):
+        notes.append(f"no group size in {list(group_sizes)} divides head_dim={spec.dims.head_dim}: 16-bit settings only")
+    fp16 = spec.dims.fp16_bytes_per_token * batch * (prompt_len + gen_len - 1)
+    return PlanReport(
+        model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+        weights_bits=weights_bits if spec.loaded_bytes is None else loaded_weights_bits(model),
+        dtype=str(kv_dtype).removeprefix("torch."),
+        weight_bytes=weights, fp16_cache_bytes=fp16, model_context=spec.max_context, rows=rows,
+        recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,
+        headroom_bytes=reserve, warnings=warnings, compiled=compiled,
+    )
+
+
+def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:
+    """Whether ``generate`` would compile the decode step of ``model`` by default (see :func:`plan`)."""
+    if spec.loaded_bytes is None:
+        return weights_bits == 16
+    return compiles_by_default(next(model.parameters()).device, model)
+
+
+def choose(model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, **options) -> PlanRow:
+    """The setting :func:`plan` recommends (same arguments), or an error saying the smallest memory that fits.
+
+    Raises:
+        ConfigError: nothing fits; the message names the smallest memory any candidate needs and that setting.
+    """
+    report = plan(model, memory, batch, prompt_len, gen_len, **options)
+    if report.recommended is not None:
+        return report.recommended
+    smallest = min(report.rows, key=lambda r: r.total_bytes)
+    raise ConfigError(
+        f"no setting fits in {format_bytes(report.memory_limit)} for batch {batch}, {prompt_len} + {gen_len} tokens: "
+        f"the smallest, {smallest.label}, needs {format_bytes(smallest.total_bytes)} ({smallest.total_bytes} bytes: "
+        f"weights {format_bytes(smallest.weight_bytes)}, KV cache {format_bytes(smallest.cache.total)}, workspace "
+        f"{format_bytes(smallest.workspace_bytes)})"
+    )
+
+
+def describe_choice(row: PlanRow, memory) -> str:
+    """One line saying what the planner picked for ``memory`` and what it costs (``generate --memory-limit``)."""
+    return (
+        f"memory limit {format_bytes(parse_memory(memory))}: picked {row.label} (weights "
+        f"{format_bytes(row.weight_bytes)} + KV cache {format_bytes(row.cache.total)} + workspace "
+        f"{format_bytes(row.workspace_bytes)} = {format_bytes(row.total_bytes)})"
+    )
+
+
+def choose_for_prompt(
+    model, tokenizer, prompt: str, memory, max_new_tokens: int = 128, chat: bool = True,
+    base: CompressionConfig | None = None, **options,
+) -> PlanRow:
+    """The setting for one :func:`h2o_compress.generate` call within ``memory`` (the ``--memory-limit`` path).
+
+    Tokenizes ``prompt`` as ``generate`` does, then :func:`choose` at batch 1 for the loaded ``model`` (its exact
+    weight bytes and dtype). ``base`` gives the policy, heavy ratio, sinks, quant format and residual; the
+    planner picks budget, bits and group size. Use as ``generate(model, tok, prompt, row.config, ...)``.
+
+    Raises:
+        InputError: empty prompt.
+        ConfigError: nothing fits (the message names the smallest memory that would).
+    """
+    from ..generation import encode_prompt
+
+    base = base or CompressionConfig()
+    prompt_len = encode_prompt(tokenizer, prompt, chat).shape[1]
+    options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),
+               "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, **options}
+    row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
+    row.config = replace(row.config, rotate=base.rotate, score_chunk_size=base.score_chunk_size)
+    return row

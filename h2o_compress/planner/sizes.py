@@ -1,0 +1,222 @@
+"""Bytes of a setting: the KV cache (exact: the same layer and quantizer objects the cache is built from,
+:func:`h2o_compress.cache.build_layers`, at the end state of a :func:`h2o_compress.generate` run; DESIGN.md §2,
+Memory accounting), the weights (exact for 16-bit, bitsandbytes' formats for 8/4-bit), and the workspace (an
+estimate of the largest forward pass, plus the Triton op's scratch and a compiled step's CUDA-graph pool)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.launch import decode_scratch_bytes, launch_for
+from ..cache import build_layers
+from ..config import CompressionConfig
+from ..errors import ConfigError, short
+from ..models import ModelDims
+from ..policies import POLICIES
+from .known_models import ModelSpec
+
+WEIGHT_BITS = (16, 8, 4)
+
+
+NF4_BLOCK = 64  # bitsandbytes' default 4-bit block: one fp32 absmax per 64 weights (no double quantization)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What a :class:`~h2o_compress.CompressedCache` holds, over all layers (bytes) and per layer/head (tokens).
+
+    The cache allocates its buffers once, at the first token (:mod:`h2o_compress.cache`), so these figures hold
+    from the prefill to the last decode step.
+
+    Attributes:
+        capacity: tokens kept per layer and KV head, on average over the layers (``None``: unbounded).
+        kept: tokens held per layer and KV head after the run (``min(capacity, tokens fed)``).
+        slots: slots of the first layer's store (``capacity - residual + 1``, or ``max_length - residual + 1``
+            unbounded; with pyramid layer budgets each layer has its own).
+        residual: slots of the full-precision ring window.
+        packed: bytes of quantized (or 16-bit stored) keys and values, every slot.
+        scales: bytes of scales, zero points and absmax values, every slot.
+        window: bytes of the ring window's keys and values.
+        scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies).
+        positions: bytes of the int32 positions (store and ring), of the 8-bit tokens' slot indices
+            (``high_bits_fraction``; their low planes count as ``packed``) and of the int8 head tags of a head-adaptive
+            layer's slot pool (``head_budgets="adaptive"``).
+        counters: bytes of the per-layer counters (tokens seen, first real token per sequence, finite flag).
+    """
+
+    capacity: int | None
+    kept: int
+    slots: int
+    residual: int
+    packed: int
+    scales: int
+    window: int
+    scores: int
+    positions: int
+    counters: int
+
+    @property
+    def total(self) -> int:
+        """Everything ``cache.nbytes()`` counts (bytes)."""
+        return self.packed + self.scales + self.window + self.scores + self.positions + self.counters
+
+
+_CATEGORIES = (
+    ("scores", ("scores",)), ("positions", ("positions", "refine.slots", "owner")), ("window", ("ring.keys", "ring.values")),
+    ("packed", (".data", ".x")), ("scales", (".scale_zero", ".absmax")), ("counters", ("seen", "first_real", "finite", "consistent")),
+)
+
+
+def cache_bytes(
+    dims: ModelDims, config: CompressionConfig, batch: int, prompt_len: int, decode_steps: int = 0,
+    max_length: int | None = None, kv_dtype: torch.dtype = torch.float16,
+) -> CacheBytes:
+    """Exact ``cache.nbytes()`` of a cache built for ``max_length`` tokens, after a ``prompt_len``-token prefill
+    and ``decode_steps`` one-token steps (the buffers are allocated once, so the bytes do not change with them).
+
+    ``generate`` with ``n`` new tokens makes ``n - 1`` decode steps and builds the cache for ``max_length =
+    prompt + n``. Built from a real layer allocated on the ``meta`` device (no memory): the same code sizes the
+    planner's figures and the cache's buffers.
+
+    Args:
+        dims: KV geometry of the model.
+        config: the compression setting.
+        batch: sequences.
+        prompt_len, decode_steps: tokens of the prefill step, number of one-token steps after it.
+        max_length: tokens the cache was built for (default ``prompt_len + decode_steps + 1``).
+        kv_dtype: dtype of the keys/values the model produces (its compute dtype).
+
+    Raises:
+        ConfigError: a group size not dividing ``head_dim``.
+    """
+    if max_length is None:
+        max_length = prompt_len + decode_steps + 1
+    capacity = config.capacity(max_length)
+    if capacity is not None:
+        capacity = min(capacity, max_length)
+    empty = torch.empty(batch, dims.kv_heads, 0, dims.head_dim, dtype=kv_dtype, device="meta")
+    sizes = {name: 0 for name, _ in _CATEGORIES}
+    # every layer alike: size one, count it num_layers times ("global" spreads the same total by the scores, and a
+    # layer's bytes are affine in its capacity, so the total is uniform's)
+    if config.layer_budgets in ("uniform", "global"):
+        layers, repeat = build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length), dims.num_layers
+    else:
+        layers, repeat = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length), 1
+    for layer in layers:
+        layer.lazy_initialization(empty, empty)
+        for name, tensor in layer.tensors().items():
+            category = next(c for c, keys in _CATEGORIES if any(name.endswith(k) or name == k for k in keys))
+            sizes[category] += tensor.numel() * tensor.element_size() * repeat
+    seen = prompt_len + decode_steps
+    kept = seen if capacity is None else min(capacity, seen)
+    first = layers[0]
+    return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes)
+
+
+def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights: exact for a loaded model and for unquantized (``weights_bits=16``) ones.
+
+    8 bits: LLM.int8 (bitsandbytes ``load_in_8bit``): one byte per Linear weight + one fp32 scale per output
+    row. 4 bits: NF4/FP4 (``load_in_4bit``): half a byte per Linear weight + one fp32 absmax per 64 weights.
+    The output head, embeddings, norms and biases stay in ``dtype``.
+
+    Raises:
+        ConfigError: ``weights_bits`` not 16, 8 or 4.
+    """
+    if weights_bits not in WEIGHT_BITS or isinstance(weights_bits, bool):
+        raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: 16, 8, 4")
+    if spec.loaded_bytes is not None:
+        return spec.loaded_bytes
+    size = _element_size(dtype)
+    if weights_bits == 16:
+        return spec.num_parameters * size
+    rest = (spec.num_parameters - spec.linear_parameters) * size
+    if weights_bits == 8:
+        return rest + spec.linear_parameters + 4 * spec.linear_rows
+    return rest + math.ceil(spec.linear_parameters / 2) + 4 * math.ceil(spec.linear_parameters / NF4_BLOCK)
+
+
+def forward_peak_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, queries: int, keys: int,
+                       size: int) -> int:
+    """Estimated live bytes of one forward pass of ``batch`` x ``queries`` new tokens against ``keys`` keys per
+    layer, with activations of ``size`` bytes per element: the residual stream, the MLP intermediates, the
+    attention scores or the keys/values a layer materialises, and the last position's logits."""
+    d, tokens = spec.dims, batch * queries
+    residual_stream = 4 * tokens * spec.hidden_size * size  # hidden states, normed input, attention/MLP outputs
+    qkv = tokens * (d.num_heads + 2 * d.kv_heads) * d.head_dim * size
+    # one layer's keys/values as the cache returns them, plus their copies repeated to the query heads (GQA)
+    kv = 2 * batch * keys * d.head_dim * (d.kv_heads + (d.num_heads if d.num_heads != d.kv_heads else 0)) * size
+    dequant = 2 * batch * keys * d.kv_heads * d.head_dim * 4 if config.quantized else 0  # fp32 (de)quantize temporaries
+    scoring = 0
+    if POLICIES[config.policy].needs_scores:  # two fp32 [chunk x keys] tensors per query head, fp32 keys
+        chunk = min(config.score_chunk_size, queries)
+        scoring = batch * keys * 4 * (2 * d.num_heads * chunk + d.kv_heads * d.head_dim)
+    mlp = 3 * tokens * spec.intermediate_size * size
+    logits = batch * spec.vocab_size * size  # generate() keeps the logits of the last position only
+    return residual_stream + max(qkv + kv + dequant + scoring, mlp, logits)
+
+
+def graph_pool_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, kept: int, dtype: torch.dtype,
+                     fused: bool) -> int:
+    """Estimated bytes of the CUDA-graph pool of the compiled decode step (``mode="reduce-overhead"``).
+
+    A captured step allocates its intermediate buffers (and its logits output) from the graph's private pool, which
+    stays reserved while the graph lives, beside the memory the eager prefill uses: so it adds to the prefill's
+    peak instead of sharing it. Estimated as one decode forward pass (1 query per sequence): with the Triton op
+    (``fused``) the cache is read in place (its scratch is counted by :func:`workspace_bytes`), without it the step
+    materialises the ``kept + 1`` keys and values as attention reads them. An estimate: the pool itself is
+    measured on a GPU by ``benchmarks/gpu_throughput.py`` (``graph_pool_bytes`` against this figure).
+    """
+    return forward_peak_bytes(spec, config, batch, 1, 0 if fused else kept + 1, _element_size(dtype))
+
+
+def runs_decode_op(config: CompressionConfig, adaptive: bool) -> bool:
+    """Whether a CUDA cache with ``config`` decodes through the Triton op (and keeps its per-layer scratch): uniform
+    heads (not ``adaptive``: a head-adaptive layer that evicts), no mixed precision, 16 bits or the ``int`` formats
+    (the bitsandbytes formats decode eagerly in the torch form), and ``attention_kernel`` other than ``torch``."""
+    eager_only = config.quantized and config.quant != "int"
+    return (not adaptive and config.high_bits_fraction == 0 and not eager_only
+            and config.attention_kernel != "torch")
+
+
+def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, kept: int,
+                    dtype: torch.dtype, slots: int | None = None, residual: int = 0, compiled: bool = False) -> int:
+    """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
+    decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
+    ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
+    (:func:`h2o_compress.attention.launch.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
+    allocate it; a head-adaptive cache, mixed precision and the bitsandbytes formats neither: they decode in the
+    torch form, a head-adaptive one reading ``kv_heads x`` the kept tokens per head),
+    plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`; none for
+    the bitsandbytes formats, which decode eagerly).
+
+    Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
+    temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
+    memory-efficient attention (no ``queries x keys`` matrix, no padding mask); excludes the CUDA context and
+    allocator fragmentation (leave ~0.5-1 GiB for them).
+    """
+    size = _element_size(dtype)
+    scratch = 0
+    adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
+    eager_only = config.quantized and config.quant != "int"  # bitsandbytes formats: torch form, never compiled
+    fused = slots is not None and runs_decode_op(config, adaptive)
+    if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
+        kept *= spec.dims.kv_heads
+    elif fused:
+        d = spec.dims
+        with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
+        block = launch_for(config.key_bits, config.value_bits).block
+        scratch = d.num_layers * decode_scratch_bytes(
+            batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
+    pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled and not eager_only else 0
+    return scratch + pool + max(
+        forward_peak_bytes(spec, config, batch, prompt_len, prompt_len, size),
+        forward_peak_bytes(spec, config, batch, 1, kept + 1, size),
+    )
