@@ -3,7 +3,7 @@
     python benchmarks/ask_defaults.py --lengths 1024 --trials 3 --budget 0.2 --kv-bits 4
 
 Passkey retrieval on the real SmolLM2 with the haystack compressed before the question is read
-(:func:`h2o_compress.profiling.needle.needle_eval` with ``protocol="compress-then-ask"``), the same prompts for
+(:func:`h2o_compress.evaluation.needle.needle_eval` with ``protocol="compress-then-ask"``), the same prompts for
 every setting (same seed), at one budget and bit width: policies h2o / h2o-mean / snapkv / tova / strided at heavy
 ratio 0.5 and 0.9, kvzip and lookahead at 0.9, h2o 0.9 with pyramid layer budgets, and the uncompressed reference. Prints a table and writes
 ``--out`` (JSON) and the same path with ``.md``. ``--settings`` picks some of them, ``--head-budgets
@@ -26,8 +26,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from h2o_compress import CompressionConfig, load_model
-from h2o_compress.profiling.corpus import load_text
-from h2o_compress.profiling.needle import needle_eval
+from h2o_compress.evaluation.corpus import load_text
+from h2o_compress.evaluation.needle import needle_eval
 
 SETTINGS = {  # name: CompressionConfig fields besides budget and bits
     "h2o 0.5": {"policy": "h2o", "heavy_ratio": 0.5},

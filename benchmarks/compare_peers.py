@@ -211,8 +211,8 @@ class Worker:
 
 def build_inputs(tokenizer, grid: dict, seed: int) -> dict:
     """Token ids of every input, made once with the main environment's tokenizer."""
-    from h2o_compress.profiling.corpus import default_corpus
-    from h2o_compress.profiling.needle import make_haystack, plant_needle
+    from h2o_compress.evaluation.corpus import default_corpus
+    from h2o_compress.evaluation.needle import make_haystack, plant_needle
 
     corpus = default_corpus()
     rng = random.Random(seed)
@@ -355,7 +355,7 @@ def speed_methods(grid: dict, length: int) -> list[tuple[str, dict]]:
 
 
 def summarize_needle(records: list[dict], methods: list[dict], inputs: dict, tokenizer) -> list[dict]:
-    from h2o_compress.profiling.needle import is_correct
+    from h2o_compress.evaluation.needle import is_correct
 
     rows = []
     for method in methods:

@@ -45,9 +45,9 @@ from h2o_compress.models import DTYPES  # noqa: E402
 from h2o_compress.planner import (  # noqa: E402
     cache_bytes, format_bytes, forward_peak_bytes, graph_pool_bytes, parse_memory, runs_decode_op,
 )
-from h2o_compress.profiling.corpus import load_text, tokenize_text  # noqa: E402
-from h2o_compress.profiling.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
-from h2o_compress.profiling.stream import sync  # noqa: E402  (cuda synchronize; no-op on CPU)
+from h2o_compress.evaluation.corpus import load_text, tokenize_text  # noqa: E402
+from h2o_compress.evaluation.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
+from h2o_compress.evaluation.stream import sync  # noqa: E402  (cuda synchronize; no-op on CPU)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

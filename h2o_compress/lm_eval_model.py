@@ -31,7 +31,7 @@ context + continuation, so a cache that evicts after that pass changes nothing i
 - **loglikelihood_rolling** (perplexity tasks such as wikitext): each of lm-eval's disjoint windows (at most
   ``max_length`` tokens) streams through its own compressed cache ``chunk_size`` tokens per forward pass (default 1:
   exact decode semantics, every token attends only to the kept, possibly quantized, cache; the budget fraction is
-  relative to the window), as ``h2o-compress eval perplexity`` does (:func:`h2o_compress.profiling.stream.read_stream`).
+  relative to the window), as ``h2o-compress eval perplexity`` does (:func:`h2o_compress.evaluation.stream.read_stream`).
 
 At ``budget=1.0`` and 16 bits nothing is evicted or quantized, and the scores are lm-eval's ``hf`` model's (the
 log-likelihoods equal to float reassociation: the context and continuation are computed in two passes).
@@ -51,7 +51,7 @@ from .errors import ConfigError, short
 from .generation import make_cache, make_scored_cache
 from .prompt_cache import prefill
 from .models import DEFAULT_MODEL, load_model
-from .profiling.stream import check_count, read_stream
+from .evaluation.stream import check_count, read_stream
 
 try:
     from lm_eval.api.registry import register_model

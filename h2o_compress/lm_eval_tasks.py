@@ -56,7 +56,7 @@ def check_task_options(tasks: Sequence[str], limit: int | None = None, include_p
     Raises:
         ConfigError: no task name, or a bad ``limit``. InputError: ``include_path`` is not a directory.
     """
-    from .profiling.stream import check_count
+    from .evaluation.stream import check_count
 
     if not tasks or any(not isinstance(name, str) or not name.strip() for name in tasks):
         raise ConfigError(f"{option} {short(', '.join(map(str, tasks)))} names no task (or an empty one); allowed: "

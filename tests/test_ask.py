@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-from profiling.profiling_helpers import save_tiny_lm, tiny_lm
+from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
 from typer.testing import CliRunner
 
 from h2o_compress import ASK_DEFAULTS, CompressionConfig, ConfigError, InputError, ask, compress, make_cache
 from h2o_compress.ask import SEPARATOR, CompressedContext
 from h2o_compress.cli import app
 from h2o_compress.generation import encode_prompt
-from h2o_compress.profiling import default_corpus
+from h2o_compress.evaluation import default_corpus
 
 CONTEXT = default_corpus()[:1500]
 
@@ -304,7 +304,7 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
     recent window."""
     from h2o_compress import context_scores, generate
     from h2o_compress.generation import make_scored_cache
-    from h2o_compress.profiling.needle import answer_prompt
+    from h2o_compress.evaluation.needle import answer_prompt
 
     asked, computed = [], []
     real = context_scores.lookahead_scores
@@ -320,7 +320,7 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
                                lookahead_request=request_text)
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
     made = []
-    module = "h2o_compress.profiling.needle" if entry == "needle" else "h2o_compress.generation"
+    module = "h2o_compress.evaluation.needle" if entry == "needle" else "h2o_compress.generation"
     real_make = make_scored_cache
     monkeypatch.setattr(f"{module}.make_scored_cache",
                         lambda *args, **kwargs: made.append(real_make(*args, **kwargs)) or made[-1])
@@ -427,7 +427,7 @@ def test_question_agnostic_scoring_runs_on_every_architecture(tiny_model, policy
 
 def test_bad_inputs_of_compress_then_ask_are_refused():
     from h2o_compress import CacheStateError, ConfigError
-    from h2o_compress.profiling.needle import check_needle_args
+    from h2o_compress.evaluation.needle import check_needle_args
 
     model, tokenizer = tiny_lm()
     empty = make_cache(model, CompressionConfig(budget=0.25, kv_bits=4), max_length=40)

@@ -261,7 +261,7 @@ def test_generate_leaves_the_compiled_steps_warm_up_out_of_the_decode_speed(monk
 
 
 def test_greedy_decode_leaves_untimed_passes_out(monkeypatch):
-    from h2o_compress.profiling import stream
+    from h2o_compress.evaluation import stream
 
     model = TINY_MODELS["llama"]()
     seconds = {}

@@ -173,7 +173,7 @@ def test_nan_in_a_cuda_decode_step_is_caught_by_the_check():
 def test_compiled_perplexity_equals_eager_on_cuda():
     """Issue 14's quality check: ``eval perplexity --device cuda`` gives the same figure with the compiled step
     (Triton op, CUDA graph) as with ``--no-compile`` (eager, same op), fp16, with evictions and int4 storage."""
-    from h2o_compress.profiling import streaming_perplexity
+    from h2o_compress.evaluation import streaming_perplexity
 
     model = tiny_llama().to(CUDA, torch.float16)
     ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(3))

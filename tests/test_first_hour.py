@@ -69,12 +69,12 @@ def test_compression_options_are_declared_once_in_a_leaf_module():
     assert {"--quant", "--heavy-ratio", "--sink-tokens"} <= _long_options(_command("plan"))
 
 
-def test_profiling_no_longer_imports_the_cli():
-    code = "import sys, h2o_compress.profiling; print(any(m.startswith('h2o_compress.cli') for m in sys.modules))"
+def test_evaluation_does_not_import_the_cli():
+    code = "import sys, h2o_compress.evaluation; print(any(m.startswith('h2o_compress.cli') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "False", out.stderr
-    assert not (REPO / "h2o_compress" / "profiling" / "cli.py").exists()
+    assert not (REPO / "h2o_compress" / "evaluation" / "cli.py").exists()
 
 
 def test_console_script_entry_point_is_kept():
@@ -113,7 +113,7 @@ def test_settings_without_a_recent_window_are_refused(config, capacity, message)
 def test_one_colour_per_policy_and_one_marker_per_bit_width():
     from h2o_compress.config import ALLOWED_BITS
     from h2o_compress.policies import POLICIES
-    from h2o_compress.profiling.report import bits_marker, policy_color
+    from h2o_compress.evaluation.report import bits_marker, policy_color
 
     colours = [policy_color(p) for p in POLICIES]
     assert len(set(colours)) == len(colours), dict(zip(POLICIES, colours))

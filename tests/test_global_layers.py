@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import TINY_MODELS
-from profiling.profiling_helpers import save_tiny_lm, tiny_lm
+from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
 from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, ConfigError, compress, generate, make_cache
@@ -19,7 +19,7 @@ from h2o_compress.generation import encode_prompt, make_scored_cache
 from h2o_compress.models import model_dims
 from h2o_compress.planner import cache_bytes
 from h2o_compress.policies import make_policy
-from h2o_compress.profiling import default_corpus
+from h2o_compress.evaluation import default_corpus
 
 TEXT = default_corpus()[:1200]
 

@@ -274,12 +274,12 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     """``h2o_compress.compress`` with kvzip: each layer keeps, over both heads together, the tokens the
     reconstruction attends most (plus each head's recent window); asking twice gives the same answer and leaves the
     compressed context as it was."""
-    from profiling.profiling_helpers import tiny_lm
+    from evaluation.evaluation_helpers import tiny_lm
 
     from h2o_compress import ask, compress
     from h2o_compress.context_scores import reconstruction_scores
     from h2o_compress.generation import encode_prompt
-    from h2o_compress.profiling import default_corpus
+    from h2o_compress.evaluation import default_corpus
 
     text = default_corpus()[:400]
     model, tokenizer = tiny_lm()
@@ -311,7 +311,7 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
 
 def test_plan_and_profile_sweep_take_the_head_budgets():
     from h2o_compress.planner import candidates, describe
-    from h2o_compress.profiling.profile import ProfileSettings, label
+    from h2o_compress.evaluation.profile import ProfileSettings, label
 
     grid = candidates(64, policies=("h2o",), budgets=(1.0, 0.2), bits=(4,), group_sizes=(32,), head_budgets="adaptive")
     assert [c.head_budgets for c in grid] == ["uniform", "adaptive"]  # budget 1.0 keeps everything: nothing to share

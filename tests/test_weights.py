@@ -265,7 +265,7 @@ def test_cli_refuses_bad_placement_in_one_line_before_any_side_effect(tmp_path, 
 
 def test_profile_settings_carry_the_placement_to_the_loader(monkeypatch, tmp_path):
     import h2o_compress.models as models
-    from h2o_compress.profiling.profile import ProfileSettings, _load
+    from h2o_compress.evaluation.profile import ProfileSettings, _load
 
     with pytest.raises(ConfigError, match="weights_bits=3 is not supported"):
         ProfileSettings(placement={"weights_bits": 3})

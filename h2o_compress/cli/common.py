@@ -33,7 +33,7 @@ def user_errors(fn):
 
 def set_threads(threads: Optional[int]) -> None:
     """Apply ``--threads N`` to torch (``None``: leave torch's default). Raises ConfigError for N < 1."""
-    from ..profiling.stream import check_count
+    from ..evaluation.stream import check_count
 
     if threads is None:
         return

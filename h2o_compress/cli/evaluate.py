@@ -82,9 +82,9 @@ def perplexity_command(
     compression: Compression = None, placement: dict = None,
 ):
     """Streaming perplexity: the text is read through the compressed cache chunk by chunk."""
-    from ..profiling.corpus import load_text
-    from ..profiling.perplexity import text_perplexity
-    from ..profiling.stream import check_count
+    from ..evaluation.corpus import load_text
+    from ..evaluation.perplexity import text_perplexity
+    from ..evaluation.stream import check_count
 
     config = compression.config()
     check_compile(compile_step, config)
@@ -138,8 +138,8 @@ def needle_command(
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
-    from ..profiling.corpus import load_text
-    from ..profiling.needle import check_needle_args, needle_eval
+    from ..evaluation.corpus import load_text
+    from ..evaluation.needle import check_needle_args, needle_eval
 
     config = compression.config(frozen=protocol == "compress-then-ask")
     check_compile(compile_step, config)
@@ -187,9 +187,9 @@ def agreement_command(
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
-    from ..profiling.agreement import agreement_eval
-    from ..profiling.corpus import load_prompts
-    from ..profiling.stream import check_count
+    from ..evaluation.agreement import agreement_eval
+    from ..evaluation.corpus import load_prompts
+    from ..evaluation.stream import check_count
 
     config = compression.config()
     check_compile(compile_step, config)

@@ -84,9 +84,9 @@ def profile_command(
 ):
     """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity, agreement and optionally
     lm-eval scores, as a report."""
-    from ..profiling.corpus import load_text
-    from ..profiling.profile import ProfileSettings, run_profile
-    from ..profiling.report import load_report, write_report
+    from ..evaluation.corpus import load_text
+    from ..evaluation.profile import ProfileSettings, run_profile
+    from ..evaluation.report import load_report, write_report
 
     if render is not None:
         written = write_report(load_report(render), out)
@@ -115,7 +115,7 @@ def profile_command(
     if text_file is not None:
         load_text(text_file)
     if ray is not None:
-        from ..profiling.ray_sweep import check_address, import_ray
+        from ..evaluation.ray_sweep import check_address, import_ray
 
         check_address(ray)
         import_ray()  # the missing extra is named before anything runs

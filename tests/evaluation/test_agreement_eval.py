@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from profiling_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
+from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
 from h2o_compress.errors import InputError
-from h2o_compress.profiling import agreement_eval, load_prompts, prefix_match_rate, rouge_l, token_match_rate
+from h2o_compress.evaluation import agreement_eval, load_prompts, prefix_match_rate, rouge_l, token_match_rate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from profiling_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
+from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
 from h2o_compress.errors import ConfigError
-from h2o_compress.profiling import extract_answer, is_correct, needle_eval, plant_needle
-from h2o_compress.profiling import needle as needle_module
+from h2o_compress.evaluation import extract_answer, is_correct, needle_eval, plant_needle
+from h2o_compress.evaluation import needle as needle_module
 
 HAY = "The fog was thick. Holmes lit his pipe! Watson waited? The cab did not come. Night fell."
 

@@ -1,5 +1,5 @@
 """Profile reports: derived ratios, then report.json, report.md, PNG plots (matplotlib) and a self-contained
-report.html, all from the dict :func:`h2o_compress.profiling.profile.run_profile` returns."""
+report.html, all from the dict :func:`h2o_compress.evaluation.profile.run_profile` returns."""
 
 from __future__ import annotations
 

@@ -409,7 +409,7 @@ def _progress(show: bool):
 def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, show_progress: bool = True,
                 model=None, tokenizer=None, ray_address: str | None = None, resume: bool = True) -> dict:
     """Run the sweep and return the report dict; with ``out_dir``, also write report.json, report.md, the PNG
-    plots and report.html there (see :func:`h2o_compress.profiling.report.write_report`). report.json is
+    plots and report.html there (see :func:`h2o_compress.evaluation.report.write_report`). report.json is
     rewritten after each configuration (``"complete": false``) so an interrupted sweep keeps its figures.
 
     Resume: with ``out_dir``, each configuration is also saved as it finishes in ``out_dir/rows``

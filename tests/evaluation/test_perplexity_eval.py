@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from profiling_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
+from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
 from h2o_compress.errors import ConfigError, InputError
-from h2o_compress.profiling import reference_perplexity, streaming_perplexity, text_perplexity
-from h2o_compress.profiling.perplexity import stream_nll
+from h2o_compress.evaluation import reference_perplexity, streaming_perplexity, text_perplexity
+from h2o_compress.evaluation.perplexity import stream_nll
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

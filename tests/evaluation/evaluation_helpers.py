@@ -1,4 +1,4 @@
-"""Helpers of the profiling tests: a tiny LLaMA with a small BPE tokenizer trained on the shipped corpus, so
+"""Helpers of the evaluation tests: a tiny LLaMA with a small BPE tokenizer trained on the shipped corpus, so
 English text gives real, varied token ids (vocabulary 128, the tiny model's)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def english_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from h2o_compress.profiling import default_corpus
+    from h2o_compress.evaluation import default_corpus
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
