@@ -29,10 +29,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention import announce, decode_attention, withdraw
-from ..errors import CacheStateError, ConfigError, InputError
+from ..errors import CacheStateError, InputError
 from ..policies import EvictionPolicy
 from ..policies.base import NO_POSITION as NO_REAL_TOKEN, keep_top
 from ..attention import cpu as cpu_kernel
+from ..attention.choice import decode_kernel
 from ..attention.launch import mark_static_address
 from ..memory import available_memory
 from ..formats import BitsAndBytesQuantizer, KVQuantizer
@@ -174,11 +175,9 @@ class CompressedLayer(CacheLayerMixin):
         self.first_real = torch.full((self.batch,), NO_REAL_TOKEN, dtype=torch.int64, device=self.device)
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.consistent = torch.ones((), dtype=torch.bool, device=self.device)
-        formats = (self.key_quantizer, self.value_quantizer)
-        self.native = self.attention_kernel == "auto" and cpu_kernel.supported(
-            self.device, self.dtype, self.residual_dtype, self.head_dim, formats
-        )
-        self.fused = not self.native and self._fused_kernel(formats)
+        kernel = decode_kernel(self.attention_kernel, self.device, self.dtype, self.residual_dtype, self.head_dim,
+                               (self.key_quantizer, self.value_quantizer), self.layer_idx)
+        self.native, self.fused = kernel == "cpu", kernel == "triton"
         if self.device.type != "meta":
             mark_static_address(self.tensors())
         self.is_initialized = True
@@ -224,28 +223,6 @@ class CompressedLayer(CacheLayerMixin):
     def _slots_per_head(self) -> int:
         """Store slots per KV head (a frozen copy keeps as many, plus its extra tokens)."""
         return self.store.slots
-
-    def _fused_kernel(self, formats) -> bool:
-        """Whether decode steps run the Triton op :func:`~h2o_compress.attention.slot_attention.slot_decode_attention`
-        (``auto``: on CUDA when Triton imports and the formats are supported; ``triton``: always, or an error).
-
-        Raises:
-            ConfigError: ``attention_kernel='triton'`` for a layer the kernel cannot run, naming why.
-        """
-        if self.device.type == "meta" or self.attention_kernel == "torch":
-            return False
-        if self.attention_kernel == "auto" and self.device.type != "cuda":
-            return False
-        try:
-            from ..attention import slot_attention
-        except ImportError as exc:
-            reason = f"Triton does not import ({exc})"
-        else:
-            reason = slot_attention.supported(self.device, self.head_dim, formats)
-        if reason is not None and self.attention_kernel == "triton":
-            raise ConfigError(f"attention_kernel='triton' cannot run layer {self.layer_idx}: {reason}; allowed: "
-                              "attention_kernel='auto' or 'torch'")
-        return reason is None
 
     def _check_fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse, before allocating, buffers that the device cannot hold: this layer's bytes (sized on the
@@ -595,9 +572,6 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     # -- batch operations ------------------------------------------------------------------------------
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.tensors().items() if k not in ("seen", "finite", "consistent")}
-
     def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """Copy saved buffers (names of :meth:`tensors`, same shapes) into this initialised layer, in place."""
         held = self.tensors()
@@ -606,24 +580,17 @@ class CompressedLayer(CacheLayerMixin):
 
     def _map_batch(self, fn, in_place: bool) -> None:
         """Apply ``fn`` (acting on dim 0) to every batch-major buffer: in place when the batch keeps its size
-        (beam reordering keeps the static addresses), else by re-building the containers."""
+        (beam reordering keeps the static addresses), else by re-building the containers' buffers."""
         if not self.is_initialized:
             return
         if in_place:
-            for tensor in self._buffers().values():
-                tensor.copy_(fn(tensor))
+            for name, tensor in self.tensors().items():
+                if name not in ("seen", "finite", "consistent"):  # 0-dim counters and flags: no batch dim
+                    tensor.copy_(fn(tensor))
             return
-        for holder in (self.store, self.ring):
-            if holder is None:
-                continue
-            for attr in ("keys", "values", "positions", "scores", "owner"):
-                value = getattr(holder, attr, None)
-                if value is None:
-                    continue
-                if hasattr(value, "parts"):
-                    setattr(holder, attr, value.map_batch(fn))
-                else:
-                    setattr(holder, attr, fn(value))
+        self.store.map_batch(fn)
+        if self.ring is not None:
+            self.ring.map_batch(fn)
         self.first_real = fn(self.first_real)
         self.batch = self.first_real.shape[0]
 

@@ -40,6 +40,12 @@ class RingWindow:
             held["scores"] = self.scores
         return held
 
+    def map_batch(self, fn) -> None:
+        """Replace every buffer by ``fn`` of it (a function of one tensor acting on the batch dim 0)."""
+        self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        if self.scores is not None:
+            self.scores = fn(self.scores)
+
     def push(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor):
         """Decode step: write one token (``[batch, kv_heads, 1, head_dim]`` at 0-dim int64 ``position``) into its
         slot and return the token it replaces: ``(keys, values, positions int32 [batch, 1], scores [batch,

@@ -42,6 +42,11 @@ class SlotPool(SlotStore):
         """Every buffer, by name (:class:`SlotStore`'s and ``owner``)."""
         return super().tensors() | {"owner": self.owner}
 
+    def map_batch(self, fn) -> None:
+        """:meth:`SlotStore.map_batch`, and the ``owner`` tags."""
+        super().map_batch(fn)
+        self.owner = fn(self.owner)
+
     def head_mask(self) -> torch.Tensor:
         """bool ``[batch, kv_heads, pool_slots]``: slot ``s`` holds a token of head ``h``."""
         heads = torch.arange(self.heads, device=self.owner.device).view(1, -1, 1)

@@ -86,6 +86,14 @@ class SlotStore:
         them with ``positions >= 0``). A 16-bit store returns its own buffers (no copy)."""
         return key_quantizer.dequantize(self.keys, dtype), value_quantizer.dequantize(self.values, dtype)
 
+    def map_batch(self, fn) -> None:
+        """Replace every buffer by ``fn`` of it (a function of one tensor acting on the batch dim 0: beam search
+        and batch selection re-build the buffers)."""
+        self.keys, self.values = self.keys.map_batch(fn), self.values.map_batch(fn)
+        self.positions = fn(self.positions)
+        if self.scores is not None:
+            self.scores = fn(self.scores)
+
     def resize(self, slots: int) -> None:
         """Grow to ``slots`` slots, keeping every held token where it is (unbounded caches without a known
         length; never in a compiled step)."""

@@ -1,0 +1,44 @@
+"""Which kernel runs a layer's decode attention (one rule, decided once per layer at its first token)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from . import cpu
+
+KERNELS = ("cpu", "triton", "torch")
+
+
+def decode_kernel(attention_kernel: str, device: torch.device, dtype: torch.dtype, storage_dtype: torch.dtype,
+                  head_dim: int, formats, layer_idx: int = 0) -> str:
+    """The decode kernel of a layer on ``device`` with model ``dtype``, window / 16-bit storage ``storage_dtype``,
+    ``head_dim`` and key/value quantizers ``formats``, for the ``attention_kernel`` the user asked for (``auto``,
+    ``torch`` or ``triton``; :class:`~h2o_compress.CompressionConfig`):
+
+    - ``"cpu"``: the whole step in one native call (:mod:`.cpu`), for ``auto`` on a CPU where the kernel builds;
+    - ``"triton"``: the op of :mod:`.slot_attention`, for ``auto`` on CUDA where Triton imports and reads the
+      formats, and always for ``triton`` (or an error);
+    - ``"torch"``: torch code that ``torch.compile`` fuses, otherwise (and on ``meta``, sizing a cache).
+
+    Raises:
+        ConfigError: ``attention_kernel='triton'`` for a layer the op cannot run, naming why.
+    """
+    if attention_kernel == "auto" and cpu.supported(device, dtype, storage_dtype, head_dim, formats):
+        return "cpu"
+    if device.type == "meta" or attention_kernel == "torch":
+        return "torch"
+    if attention_kernel == "auto" and device.type != "cuda":
+        return "torch"
+    try:
+        from . import slot_attention
+    except ImportError as exc:
+        reason = f"Triton does not import ({exc})"
+    else:
+        reason = slot_attention.supported(device, head_dim, formats)
+    if reason is None:
+        return "triton"
+    if attention_kernel == "triton":
+        raise ConfigError(f"attention_kernel='triton' cannot run layer {layer_idx}: {reason}; allowed: "
+                          "attention_kernel='auto' or 'torch'")
+    return "torch"
