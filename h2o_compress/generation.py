@@ -8,7 +8,8 @@ from typing import Callable
 
 import torch
 
-from .attention import use_h2o_attention
+from .attention import check_attention_backend, use_h2o_attention
+from .attention.choice import check_kernel
 from .cache import CompressedCache, build_layers
 from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
 from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
@@ -34,14 +35,15 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             config's own split.
 
     Raises:
-        ConfigError: bad ``max_length`` or ``layer_capacities``, a fractional budget without ``max_length``, or a
-            group size that does not divide the model's ``head_dim``.
+        ConfigError: bad ``max_length`` or ``layer_capacities``, a fractional budget without ``max_length``, a
+            group size that does not divide the model's ``head_dim``, or ``attention_kernel='triton'`` where the
+            Triton op cannot run (:func:`~h2o_compress.attention.choice.check_kernel`).
         UnsupportedModelError: the model's attention cannot be scored.
     """
     config = _check_config(config)
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens)")
-    use_h2o_attention(model)
+    check_attention_backend(model)
     dims = model_dims(model.config)
     if config.quantized and dims.head_dim % config.group_size:
         allowed = [g for g in (32, 64, 128) if dims.head_dim % g == 0]
@@ -56,6 +58,9 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
                           capacities=layer_capacities)
+    for formats in {(layer.key_quantizer, layer.value_quantizer) for layer in layers}:
+        check_kernel(config.attention_kernel, input_device(model), dims.head_dim, formats)
+    use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
     return cache

@@ -85,12 +85,42 @@ def test_triton_step_under_inductor_matches_eager():
         assert torch.equal(a, b)
 
 
-def test_triton_refused_where_it_cannot_run():
+def test_triton_refused_where_it_cannot_run(monkeypatch):
+    """``make_cache`` refuses the op for a format it does not read, or a device it does not run on, before it
+    switches the model's attention; a cache whose layers meet a device the op cannot run on (built here while the
+    op could) refuses at its first token, naming the layer."""
     model = TINY_MODELS["llama"]()
-    cache = make_cache(model, CompressionConfig(budget=12, kv_bits=4, quant="nf4", attention_kernel="triton"),
-                       max_length=40)
-    with pytest.raises(ConfigError, match="attention_kernel='triton' cannot run layer 0: the Bits"):
+    before = model.config._attn_implementation
+    with pytest.raises(ConfigError, match="attention_kernel='triton' cannot run: the Bits"):
+        make_cache(model, CompressionConfig(budget=12, kv_bits=4, quant="nf4", attention_kernel="triton"), max_length=40)
+    assert model.config._attn_implementation == before  # refused before the model was touched
+    config = CompressionConfig(budget=12, kv_bits=4, attention_kernel="triton")
+    cache = make_cache(model, config, max_length=40)
+    monkeypatch.setattr(slot_attention, "device_reason", lambda device: f"no GPU here ({device})")
+    with pytest.raises(ConfigError, match=r"cannot run: no GPU here \(cpu\); allowed: .*or a CUDA device"):
+        make_cache(model, config, max_length=40)
+    with pytest.raises(ConfigError, match=r"attention_kernel='triton' cannot run layer 0: no GPU here \(cpu\)"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long), past_key_values=cache)
+
+
+def test_cli_refuses_triton_on_a_device_it_cannot_run_on_before_loading(monkeypatch, tmp_path):
+    """``--kernel triton`` is checked against the device with the other options: nothing is loaded."""
+    from typer.testing import CliRunner
+
+    from h2o_compress import models
+    from h2o_compress.cli import app
+
+    monkeypatch.setattr(slot_attention, "device_reason", lambda device: f"no GPU here ({device})")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    context = tmp_path / "context.txt"
+    context.write_text("A short document.", encoding="utf-8")
+    commands = (["generate", "some text"], ["ask", "--context-file", str(context), "--question", "What?"],
+                ["eval", "perplexity"], ["eval", "needle"], ["eval", "agreement"])
+    for command in commands:
+        result = CliRunner().invoke(app, [*command, "--kernel", "triton", "--device", "cpu"])
+        assert result.exit_code == 2, (command, result.output)
+        assert "attention_kernel='triton' cannot run: no GPU here (cpu)" in result.output
+        assert "Traceback" not in result.output
 
 
 def test_auto_on_cpu_keeps_the_cpu_kernel():

@@ -13,11 +13,11 @@ Importing this package imports neither Triton nor the native kernel: the kernel 
 """
 
 from .interface import (
-    ATTENTION_NAME, announce, attention_probability_sums, decode_attention, h2o_attention_forward,
-    register_attention, use_h2o_attention, withdraw,
+    ATTENTION_NAME, announce, attention_probability_sums, check_attention_backend, decode_attention,
+    h2o_attention_forward, register_attention, use_h2o_attention, withdraw,
 )
 
 __all__ = [
-    "ATTENTION_NAME", "announce", "attention_probability_sums", "decode_attention", "h2o_attention_forward",
-    "register_attention", "use_h2o_attention", "withdraw",
+    "ATTENTION_NAME", "announce", "attention_probability_sums", "check_attention_backend", "decode_attention",
+    "h2o_attention_forward", "register_attention", "use_h2o_attention", "withdraw",
 ]

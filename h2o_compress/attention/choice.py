@@ -30,15 +30,39 @@ def decode_kernel(attention_kernel: str, device: torch.device, dtype: torch.dtyp
         return "torch"
     if attention_kernel == "auto" and device.type != "cuda":
         return "torch"
-    try:
-        from . import slot_attention
-    except ImportError as exc:
-        reason = f"Triton does not import ({exc})"
-    else:
-        reason = slot_attention.supported(device, head_dim, formats)
+    reason = _triton_reason(device, head_dim, formats)
     if reason is None:
         return "triton"
     if attention_kernel == "triton":
         raise ConfigError(f"attention_kernel='triton' cannot run layer {layer_idx}: {reason}; allowed: "
                           "attention_kernel='auto' or 'torch'")
     return "torch"
+
+
+def check_kernel(attention_kernel: str, device: torch.device | str, head_dim: int | None = None, formats=()) -> None:
+    """Refuse ``attention_kernel='triton'`` where the Triton op cannot run: on ``device`` at all (not CUDA, without
+    ``TRITON_INTERPRET=1``; or Triton does not import), or, when given, with ``head_dim`` and the key/value
+    quantizers ``formats``. Called before a model is loaded (the device alone) and when a cache is made, so the
+    error comes before the work, not at the first token.
+
+    Raises:
+        ConfigError: naming the device (or what it cannot read) and what is allowed.
+    """
+    device = torch.device(device)
+    if attention_kernel != "triton" or device.type == "meta":
+        return
+    reason = _triton_reason(device, head_dim, formats)
+    if reason is not None:
+        raise ConfigError(f"attention_kernel='triton' cannot run: {reason}; allowed: attention_kernel='auto' or "
+                          "'torch'" + ("" if device.type == "cuda" else ", or a CUDA device"))
+
+
+def _triton_reason(device: torch.device, head_dim: int | None = None, formats=()) -> str | None:
+    """Why the Triton op cannot run on ``device`` (with ``head_dim`` and ``formats`` when given), or ``None``."""
+    try:
+        from . import slot_attention
+    except ImportError as exc:
+        return f"Triton does not import ({exc})"
+    if head_dim is None:
+        return slot_attention.device_reason(device)
+    return slot_attention.supported(device, head_dim, formats)

@@ -160,11 +160,12 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def use_h2o_attention(model) -> None:
-    """Switch ``model`` to the ``h2o_compress`` attention function (outputs identical to SDPA).
+def check_attention_backend(model) -> None:
+    """Refuse a ``model`` whose attention does not go through transformers' ``AttentionInterface`` (nothing to
+    switch to the ``h2o_compress`` function, so nothing to score).
 
     Raises:
-        UnsupportedModelError: the model's attention does not go through ``AttentionInterface``.
+        UnsupportedModelError: naming the model class and what is supported.
     """
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
@@ -172,6 +173,15 @@ def use_h2o_attention(model) -> None:
             "AttentionInterface, so h2o-compress cannot score it; supported: LLaMA-like (LLaMA, Mistral, Qwen2, "
             "SmolLM), OPT, GPT-NeoX and other models with _supports_attention_backend=True"
         )
+
+
+def use_h2o_attention(model) -> None:
+    """Switch ``model`` to the ``h2o_compress`` attention function (outputs identical to SDPA).
+
+    Raises:
+        UnsupportedModelError: the model's attention does not go through ``AttentionInterface``.
+    """
+    check_attention_backend(model)
     register_attention()
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)

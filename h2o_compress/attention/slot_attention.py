@@ -294,14 +294,23 @@ class DecodeScratch:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+def device_reason(device: torch.device) -> str | None:
+    """Why the op cannot run on ``device`` at all (it runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1``), or
+    ``None``."""
+    if device.type != "cuda" and not isinstance(_slot_partial_kernel, InterpretedFunction):
+        return f"the Triton kernel runs on CUDA (or under TRITON_INTERPRET=1), not on {device}"
+    return None
+
+
 def supported(device: torch.device, head_dim: int, formats) -> str | None:
     """Why the op cannot run a layer with ``head_dim`` and key/value quantizers ``formats`` on ``device``, or
     ``None``: it takes int4/int8 (``IntQuantizer``, power-of-two groups) and raw 16-bit storage, ``head_dim`` a
     power of two >= 16, on CUDA (or on the CPU under ``TRITON_INTERPRET=1``)."""
     from ..formats import IntQuantizer, NoQuantizer
 
-    if device.type != "cuda" and not isinstance(_slot_partial_kernel, InterpretedFunction):
-        return f"the Triton kernel runs on CUDA (or under TRITON_INTERPRET=1), not on {device}"
+    reason = device_reason(device)
+    if reason is not None:
+        return reason
     if not power_of_two(head_dim, 16):
         return f"head_dim={head_dim} is not a power of two >= 16"
     for f in formats:

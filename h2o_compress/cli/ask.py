@@ -94,7 +94,7 @@ def ask(
     if save_cache is not None and load_cache is not None:
         fail("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
     check_cache_paths(save_cache, load_cache, overwrite)
-    load = load_options(device, dtype, placement)
+    load = load_options(device, dtype, placement, config.attention_kernel)
     set_threads(threads)
     # -- then the work -------------------------------------------------------------------------------------
     lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)

@@ -75,13 +75,16 @@ def merged_config(compression: Compression, config_file: Optional[str],
     return merged, {**read_config_values(config_file), **overrides}
 
 
-def load_options(device: str, dtype: Optional[str], placement: dict) -> dict:
+def load_options(device: str, dtype: Optional[str], placement: dict, attention_kernel: str = "auto") -> dict:
     """The keyword arguments of :func:`h2o_compress.load_model` for ``--device``, ``--dtype`` and the placement
     flags (:func:`~h2o_compress.cli.options.placement_options`), all checked now, before any side effect
-    (``--device-map`` parsed from its name, JSON or file). Raises ConfigError or ModelLoadError."""
-    from ..models import placement_options
+    (``--device-map`` parsed from its name, JSON or file), with ``--kernel`` against the device
+    (:func:`~h2o_compress.attention.choice.check_kernel`). Raises ConfigError or ModelLoadError."""
+    from ..attention.choice import check_kernel
+    from ..models import placement_options, resolve_device
     from ..weights import parse_device_map
 
     options = {"device": device, "dtype": dtype, **placement, "device_map": parse_device_map(placement["device_map"])}
     placement_options(**options)
+    check_kernel(attention_kernel, resolve_device(device))
     return options

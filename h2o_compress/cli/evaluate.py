@@ -48,12 +48,14 @@ def progress_bar(description: str, enabled: bool = True):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int], trust: bool, placement: dict):
+def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int], trust: bool, placement: dict,
+          attention_kernel: str):
     """Load the model as the flags say (``placement``: the weights/placement flags, see
-    :func:`~h2o_compress.cli.options.placement_options`)."""
+    :func:`~h2o_compress.cli.options.placement_options`; ``attention_kernel``: ``--kernel``, checked against the
+    device first)."""
     from ..models import load_model
 
-    options = load_options(device, dtype, placement)
+    options = load_options(device, dtype, placement, attention_kernel)
     set_threads(threads)
     return load_model(model, trust_remote_code=trust, **options)
 
@@ -93,7 +95,7 @@ def perplexity_command(
     check_count("chunk_size", chunk_size)
     if text_file is not None:
         load_text(text_file)  # fail on a bad file before loading the model
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
     with progress_bar("reading", enabled=not as_json) as update:
         result = text_perplexity(lm, tokenizer, text_file, max_tokens, config, chunk_size, reference, update,
                                  compile=compile_step)
@@ -147,7 +149,7 @@ def needle_command(
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol)
     corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
                              max_new_tokens, True, chat, corpus=corpus, progress=update, compile=compile_step,
@@ -197,7 +199,7 @@ def agreement_command(
     prompts = load_prompts(prompts_file)
     if limit is not None:
         prompts = prompts[: check_count("limit", limit, unit="prompts")]
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
     with progress_bar("generating", enabled=not as_json) as update:
         result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update, compile=compile_step)
     if as_json:

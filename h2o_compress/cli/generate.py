@@ -71,7 +71,7 @@ def generate(
 
         parse_memory(memory_limit)
     check_cache_paths(save_cache, load_cache, overwrite)
-    load = load_options(device, dtype, placement)
+    load = load_options(device, dtype, placement, config.attention_kernel)
     set_threads(threads)
     if seed is not None:
         import torch
