@@ -193,7 +193,7 @@ def test_compress_then_ask_takes_heavy_ratio_1_where_decoding_refuses_it(tmp_pat
     caps = context.cache.capacities
     assert sum(caps) == len(caps) * context.cache.capacity and min(caps) >= 4
     for layer in context.cache.layers:  # every head keeps its 4 sinks, and no more than its layer's share
-        positions = layer.head_positions()[0]
+        positions = layer.store.head_positions()[0]
         for head in range(positions.shape[0]):
             assert set(range(4)) <= set(positions[head][positions[head] >= 0].tolist())
     model_dir = save_tiny_lm(tmp_path / "model")

@@ -96,8 +96,8 @@ def test_decode_eviction_takes_the_lowest_over_every_head():
     evict = layer._evict
 
     def spy():
-        positions = layer.head_positions().long()
-        priority = layer.policy.priority(layer._head_scores(), positions, layer.seen, layer.first_real, C)
+        positions = layer.store.head_positions().long()
+        priority = layer.policy.priority(layer.store.head_scores(), positions, layer.seen, layer.first_real, C)
         seen_before_eviction["held"] = [(float(priority[0, h, s]), -int(positions[0, h, s]), h, int(positions[0, h, s]))
                                         for h in range(2) for s in range(positions.shape[2]) if positions[0, h, s] >= 0]
         evict()

@@ -6,9 +6,10 @@ followed by the chunk. :func:`attend` runs SDPA over them with a mask from the s
 causal + padding mask of the chunk, sums the probabilities each held and new token received (the policy's
 :meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores`), and :func:`settle` keeps the top ``capacity`` by the
 policy's priority, then lays the survivors out: the newest ``residual`` in the ring, the older ones quantized once
-into empty slots (the layer's ``_store_incoming``). The layer's hooks (``_held_store``, ``head_positions``,
-``_head_scores``, ``_keep``, ``_settle_store``, ``_store_incoming``) let head-adaptive and mixed-precision layers
-share this code.
+into empty slots (the layer's ``_store_incoming``). The store's per-head methods (:class:`~h2o_compress.cache.slots.SlotStore`
+and the head-adaptive :class:`~h2o_compress.cache.slot_pool.SlotPool`: ``head_positions``, ``head_scores``,
+``keep``, ``settle``) and the layer's hooks (``_held_store``, ``_store_incoming``) let head-adaptive and
+mixed-precision layers share this code.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, **kwargs
         new_block = new_block | eye  # a padding query sees itself: no fully masked row
     mask = new_block
     if chunk["held"]:
-        held_valid = layer.head_positions() >= 0
+        held_valid = layer.store.head_positions() >= 0
         if layer.ring is not None:
             ring_positions = layer.ring.positions.index_select(1, layer.ring.order(chunk["seen"]))
             held_valid = torch.cat((held_valid, (ring_positions >= 0).unsqueeze(1).expand(-1, layer.kv_heads, -1)), 2)
@@ -99,10 +100,10 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
         tail_positions = torch.cat((layer.ring.positions.index_select(1, order).long(), new_positions), dim=1)
         if layer.with_scores:
             tail_scores = torch.cat((layer.ring.scores.index_select(2, order), tail_scores), dim=2)
-    positions = torch.cat((layer.head_positions().long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
+    positions = torch.cat((layer.store.head_positions().long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
     scores = None
     if layer.with_scores:
-        scores = torch.cat((layer._head_scores(), tail_scores), dim=2)
+        scores = torch.cat((layer.store.head_scores(), tail_scores), dim=2)
         covered = scores[..., scores.shape[2] - sums.shape[2] :]
         decay = layer.policy.score_decay
         if 0.0 < decay < 1.0:  # A2SF: what was held fades over the chunk's n queries (its own are weighted)
@@ -113,10 +114,10 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
     layer.first_real.copy_(torch.minimum(layer.first_real, first))
     if layer.capacity is not None:
         priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity)
-        keep = layer._keep(priority, positions)
+        keep = layer.store.keep(priority, positions, layer.capacity)
     else:
         keep = positions >= 0
-    layer._settle_store(keep[..., :slots], scores[..., :slots] if layer.with_scores else None)
+    layer.store.settle(keep[..., :slots], scores[..., :slots] if layer.with_scores else None)
     if layer.with_scores:
         tail_scores = scores[..., slots:]
     if layer.ring is not None:  # the newest `size` positions, all inside the recent window

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..policies.base import keep_top
 from .layer import CompressedLayer
 from .slot_pool import SlotPool
 
@@ -56,9 +55,6 @@ class HeadAdaptiveLayer(CompressedLayer):
         """Pool slots: ``kv_heads x`` uniform's slots per head (one free slot per head before each step)."""
         return self.kv_heads * super().store_slots(first_chunk)
 
-    def _slots_per_head(self) -> int:
-        return self.store.slots // self.kv_heads
-
     def _new_store(self, shape: tuple[int, int, int, int]) -> SlotPool:
         return SlotPool(self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device,
                         self.with_scores)
@@ -70,34 +66,11 @@ class HeadAdaptiveLayer(CompressedLayer):
         self.fused = False
         self.native = self.native and self.store.owner.dtype == torch.int8
 
-    def head_positions(self) -> torch.Tensor:
-        return self.store.head_positions()
-
-    def _head_scores(self) -> torch.Tensor:
-        return torch.where(self.store.head_mask(), self.store.scores, 0.0)
-
-    def _store_share(self, sums: torch.Tensor) -> torch.Tensor:
-        """A slot's score is its owner's: the other heads gave it probability 0 (masked), so the sum over heads."""
-        return sums.sum(1, keepdim=True)
-
     def _held_store(self) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = super()._held_store()
         return keys.expand(-1, self.kv_heads, -1, -1), values.expand(-1, self.kv_heads, -1, -1)
 
     # -- multi-token steps (eager) ---------------------------------------------------------------------------
-    def _keep(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The flat top ``kv_heads x C`` over every head of a sequence (Ada-KV §3; ties keep the older token, then
-        the lower head)."""
-        batch, heads, tokens = priority.shape
-        keep = keep_top(priority.reshape(batch, 1, heads * tokens), positions.reshape(batch, 1, heads * tokens),
-                        heads * self.capacity)
-        return keep.view(batch, heads, tokens)
-
-    def _settle_store(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
-        self.store.positions.masked_fill_(~keep.any(1, keepdim=True), -1)
-        if scores is not None:
-            self.store.scores.copy_(scores.sum(1, keepdim=True))
-
     def _store_incoming(self, incoming, keys, values, positions, scores):
         """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and
         write them into the lowest free slots of each sequence's pool, tagged with their head (eager): uniform's
@@ -135,7 +108,7 @@ class HeadAdaptiveLayer(CompressedLayer):
         self._after_insert(slot)
         self.first_real.clamp_(max=position)
         self.seen.add_(1)
-        valid = self.head_positions() >= 0
+        valid = self.store.head_positions() >= 0
         if self.ring is not None:
             valid = torch.cat((valid, (self.ring.positions >= 0).unsqueeze(1).expand(-1, heads, -1)), dim=2)
         self.decode_valid = valid

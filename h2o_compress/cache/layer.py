@@ -31,7 +31,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..attention import announce, decode_attention, withdraw
 from ..errors import CacheStateError, InputError
 from ..policies import EvictionPolicy
-from ..policies.base import NO_POSITION as NO_REAL_TOKEN, keep_top
+from ..policies.base import NO_POSITION as NO_REAL_TOKEN
 from ..attention import cpu as cpu_kernel
 from ..attention.choice import decode_kernel
 from ..attention.launch import mark_static_address
@@ -188,19 +188,6 @@ class CompressedLayer(CacheLayerMixin):
             self.key_quantizer, self.value_quantizer, shape, self.residual_dtype, self.device, self.with_scores
         )
 
-    def head_positions(self) -> torch.Tensor:
-        """int ``[batch, kv_heads, slots]``: the position each store slot holds for each KV head, ``-1`` where it
-        holds nothing for that head (a hook: a head-adaptive pool shares its slots between heads)."""
-        return self.store.positions
-
-    def _head_scores(self) -> torch.Tensor:
-        """fp32 ``[batch, kv_heads, slots]``: the store's scores per KV head (0 where the head holds nothing)."""
-        return self.store.scores
-
-    def _store_share(self, sums: torch.Tensor) -> torch.Tensor:
-        """What per-head probability sums ``[batch, kv_heads, slots]`` add to the store's scores (a hook)."""
-        return sums
-
     def _held_store(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The store's keys and values per KV head, ``[batch, kv_heads, slots, head_dim]`` in the model dtype."""
         keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
@@ -208,21 +195,6 @@ class CompressedLayer(CacheLayerMixin):
             self._refine_read("keys", keys)
             self._refine_read("values", values)
         return keys, values
-
-    def _keep(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """bool ``[batch, kv_heads, tokens]``: what a multi-token step keeps, ``capacity`` per sequence and head."""
-        return keep_top(priority, positions, self.capacity)
-
-    def _settle_store(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
-        """After a multi-token step: empty the store slots not kept (bool ``keep`` ``[batch, kv_heads, slots]``)
-        and set their scores (fp32, same shape, or ``None``)."""
-        self.store.positions.masked_fill_(~keep, -1)
-        if scores is not None:
-            self.store.scores.copy_(scores)
-
-    def _slots_per_head(self) -> int:
-        """Store slots per KV head (a frozen copy keeps as many, plus its extra tokens)."""
-        return self.store.slots
 
     def _check_fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse, before allocating, buffers that the device cannot hold: this layer's bytes (sized on the
@@ -273,7 +245,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def kept_per_head(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads]``: tokens held now by each sequence and KV head."""
-        held = (self.head_positions() >= 0).sum(-1)
+        held = (self.store.head_positions() >= 0).sum(-1)
         if self.ring is not None:
             held = held + (self.ring.positions >= 0).sum(-1, keepdim=True)
         return held
@@ -282,7 +254,7 @@ class CompressedLayer(CacheLayerMixin):
         """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (sequences with fewer held
         tokens, e.g. padded ones or the heads of a head-adaptive layer that keep fewer, are filled with ``-1`` at
         the front)."""
-        held = self.head_positions().long()
+        held = self.store.head_positions().long()
         if self.ring is not None:
             held = torch.cat((held, self.ring.positions.long()[:, None].expand(-1, self.kv_heads, -1)), dim=2)
         return held.sort(-1).values[..., -self.kept_length() :] if self.kept_length() else held[..., :0]
@@ -302,7 +274,7 @@ class CompressedLayer(CacheLayerMixin):
         copy = type(self)(  # an unbounded layer of known size: slots = max_tokens - residual (per head)
             self.layer_idx, self.policy, None, self.key_quantizer, self.value_quantizer, self.residual,
             self.score_chunk_size, self.attention_kernel,
-            max_tokens=self._slots_per_head() + self.residual + extra_tokens, **self._own_args(),
+            max_tokens=self.store.slots_per_head + self.residual + extra_tokens, **self._own_args(),
         )
         copy.num_layers = self.num_layers
         empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
@@ -506,11 +478,11 @@ class CompressedLayer(CacheLayerMixin):
         holds more than the capacity (in place, no host sync)."""
         slots = self.store.slots
         if sums is not None and self.policy.accumulates:
-            self.store.scores += self._store_share(sums[..., :slots])
+            self.store.scores += self.store.score_share(sums[..., :slots])
             if self.ring is not None:
                 self.ring.scores += sums[..., slots:]
         elif sums is not None:  # the current query's attention replaces the scores (TOVA)
-            self.store.scores.copy_(self._store_share(sums[..., :slots]))
+            self.store.scores.copy_(self.store.score_share(sums[..., :slots]))
             if self.ring is not None:
                 self.ring.scores.copy_(sums[..., slots:])
         self._evict()

@@ -90,8 +90,8 @@ class MixedPrecisionLayer(CompressedLayer):
         ``refined_per_head``) per KV head; a head-adaptive pool shares ``kv_heads x`` that."""
         per_head = self.refined_per_head
         if per_head is None:
-            per_head = math.ceil(self.high_bits_fraction * self._slots_per_head())
-        return per_head * (self.store.slots // self._slots_per_head())
+            per_head = math.ceil(self.high_bits_fraction * self.store.slots_per_head)
+        return per_head * (self.store.slots // self.store.slots_per_head)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import KVQuantizer
+from ..policies.base import keep_top
 from .slots import SlotStore
 
 
@@ -55,6 +56,35 @@ class SlotPool(SlotStore):
     def head_positions(self) -> torch.Tensor:
         """int32 ``[batch, kv_heads, pool_slots]``: the position each slot holds for each head, ``-1`` elsewhere."""
         return torch.where(self.head_mask(), self.positions, -1)
+
+    @property
+    def slots_per_head(self) -> int:
+        """The pool's slots over its heads (a uniform layer's slots per head: the same bytes)."""
+        return self.slots // self.heads
+
+    def head_scores(self) -> torch.Tensor:
+        """fp32 ``[batch, kv_heads, pool_slots]``: each slot's score under its owner head, 0 under the others."""
+        return torch.where(self.head_mask(), self.scores, 0.0)
+
+    def score_share(self, sums: torch.Tensor) -> torch.Tensor:
+        """A slot's score is its owner's: the other heads gave it probability 0 (masked), so the sum over heads,
+        ``[batch, 1, pool_slots]``."""
+        return sums.sum(1, keepdim=True)
+
+    def keep(self, priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The flat top ``kv_heads x capacity`` over every head of a sequence (Ada-KV §3; ties keep the older
+        token, then the lower head): bool ``[batch, kv_heads, tokens]``."""
+        batch, heads, tokens = priority.shape
+        keep = keep_top(priority.reshape(batch, 1, heads * tokens), positions.reshape(batch, 1, heads * tokens),
+                        heads * capacity)
+        return keep.view(batch, heads, tokens)
+
+    def settle(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """:meth:`SlotStore.settle` over the pool: a slot stays when its owner head keeps it; its score is the sum
+        over heads (its owner's)."""
+        self.positions.masked_fill_(~keep.any(1, keepdim=True), -1)
+        if scores is not None:
+            self.scores.copy_(scores.sum(1, keepdim=True))
 
     def free_slots(self, count: int) -> torch.Tensor:
         """int64 ``[batch, 1, count]``: the ``count`` lowest empty slots of each sequence (callers guarantee that

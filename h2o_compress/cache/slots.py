@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import KVQuantizer, StoredTensor
+from ..policies.base import keep_top
 
 
 class SlotStore:
@@ -44,6 +45,38 @@ class SlotStore:
     @property
     def slots(self) -> int:
         return self.positions.shape[2]
+
+    @property
+    def slots_per_head(self) -> int:
+        """Slots each KV head can use (all of them: every head has its own row)."""
+        return self.slots
+
+    # -- per KV head: the same methods on a SlotPool, whose heads share one row of slots ------------------
+    def head_positions(self) -> torch.Tensor:
+        """int32 ``[batch, kv_heads, slots]``: the position each slot holds for each KV head, ``-1`` where it
+        holds nothing for that head."""
+        return self.positions
+
+    def head_scores(self) -> torch.Tensor:
+        """fp32 ``[batch, kv_heads, slots]``: the scores per KV head (0 where the head holds nothing)."""
+        return self.scores
+
+    def score_share(self, sums: torch.Tensor) -> torch.Tensor:
+        """What per-head probability sums ``[batch, kv_heads, slots]`` add to :attr:`scores`: themselves."""
+        return sums
+
+    def keep(self, priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+        """bool ``[batch, kv_heads, tokens]``: what a multi-token step keeps of the tokens ranked by fp32
+        ``priority`` at int ``positions`` (both ``[batch, kv_heads, tokens]``): the top ``capacity`` per sequence
+        and head."""
+        return keep_top(priority, positions, capacity)
+
+    def settle(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """After a multi-token step: empty the slots not kept (bool ``keep`` ``[batch, kv_heads, slots]``) and set
+        the scores (fp32, same shape, or ``None``)."""
+        self.positions.masked_fill_(~keep, -1)
+        if scores is not None:
+            self.scores.copy_(scores)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer, by name (``keys.<part>``, ``values.<part>``, ``positions``, ``scores``)."""
