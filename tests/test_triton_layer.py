@@ -115,12 +115,25 @@ def test_cli_refuses_triton_on_a_device_it_cannot_run_on_before_loading(monkeypa
     context = tmp_path / "context.txt"
     context.write_text("A short document.", encoding="utf-8")
     commands = (["generate", "some text"], ["ask", "--context-file", str(context), "--question", "What?"],
-                ["eval", "perplexity"], ["eval", "needle"], ["eval", "agreement"])
+                ["eval", "perplexity"], ["eval", "needle"], ["eval", "agreement"],
+                ["profile", "--out", str(tmp_path / "profile")])
     for command in commands:
         result = CliRunner().invoke(app, [*command, "--kernel", "triton", "--device", "cpu"])
         assert result.exit_code == 2, (command, result.output)
         assert "attention_kernel='triton' cannot run: no GPU here (cpu)" in result.output
         assert "Traceback" not in result.output
+    assert not (tmp_path / "profile").exists()
+
+
+def test_profile_runs_every_configuration_with_the_kernel_asked_for(monkeypatch):
+    from h2o_compress.evaluation.profile import ProfileSettings
+
+    settings = ProfileSettings(device="cpu", policies=("h2o",), budgets=(0.5, 1.0), kv_bits=(16, 4),
+                               attention_kernel="torch")
+    assert {config.attention_kernel for config in settings.configs()} == {"torch"}
+    monkeypatch.setattr(slot_attention, "device_reason", lambda device: f"no GPU here ({device})")
+    with pytest.raises(ConfigError, match=r"attention_kernel='triton' cannot run: no GPU here \(cpu\)"):
+        ProfileSettings(device="cpu", attention_kernel="triton")
 
 
 def test_auto_on_cpu_keeps_the_cpu_kernel():

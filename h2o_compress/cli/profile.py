@@ -35,7 +35,8 @@ class ProfileCommand(TyperCommand):
 
 
 @user_errors
-@compression_options(only=("heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets"))
+@compression_options(only=("heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets",
+                           "attention_kernel"))
 @placement_options
 def profile_command(
     ctx: typer.Context,
@@ -93,7 +94,7 @@ def profile_command(
         typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
         return
     values = compression.values
-    load = load_options(device, dtype, placement)
+    load = load_options(device, dtype, placement, values["attention_kernel"])
     settings = ProfileSettings(
         model=model, device=device, dtype=dtype,
         policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
@@ -107,6 +108,7 @@ def profile_command(
         text_file=text_file, heavy_ratio=values["heavy_ratio"], quant=values["quant"],
         group_size=values["group_size"], residual=values["residual"], isolate=isolate, threads=threads,
         high_bits_fraction=values["high_bits_fraction"], head_budgets=values["head_budgets"],
+        attention_kernel=values["attention_kernel"],
         trust_remote_code=trust_remote_code, compile=compile_step,
         lm_eval_tasks=tuple(split_tasks(lm_eval_tasks, "--lm-eval-tasks")) if lm_eval_tasks else (),
         lm_eval_limit=lm_eval_limit, lm_eval_include_path=lm_eval_include_path,

@@ -62,6 +62,8 @@ class ProfileSettings:
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
         head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
+        attention_kernel: the decode step's attention in every configuration (``auto``, ``torch`` or ``triton``;
+            :class:`~h2o_compress.CompressionConfig`), checked against ``device`` before any work.
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
@@ -98,6 +100,7 @@ class ProfileSettings:
     residual: int = _DEFAULTS.residual
     high_bits_fraction: float = 0.0
     head_budgets: str = _DEFAULTS.head_budgets
+    attention_kernel: str = _DEFAULTS.attention_kernel
     isolate: bool | None = None
     threads: int | None = None
     trust_remote_code: bool = False
@@ -133,6 +136,10 @@ class ProfileSettings:
         if self.threads is not None:
             check_count("threads", self.threads, unit="threads", maximum=4096)
         self.configs()  # validates policies, budgets and the fixed options
+        from ..attention.choice import check_kernel
+        from ..models import resolve_device
+
+        check_kernel(self.attention_kernel, resolve_device(self.device))
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
             from ..lm_eval_tasks import check_task_options
 
@@ -153,7 +160,8 @@ class ProfileSettings:
     def configs(self) -> list[CompressionConfig]:
         """The sweep: the reference first, then every (kv bits, budget, policy); a budget of 1 runs once per
         bit width as ``full``. Raises ConfigError for a bad policy, budget or option."""
-        fixed = dict(heavy_ratio=self.heavy_ratio, quant=self.quant, group_size=self.group_size, residual=self.residual)
+        fixed = dict(heavy_ratio=self.heavy_ratio, quant=self.quant, group_size=self.group_size, residual=self.residual,
+                     attention_kernel=self.attention_kernel)
         configs = [CompressionConfig(**{**asdict(REFERENCE), **fixed, "kv_bits": 16})]
         for bits in self.kv_bits:
             for budget in self.budgets:
