@@ -7,8 +7,6 @@ import torch
 from ..errors import ConfigError
 from . import cpu
 
-KERNELS = ("cpu", "triton", "torch")
-
 
 def decode_kernel(attention_kernel: str, device: torch.device, dtype: torch.dtype, storage_dtype: torch.dtype,
                   head_dim: int, formats, layer_idx: int = 0) -> str:

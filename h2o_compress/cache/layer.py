@@ -29,14 +29,14 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention import announce, decode_attention, withdraw
-from ..errors import CacheStateError, InputError
-from ..policies import EvictionPolicy
-from ..policies.base import NO_POSITION as NO_REAL_TOKEN
 from ..attention import cpu as cpu_kernel
 from ..attention.choice import decode_kernel
 from ..attention.launch import mark_static_address
-from ..memory import available_memory
+from ..errors import CacheStateError, InputError
 from ..formats import BitsAndBytesQuantizer, KVQuantizer
+from ..memory import available_memory
+from ..policies import EvictionPolicy
+from ..policies.base import NO_POSITION as NO_REAL_TOKEN
 from . import chunk
 from .ring import RingWindow
 from .slots import SlotStore
