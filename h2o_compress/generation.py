@@ -58,8 +58,9 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
                           capacities=layer_capacities)
+    device = input_device(model)
     for formats in {(layer.key_quantizer, layer.value_quantizer) for layer in layers}:
-        check_kernel(config.attention_kernel, input_device(model), dims.head_dim, formats)
+        check_kernel(config.attention_kernel, device, dims.head_dim, formats)
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
@@ -224,11 +225,12 @@ def _eos_ids(model, tokenizer) -> set[int]:
 class TextStream:
     """Streams the text of a growing list of token ids to ``on_text``, piece by piece, decoding a short window per
     call instead of every id so far (the full decode per new token grows with the output: ~0.8 ms at 4,096
-    SmolLM2 tokens, a third of compiled StaticCache's 2.0 ms SmolLM2 step on an H100). The window starts where the previous piece started: the
-    new piece is ``decode(ids[start:])`` less ``decode(ids[start:end])``, so a tokenizer that drops the leading
-    space of a decode's first token, or a character split over several byte tokens (held back while the text ends
-    in U+FFFD), streams as the full decode would (the incremental detokenization of vLLM's
-    ``detokenize_incrementally``). The pieces join to ``tokenizer.decode(ids, skip_special_tokens=True)``.
+    SmolLM2 tokens, a third of compiled StaticCache's 2.0 ms SmolLM2 step on an H100). The window starts where
+    the previous piece started: the new piece is ``decode(ids[start:])`` less ``decode(ids[start:end])``, so a
+    tokenizer that drops the leading space of a decode's first token, or a character split over several byte
+    tokens (held back while the text ends in U+FFFD), streams as the full decode would (the incremental
+    detokenization of vLLM's ``detokenize_incrementally``). The pieces join to ``tokenizer.decode(ids,
+    skip_special_tokens=True)``.
     """
 
     def __init__(self, tokenizer, on_text: Callable[[str], None]):

@@ -31,10 +31,10 @@ import math
 
 import torch
 
+from ..attention.launch import mark_static_address
 from ..errors import ConfigError
 from ..formats import IntQuantizer
 from ..formats.split import SplitIntQuantizer
-from ..attention.launch import mark_static_address
 from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import CompressedLayer
 from .refinement import RefinedPlanes

@@ -81,10 +81,9 @@ def load_options(device: str, dtype: Optional[str], placement: dict, attention_k
     (``--device-map`` parsed from its name, JSON or file), with ``--kernel`` against the device
     (:func:`~h2o_compress.attention.choice.check_kernel`). Raises ConfigError or ModelLoadError."""
     from ..attention.choice import check_kernel
-    from ..models import placement_options, resolve_device
+    from ..models import placement_options
     from ..weights import parse_device_map
 
     options = {"device": device, "dtype": dtype, **placement, "device_map": parse_device_map(placement["device_map"])}
-    placement_options(**options)
-    check_kernel(attention_kernel, resolve_device(device))
+    check_kernel(attention_kernel, placement_options(**options)["_device"])  # where the weights (and cache) go
     return options

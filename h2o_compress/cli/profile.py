@@ -94,7 +94,7 @@ def profile_command(
         typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
         return
     values = compression.values
-    load = load_options(device, dtype, placement, values["attention_kernel"])
+    load = load_options(device, dtype, placement)  # --kernel is checked against the device by ProfileSettings
     settings = ProfileSettings(
         model=model, device=device, dtype=dtype,
         policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),

@@ -111,14 +111,15 @@ class ProfileSettings:
     placement: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.placement:  # refused now, not in a worker after the first configuration
-            from ..models import placement_options
+        from ..models import placement_options, resolve_device
 
+        device = None  # where the weights (and caches) go
+        if self.placement:  # refused now, not in a worker after the first configuration
             unknown = set(self.placement) - {"weights_bits", "device_map", "max_memory", "offload_folder"}
             if unknown:
                 raise ConfigError(f"placement keys {sorted(unknown)} are unknown; allowed: weights_bits, device_map, "
                                   "max_memory, offload_folder")
-            placement_options(self.device, self.dtype, **self.placement)
+            device = placement_options(self.device, self.dtype, **self.placement)["_device"]
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths", "lm_eval_tasks"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name) and name not in ("needle_lengths", "needle_depths", "lm_eval_tasks"):
@@ -137,9 +138,8 @@ class ProfileSettings:
             check_count("threads", self.threads, unit="threads", maximum=4096)
         self.configs()  # validates policies, budgets and the fixed options
         from ..attention.choice import check_kernel
-        from ..models import resolve_device
 
-        check_kernel(self.attention_kernel, resolve_device(self.device))
+        check_kernel(self.attention_kernel, device if device is not None else resolve_device(self.device))
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
             from ..lm_eval_tasks import check_task_options
 
