@@ -182,6 +182,15 @@ class CompressedLayer(CacheLayerMixin):
             mark_static_address(self.tensors())
         self.is_initialized = True
 
+    @property
+    def decode_kernel(self) -> str | None:
+        """The kernel this layer's decode steps run: ``"cpu"`` (:mod:`~h2o_compress.attention.cpu`), ``"triton"``
+        (:mod:`~h2o_compress.attention.slot_attention`) or ``"torch"`` (the torch form); ``None`` before the first
+        token, when it is chosen (:func:`~h2o_compress.attention.choice.decode_kernel`)."""
+        if not self.is_initialized:
+            return None
+        return "cpu" if self.native else "triton" if self.fused else "torch"
+
     def _new_store(self, shape: tuple[int, int, int, int]) -> SlotStore:
         """The store for ``shape`` ``(batch, kv_heads, slots, head_dim)`` (a hook: head-adaptive layers pool it)."""
         return SlotStore(

@@ -217,7 +217,9 @@ def measure_speed(
     speed).
 
     Returns a dict: seq_len, capacity, prefill_tokens_per_s, decode_tokens_per_s, kv_bytes, kv_bytes_full_fp16,
-    peak_memory_bytes (see :func:`peak_memory_bytes`).
+    peak_memory_bytes (see :func:`peak_memory_bytes`), decode_kernel (what the layers' decode attention ran:
+    ``cpu``, ``triton`` or ``torch``, joined by ``+`` where layers differ) and compiled (the decode step ran
+    compiled).
     """
     device = model_device(model)
     ids = corpus_ids[:, :seq_len].to(device)
@@ -244,6 +246,8 @@ def measure_speed(
         "kv_bytes": cache.nbytes(),
         "kv_bytes_full_fp16": cache.full_fp16_nbytes(),
         "peak_memory_bytes": peak,
+        "decode_kernel": "+".join(cache.decode_kernels()),
+        "compiled": step is not decode_step,
     }
 
 

@@ -235,14 +235,14 @@ def tables(report: dict) -> list[Table]:
     speed_rows = [
         [r["label"], str(s["seq_len"]), str(s["capacity"] or "all"), _f(s["prefill_tokens_per_s"], 1),
          _f(s["decode_tokens_per_s"], 1), _f(s.get("decode_speed_ratio"), 2, suffix="x"), _f(s["kv_bytes"], 2, MIB),
-         _f(s["peak_memory_bytes"], 0, MIB), _f(s.get("peak_memory_delta_bytes"), 1, MIB)]
+         _f(s["peak_memory_bytes"], 0, MIB), _f(s.get("peak_memory_delta_bytes"), 1, MIB), _decode_path(s)]
         for r in results for s in r["speed"]
     ]
     memory_kind = results[0].get("memory_kind", "")
     speed = Table(
         "Speed and memory per context length",
         ["Configuration", "Context", "Capacity", "Prefill tok/s", "Decode tok/s", "Decode vs ref", "KV MiB",
-         "Peak MiB", "Peak - warm-up MiB"],
+         "Peak MiB", "Peak - warm-up MiB", "Decode attention"],
         speed_rows,
         note=(f"Prefill of the context in one pass, then {settings['decode_tokens']} greedy decode steps. "
               f"Peak memory: {memory_kind}" + _memory_note(memory_kind, settings.get("isolate"))),
@@ -254,6 +254,14 @@ def tables(report: dict) -> list[Table]:
     lm_eval = _lm_eval_table(report)
     return [summary_table, *([lm_eval] if lm_eval else []), comparison, speed,
             Table("Environment", ["Key", "Value"], env_rows)]
+
+
+def _decode_path(speed: dict) -> str:
+    """``cpu eager``, ``triton compiled``...: the decode attention kernel and whether the step ran compiled
+    (``-`` in reports written before these were recorded)."""
+    if "decode_kernel" not in speed:
+        return "-"
+    return f"{speed['decode_kernel'] or '-'} {'compiled' if speed['compiled'] else 'eager'}"
 
 
 def _dtype_note(results: list[dict]) -> str:

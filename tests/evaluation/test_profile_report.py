@@ -72,6 +72,22 @@ def test_report_figures(tiny_report):
     assert report["environment"]["packages"]["torch"]
 
 
+def test_speed_rows_name_the_decode_kernel(tmp_path):
+    """Two sweeps that differ only in ``attention_kernel`` are told apart in the JSON and the speed table."""
+    model, tokenizer = tiny_lm()
+    tables = {}
+    for kernel in ("auto", "torch"):
+        settings = small_settings(policies=("h2o",), budgets=(0.5,), kv_bits=(4,), seq_lens=(16,),
+                                  agreement_prompts=0, attention_kernel=kernel)
+        report = run_profile(settings, tmp_path / kernel, show_progress=False, model=model, tokenizer=tokenizer)
+        speeds = [s for r in report["results"] for s in r["speed"]]
+        expected = "cpu" if kernel == "auto" else "torch"  # the CPU kernel builds here (tests/attention)
+        assert [(s["decode_kernel"], s["compiled"]) for s in speeds] == [(expected, False)] * 2
+        tables[kernel] = (tmp_path / kernel / "report.md").read_text()
+    assert "| cpu eager |" in tables["auto"] and "torch eager" not in tables["auto"]
+    assert "| torch eager |" in tables["torch"] and "cpu eager" not in tables["torch"]
+
+
 def test_report_files(tiny_report):
     report, out = tiny_report
     assert json.loads((out / "report.json").read_text())["results"][1]["label"] == "h2o 0.5 16-bit"
