@@ -135,6 +135,8 @@ class GenerationResult:
         decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
         compiled: whether the decode steps ran compiled (:mod:`h2o_compress.compiled`).
         compile_s: seconds of the compiled step's warm-up calls (compilation included); 0 when not compiled.
+        decode_kernel: the decode attention the layers ran (:meth:`CompressedCache.decode_kernels`): ``cpu``,
+            ``triton`` or ``torch``, joined by ``+`` where layers differ; empty when nothing was decoded.
     """
 
     text: str
@@ -148,6 +150,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     compiled: bool = False
     compile_s: float = 0.0
+    decode_kernel: str = ""
     token_ids: list[int] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -349,5 +352,6 @@ def generate(
         decode_tokens_per_s=steps / decode_s if decode_s > 0 else 0.0,
         compiled=compiled,
         compile_s=compile_s,
+        decode_kernel="+".join(cache.decode_kernels()),
         token_ids=generated,
     )

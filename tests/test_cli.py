@@ -69,6 +69,17 @@ def test_json_figures_on_a_local_model(tiny_dir):
     assert figures["prompt_tokens"] == 20
     assert figures["capacity"] == 16  # ceil(0.5 x (20 + 12))
     assert 0 < figures["kv_bytes"] < figures["kv_bytes_full_fp16"]
+    assert figures["compiled"] is False and figures["decode_kernel"] == "cpu"  # CPU default: the C kernel, eager
+
+
+def test_summary_names_the_decode_kernel(tiny_dir):
+    words = " ".join(f"w{i}" for i in range(20))
+    for kernel in ("auto", "torch"):
+        result = runner.invoke(app, ["generate", "--model", tiny_dir, "--no-chat", "--budget", "0.5", "--kv-bits", "4",
+                                     "--max-new-tokens", "4", "--kernel", kernel, words])
+        assert result.exit_code == 0, result.output
+        expected = "cpu" if kernel == "auto" else "torch"
+        assert f"tokens/s eager, {expected} attention]" in result.stderr
 
 
 def test_unsupported_model_is_refused():

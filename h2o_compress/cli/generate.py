@@ -162,5 +162,6 @@ def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> st
         f"{ratio:.1%} of an fp16 cache | "
         f"{prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s"
         + (f" compiled (compile {figures['compile_s']:.1f} s)" if figures.get("compiled") else " eager")
+        + (f", {figures['decode_kernel']} attention" if figures.get("decode_kernel") else "")
         + "]"
     )
