@@ -46,14 +46,15 @@ def read_config_values(path) -> dict:
     return values
 
 
-def load_config(path, overrides: dict | None = None) -> CompressionConfig:
-    """A validated :class:`CompressionConfig` from ``path``, with ``overrides`` (e.g. CLI flags) on top.
+def load_config(path, overrides: dict | None = None, defaults: dict | None = None) -> CompressionConfig:
+    """A validated :class:`CompressionConfig` from ``path``, with ``overrides`` (e.g. CLI flags) on top and
+    ``defaults`` (e.g. a command's own defaults) beneath: fields none of the three sets keep the class's defaults.
 
     Raises:
         ConfigError: see :func:`read_config_values`, or a value :class:`CompressionConfig` rejects (the message
             then names the file).
     """
-    values = {**read_config_values(path), **(overrides or {})}
+    values = {**(defaults or {}), **read_config_values(path), **(overrides or {})}
     try:
         return CompressionConfig(**values)
     except ConfigError as exc:

@@ -497,3 +497,27 @@ def test_evict_chat_header_is_refused_where_nothing_scores_the_context():
         CompressionConfig(policy="h2o", evict_chat_header=True)
     with pytest.raises(ConfigError, match="evict_chat_header='yes' is invalid; allowed: True or False"):
         CompressionConfig(policy="kvzip", evict_chat_header="yes")
+
+
+def test_cli_ask_config_file_goes_over_asks_defaults(tmp_path):
+    """A ``--config`` file that sets only some fields keeps ``ask``'s own defaults for the rest (it used to fall
+    back to the library's: h2o at budget 1.0, nothing compressed); the defaults still give way to a policy from the
+    file that they do not fit, and the flags given still win over the file."""
+    model_dir = save_tiny_lm(tmp_path / "model")
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT[:600])
+    base = ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document), "--max-new-tokens", "2",
+            "--question", "Who?", "--json"]
+    bits_only, h2o = tmp_path / "bits.json", tmp_path / "h2o.toml"
+    bits_only.write_text('{"kv_bits": 8}')
+    h2o.write_text('policy = "h2o"\nkv_bits = 8\n')
+    configs = {}
+    for name, extra in (("bits", ["--config", str(bits_only)]), ("h2o", ["--config", str(h2o)]),
+                        ("flag", ["--config", str(bits_only), "--kv-bits", "16", "--budget", "0.5"])):
+        result = CliRunner().invoke(app, base + extra)
+        assert result.exit_code == 0, result.output
+        configs[name] = json.loads(result.stdout)["config"]
+    pick = lambda c: (c["policy"], c["budget"], c["kv_bits"], c["layer_budgets"], c["head_budgets"])  # noqa: E731
+    assert pick(configs["bits"]) == ("kvzip", ASK_DEFAULTS.budget, 8, "global", "adaptive")
+    assert pick(configs["h2o"]) == ("h2o", ASK_DEFAULTS.budget, 8, "uniform", "uniform")
+    assert pick(configs["flag"]) == ("kvzip", 0.5, 16, "global", "adaptive")

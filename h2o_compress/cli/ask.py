@@ -42,7 +42,8 @@ def fitted_config(compression: Compression, config_file: Optional[str]):
         soft = {name: "uniform" for name in SOFT_DEFAULTS if name not in compression.given}
         if not soft:
             raise
-        return merged_config(Compression({**compression.values, **soft}, compression.given), config_file, frozen=True)
+        return merged_config(Compression({**compression.values, **soft}, compression.given,
+                                             {**compression.defaults, **soft}), config_file, frozen=True)
 
 
 @user_errors

@@ -59,8 +59,8 @@ def check_cache_paths(save_cache: Optional[str], load_cache: Optional[str], over
 
 def merged_config(compression: Compression, config_file: Optional[str],
                   frozen: bool = False) -> tuple[CompressionConfig, dict]:
-    """The compression flags merged over ``--config FILE`` (JSON/TOML): flags given on the command line win;
-    checked by :func:`~h2o_compress.config.check_usable` (``frozen``: for compress-then-ask).
+    """The compression flags merged over ``--config FILE`` (JSON/TOML), which goes over the command's own defaults
+    (``ask``'s): flags given on the command line win; checked by :func:`~h2o_compress.config.check_usable` (``frozen``: for compress-then-ask).
 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
     file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
@@ -71,7 +71,7 @@ def merged_config(compression: Compression, config_file: Optional[str],
     overrides = compression.overrides(config)
     if config_file is None:
         return config, overrides
-    merged = check_usable(load_config(config_file, overrides), frozen=frozen)
+    merged = check_usable(load_config(config_file, overrides, compression.command_defaults()), frozen=frozen)
     return merged, {**read_config_values(config_file), **overrides}
 
 

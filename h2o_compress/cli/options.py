@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import typer
@@ -76,10 +76,12 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
 
 @dataclass(frozen=True)
 class Compression:
-    """What :func:`compression_options` hands a command: the raw flag values and those given explicitly."""
+    """What :func:`compression_options` hands a command: the raw flag values, those given explicitly, and the
+    command's own defaults (e.g. ``ask``'s), which a ``--config`` file's settings go over."""
 
     values: dict
     given: frozenset
+    defaults: dict = field(default_factory=dict)
 
     def config(self, check: bool = True, frozen: bool = False) -> CompressionConfig:
         """A validated :class:`CompressionConfig` of the flags; with ``check``, also refused when the flags make
@@ -94,6 +96,14 @@ class Compression:
     def overrides(self, config: CompressionConfig) -> dict:
         """The fields of ``config`` the user gave on the command line."""
         return {k: v for k, v in config.to_dict().items() if k in self.given}
+
+    def command_defaults(self) -> dict:
+        """The command's own defaults of the flags not given (``budget`` parsed): what a ``--config`` file's
+        settings go over (``ask`` keeps its policy and budget when the file sets only the bits)."""
+        values = {k: v for k, v in self.defaults.items() if k not in self.given}
+        if "budget" in values:
+            values["budget"] = parse_budget(values["budget"])
+        return values
 
 
 def _with_default(option, default):
@@ -131,7 +141,7 @@ def compression_options(fn=None, *, only: tuple[str, ...] | None = None, default
             given = frozenset(
                 n for n in names if (s := ctx.get_parameter_source(n)) is not None and s.name == "COMMANDLINE"
             )
-            return command(ctx, *args, compression=Compression(values, given), **kwargs)
+            return command(ctx, *args, compression=Compression(values, given, dict(defaults)), **kwargs)
 
         hints = {p.name: p.annotation for p in own + added}
         wrapper.__signature__ = signature.replace(parameters=own + added)
