@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CacheStateError, InputError
+from .errors import CacheStateError, ConfigError, InputError, short
 from .persistence import PromptState, check_save_target, load_cache, model_fingerprint, save_cache
 from .weights import input_device
 
@@ -101,6 +101,22 @@ def shared_prefix_length(tokenizer, prompt: str, chat: bool = True) -> int:
     return max(1, shared)
 
 
+def _check_generates(cache, source) -> None:
+    """Refuse a loaded cache whose setting cannot keep evicting while it generates (:func:`check_usable`): e.g. a
+    compressed context saved by ``ask`` with KVzip's setting (no recent window), which only ``ask`` continues
+    without eviction. Raises ConfigError naming the file."""
+    from .config import check_usable
+
+    try:
+        check_usable(cache.config, cache.capacity)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{short(str(source))} was saved with a setting that cannot keep generating with eviction: {exc}. A "
+            "compressed context saved by 'h2o-compress ask --save-cache' is continued by 'ask --load-cache' "
+            "(it evicts nothing more there)"
+        ) from None
+
+
 def prepare_prompt_cache(
     model, tokenizer, prompt: str, config, max_new_tokens: int, chat: bool = True, load=None, save=None,
     expect: dict | None = None, overwrite: bool = False,
@@ -127,6 +143,8 @@ def prepare_prompt_cache(
         InputError: empty prompt, prompt + new tokens beyond the model's context, or a prompt that does not
             extend the loaded one.
         CacheFileError, CacheStateError: see :func:`h2o_compress.persistence.load_cache` / ``save_cache``.
+        ConfigError: a loaded cache whose setting leaves no recent window (:func:`~h2o_compress.config.check_usable`),
+            e.g. one saved by ``ask``.
     """
     from .generation import encode_prompt, make_cache
 
@@ -137,6 +155,7 @@ def prepare_prompt_cache(
     check_context(model, input_ids.shape[1], max_new_tokens)
     if load is not None:
         cache = load_cache(load, model, config=expect)
+        _check_generates(cache, load)
     else:
         cache = make_cache(model, config, max_length=input_ids.shape[1] + max_new_tokens)
     if save is not None:

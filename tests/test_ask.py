@@ -521,3 +521,21 @@ def test_cli_ask_config_file_goes_over_asks_defaults(tmp_path):
     assert pick(configs["bits"]) == ("kvzip", ASK_DEFAULTS.budget, 8, "global", "adaptive")
     assert pick(configs["h2o"]) == ("h2o", ASK_DEFAULTS.budget, 8, "uniform", "uniform")
     assert pick(configs["flag"]) == ("kvzip", 0.5, 16, "global", "adaptive")
+
+
+def test_a_context_saved_by_ask_is_refused_by_generate(tmp_path):
+    """A compressed context saved by ``ask`` (KVzip's setting: no recent window) used to load in ``generate``, which
+    then evicted with no recent window and degenerated ("the the the"); now it is refused, naming ``ask``."""
+    model_dir = save_tiny_lm(tmp_path / "model")
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT[:600])
+    saved = tmp_path / "ctx.safetensors"
+    runner = CliRunner()
+    result = runner.invoke(app, ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document),
+                                 "--max-new-tokens", "2", "--question", "Who?", "--save-cache", str(saved)])
+    assert result.exit_code == 0, result.output
+    refused = runner.invoke(app, ["generate", "--model", model_dir, "--no-chat", "--max-new-tokens", "4",
+                                  "--load-cache", str(saved), CONTEXT[:600] + " Summarize."])
+    assert refused.exit_code == 2
+    assert "cannot keep generating with eviction" in refused.output and "leaves no recent window" in refused.output
+    assert "ask --load-cache" in refused.output
