@@ -151,8 +151,12 @@ def parse_max_memory(value) -> dict | None:
 
 def check_offload_folder(device_map, offload_folder) -> str | None:
     """The folder accelerate writes offloaded weights to (``<name>.dat`` + ``index.json``): needed when the map
-    has ``disk`` entries (created if missing); an existing path must be a directory holding nothing else.
-    Raises ConfigError."""
+    has ``disk`` entries (created if missing); an existing path must be a directory holding nothing else; refused
+    without a ``device_map`` (it would be ignored). Raises ConfigError."""
+    if offload_folder is not None and device_map is None:
+        raise ConfigError(f"offload_folder {short(str(offload_folder))} only applies to a device_map (it holds the "
+                          "weights of modules the map puts on disk); allowed: device_map='auto' (or another strategy, "
+                          "or a map with 'disk' entries) with it, or no offload_folder")
     if offload_folder is None:
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ConfigError("device_map puts modules on disk but no offload_folder was given; allowed: "

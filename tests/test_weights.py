@@ -197,6 +197,7 @@ def test_missing_bitsandbytes_names_the_package(four_layer_dir, monkeypatch):
     ({"device_map": {"model": "disk"}}, "puts modules on disk but no offload_folder was given"),
     ({"device_map": "auto", "device": "cpu"}, "device='cpu' and a device_map were both given"),
     ({"max_memory": "cpu=1GiB"}, "max_memory only applies to a device_map strategy"),
+    ({"offload_folder": "offload"}, "offload_folder 'offload' only applies to a device_map"),
     ({"device_map": "auto", "max_memory": "cpu"}, "max_memory entry 'cpu' is invalid"),
     ({"device_map": "auto", "max_memory": "cpu=lots"}, r"max_memory\['cpu'\]='lots' is invalid"),
 ])
@@ -251,6 +252,7 @@ def test_device_map_and_max_memory_parsing(tmp_path):
     (["--weights-bits", "2"], "error: weights_bits=2 is not supported"),
     (["--device-map", "{nope"], "error: device_map='{nope' is not valid JSON"),
     (["--device-map", '{"model": "disk"}'], "error: device_map puts modules on disk but no offload_folder"),
+    (["--offload-folder", "offload"], "error: offload_folder 'offload' only applies to a device_map"),
 ])
 @pytest.mark.parametrize("command", [["generate", "hi"], ["eval", "perplexity"], ["profile", "--out", "OUT"],
                                      ["ask", "--context-file", "CONTEXT", "--question", "Q"]])

@@ -28,15 +28,17 @@ class _Flag:
 
 COMPRESSION_FLAGS: dict[str, _Flag] = {
     "policy": _Flag(str, typer.Option(
-        "h2o", "--policy", help="Eviction policy: h2o, h2o-mean, snapkv, tova, strided, kvzip (scored by "
+        "h2o", "--policy", help="Eviction policy: h2o, h2o-mean, snapkv, tova, a2sf (H2O with a forgetting "
+        "factor: --forgetting-factor), strided, kvzip (scored by "
         "reconstructing the prompt or document first), lookahead (scored by the model's own answer first: to a "
         "fixed request about a document in ask, to the prompt itself in generate), local, sink or full.")),
     "budget": _Flag(str, typer.Option(
         "1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
     "heavy_ratio": _Flag(float, typer.Option(
-        0.5, "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1) (at least one recent token).")),
+        0.5, "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1]; below 1 with eviction while generating (at "
+        "least one recent token), 1 only for a context compressed once (ask).")),
     "sink_tokens": _Flag(Optional[int], typer.Option(
-        None, "--sink-tokens", help="First tokens always kept (default: 4 for sink, else 0).")),
+        None, "--sink-tokens", help="First tokens always kept (attention sinks); when not given: 4 for --policy sink, else 0 (ask: 4).")),
     "kv_bits": _Flag(int, typer.Option(16, "--kv-bits", help="Bits of stored keys and values: 16, 8 or 4.")),
     "k_bits": _Flag(Optional[int], typer.Option(None, "--k-bits", help="Bits of keys (overrides --kv-bits).")),
     "v_bits": _Flag(Optional[int], typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-bits).")),
@@ -55,7 +57,7 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         "the policy, the rest at 4 (needs --kv-bits 4, quant int; 0 = off).")),
     "head_budgets": _Flag(str, typer.Option(
         "uniform", "--head-budgets", help="Spread each layer's capacity over its KV heads: uniform, or adaptive "
-        "(Ada-KV: heavy hitters ranked over all heads together, same bytes; scoring policies, torch decode form).")),
+        "(Ada-KV: heavy hitters ranked over all heads together, same bytes; scoring policies; decode: the CPU kernel on CPU, the torch form on CUDA).")),
     "attention_kernel": _Flag(str, typer.Option(
         "auto", "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
