@@ -107,6 +107,14 @@ def test_unreachable_hub_id_fails_fast_with_one_line(monkeypatch):
     assert time.perf_counter() - start < 30
 
 
+@pytest.mark.parametrize("flags,named", [(["--budget", "0.5"], "--budget"), (["--kv-bits", "8"], "--kv-bits"),
+                                         (["--group-size", "64", "--v-bits", "4"], "--v-bits, --group-size")])
+def test_memory_limit_refuses_the_settings_it_picks(flags, named):
+    """``--memory-limit`` picks budget, bits and group size: given ones used to be replaced silently."""
+    result = runner.invoke(app, ["generate", "--model", "/no/such/model", "--memory-limit", "2GiB", *flags, "hi"])
+    assert result.exit_code == 2 and f"so {named} (given on the command line or in --config) would be ignored" in result.output
+
+
 def test_memory_limit_and_load_cache_are_exclusive(tmp_path):
     result = runner.invoke(app, ["generate", "--memory-limit", "2GiB", "--load-cache", str(tmp_path / "c.safetensors"), "hi"])
     assert result.exit_code == 2 and "cannot be combined" in result.output

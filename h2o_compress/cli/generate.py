@@ -68,8 +68,15 @@ def generate(
         fail("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting it was saved with")
     if memory_limit is not None:
         from ..planner import parse_memory
+        from ..planner.plan import PICKED
 
         parse_memory(memory_limit)
+        fixed = [name for name in PICKED if name in overrides]
+        if fixed:
+            flags = ", ".join("--" + name.replace("_", "-") for name in fixed)
+            fail(f"--memory-limit picks budget, bits and group size itself, so {flags} (given on the command line or "
+                 "in --config) would be ignored; allowed: --memory-limit without them, or those settings without "
+                 "--memory-limit")
     check_cache_paths(save_cache, load_cache, overwrite)
     load = load_options(device, dtype, placement, config.attention_kernel)
     set_threads(threads)

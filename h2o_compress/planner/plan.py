@@ -256,8 +256,10 @@ def choose_for_prompt(
     """The setting for one :func:`h2o_compress.generate` call within ``memory`` (the ``--memory-limit`` path).
 
     Tokenizes ``prompt`` as ``generate`` does, then :func:`choose` at batch 1 for the loaded ``model`` (its exact
-    weight bytes and dtype). ``base`` gives the policy, heavy ratio, sinks, quant format and residual; the
-    planner picks budget, bits and group size. Use as ``generate(model, tok, prompt, row.config, ...)``.
+    weight bytes and dtype). ``base`` gives every field but those the planner picks (:data:`PICKED`: budget, bits
+    and group size): the policy, heavy ratio, sinks, quant format, residual, layer and head budgets and mixed
+    precision are sized by the planner as given; the rest (rotation, kernel, policy options) are carried over. Use
+    as ``generate(model, tok, prompt, row.config, ...)``.
 
     Raises:
         InputError: empty prompt.
@@ -268,7 +270,16 @@ def choose_for_prompt(
     base = base or CompressionConfig()
     prompt_len = encode_prompt(tokenizer, prompt, chat).shape[1]
     options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),
-               "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, **options}
+               "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, "layer_budgets": base.layer_budgets,
+               "head_budgets": base.head_budgets, "high_bits_fraction": base.high_bits_fraction, **options}
     row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
-    row.config = replace(row.config, rotate=base.rotate, score_chunk_size=base.score_chunk_size)
+    carried = ["rotate", "score_chunk_size", "attention_kernel"]
+    if row.config.policy == base.policy:  # not when the row keeps everything (policy "full")
+        carried += ["lookahead_request", "forgetting_factor", "evict_chat_header"]
+    row.config = replace(row.config, **{name: getattr(base, name) for name in carried})
     return row
+
+
+#: The fields :func:`choose_for_prompt` picks itself (``--memory-limit``): a setting that fixes one of them is
+#: refused there rather than silently replaced.
+PICKED = ("budget", "kv_bits", "k_bits", "v_bits", "group_size")
