@@ -29,7 +29,8 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.
         config: the compression setting (default: no compression).
         max_length: tokens the cache will see (prompt + new tokens); needed when ``config.budget`` is a
-            fraction below 1 (capacity = ``ceil(budget x max_length)`` tokens per layer and KV head).
+            fraction below 1 (capacity = ``ceil(budget x max_length)`` tokens per layer and KV head). A prefill
+            that would take the cache beyond it raises InputError (decode steps are not checked).
         layer_capacities: with ``config.layer_budgets == "global"``, each layer's capacity (tokens per KV head,
             one int >= 1 per layer: what :func:`make_scored_cache` computes from the scores); default: the
             config's own split.
@@ -63,6 +64,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         check_kernel(config.attention_kernel, device, dims.head_dim, formats)
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
+    cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)
     cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
     return cache
 

@@ -308,3 +308,17 @@ def test_model_cast_after_prefill_is_refused():
     model.half()
     with pytest.raises(CacheStateError, match="model.half"):
         model(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache)
+
+
+def test_a_prefill_beyond_max_length_is_refused():
+    """``make_cache(max_length=4)`` then a 9-token prompt: the capacity (a fraction of 4) would be wrong for what
+    the cache sees, silently; now refused, naming max_length. A prompt within it still runs."""
+    model = tiny_llama()
+    ids = torch.arange(1, 10).unsqueeze(0)
+    cache = make_cache(model, CompressionConfig(budget=0.5), max_length=4)
+    with pytest.raises(InputError, match=r"brings the cache to 9 tokens but it was made with max_length=4"):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    cache = make_cache(model, CompressionConfig(budget=0.5), max_length=12)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(InputError, match="brings the cache to 13 tokens"):
+        model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)

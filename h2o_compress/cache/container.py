@@ -20,7 +20,14 @@ class CompressedCache(Cache):
     (:attr:`is_compileable`); build it with :func:`h2o_compress.make_cache`, which also switches the model to the
     ``h2o_compress`` attention function. ``get_seq_length()`` counts tokens seen (an int64 0-dim tensor, as
     transformers' ``StaticCache`` does); :meth:`kept_length` counts tokens held.
+
+    Attributes:
+        max_length: the tokens :func:`~h2o_compress.make_cache` was told the cache will see (prompt + new tokens;
+            a budget fraction's capacity is taken of it), or ``None``. A multi-token step (prefill) that would
+            take the cache beyond it is refused; decode steps are not checked (that would sync the host).
     """
+
+    max_length: int | None = None
 
     def __init__(
         self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = "", capacity: int | None = -1
@@ -62,6 +69,14 @@ class CompressedCache(Cache):
                 raise CacheStateError(
                     f"the layers of this cache hold different token counts ({sorted(seen)}): an earlier forward pass "
                     "failed half-way; call cache.reset() or build a new cache"
+                )
+            total = max(seen, default=0) + key_states.shape[2]
+            if self.max_length is not None and total > self.max_length:
+                raise InputError(
+                    f"this step brings the cache to {total} tokens but it was made with max_length={self.max_length} "
+                    "(the tokens it will see: prompt + new tokens; a budget fraction's capacity is taken of it); "
+                    f"allowed: make_cache(model, config, max_length=N) with N at least the prompt's tokens plus the "
+                    "new tokens"
                 )
         return layer.update(key_states, value_states, *args, **kwargs)
 
