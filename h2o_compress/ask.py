@@ -30,7 +30,7 @@ import torch
 
 from .cache import CompressedCache
 from .config import CompressionConfig, check_usable
-from .errors import CacheStateError, InputError
+from .errors import CacheStateError, InputError, short
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
 from .prompt_cache import check_context, prefill, shared_prefix_length
 from .weights import input_device
@@ -113,6 +113,21 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     prefill(model, ids, cache)
     cache.check()
     return CompressedContext(cache, context, chat)
+
+
+def check_questions_fit(model, tokenizer, context: str, questions, max_new_tokens: int, chat: bool = True) -> None:
+    """Refuse, before the context is compressed (minutes for a long one), a context + question + ``max_new_tokens``
+    beyond the model's window (:func:`ask` checks the same per question, later). Tokenizes only.
+
+    Raises:
+        InputError: naming the question, the token counts and the most ``max_new_tokens`` that fits.
+    """
+    for question in questions:
+        total = encode_prompt(tokenizer, context + SEPARATOR + question, chat).shape[1]
+        try:
+            check_context(model, total, max_new_tokens)
+        except InputError as exc:
+            raise InputError(f"context + question {short(question)}: {exc}") from None
 
 
 @torch.inference_mode()

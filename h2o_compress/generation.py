@@ -192,7 +192,10 @@ def check_prompt(prompt) -> str:
         InputError: not a string, empty or whitespace only, or holding lone surrogates (invalid UTF-8 bytes
             on the command line arrive as those).
     """
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str):
+        raise InputError(f"prompt {short(prompt)} is a {type(prompt).__name__}, not a text; allowed: a non-empty str "
+                         "(arguments in the order model, tokenizer, prompt)")
+    if not prompt.strip():
         raise InputError(f"prompt {short(prompt)} is empty; allowed: a non-empty text")
     try:
         prompt.encode("utf-8")

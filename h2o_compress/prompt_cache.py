@@ -18,10 +18,13 @@ from .weights import input_device
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
     """Raise InputError when ``prompt_tokens + max_new_tokens`` exceeds the model's ``max_position_embeddings``."""
     limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and prompt_tokens > limit:
+        raise InputError(f"prompt of {prompt_tokens} tokens exceeds the model's context of {limit} tokens; allowed: a "
+                         "shorter text")
     if limit and prompt_tokens + max_new_tokens > limit:
         raise InputError(
             f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
-            f"{limit} tokens"
+            f"{limit} tokens; allowed: max_new_tokens at most {limit - prompt_tokens}, or a shorter prompt"
         )
 
 

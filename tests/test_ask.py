@@ -539,3 +539,29 @@ def test_a_context_saved_by_ask_is_refused_by_generate(tmp_path):
     assert refused.exit_code == 2
     assert "cannot keep generating with eviction" in refused.output and "leaves no recent window" in refused.output
     assert "ask --load-cache" in refused.output
+
+
+def test_cli_ask_refuses_an_empty_or_too_long_context_before_compressing(tmp_path, monkeypatch):
+    """An empty context file is named; a context + question + new tokens beyond the window is refused before the
+    (long) compression, with the most --max-new-tokens that fits."""
+    import sys
+
+    ask_module = sys.modules["h2o_compress.ask"]  # the package's ``ask`` attribute is the function
+
+    def never(*args, **kwargs):
+        raise AssertionError("compress() ran")
+
+    monkeypatch.setattr(ask_module, "compress", never)
+    model_dir = save_tiny_lm(tmp_path / "model")
+    empty, long = tmp_path / "empty.txt", tmp_path / "long.txt"
+    empty.write_text(" \n")
+    long.write_text(CONTEXT)
+    base = ["ask", "--model", model_dir, "--no-chat", "--question", "Who?"]
+    result = CliRunner().invoke(app, [*base, "--context-file", str(empty)])
+    assert result.exit_code == 2 and f"context file '{empty}' is empty" in result.output
+    from transformers import AutoConfig
+
+    window = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    result = CliRunner().invoke(app, [*base, "--context-file", str(long), "--max-new-tokens", str(window)])
+    assert result.exit_code == 2, result.output
+    assert "context + question 'Who?': prompt of" in result.output and "allowed: max_new_tokens at most" in result.output

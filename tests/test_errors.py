@@ -169,7 +169,7 @@ MODEL_CLI_CASES = [
     ("temperature-negative", ["--temperature", "-1"], "w1 w2", "temperature=-1.0 is invalid"),
     ("temperature-inf", ["--temperature", "inf"], "w1 w2", "temperature=inf is invalid"),
     ("group-size-head-dim", ["--kv-bits", "4", "--group-size", "64"], "w1", "does not divide the model's head_dim=32"),
-    ("prompt-too-long", [], LONG_PROMPT, "prompt of 4100 tokens + max_new_tokens=128 exceeds the model's context"),
+    ("prompt-too-long", [], LONG_PROMPT, "prompt of 4100 tokens exceeds the model's context of 4096 tokens; allowed: a shorter text"),
 ]
 
 
@@ -291,14 +291,15 @@ def test_bad_make_cache_arguments(model, kwargs, fragment):
 @pytest.mark.parametrize("prompt,kwargs,error,fragment", [
     ("", {}, InputError, "prompt '' is empty"),
     (" \n ", {}, InputError, "is empty; allowed: a non-empty text"),
-    (None, {}, InputError, "prompt None is empty"),
-    (LONG_PROMPT, {}, InputError, "prompt of 4100 tokens + max_new_tokens=2 exceeds the model's context of 4096"),
+    (None, {}, InputError, "prompt None is a NoneType, not a text"),
+    (b"hi", {}, InputError, "is a bytes, not a text; allowed: a non-empty str"),
+    (LONG_PROMPT, {}, InputError, "prompt of 4100 tokens exceeds the model's context of 4096"),
     ("w1", dict(max_new_tokens=0), ConfigError, "max_new_tokens=0 is invalid"),
     ("w1", dict(max_new_tokens=2.5), ConfigError, "max_new_tokens=2.5 is invalid"),
     ("w1", dict(temperature=-0.5), ConfigError, "temperature=-0.5 is invalid"),
     ("w1", dict(temperature=math.nan), ConfigError, "temperature=nan is invalid"),
     pytest.param("w1", dict(temperature=1.0, seed="x"), ConfigError, "seed='x' is invalid"),
-], ids=["empty", "whitespace", "none", "too-long", "max-new-tokens-0", "max-new-tokens-float", "temperature",
+], ids=["empty", "whitespace", "none", "bytes", "too-long", "max-new-tokens-0", "max-new-tokens-float", "temperature",
         "temperature-nan", "seed-type"])
 def test_bad_generate_arguments(model, tokenizer, prompt, kwargs, error, fragment):
     kwargs = {"max_new_tokens": 2, **kwargs}

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from ..ask import ASK_DEFAULTS
-from ..errors import ConfigError
+from ..errors import ConfigError, short
 from .common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
 from .generate import summary_line
 from .options import (
@@ -76,7 +76,7 @@ def ask(
 ):
     """Compress a document once (defaults: kvzip with global layer budgets and adaptive heads, budget 0.2 of the
     document, heavy ratio 1 with 4 sinks, 4 bits), then answer each --question from the same compressed context."""
-    from ..ask import CompressedContext, compress
+    from ..ask import CompressedContext, check_questions_fit, compress
     from ..ask import ask as run_ask
     from ..compiled import check_compile
     from ..files import MAX_TEXT_BYTES, read_text
@@ -86,7 +86,10 @@ def ask(
     from ..weights import floating_dtype
 
     # -- every check first ---------------------------------------------------------------------------------
-    context = check_prompt(read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES))
+    context = read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES)
+    if not context.strip():
+        fail(f"context file {short(context_file)} is empty (or whitespace only); allowed: a document to ask about")
+    check_prompt(context)
     for text in question:
         check_prompt(text)
     config, overrides = fitted_config(compression, config_file)
@@ -99,6 +102,7 @@ def ask(
     set_threads(threads)
     # -- then the work -------------------------------------------------------------------------------------
     lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)
+    check_questions_fit(lm, tokenizer, context, question, max_new_tokens, chat)  # before minutes of compressing
     started = time.perf_counter()
     if load_cache is not None:
         compressed = CompressedContext.load(load_cache, lm, tokenizer, context, chat, config=overrides)
