@@ -147,7 +147,7 @@ def needle_command(
     check_compile(compile_step, config)
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
-    check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol)
+    check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol, seed)
     corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
     with progress_bar("needle", enabled=not as_json) as update:
@@ -181,7 +181,7 @@ def agreement_command(
     ctx: typer.Context,
     prompts_file: Optional[str] = typer.Option(
         None, "--prompts-file", help="JSON list of prompts or one prompt a line (default: the shipped prompts)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts (N at most their number)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate per prompt."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
@@ -197,8 +197,8 @@ def agreement_command(
     check_compile(compile_step, config)
     check_count("max_new_tokens", max_new_tokens)
     prompts = load_prompts(prompts_file)
-    if limit is not None:
-        prompts = prompts[: check_count("limit", limit, unit="prompts")]
+    if limit is not None:  # more than there are would be ignored silently: refused, naming how many there are
+        prompts = prompts[: check_count("limit", limit, unit="prompts", maximum=len(prompts))]
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
     with progress_bar("generating", enabled=not as_json) as update:
         result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update, compile=compile_step)

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand
 
+from ..errors import ConfigError
 from .common import load_options, user_errors
 from .evaluate import parse_list
 from .lm_eval_command import split_tasks
@@ -34,13 +35,25 @@ class ProfileCommand(TyperCommand):
         return super().parse_args(ctx, args)
 
 
+def options_given(ctx: typer.Context, *besides: str) -> list[str]:
+    """The options of the command given on its command line, but ``besides`` (parameter names), as their flags."""
+    given = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        if param.name not in besides and source is not None and source.name == "COMMANDLINE":
+            given.append("/".join(param.opts + param.secondary_opts))
+    return given
+
+
 @user_errors
 @compression_options(only=("heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets",
                            "attention_kernel"))
 @placement_options
 def profile_command(
     ctx: typer.Context,
-    out: str = typer.Option(..., "--out", help="Directory for report.json, report.md, PNG plots and report.html."),
+    out: str = typer.Option(
+        ..., "--out", help="Directory for report.json, report.md, PNG plots, report.html and rows/: new, empty, or "
+        "one an earlier profile wrote (a rerun resumes from its rows/); other report files there are not replaced."),
     model: str = ModelOpt,
     policies: str = typer.Option("h2o,local,sink", "--policies", help="Eviction policies, comma-separated."),
     budgets: str = typer.Option("1,0.5,0.2,0.1", "--budgets", help="Budgets, comma-separated (1 = no eviction)."),
@@ -79,7 +92,8 @@ def profile_command(
     lm_eval_include_path: Optional[str] = typer.Option(
         None, "--lm-eval-include-path", help="A folder of extra lm-eval task YAML files."),
     render: Optional[str] = typer.Option(
-        None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep)."),
+        None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep) "
+        "into --out; takes no sweep option."),
     compression: Compression = None,
     placement: dict = None,
 ):
@@ -90,6 +104,11 @@ def profile_command(
     from ..evaluation.report import load_report, write_report
 
     if render is not None:
+        ignored = options_given(ctx, "out", "render")
+        if ignored:
+            raise ConfigError(f"{', '.join(ignored)} cannot be given with --render, which only re-renders the report "
+                              "files of an existing report.json (no sweep runs, so sweep options do not apply); "
+                              "allowed: --render FILE with --out DIR alone, or no --render to run a sweep")
         written = write_report(load_report(render), out)
         typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
         return

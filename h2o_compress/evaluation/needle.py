@@ -17,7 +17,7 @@ import torch
 
 from ..config import CompressionConfig
 from ..errors import ConfigError, InputError, short
-from ..generation import make_cache, make_scored_cache
+from ..generation import check_generation_args, make_cache, make_scored_cache
 from .corpus import default_corpus
 from ..compiled import resolve_compile
 from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream, step_function
@@ -207,12 +207,14 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
 
 
 def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = 8, chunk_size: int | None = None,
-                      protocol: str = PROTOCOLS[0]) -> None:
-    """Validate :func:`needle_eval`'s arguments. Raises ConfigError naming the bad one."""
+                      protocol: str = PROTOCOLS[0], seed: int | None = 0) -> None:
+    """Validate :func:`needle_eval`'s arguments (those that do not need the model or its tokenizer: see
+    :func:`check_answer_room` for ``max_new_tokens`` against the passkey). Raises ConfigError naming the bad one."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={short(protocol)} is not supported; allowed: {', '.join(PROTOCOLS)}")
     check_count("trials", trials, unit="trials per cell")
     check_count("max_new_tokens", max_new_tokens)
+    check_generation_args(max_new_tokens, 0.0, seed)  # the seed as generate checks it: an integer in [0, 2**64)
     if chunk_size is not None:
         check_count("chunk_size", chunk_size)
     if not lengths or not depths:
@@ -221,6 +223,26 @@ def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = 8,
         check_count("length", length, minimum=64)
     for depth in depths:
         plant_needle("", "", depth)  # validates the depth
+
+
+def passkey_tokens(tokenizer, passkey: str) -> int:
+    """Tokens the model writes for ``passkey`` after :data:`ANSWER_PREFIX` (with its leading space), with
+    ``tokenizer``: the fewest new tokens in which a right answer fits."""
+    prefix = _encode(tokenizer, ANSWER_PREFIX)
+    answer = _encode(tokenizer, f"{ANSWER_PREFIX} {passkey}")
+    if answer[: len(prefix)] == prefix:
+        return len(answer) - len(prefix)
+    return len(_encode(tokenizer, f" {passkey}"))
+
+
+def check_answer_room(tokenizer, passkeys, max_new_tokens: int) -> None:
+    """Refuse ``max_new_tokens`` too few for the longest of ``passkeys`` with ``tokenizer`` (the answer would be cut
+    before its last digit and scored wrong whatever the cache). Raises ConfigError naming the minimum."""
+    need, passkey = max((passkey_tokens(tokenizer, p), p) for p in passkeys)
+    if max_new_tokens < need:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is too few for the answer: the passkey {passkey} takes "
+                          f"{need} tokens with this tokenizer, so it would be cut and scored wrong; allowed: "
+                          f"max_new_tokens at least {need}")
 
 
 def needle_eval(
@@ -249,34 +271,38 @@ def needle_eval(
     them; the question and the answer are added without eviction, as :func:`h2o_compress.ask` does).
 
     Raises:
-        ConfigError: bad lengths, depths, trials, chunk size or compression setting.
+        ConfigError: bad lengths, depths, trials, seed, chunk size or compression setting; ``max_new_tokens`` too
+            few for the passkey with this tokenizer (:func:`check_answer_room`).
         InputError: a length beyond the model's context.
     """
     config = config or CompressionConfig()
-    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol)
+    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol, seed)
     limit = context_limit(model)
     for length in lengths:
         if limit and length + max_new_tokens > limit:
-            raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}")
+            raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}; "
+                             f"allowed: lengths at most {limit - max_new_tokens} with max_new_tokens={max_new_tokens}")
     corpus = corpus or default_corpus()
     rng = random.Random(seed)
-    settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
-    result = NeedleResult(config={**config.to_dict(), "protocol": protocol})
-    total, done = len(lengths) * len(depths) * trials * len(settings), 0
+    cells = []  # (length, depth, trial, passkey, haystack offset), all drawn first: the passkeys are checked below
     for length in lengths:
         for depth in depths:
             for trial in range(trials):
                 passkey = str(rng.randint(10000, 99999))
-                offset = rng.randrange(0, max(1, len(corpus) - 10 * length))
-                prompt, split = needle_prompt_parts(tokenizer, length, depth, passkey, corpus, offset, chat)
-                context = split if protocol == "compress-then-ask" else None
-                for name, setting in settings:
-                    answer, kv_bytes = answer_prompt(
-                        model, tokenizer, prompt, setting, max_new_tokens, chunk_size, compile, context
-                    )
-                    result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
-                                                     answer, is_correct(answer, passkey), kv_bytes))
-                    done += 1
-                    if progress is not None:
-                        progress(done, total)
+                cells.append((length, depth, trial, passkey, rng.randrange(0, max(1, len(corpus) - 10 * length))))
+    check_answer_room(tokenizer, {cell[3] for cell in cells}, max_new_tokens)
+    settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
+    result = NeedleResult(config={**config.to_dict(), "protocol": protocol})
+    total, done = len(cells) * len(settings), 0
+    for length, depth, trial, passkey, offset in cells:
+        prompt, split = needle_prompt_parts(tokenizer, length, depth, passkey, corpus, offset, chat)
+        context = split if protocol == "compress-then-ask" else None
+        for name, setting in settings:
+            answer, kv_bytes = answer_prompt(model, tokenizer, prompt, setting, max_new_tokens, chunk_size, compile,
+                                             context)
+            result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
+                                             answer, is_correct(answer, passkey), kv_bytes))
+            done += 1
+            if progress is not None:
+                progress(done, total)
     return result

@@ -130,7 +130,8 @@ def streaming_perplexity(
         raise InputError(f"a stream of {tokens} token(s); allowed: at least 2 tokens")
     limit = context_limit(model)
     if limit and tokens > limit:
-        raise InputError(f"a stream of {tokens} tokens exceeds the model's context of {limit} tokens")
+        raise InputError(f"a stream of {tokens} tokens exceeds the model's context of {limit} tokens; allowed: at "
+                         f"most {limit} tokens")
     input_ids = input_ids.to(model_device(model))
     cache = make_cache(model, config, max_length=tokens)
     step = step_function(model, resolve_compile(compile, cache, input_ids.device, model))
@@ -185,6 +186,10 @@ def text_perplexity(
     """
     check_count("max_tokens", max_tokens, minimum=2)
     input_ids = tokenize_text(tokenizer, load_text(text_file), max_tokens)
+    limit = context_limit(model)
+    if limit and input_ids.shape[1] > limit:
+        raise InputError(f"max_tokens={max_tokens} reads {input_ids.shape[1]} tokens of the text, more than the model's "
+                         f"context of {limit} tokens; allowed: max_tokens at most {limit}")
     return streaming_perplexity(
         model, input_ids, config, chunk_size, reference=reference, progress=progress, compile=compile
     )

@@ -29,17 +29,18 @@ from pathlib import Path
 import torch
 
 from ..config import ALLOWED_BITS, CompressionConfig
-from ..errors import ConfigError, short
+from ..errors import ConfigError, InputError, short
 from ..generation import make_cache
 from .agreement import agreement_eval, reference_generations
 from .corpus import load_prompts, load_text, tokenize_text
-from .needle import needle_eval
+from .needle import check_needle_args, needle_eval, plant_needle
 from .perplexity import streaming_perplexity
 from ..compiled import decode_step, resolve_compile, warmup_steps
 from ..weights import floating_dtype
-from .stream import check_count, greedy_decode, model_device, read_stream, step_function, sync
+from .stream import check_count, context_limit, greedy_decode, model_device, read_stream, step_function, sync
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
+NEEDLE_NEW_TOKENS = 8  # tokens of each passkey answer (needle_eval's default)
 _DEFAULTS = CompressionConfig()
 
 
@@ -57,8 +58,10 @@ class ProfileSettings:
         ppl_tokens: tokens of the streaming-perplexity run, read ``chunk_size`` tokens per forward pass (default
             1: token by token, the exact decode semantics; larger chunks are faster but hide part of the
             compression's cost, as the tokens of a chunk see each other uncompressed).
-        agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips.
-        needle_lengths, needle_depths: passkey retrieval cells; empty ``needle_lengths`` skips it.
+        agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips; at most
+            the number shipped (``len(load_prompts())``).
+        needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
+            :data:`NEEDLE_NEW_TOKENS` tokens); empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
         head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
@@ -132,10 +135,18 @@ class ProfileSettings:
         check_count("decode_tokens", self.decode_tokens)
         check_count("ppl_tokens", self.ppl_tokens, minimum=2)
         check_count("chunk_size", self.chunk_size)
-        check_count("agreement_prompts", self.agreement_prompts, minimum=0, unit="prompts")
+        check_count("agreement_prompts", self.agreement_prompts, minimum=0, unit="shipped prompts",
+                    maximum=len(load_prompts()))  # more would report a count the rows never measured
         check_count("max_new_tokens", self.max_new_tokens)
         if self.threads is not None:
             check_count("threads", self.threads, unit="threads", maximum=4096)
+        try:  # as eval needle checks them (the lengths against the model's context: once it is loaded)
+            for depth in self.needle_depths:
+                plant_needle("", "", depth)
+            if self.needle_lengths:
+                check_needle_args(self.needle_lengths, self.needle_depths, max_new_tokens=NEEDLE_NEW_TOKENS)
+        except ConfigError as exc:
+            raise ConfigError(f"needle {exc}") from None
         self.configs()  # validates policies, budgets and the fixed options
         from ..attention.choice import check_kernel
 
@@ -251,6 +262,27 @@ def measure_speed(
     }
 
 
+def check_context(model, settings: ProfileSettings, text_tokens: int) -> None:
+    """Refuse, before any measurement, the settings that need more positions than the loaded model has: the
+    perplexity stream (``ppl_tokens``, or the whole text when shorter) and each passkey length plus its answer.
+
+    Raises:
+        InputError: naming the setting and the largest value the model allows.
+    """
+    limit = context_limit(model)
+    if not limit:
+        return
+    stream = min(settings.ppl_tokens, text_tokens)
+    if stream > limit:
+        raise InputError(f"ppl_tokens={settings.ppl_tokens} reads {stream} tokens, more than the model's context of "
+                         f"{limit} tokens; allowed: ppl_tokens at most {limit}")
+    too_long = [n for n in settings.needle_lengths if n + NEEDLE_NEW_TOKENS > limit]
+    if too_long:
+        raise InputError(f"needle lengths {', '.join(map(str, too_long))} + {NEEDLE_NEW_TOKENS} answer tokens exceed "
+                         f"the model's context of {limit} tokens; allowed: needle lengths at most "
+                         f"{limit - NEEDLE_NEW_TOKENS}")
+
+
 def measure_config(model, tokenizer, settings: ProfileSettings, config: CompressionConfig, references=None) -> dict:
     """Every measure of one configuration on a loaded model (see the module docstring).
 
@@ -261,6 +293,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     device = model_device(model)
     text = load_text(settings.text_file)
     corpus_ids = tokenize_text(tokenizer, text, max(max(settings.seq_lens), settings.ppl_tokens))
+    check_context(model, settings, corpus_ids.shape[1])
     with torch.inference_mode():  # warm-up: first-call initialisation (and compilation) is not part of any timing
         read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
     record: dict = {"label": label(config), "config": config.to_dict(),
@@ -287,7 +320,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
         record["agreement"] = {k: v for k, v in agreement.to_dict().items() if k != "config"}
     if settings.needle_lengths:
         needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
-                             reference=False, corpus=text, compile=settings.compile)
+                             max_new_tokens=NEEDLE_NEW_TOKENS, reference=False, corpus=text, compile=settings.compile)
         record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
     if settings.lm_eval_tasks:
         from ..lm_eval_tasks import score_model
@@ -437,11 +470,32 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
             ``"HEAD:6379"`` an existing cluster; ``None`` (default) runs here. The reference runs first (the
             agreement of every other row compares with its generations), then the rest in parallel.
 
+    ``out_dir`` must be new, empty of report files, or the output directory of an earlier sweep
+    (:func:`~h2o_compress.evaluation.report.check_out_dir`), checked before any work; when the run fails, the
+    directories it created and left empty are removed again.
+
     Raises:
         ConfigError: bad settings (an unknown lm-eval task name included); Ray asked for but not installed (the message names the ``ray`` extra) or not
             reachable; ``ray_address`` with ``model``. ModelLoadError: the model cannot be loaded.
-        InputError: ``out_dir`` (or its ``rows``) exists and is not a directory.
+        InputError: ``out_dir`` (or its ``rows``) exists and is not a directory, or holds report files profile
+            did not write; a measurement needs more positions than the model has.
     """
+    from .report import check_out_dir, missing_dirs, remove_empty_dirs
+
+    created: list[Path] = []
+    if out_dir is not None:
+        check_out_dir(out_dir)
+        created = missing_dirs(out_dir)
+    try:
+        return _run_profile(settings, out_dir, show_progress, model, tokenizer, ray_address, resume)
+    except BaseException:
+        remove_empty_dirs(created)  # a failed run leaves no empty directory behind (nothing with a file in it)
+        raise
+
+
+def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model, tokenizer, ray_address,
+                 resume: bool) -> dict:
+    """:func:`run_profile` once ``out_dir`` is checked."""
     from ..models import resolve_device
     from .report import finalize, prepare_out_dir, write_report
     from .rows import RowStore, row_key

@@ -7,11 +7,13 @@ import base64
 import html
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, short
 from ..files import read_text
+from .rows import ROWS_DIR
 
 MIB = 2**20
 PLOTS = {
@@ -411,6 +413,68 @@ def html_page(report: dict, out_dir: Path) -> str:
             f"<p>{html.escape(_headline(report)).replace('`', '')}</p>{images}{body}</body></html>")
 
 
+REPORT_FILES = ("report.json", *PLOTS, "report.md", "report.html")
+"""The files :func:`write_report` writes in its directory (``run_profile`` also writes a ``rows`` folder)."""
+
+
+def is_profile_report(path: str | Path) -> bool:
+    """Whether ``path`` is a report.json written by ``h2o-compress profile`` (complete or from an interrupted
+    sweep): a readable JSON object with a ``settings`` object and a ``results`` list. Never raises."""
+    try:
+        report = json.loads(read_text(path, "report", InputError))
+    except (InputError, ValueError, RecursionError):
+        return False
+    return isinstance(report, dict) and isinstance(report.get("settings"), dict) and isinstance(
+        report.get("results"), list)
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse ``out_dir`` when writing a report there would replace files profile did not write; creates nothing.
+
+    Allowed: a path that does not exist yet, a directory with none of :data:`REPORT_FILES`, or the output
+    directory of an earlier profile run (its report.json is a profile report, or it has the ``rows`` folder a
+    sweep writes), which a rerun resumes from and ``--render`` may re-render into.
+
+    Raises:
+        InputError: ``out_dir`` exists and is not a directory, or holds some of :data:`REPORT_FILES` and is not
+            a profile output directory (the message names the files).
+    """
+    out = Path(out_dir)
+    if os.path.lexists(out) and not out.is_dir():
+        raise InputError(f"output path {short(str(out))} exists and is not a directory; allowed: a directory "
+                         "(new, empty or written by h2o-compress profile)")
+    if not out.is_dir() or (out / ROWS_DIR).is_dir() or is_profile_report(out / "report.json"):
+        return out
+    clashes = [name for name in REPORT_FILES if os.path.lexists(out / name)]
+    if clashes:
+        raise InputError(
+            f"output directory {short(str(out))} already holds {', '.join(clashes)}, not written by h2o-compress "
+            "profile (no profile report.json, no rows folder): the report would replace them; allowed: a new or "
+            "empty directory, or the output directory of an earlier profile run (choose another --out)")
+    return out
+
+
+def missing_dirs(out_dir: str | Path) -> list[Path]:
+    """The directories creating ``out_dir`` would create (``out_dir`` first, then its missing parents)."""
+    missing, path = [], Path(out_dir).absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty_dirs(dirs: list[Path]) -> None:
+    """Remove each of ``dirs`` (deepest first, as :func:`missing_dirs` lists them) while it exists and is empty:
+    undoes the directories a failed run created and left empty, never anything with a file in it."""
+    for path in dirs:
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty (or not ours to remove): keep it and its parents
+            return
+
+
 def prepare_out_dir(out_dir: str | Path) -> Path:
     """Create ``out_dir`` (and parents) if needed and return it.
 
@@ -483,8 +547,10 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
         ``{file name: path}`` of every file written.
 
     Raises:
-        InputError: ``out_dir`` exists and is not a directory, or cannot be created.
+        InputError: ``out_dir`` exists and is not a directory, cannot be created, or holds report files that
+            profile did not write (:func:`check_out_dir`).
     """
+    check_out_dir(out_dir)
     check_report(report)
     if "policy_comparison" not in report:
         finalize(report)

@@ -79,7 +79,7 @@ def test_accuracy_table_counts_right_and_wrong_answers(monkeypatch):
 def test_needle_eval_runs_on_a_tiny_model():
     model, tokenizer = tiny_lm()
     result = needle_eval(model, tokenizer, CompressionConfig(policy="h2o", budget=0.25), lengths=(96,),
-                         depths=(0.5,), max_new_tokens=4, chunk_size=16)
+                         depths=(0.5,), max_new_tokens=6, chunk_size=16)
     assert [t.setting for t in result.trials] == ["compressed", "reference"]
     for t in result.trials:
         assert t.correct == is_correct(t.answer, t.passkey)
