@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -141,6 +142,6 @@ def profile_command(
         check_address(ray)
         import_ray()  # the missing extra is named before anything runs
     report = run_profile(settings, out, ray_address=ray, resume=resume)
-    reused = f", {report['rows_reused']} reused from {out}/rows" if report["rows_reused"] else ""
+    reused = f", {report['rows_reused']} reused from {Path(out) / 'rows'}" if report["rows_reused"] else ""
     typer.echo(f"wrote {out}/report.json, report.md, report.html and 3 PNG plots ({len(report['results'])} "
                f"configurations{reused})")

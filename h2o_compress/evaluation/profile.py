@@ -44,6 +44,10 @@ NEEDLE_NEW_TOKENS = 8  # tokens of each passkey answer (needle_eval's default)
 _DEFAULTS = CompressionConfig()
 
 
+#: ``load_model``'s placement arguments and their defaults (a :class:`ProfileSettings` keeps only those that differ).
+PLACEMENT_DEFAULTS = {"weights_bits": 16, "device_map": None, "max_memory": None, "offload_folder": None}
+
+
 @dataclass
 class ProfileSettings:
     """What :func:`run_profile` sweeps and how much it reads.
@@ -118,11 +122,13 @@ class ProfileSettings:
 
         device = None  # where the weights (and caches) go
         if self.placement:  # refused now, not in a worker after the first configuration
-            unknown = set(self.placement) - {"weights_bits", "device_map", "max_memory", "offload_folder"}
+            unknown = set(self.placement) - set(PLACEMENT_DEFAULTS)
             if unknown:
                 raise ConfigError(f"placement keys {sorted(unknown)} are unknown; allowed: weights_bits, device_map, "
                                   "max_memory, offload_folder")
             device = placement_options(self.device, self.dtype, **self.placement)["_device"]
+            # defaults left out: the CLI's full dict and the API's {} are one sweep (the rows' key compares them)
+            self.placement = {k: v for k, v in self.placement.items() if v != PLACEMENT_DEFAULTS[k]}
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths", "lm_eval_tasks"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name) and name not in ("needle_lengths", "needle_depths", "lm_eval_tasks"):

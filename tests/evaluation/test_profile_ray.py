@@ -163,6 +163,17 @@ def test_a_changed_setting_does_not_reuse_stale_rows(tmp_path, counted, change):
     assert len(list((tmp_path / "out" / ROWS_DIR).glob("*.json"))) == 4  # the old rows are kept, not replaced
 
 
+def test_placement_defaults_do_not_split_one_sweep_in_two(tmp_path, model_dir):
+    """The CLI passes every placement argument (at its default); the API passes none: one sweep, so the API run
+    reuses the CLI run's rows (it measured them all again: README's Ray example after its CLI example)."""
+    cli = two_configs(model_dir, placement={"weights_bits": 16, "device_map": None, "max_memory": None,
+                                            "offload_folder": None})
+    assert cli.placement == {}
+    first = run_profile(cli, tmp_path, show_progress=False)
+    report = run_profile(two_configs(model_dir), tmp_path, show_progress=False)
+    assert first["rows_reused"] == 0 and report["rows_reused"] == 2
+
+
 def test_no_resume_measures_again(tmp_path, counted):
     model, tokenizer = tiny_lm()
     run_profile(two_configs("tiny"), tmp_path, show_progress=False, model=model, tokenizer=tokenizer)
