@@ -313,6 +313,38 @@ def check_cache_source(path) -> Path:
     return source
 
 
+def check_cache_header(path) -> Path:
+    """:func:`check_cache_source`, then the file's safetensors header: readable, its tensors within the file's
+    size, and an h2o-compress cache of this format version. Reads the header only (the CLI runs it before the model
+    loads; the checksum over the tensors is verified when the cache is read).
+
+    Raises:
+        CacheFileError: naming the path and what is wrong.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    source = check_cache_source(path)
+    try:
+        with safe_open(str(source), framework="pt", device="cpu") as handle:
+            metadata = dict(handle.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CacheFileError(f"cache file {str(source)!r} is truncated or not a safetensors file ({reason})") from None
+    _check_format(metadata, source)
+    return source
+
+
+def _check_format(metadata: dict[str, str], source: Path) -> None:
+    """Refuse metadata that is not an h2o-compress cache's of :data:`FORMAT_VERSION` (CacheFileError)."""
+    if metadata.get("format") != FORMAT:
+        raise CacheFileError(f"{str(source)!r} is not an h2o-compress cache file (format={metadata.get('format')!r})")
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CacheFileError(
+            f"cache file {str(source)!r} has format version {metadata.get('format_version')!r}; "
+            f"allowed: {FORMAT_VERSION} (save it again with this version)"
+        )
+
+
 def read_cache_file(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Read and verify a saved cache: ``(metadata, tensors on CPU)``.
 
@@ -330,13 +362,7 @@ def read_cache_file(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise CacheFileError(f"cache file {str(source)!r} is truncated or not a safetensors file ({reason})") from None
-    if metadata.get("format") != FORMAT:
-        raise CacheFileError(f"{str(source)!r} is not an h2o-compress cache file (format={metadata.get('format')!r})")
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise CacheFileError(
-            f"cache file {str(source)!r} has format version {metadata.get('format_version')!r}; "
-            f"allowed: {FORMAT_VERSION} (save it again with this version)"
-        )
+    _check_format(metadata, source)
     if metadata.get("checksum") != _checksum(metadata, tensors):
         raise CacheFileError(f"cache file {str(source)!r} fails its checksum: it was truncated or modified")
     return metadata, tensors

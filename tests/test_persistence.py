@@ -445,6 +445,33 @@ def test_cli_refuses_bad_cache_files(tiny_model_dir, tmp_path):
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("damage", ["truncated", "another-file"])
+def test_cli_refuses_a_damaged_cache_file_before_loading_the_model(tiny_model_dir, tmp_path, monkeypatch, damage):
+    """The header is read with the other options: a truncated cache file, or a safetensors file that is not a
+    cache, is refused before the model loads (it used to load first)."""
+    from safetensors.torch import save_file
+
+    import h2o_compress.models as models
+
+    saved = cli("--model", tiny_model_dir, "--max-new-tokens", "2", "--save-cache", str(tmp_path / "p.safetensors"),
+                WORDS)
+    assert saved.exit_code == 0, saved.output
+    path = tmp_path / "p.safetensors"
+    if damage == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 100])
+    else:
+        save_file({"x": torch.zeros(2)}, str(path), metadata={"format": "pt"})
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    result = cli("--model", tiny_model_dir, "--max-new-tokens", "2", "--load-cache", str(path), WORDS)
+    expected = "truncated or not a safetensors file" if damage == "truncated" else "is not an h2o-compress cache file"
+    assert result.exit_code == 2 and expected in result.output, result.output
+
+
 def test_cli_refuses_a_cache_with_other_settings(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
