@@ -217,3 +217,20 @@ def test_cli_refuses_bad_options_with_one_line(extra, message, local_tasks_only)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_task_data_out_of_reach_is_one_line(model_dir, task_dir, tmp_path, local_tasks_only, monkeypatch):
+    """A task whose data set is neither cached nor reachable (offline: datasets raises ConnectionError) used to end
+    in a rich traceback; now one ``error:`` line naming the task, and no --output file."""
+    import lm_eval
+
+    def offline(**kwargs):
+        raise ConnectionError(f"Couldn't reach 'EleutherAI/{CHOICE}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    out = tmp_path / "scores.json"
+    result = runner.invoke(app, ["eval", "lm-eval", "--model-args", f"pretrained={model_dir}", "--tasks", CHOICE,
+                                 "--include-path", task_dir, "--output", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"lm-eval could not read the data of task(s) {CHOICE}: Couldn't reach" in result.output
+    assert not out.exists()

@@ -16,7 +16,7 @@ import typer
 
 from ..errors import ConfigError, InputError, short
 from ..lm_eval_tasks import SKIPPED_KEYS, check_task_options, check_tasks, import_lm_eval
-from .common import set_threads, user_errors
+from .common import fail, set_threads, user_errors
 from .options import JsonOpt, ThreadsOpt
 
 
@@ -80,9 +80,15 @@ def lm_eval_command(
     check_output(output)
     set_threads(threads)
     manager = check_tasks(task_list, limit, include_path)
-    results = lm_eval.simple_evaluate(
-        model=MODEL_TYPE, model_args=args, tasks=task_list, limit=limit, task_manager=manager, log_samples=False,
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=MODEL_TYPE, model_args=args, tasks=task_list, limit=limit, task_manager=manager, log_samples=False,
+        )
+    except OSError as exc:  # a task's data set that is neither cached nor reachable (datasets' ConnectionError)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        fail(f"lm-eval could not read the data of task(s) {', '.join(task_list)}: {reason}; allowed: tasks whose "
+             "data sets are in the local Hugging Face cache (this machine may be offline), or local tasks "
+             "(--include-path DIR)")
     if output is not None:
         partial = Path(output).with_name(Path(output).name + ".partial")
         partial.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
