@@ -111,6 +111,20 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     return cache
 
 
+def _check_callers_objects(model, tokenizer, on_text) -> None:
+    """Refuse arguments of the wrong kind with one clear ConfigError (not an AttributeError from deep inside)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ConfigError(f"model={short(model)} is not a loaded transformers model; allowed: the model of "
+                          "h2o_compress.load_model(...) (or any transformers causal LM)")
+    if not (callable(getattr(tokenizer, "decode", None)) and (callable(getattr(tokenizer, "encode", None))
+                                                              or callable(tokenizer))):
+        raise ConfigError(f"tokenizer={short(tokenizer)} is not a tokenizer; allowed: the tokenizer of "
+                          "h2o_compress.load_model(...) (or any transformers tokenizer)")
+    if on_text is not None and not callable(on_text):
+        raise ConfigError(f"on_text={short(on_text)} is not callable; allowed: a function taking each new piece of "
+                          "text, or None")
+
+
 def _check_config(config) -> CompressionConfig:
     if config is None:
         return CompressionConfig()
@@ -288,7 +302,10 @@ def generate(
         ConfigError: bad ``max_new_tokens``/``temperature``/``seed`` or compression setting.
         CacheStateError: ``cache`` and ``config`` both given and different.
         InputError: NaN or Inf reached the cache during decoding (read once, at the end).
+        ConfigError: ``model`` is not a loaded model (e.g. a name: use :func:`~h2o_compress.load_model`),
+            ``tokenizer`` has no ``encode``/``decode``, or ``on_text`` is not callable.
     """
+    _check_callers_objects(model, tokenizer, on_text)
     if cache is None:
         config = _check_config(config)
     elif config is None:

@@ -288,6 +288,17 @@ def test_bad_make_cache_arguments(model, kwargs, fragment):
     assert_ours(excinfo, fragment)
 
 
+def test_generate_refuses_objects_of_the_wrong_kind(model, tokenizer):
+    """A name where the model goes, no tokenizer, a non-callable on_text: one ConfigError each (they were an
+    AttributeError / TypeError from deep inside)."""
+    for args, kwargs, fragment in [(("smollm2-135m", tokenizer), {}, "model='smollm2-135m' is not a loaded"),
+                                   ((model, None), {}, "tokenizer=None is not a tokenizer"),
+                                   ((model, tokenizer), dict(on_text=1), "on_text=1 is not callable")]:
+        with pytest.raises(ConfigError) as excinfo:
+            generate(*args, "w1 w2", max_new_tokens=2, chat=False, **kwargs)
+        assert_ours(excinfo, fragment)
+
+
 @pytest.mark.parametrize("prompt,kwargs,error,fragment", [
     ("", {}, InputError, "prompt '' is empty"),
     (" \n ", {}, InputError, "is empty; allowed: a non-empty text"),
