@@ -111,7 +111,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     return cache
 
 
-def _check_callers_objects(model, tokenizer, on_text) -> None:
+def _check_argument_kinds(model, tokenizer, on_text) -> None:
     """Refuse arguments of the wrong kind with one clear ConfigError (not an AttributeError from deep inside)."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise ConfigError(f"model={short(model)} is not a loaded transformers model; allowed: the model of "
@@ -151,7 +151,7 @@ class GenerationResult:
         decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
         compiled: whether the decode steps ran compiled (:mod:`h2o_compress.compiled`).
         compile_s: seconds of the compiled step's warm-up calls (compilation included); 0 when not compiled.
-        decode_kernel: the decode attention the layers ran (:meth:`CompressedCache.decode_kernels`): ``cpu``,
+        decode_kernel: the decode attention the layers ran (:attr:`CompressedCache.decode_kernel`): ``cpu``,
             ``triton`` or ``torch``, joined by ``+`` where layers differ; empty when nothing was decoded.
     """
 
@@ -305,7 +305,7 @@ def generate(
         ConfigError: ``model`` is not a loaded model (e.g. a name: use :func:`~h2o_compress.load_model`),
             ``tokenizer`` has no ``encode``/``decode``, or ``on_text`` is not callable.
     """
-    _check_callers_objects(model, tokenizer, on_text)
+    _check_argument_kinds(model, tokenizer, on_text)
     if cache is None:
         config = _check_config(config)
     elif config is None:
@@ -374,6 +374,6 @@ def generate(
         decode_tokens_per_s=steps / decode_s if decode_s > 0 else 0.0,
         compiled=compiled,
         compile_s=compile_s,
-        decode_kernel="+".join(cache.decode_kernels()),
+        decode_kernel=cache.decode_kernel,
         token_ids=generated,
     )

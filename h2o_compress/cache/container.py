@@ -123,11 +123,12 @@ class CompressedCache(Cache):
         """Why the decode step cannot be compiled (the first layer's reason), or ``None``."""
         return next((layer.compile_blocker for layer in self.layers if layer.compile_blocker), None)
 
-    def decode_kernels(self) -> list[str]:
-        """The kernels the layers' decode steps run (sorted, each once: e.g. ``["cpu"]``, or ``["cpu", "torch"]``
-        where some layers cannot run the native kernel); empty before the first token. See
-        :attr:`CompressedLayer.decode_kernel`."""
-        return sorted({layer.decode_kernel for layer in self.layers if layer.is_initialized})
+    @property
+    def decode_kernel(self) -> str:
+        """The kernels the layers' decode steps run (:attr:`CompressedLayer.decode_kernel`), sorted and joined by
+        ``+``: ``"cpu"``, or ``"cpu+torch"`` where some layers cannot run the native kernel; ``""`` before the first
+        token."""
+        return "+".join(sorted({layer.decode_kernel for layer in self.layers if layer.is_initialized}))
 
     def kept_length(self, layer_idx: int = 0) -> int:
         """Tokens held now by ``layer_idx``, per sequence and KV head (reads the device)."""

@@ -108,6 +108,13 @@ class Compression:
         return values
 
 
+def given_on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether the parameter ``name`` of the command was given on its command line (not a default or the
+    environment)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
 def _with_default(option, default):
     """A copy of a typer option with another default (the flag, help and type unchanged)."""
     changed = copy.copy(option)
@@ -140,9 +147,7 @@ def compression_options(fn=None, *, only: tuple[str, ...] | None = None, default
         @functools.wraps(command)
         def wrapper(ctx: typer.Context, *args, **kwargs):
             values = {n: kwargs.pop(n) for n in names}
-            given = frozenset(
-                n for n in names if (s := ctx.get_parameter_source(n)) is not None and s.name == "COMMANDLINE"
-            )
+            given = frozenset(n for n in names if given_on_command_line(ctx, n))
             return command(ctx, *args, compression=Compression(values, given, dict(defaults)), **kwargs)
 
         hints = {p.name: p.annotation for p in own + added}

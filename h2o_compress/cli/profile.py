@@ -14,7 +14,7 @@ from .evaluate import parse_list
 from .lm_eval_command import split_tasks
 from .options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
-    placement_options,
+    given_on_command_line, placement_options,
 )
 
 
@@ -38,12 +38,8 @@ class ProfileCommand(TyperCommand):
 
 def options_given(ctx: typer.Context, *besides: str) -> list[str]:
     """The options of the command given on its command line, but ``besides`` (parameter names), as their flags."""
-    given = []
-    for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name)
-        if param.name not in besides and source is not None and source.name == "COMMANDLINE":
-            given.append("/".join(param.opts + param.secondary_opts))
-    return given
+    return ["/".join(param.opts + param.secondary_opts) for param in ctx.command.params
+            if param.name not in besides and given_on_command_line(ctx, param.name)]
 
 
 @user_errors

@@ -30,6 +30,7 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
 PROTOCOLS = ("question-in-prompt", "compress-then-ask")
+ANSWER_TOKENS = 8  # new tokens of each answer by default: room for a 5-digit passkey with any common tokenizer
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"']?\s+")
 
 
@@ -170,8 +171,8 @@ def needle_prompt_parts(tokenizer, length: int, depth: float, passkey: str, corp
 
 
 @torch.inference_mode()
-def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_new_tokens: int = 8,
-                  chunk_size: int | None = None, compile: bool | None = None,
+def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig,
+                  max_new_tokens: int = ANSWER_TOKENS, chunk_size: int | None = None, compile: bool | None = None,
                   context_tokens: int | None = None) -> tuple[str, int]:
     """Greedy answer to ``input_ids`` (``[1, tokens]``).
 
@@ -206,8 +207,8 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
     return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()
 
 
-def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = 8, chunk_size: int | None = None,
-                      protocol: str = PROTOCOLS[0], seed: int | None = 0) -> None:
+def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = ANSWER_TOKENS,
+                      chunk_size: int | None = None, protocol: str = PROTOCOLS[0], seed: int | None = 0) -> None:
     """Validate :func:`needle_eval`'s arguments (those that do not need the model or its tokenizer: see
     :func:`check_answer_room` for ``max_new_tokens`` against the passkey). Raises ConfigError naming the bad one."""
     if protocol not in PROTOCOLS:
@@ -254,7 +255,7 @@ def needle_eval(
     trials: int = 1,
     seed: int = 0,
     chunk_size: int | None = None,
-    max_new_tokens: int = 8,
+    max_new_tokens: int = ANSWER_TOKENS,
     reference: bool = True,
     chat: bool = True,
     corpus: str | None = None,

@@ -33,14 +33,13 @@ from ..errors import ConfigError, InputError, short
 from ..generation import make_cache
 from .agreement import agreement_eval, reference_generations
 from .corpus import load_prompts, load_text, tokenize_text
-from .needle import check_needle_args, needle_eval, plant_needle
+from .needle import ANSWER_TOKENS, check_needle_args, needle_eval, plant_needle
 from .perplexity import streaming_perplexity
 from ..compiled import decode_step, resolve_compile, warmup_steps
 from ..weights import floating_dtype
 from .stream import check_count, context_limit, greedy_decode, model_device, read_stream, step_function, sync
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
-NEEDLE_NEW_TOKENS = 8  # tokens of each passkey answer (needle_eval's default)
 _DEFAULTS = CompressionConfig()
 
 
@@ -65,7 +64,7 @@ class ProfileSettings:
         agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips; at most
             the number shipped (``len(load_prompts())``).
         needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
-            :data:`NEEDLE_NEW_TOKENS` tokens); empty ``needle_lengths`` skips it.
+            :data:`~h2o_compress.evaluation.needle.ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
         head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
@@ -150,7 +149,7 @@ class ProfileSettings:
             for depth in self.needle_depths:
                 plant_needle("", "", depth)
             if self.needle_lengths:
-                check_needle_args(self.needle_lengths, self.needle_depths, max_new_tokens=NEEDLE_NEW_TOKENS)
+                check_needle_args(self.needle_lengths, self.needle_depths, max_new_tokens=ANSWER_TOKENS)
         except ConfigError as exc:
             raise ConfigError(f"needle {exc}") from None
         self.configs()  # validates policies, budgets and the fixed options
@@ -263,12 +262,12 @@ def measure_speed(
         "kv_bytes": cache.nbytes(),
         "kv_bytes_full_fp16": cache.full_fp16_nbytes(),
         "peak_memory_bytes": peak,
-        "decode_kernel": "+".join(cache.decode_kernels()),
+        "decode_kernel": cache.decode_kernel,
         "compiled": step is not decode_step,
     }
 
 
-def check_context(model, settings: ProfileSettings, text_tokens: int) -> None:
+def check_model_context(model, settings: ProfileSettings, text_tokens: int) -> None:
     """Refuse, before any measurement, the settings that need more positions than the loaded model has: the
     perplexity stream (``ppl_tokens``, or the whole text when shorter) and each passkey length plus its answer.
 
@@ -282,11 +281,11 @@ def check_context(model, settings: ProfileSettings, text_tokens: int) -> None:
     if stream > limit:
         raise InputError(f"ppl_tokens={settings.ppl_tokens} reads {stream} tokens, more than the model's context of "
                          f"{limit} tokens; allowed: ppl_tokens at most {limit}")
-    too_long = [n for n in settings.needle_lengths if n + NEEDLE_NEW_TOKENS > limit]
+    too_long = [n for n in settings.needle_lengths if n + ANSWER_TOKENS > limit]
     if too_long:
-        raise InputError(f"needle lengths {', '.join(map(str, too_long))} + {NEEDLE_NEW_TOKENS} answer tokens exceed "
+        raise InputError(f"needle lengths {', '.join(map(str, too_long))} + {ANSWER_TOKENS} answer tokens exceed "
                          f"the model's context of {limit} tokens; allowed: needle lengths at most "
-                         f"{limit - NEEDLE_NEW_TOKENS}")
+                         f"{limit - ANSWER_TOKENS}")
 
 
 def measure_config(model, tokenizer, settings: ProfileSettings, config: CompressionConfig, references=None) -> dict:
@@ -299,7 +298,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     device = model_device(model)
     text = load_text(settings.text_file)
     corpus_ids = tokenize_text(tokenizer, text, max(max(settings.seq_lens), settings.ppl_tokens))
-    check_context(model, settings, corpus_ids.shape[1])
+    check_model_context(model, settings, corpus_ids.shape[1])
     with torch.inference_mode():  # warm-up: first-call initialisation (and compilation) is not part of any timing
         read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
     record: dict = {"label": label(config), "config": config.to_dict(),
@@ -326,7 +325,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
         record["agreement"] = {k: v for k, v in agreement.to_dict().items() if k != "config"}
     if settings.needle_lengths:
         needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
-                             max_new_tokens=NEEDLE_NEW_TOKENS, reference=False, corpus=text, compile=settings.compile)
+                             max_new_tokens=ANSWER_TOKENS, reference=False, corpus=text, compile=settings.compile)
         record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
     if settings.lm_eval_tasks:
         from ..lm_eval_tasks import score_model
