@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.attention import withdraw
 from h2o_compress.cache import build_layers, chunk
+from h2o_compress.cache import decode as decode_step
 
 
 # -- layer level ---------------------------------------------------------------------------------------------
@@ -147,7 +148,8 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
             sums = torch.rand(returned_keys.shape[:3], generator=generator).masked_fill(~valid, 0.0)
             ref_scores.scatter_add_(2, positions.clamp(min=0), sums)
         if count == 1:
-            layer._after_decode(sums)
+            decode_step.add_scores(layer, sums)
+            layer._evict()
         else:
             pending, layer.chunk = layer.chunk, None
             chunk.settle(layer, pending, torch.ones(batch, count, dtype=torch.bool), sums)

@@ -120,7 +120,7 @@ class HeadAdaptiveLayer(CompressedLayer):
 
     def _pool_read(self, name, quantizer, stored, leaving, index, ring) -> torch.Tensor:
         """The pool dequantized (the tokens leaving the ring at full precision in their new slots, as uniform's
-        :meth:`~CompressedLayer._read`), broadcast over the heads, then the ring: ``[batch, kv_heads, pool_slots
+        :func:`.decode.read`), broadcast over the heads, then the ring: ``[batch, kv_heads, pool_slots
         + residual, head_dim]`` in the model dtype."""
         if not self.quantized:  # 16-bit: the pool itself, broadcast (no copy)
             return quantizer.dequantize(stored, self.dtype).expand(-1, self.kv_heads, -1, -1)
@@ -130,17 +130,3 @@ class HeadAdaptiveLayer(CompressedLayer):
         held.scatter_(2, index, leaving.to(self.dtype))
         held = held.expand(-1, self.kv_heads, -1, -1)
         return held if ring is None else torch.cat((held, ring.to(self.dtype)), dim=2)
-
-    def _evict(self) -> None:
-        """While a sequence holds more than ``kv_heads x C`` tokens (pool + ring over every head), evict the
-        lowest-priority pool token of any head (at most ``kv_heads`` a step: one masked argmin + scatter each, ties
-        evicting the newer token; in place, no host sync)."""
-        if self.capacity is None:
-            return
-        positions, heads = self.store.positions, self.kv_heads
-        limit = heads * self.capacity
-        ring = 0 if self.ring is None else heads * (self.ring.positions >= 0).sum(-1, keepdim=True)
-        priority = self.policy.priority(self.store.scores, positions, self.seen, self.first_real, self.capacity)
-        for _ in range(heads):
-            priority = priority.masked_fill(positions < 0, float("inf"))
-            self.store.evict_lowest(priority, (positions >= 0).sum(-1) + ring > limit)

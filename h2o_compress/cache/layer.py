@@ -12,10 +12,10 @@ store, attention reads the store (dequantized) and the ring with a validity mask
 the scores, and the lowest-priority token outside the sinks and the recent window is marked empty (masked argmin
 + scatter), all in place. ``torch.compile(fullgraph=True)`` captures it. Attention runs one of three ways: the CPU
 kernel (:func:`h2o_compress.attention.cpu.decode_layer`, the whole step in one call), the Triton op on CUDA
-(:func:`h2o_compress.attention.slot_attention.decode_layer`, attention and scores in two launches) or torch code.
-Multi-token steps (prefill, chunked prefill, continuing a saved prompt) run eagerly over the same buffers
-(:mod:`.chunk`): attention over the held tokens and the chunk, then the policy's top-``capacity`` selection, then
-the same layout.
+(:func:`h2o_compress.attention.slot_attention.decode_layer`, attention and scores in two launches) or torch code
+(:mod:`.decode`, the torch form of the step). Multi-token steps (prefill, chunked prefill, continuing a saved
+prompt) run eagerly over the same buffers (:mod:`.chunk`): attention over the held tokens and the chunk, then the
+policy's top-``capacity`` selection, then the same layout.
 
 Slot counts: ``capacity - residual + 1`` (one slot is free before each step), ``max_tokens - residual`` for an
 unbounded cache of known length; an unbounded cache of unknown length grows (eager only).
@@ -28,7 +28,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention import announce, decode_attention, withdraw
+from ..attention import announce, withdraw
 from ..attention import cpu as cpu_kernel
 from ..attention.choice import decode_kernel
 from ..attention.launch import mark_static_address
@@ -37,7 +37,7 @@ from ..formats import BitsAndBytesQuantizer, KVQuantizer
 from ..memory import available_memory
 from ..policies import EvictionPolicy
 from ..policies.base import NO_POSITION as NO_REAL_TOKEN
-from . import chunk
+from . import chunk, decode
 from .ring import RingWindow
 from .slots import SlotStore
 
@@ -212,10 +212,7 @@ class CompressedLayer(CacheLayerMixin):
         Raises:
             InputError: naming both sizes.
         """
-        probe = type(self)(
-            self.layer_idx, self.policy, self.capacity, self.key_quantizer, self.value_quantizer, self.residual,
-            max_tokens=self.max_tokens, **self._own_args(),
-        )
+        probe = self._like(self.capacity, self.max_tokens)
         probe.lazy_initialization(key_states.to("meta"), value_states.to("meta"))
         needed = probe.nbytes() * self.num_layers
         free = available_memory(self.device)
@@ -241,6 +238,15 @@ class CompressedLayer(CacheLayerMixin):
     def _own_args(self) -> dict:
         """A subclass's own constructor arguments (a probe or a frozen copy is built like this layer)."""
         return {}
+
+    def _like(self, capacity: int | None, max_tokens: int | None) -> "CompressedLayer":
+        """A new, empty layer of this type built with this one's arguments but ``capacity`` and ``max_tokens``."""
+        layer = type(self)(
+            self.layer_idx, self.policy, capacity, self.key_quantizer, self.value_quantizer, self.residual,
+            self.score_chunk_size, self.attention_kernel, max_tokens=max_tokens, **self._own_args(),
+        )
+        layer.num_layers = self.num_layers
+        return layer
 
     def nbytes(self) -> int:
         """Bytes of every buffer held (:meth:`tensors`), empty slots included: the cache's real footprint."""
@@ -280,12 +286,8 @@ class CompressedLayer(CacheLayerMixin):
             raise CacheStateError(
                 f"layer {self.layer_idx}: a frozen copy needs an initialised layer and extra_tokens >= 0"
             )
-        copy = type(self)(  # an unbounded layer of known size: slots = max_tokens - residual (per head)
-            self.layer_idx, self.policy, None, self.key_quantizer, self.value_quantizer, self.residual,
-            self.score_chunk_size, self.attention_kernel,
-            max_tokens=self.store.slots_per_head + self.residual + extra_tokens, **self._own_args(),
-        )
-        copy.num_layers = self.num_layers
+        # an unbounded layer of known size: slots = max_tokens - residual (per head)
+        copy = self._like(None, self.store.slots_per_head + self.residual + extra_tokens)
         empty = torch.empty(self.batch, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
         copy.lazy_initialization(empty, empty)
         mine = self.tensors()
@@ -308,27 +310,9 @@ class CompressedLayer(CacheLayerMixin):
             InputError: non-finite keys or values in a multi-token step (decode steps set a flag read once per
                 generation: :meth:`~h2o_compress.cache.container.CompressedCache.check`).
         """
-        if self.awaiting_attention:
-            self.awaiting_attention = False
-            withdraw(self.layer_idx)
-            raise CacheStateError(
-                f"layer {self.layer_idx}: attention of the previous step did not go through the 'h2o_compress' "
-                "attention function (or the cache is used by another model than the one it was made for); build "
-                "the cache with h2o_compress.make_cache(model, ...), which switches that model to it"
-            )
+        self._check_step(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads or key_states.shape[3] != self.head_dim:
-            raise CacheStateError(
-                f"layer {self.layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads}, "
-                f"head_dim={self.head_dim} but got batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}, "
-                f"head_dim={key_states.shape[3]}; use a new cache (or cache.reset())"
-            )
-        elif key_states.dtype != self.dtype or key_states.device != self.device:
-            raise CacheStateError(
-                f"layer {self.layer_idx}: cache holds {self.dtype} keys on {self.device} but got {key_states.dtype} on "
-                f"{key_states.device} (model.half() or .to() after the prefill?); use a new cache (or cache.reset())"
-            )
         if key_states.shape[2] == 1 and self.native:
             self._grow_for_token()
             # the whole step (finite flag, bases, ring, store, attention, scores) is one kernel call in attend()
@@ -358,41 +342,34 @@ class CompressedLayer(CacheLayerMixin):
             )
         return chunk.update(self, key_states, value_states)
 
+    def _check_step(self, key_states: torch.Tensor) -> None:
+        """Refuse a step that does not continue this layer's run (the errors of :meth:`update`)."""
+        if self.awaiting_attention:
+            self.awaiting_attention = False
+            withdraw(self.layer_idx)
+            raise CacheStateError(
+                f"layer {self.layer_idx}: attention of the previous step did not go through the 'h2o_compress' "
+                "attention function (or the cache is used by another model than the one it was made for); build "
+                "the cache with h2o_compress.make_cache(model, ...), which switches that model to it"
+            )
+        if not self.is_initialized:
+            return
+        if key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads or key_states.shape[3] != self.head_dim:
+            raise CacheStateError(
+                f"layer {self.layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim} but got batch={key_states.shape[0]}, kv_heads={key_states.shape[1]}, "
+                f"head_dim={key_states.shape[3]}; use a new cache (or cache.reset())"
+            )
+        elif key_states.dtype != self.dtype or key_states.device != self.device:
+            raise CacheStateError(
+                f"layer {self.layer_idx}: cache holds {self.dtype} keys on {self.device} but got {key_states.dtype} on "
+                f"{key_states.device} (model.half() or .to() after the prefill?); use a new cache (or cache.reset())"
+            )
+
     def _decode_update(self, keys: torch.Tensor, values: torch.Tensor):
-        """One token: ring in, the ring's oldest token into the first empty slot (quantized once), then the keys
-        and values attention reads: ``[batch, kv_heads, slots + residual, head_dim]`` (a 16-bit store is read in
-        place). No host sync (except the host counter of an unbounded cache of unknown length, eager only)."""
-        position = self.seen
-        self._grow_for_token()
-        if self.ring is not None:
-            keys, values, leaving, score = self.ring.push(keys, values, position)
-        else:
-            leaving = position.to(torch.int32).expand(self.batch, 1)
-            score = torch.zeros(self.batch, self.kv_heads, 1, device=self.device) if self.with_scores else None
-        slot = self.store.first_free()
-        self.store.insert(
-            slot, *self._quantize_incoming(keys, values), leaving.unsqueeze(1).expand(-1, self.kv_heads, -1), score,
-        )
-        self._after_insert(slot)
-        self.first_real.clamp_(max=position)
-        self.seen.add_(1)
-        if self.fused:  # attend() reads the store and ring in place: nothing is dequantized here
-            self.leaving = (keys, values, slot)
-            return keys, values
-        if not self.quantized:  # 16-bit: attention reads the store itself, no copy
-            keys, values = self.store.dequantize(self.key_quantizer, self.value_quantizer, self.dtype)
-            self.decode_valid = self.store.positions >= 0
-            return keys, values
-        index = slot.unsqueeze(-1).expand(-1, -1, -1, self.head_dim)
-        ring_keys, ring_values = (None, None) if self.ring is None else (self.ring.keys, self.ring.values)
-        keys = self._read("keys", self.key_quantizer, self.store.keys, ring_keys, keys, index)
-        values = self._read("values", self.value_quantizer, self.store.values, ring_values, values, index)
-        valid = self.store.positions >= 0
-        if self.ring is not None:
-            ring_valid = (self.ring.positions >= 0).unsqueeze(1).expand(-1, self.kv_heads, -1)
-            valid = torch.cat((valid, ring_valid), dim=2)
-        self.decode_valid = valid
-        return keys, values
+        """One token in, what attention reads out (the torch form: :func:`.decode.update`; a hook: head-adaptive
+        layers write their pool)."""
+        return decode.update(self, keys, values)
 
     def _quantize_incoming(self, keys: torch.Tensor, values: torch.Tensor):
         """The stored forms of tokens entering the store ``[batch, kv_heads, n, head_dim]`` (a hook: the
@@ -415,21 +392,6 @@ class CompressedLayer(CacheLayerMixin):
             if self.grown_to - self.residual >= self.store.slots:
                 self.store.resize(self.store.slots + GROWTH)
 
-    def _read(self, name: str, quantizer, stored, ring, leaving, index) -> torch.Tensor:
-        """What attention reads, ``[batch, kv_heads, slots + residual, head_dim]`` in the model dtype, built in one
-        buffer: the store dequantized in place, the token leaving the window at full precision in its new slot
-        (its last step at full precision, as in a chunk), then the ring."""
-        slots = self.store.slots
-        size = 0 if ring is None else ring.shape[2]
-        out = torch.empty(self.batch, self.kv_heads, slots + size, self.head_dim, dtype=self.dtype, device=self.device)
-        held = out[:, :, :slots]
-        quantizer.dequantize_into(stored, held)
-        self._refine_read(name, held)
-        held.scatter_(2, index, leaving.to(self.dtype))
-        if ring is not None:
-            out[:, :, slots:].copy_(ring)
-        return out
-
     # -- attention and what follows it -----------------------------------------------------------------
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
         """This step's attention (called by the ``h2o_compress`` attention function with what :meth:`update`
@@ -448,7 +410,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         decay = self.policy.score_decay
         if self.with_scores and 0.0 < decay < 1.0 and query.shape[2] == 1 and self.chunk is None:
-            self._forget(decay)  # A2SF: the held scores fade before this query's attention adds to them
+            decode.forget(self, decay)  # A2SF: the held scores fade before this query's attention adds to them
         if self.incoming is not None:  # the native CPU step in one call (a policy with its own ranking evicts here)
             (keys, values), self.incoming = self.incoming, None
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -465,9 +427,7 @@ class CompressedLayer(CacheLayerMixin):
             output = slot_attention.decode_layer(self, query, scaling)
             self._evict()
         elif query.shape[2] == 1 and self.chunk is None:
-            output, sums = decode_attention(query, key, value, self.decode_valid, scaling, self.with_scores)
-            self.decode_valid = None
-            self._after_decode(sums)
+            output = decode.attend(self, query, key, value, scaling)
         else:
             output = chunk.attend(self, module, query, key, value, attention_mask, scaling, **kwargs)
         output = output.transpose(1, 2)
@@ -475,38 +435,15 @@ class CompressedLayer(CacheLayerMixin):
             output = (output.float() @ self.value_basis).to(query.dtype)
         return output.contiguous()
 
-    def _forget(self, factor: float) -> None:
-        """Scale every held score by ``factor`` (in place, no host sync): A2SF's forgetting factor, applied before
-        a decode step's attention is added, on every decode path (CPU kernel, Triton op, torch form)."""
-        self.store.scores.mul_(factor)
-        if self.ring is not None:
-            self.ring.scores.mul_(factor)
-
-    def _after_decode(self, sums: torch.Tensor | None) -> None:
-        """Add this query's probabilities to the scores; evict the lowest-priority stored token where a sequence
-        holds more than the capacity (in place, no host sync)."""
-        slots = self.store.slots
-        if sums is not None and self.policy.accumulates:
-            self.store.scores += self.store.score_share(sums[..., :slots])
-            if self.ring is not None:
-                self.ring.scores += sums[..., slots:]
-        elif sums is not None:  # the current query's attention replaces the scores (TOVA)
-            self.store.scores.copy_(self.store.score_share(sums[..., :slots]))
-            if self.ring is not None:
-                self.ring.scores.copy_(sums[..., slots:])
-        self._evict()
-
     def _evict(self) -> None:
-        """Evict the lowest-priority stored token where a sequence holds more than the capacity (masked argmin +
-        scatter on the policy's priority; in place, no host sync)."""
+        """Evict the lowest-priority stored token where a sequence holds more than the capacity (the store's
+        :meth:`~.slots.SlotStore.evict_over`, on the policy's priority; in place, no host sync)."""
         if self.capacity is None:
             return
-        positions = self.store.positions
-        priority = self.policy.priority(self.store.scores, positions, self.seen, self.first_real, self.capacity)
-        held = (positions >= 0).sum(-1)
-        if self.ring is not None:
-            held = held + (self.ring.positions >= 0).sum(-1, keepdim=True)
-        self.store.evict_lowest(priority.masked_fill(positions < 0, float("inf")), held > self.capacity)
+        priority = self.policy.priority(self.store.scores, self.store.positions, self.seen, self.first_real,
+                                        self.capacity)
+        ring_held = 0 if self.ring is None else (self.ring.positions >= 0).sum(-1, keepdim=True)
+        self.store.evict_over(priority, ring_held, self.capacity)
 
     def _store_incoming(self, incoming, keys, values, positions, scores):
         """Quantize the kept tokens leaving the ring or the chunk (bool ``incoming`` ``[batch, kv_heads, n]``) and
@@ -514,26 +451,15 @@ class CompressedLayer(CacheLayerMixin):
         (1-D int64: token ``i`` of sequence ``b``, head ``h`` in ``slot``), or ``None`` when nothing entered."""
         if not bool(incoming.any()):
             return None
-        empty = self.store.positions < 0
-        if bool((incoming.sum(-1) > empty.sum(-1)).any()):
+        if bool((incoming.sum(-1) > (self.store.positions < 0).sum(-1)).any()):
             if not self.growable:
                 raise CacheStateError(
                     f"layer {self.layer_idx}: more tokens than the cache was built for (max_length="
                     f"{self.max_tokens}); build the cache with the full length (prompt + new tokens)"
                 )
             self.store.resize(self.store.slots + int(incoming.sum(-1).max()) + GROWTH)
-            empty = self.store.positions < 0
-        free_first = torch.sort(empty.to(torch.uint8), dim=-1, descending=True, stable=True).indices
-        target = free_first.gather(-1, (incoming.long().cumsum(-1) - 1).clamp(min=0))
-        b, h, i = incoming.nonzero(as_tuple=True)
-        slot = target[b, h, i]
         stored_keys, stored_values = self._quantize_incoming(keys, values)
-        self.store.keys.put_((b, h, slot), stored_keys, (b, h, i))
-        self.store.values.put_((b, h, slot), stored_values, (b, h, i))
-        self.store.positions[b, h, slot] = positions[b, i].to(torch.int32)
-        if scores is not None:
-            self.store.scores[b, h, slot] = scores[b, h, i]
-        return b, h, slot, i
+        return self.store.place(incoming, stored_keys, stored_values, positions, scores)
 
     # -- transformers' sizes -----------------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

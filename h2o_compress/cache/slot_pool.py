@@ -101,5 +101,15 @@ class SlotPool(SlotStore):
         if owner is not None:
             self.owner.scatter_(2, slot, owner.to(self.owner.dtype))
 
+    def evict_over(self, priority: torch.Tensor, ring_held: torch.Tensor | int, capacity: int) -> None:
+        """A decode step's eviction over the pool (Ada-KV §3): while a sequence holds more than ``kv_heads x
+        capacity`` tokens (pool plus ``ring_held`` per head, int ``[batch, 1]`` or 0), evict the lowest-``priority``
+        pool token of any head (fp32 ``[batch, 1, pool_slots]``), at most ``kv_heads`` a step: one masked argmin +
+        scatter each, ties evicting the newer token. In place, no host sync."""
+        limit, ring = self.heads * capacity, self.heads * ring_held
+        for _ in range(self.heads):
+            priority = priority.masked_fill(self.positions < 0, float("inf"))
+            self.evict_lowest(priority, (self.positions >= 0).sum(-1) + ring > limit)
+
     def resize(self, slots: int) -> None:
         raise NotImplementedError("a slot pool has a fixed size (head-adaptive layers are always bounded)")

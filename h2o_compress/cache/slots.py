@@ -105,6 +105,25 @@ class SlotStore:
         if self.scores is not None:
             self.scores.scatter_(2, slot, score)
 
+    def place(self, incoming: torch.Tensor, keys: StoredTensor, values: StoredTensor, positions: torch.Tensor,
+              scores: torch.Tensor | None):
+        """A multi-token step's writer (eager): the tokens marked in bool ``incoming`` ``[batch, kv_heads, n]``
+        go into the empty slots of their sequence and head, lowest first, in token order: stored-format
+        ``keys``/``values`` ``[batch, kv_heads, n, ...]``, int ``positions`` ``[batch, n]`` and fp32 ``scores``
+        ``[batch, kv_heads, n]`` (ignored without scores). Callers guarantee enough empty slots. Returns where
+        they went, ``(b, h, slot, i)`` (1-D int64: token ``i`` of sequence ``b``, head ``h`` in ``slot``)."""
+        empty = self.positions < 0
+        free_first = torch.sort(empty.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        target = free_first.gather(-1, (incoming.long().cumsum(-1) - 1).clamp(min=0))
+        b, h, i = incoming.nonzero(as_tuple=True)
+        slot = target[b, h, i]
+        self.keys.put_((b, h, slot), keys, (b, h, i))
+        self.values.put_((b, h, slot), values, (b, h, i))
+        self.positions[b, h, slot] = positions[b, i].to(torch.int32)
+        if self.scores is not None and scores is not None:
+            self.scores[b, h, slot] = scores[b, h, i]
+        return b, h, slot, i
+
     def evict_lowest(self, priority: torch.Tensor, over: torch.Tensor) -> None:
         """Where ``over`` (bool ``[batch, kv_heads]``), empty the slot of lowest ``priority`` (fp32 ``[batch,
         kv_heads, slots]``; empty slots must carry ``+inf``), ties evicting the newer token (masked argmin +
@@ -113,6 +132,13 @@ class SlotStore:
         victim = torch.where(lowest, self.positions, -1).argmax(-1, keepdim=True)
         kept = self.positions.gather(2, victim)
         self.positions.scatter_(2, victim, torch.where(over.unsqueeze(-1), -1, kept))
+
+    def evict_over(self, priority: torch.Tensor, ring_held: torch.Tensor | int, capacity: int) -> None:
+        """A decode step's eviction: where a sequence and KV head holds more than ``capacity`` tokens (its slots
+        plus ``ring_held``, int ``[batch, 1]`` tokens in the recent window, or 0), evict its lowest-``priority``
+        stored token (fp32 ``[batch, kv_heads, slots]``; :meth:`evict_lowest`). In place, no host sync."""
+        held = (self.positions >= 0).sum(-1) + ring_held
+        self.evict_lowest(priority.masked_fill(self.positions < 0, float("inf")), held > capacity)
 
     def dequantize(self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, dtype: torch.dtype):
         """Keys and values ``[batch, kv_heads, slots, head_dim]`` in ``dtype`` (empty slots hold garbage: mask
