@@ -472,3 +472,27 @@ def check_usable(config: CompressionConfig, capacity: int | None = None, frozen:
                 "sinks plus the heavy hitters (at least one recent token)"
             )
     return config
+
+
+def check_format_options(config: CompressionConfig, given) -> None:
+    """Refuse storage-format options the user gave (``given``: the field names set on the command line or in a
+    config file) that the bits make moot, so they would be ignored silently: ``quant`` other than ``int`` or
+    ``rotate`` with 16-bit keys and values (nothing is quantized), and ``rotate`` with a bitsandbytes format (it
+    rotates before ``int`` quantization only). ``generate --memory-limit`` skips this: the planner picks the bits.
+
+    Raises:
+        ConfigError: naming the option, the bits and what is allowed.
+    """
+    unquantized = config.key_bits == 16 and config.value_bits == 16
+    if "quant" in given and config.quant != "int" and unquantized:
+        raise ConfigError(
+            f"quant={config.quant!r} quantizes nothing with 16-bit keys and values, so it would be ignored; allowed: "
+            "kv_bits 4 or 8 (or k_bits / v_bits) with it"
+        )
+    if "rotate" in given and config.rotate and (unquantized or config.quant != "int"):
+        reason = "16-bit keys and values" if unquantized else f"quant={config.quant!r}"
+        raise ConfigError(
+            f"rotate=True rotates before int quantization, which {reason} does not run, so it would be ignored; "
+            "allowed: rotate with kv_bits 4 or 8 and quant 'int', or rotate False"
+        )
+

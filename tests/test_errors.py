@@ -28,6 +28,7 @@ from h2o_compress import (
 )
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cli import app
+from h2o_compress.config import check_format_options
 from h2o_compress.config_file import load_config
 from h2o_compress.models import resolve_device, resolve_dtype
 
@@ -150,11 +151,35 @@ CLI_CASES = [
     ("policy", ["--policy", "lru"], "unknown policy 'lru'"),
     ("quant", ["--quant", "q4_0"], "unknown quant backend 'q4_0'"),
     ("quant-bits", ["--quant", "int8-blockwise", "--kv-bits", "4"], "'int8-blockwise' is an 8-bit format"),
+    ("quant-16-bits", ["--quant", "nf4"], "quant='nf4' quantizes nothing with 16-bit keys and values"),
     ("model-unknown", ["--model", "no/such/model"], "unknown model 'no/such/model'"),
     ("device", ["--device", "tpu"], "unknown device 'tpu'; allowed: auto, cpu, cuda, cuda:N"),
     ("device-unavailable", ["--device", "cuda:0"], "CUDA is not available"),
     ("dtype", ["--dtype", "float8"], "unknown dtype 'float8'; allowed: float32"),
 ]
+
+
+def test_a_format_option_the_bits_make_moot_is_refused_where_it_was_given(tmp_path):
+    """``--quant nf4`` without 4 or 8 bits, or ``rotate`` (config file) at 16 bits or with a bitsandbytes format,
+    would be ignored: refused by every command, from a flag or a config file; what the user did not give is not
+    checked (``rotate`` defaults to True), and the same options with quantized bits pass."""
+    fragment = "quant='fp4' quantizes nothing with 16-bit keys and values"
+    assert_cli_error(runner.invoke(app, ["eval", "perplexity", "--quant", "fp4"]), fragment)
+    context = tmp_path / "context.txt"
+    context.write_text("A short document.")
+    assert_cli_error(runner.invoke(app, ["ask", "--quant", "fp4", "--kv-bits", "16", "--context-file", str(context),
+                                         "--question", "q"]), fragment)
+    for text, moot in (('{"rotate": true}', "16-bit keys and values"), ('{"rotate": true, "kv_bits": 4, "quant": '
+                                                                       '"nf4"}', "quant='nf4'")):
+        path = tmp_path / "c.json"
+        path.write_text(text)
+        result = runner.invoke(app, ["generate", "--config", str(path), "hello"])
+        assert_cli_error(result, f"rotate=True rotates before int quantization, which {moot} does not run")
+    config = CompressionConfig(quant="nf4", kv_bits=4)
+    check_format_options(config, {"quant"})  # nf4 runs; rotate=True is the default, not given
+    check_format_options(CompressionConfig(rotate=True), set())
+    with pytest.raises(ConfigError, match="quant='nf4' quantizes nothing"):
+        check_format_options(CompressionConfig(quant="nf4", kv_bits=16), {"quant"})
 
 
 @pytest.mark.parametrize("name,args,fragment", CLI_CASES, ids=[c[0] for c in CLI_CASES])

@@ -32,18 +32,19 @@ DEFAULTS = {
 SOFT_DEFAULTS = ("layer_budgets", "head_budgets")
 
 
-def fitted_config(compression: Compression, config_file: Optional[str]):
+def fitted_config(compression: Compression, config_file: Optional[str], check_formats: bool = True):
     """:func:`merged_config` with ``ask``'s defaults; where the setting refuses them, those of
     :data:`SOFT_DEFAULTS` not given on the command line fall back to ``uniform``. Raises ConfigError (the setting's
     own, when even that does not fit)."""
     try:
-        return merged_config(compression, config_file, frozen=True)
+        return merged_config(compression, config_file, frozen=True, check_formats=check_formats)
     except ConfigError:
         soft = {name: "uniform" for name in SOFT_DEFAULTS if name not in compression.given}
         if not soft:
             raise
         return merged_config(Compression({**compression.values, **soft}, compression.given,
-                                             {**compression.defaults, **soft}), config_file, frozen=True)
+                                             {**compression.defaults, **soft}), config_file, frozen=True,
+                             check_formats=check_formats)
 
 
 @user_errors
@@ -92,7 +93,7 @@ def ask(
     check_prompt(context)
     for text in question:
         check_prompt(text)
-    config, overrides = fitted_config(compression, config_file)
+    config, overrides = fitted_config(compression, config_file, check_formats=load_cache is None)
     check_generation_args(max_new_tokens, temperature, seed)
     check_compile(compile_step, config)
     if save_cache is not None and load_cache is not None:

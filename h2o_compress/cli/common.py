@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig, check_usable
+from ..config import CompressionConfig, check_format_options, check_usable
 from ..errors import H2OCompressError, one_line
 from .options import Compression
 
@@ -58,22 +58,28 @@ def check_cache_paths(save_cache: Optional[str], load_cache: Optional[str], over
         check_cache_header(load_cache)  # its header, before the model loads
 
 
-def merged_config(compression: Compression, config_file: Optional[str],
-                  frozen: bool = False) -> tuple[CompressionConfig, dict]:
+def merged_config(compression: Compression, config_file: Optional[str], frozen: bool = False,
+                  check_formats: bool = True) -> tuple[CompressionConfig, dict]:
     """The compression flags merged over ``--config FILE`` (JSON/TOML), which goes over the command's own defaults
-    (``ask``'s): flags given on the command line win; checked by :func:`~h2o_compress.config.check_usable` (``frozen``: for compress-then-ask).
+    (``ask``'s): flags given on the command line win; checked by :func:`~h2o_compress.config.check_usable`
+    (``frozen``: for compress-then-ask) and, with ``check_formats`` (not where the planner picks the bits or a
+    loaded cache brings its own), by :func:`~h2o_compress.config.check_format_options`.
 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
     file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
     """
     from ..config_file import load_config, read_config_values
 
-    config = compression.config(check=config_file is None, frozen=frozen)
+    config = compression.config(check=False)
     overrides = compression.overrides(config)
-    if config_file is None:
-        return config, overrides
-    merged = check_usable(load_config(config_file, overrides, compression.command_defaults()), frozen=frozen)
-    return merged, {**read_config_values(config_file), **overrides}
+    settings = overrides
+    if config_file is not None:
+        config = load_config(config_file, overrides, compression.command_defaults())
+        settings = {**read_config_values(config_file), **overrides}
+    check_usable(config, frozen=frozen)
+    if check_formats:
+        check_format_options(config, settings)
+    return config, settings
 
 
 def load_options(device: str, dtype: Optional[str], placement: dict, attention_kernel: str = "auto") -> dict:

@@ -59,7 +59,8 @@ def generate(
 
     # -- every check first: nothing is loaded or written before all options are known to be good ---------
     check_prompt(prompt)
-    config, overrides = merged_config(compression, config_file)
+    config, overrides = merged_config(compression, config_file,
+                                       check_formats=memory_limit is None and load_cache is None)
     check_generation_args(max_new_tokens, temperature, seed)
     from ..compiled import check_compile
 

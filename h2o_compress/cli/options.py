@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from ..config import CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
 from ..policies.lookahead import LOOKAHEAD_REQUEST
 
 # -- the compression options (one declaration each) -------------------------------------------------------
@@ -87,13 +87,17 @@ class Compression:
 
     def config(self, check: bool = True, frozen: bool = False) -> CompressionConfig:
         """A validated :class:`CompressionConfig` of the flags; with ``check``, also refused when the flags make
-        no sense together (:func:`~h2o_compress.config.check_usable`, ``frozen``: for compress-then-ask). Raises
+        no sense together (:func:`~h2o_compress.config.check_usable`, ``frozen``: for compress-then-ask) or a
+        format flag given would be ignored (:func:`~h2o_compress.config.check_format_options`). Raises
         ConfigError."""
         values = dict(self.values)
         if "budget" in values:
             values["budget"] = parse_budget(values["budget"])
         config = CompressionConfig(**values)
-        return check_usable(config, frozen=frozen) if check else config
+        if check:
+            check_usable(config, frozen=frozen)
+            check_format_options(config, self.given)
+        return config
 
     def overrides(self, config: CompressionConfig) -> dict:
         """The fields of ``config`` the user gave on the command line."""
