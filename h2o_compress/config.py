@@ -48,7 +48,8 @@ def parse_budget(text: str) -> float | int:
             raise ConfigError(f"budget={short(text, repr_=False)} tokens is too large; allowed: at most {MAX_TOKENS}")
         return int(value)
     if value > 1:
-        raise ConfigError(f"budget={short(text, repr_=False)} is invalid; allowed: {BUDGET_ALLOWED}")
+        hint = f" (tokens are written as an integer: {int(value)})" if value == int(value) else ""
+        raise ConfigError(f"budget={short(text, repr_=False)} is invalid{hint}; allowed: {BUDGET_ALLOWED}")
     return value
 
 
@@ -381,7 +382,8 @@ def layer_weights(value) -> tuple[float, ...]:
     if isinstance(value, str):
         path = Path(value)
         if not path.is_file():
-            raise ConfigError(f"layer_budgets={short(value)} is not supported (no such file); {allowed}")
+            what = "a directory, not a file" if path.is_dir() else "no such file"
+            raise ConfigError(f"layer_budgets={short(value)} is not supported ({what}); {allowed}")
         try:
             value = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -8,7 +8,8 @@ File format (``format_version`` 3: the slot layout of :mod:`h2o_compress.cache`;
   ``prompt.next_logits`` (``[batch, vocab]``), the prompt the cache holds and the logits of its next token,
   so a loaded cache continues exactly like the live one.
 - metadata (strings): ``format``, ``format_version``, ``library_version``, ``model_fingerprint`` (see
-  :func:`model_fingerprint`), ``model_id``, ``config`` (JSON of :class:`CompressionConfig`), ``capacity``,
+  :func:`model_fingerprint`), ``model_id``, ``model_dtype`` (the keys' dtype, e.g. ``float16``; named when a
+  model in another dtype loads the file), ``config`` (JSON of :class:`CompressionConfig`), ``capacity``,
   ``tokens`` (tokens seen), ``layers`` (JSON list of per-layer state) and ``checksum``: SHA-256 over every
   other metadata field and every tensor's name, dtype, shape and bytes. The checksum catches truncation and
   accidental damage, not a deliberate edit (anyone can recompute it): every structural field and every invariant
@@ -159,6 +160,7 @@ def save_cache(cache, path, model=None, overwrite: bool = False) -> Path:
         "model_fingerprint": fingerprint, "model_id": str(cache.model_id),
         "config": json.dumps(cache.config.to_dict(), sort_keys=True), "capacity": json.dumps(cache.capacity),
         "tokens": str(tokens), "layers": json.dumps(layers),
+        "model_dtype": str(cache.layers[0].dtype).removeprefix("torch."),
     }
     metadata["checksum"] = _checksum(metadata, tensors)
     try:
@@ -403,6 +405,25 @@ def _check_config(saved, expected, source: Path) -> None:
         )
 
 
+def _check_dtype(metadata: dict[str, str], model, source: Path) -> None:
+    """Name the dtypes when the file was saved from a model of this one's architecture in another dtype (the
+    fingerprint covers the parameters' dtype, so it cannot tell whether the weights differ too; a file saved before
+    ``model_dtype`` was recorded keeps the fingerprint message).
+
+    Raises:
+        CacheStateError: naming both dtypes and the one to load the model in.
+    """
+    saved, dtype = metadata.get("model_dtype"), getattr(model, "dtype", None)
+    current = str(dtype).removeprefix("torch.")
+    if saved is None or dtype is None or saved == current or metadata.get("model_id") != model_identity(model):
+        return
+    raise CacheStateError(
+        f"cache file {str(source)!r} was saved from {metadata.get('model_id')!r} in {saved}, and this model is "
+        f"{current} (the fingerprints differ); allowed: the model that saved it, in the dtype it was saved with "
+        f"(--dtype {saved}, or load_model(..., dtype=torch.{saved}))"
+    )
+
+
 def load_cache(path, model, config=None):
     """Load a cache saved by :func:`save_cache` for ``model``, on the model's device.
 
@@ -430,6 +451,7 @@ def load_cache(path, model, config=None):
     metadata, tensors = read_cache_file(source)
     fingerprint = model_fingerprint(model)
     if metadata.get("model_fingerprint") != fingerprint:
+        _check_dtype(metadata, model, source)
         raise CacheStateError(
             f"cache file {str(source)!r} was saved for model {metadata.get('model_id')!r} (fingerprint "
             f"{metadata.get('model_fingerprint', '')[:12]}), not this one ({model_identity(model)}, fingerprint "

@@ -47,6 +47,8 @@ def test_bad_weights_are_refused_by_name(value, message):
 
 
 def test_a_bad_file_and_the_wrong_layer_count_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"is not supported \(a directory, not a file\)"):
+        CompressionConfig(budget=0.1, layer_budgets=str(tmp_path))
     path = tmp_path / "w.json"
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="is not readable JSON"):

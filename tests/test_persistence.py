@@ -242,8 +242,11 @@ def test_loading_into_another_model_is_refused(model, tmp_path):
         CompressedCache.load(path, same_shape_other_weights)
     with pytest.raises(CacheStateError, match="not this one \\(llama:2x4x32"):
         CompressedCache.load(path, tiny_llama(seed=0, kv_heads=4))
-    with pytest.raises(CacheStateError, match="was saved for model"):
-        CompressedCache.load(path, tiny_llama(seed=0).to(torch.float16))
+    for seed in (0, 1):  # the same weights or others (the fingerprint cannot tell), in another dtype
+        with pytest.raises(CacheStateError, match=r"was saved from 'llama:2x2x32' in float32, and this model is "
+                           r"float16 \(the fingerprints differ\); allowed: the model that saved it, in the dtype it "
+                           r"was saved with \(--dtype float32"):
+            CompressedCache.load(path, tiny_llama(seed=seed).to(torch.float16))
 
 
 def test_loading_with_another_config_is_refused(model, tmp_path):

@@ -106,6 +106,8 @@ CASES = [
     Case("budget-inf", ["generate", "--budget", "inf", "hi"], "budget=inf is not finite"),
     Case("budget-1e400", ["generate", "--budget", "1e400", "hi"], "budget=1e400 is not finite", in_process=True),
     Case("budget-huge-int", ["generate", "--budget", "1000000000000", "hi"], "is too large", in_process=True),
+    Case("budget-float-tokens", ["generate", "--budget", "1e3", "hi"],
+         "budget=1e3 is invalid (tokens are written as an integer: 1000)", in_process=True),
     Case("budget-nan", ["generate", "--budget", "nan", "hi"], "not finite", in_process=True),
     Case("seed-2**70", ["generate", "--seed", str(2**70), "hi"], "seed="),
     Case("seed-negative", ["generate", "--seed", "-1", "hi"], "seed=-1 is invalid", in_process=True),
