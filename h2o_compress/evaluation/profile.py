@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
@@ -552,7 +553,11 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
         if out_dir is not None:  # a sweep that dies half-way still leaves its figures
             (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
 
-    with _progress(show_progress) as bar:
+    to_run = len(records) < len(configs)  # else nothing to run: no model loaded, no Ray started
+    if to_run and sweep is None:
+        sweep = _LocalSweep(_isolated(settings) if isolate else _InProcess(settings, model, tokenizer))
+    # the executor starts (Ray connects) before the progress bar shows: a failure is one error line
+    with sweep if to_run else nullcontext(), _progress(show_progress) as bar:
         if records:
             bar.console.print(f"profile: reusing {len(records)} of {len(configs)} rows finished earlier in "
                               f"{store.dir}")
@@ -580,16 +585,13 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
             show(advance=1)
             write_partial()
 
-        if len(records) < len(configs):  # else nothing to run: no model loaded, no Ray started
-            if sweep is None:
-                sweep = _LocalSweep(_isolated(settings) if isolate else _InProcess(settings, model, tokenizer))
-            with sweep:
-                report["executor"] = sweep.describe()
-                if 0 not in records:  # the reference first: every other row's agreement compares with it
-                    sweep.run(settings, [(0, configs[0])], None, on_start, on_done)
-                    references = _references(records[0])
-                pending = [(i, c) for i, c in enumerate(configs) if i not in records]
-                sweep.run(settings, pending, references, on_start, on_done)
+        if to_run:
+            report["executor"] = sweep.describe()
+            if 0 not in records:  # the reference first: every other row's agreement compares with it
+                sweep.run(settings, [(0, configs[0])], None, on_start, on_done)
+                references = _references(records[0])
+            pending = [(i, c) for i, c in enumerate(configs) if i not in records]
+            sweep.run(settings, pending, references, on_start, on_done)
     report["environment"] = records[0].get("environment") or report["environment"]
     report["results"] = [_public(records[i]) for i in range(len(configs))]
     report["complete"] = True

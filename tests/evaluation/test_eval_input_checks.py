@@ -147,6 +147,7 @@ def test_an_unreachable_ray_address_leaves_no_out_dir(model_dir, tmp_path):
     pytest.importorskip("ray")
     result = invoke("profile", "--model", model_dir, "--out", tmp_path / "o" / "p", "--ray", "bad::addr", *SWEEP)
     assert result.exit_code == 2 and "error: cannot start or reach Ray at address 'bad::addr'" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output  # the error alone: no progress bar first
     assert list(tmp_path.iterdir()) == []
 
 
