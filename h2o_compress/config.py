@@ -480,7 +480,8 @@ def check_format_options(config: CompressionConfig, given) -> None:
     """Refuse storage-format options the user gave (``given``: the field names set on the command line or in a
     config file) that the bits make moot, so they would be ignored silently: ``quant`` other than ``int`` or
     ``rotate`` with 16-bit keys and values (nothing is quantized), and ``rotate`` with a bitsandbytes format (it
-    rotates before ``int`` quantization only). ``generate --memory-limit`` skips this: the planner picks the bits.
+    rotates before ``int`` quantization only). The CLI skips this where the planner picks the bits (``generate
+    --memory-limit``) or a loaded cache brings its own setting (``--load-cache``).
 
     Raises:
         ConfigError: naming the option, the bits and what is allowed.
@@ -497,4 +498,3 @@ def check_format_options(config: CompressionConfig, given) -> None:
             f"rotate=True rotates before int quantization, which {reason} does not run, so it would be ignored; "
             "allowed: rotate with kv_bits 4 or 8 and quant 'int', or rotate False"
         )
-

@@ -37,7 +37,7 @@ import torch
 
 from .errors import CacheFileError, CacheStateError, ConfigError, one_line, short
 from .identity import model_fingerprint, model_identity
-from .weights import attention_devices, input_device
+from .weights import attention_devices, floating_dtype, input_device
 
 FORMAT = "h2o-compress-kv-cache"
 FORMAT_VERSION = "3"
@@ -413,9 +413,8 @@ def _check_dtype(metadata: dict[str, str], model, source: Path) -> None:
     Raises:
         CacheStateError: naming both dtypes and the one to load the model in.
     """
-    saved, dtype = metadata.get("model_dtype"), getattr(model, "dtype", None)
-    current = str(dtype).removeprefix("torch.")
-    if saved is None or dtype is None or saved == current or metadata.get("model_id") != model_identity(model):
+    saved, current = metadata.get("model_dtype"), str(floating_dtype(model)).removeprefix("torch.")
+    if saved is None or saved == current or metadata.get("model_id") != model_identity(model):
         return
     raise CacheStateError(
         f"cache file {str(source)!r} was saved from {metadata.get('model_id')!r} in {saved}, and this model is "

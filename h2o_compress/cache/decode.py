@@ -25,11 +25,7 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     back). No host sync (except the host counter of an unbounded cache of unknown length, eager only)."""
     position = layer.seen
     layer._grow_for_token()
-    if layer.ring is not None:
-        keys, values, leaving, score = layer.ring.push(keys, values, position)
-    else:
-        leaving = position.to(torch.int32).expand(layer.batch, 1)
-        score = torch.zeros(layer.batch, layer.kv_heads, 1, device=layer.device) if layer.with_scores else None
+    keys, values, leaving, score = ring_in(layer, keys, values)
     slot = layer.store.first_free()
     layer.store.insert(
         slot, *layer._quantize_incoming(keys, values), leaving.unsqueeze(1).expand(-1, layer.kv_heads, -1), score,
@@ -54,6 +50,18 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
         valid = torch.cat((valid, ring_valid), dim=2)
     layer.decode_valid = valid
     return keys, values
+
+
+def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
+    """The new token, ``keys``/``values`` ``[batch, kv_heads, 1, head_dim]``, into the ring; returns the token that
+    leaves the window for the store: ``(keys, values, positions int32 [batch, 1], scores fp32 [batch, kv_heads, 1]
+    | None)`` (positions ``-1`` where the ring's slot was empty). Without a ring the new token itself goes to the
+    store, at position ``seen``, with score 0. In place, no host sync."""
+    if layer.ring is not None:
+        return layer.ring.push(keys, values, layer.seen)
+    leaving = layer.seen.to(torch.int32).expand(layer.batch, 1)
+    score = torch.zeros(layer.batch, layer.kv_heads, 1, device=layer.device) if layer.with_scores else None
+    return keys, values, leaving, score
 
 
 def read(layer, name: str, quantizer, stored, ring, leaving, index) -> torch.Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from . import decode
 from .layer import CompressedLayer
 from .slot_pool import SlotPool
 
@@ -93,11 +94,7 @@ class HeadAdaptiveLayer(CompressedLayer):
         (quantized once), then what attention reads, ``[batch, kv_heads, pool_slots + residual, head_dim]`` (the
         pool broadcast over heads) with validity ``position >= 0 & owner == head``. No host sync."""
         position, heads = self.seen, self.kv_heads
-        if self.ring is not None:
-            keys, values, leaving, score = self.ring.push(keys, values, position)
-        else:
-            leaving = position.to(torch.int32).expand(self.batch, 1)
-            score = torch.zeros(self.batch, heads, 1, device=self.device) if self.with_scores else None
+        keys, values, leaving, score = decode.ring_in(self, keys, values)
         slot = self.store.free_slots(heads)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [batch, 1, kv_heads, head_dim]
         owner = torch.arange(heads, device=self.device).view(1, 1, heads).expand(self.batch, 1, heads)
