@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -14,7 +15,7 @@ from .cache import CompressedCache, build_layers
 from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
 from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
 from .errors import CacheStateError, ConfigError, InputError, short
-from .models import model_dims
+from .models import model_dims, torch_decode_reason
 from .identity import model_fingerprint, model_identity
 from .context_scores import global_layer_capacities, hand_context_scores, score_context
 from .prompt_cache import check_context, prefill
@@ -52,13 +53,15 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             f"group_size={config.group_size} does not divide the model's head_dim={dims.head_dim}; "
             f"allowed: {', '.join(map(str, allowed)) or 'none (use 16 bits)'}"
         )
+    if dims.expands_cache and config.rotate:  # the module expands the cached latents itself: no basis to undo
+        config = dataclasses.replace(config, rotate=False)
     capacity = config.capacity(max_length)
     if capacity is not None and max_length is not None:
         capacity = min(capacity, max_length)  # storage never exceeds what the cache can see
     if layer_capacities is not None:
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
-                          capacities=layer_capacities)
+                          capacities=layer_capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims))
     device = input_device(model)
     for formats in {(layer.key_quantizer, layer.value_quantizer) for layer in layers}:
         check_kernel(config.attention_kernel, device, dims.head_dim, formats)

@@ -36,11 +36,18 @@ class ModelDims:
     num_heads: int
     kv_heads: int
     head_dim: int
+    #: head dim of the values where it differs from the keys' (multi-head latent attention), else ``None``
+    value_head_dim: int | None = None
+    #: the attention module expands what it cached (multi-head latent attention caching its latents)
+    expands_cache: bool = False
+    #: each layer's :class:`~h2o_compress.cache.span.LayerSpan` (full, sliding or chunked attention); ``()``: all full
+    spans: tuple = ()
 
     @property
     def fp16_bytes_per_token(self) -> int:
-        """Bytes of one token's keys and values in fp16 over all layers: ``2 x layers x kv_heads x head_dim x 2``."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * 2
+        """Bytes of one token's keys and values in fp16 over all layers: ``layers x kv_heads x (head_dim +
+        value_head_dim) x 2`` (``2 x layers x kv_heads x head_dim x 2`` where keys and values are alike)."""
+        return self.num_layers * self.kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * 2
 
 
 def model_dims(config) -> ModelDims:
@@ -51,10 +58,52 @@ def model_dims(config) -> ModelDims:
     """
     config = getattr(config, "get_text_config", lambda: config)()
     check_config_values(config.to_dict() if hasattr(config, "to_dict") else vars(config), "the model's config")
+    from .cache.span import layer_spans
+
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim)
+    value_head_dim, expands = None, False
+    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
+        kv_heads, head_dim, value_head_dim = _latent_attention_dims(config, heads)
+        expands = kv_heads == 1 and heads > 1
+        value_head_dim = None if value_head_dim == head_dim else value_head_dim
+    spans = tuple(layer_spans(config, config.num_hidden_layers))
+    spans = () if all(not span.windowed for span in spans) else spans
+    return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim, value_head_dim, expands, spans)
+
+
+def _latent_attention_dims(config, heads: int) -> tuple[int, int, int]:
+    """``(kv_heads, key head dim, value head dim)`` that a multi-head latent attention model (DeepSeek-V2, arXiv
+    2405.04434 §2.1) hands its cache in transformers: the latents themselves (one head: ``kv_lora_rank`` wide
+    "keys", the shared rotary key ``qk_rope_head_dim`` wide as "values"; the attention module expands them, its
+    ``expand_kv``), or the expanded keys (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``) of
+    every query head."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        latent = any(hasattr(cls, "expand_kv") for cls in vars(module).values() if isinstance(cls, type))
+    except ImportError:
+        latent = False
+    if latent:
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim
+    head_dim = (getattr(config, "qk_nope_head_dim", None) or 0) + config.qk_rope_head_dim
+    return heads, head_dim, getattr(config, "v_head_dim", None) or head_dim
+
+
+def torch_decode_reason(model, dims: ModelDims) -> str | None:
+    """Why ``model``'s layers decode in the torch form rather than the native CPU kernel or the Triton op, or
+    ``None``: a softmax those kernels do not run (logit soft-cap, learned sink logits) or values of another head
+    dim than the keys (:mod:`h2o_compress.attention.variant`)."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    if getattr(config, "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        return "learned sink logits"
+    if dims.value_head_dim is not None:
+        return "values of another head dim than the keys"
+    return None
 
 
 # What a real model can have (the largest known models are far inside these); a config outside is broken.

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from ..errors import UnsupportedModelError
+from .variant import AttentionVariant, softmax_probabilities
 
 ATTENTION_NAME = "h2o_compress"
 
@@ -46,6 +47,7 @@ def attention_probability_sums(
     scaling: float | None,
     chunk_size: int = 256,
     decay: float = 1.0,
+    variant: AttentionVariant | None = None,
 ) -> torch.Tensor:
     """Sum of post-softmax attention each key receives from ``query``, GQA query heads summed per KV head.
 
@@ -62,6 +64,7 @@ def attention_probability_sums(
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
         decay: query ``i`` of ``n`` weighs ``decay ** (n - 1 - i)`` (1: the plain sum; A2SF's forgetting factor,
             arXiv 2407.20485 §3, applied over the chunk's queries in order).
+        variant: soft-cap / sink logits of the layer's softmax (:mod:`.variant`), or ``None``.
 
     Returns:
         fp32 ``[batch, kv_heads, keys]`` (H2O, arXiv 2306.14048 §4: the accumulated attention score).
@@ -79,9 +82,8 @@ def attention_probability_sums(
         q = query[:, :, start:stop].float().reshape(batch, kv_heads, group * (stop - start), head_dim)
         logits = torch.matmul(q, key_t[..., :seen]).mul_(scale).view(batch, kv_heads, group, stop - start, seen)
         visible = _visible(attention_mask, start, stop, queries, keys, key.device)
-        if visible is not None:
-            logits = logits.masked_fill(~visible[..., :seen], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = softmax_probabilities(logits, None if visible is None else visible[..., :seen], variant,
+                                      (1, kv_heads, group, 1, 1))
         if attention_mask is not None:
             probs = probs.nan_to_num_(0.0)  # queries that see nothing (padding rows) add nothing
         if decay != 1.0:
@@ -107,7 +109,7 @@ def _visible(mask, start, stop, queries, keys, device) -> torch.Tensor | None:
 
 def decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float | None,
-    with_sums: bool,
+    with_sums: bool, variant: AttentionVariant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step's attention over fixed slots, and the H2O probability sums from the same softmax.
 
@@ -120,9 +122,10 @@ def decode_attention(
         valid: bool ``[batch, kv_heads, slots]``; at least one True per sequence and head.
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
         with_sums: also return the probabilities summed over each KV head's query heads.
+        variant: soft-cap / sink logits of the layer's softmax (:mod:`.variant`), or ``None``.
 
     Returns:
-        ``(output [batch, q_heads, 1, head_dim], sums fp32 [batch, kv_heads, slots] | None)`` (H2O, arXiv
+        ``(output [batch, q_heads, 1, value_dim], sums fp32 [batch, kv_heads, slots] | None)`` (H2O, arXiv
         2306.14048 §4: what each key receives from this query).
     """
     batch, q_heads, _, head_dim = query.shape
@@ -130,9 +133,30 @@ def decode_attention(
     scale = head_dim**-0.5 if scaling is None else scaling
     q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    probs = torch.softmax(logits.masked_fill(~valid.unsqueeze(2), float("-inf")), dim=-1)
-    output = torch.matmul(probs.to(values.dtype), values).reshape(batch, q_heads, 1, head_dim)
+    if variant is None:
+        probs = torch.softmax(logits.masked_fill(~valid.unsqueeze(2), float("-inf")), dim=-1)
+    else:
+        probs = softmax_probabilities(logits, valid.unsqueeze(2), variant, (1, kv_heads, q_heads // kv_heads, 1))
+    output = torch.matmul(probs.to(values.dtype), values).reshape(batch, q_heads, 1, values.shape[-1])
     return output, probs.sum(2) if with_sums else None
+
+
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                     scaling: float | None, variant: AttentionVariant | None) -> torch.Tensor:
+    """Attention of ``n`` queries in torch (fp32 softmax), for the multi-token steps of layers whose softmax has a
+    ``variant`` SDPA does not run (soft-cap, sink logits): ``query`` ``[batch, q_heads, n, head_dim]``, ``keys``
+    ``[batch, kv_heads, keys, head_dim]``, ``values`` ``[batch, kv_heads, keys, value_dim]``, bool ``visible``
+    ``[batch | 1, kv_heads | 1, n, keys]`` or ``None`` (all). Returns ``[batch, q_heads, n, value_dim]``."""
+    batch, q_heads, n, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    scale = head_dim**-0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, group, n, head_dim)
+    logits = torch.matmul(q.float(), keys.float().unsqueeze(2).transpose(-1, -2)) * scale
+    probs = softmax_probabilities(logits, None if visible is None else visible.unsqueeze(2), variant,
+                                  (1, kv_heads, group, 1, 1))
+    output = torch.matmul(probs.to(values.dtype), values.unsqueeze(2))
+    return output.reshape(batch, q_heads, n, values.shape[-1])
 
 
 def h2o_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -160,13 +184,31 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+# Model types whose attention goes through AttentionInterface but computes what a compressed cache cannot follow
+# (tests/test_architectures.py checks every other decoder class transformers ships is exact at budget 1.0).
+UNSUPPORTED_MODEL_TYPES = {
+    "diffllama": "differential attention calls the attention function twice per layer and subtracts the maps",
+    "doge": "dynamic mask attention adds a learned mask over the keys outside the attention function",
+    "jetmoe": "mixture-of-attention routes queries to expert heads around the cache",
+    "moshi": "its attention applies a window of its own around the cache",
+    "hrm_text": "it runs its layers several times per forward pass",
+}
+
+
 def check_attention_backend(model) -> None:
     """Refuse a ``model`` whose attention does not go through transformers' ``AttentionInterface`` (nothing to
-    switch to the ``h2o_compress`` function, so nothing to score).
+    switch to the ``h2o_compress`` function, so nothing to score), or whose attention does more around it than a
+    compressed cache can follow (:data:`UNSUPPORTED_MODEL_TYPES`).
 
     Raises:
-        UnsupportedModelError: naming the model class and what is supported.
+        UnsupportedModelError: naming the model class (or type) and what is supported.
     """
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in UNSUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported: {UNSUPPORTED_MODEL_TYPES[model_type]}; h2o-compress needs "
+            "one attention call per layer and step over the cache's own keys"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             f"model class {type(model).__name__} does not route attention through transformers' "

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.interface import masked_attention
 from ..policies.base import NO_POSITION as NO_REAL_TOKEN
+from .decode import per_kv_head
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +44,14 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
 
-def attend(layer, module, query, keys, values, attention_mask, scaling, **kwargs) -> torch.Tensor:
+def attend(layer, module, query, keys, values, attention_mask, scaling, variant=None, **kwargs) -> torch.Tensor:
     """SDPA of ``query`` ``[batch, q_heads, n, head_dim]`` over what :func:`update` returned (``keys``/``values``)
-    with a mask built from the slot validity and the model's own causal + padding mask for the chunk
-    (``attention_mask`` ``[batch | 1, 1, n, n]`` or ``None``); the probability sums for the scores; then the
-    chunk's eviction and layout (:func:`settle`). Returns ``[batch, q_heads, n, head_dim]``."""
+    with a mask built from the slot validity, the layer's span (sliding window or chunk: each query sees only its
+    own, :meth:`~.span.LayerSpan.visible`) and the model's own causal + padding mask for the chunk
+    (``attention_mask`` ``[batch | 1, 1, n, n]`` or ``None``); torch attention instead of SDPA for a softmax
+    ``variant`` (soft-cap, sink logits: :func:`~h2o_compress.attention.masked_attention`); the probability sums
+    for the scores; then the chunk's eviction and layout (:func:`settle`). Returns ``[batch, q_heads, n,
+    head_dim]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     chunk, layer.chunk = layer.chunk, None
@@ -63,22 +68,37 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, **kwargs
     if new_block is not None:
         real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)
         new_block = new_block | eye  # a padding query sees itself: no fully masked row
+    span, seen = layer.span, chunk["seen"]
+    queries = torch.arange(seen, seen + n, device=query.device)
+    first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + seen, NO_REAL_TOKEN)
+    first_real = torch.minimum(layer.first_real, first)
+    if span.windowed:  # the chunk's own tokens beyond each query's window or chunk
+        own = span.visible(queries.expand(batch, 1, n), queries, first_real)[:, 0] & eye.logical_not().tril()
+        new_block = (own.unsqueeze(1) if new_block is None else new_block & own.unsqueeze(1)) | eye
     mask = new_block
     if chunk["held"]:
-        held_valid = layer.store.head_positions() >= 0
+        held_positions = layer.store.head_positions()
         if layer.ring is not None:
-            ring_positions = layer.ring.positions.index_select(1, layer.ring.order(chunk["seen"]))
-            held_valid = torch.cat((held_valid, (ring_positions >= 0).unsqueeze(1).expand(-1, layer.kv_heads, -1)), 2)
+            ring_positions = layer.ring.positions.index_select(1, layer.ring.order(seen))
+            held_positions = torch.cat((held_positions, ring_positions.unsqueeze(1).expand(-1, layer.kv_heads, -1)), 2)
+        held_valid = (held_positions >= 0).unsqueeze(2).expand(-1, -1, n, -1)
+        if span.windowed:
+            held_valid = held_valid & span.visible(held_positions, queries, first_real)
         causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
-        mask = torch.cat(
-            (held_valid.unsqueeze(2).expand(-1, -1, n, -1), causal.expand(batch, layer.kv_heads, n, n)), dim=3
-        )
-    group = query.shape[1] // layer.kv_heads
-    sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
-    output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
+        mask = torch.cat((held_valid, causal.expand(batch, layer.kv_heads, n, n)), dim=3)
+    if variant is None:
+        group = query.shape[1] // layer.kv_heads
+        sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
+        kwargs.pop("sliding_window", None)  # the mask holds the window
+        output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
+    else:
+        visible = mask if mask is not None else torch.ones(1, 1, n, n, dtype=torch.bool, device=query.device).tril()
+        output = masked_attention(query, keys, values, visible, scaling, variant)
+        output = output.transpose(1, 2)
     sums = None
     if layer.with_scores:
-        sums = layer.policy.chunk_scores(query, keys, mask, scaling, layer.score_chunk_size)
+        sums = per_kv_head(layer.policy.chunk_scores(query, keys, mask, scaling, layer.score_chunk_size, variant),
+                           layer.kv_heads)
     settle(layer, chunk, real, sums)
     return output.transpose(1, 2)
 
@@ -112,7 +132,9 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
     seen += n
     first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)
     layer.first_real.copy_(torch.minimum(layer.first_real, first))
-    if layer.capacity is not None:
+    # what the next query (at `seen`) cannot see leaves a sliding or chunked layer, whatever its score
+    layer.span.expire(positions, torch.tensor(seen, device=device), layer.first_real)
+    if layer.evicts:
         priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity)
         keep = layer.store.keep(priority, positions, layer.capacity)
     else:

@@ -9,7 +9,8 @@ from ..config import CompressionConfig
 from ..errors import CacheStateError, InputError
 from ..formats import make_quantizer
 from .head_adaptive_layer import HeadAdaptiveLayer
-from .layer import CompressedLayer
+from .layer import FULL_SPAN, CompressedLayer
+from .span import LayerSpan
 from .mixed import AdaptiveMixedPrecisionLayer, MixedPrecisionLayer, spread_refined_rows
 
 
@@ -199,13 +200,16 @@ LAYER_TYPES = {(False, False): CompressedLayer, (True, False): HeadAdaptiveLayer
 
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
-    capacities: list[int] | None = None,
+    capacities: list[int] | None = None, spans: tuple[LayerSpan, ...] = (), torch_decode: str | None = None,
 ) -> list[CompressedLayer]:
     """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
     per layer on average); a :class:`HeadAdaptiveLayer` where ``config.head_budgets == "adaptive"`` and the layer
     evicts (an unbounded layer keeps everything, so the heads have nothing to share); their mixed-precision forms
     (:class:`MixedPrecisionLayer`, :class:`AdaptiveMixedPrecisionLayer`) where ``config.high_bits_fraction > 0``.
+    Layer ``i`` attends over ``spans[i]`` (:class:`~.span.LayerSpan`; ``()``: every layer full attention); sliding
+    and chunked layers, and every layer where ``torch_decode`` gives a reason (a softmax the fast kernels do not
+    run: soft-cap, sink logits, values of another head dim), decode in the torch form.
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
@@ -218,6 +222,8 @@ def build_layers(
     for idx in range(num_layers):
         adaptive = config.head_budgets == "adaptive" and capacities[idx] is not None
         kind = LAYER_TYPES[adaptive, mixed]
+        span = spans[idx] if spans else FULL_SPAN
+        kernel = "torch" if span.windowed or torch_decode else config.attention_kernel
         layers.append(
             kind(
                 idx,
@@ -227,8 +233,9 @@ def build_layers(
                 make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),
                 residual=config.residual,
                 score_chunk_size=config.score_chunk_size,
-                attention_kernel=config.attention_kernel,
+                attention_kernel=kernel,
                 max_tokens=max_tokens,
+                span=span,
                 **own,
             )
         )

@@ -82,11 +82,13 @@ def read(layer, name: str, quantizer, stored, ring, leaving, index) -> torch.Ten
     return out
 
 
-def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None):
+def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None,
+           variant=None):
     """Attention of one query per sequence, ``[batch, q_heads, 1, head_dim]`` (in the key basis), over what
-    :func:`update` returned, masked by ``layer.decode_valid``; then :func:`add_scores` and the eviction. Returns
-    ``[batch, q_heads, 1, head_dim]`` (in the value basis)."""
-    output, sums = decode_attention(query, keys, values, layer.decode_valid, scaling, layer.with_scores)
+    :func:`update` returned, masked by ``layer.decode_valid``, with the layer's softmax ``variant``
+    (:class:`~h2o_compress.attention.variant.AttentionVariant` or ``None``); then :func:`add_scores` and the
+    eviction. Returns ``[batch, q_heads, 1, head_dim]`` (in the value basis)."""
+    output, sums = decode_attention(query, keys, values, layer.decode_valid, scaling, layer.with_scores, variant)
     layer.decode_valid = None
     add_scores(layer, sums)
     layer._evict()
@@ -99,6 +101,7 @@ def add_scores(layer, sums: torch.Tensor | None) -> None:
     place, no host sync."""
     if sums is None:
         return
+    sums = per_kv_head(sums, layer.kv_heads)
     slots = layer.store.slots
     if layer.policy.accumulates:
         layer.store.scores += layer.store.score_share(sums[..., :slots])
@@ -108,6 +111,15 @@ def add_scores(layer, sums: torch.Tensor | None) -> None:
         layer.store.scores.copy_(layer.store.score_share(sums[..., :slots]))
         if layer.ring is not None:
             layer.ring.scores.copy_(sums[..., slots:])
+
+
+def per_kv_head(sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Probability sums fp32 ``[batch, heads, keys]`` over the heads of the keys attention read, summed to the
+    cache's ``kv_heads`` (a multi-head latent attention model expands one cached latent into a key per query head:
+    the latent's score is what every head gave it, as GQA sums a group)."""
+    if sums.shape[1] == kv_heads:
+        return sums
+    return sums.view(sums.shape[0], kv_heads, -1, sums.shape[2]).sum(2)
 
 
 def forget(layer, factor: float) -> None:

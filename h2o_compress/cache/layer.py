@@ -32,7 +32,8 @@ from ..attention import announce, withdraw
 from ..attention import cpu as cpu_kernel
 from ..attention.choice import decode_kernel
 from ..attention.launch import mark_static_address
-from ..errors import CacheStateError, InputError
+from ..attention.variant import AttentionVariant
+from ..errors import CacheStateError, InputError, UnsupportedModelError
 from ..formats import BitsAndBytesQuantizer, KVQuantizer
 from ..memory import available_memory
 from ..policies import EvictionPolicy
@@ -40,6 +41,9 @@ from ..policies.base import NO_POSITION as NO_REAL_TOKEN
 from . import chunk, decode
 from .ring import RingWindow
 from .slots import SlotStore
+from .span import LayerSpan
+
+FULL_SPAN = LayerSpan()
 
 GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
 
@@ -58,6 +62,22 @@ def _rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return (x.float().unsqueeze(-1) * basis).sum(-2)
 
 
+def _pad_values(values: torch.Tensor, head_dim: int, layer_idx: int) -> torch.Tensor:
+    """Values ``[batch, kv_heads, tokens, value_dim]`` zero-padded to the keys' ``head_dim`` (multi-head latent
+    attention, DeepSeek-V2 arXiv 2405.04434 §2.1, as transformers computes it: keys and values of different head
+    dims; zeros add nothing to the attention output, whose padding is dropped).
+
+    Raises:
+        UnsupportedModelError: values wider than keys.
+    """
+    if values.shape[-1] > head_dim:
+        raise UnsupportedModelError(
+            f"layer {layer_idx}: values of head dim {values.shape[-1]} wider than the keys' {head_dim}; h2o-compress "
+            "holds values of at most the keys' head dim"
+        )
+    return torch.nn.functional.pad(values, (0, head_dim - values.shape[-1]))
+
+
 class CompressedLayer(CacheLayerMixin):
     """The compressed KV cache of one attention layer (see the module docstring for the layout).
 
@@ -73,6 +93,8 @@ class CompressedLayer(CacheLayerMixin):
             decode step's attention is the CPU kernel (``auto`` on CPU), the Triton op (``auto`` on CUDA, or
             ``triton``) or torch code that ``torch.compile`` fuses (``torch``).
         max_tokens: tokens the cache will see (prompt + new tokens), when known: bounds the storage.
+        span: the layer type (:class:`~.span.LayerSpan`: full, sliding or chunked attention); a sliding or chunked
+            layer never holds a token its next query cannot see, so at most ``span.size - 1`` tokens.
 
     Attributes:
         is_compileable: the decode step can be compiled (integer and 16-bit formats, storage of known size).
@@ -93,10 +115,16 @@ class CompressedLayer(CacheLayerMixin):
         score_chunk_size: int = 64,
         attention_kernel: str = "auto",
         max_tokens: int | None = None,
+        span: LayerSpan = FULL_SPAN,
     ):
         super().__init__()
         if capacity is not None and max_tokens is not None:
             capacity = min(capacity, max_tokens)  # storage never exceeds what the cache can see
+        # the policy ranks only where its capacity is below what the span holds anyway (sliding: window - 1)
+        capacity, self.span = span.cap(capacity), span
+        if capacity is not None and max_tokens is not None:
+            capacity = min(capacity, max_tokens)
+        self.evicts = capacity is not None and capacity != span.cap(None)
         self.layer_idx, self.policy, self.capacity, self.max_tokens = layer_idx, policy, capacity, max_tokens
         self.num_layers = 1  # set by build_layers: the memory check counts every layer
         self.key_quantizer, self.value_quantizer = key_quantizer, value_quantizer
@@ -106,7 +134,7 @@ class CompressedLayer(CacheLayerMixin):
         elif capacity is not None:
             residual = min(residual, policy.recent_window(capacity) // 2)
         self.residual = residual
-        self.with_scores = policy.needs_scores and capacity is not None
+        self.with_scores = policy.needs_scores and self.evicts
         self.score_chunk_size = score_chunk_size
         self.attention_kernel = attention_kernel
         self.growable = capacity is None and max_tokens is None  # unbounded, length unknown: grows (eager only)
@@ -243,7 +271,7 @@ class CompressedLayer(CacheLayerMixin):
         """A new, empty layer of this type built with this one's arguments but ``capacity`` and ``max_tokens``."""
         layer = type(self)(
             self.layer_idx, self.policy, capacity, self.key_quantizer, self.value_quantizer, self.residual,
-            self.score_chunk_size, self.attention_kernel, max_tokens=max_tokens, **self._own_args(),
+            self.score_chunk_size, self.attention_kernel, max_tokens=max_tokens, span=self.span, **self._own_args(),
         )
         layer.num_layers = self.num_layers
         return layer
@@ -311,6 +339,9 @@ class CompressedLayer(CacheLayerMixin):
                 generation: :meth:`~h2o_compress.cache.container.CompressedCache.check`).
         """
         self._check_step(key_states)
+        if value_states.shape[-1] != key_states.shape[-1]:  # MLA: values are held padded to the keys' head dim
+            keys, values = self.update(key_states, _pad_values(value_states, key_states.shape[-1], self.layer_idx))
+            return keys, values[..., : value_states.shape[-1]]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[2] == 1 and self.native:
@@ -408,6 +439,13 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: this cache was filled by another model; a cache holds one model's keys "
                 "and values, so build a new one with make_cache(model, ...)"
             )
+        variant = AttentionVariant.from_call(kwargs)
+        if variant is not None and (self.native or self.fused):
+            raise UnsupportedModelError(
+                f"layer {self.layer_idx}: this model's attention has a soft-cap or sink logits, which the "
+                f"{self.decode_kernel} decode kernel does not run; build the cache with h2o_compress.make_cache(model, "
+                "...), which picks the torch form for such layers"
+            )
         decay = self.policy.score_decay
         if self.with_scores and 0.0 < decay < 1.0 and query.shape[2] == 1 and self.chunk is None:
             decode.forget(self, decay)  # A2SF: the held scores fade before this query's attention adds to them
@@ -427,9 +465,9 @@ class CompressedLayer(CacheLayerMixin):
             output = slot_attention.decode_layer(self, query, scaling)
             self._evict()
         elif query.shape[2] == 1 and self.chunk is None:
-            output = decode.attend(self, query, key, value, scaling)
+            output = decode.attend(self, query, key, value, scaling, variant)
         else:
-            output = chunk.attend(self, module, query, key, value, attention_mask, scaling, **kwargs)
+            output = chunk.attend(self, module, query, key, value, attention_mask, scaling, variant, **kwargs)
         output = output.transpose(1, 2)
         if self.value_basis is not None and not fused:  # values are held as v @ H: P.v = (P.(v @ H)) @ H
             output = (output.float() @ self.value_basis).to(query.dtype)
@@ -437,8 +475,13 @@ class CompressedLayer(CacheLayerMixin):
 
     def _evict(self) -> None:
         """Evict the lowest-priority stored token where a sequence holds more than the capacity (the store's
-        :meth:`~.slots.SlotStore.evict_over`, on the policy's priority; in place, no host sync)."""
-        if self.capacity is None:
+        :meth:`~.slots.SlotStore.evict_over`, on the policy's priority; in place, no host sync), after the tokens the
+        next query cannot see left a sliding or chunked layer (:meth:`~.span.LayerSpan.expire`)."""
+        if self.span.windowed:
+            self.span.expire(self.store.positions, self.seen, self.first_real)
+            if self.ring is not None:
+                self.span.expire(self.ring.positions, self.seen, self.first_real)
+        if not self.evicts:
             return
         priority = self.policy.priority(self.store.scores, self.store.positions, self.seen, self.first_real,
                                         self.capacity)

@@ -38,8 +38,9 @@ class A2SFPolicy(H2OPolicy):
     def score_decay(self) -> float:
         return float(self.forgetting_factor)
 
-    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The chunk's probabilities, query ``i`` of ``n`` weighed ``factor ** (n - 1 - i)``."""
         from ..attention import attention_probability_sums
 
-        return attention_probability_sums(query, keys, mask, scaling, chunk_size, decay=self.score_decay)
+        return attention_probability_sums(query, keys, mask, scaling, chunk_size, decay=self.score_decay,
+                                          variant=variant)

@@ -52,7 +52,7 @@ class EvictionPolicy:
         (A2SF)."""
         return 1.0 if self.accumulates else 0.0
 
-    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """What a multi-token step (prefill, a chunk) contributes to the scores of the keys it sees: fp32
         ``[batch, kv_heads, keys]``. Default: the probabilities every query of the chunk gives each key, GQA query
         heads summed per KV head (H2O, arXiv 2306.14048 §4). ``query`` ``[batch, q_heads, queries, head_dim]``,
@@ -60,7 +60,7 @@ class EvictionPolicy:
         :func:`~h2o_compress.attention.attention_probability_sums` takes it."""
         from ..attention import attention_probability_sums
 
-        return attention_probability_sums(query, keys, mask, scaling, chunk_size)
+        return attention_probability_sums(query, keys, mask, scaling, chunk_size, variant=variant)
 
     def recent_window(self, capacity: int) -> int:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""

@@ -31,9 +31,9 @@ class ContextScoredPolicy(H2OPolicy):
     evict_chat_header: bool = False
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
-    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The context scores, if given for this step; else ``h2o``'s sums."""
         scores, self.context_scores = self.context_scores, None
         if scores is None or scores.shape[-1] != keys.shape[2]:
-            return super().chunk_scores(query, keys, mask, scaling, chunk_size)
+            return super().chunk_scores(query, keys, mask, scaling, chunk_size, variant)
         return scores.to(device=keys.device, dtype=torch.float32)

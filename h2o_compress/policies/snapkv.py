@@ -25,14 +25,14 @@ class SnapKVPolicy(H2OPolicy):
     window: int = 32
     pool: int = 5
 
-    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The last ``window`` queries' attention, max-pooled over ``pool`` neighbouring keys."""
         from ..attention import attention_probability_sums
 
         queries = query.shape[2]
         window = min(self.window, queries)
         last = None if mask is None else mask[..., -window:, :]  # None: causal, bottom-right aligned
-        votes = attention_probability_sums(query[:, :, -window:], keys, last, scaling, chunk_size)
+        votes = attention_probability_sums(query[:, :, -window:], keys, last, scaling, chunk_size, variant=variant)
         if self.pool <= 1:
             return votes
         # pool over the chunk's own tokens only (the last `queries` keys, in position order); held tokens sit in

@@ -21,9 +21,9 @@ class TOVAPolicy(H2OPolicy):
 
     accumulates: ClassVar[bool] = False
 
-    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int) -> torch.Tensor:
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The attention of the chunk's last query only."""
         from ..attention import attention_probability_sums
 
         last = None if mask is None else mask[..., -1:, :]
-        return attention_probability_sums(query[:, :, -1:], keys, last, scaling, chunk_size)
+        return attention_probability_sums(query[:, :, -1:], keys, last, scaling, chunk_size, variant=variant)

@@ -1,0 +1,115 @@
+"""`LayerSpan`: which tokens a query of one layer may see (the layer type: full, sliding or chunked attention).
+
+transformers models declare their layer types in ``config.layer_types`` (``full_attention``, ``sliding_attention``,
+``chunked_attention``) or with a model-wide ``sliding_window`` / ``attention_chunk_size``; :func:`layer_spans` reads
+them as transformers' own ``DynamicCache(config=...)`` does (``cache_utils.get_layer_types_and_kwargs``) and refuses
+layer types that are not softmax attention over this layer's own keys (Mamba, linear, conv, shared KV, indexed).
+
+A sliding layer of window ``W`` lets the query at position ``p`` see positions ``p - W + 1 .. p`` (transformers'
+``sliding_window_overlay``); a chunked layer of chunk ``C`` the positions of ``p``'s chunk (Llama 4's
+``chunked_overlay``, chunks counted from each sequence's first real token). A compressed layer of either type
+never holds a token its next query cannot see (:meth:`LayerSpan.expire`, whatever its score), so it holds at most
+``W - 1`` tokens between steps (:meth:`LayerSpan.cap`, as transformers' ``DynamicSlidingWindowLayer``); a budget
+below that applies inside the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+FULL, SLIDING, CHUNKED = "full", "sliding", "chunked"
+_KINDS = {"full_attention": FULL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED}
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    """The tokens a layer's query sees: ``kind`` ``"full"``, ``"sliding"`` (the last ``size`` positions, the query's
+    own included) or ``"chunked"`` (its chunk of ``size`` positions); ``size`` in tokens, ``None`` for full."""
+
+    kind: str = FULL
+    size: int | None = None
+
+    @property
+    def windowed(self) -> bool:
+        """The layer forgets tokens by position (sliding or chunked)."""
+        return self.kind != FULL
+
+    def cap(self, capacity: int | None) -> int | None:
+        """Tokens the layer holds at most between steps: ``capacity`` (``None``: unbounded) within ``size - 1``."""
+        if not self.windowed:
+            return capacity
+        return self.size - 1 if capacity is None else min(capacity, self.size - 1)
+
+    def lowest(self, query_position: torch.Tensor, first_real: torch.Tensor) -> torch.Tensor:
+        """int64 lowest position the query at ``query_position`` (int64 0-dim, or ``[n]``) sees, per sequence:
+        ``[batch]`` (or ``[batch, n]``); ``first_real`` int64 ``[batch]`` (chunks start at a sequence's first real
+        token). Full attention: 0. No host sync."""
+        query_position = query_position.to(torch.int64)
+        if query_position.dim():
+            query_position, first_real = query_position.unsqueeze(0), first_real.unsqueeze(1)
+        if self.kind == SLIDING:
+            return query_position - self.size + 1 + torch.zeros_like(first_real)
+        if self.kind == CHUNKED:
+            start = first_real.clamp(max=query_position)  # no real token yet: chunks from the query itself
+            return start + torch.div(query_position - start, self.size, rounding_mode="floor") * self.size
+        return torch.zeros_like(first_real + query_position)
+
+    def expire(self, positions: torch.Tensor, seen: torch.Tensor, first_real: torch.Tensor) -> None:
+        """Mark empty (``-1``), in place, every held position (int, ``[batch, ...]``) the next query (at position
+        ``seen``) cannot see. No host sync, no allocation of storage: part of the compiled decode step."""
+        if not self.windowed:
+            return
+        lowest = self.lowest(seen, first_real).view(-1, *([1] * (positions.dim() - 1)))
+        positions.masked_fill_(positions < lowest, -1)
+
+    def visible(self, positions: torch.Tensor, queries: torch.Tensor, first_real: torch.Tensor) -> torch.Tensor | None:
+        """bool ``[batch, kv_heads, n, keys]``: which held ``positions`` (int ``[batch, kv_heads, keys]``) each of
+        the ``n`` queries (int64 positions ``[n]``) sees; ``None`` for full attention (all of them)."""
+        if not self.windowed:
+            return None
+        lowest = self.lowest(queries, first_real)  # [batch, n]
+        return positions.unsqueeze(2) >= lowest[:, None, :, None]
+
+
+def layer_spans(config, num_layers: int) -> list[LayerSpan]:
+    """One :class:`LayerSpan` per layer of a transformers ``config`` (its text config for a multimodal model).
+
+    Raises:
+        UnsupportedModelError: a layer type that is not softmax attention over the layer's own keys (Mamba /
+            linear / conv hybrids, KV shared between layers, indexed attention), or a model keeping a cache of its
+            own; one line naming the model type and the layer type.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = getattr(config, "get_text_config", lambda: config)()
+    model_type = getattr(config, "model_type", type(config).__name__)
+    try:
+        types, kwargs = get_layer_types_and_kwargs(config)
+    except Exception as error:  # noqa: BLE001 - a config transformers cannot read layer types from
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: its layer types cannot be read ({type(error).__name__}: {error}); "
+            "supported: decoders whose layers are full, sliding-window or chunked softmax attention"
+        ) from None
+    unsupported = sorted({t for t in types if t not in _KINDS})
+    if unsupported:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has layers of type {', '.join(unsupported)} (state that is not a KV cache of "
+            "its own keys: Mamba/linear/conv layers, KV shared between layers, indexed attention); h2o-compress "
+            "compresses full, sliding-window and chunked attention layers only"
+        )
+    if len(types) != num_layers:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} declares {len(types)} layer types for {num_layers} layers; h2o-compress "
+            "needs one per layer"
+        )
+    spans = []
+    for kind, extra in zip(types, kwargs):
+        size = extra.get("sliding_window") if kind != "full_attention" else None
+        if kind != "full_attention" and (not isinstance(size, int) or size < 1):
+            raise UnsupportedModelError(f"model type {model_type!r}: a {kind} layer without a window size ({size!r})")
+        spans.append(LayerSpan(_KINDS[kind], size))
+    return spans
