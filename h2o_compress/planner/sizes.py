@@ -6,12 +6,14 @@ estimate of the largest forward pass, plus the Triton op's scratch and a compile
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ..attention.launch import decode_scratch_bytes, launch_for
 from ..cache import build_layers
+from ..cache.layer import FULL_SPAN
 from ..config import CompressionConfig
 from ..errors import ConfigError, short
 from ..models import ModelDims
@@ -105,11 +107,17 @@ def cache_bytes(
     sizes = {name: 0 for name, _ in _CATEGORIES}
     # every layer alike: size one, count it num_layers times ("global" spreads the same total by the scores, and a
     # layer's bytes are affine in its capacity, so the total is uniform's)
+    # a sliding or chunked layer holds at most its window (cache/span.py): one layer sized per distinct span
     if config.layer_budgets in ("uniform", "global"):
-        layers, repeat = build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length), dims.num_layers
+        spans = Counter(dims.spans or (FULL_SPAN,) * dims.num_layers)
+        layers = [build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length, spans=(span,))[0]
+                  for span in spans]
+        repeats = list(spans.values())
     else:
-        layers, repeat = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length), 1
-    for layer in layers:
+        layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
+                              spans=dims.spans)
+        repeats = [1] * len(layers)
+    for layer, repeat in zip(layers, repeats):
         layer.lazy_initialization(empty, empty)
         for name, tensor in layer.tensors().items():
             category = next(c for c, keys in _CATEGORIES if any(name.endswith(k) or name == k for k in keys))
