@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from h2o_compress import ASK_DEFAULTS, CompressionConfig, ConfigError, InputError, ask, compress, make_cache
 from h2o_compress.ask import SEPARATOR, CompressedContext
+from h2o_compress.cache.container import frozen_layer
 from h2o_compress.cli import app
 from h2o_compress.generation import encode_prompt
 from h2o_compress.evaluation import default_corpus
@@ -432,7 +433,7 @@ def test_bad_inputs_of_compress_then_ask_are_refused():
     model, tokenizer = tiny_lm()
     empty = make_cache(model, CompressionConfig(budget=0.25, kv_bits=4), max_length=40)
     with pytest.raises(CacheStateError, match="initialised layer"):
-        empty.layers[0].frozen_copy(10)
+        frozen_layer(empty.layers[0], 10)
     context = compress(model, tokenizer, CONTEXT[:300], chat=False)
     with pytest.raises(CacheStateError, match="below the"):
         context.cache.frozen_copy(context.tokens - 1)

@@ -10,7 +10,7 @@ from conftest import TINY_MODELS, tiny_llama
 from transformers import DynamicCache
 
 from h2o_compress import CacheStateError, CompressionConfig, InputError, make_cache
-from h2o_compress.cache import CompressedLayer, chunk
+from h2o_compress.cache import CompressedLayer, backends, chunk
 from h2o_compress.policies import POLICIES, H2OPolicy, LocalPolicy
 from h2o_compress.formats import IntQuantizer, NoQuantizer
 
@@ -251,7 +251,9 @@ def test_decode_step_keeps_its_buffers_and_the_tokens_of_the_chunk_rule(policy, 
 
     def run(decode_path: bool):
         if not decode_path:
-            monkeypatch.setattr(CompressedLayer, "_decode_update", lambda self, k, v: chunk.update(self, k, v))
+            for backend in (backends.TorchDecode, backends.CpuDecode):  # a one-token step as a chunk
+                monkeypatch.setattr(backend, "update",
+                                    lambda self, layer, k, v: chunk.update(layer, *layer.geometry.to_storage(k, v)))
         cache = make_cache(model, CompressionConfig(policy=policy, budget=20, kv_bits=kv_bits, residual=2))
         logits = [model(input_ids=prompt, past_key_values=cache).logits[:, -1]]
         buffers = {name: t.data_ptr() for name, t in cache.layers[0].tensors().items()}

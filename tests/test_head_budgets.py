@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
-from h2o_compress.cache import CompressedLayer, HeadAdaptiveLayer
+from h2o_compress.cache import CompressedLayer
 from h2o_compress.cli import app
 from h2o_compress.compiled import decode_step
 from h2o_compress.models import model_dims
@@ -33,7 +33,7 @@ def test_budget_at_the_length_equals_dynamic_cache(arch):
     with torch.inference_mode():
         reference, _, _, _ = run(model, None, decode_step, cache=DynamicCache(config=model.config))
         ours, cache, _, _ = run(model, adaptive(budget=PROMPT + STEPS, attention_kernel="torch"), decode_step)
-    assert all(isinstance(layer, HeadAdaptiveLayer) for layer in cache.layers)
+    assert all(layer.setting.head_adaptive for layer in cache.layers)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
 
 
@@ -93,7 +93,7 @@ def test_decode_eviction_takes_the_lowest_over_every_head():
     model, cache = prefill_with_pattern("adaptive")
     layer = cache.layers[0]
     seen_before_eviction = {}
-    evict = layer._evict
+    evict = layer.evict
 
     def spy():
         positions = layer.store.head_positions().long()
@@ -102,7 +102,7 @@ def test_decode_eviction_takes_the_lowest_over_every_head():
                                         for h in range(2) for s in range(positions.shape[2]) if positions[0, h, s] >= 0]
         evict()
 
-    layer._evict = spy
+    layer.evict = spy
     with torch.inference_mode():
         model(input_ids=torch.tensor([[5]]), past_key_values=cache)
     held = seen_before_eviction["held"]
@@ -146,7 +146,7 @@ def test_compiled_decode_matches_eager(policy, bits, kernel):
     assert graphs <= 2 and after == before
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     for layer in cache.layers:
-        assert isinstance(layer, HeadAdaptiveLayer) and layer.native == (kernel == "auto" and cpu.library() is not None)
+        assert layer.setting.head_adaptive and (layer.decode_kernel == "cpu") == (kernel == "auto" and cpu.library() is not None)
         assert layer.kept_per_head().sum(-1).tolist() == [2 * 12, 2 * 12]
     cache.check()
 
@@ -181,12 +181,12 @@ def test_frozen_copy_and_save_load_roundtrip(tmp_path):
         mine = {k: v.clone() for k, v in cache.layers[0].tensors().items()}
         out = model(input_ids=ids[:, 30:], past_key_values=frozen).logits
     assert torch.isfinite(out).all()
-    assert all(isinstance(layer, HeadAdaptiveLayer) and layer.capacity is None for layer in frozen.layers)
+    assert all(layer.setting.head_adaptive and layer.capacity is None for layer in frozen.layers)
     assert all(torch.equal(mine[k], v) for k, v in cache.layers[0].tensors().items())  # context not mutated
     assert torch.equal(frozen.layers[0].kept_per_head(), cache.layers[0].kept_per_head() + 10)
     cache.save(tmp_path / "c.safetensors")
     loaded = type(cache).load(tmp_path / "c.safetensors", model)
-    assert isinstance(loaded.layers[0], HeadAdaptiveLayer) and loaded.config.head_budgets == "adaptive"
+    assert loaded.layers[0].setting.head_adaptive and loaded.config.head_budgets == "adaptive"
     for a, b in zip(cache.layers, loaded.layers):
         assert torch.equal(a.positions(), b.positions())
         assert all(torch.equal(t, b.tensors()[k]) for k, t in a.tensors().items())
@@ -206,7 +206,7 @@ def test_config_refuses_what_cannot_share():
     assert CompressionConfig(policy="full", head_budgets="adaptive").capacity(10) is None  # nothing to share
     pyramid = CompressionConfig(budget=20, head_budgets="adaptive", layer_budgets="pyramid")
     layers = make_cache(tiny_llama(layers=4), pyramid, max_length=80).layers
-    assert all(isinstance(layer, HeadAdaptiveLayer) for layer in layers)
+    assert all(layer.setting.head_adaptive for layer in layers)
     assert [layer.capacity for layer in layers] == pyramid.layer_capacities(20, 4)
     unbounded = make_cache(tiny_llama(), adaptive(budget=1.0), max_length=80).layers
     assert all(type(layer) is CompressedLayer for layer in unbounded)
@@ -263,7 +263,7 @@ def test_planner_counts_the_pool_to_the_byte(case):
         cache = run_cache(model, config, batch, prompt, new)
     guess = predicted(model, config, batch, prompt, new)
     layer = cache.layers[0]
-    assert isinstance(layer, HeadAdaptiveLayer)
+    assert layer.setting.head_adaptive
     assert guess.total == cache.nbytes() == cache.storage_nbytes()
     assert guess.slots == layer.store.slots == 2 * (layer.capacity - layer.residual + 1)
     held = torch.stack([layer.kept_per_head().sum(-1) for layer in cache.layers])
@@ -292,7 +292,7 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
     spread = []
     for layer, layer_scores in zip(context.cache.layers, scores):
-        assert isinstance(layer, HeadAdaptiveLayer)
+        assert layer.setting.head_adaptive
         ranked = sorted(((float(layer_scores[0, h, p]), -p, -h) for h in range(2) for p in range(ids.shape[1])
                          if p not in recent), reverse=True)[: 2 * heavy]
         kept = layer.positions()[0]

@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressedCache, CompressionConfig, ConfigError, make_cache
 from h2o_compress.cache import CompressedLayer
-from h2o_compress.cache.mixed import AdaptiveMixedPrecisionLayer, MixedPrecisionLayer
 from h2o_compress.cache.refinement import RefinedPlanes
 from h2o_compress.cli import app
 from h2o_compress.compiled import decode_step
@@ -129,8 +128,8 @@ def test_refined_tokens_after_prefill_are_the_policy_top(model):
     with torch.inference_mode():
         model(input_ids=torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
     for layer in cache.layers:
-        assert isinstance(layer, MixedPrecisionLayer)
-        rows = layer.refined_rows()
+        assert layer.setting.high_bits_fraction > 0
+        rows = layer.refine.slots.shape[2]
         assert rows == math.ceil(0.25 * layer.store.slots)
         scores = layer.store.scores.masked_fill(layer.store.positions < 0, float("-inf"))
         top = scores.topk(rows, -1).indices.sort(-1).values
@@ -182,7 +181,7 @@ def test_compiled_decode_matches_eager(model, policy, heads):
         eager, _ = run(model, config)
         ours, cache = run(model, config, step=compiled)
     assert counter.frame_count <= 2
-    assert not any(layer.native or layer.fused for layer in cache.layers)
+    assert not any((layer.decode_kernel == "cpu") or (layer.decode_kernel == "triton") for layer in cache.layers)
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     assert cache.kept_length() == CAPACITY
 
@@ -208,7 +207,7 @@ def test_frozen_copy_keeps_the_refined_tokens_and_leaves_the_context_alone(model
     frozen = cache.frozen_copy(PROMPT + 6 + 5)
     for layer, copy in zip(cache.layers, frozen.layers):
         rows = layer.refine.slots.shape[2]
-        assert isinstance(copy, MixedPrecisionLayer)
+        assert copy.setting.high_bits_fraction > 0
         assert torch.equal(copy.refine.slots[..., :rows], layer.refine.slots)
         assert torch.equal(copy.refine.low["keys"][..., :rows, :], layer.refine.low["keys"])
     with torch.inference_mode():
@@ -328,11 +327,11 @@ def chunked_logits(model, config, chunk=4, length=44):
     for start in range(0, length, chunk):
         out.append(model(input_ids=ids[:, start : start + chunk], past_key_values=cache).logits)
         for layer in cache.layers if isinstance(cache, CompressedCache) else ():
-            if isinstance(layer, MixedPrecisionLayer):
+            if layer.setting.high_bits_fraction > 0:
                 used = layer.refine.in_use(layer.store.positions)
                 slots = layer.refine.slots.long().masked_fill(~used, -1).sort(-1).values
                 assert not bool(((slots[..., 1:] == slots[..., :-1]) & (slots[..., 1:] >= 0)).any())
-                assert int(used.sum(-1).max()) <= layer.refined_rows()
+                assert int(used.sum(-1).max()) <= layer.refine.slots.shape[2]
     return torch.cat(out, 1)
 
 
@@ -353,7 +352,7 @@ def test_pyramid_layer_budgets_count_each_layer(model):
     config = CompressionConfig(policy="h2o", budget=0.5, kv_bits=4, residual=2, high_bits_fraction=0.5,
                                layer_budgets="pyramid")
     _, cache = run(model, config)
-    assert len({layer.refined_rows() for layer in cache.layers}) == 2  # each layer its own share of its own slots
+    assert len({layer.refine.slots.shape[2] for layer in cache.layers}) == 2  # each layer its own share of its own slots
     dims = model_dims(model.config)
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
 
@@ -385,7 +384,7 @@ def test_compress_then_ask_twice_gives_the_same_answer(tmp_path, policy, heads):
     model, tokenizer = load_model(save_tiny_model_dir(tmp_path / "tiny"), device="cpu")
     config = CompressionConfig(policy=policy, budget=0.3, kv_bits=4, high_bits_fraction=0.5, head_budgets=heads)
     context = compress(model, tokenizer, " ".join(f"w{i % 100}" for i in range(80)), config, chat=False)
-    assert all(isinstance(layer, MixedPrecisionLayer) for layer in context.cache.layers)
+    assert all(layer.setting.high_bits_fraction > 0 for layer in context.cache.layers)
     before = {k: t.clone() for k, t in context.cache.layers[0].tensors().items()}
     first, second = (ask(model, tokenizer, context, "w1 w2", max_new_tokens=5) for _ in range(2))
     assert first.text == second.text
@@ -400,7 +399,7 @@ def test_head_adaptive_layers_share_the_8bit_rows_and_the_planner_counts_them(mo
     _, cache = run(model, config)
     _, plain = run(model, CompressionConfig(policy="h2o", budget=CAPACITY, kv_bits=4, residual=2, head_budgets="adaptive"))
     layer, dims = cache.layers[0], model_dims(model.config)
-    assert isinstance(layer, AdaptiveMixedPrecisionLayer) and layer.refine.slots.shape[1] == 1
+    assert (layer.setting.head_adaptive and layer.refine is not None) and layer.refine.slots.shape[1] == 1
     assert layer.store.slots == dims.kv_heads * (CAPACITY - 2 + 1)  # the pool: kv_heads x the uniform slots
     rows = dims.kv_heads * math.ceil(0.5 * (CAPACITY - 2 + 1))
     assert layer.refine.slots.shape[2] == rows
@@ -424,7 +423,7 @@ def test_spread_rows_keep_the_uniform_total_within_each_layer():
     layers' count (what the planner counts)."""
     import random
 
-    from h2o_compress.cache.mixed import spread_refined_rows
+    from h2o_compress.cache.refinement import spread_refined_rows
 
     rng = random.Random(0)
     for _ in range(300):

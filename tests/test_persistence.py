@@ -164,12 +164,13 @@ def test_every_layer_tensor_is_persisted(model):
     with torch.no_grad():
         model(input_ids=prompt_ids(length=12), attention_mask=mask, past_key_values=cache)
     layer = cache.layers[0]
-    holders = [vars(layer), vars(layer.store), vars(layer.ring)]
+    holders = [vars(layer), vars(layer.store), vars(layer.ring), vars(layer.counters), vars(layer.geometry),
+               vars(layer.backend)]
     held = {id(v) for holder in holders for v in holder.values() if isinstance(v, torch.Tensor)}
     held |= {id(t) for holder in (layer.store.keys, layer.store.values) for t in holder.parts.values()}
     declared = {id(t) for t in layer.tensors().values()}
     derived = {id(getattr(layer, name)) for name in DERIVED_LAYER_TENSORS}
-    transient = {id(layer.decode_valid)}
+    transient = {id(getattr(layer.backend, "valid", None))}
     assert held - declared - derived - transient == set()
     assert {"store.positions", "store.scores", "ring.keys", "ring.positions", "first_real", "seen"} <= set(layer.tensors())
 

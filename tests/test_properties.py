@@ -130,7 +130,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
         withdraw(0)
         layer.awaiting_attention = False
         if count == 1:  # decode step: store slots then ring slots, validity from the slots
-            positions = slot_positions(layer, seen + 1).masked_fill(~layer.decode_valid, -1)
+            positions = slot_positions(layer, seen + 1).masked_fill(~layer.backend.valid, -1)
         else:  # chunk: store slots, ring oldest first, then the chunk
             held = layer.store.positions.long()
             if layer.ring is not None:
@@ -149,7 +149,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
             ref_scores.scatter_add_(2, positions.clamp(min=0), sums)
         if count == 1:
             decode_step.add_scores(layer, sums)
-            layer._evict()
+            layer.evict()
         else:
             pending, layer.chunk = layer.chunk, None
             chunk.settle(layer, pending, torch.ones(batch, count, dtype=torch.bool), sums)

@@ -183,7 +183,7 @@ def _(q, *args, **kwargs):
 
 def evicts(layer) -> bool:
     """Whether the kernel evicts for ``layer`` (per-head slots and a policy ranking by nothing or by its scores);
-    else the caller does (:meth:`CompressedLayer._evict`): a policy with its own ranking, or a head-adaptive pool,
+    else the caller does (:meth:`CompressedLayer.evict`): a policy with its own ranking, or a head-adaptive pool,
     whose eviction ranks over every head of the layer."""
     return layer.capacity is not None and layer.policy.ranks_by != "custom" and _owner(layer) is None
 

@@ -434,30 +434,31 @@ def layer_scratch(layer, q_heads: int) -> DecodeScratch:
     """The :class:`DecodeScratch` of ``layer`` (a :class:`~h2o_compress.cache.layer.CompressedLayer` whose decode
     steps run this op) for ``q_heads`` query heads, allocated once per shape (batch, slots) with the split plan of
     that shape and the launch of its storage width (:func:`~h2o_compress.attention.launch.launch_for`), kept as
-    ``layer.scratch``. Eager steps allocate it (at the prefill, or the first decode step); a compiled step finds
+    ``layer.backend.scratch``. Eager steps allocate it (at the prefill, or the first decode step); a compiled step finds
     it."""
     ring = 0 if layer.ring is None else layer.ring.size
     key = (layer.batch, q_heads, layer.store.slots + ring, layer.with_scores)
-    if layer.scratch is None or layer.scratch.key != key:
+    backend = layer.backend
+    if backend.scratch is None or backend.scratch.key != key:
         plan = plan_splits(
             layer.batch, layer.kv_heads, layer.store.slots, ring, device=layer.device,
             launch=launch_for(layer.key_quantizer.bits, layer.value_quantizer.bits),
         )
-        layer.scratch = DecodeScratch(
+        backend.scratch = DecodeScratch(
             plan, layer.batch, q_heads, layer.head_dim, layer.store.slots + ring, layer.with_scores, layer.device
         )
-    return layer.scratch
+    return backend.scratch
 
 
 def decode_layer(layer, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """The attention and score update of one decode step of ``layer`` in this op (two launches, no host sync),
-    after the layer wrote the new token into its ring and the leaving one into the store (``layer.leaving``:
+    after the layer wrote the new token into its ring and the leaving one into the store (``layer.backend.leaving``:
     that token's keys and values ``[batch, kv_heads, 1, head_dim]`` at full precision and its int64 slot ``[batch,
     kv_heads, 1]``, consumed here). ``query`` ``[batch, q_heads, 1, head_dim]`` in the model's basis (the op
     rotates it into the keys' basis in its first launch and the output back from the values' basis in its
     second); ``scaling`` ``None`` for ``head_dim ** -0.5``. Returns ``[batch, q_heads, 1, head_dim]`` in the
     model's basis. Eviction stays with the layer (the policy's priority, in torch)."""
-    (keys, values, slot), layer.leaving = layer.leaving, None
+    (keys, values, slot), layer.backend.leaving = layer.backend.leaving, None
     batch, q_heads, _, head_dim = query.shape
     kv_heads, store, ring = layer.kv_heads, layer.store, layer.ring
     scratch = layer_scratch(layer, q_heads)

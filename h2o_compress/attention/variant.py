@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UnsupportedModelError
+
 
 @dataclass(frozen=True)
 class AttentionVariant:
@@ -29,11 +31,21 @@ class AttentionVariant:
     sinks: torch.Tensor | None = None
 
     @classmethod
-    def from_call(cls, kwargs: dict) -> "AttentionVariant | None":
-        """The variant in an attention call's keyword arguments (popped: SDPA refuses them), or ``None``."""
+    def from_call(cls, kwargs: dict, kernel: str = "torch", layer_idx: int = 0) -> "AttentionVariant | None":
+        """The variant in an attention call's keyword arguments (popped: SDPA refuses them), or ``None``.
+
+        Raises:
+            UnsupportedModelError: a variant for a layer whose decode ``kernel`` (``"cpu"``, ``"triton"``) does not
+                run it (:func:`h2o_compress.make_cache` picks the torch form for such models).
+        """
         softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
         if softcap is None and sinks is None:
             return None
+        if kernel != "torch":
+            raise UnsupportedModelError(
+                f"layer {layer_idx}: this model's attention has a soft-cap or sink logits, which the {kernel} decode "
+                "kernel does not run; build the cache with h2o_compress.make_cache(model, ...), which picks the torch "
+                "form for such layers")
         return cls(softcap, sinks)
 
 

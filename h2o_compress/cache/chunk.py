@@ -6,10 +6,10 @@ followed by the chunk. :func:`attend` runs SDPA over them with a mask from the s
 causal + padding mask of the chunk, sums the probabilities each held and new token received (the policy's
 :meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores`), and :func:`settle` keeps the top ``capacity`` by the
 policy's priority, then lays the survivors out: the newest ``residual`` in the ring, the older ones quantized once
-into empty slots (the layer's ``_store_incoming``). The store's per-head methods (:class:`~h2o_compress.cache.slots.SlotStore`
-and the head-adaptive :class:`~h2o_compress.cache.slot_pool.SlotPool`: ``head_positions``, ``head_scores``,
-``keep``, ``settle``) and the layer's hooks (``_held_store``, ``_store_incoming``) let head-adaptive and
-mixed-precision layers share this code.
+into empty slots (the store's :meth:`~h2o_compress.cache.slots.SlotStore.place_tokens`). The store's methods
+(:class:`~h2o_compress.cache.slots.SlotStore` and the head-adaptive :class:`~h2o_compress.cache.slot_pool.SlotPool`:
+``held``, ``head_positions``, ``head_scores``, ``keep``, ``settle``, ``place_tokens``) let head-adaptive and
+mixed-precision stores share this code.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ import torch
 
 from ..attention.interface import masked_attention
 from ..policies.base import NO_POSITION as NO_REAL_TOKEN
+from ..errors import CacheStateError
 from .decode import per_kv_head
+from .refinement import stored_rank
+from .ring import held_positions
+from .setting import GROWTH
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,10 +34,10 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     seen = int(layer.seen)
     layer.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
     if layer.growable:
-        layer.grown_to = seen + keys.shape[2]
+        layer.counters.grown_to = seen + keys.shape[2]
     if not layer.chunk["held"]:
         return keys.to(layer.dtype), values.to(layer.dtype)
-    held_keys, held_values = layer._held_store()
+    held_keys, held_values = layer.store.held(layer.dtype, layer.kv_heads)
     parts_k, parts_v = [held_keys], [held_values]
     if layer.ring is not None:
         order = layer.ring.order(seen)
@@ -56,7 +60,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
 
     chunk, layer.chunk = layer.chunk, None
     n, batch = query.shape[2], query.shape[0]
-    if layer.fused:  # the decode steps' scratch, allocated eagerly before a compiled step needs it
+    if layer.decode_kernel == "triton":  # the decode steps' scratch, allocated eagerly before a compiled step needs it
         from ..attention import slot_attention
 
         slot_attention.layer_scratch(layer, query.shape[1])
@@ -77,13 +81,11 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         new_block = (own.unsqueeze(1) if new_block is None else new_block & own.unsqueeze(1)) | eye
     mask = new_block
     if chunk["held"]:
-        held_positions = layer.store.head_positions()
-        if layer.ring is not None:
-            ring_positions = layer.ring.positions.index_select(1, layer.ring.order(seen))
-            held_positions = torch.cat((held_positions, ring_positions.unsqueeze(1).expand(-1, layer.kv_heads, -1)), 2)
-        held_valid = (held_positions >= 0).unsqueeze(2).expand(-1, -1, n, -1)
+        order = None if layer.ring is None else layer.ring.order(seen)
+        held = held_positions(layer.store, layer.ring, layer.kv_heads, order)
+        held_valid = (held >= 0).unsqueeze(2).expand(-1, -1, n, -1)
         if span.windowed:
-            held_valid = held_valid & span.visible(held_positions, queries, first_real)
+            held_valid = held_valid & span.visible(held, queries, first_real)
         causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
         mask = torch.cat((held_valid, causal.expand(batch, layer.kv_heads, n, n)), dim=3)
     if variant is None:
@@ -148,6 +150,20 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
             tail_keys[:, :, -size:], tail_values[:, :, -size:], ring_positions,
             None if tail_scores is None else tail_scores[..., -size:], seen,
         )
-    layer._store_incoming(keep[..., slots : slots + n], tail_keys[:, :, :n], tail_values[:, :, :n],
-                         tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n])
+    layer.store.place_tokens(keep[..., slots : slots + n], tail_keys[:, :, :n], tail_values[:, :, :n],
+                             tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n],
+                             lambda: stored_rank(layer.policy, layer.store, layer.seen), lambda n: make_room(layer, n))
     layer.seen.fill_(seen)
+
+
+def make_room(layer, tokens: int) -> None:
+    """A chunk brings ``tokens`` more than a row of the store has room for: an unbounded cache of unknown length
+    grows (eager only).
+
+    Raises:
+        CacheStateError: any other cache (it was built for fewer tokens).
+    """
+    if not layer.growable:
+        raise CacheStateError(f"layer {layer.layer_idx}: more tokens than the cache was built for (max_length="
+                              f"{layer.max_tokens}); build the cache with the full length (prompt + new tokens)")
+    layer.store.resize(layer.store.slots + tokens + GROWTH)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache
 
 from ..config import CompressionConfig
 from ..errors import CacheStateError, InputError
 from ..formats import make_quantizer
-from .head_adaptive_layer import HeadAdaptiveLayer
 from .layer import FULL_SPAN, CompressedLayer
+from .refinement import spread_refined_rows
+from .setting import LayerSetting
 from .span import LayerSpan
-from .mixed import AdaptiveMixedPrecisionLayer, MixedPrecisionLayer, spread_refined_rows
 
 
 class CompressedCache(Cache):
@@ -59,10 +61,10 @@ class CompressedCache(Cache):
             reference = self.layers[0].seen
             if reference.device != layer.device:
                 reference = reference.to(layer.device, non_blocking=True)
-            if layer.native:  # the CPU kernel sets the flag itself
-                layer.reference_seen = reference
+            if layer.decode_kernel == "cpu":  # the CPU kernel sets the flag itself
+                layer.backend.reference_seen = reference
             else:
-                layer.consistent &= layer.seen + 1 == reference
+                layer.counters.consistent &= layer.seen + 1 == reference
         if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
             self.check()
             seen = {int(layer.seen) for layer in self.layers if layer.is_initialized}
@@ -171,7 +173,7 @@ class CompressedCache(Cache):
         if extra < 0:
             raise CacheStateError(f"max_length={max_length} is below the {self.seen_tokens()} tokens this cache has seen")
         copy = CompressedCache(
-            [layer.frozen_copy(extra) for layer in self.layers], self.config, self.model_id, capacity=None
+            [frozen_layer(layer, extra) for layer in self.layers], self.config, self.model_id, capacity=None
         )
         for name in ("model_fingerprint", "prompt_state"):
             if hasattr(self, name):
@@ -193,20 +195,15 @@ class CompressedCache(Cache):
         return load_cache(path, model, config=config)
 
 
-# (head_budgets == "adaptive" and the layer evicts, high_bits_fraction > 0) -> the layer class
-LAYER_TYPES = {(False, False): CompressedLayer, (True, False): HeadAdaptiveLayer,
-               (False, True): MixedPrecisionLayer, (True, True): AdaptiveMixedPrecisionLayer}
-
-
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
     capacities: list[int] | None = None, spans: tuple[LayerSpan, ...] = (), torch_decode: str | None = None,
 ) -> list[CompressedLayer]:
     """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
-    per layer on average); a :class:`HeadAdaptiveLayer` where ``config.head_budgets == "adaptive"`` and the layer
-    evicts (an unbounded layer keeps everything, so the heads have nothing to share); their mixed-precision forms
-    (:class:`MixedPrecisionLayer`, :class:`AdaptiveMixedPrecisionLayer`) where ``config.high_bits_fraction > 0``.
+    per layer on average); its store a head-adaptive pool where ``config.head_budgets == "adaptive"`` and the layer
+    evicts (an unbounded layer keeps everything, so the heads have nothing to share), with the low planes of its
+    top-ranked tokens where ``config.high_bits_fraction > 0`` (:mod:`.refinement`).
     Layer ``i`` attends over ``spans[i]`` (:class:`~.span.LayerSpan`; ``()``: every layer full attention); sliding
     and chunked layers, and every layer where ``torch_decode`` gives a reason (a softmax the fast kernels do not
     run: soft-cap, sink logits, values of another head dim), decode in the torch form.
@@ -216,16 +213,13 @@ def build_layers(
     """
     if capacities is None:
         capacities = config.layer_capacities(capacity, num_layers)
-    mixed = config.high_bits_fraction > 0  # mixed precision by importance (cache/mixed.py)
-    own = {"high_bits_fraction": config.high_bits_fraction} if mixed else {}
+    mixed = config.high_bits_fraction > 0  # mixed precision by importance (cache/refinement.py)
     layers = []
     for idx in range(num_layers):
-        adaptive = config.head_budgets == "adaptive" and capacities[idx] is not None
-        kind = LAYER_TYPES[adaptive, mixed]
         span = spans[idx] if spans else FULL_SPAN
         kernel = "torch" if span.windowed or torch_decode else config.attention_kernel
         layers.append(
-            kind(
+            CompressedLayer(
                 idx,
                 config.eviction_policy(),
                 capacities[idx],
@@ -236,18 +230,42 @@ def build_layers(
                 attention_kernel=kernel,
                 max_tokens=max_tokens,
                 span=span,
-                **own,
+                head_adaptive=config.head_budgets == "adaptive" and capacities[idx] is not None,
+                high_bits_fraction=config.high_bits_fraction,
             )
         )
     if mixed and config.layer_budgets == "global" and capacity is not None:  # the planner counts uniform's rows
-        uniform = CompressedLayer(0, config.eviction_policy(), capacity, layers[0].key_quantizer,
-                                  layers[0].value_quantizer, residual=config.residual, max_tokens=max_tokens)
-        slots = [CompressedLayer.store_slots(layer) for layer in layers]  # a pool's slots per head
-        for layer, rows in zip(layers, spread_refined_rows(slots, config.high_bits_fraction, uniform.store_slots())):
-            layer.refined_per_head = rows
+        uniform = LayerSetting(config.eviction_policy(), capacity, layers[0].key_quantizer,
+                               layers[0].value_quantizer, residual=config.residual, max_tokens=max_tokens)
+        slots = [layer.setting.slots_per_head() for layer in layers]  # a pool's slots per head
+        rows = spread_refined_rows(slots, config.high_bits_fraction, uniform.slots_per_head())
+        for layer, per_head in zip(layers, rows):
+            layer.setting = dataclasses.replace(layer.setting, refined_per_head=per_head)
     for layer in layers:
         layer.num_layers = num_layers
     return layers
 
 
+def frozen_layer(layer: CompressedLayer, extra_tokens: int) -> CompressedLayer:
+    """A new layer holding ``layer``'s tokens (same slots, ring, positions, counters; copied, not shared) that
+    evicts nothing more (a sliding layer still forgets what leaves its window), with storage for
+    ``extra_tokens`` more tokens, no more (compress-then-ask: the question and the answer are added to a
+    compressed context, which stays as it is).
 
+    Raises:
+        CacheStateError: this layer holds nothing, or ``extra_tokens`` is negative.
+    """
+    if not layer.is_initialized or extra_tokens < 0:
+        raise CacheStateError(f"layer {layer.layer_idx}: a frozen copy needs an initialised layer and "
+                              "extra_tokens >= 0")
+    max_tokens = layer.store.slots_per_head + layer.residual + extra_tokens  # unbounded, of known size
+    copy = CompressedLayer(layer.layer_idx, **layer.setting.arguments(capacity=None, max_tokens=max_tokens))
+    copy.num_layers = layer.num_layers
+    empty = torch.empty(layer.batch, layer.kv_heads, 0, layer.head_dim, dtype=layer.dtype, device=layer.device)
+    copy.lazy_initialization(empty, empty)
+    mine = layer.tensors()
+    for name, target in copy.tensors().items():  # scores are not copied: nothing is evicted any more
+        if name in mine:  # the store's first `slots` slots; the rest stay empty (position -1)
+            source = mine[name]
+            (target if target.shape == source.shape else target.narrow(2, 0, source.shape[2])).copy_(source)
+    return copy

@@ -1,14 +1,15 @@
 """The one-token step of a :class:`~h2o_compress.cache.layer.CompressedLayer` in torch form (DESIGN.md §2 and §5),
 as :mod:`.chunk` is its multi-token step: static shapes, no host sync and no allocation of cache storage, so
-``torch.compile(fullgraph=True)`` captures it.
+``torch.compile(fullgraph=True)`` captures it. Read top to bottom, a step is:
 
-:func:`update` takes the new token: into the ring, the ring's oldest token into the first empty slot of the store
-(quantized once), and returns what attention reads, ``[batch, kv_heads, slots + residual, head_dim]``, with its
-validity in ``layer.decode_valid``. :func:`attend` runs the attention over it, adds the probabilities to the
-scores (:func:`add_scores`) and evicts (the layer's ``_evict``). The Triton op replaces the attention and the
-scores (it reads the store in place: :func:`update` then returns early), the CPU kernel the whole step.
-Head-adaptive layers write the pool with their own ``_decode_update`` and reach the same :func:`attend`; the
-mixed-precision hooks (``_quantize_incoming``, ``_after_insert``, ``_refine_read``) are the layer's.
+1. :func:`update`: the new token into the ring, the ring's oldest token into the store (quantized once, the
+   store's :meth:`~.slots.SlotStore.enter`: the lowest empty slot of its head, or of the head-adaptive pool);
+2. :func:`read`: what attention reads, ``[batch, kv_heads, slots + residual, head_dim]``, and its validity;
+3. :func:`attend`: the attention over it, the probabilities added to the scores (:func:`add_scores`), then the
+   layer's eviction (tokens outside a sliding window or chunk first, then the lowest priority over capacity).
+
+The Triton op replaces steps 2 and 3's attention (it reads the store in place), the CPU kernel the whole step
+(:mod:`.backends`).
 """
 
 from __future__ import annotations
@@ -16,40 +17,48 @@ from __future__ import annotations
 import torch
 
 from ..attention import decode_attention
+from .refinement import stored_rank
+from .setting import GROWTH
 
 
-def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Write one token, ``keys``/``values`` ``[batch, kv_heads, 1, head_dim]`` (in the layer's bases and residual
-    dtype), and return the keys and values attention reads, ``[batch, kv_heads, slots + residual, head_dim]`` in
-    the model dtype (a 16-bit store is read in place; the Triton op reads the store itself and gets the new token
-    back). No host sync (except the host counter of an unbounded cache of unknown length, eager only)."""
+    dtype). Returns the token that entered the store (the ring's oldest, or the new one without a ring) and its
+    slots, int64 ``[batch, rows, k]``. No host sync (except the host counter of an unbounded cache of unknown
+    length, eager only)."""
     position = layer.seen
-    layer._grow_for_token()
+    grow_for_token(layer)
     keys, values, leaving, score = ring_in(layer, keys, values)
-    slot = layer.store.first_free()
-    layer.store.insert(
-        slot, *layer._quantize_incoming(keys, values), leaving.unsqueeze(1).expand(-1, layer.kv_heads, -1), score,
-    )
-    layer._after_insert(slot)
+    slot = layer.store.enter(keys, values, leaving, score, lambda: stored_rank(layer.policy, layer.store, layer.seen))
     layer.first_real.clamp_(max=position)
     layer.seen.add_(1)
-    if layer.fused:  # the Triton op reads the store and ring in place: nothing is dequantized here
-        layer.leaving = (keys, values, slot)
-        return keys, values
-    if not layer.quantized:  # 16-bit: attention reads the store itself, no copy
-        keys, values = layer.store.dequantize(layer.key_quantizer, layer.value_quantizer, layer.dtype)
-        layer.decode_valid = layer.store.positions >= 0
-        return keys, values
-    index = slot.unsqueeze(-1).expand(-1, -1, -1, layer.head_dim)
-    ring_keys, ring_values = (None, None) if layer.ring is None else (layer.ring.keys, layer.ring.values)
-    keys = read(layer, "keys", layer.key_quantizer, layer.store.keys, ring_keys, keys, index)
-    values = read(layer, "values", layer.value_quantizer, layer.store.values, ring_values, values, index)
-    valid = layer.store.positions >= 0
-    if layer.ring is not None:
-        ring_valid = (layer.ring.positions >= 0).unsqueeze(1).expand(-1, layer.kv_heads, -1)
-        valid = torch.cat((valid, ring_valid), dim=2)
-    layer.decode_valid = valid
-    return keys, values
+    return keys, values, slot
+
+
+def grow_for_token(layer) -> None:
+    """Make room for one more token in an unbounded cache of unknown length (a host counter; eager only)."""
+    if layer.growable:
+        layer.counters.grown_to += 1
+        if layer.counters.grown_to - layer.residual >= layer.store.slots:
+            layer.store.resize(layer.store.slots + GROWTH)
+
+
+def read(layer, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor):
+    """What attention reads after :func:`update`: ``(keys, values)`` ``[batch, kv_heads, slots + residual,
+    head_dim]`` in the model dtype (a 16-bit store is read in place; a quantized one dequantized once, the token
+    that just entered it at full precision, then the ring) and their validity, bool ``[batch, kv_heads, slots +
+    residual]``."""
+    store, ring, heads = layer.store, layer.ring, layer.kv_heads
+    valid = store.head_positions() >= 0
+    if not layer.quantized:  # 16-bit: the store itself (broadcast over a pool's heads), no copy
+        keys, values = store.held(layer.dtype, heads)
+        return keys, values, valid
+    keys = store.read("keys", None if ring is None else ring.keys, store.as_rows(keys), slot, layer.dtype, heads)
+    values = store.read("values", None if ring is None else ring.values, store.as_rows(values), slot, layer.dtype,
+                        heads)
+    if ring is not None:
+        valid = torch.cat((valid, ring.valid(heads)), dim=2)
+    return keys, values, valid
 
 
 def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
@@ -64,34 +73,15 @@ def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
     return keys, values, leaving, score
 
 
-def read(layer, name: str, quantizer, stored, ring, leaving, index) -> torch.Tensor:
-    """What attention reads of the ``name`` (``"keys"`` or ``"values"``) side, ``[batch, kv_heads, slots +
-    residual, head_dim]`` in the model dtype, built in one buffer: the store (``stored``) dequantized in place, the
-    token leaving the window (``leaving`` ``[batch, kv_heads, 1, head_dim]``) at full precision in its new slot
-    (``index``: its last step at full precision, as in a chunk), then the ``ring`` (or ``None``)."""
-    slots = layer.store.slots
-    size = 0 if ring is None else ring.shape[2]
-    out = torch.empty(layer.batch, layer.kv_heads, slots + size, layer.head_dim, dtype=layer.dtype,
-                      device=layer.device)
-    held = out[:, :, :slots]
-    quantizer.dequantize_into(stored, held)
-    layer._refine_read(name, held)
-    held.scatter_(2, index, leaving.to(layer.dtype))
-    if ring is not None:
-        out[:, :, slots:].copy_(ring)
-    return out
-
-
-def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None,
-           variant=None):
+def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+           scaling: float | None, variant=None):
     """Attention of one query per sequence, ``[batch, q_heads, 1, head_dim]`` (in the key basis), over what
-    :func:`update` returned, masked by ``layer.decode_valid``, with the layer's softmax ``variant``
+    :func:`read` returned, masked by ``valid``, with the layer's softmax ``variant``
     (:class:`~h2o_compress.attention.variant.AttentionVariant` or ``None``); then :func:`add_scores` and the
     eviction. Returns ``[batch, q_heads, 1, head_dim]`` (in the value basis)."""
-    output, sums = decode_attention(query, keys, values, layer.decode_valid, scaling, layer.with_scores, variant)
-    layer.decode_valid = None
+    output, sums = decode_attention(query, keys, values, valid, scaling, layer.with_scores, variant)
     add_scores(layer, sums)
-    layer._evict()
+    layer.evict()
     return output
 
 

@@ -7,9 +7,35 @@ which makes them 8-bit again. Per sequence and KV head, row ``r`` holds the low 
 was there when the row was given: evicting a token frees its low plane; a slot reused by a new token drops the
 stale row first. Demoting a token frees its row, nothing is re-quantized, and a token never regains its low plane.
 Fixed buffers, no host sync in a decode step (``torch.compile(fullgraph=True)`` captures it).
+
+Mixed precision by importance (the store's optional part), as MiKV keeps the important tokens' KV at higher precision and the rest at lower
+(Yang et al. 2024, "No Token Left Behind", arXiv 2402.18096), with the importance the eviction policy's own
+:meth:`~h2o_compress.policies.EvictionPolicy.rank` (H2O: accumulated attention; TOVA: the current query's).
+
+Every token entering the store is quantized once at 8 bits and split into two 4-bit planes
+(:class:`~h2o_compress.formats.split.SplitIntQuantizer`): the high plane goes into the slot store in the int4
+layout (an int4 token costs exactly what it costs in a plain int4 cache); ``ceil(high_bits_fraction x slots)``
+tokens per sequence and KV head also keep the low plane in a side buffer (:class:`RefinedPlanes`),
+which makes them 8-bit. Which ones:
+
+- a multi-token step (prefill, a chunk): the top ``rows`` by rank among the tokens refined before it and the
+  tokens it stores (ties keep the older);
+- a decode step: the token leaving the full-precision window takes a free row; when none is free, the
+  lowest-ranked refined token loses its low plane if the new one ranks above it (ties keep the refined one);
+- evicting a token frees its row. A token that lost its low plane never gets it back (it is not kept), and
+  nothing is ever re-quantized.
+
+Without scores (policies that keep none, or a frozen copy for compress-then-ask, which evicts nothing) every rank
+is equal: free rows go to tokens as they arrive. The decode step is the torch form (the CPU kernel and the Triton
+op do not read the side buffer) and still captures with ``torch.compile(fullgraph=True)``. The side buffer is
+reached through the store (:meth:`~.slots.SlotStore.enter`, :meth:`~.slots.SlotStore.place_tokens`,
+:meth:`~.slots.SlotStore.read`), so the same code runs on a head-adaptive pool; global layer budgets get their rows from
+:func:`spread_refined_rows`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -98,3 +124,37 @@ class RefinedPlanes:
         pairs = scale_zero.gather(2, rows[..., None, None].expand(-1, -1, -1, *scale_zero.shape[3:]))
         delta = quantizer.correction(self.low[name], pairs) * use.unsqueeze(-1)
         out.scatter_add_(2, rows.unsqueeze(-1).expand(-1, -1, -1, out.shape[-1]), delta.to(out.dtype))
+
+
+def refined_rows(fraction: float, per_head: int | None, store) -> int:
+    """Tokens kept at 8 bits per sequence and store row: ``ceil(fraction x slots per head)`` (or ``per_head``) per
+    KV head; a head-adaptive pool shares ``kv_heads x`` that."""
+    if per_head is None:
+        per_head = math.ceil(fraction * store.slots_per_head)
+    return per_head * (store.slots // store.slots_per_head)
+
+
+def stored_rank(policy, store, seen: torch.Tensor) -> torch.Tensor:
+    """The policy's rank of every stored token, fp32 ``[batch, rows, slots]`` (all equal without scores): which
+    tokens keep their low planes (MiKV, arXiv 2402.18096, with the eviction policy's own importance)."""
+    if store.scores is None and policy.needs_scores:
+        return torch.zeros(store.positions.shape, dtype=torch.float32, device=store.positions.device)
+    return policy.rank(store.scores, store.positions, seen).float()
+
+
+def spread_refined_rows(slots: list[int], fraction: float, uniform_slots: int) -> list[int]:
+    """8-bit rows per KV head for layers of ``slots`` store slots per head (``layer_budgets="global"``: sized by
+    the scores, so unknown to the planner), summing to ``len(slots) x ceil(fraction x uniform_slots)``, the
+    uniform layers' rows, which is what the planner counts: ``floor(fraction x slots)`` each, then one more row at a
+    time to the largest remainders (never more rows than slots)."""
+    rows = [min(s, math.floor(fraction * s)) for s in slots]
+    spare = len(slots) * math.ceil(fraction * uniform_slots) - sum(rows)
+    order = sorted(range(len(slots)), key=lambda i: rows[i] - fraction * slots[i])
+    while spare > 0:
+        growing = [i for i in order if rows[i] < slots[i]][:spare]
+        if not growing:
+            break
+        for i in growing:
+            rows[i] += 1
+        spare -= len(growing)
+    return rows

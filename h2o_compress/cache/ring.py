@@ -46,6 +46,11 @@ class RingWindow:
         if self.scores is not None:
             self.scores = fn(self.scores)
 
+    def valid(self, heads: int, order: torch.Tensor | None = None) -> torch.Tensor:
+        """bool ``[batch, heads, size]``: slots holding a token (in ``order`` of slots when given), per KV head."""
+        positions = self.positions if order is None else self.positions.index_select(1, order)
+        return (positions >= 0).unsqueeze(1).expand(-1, heads, -1)
+
     def push(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor):
         """Decode step: write one token (``[batch, kv_heads, 1, head_dim]`` at 0-dim int64 ``position``) into its
         slot and return the token it replaces: ``(keys, values, positions int32 [batch, 1], scores [batch,
@@ -76,3 +81,13 @@ class RingWindow:
         self.positions.index_copy_(1, slot, positions.to(torch.int32))
         if self.scores is not None:
             self.scores.index_copy_(2, slot, scores)
+
+
+def held_positions(store, ring: RingWindow | None, heads: int, order: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[batch, heads, slots + size]``: the position each slot of a layer's ``store`` (per KV head) and
+    ``ring`` (in ``order`` of slots when given, else as laid out; none without a ring) holds, ``-1`` where empty."""
+    held = store.head_positions().long()
+    if ring is None:
+        return held
+    positions = ring.positions if order is None else ring.positions.index_select(1, order)
+    return torch.cat((held, positions.long().unsqueeze(1).expand(-1, heads, -1)), dim=2)

@@ -94,12 +94,36 @@ class SlotPool(SlotStore):
         wanted = torch.arange(1, count + 1, device=free.device, dtype=torch.int32).view(1, count, 1)
         return (free & (rank == wanted)).to(torch.uint8).argmax(-1).unsqueeze(1)
 
-    def insert(self, slot, keys, values, position, score, owner: torch.Tensor | None = None) -> None:
-        """:meth:`SlotStore.insert` with head dim 1 (``slot`` int64 ``[batch, 1, n]``), also tagging each slot
-        with its head (``owner`` int ``[batch, 1, n]``)."""
-        super().insert(slot, keys, values, position, score)
-        if owner is not None:
-            self.owner.scatter_(2, slot, owner.to(self.owner.dtype))
+    def as_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-head tensor ``[batch, kv_heads, 1, ...]`` (one token per head) as the pool's one row: ``[batch, 1,
+        kv_heads, ...]``."""
+        return t.transpose(1, 2)
+
+    def free_for_heads(self, heads: int) -> torch.Tensor:
+        """int64 ``[batch, 1, heads]``: the ``heads`` lowest empty slots of each sequence (:meth:`free_slots`)."""
+        return self.free_slots(heads)
+
+    def enter(self, keys, values, position, score, rank) -> torch.Tensor:
+        """:meth:`SlotStore.enter` into the pool's lowest empty slots, each tagged with its head."""
+        slot = super().enter(keys, values, position, score, rank)
+        heads = torch.arange(self.heads, device=slot.device).view(1, 1, -1).expand(slot.shape[0], 1, -1)
+        self.owner.scatter_(2, slot, heads.to(self.owner.dtype))
+        return slot
+
+    def place_tokens(self, incoming, keys, values, positions, scores, rank, when_full):
+        """:meth:`SlotStore.place_tokens` over the pool seen as one row of ``kv_heads x n`` tokens, lowest free
+        slots first, each tagged with its head."""
+        batch, heads, n = incoming.shape
+
+        def one_row(t: torch.Tensor) -> torch.Tensor:  # [batch, kv_heads, n, ...] -> [batch, 1, kv_heads * n, ...]
+            return t.reshape(batch, 1, heads * n, *t.shape[3:])
+
+        placed = super().place_tokens(one_row(incoming), one_row(keys), one_row(values), positions.repeat(1, heads),
+                                      None if scores is None else one_row(scores), rank, when_full)
+        if placed is not None:
+            b, row, slot, j = placed
+            self.owner[b, row, slot] = (j // n).to(self.owner.dtype)
+        return placed
 
     def evict_over(self, priority: torch.Tensor, ring_held: torch.Tensor | int, capacity: int) -> None:
         """A decode step's eviction over the pool (Ada-KV §3): while a sequence holds more than ``kv_heads x

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import KVQuantizer, StoredTensor
+from ..formats.split import SplitIntQuantizer
 from ..policies.base import keep_top
 
 
@@ -22,6 +23,9 @@ class SlotStore:
         keys, values: :class:`StoredTensor` ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
         positions: int32 ``[batch, kv_heads, slots]``, the absolute position of each held token, ``-1`` = empty.
         scores: fp32 ``[batch, kv_heads, slots]`` accumulated attention, or ``None`` (policies without scores).
+        quantizers: the key and value formats tokens are stored in.
+        refine: the low planes of the top-ranked tokens (:class:`~.refinement.RefinedPlanes`, mixed precision by
+            importance), or ``None``; set by the layer once its rows are known.
 
     Args:
         key_quantizer, value_quantizer: storage formats.
@@ -41,6 +45,8 @@ class SlotStore:
         self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(probe), batch, heads, slots, device)
         self.positions = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
         self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
+        self.quantizers = (key_quantizer, value_quantizer)
+        self.refine = None
 
     @property
     def slots(self) -> int:
@@ -140,6 +146,102 @@ class SlotStore:
         held = (self.positions >= 0).sum(-1) + ring_held
         self.evict_lowest(priority.masked_fill(self.positions < 0, float("inf")), held > capacity)
 
+    # -- what the layer calls (the same on a SlotPool, whose heads share one row) -----------------------------
+    def as_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-head tensor ``[batch, kv_heads, 1, ...]`` (one token per head) in this store's rows: itself."""
+        return t
+
+    def free_for_heads(self, heads: int) -> torch.Tensor:
+        """int64 ``[batch, rows, k]``: where one token per KV head goes (each head's lowest empty slot)."""
+        return self.first_free()
+
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor):
+        """The stored forms of tokens entering the store (``[batch, rows, n, head_dim]``) and, with :attr:`refine`,
+        their low planes ``{name: uint8 [batch, rows, n, head_dim / 2]}`` (else ``{}``)."""
+        stored, low = [], {}
+        for name, x, quantizer in (("keys", keys, self.quantizers[0]), ("values", values, self.quantizers[1])):
+            if self.refine is not None and isinstance(quantizer, SplitIntQuantizer):
+                part, low[name] = quantizer.quantize_split(x)
+            else:
+                part = quantizer.quantize(x)
+            stored.append(part)
+        return stored[0], stored[1], low
+
+    def enter(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, score, rank) -> torch.Tensor:
+        """A decode step's writer: one token per KV head (``keys``/``values`` ``[batch, kv_heads, 1, head_dim]``,
+        int32 ``position`` ``[batch, 1]`` (``-1``: nothing enters), fp32 ``score`` ``[batch, kv_heads, 1]`` or
+        ``None``) into the lowest empty slot of its head, quantized once; with :attr:`refine`, each takes a low-plane
+        row by ``rank()`` (the policy's rank of every stored token). Returns the slots, int64 ``[batch, rows,
+        k]``. In place, no host sync."""
+        heads = keys.shape[1]
+        slot = self.free_for_heads(heads)
+        stored_keys, stored_values, low = self.quantize(self.as_rows(keys), self.as_rows(values))
+        positions = self.as_rows(position.unsqueeze(1).expand(-1, heads, -1).unsqueeze(-1)).squeeze(-1)
+        self.insert(slot, stored_keys, stored_values, positions,
+                    None if score is None else self.as_rows(score.unsqueeze(-1)).squeeze(-1))
+        if self.refine is not None:
+            ranked = rank()
+            for k in range(slot.shape[2]):
+                self.refine.admit_one(slot[..., k:k + 1], {n: t[:, :, k:k + 1] for n, t in low.items()}, ranked,
+                                      self.positions)
+        return slot
+
+    def place_tokens(self, incoming, keys, values, positions, scores, rank, when_full) -> tuple | None:
+        """A multi-token step's writer (eager): the kept tokens marked in bool ``incoming`` ``[batch, kv_heads,
+        n]`` (``keys``/``values`` ``[batch, kv_heads, n, head_dim]``, int ``positions`` ``[batch, n]``, fp32
+        ``scores`` ``[batch, kv_heads, n]`` or ``None``) quantized once into empty slots (:meth:`place`);
+        ``when_full(tokens)`` is called first where a row lacks room (it raises, or grows the store). With
+        :attr:`refine`, the top-``rank()`` tokens keep their low planes. Returns :meth:`place`'s ``(b, h, slot,
+        i)`` or ``None`` when nothing entered."""
+        refined = None if self.refine is None else self.refine.in_use(self.positions)
+        placed, low = None, {}
+        if bool(incoming.any()):
+            if bool((incoming.sum(-1) > (self.positions < 0).sum(-1)).any()):
+                when_full(int(incoming.sum(-1).max()))
+            stored_keys, stored_values, low = self.quantize(keys, values)
+            placed = self.place(incoming, stored_keys, stored_values, positions, scores)
+        if self.refine is not None:
+            self.refine.admit_many(refined, placed, low, rank(), self.positions)
+        return placed
+
+    def read(self, name: str, ring: torch.Tensor | None, leaving: torch.Tensor, slot: torch.Tensor,
+             dtype: torch.dtype, heads: int) -> torch.Tensor:
+        """What a decode step's attention reads of ``name`` (``keys``/``values``), ``[batch, heads, slots + ring,
+        head_dim]`` in ``dtype``: the store dequantized (the refined tokens at 8 bits), the token that just
+        entered at full precision in its ``slot`` (``leaving`` in this store's rows: its last step at full
+        precision, as in a chunk), broadcast over the heads of a pool, then the ``ring`` (or ``None``)."""
+        quantizer, stored = self.quantizers[name == "values"], getattr(self, name)
+        batch, rows, slots = self.positions.shape
+        size, head_dim = 0 if ring is None else ring.shape[2], leaving.shape[-1]
+        out = torch.empty(batch, heads if rows == heads else rows, slots + (size if rows == heads else 0), head_dim,
+                          dtype=dtype, device=self.positions.device)
+        held = out[:, :, :slots]
+        quantizer.dequantize_into(stored, held)
+        self.refine_read(name, held)
+        held.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, head_dim), leaving.to(dtype))
+        if rows != heads:
+            held = held.expand(-1, heads, -1, -1)
+            return held if ring is None else torch.cat((held, ring.to(dtype)), dim=2)
+        if ring is not None:
+            out[:, :, slots:].copy_(ring)
+        return out
+
+    def held(self, dtype: torch.dtype, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store's keys and values per KV head, ``[batch, heads, slots, head_dim]`` in ``dtype`` (refined
+        tokens at 8 bits; a 16-bit store is read in place)."""
+        keys, values = self.dequantize(*self.quantizers, dtype)
+        self.refine_read("keys", keys)
+        self.refine_read("values", values)
+        return keys.expand(-1, heads, -1, -1), values.expand(-1, heads, -1, -1)
+
+    def refine_read(self, name: str, held: torch.Tensor) -> None:
+        """With :attr:`refine`, the refined tokens of ``held`` (``name`` just dequantized at 4 bits, a fresh
+        tensor ``[batch, rows, slots, head_dim]``) get their low planes back (8-bit values)."""
+        quantizer = self.quantizers[name == "values"]
+        if self.refine is not None and isinstance(quantizer, SplitIntQuantizer):
+            scale_zero = getattr(self, name).parts["scale_zero"]
+            self.refine.correct(held, name, quantizer, scale_zero, self.positions)
+
     def dequantize(self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, dtype: torch.dtype):
         """Keys and values ``[batch, kv_heads, slots, head_dim]`` in ``dtype`` (empty slots hold garbage: mask
         them with ``positions >= 0``). A 16-bit store returns its own buffers (no copy)."""
@@ -152,6 +254,8 @@ class SlotStore:
         self.positions = fn(self.positions)
         if self.scores is not None:
             self.scores = fn(self.scores)
+        if self.refine is not None:
+            self.refine.map_batch(fn)
 
     def resize(self, slots: int) -> None:
         """Grow to ``slots`` slots, keeping every held token where it is (unbounded caches without a known

@@ -1,0 +1,141 @@
+"""`LayerSetting`: what one compressed layer is, fixed when it is built (the arguments and what follows from them).
+
+A :class:`~.layer.CompressedLayer` holds one of these next to its parts (store, ring, span, decode backend): the
+capacity after the layer type and the known length capped it, the ring size, whether the policy ranks at all, the
+storage formats (split into two 4-bit planes for mixed precision), and the store's layout (per-head slots or the
+head-adaptive pool). Frozen: a probe or a frozen copy is the same setting with another capacity
+(:meth:`LayerSetting.with_capacity`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..formats import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer
+from ..formats.split import SplitIntQuantizer
+from ..policies import EvictionPolicy
+from .span import LayerSpan
+
+GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
+
+
+def _split(quantizer: KVQuantizer) -> KVQuantizer:
+    """The split form of a 4-bit ``int`` quantizer (mixed precision: two 4-bit planes); any other unchanged."""
+    if type(quantizer) is IntQuantizer and quantizer.bits == 4:
+        return SplitIntQuantizer(quantizer.group_size, quantizer.head_dim, quantizer.rotate)
+    return quantizer
+
+
+@dataclass(frozen=True)
+class LayerSetting:
+    """One layer's setting (see :class:`~.layer.CompressedLayer` for the arguments).
+
+    Attributes:
+        capacity: tokens kept per sequence and KV head (``None``: unbounded), within ``max_tokens`` and the span's
+            ``size - 1``.
+        residual: the ring's size (0 at 16 bits; at most half the policy's recent window).
+        evicts: the policy ranks (its capacity is below what the span and length bound anyway).
+        with_scores: the layer accumulates attention scores (a policy that needs them and ranks).
+        growable: unbounded and of unknown length: the store grows (eager only).
+        high_bits_fraction, refined_per_head: mixed precision by importance (``cache/refinement.py``).
+        head_adaptive: the store is one pool per layer shared by the KV heads (Ada-KV, ``cache/slot_pool.py``).
+    """
+
+    policy: EvictionPolicy
+    capacity: int | None
+    key_quantizer: KVQuantizer
+    value_quantizer: KVQuantizer
+    residual: int = 0
+    score_chunk_size: int = 64
+    attention_kernel: str = "auto"
+    max_tokens: int | None = None
+    span: LayerSpan = LayerSpan()
+    head_adaptive: bool = False
+    high_bits_fraction: float = 0.0
+    refined_per_head: int | None = None
+    evicts: bool = dataclasses.field(init=False)
+    with_scores: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        capacity = self.capacity
+        if capacity is not None and self.max_tokens is not None:
+            capacity = min(capacity, self.max_tokens)  # storage never exceeds what the cache can see
+        capacity = self.span.cap(capacity)  # a sliding layer holds at most window - 1 tokens
+        if capacity is not None and self.max_tokens is not None:
+            capacity = min(capacity, self.max_tokens)
+        residual = self.residual if self.quantized else 0
+        if capacity is not None and residual:
+            residual = min(residual, self.policy.recent_window(capacity) // 2)
+        evicts = capacity is not None and capacity != self.span.cap(None)
+        set_ = object.__setattr__
+        set_(self, "capacity", capacity)
+        set_(self, "residual", residual)
+        set_(self, "evicts", evicts)
+        set_(self, "with_scores", self.policy.needs_scores and evicts)
+        if self.high_bits_fraction > 0:
+            set_(self, "key_quantizer", _split(self.key_quantizer))
+            set_(self, "value_quantizer", _split(self.value_quantizer))
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse what the layout cannot run (ConfigError, naming the setting and what is allowed)."""
+        if self.head_adaptive and self.attention_kernel == "triton":
+            raise ConfigError(
+                "attention_kernel='triton' cannot run head_budgets='adaptive': the Triton op reads per-head slots and "
+                "an adaptive layer pools them; allowed: attention_kernel='auto' or 'torch' (the torch form)"
+            )
+        if self.head_adaptive and self.growable:
+            raise ConfigError("head_budgets='adaptive' needs a capacity or max_length (its slot pool has a fixed size)")
+        if self.high_bits_fraction <= 0:
+            return
+        if not self.split_names:
+            raise ConfigError(f"high_bits_fraction={self.high_bits_fraction} needs 4-bit int keys or values; allowed: "
+                              "kv_bits (or k_bits / v_bits) 4 with quant='int'")
+        if self.attention_kernel == "triton":
+            raise ConfigError("high_bits_fraction > 0 runs the torch decode step (the Triton op does not read the "
+                              "8-bit tokens' low planes); allowed: attention_kernel='auto' or 'torch'")
+        if self.growable:
+            raise ConfigError("high_bits_fraction > 0 needs a cache of known length; pass max_length to make_cache")
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_quantizer.bits < 16 or self.value_quantizer.bits < 16
+
+    @property
+    def growable(self) -> bool:
+        return self.capacity is None and self.max_tokens is None
+
+    @property
+    def split_names(self) -> tuple[str, ...]:
+        """Which of ``keys``/``values`` are held as two 4-bit planes (mixed precision)."""
+        pairs = (("keys", self.key_quantizer), ("values", self.value_quantizer))
+        return tuple(name for name, q in pairs if isinstance(q, SplitIntQuantizer))
+
+    @property
+    def compile_blocker(self) -> str | None:
+        """Why the decode step cannot be compiled, or ``None``."""
+        if any(isinstance(q, BitsAndBytesQuantizer) for q in (self.key_quantizer, self.value_quantizer)):
+            return "the bitsandbytes formats (nf4, fp4, int8-blockwise) run eagerly only; use quant='int' to compile"
+        if self.growable:
+            return "an unbounded cache without max_length grows as it goes; pass max_length to make_cache to compile"
+        return None
+
+    @property
+    def is_compileable(self) -> bool:
+        """The decode step can be compiled (integer and 16-bit formats, storage of known size)."""
+        return self.compile_blocker is None
+
+    def slots_per_head(self, first_chunk: int = 0) -> int:
+        """Store slots per KV head: ``capacity - residual + 1`` (one is free before each step); ``max_tokens -
+        residual`` unbounded (nothing is evicted); else the first chunk plus :data:`GROWTH` (grows later)."""
+        if self.capacity is not None:
+            return self.capacity - self.residual + 1
+        if self.max_tokens is not None:
+            return max(self.max_tokens - self.residual, 1)
+        return first_chunk + GROWTH
+
+    def arguments(self, **changes) -> dict:
+        """The constructor arguments of this setting (but ``changes``): a probe or a frozen copy of a layer."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init} | changes

@@ -1,0 +1,157 @@
+"""What a :class:`~.layer.CompressedLayer` learns at its first token (:class:`Geometry`: shapes, dtypes, the
+storage bases) and the counters it keeps per step (:class:`Counters`), each with the checks that belong to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CacheStateError, InputError, UnsupportedModelError
+from ..memory import available_memory
+from ..policies.base import NO_POSITION as NO_REAL_TOKEN
+
+
+def rotate(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``x @ basis`` in fp32: ``x`` ``[batch, kv_heads, tokens, head_dim]``, ``basis`` fp32 ``[head_dim, head_dim]``."""
+    return x.float() @ basis
+
+
+def rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` of one token per (sequence, KV head) as a product and a sum over ``head_dim`` (fp32; equal to
+    the matmul to float reassociation): Inductor fuses it into the step's kernel that writes the ring instead of
+    launching a ``[batch * kv_heads, head_dim] @ [head_dim, head_dim]`` matmul of its own (issue 14: kernels per
+    layer). Compiled fused (Triton) decode steps only: eagerly it would materialize ``[batch, kv_heads, 1, head_dim,
+    head_dim]`` fp32, so eager steps, the torch path and the native CPU path keep the matmul."""
+    return (x.float().unsqueeze(-1) * basis).sum(-2)
+
+
+@dataclass
+class Geometry:
+    """A layer's shapes and dtypes, from its first keys ``[batch, kv_heads, tokens, head_dim]``.
+
+    Attributes:
+        residual_dtype: dtype of the ring and of 16-bit storage (fp16 for an fp32 model's quantized cache: its
+            bytes count, DESIGN.md §2).
+        key_basis, value_basis: fp32 ``[head_dim, head_dim]`` Hadamard bases tokens are held in, or ``None``.
+    """
+
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    residual_dtype: torch.dtype
+    key_basis: torch.Tensor | None
+    value_basis: torch.Tensor | None
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, setting) -> "Geometry":
+        quantized, device = setting.quantized, keys.device
+        residual_dtype = torch.float16 if quantized and keys.dtype == torch.float32 else keys.dtype
+        return cls(keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, device, residual_dtype,
+                   setting.key_quantizer.rotation(device), setting.value_quantizer.rotation(device))
+
+    def check(self, keys: torch.Tensor, layer_idx: int) -> None:
+        """Refuse keys of another batch, head count, head dim, dtype or device than the cache holds.
+
+        Raises:
+            CacheStateError: naming both.
+        """
+        batch, heads, _, head_dim = keys.shape
+        if (batch, heads, head_dim) != (self.batch, self.kv_heads, self.head_dim):
+            raise CacheStateError(
+                f"layer {layer_idx}: cache holds batch={self.batch}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim} but got batch={batch}, kv_heads={heads}, "
+                f"head_dim={head_dim}; use a new cache (or cache.reset())"
+            )
+        if keys.dtype != self.dtype or keys.device != self.device:
+            raise CacheStateError(
+                f"layer {layer_idx}: cache holds {self.dtype} keys on {self.device} but got {keys.dtype} on "
+                f"{keys.device} (model.half() or .to() after the prefill?); use a new cache (or cache.reset())"
+            )
+
+    def to_storage(self, keys: torch.Tensor, values: torch.Tensor, fused: bool = False):
+        """New ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` in the storage bases and the residual dtype
+        (``fused``: a compiled Triton step's one token, rotated as Inductor fuses it: :func:`rotate_token`)."""
+        turn = rotate_token if fused and keys.shape[2] == 1 and torch.compiler.is_compiling() else rotate
+        if self.key_basis is not None:
+            keys = turn(keys, self.key_basis)
+        if self.value_basis is not None:
+            values = turn(values, self.value_basis)
+        return keys.to(self.residual_dtype), values.to(self.residual_dtype)
+
+    def into_key_basis(self, query: torch.Tensor) -> torch.Tensor:
+        """Keys are held as ``k @ H``: ``q.k = (q @ H).(k @ H)`` for an orthonormal ``H``."""
+        return query if self.key_basis is None else (query.float() @ self.key_basis).to(query.dtype)
+
+    def from_value_basis(self, output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Values are held as ``v @ H``: ``P.v = (P.(v @ H)) @ H``; the output made contiguous."""
+        output = output if self.value_basis is None else (output.float() @ self.value_basis).to(dtype)
+        return output.contiguous()
+
+
+@dataclass
+class Counters:
+    """Per-step counters of a layer (0-dim or ``[batch]`` tensors: no host sync to keep them).
+
+    Attributes:
+        seen: int64 0-dim, tokens seen (positions keep counting after eviction).
+        first_real: int64 ``[batch]``, position of each sequence's first real (non-padding) token.
+        finite: bool 0-dim, every key and value so far was finite (read once per generation).
+        consistent: bool 0-dim, this layer saw every step layer 0 saw.
+        grown_to: host count of tokens seen, kept only by an unbounded cache of unknown length.
+    """
+
+    seen: torch.Tensor
+    first_real: torch.Tensor
+    finite: torch.Tensor
+    consistent: torch.Tensor
+    grown_to: int = 0
+
+    @classmethod
+    def zeros(cls, batch: int, device: torch.device) -> "Counters":
+        return cls(torch.zeros((), dtype=torch.int64, device=device),
+                   torch.full((batch,), NO_REAL_TOKEN, dtype=torch.int64, device=device),
+                   torch.ones((), dtype=torch.bool, device=device), torch.ones((), dtype=torch.bool, device=device))
+
+    def note_finite(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """bool 0-dim: ``keys`` and ``values`` are finite; noted in :attr:`finite` (no host sync)."""
+        finite = torch.isfinite(torch.sum(keys, dtype=torch.float32) + torch.sum(values, dtype=torch.float32))
+        self.finite &= finite
+        return finite
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"seen": self.seen, "first_real": self.first_real, "finite": self.finite, "consistent": self.consistent}
+
+
+def pad_values(values: torch.Tensor, head_dim: int, layer_idx: int) -> torch.Tensor:
+    """Values ``[batch, kv_heads, tokens, value_dim]`` zero-padded to the keys' ``head_dim`` (multi-head latent
+    attention, DeepSeek-V2 arXiv 2405.04434 §2.1, as transformers computes it: keys and values of different head
+    dims; zeros add nothing to the attention output, whose padding is dropped).
+
+    Raises:
+        UnsupportedModelError: values wider than keys.
+    """
+    if values.shape[-1] > head_dim:
+        raise UnsupportedModelError(f"layer {layer_idx}: values of head dim {values.shape[-1]} wider than the keys' "
+                                    f"{head_dim}; h2o-compress holds values of at most the keys' head dim")
+    return torch.nn.functional.pad(values, (0, head_dim - values.shape[-1]))
+
+
+def check_fits(probe, keys: torch.Tensor, num_layers: int) -> None:
+    """Refuse, before allocating, buffers the device cannot hold: the bytes of ``probe`` (an empty layer of the
+    same setting) sized on the ``meta`` device for ``keys`` ``[batch, kv_heads, tokens, head_dim]``, times
+    ``num_layers``, against the free memory (CUDA: ``mem_get_info``; CPU: available RAM).
+
+    Raises:
+        InputError: naming both sizes.
+    """
+    probe.lazy_initialization(keys.to("meta"), keys.to("meta"))
+    needed, free = probe.nbytes() * num_layers, available_memory(keys.device)
+    if free is not None and needed > free:
+        raise InputError(
+            f"the cache needs {needed / 2**30:.2f} GiB ({num_layers} layers of {probe.store.slots} slots, batch "
+            f"{keys.shape[0]}) but {keys.device} has {free / 2**30:.2f} GiB free; allowed: a smaller budget, "
+            "max_length or batch"
+        )

@@ -1,0 +1,25 @@
+"""The store of a :class:`~.layer.CompressedLayer`, made at its first token: per-head slots
+(:class:`~.slots.SlotStore`) or one pool shared by the KV heads (:class:`~.slot_pool.SlotPool`, Ada-KV), with the
+low planes of its top-ranked tokens where the setting keeps some at 8 bits (:class:`~.refinement.RefinedPlanes`)."""
+
+from __future__ import annotations
+
+from .refinement import RefinedPlanes, refined_rows
+from .setting import LayerSetting
+from .slot_pool import SlotPool
+from .slots import SlotStore
+
+
+def make_store(setting: LayerSetting, geometry, first_tokens: int) -> SlotStore:
+    """The store for ``setting`` with the layer's ``geometry`` (:class:`~.state.Geometry`), sized for a first step
+    of ``first_tokens`` tokens (an unbounded cache of unknown length grows from there)."""
+    heads = geometry.kv_heads
+    slots = setting.slots_per_head(first_tokens) * (heads if setting.head_adaptive else 1)
+    kind = SlotPool if setting.head_adaptive else SlotStore
+    store = kind(setting.key_quantizer, setting.value_quantizer, (geometry.batch, heads, slots, geometry.head_dim),
+                 geometry.residual_dtype, geometry.device, setting.with_scores)
+    if setting.high_bits_fraction > 0:
+        rows = refined_rows(setting.high_bits_fraction, setting.refined_per_head, store)
+        store.refine = RefinedPlanes(rows, geometry.batch, store.positions.shape[1], geometry.head_dim,
+                                     setting.split_names, geometry.device)
+    return store
