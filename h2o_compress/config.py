@@ -120,7 +120,7 @@ class CompressionConfig:
             ``adaptive`` (Ada-KV, Feng et al. 2024, arXiv 2407.11550 §3: ``kv_heads x C`` tokens per layer, each
             head keeping its own recent window and sinks, the heavy-hitter rest going to the highest-ranked tokens
             over all heads together). The layer's tokens live in one slot pool tagged by head
-            (:class:`~h2o_compress.cache.HeadAdaptiveLayer`), so evicted tokens really free memory and the bytes
+            (:class:`~h2o_compress.cache.SlotPool`), so evicted tokens really free memory and the bytes
             are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
             ``C``); needs a scoring policy (``HEAD_ADAPTIVE_POLICIES``); decode steps run the torch form
             (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).

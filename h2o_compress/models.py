@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, H2OCompressError, ModelLoadError, short
+from .errors import ConfigError, H2OCompressError, ModelLoadError, UnsupportedModelError, short
 from .paths import cache_root, check_cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -56,19 +56,25 @@ def model_dims(config) -> ModelDims:
     Raises:
         ModelLoadError: a geometry value out of range (see :func:`check_config_values`).
     """
-    config = getattr(config, "get_text_config", lambda: config)()
-    check_config_values(config.to_dict() if hasattr(config, "to_dict") else vars(config), "the model's config")
     from .cache.span import layer_spans
 
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    config = getattr(config, "get_text_config", lambda: config)()
+    spans = tuple(layer_spans(config, config.num_hidden_layers))  # refuses non-attention and shared-KV layers first
+    check_config_values(config.to_dict() if hasattr(config, "to_dict") else vars(config), "the model's config")
+    try:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    except RuntimeError as error:  # transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4)
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} has an attention geometry that varies by layer "
+            f"({str(error).split('.')[0]}); h2o-compress needs one head dim and KV head count for every layer"
+        ) from None
     value_head_dim, expands = None, False
     if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
         kv_heads, head_dim, value_head_dim = _latent_attention_dims(config, heads)
         expands = kv_heads == 1 and heads > 1
         value_head_dim = None if value_head_dim == head_dim else value_head_dim
-    spans = tuple(layer_spans(config, config.num_hidden_layers))
     spans = () if all(not span.windowed for span in spans) else spans
     return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim, value_head_dim, expands, spans)
 

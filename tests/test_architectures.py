@@ -7,6 +7,8 @@ two or fails :func:`test_every_decoder_class_is_exact_or_refused` until it is li
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -153,3 +155,42 @@ def test_softcap_and_sink_layers_decode_in_torch_and_say_so():
         cache = make_cache(model, CompressionConfig(budget=1.0, kv_bits=16, attention_kernel="auto"), max_length=96)
         greedy_logits(model, prompt(), cache)
         assert cache.decode_kernel == "torch"
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "mistral", "gemma2", "gpt_oss"])
+def test_left_padded_batch_is_exact_on_chunked_sliding_softcap_and_sinks(model_type):
+    """A left-padded batch (chunks counted from each sequence's first real token, as transformers' chunked mask)."""
+    model = built(model_type)
+    ids = prompt(2)[:, :40]
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :5] = 0
+
+    def run(cache):
+        seen, logits = mask.clone(), []
+        with torch.no_grad():
+            out = model(ids, attention_mask=seen, past_key_values=cache).logits[:, -1]
+            for _ in range(6):
+                logits.append(out)
+                seen = torch.cat((seen, torch.ones(2, 1, dtype=torch.long)), 1)
+                out = model(out.argmax(-1, keepdim=True), attention_mask=seen, past_key_values=cache).logits[:, -1]
+        return torch.stack(logits)
+
+    cache = make_cache(model, CompressionConfig(budget=1.0, kv_bits=16), max_length=47)
+    model.set_attn_implementation("eager")
+    reference = run(DynamicCache(config=model.config))
+    use_h2o_attention(model)
+    assert (run(cache) - reference).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("model_type,fragment", [
+    ("gemma3n_text", "has layers of type dummy (KV shared with another layer)"),
+    ("gemma4_text", "has an attention geometry that varies by layer"),
+    ("jamba", "has layers of type linear_attention"),
+])
+def test_shared_kv_per_layer_geometry_and_hybrids_are_refused_from_the_config(model_type, fragment):
+    """Models the tiny builder cannot make are refused from their config (make_cache and the planner read it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"model type '{model_type}' {fragment}")) as error:
+        model_dims(CONFIG_MAPPING[model_type]())
+    assert "\n" not in str(error.value)

@@ -29,22 +29,16 @@ from .setting import LayerSetting
 from .slots import SlotStore
 from .span import LayerSpan
 from .store import make_store
-from .state import Counters, Geometry, check_fits, pad_values
+from .state import Counters, Geometry, check_fits, pad_values, part_view
 
 FULL_SPAN = LayerSpan()
-
-
-def _from(part: str, name: str, doc: str = "") -> property:
-    """A read-only view of ``self.<part>.<name>``."""
-    return property(lambda self: getattr(getattr(self, part), name), doc=doc or f"``{part}.{name}``")
 
 
 class CompressedLayer(CacheLayerMixin):
     """The compressed KV cache of model layer ``layer_idx`` (the side-channel key), made of the parts of the module
     docstring; the other arguments are its :class:`~.setting.LayerSetting`'s (ConfigError: one it cannot run)."""
 
-    is_croppable = False
-    is_sliding = False
+    is_croppable = is_sliding = False  # sliding layers forget by their span, not by transformers' sliding mask
 
     def __init__(self, layer_idx: int, policy, capacity: int | None, key_quantizer, value_quantizer, residual: int = 0,
                  score_chunk_size: int = 64, attention_kernel: str = "auto", max_tokens: int | None = None,
@@ -61,7 +55,7 @@ class CompressedLayer(CacheLayerMixin):
                           ("geometry", "batch kv_heads head_dim dtype device residual_dtype key_basis value_basis"),
                           ("counters", "seen first_real finite consistent"), ("store", "refine")):
         for _name in _names.split():  # read-only views of the parts, for the kernels and reports
-            locals()[_name] = _from(_part, _name)
+            locals()[_name] = part_view(_part, _name)
     del _part, _names, _name
 
     def reset(self) -> None:
@@ -164,13 +158,9 @@ class CompressedLayer(CacheLayerMixin):
             self.geometry.check(key_states, self.layer_idx)
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        """This step's attention (called by the ``h2o_compress`` attention function with what :meth:`update`
-        returned), then score accumulation and eviction. Returns ``[batch, queries, q_heads, head_dim]``.
-
-        Raises:
-            CacheStateError: the cache was filled through another model.
-            UnsupportedModelError: a soft-cap or sink logits on a layer whose decode kernel does not run them.
-        """
+        """This step's attention (the ``h2o_compress`` attention function's, over what :meth:`update` returned),
+        scores and eviction: ``[batch, queries, q_heads, head_dim]``. Raises CacheStateError (the cache was filled
+        through another model) or UnsupportedModelError (a soft-cap or sink logits the decode kernel cannot run)."""
         self.awaiting_attention = False
         if self.bound_module is None:
             self.bound_module = weakref.ref(module)

@@ -94,7 +94,8 @@ def layer_spans(config, num_layers: int) -> list[LayerSpan]:
             f"model type {model_type!r}: its layer types cannot be read ({type(error).__name__}: {error}); "
             "supported: decoders whose layers are full, sliding-window or chunked softmax attention"
         ) from None
-    unsupported = sorted({t for t in types if t not in _KINDS})
+    unsupported = sorted({"dummy (KV shared with another layer)" if t == "dummy" else t for t in types
+                          if t not in _KINDS})
     if unsupported:
         raise UnsupportedModelError(
             f"model type {model_type!r} has layers of type {', '.join(unsupported)} (state that is not a KV cache of "
