@@ -199,7 +199,7 @@ def test_fused_token_rotation_equals_the_matmul():
     """Compiled fused steps rotate the new token as a product + sum over head_dim (Inductor fuses it into the
     ring-write kernel): ``x @ basis`` to float reassociation, eagerly and compiled, for a non-symmetric basis too (a
     transposed sum would fail there; the Hadamard basis is symmetric)."""
-    from h2o_compress.cache.layer import _rotate, _rotate_token
+    from h2o_compress.cache.state import rotate as _rotate, rotate_token as _rotate_token
     from h2o_compress.formats import hadamard_matrix
 
     gen = torch.Generator().manual_seed(0)

@@ -203,7 +203,7 @@ def check_attention_backend(model) -> None:
     Raises:
         UnsupportedModelError: naming the model class (or type) and what is supported.
     """
-    model_type = getattr(model.config, "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in UNSUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: {UNSUPPORTED_MODEL_TYPES[model_type]}; h2o-compress needs "

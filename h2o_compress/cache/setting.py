@@ -62,9 +62,9 @@ class LayerSetting:
         capacity = self.capacity
         if capacity is not None and self.max_tokens is not None:
             capacity = min(capacity, self.max_tokens)  # storage never exceeds what the cache can see
-        capacity = self.span.cap(capacity)  # a sliding layer holds at most window - 1 tokens
-        if capacity is not None and self.max_tokens is not None:
-            capacity = min(capacity, self.max_tokens)
+        # a sliding layer holds at most window - 1 tokens (where the cache can outgrow its window at all)
+        if self.span.windowed and (self.max_tokens is None or self.span.size - 1 < self.max_tokens):
+            capacity = self.span.cap(capacity)
         residual = self.residual if self.quantized else 0
         if capacity is not None and residual:
             residual = min(residual, self.policy.recent_window(capacity) // 2)
