@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from .cache import CompressedCache
+from .chat import check_text_fits
 from .config import CompressionConfig, check_usable
 from .errors import CacheStateError, InputError, short
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
@@ -105,6 +106,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     """
     config = ASK_DEFAULTS if config is None else _check_config(config)
     check_prompt(context)
+    check_text_fits(tokenizer, context, getattr(model.config, "max_position_embeddings", None), "the context")
     device = input_device(model)
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
     check_context(model, ids.shape[1], 0)

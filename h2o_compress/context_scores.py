@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .chat import apply_chat_template
 from .config import fit_to_total
 from .models import model_dims
 
@@ -262,8 +263,8 @@ def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     dummy = "dummy context"
     separator = "\n" + "#" * len(dummy)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
+    text = apply_chat_template(
+        tokenizer, [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
     )
     before, suffix = text.split(separator)
     prefix = before.split(dummy)[0]

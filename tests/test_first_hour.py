@@ -123,7 +123,7 @@ def test_one_colour_per_policy_and_one_marker_per_bit_width():
 
 # -- the converted-model cache directory ------------------------------------------------------------------------------
 def test_empty_cache_variable_means_unset(monkeypatch):
-    from h2o_compress.models import cache_root
+    from h2o_compress.paths import cache_root
 
     monkeypatch.setenv("H2O_COMPRESS_CACHE", "")
     assert cache_root() == Path.home() / ".cache" / "h2o-compress"

@@ -8,9 +8,10 @@ folded in) in one call, reading the int4/int8 codes in registers. Eviction stays
 policy's :meth:`~h2o_compress.policies.EvictionPolicy.priority`, stated once, in Python.
 
 The C file is compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
-into ``$H2O_COMPRESS_CACHE/kernels`` and loaded with :mod:`ctypes`. Where no compiler works, or with
-``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None`` (with one warning when compiling failed) and the
-cache runs its torch form: the same results. Under ``torch.compile`` the call is the custom op
+into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: :func:`~h2o_compress.paths.private_dir`)
+and loaded with :mod:`ctypes`, only while its bytes match the SHA-256 recorded when it was built
+(:func:`_verified`). Where no compiler works, or with ``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None``
+(with one warning when compiling failed) and the cache runs its torch form: the same results. Under ``torch.compile`` the call is the custom op
 ``h2o_compress::cpu_decode_layer`` (a fake implementation gives Dynamo its output shape), so the compiled and
 the eager step run the same kernel.
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_root
+from ..errors import ConfigError
+from ..paths import check_private_file, private_dir
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
@@ -48,8 +50,26 @@ def _machine_key() -> str:
     return cpu + platform.machine() + platform.system()
 
 
+def _digest_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(target: Path) -> bool:
+    """Whether ``target`` may be loaded: a regular file of this user that only this user can write
+    (:func:`~h2o_compress.paths.check_private_file`) whose bytes match the digest recorded when this user built it
+    (``<target>.sha256``, same checks). Anything else is rebuilt, never loaded."""
+    record = target.with_name(target.name + ".sha256")
+    try:
+        check_private_file(target)
+        check_private_file(record)
+        return record.read_text(encoding="ascii").strip() == _digest_file(target)
+    except (OSError, ConfigError, UnicodeDecodeError):
+        return False
+
+
 def _build(compiler: str, target: Path) -> None:
-    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build never leaves a half-written file).
+    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build never leaves a half-written file) and
+    record its SHA-256 beside it (``<target>.sha256``), which :func:`_verified` checks before every load.
 
     Raises:
         OSError, subprocess.CalledProcessError: the compiler is missing or failed.
@@ -59,6 +79,12 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=True, capture_output=True, text=True)
+        os.chmod(partial, 0o700)
+        digest = _digest_file(Path(partial))
+        fd, record = tempfile.mkstemp(dir=target.parent, suffix=".sha256.partial")
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            out.write(digest + "\n")
+        os.replace(record, target.with_name(target.name + ".sha256"))
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -81,8 +107,12 @@ def library() -> ctypes.CDLL | None:
         key = hashlib.sha256(
             "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, _machine_key())).encode()
         ).hexdigest()[:16]
-        target = cache_root() / "kernels" / f"cpu_decode-{key}.so"
-        if not target.exists():
+        try:
+            target = private_dir("kernels") / f"cpu_decode-{key}.so"
+        except ConfigError as exc:  # a cache directory that is not this user's own: build for this process only
+            warnings.warn(f"{exc}; the CPU decode kernel is built for this process only", stacklevel=2)
+            target = Path(tempfile.mkdtemp(prefix="h2o-compress-")) / f"cpu_decode-{key}.so"
+        if not _verified(target):
             try:
                 _build(compiler, target)
             except PermissionError:  # an unwritable cache directory: build for this process only

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..chat import apply_chat_template
 from ..config import CompressionConfig
 from ..errors import ConfigError, InputError, short
 from ..generation import check_generation_args, make_cache, make_scored_cache
@@ -126,7 +127,7 @@ def build_prompt(tokenizer, haystack: str, chat: bool = True, question: str = QU
     of the answer (inside the assistant turn of the chat template when ``chat`` and the tokenizer has one)."""
     user = f"{INSTRUCTION}\n\n{haystack}\n\n{question}"
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+        ids = apply_chat_template(tokenizer, [{"role": "user", "content": user}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         ids += _encode(tokenizer, ANSWER_PREFIX)
     else:

@@ -32,6 +32,7 @@ import torch
 from ..config import ALLOWED_BITS, CompressionConfig
 from ..errors import ConfigError, InputError, short
 from ..generation import make_cache
+from ..outputs import OutputDir
 from .agreement import agreement_eval, reference_generations
 from .corpus import load_prompts, load_text, tokenize_text
 from .needle import ANSWER_TOKENS, check_needle_args, needle_eval, plant_needle
@@ -551,7 +552,7 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
     def write_partial() -> None:
         report["results"] = [_public(records[i]) for i in sorted(records)]
         if out_dir is not None:  # a sweep that dies half-way still leaves its figures
-            (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+            OutputDir(out_dir).write("report.json", json.dumps(report, indent=2, default=str))
 
     to_run = len(records) < len(configs)  # else nothing to run: no model loaded, no Ray started
     if to_run and sweep is None:

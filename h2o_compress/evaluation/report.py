@@ -8,11 +8,13 @@ import html
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, short
 from ..files import read_text
+from ..outputs import OutputDir, check_out_path
 from .rows import ROWS_DIR
 
 MIB = 2**20
@@ -439,18 +441,18 @@ def check_out_dir(out_dir: str | Path) -> Path:
         InputError: ``out_dir`` exists and is not a directory, or holds some of :data:`REPORT_FILES` and is not
             a profile output directory (the message names the files).
     """
-    out = Path(out_dir)
+    out = check_out_path(out_dir)
     if os.path.lexists(out) and not out.is_dir():
         raise InputError(f"output path {short(str(out))} exists and is not a directory; allowed: a directory "
                          "(new, empty or written by h2o-compress profile)")
-    if not out.is_dir() or (out / ROWS_DIR).is_dir() or is_profile_report(out / "report.json"):
+    if not out.is_dir():
         return out
-    clashes = [name for name in REPORT_FILES if os.path.lexists(out / name)]
+    clashes = OutputDir(out).foreign(REPORT_FILES)
     if clashes:
         raise InputError(
             f"output directory {short(str(out))} already holds {', '.join(clashes)}, not written by h2o-compress "
-            "profile (no profile report.json, no rows folder): the report would replace them; allowed: a new or "
-            "empty directory, or the output directory of an earlier profile run (choose another --out)")
+            "profile (or changed since; its manifest says what it wrote): the report would replace them; allowed: a "
+            "new or empty directory, or the output directory of an earlier profile run (choose another --out)")
     return out
 
 
@@ -558,14 +560,12 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
         page = markdown(report)  # everything the tables read, before a file is written
     except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise InputError(f"the report cannot be rendered ({short(exc, 80)}); allowed: a complete report") from None
-    out = prepare_out_dir(out_dir)
-    written = {}
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    written["report.json"] = out / "report.json"
-    for path in write_plots(report, out):
-        written[path.name] = path
-    (out / "report.md").write_text(page, encoding="utf-8")
-    written["report.md"] = out / "report.md"
-    (out / "report.html").write_text(html_page(report, out), encoding="utf-8")
-    written["report.html"] = out / "report.html"
+    target = OutputDir(prepare_out_dir(out_dir))  # each file replaced only while it is what profile wrote
+    written = {"report.json": target.write("report.json", json.dumps(report, indent=2, default=str) + "\n")}
+    with tempfile.TemporaryDirectory(prefix="h2o-plots-") as scratch:  # matplotlib writes where it is told
+        for path in write_plots(report, Path(scratch)):
+            written[path.name] = target.write(path.name, path.read_bytes())
+        page_html = html_page(report, Path(scratch))
+    written["report.md"] = target.write("report.md", page)
+    written["report.html"] = target.write("report.html", page_html)
     return written

@@ -9,6 +9,7 @@ from evaluation_helpers import save_tiny_lm, one_thread  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app
+from h2o_compress.outputs import MANIFEST
 
 runner = CliRunner()
 
@@ -59,7 +60,7 @@ def test_profile_writes_the_report(model_dir, tmp_path):
                     "--kv-bits", "16", "--policies", "h2o,local", "--seq-len", "16", "--ppl-tokens", 24,
                     "--chunk-size", 8, "--agreement-prompts", 1, "--max-new-tokens", 2, "--decode-tokens", 2)
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "rows", *(
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "rows", MANIFEST, *(
         "perplexity_vs_kv_bytes.png", "decode_speed_vs_context.png", "memory_vs_context.png")}
     assert len(json.loads((out / "report.json").read_text())["results"]) == 3
     assert len(list((out / "rows").glob("*.json"))) == 3  # one finished row each, for a rerun to resume from

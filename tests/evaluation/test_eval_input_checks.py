@@ -97,8 +97,34 @@ def test_library_refuses_to_replace_the_users_report_files(profile_out, tmp_path
     with pytest.raises(InputError, match="already holds report.html"):
         run_profile(ProfileSettings(model=NO_MODEL, isolate=False), tmp_path / "mine", show_progress=False)
     assert unchanged(tmp_path / "mine", files)
-    (tmp_path / "mine" / "rows").mkdir()  # a sweep's rows/: a profile output dir, its files may be replaced
-    assert check_out_dir(tmp_path / "mine") == tmp_path / "mine"
+    (tmp_path / "mine" / "rows").mkdir()  # a rows/ folder does not make the user's files profile's (issue 37)
+    with pytest.raises(InputError, match="already holds report.html"):
+        check_out_dir(tmp_path / "mine")
+    assert (tmp_path / "mine" / "report.html").read_text() == files["report.html"]
+
+
+def test_profile_output_follows_no_symlink_and_replaces_only_what_it_wrote(profile_out, tmp_path):
+    """Issue 37: a report.html symlink is refused (the file it points to untouched); files profile wrote are
+    re-rendered in place (its manifest), but not once edited by hand; an empty --out is refused."""
+    report = json.loads((profile_out / "report.json").read_text())
+    out, outside = tmp_path / "out", tmp_path / "elsewhere.html"
+    out.mkdir()
+    outside.write_text("keep me")
+    (out / "report.html").symlink_to(outside)
+    with pytest.raises(InputError, match="already holds report.html"):
+        write_report(report, out)
+    assert outside.read_text() == "keep me"
+    (out / "report.html").unlink()
+    assert set(write_report(report, out)) >= {"report.json", "report.md", "report.html"}
+    write_report(report, out)  # again: every file is still what profile wrote
+    (out / "report.md").write_text("edited by hand")
+    with pytest.raises(InputError, match="already holds report.md.*or changed since"):
+        write_report(report, out)
+    assert (out / "report.md").read_text() == "edited by hand"
+    for empty in ("", "  "):
+        with pytest.raises(InputError, match="output directory is empty"):
+            write_report(report, empty)
+    one_line_error(invoke("profile", "--out", "", "--render", profile_out / "report.json"), "output directory is empty")
 
 
 # -- 2. agreement prompts beyond the shipped ones -------------------------------------------------------------------
