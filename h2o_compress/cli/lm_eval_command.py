@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -89,10 +90,17 @@ def lm_eval_command(
         fail(f"lm-eval could not read the data of task(s) {', '.join(task_list)}: {reason}; allowed: tasks whose "
              "data sets are in the local Hugging Face cache (this machine may be offline), or local tasks "
              "(--include-path DIR)")
-    if output is not None:
-        partial = Path(output).with_name(Path(output).name + ".partial")
-        partial.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
-        partial.replace(output)
+    if output is not None:  # written whole, as a new file: never over one that appeared meanwhile, no symlink followed
+        handle, partial = tempfile.mkstemp(prefix=".lm-eval-", suffix=".partial", dir=Path(output).absolute().parent)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as out:
+                out.write(json.dumps(results, indent=2, default=handle_non_serializable))
+            os.link(partial, output)
+        except FileExistsError:
+            fail(f"--output {short(output)} appeared while lm-eval ran; it is not replaced (the results are in "
+                 f"{partial})")
+        else:
+            os.unlink(partial)
     if as_json:
         typer.echo(json.dumps(results.get("results", {}), default=handle_non_serializable))
         return
