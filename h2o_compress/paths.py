@@ -40,8 +40,9 @@ def check_cache_root(root: Path) -> Path:
 
 
 def _fix(path: Path) -> str:
-    return (f"allowed: a directory of your own that only you can write (chmod 700 {short(str(path), 120, repr_=False)}), "
-            "or H2O_COMPRESS_CACHE set to one")
+    where = short(str(path), 120, repr_=False)
+    return (f"allowed: a directory of your own that only you can write (chmod 700 {where}), or H2O_COMPRESS_CACHE "
+            "set to one")
 
 
 def check_private(path: Path, what: str = "directory") -> None:
@@ -92,7 +93,8 @@ def _make(path: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise ConfigError(f"cache directory {short(str(path))} cannot be created ({exc.strerror}); {_fix(path)}") from None
+        raise ConfigError(
+            f"cache directory {short(str(path))} cannot be created ({exc.strerror}); {_fix(path)}") from None
     check_private(path)
 
 

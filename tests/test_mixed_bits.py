@@ -352,7 +352,7 @@ def test_pyramid_layer_budgets_count_each_layer(model):
     config = CompressionConfig(policy="h2o", budget=0.5, kv_bits=4, residual=2, high_bits_fraction=0.5,
                                layer_budgets="pyramid")
     _, cache = run(model, config)
-    assert len({layer.refine.slots.shape[2] for layer in cache.layers}) == 2  # each layer its own share of its own slots
+    assert len({layer.refine.slots.shape[2] for layer in cache.layers}) == 2  # each layer its share of its slots
     dims = model_dims(model.config)
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
 

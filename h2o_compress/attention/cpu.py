@@ -11,7 +11,8 @@ The C file is compiled once per machine with the system C compiler (``$CC``, def
 into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: :func:`~h2o_compress.paths.private_dir`)
 and loaded with :mod:`ctypes`, only while its bytes match the SHA-256 recorded when it was built
 (:func:`_verified`). Where no compiler works, or with ``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None``
-(with one warning when compiling failed) and the cache runs its torch form: the same results. Under ``torch.compile`` the call is the custom op
+(with one warning when compiling failed) and the cache runs its torch form: the same results. Under
+``torch.compile`` the call is the custom op
 ``h2o_compress::cpu_decode_layer`` (a fake implementation gives Dynamo its output shape), so the compiled and
 the eager step run the same kernel.
 """

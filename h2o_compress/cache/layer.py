@@ -88,7 +88,8 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def decode_kernel(self) -> str | None:
-        """``"cpu"``, ``"triton"`` or ``"torch"``: the decode backend's (:mod:`.backends`); ``None`` before the first token."""
+        """``"cpu"``, ``"triton"`` or ``"torch"``, the decode backend's (:mod:`.backends`); ``None`` before the
+        first token."""
         return self.backend.name if self.is_initialized else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -197,7 +198,8 @@ class CompressedLayer(CacheLayerMixin):
         return (query_length, 0) if query_length == 1 or not self.is_initialized else (query_length, int(self.seen))
 
     def get_seq_length(self) -> torch.Tensor | int:
-        """Tokens seen (not kept), int64 0-dim (no host sync): positions keep counting after eviction (DESIGN.md §2)."""
+        """Tokens seen (not kept), int64 0-dim (no host sync): positions keep counting after eviction
+        (DESIGN.md §2)."""
         return self.seen if self.is_initialized else 0
 
     def get_max_length(self) -> int:  # noqa: D102 - no fixed length

@@ -8,7 +8,8 @@ was there when the row was given: evicting a token frees its low plane; a slot r
 stale row first. Demoting a token frees its row, nothing is re-quantized, and a token never regains its low plane.
 Fixed buffers, no host sync in a decode step (``torch.compile(fullgraph=True)`` captures it).
 
-Mixed precision by importance (the store's optional part), as MiKV keeps the important tokens' KV at higher precision and the rest at lower
+Mixed precision by importance (the store's optional part), as MiKV keeps the important tokens' KV at higher
+precision and the rest at lower
 (Yang et al. 2024, "No Token Left Behind", arXiv 2402.18096), with the importance the eviction policy's own
 :meth:`~h2o_compress.policies.EvictionPolicy.rank` (H2O: accumulated attention; TOVA: the current query's).
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from ..errors import InputError, short
 from ..files import read_text
 from ..outputs import OutputDir, check_out_path
-from .rows import ROWS_DIR
 
 MIB = 2**20
 PLOTS = {
