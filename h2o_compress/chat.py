@@ -78,8 +78,9 @@ def _longest_token(tokenizer) -> int:
 
 
 def check_text_fits(tokenizer, text: str, window: int | None, what: str = "the text") -> None:
-    """Refuse ``text`` that needs more than ``window`` tokens whatever the tokenization: at least ``len(text) /
-    longest token`` tokens. Cheap (no tokenizing); ``window`` ``None``: no check.
+    """Refuse ``text`` that needs more than ``window`` tokens whatever the tokenization: at least (its characters
+    besides whitespace) / (the longest token's characters) tokens. Cheap (no tokenizing); ``window`` ``None``: no
+    check.
 
     Raises:
         InputError: naming the length, the bound and the window.
@@ -90,9 +91,10 @@ def check_text_fits(tokenizer, text: str, window: int | None, what: str = "the t
         longest = _longest_token(tokenizer)
     except (AttributeError, TypeError, NotImplementedError):  # a tokenizer without a vocabulary to read
         return
-    least = len(text) // longest
+    visible = len("".join(text.split()))  # whitespace may be dropped by a pre-tokenizer; anything else is covered
+    least = visible // longest
     if least > window:
         raise InputError(
-            f"{what} has {len(text):,} characters: at least {least:,} tokens (no token covers more than {longest} "
-            f"characters), beyond the model's window of {window:,} tokens; allowed: a shorter text"
+            f"{what} has {visible:,} characters besides whitespace: at least {least:,} tokens (no token covers more "
+            f"than {longest} characters), beyond the model's window of {window:,} tokens; allowed: a shorter text"
         )
