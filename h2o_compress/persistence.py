@@ -380,9 +380,9 @@ def _saved_config(metadata: dict[str, str], source: Path):
             raise CacheFileError(f"cache file {str(source)!r} names layer_budgets {short(budgets)}; allowed in a cache "
                                  f"file: {', '.join(LAYER_BUDGETS)} or the per-layer weights themselves (numbers)")
         return CompressionConfig(**fields)
+    except CacheFileError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CacheFileError):
-            raise
         raise CacheFileError(f"cache file {str(source)!r} holds an unusable config ({exc})") from None
 
 

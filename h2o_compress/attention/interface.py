@@ -133,10 +133,7 @@ def decode_attention(
     scale = head_dim**-0.5 if scaling is None else scaling
     q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    if variant is None:
-        probs = torch.softmax(logits.masked_fill(~valid.unsqueeze(2), float("-inf")), dim=-1)
-    else:
-        probs = softmax_probabilities(logits, valid.unsqueeze(2), variant, (1, kv_heads, q_heads // kv_heads, 1))
+    probs = softmax_probabilities(logits, valid.unsqueeze(2), variant, (1, kv_heads, q_heads // kv_heads, 1))
     output = torch.matmul(probs.to(values.dtype), values).reshape(batch, q_heads, 1, values.shape[-1])
     return output, probs.sum(2) if with_sums else None
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..attention.interface import masked_attention
-from ..policies.base import NO_POSITION as NO_REAL_TOKEN
 from ..errors import CacheStateError
+from ..policies.base import NO_POSITION as NO_REAL_TOKEN
 from .decode import per_kv_head
 from .refinement import stored_rank
 from .ring import held_positions
@@ -74,8 +74,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         new_block = new_block | eye  # a padding query sees itself: no fully masked row
     span, seen = layer.span, chunk["seen"]
     queries = torch.arange(seen, seen + n, device=query.device)
-    first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + seen, NO_REAL_TOKEN)
-    first_real = torch.minimum(layer.first_real, first)
+    first_real = torch.minimum(layer.first_real, first_real_of(real, seen))
     if span.windowed:  # the chunk's own tokens beyond each query's window or chunk
         own = span.visible(queries.expand(batch, 1, n), queries, first_real)[:, 0] & eye.logical_not().tril()
         new_block = (own.unsqueeze(1) if new_block is None else new_block & own.unsqueeze(1)) | eye
@@ -132,8 +131,7 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
             scores.mul_(decay**n)
         covered.add_(sums) if layer.policy.accumulates else covered.copy_(sums)
     seen += n
-    first = torch.where(real.any(1), real.to(torch.uint8).argmax(1) + chunk["seen"], NO_REAL_TOKEN)
-    layer.first_real.copy_(torch.minimum(layer.first_real, first))
+    layer.first_real.copy_(torch.minimum(layer.first_real, first_real_of(real, chunk["seen"])))
     # what the next query (at `seen`) cannot see leaves a sliding or chunked layer, whatever its score
     layer.span.expire(positions, torch.tensor(seen, device=device), layer.first_real)
     if layer.evicts:
@@ -154,6 +152,12 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
                              tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n],
                              lambda: stored_rank(layer.policy, layer.store, layer.seen), lambda n: make_room(layer, n))
     layer.seen.fill_(seen)
+
+
+def first_real_of(real: torch.Tensor, seen: int) -> torch.Tensor:
+    """int64 ``[batch]``: the position of each sequence's first real token in a chunk starting at ``seen`` (bool
+    ``real`` ``[batch, n]``: not padding), :data:`NO_REAL_TOKEN` for a chunk of padding only."""
+    return torch.where(real.any(1), real.to(torch.uint8).argmax(1) + seen, NO_REAL_TOKEN)
 
 
 def make_room(layer, tokens: int) -> None:

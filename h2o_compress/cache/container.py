@@ -10,10 +10,10 @@ from transformers.cache_utils import Cache
 from ..config import CompressionConfig
 from ..errors import CacheStateError, InputError
 from ..formats import make_quantizer
-from .layer import FULL_SPAN, CompressedLayer
+from .layer import CompressedLayer
 from .refinement import spread_refined_rows
 from .setting import LayerSetting
-from .span import LayerSpan
+from .span import FULL_SPAN, LayerSpan
 
 
 class CompressedCache(Cache):

@@ -27,11 +27,9 @@ from . import backends, chunk, decode
 from .ring import RingWindow, held_positions
 from .setting import LayerSetting
 from .slots import SlotStore
-from .span import LayerSpan
+from .span import FULL_SPAN, LayerSpan
 from .store import make_store
 from .state import Counters, Geometry, check_fits, pad_values, part_view
-
-FULL_SPAN = LayerSpan()
 
 
 class CompressedLayer(CacheLayerMixin):

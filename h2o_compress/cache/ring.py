@@ -46,10 +46,9 @@ class RingWindow:
         if self.scores is not None:
             self.scores = fn(self.scores)
 
-    def valid(self, heads: int, order: torch.Tensor | None = None) -> torch.Tensor:
-        """bool ``[batch, heads, size]``: slots holding a token (in ``order`` of slots when given), per KV head."""
-        positions = self.positions if order is None else self.positions.index_select(1, order)
-        return (positions >= 0).unsqueeze(1).expand(-1, heads, -1)
+    def valid(self, heads: int) -> torch.Tensor:
+        """bool ``[batch, heads, size]``: slots holding a token, per KV head."""
+        return (self.positions >= 0).unsqueeze(1).expand(-1, heads, -1)
 
     def push(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor):
         """Decode step: write one token (``[batch, kv_heads, 1, head_dim]`` at 0-dim int64 ``position``) into its

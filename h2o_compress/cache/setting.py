@@ -3,8 +3,8 @@
 A :class:`~.layer.CompressedLayer` holds one of these next to its parts (store, ring, span, decode backend): the
 capacity after the layer type and the known length capped it, the ring size, whether the policy ranks at all, the
 storage formats (split into two 4-bit planes for mixed precision), and the store's layout (per-head slots or the
-head-adaptive pool). Frozen: a probe or a frozen copy is the same setting with another capacity
-(:meth:`LayerSetting.with_capacity`).
+head-adaptive pool). Frozen: a probe or a frozen copy is built from the same arguments with another capacity
+(:meth:`LayerSetting.arguments`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..formats import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer
 from ..formats.split import SplitIntQuantizer
 from ..policies import EvictionPolicy
-from .span import LayerSpan
+from .span import FULL_SPAN, LayerSpan
 
 GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
 
@@ -51,7 +51,7 @@ class LayerSetting:
     score_chunk_size: int = 64
     attention_kernel: str = "auto"
     max_tokens: int | None = None
-    span: LayerSpan = LayerSpan()
+    span: LayerSpan = FULL_SPAN
     head_adaptive: bool = False
     high_bits_fraction: float = 0.0
     refined_per_head: int | None = None

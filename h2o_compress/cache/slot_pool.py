@@ -95,8 +95,8 @@ class SlotPool(SlotStore):
         return (free & (rank == wanted)).to(torch.uint8).argmax(-1).unsqueeze(1)
 
     def as_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """A per-head tensor ``[batch, kv_heads, 1, ...]`` (one token per head) as the pool's one row: ``[batch, 1,
-        kv_heads, ...]``."""
+        """A per-head tensor ``[batch, kv_heads, 1, ...]`` (one token per head; ``...`` may be empty) as the pool's
+        one row: ``[batch, 1, kv_heads, ...]``."""
         return t.transpose(1, 2)
 
     def free_for_heads(self, heads: int) -> torch.Tensor:

@@ -148,7 +148,8 @@ class SlotStore:
 
     # -- what the layer calls (the same on a SlotPool, whose heads share one row) -----------------------------
     def as_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """A per-head tensor ``[batch, kv_heads, 1, ...]`` (one token per head) in this store's rows: itself."""
+        """A per-head tensor ``[batch, kv_heads, 1, ...]`` (one token per head; ``...`` may be empty) in this store's
+        rows: itself."""
         return t
 
     def free_for_heads(self, heads: int) -> torch.Tensor:
@@ -176,9 +177,8 @@ class SlotStore:
         heads = keys.shape[1]
         slot = self.free_for_heads(heads)
         stored_keys, stored_values, low = self.quantize(self.as_rows(keys), self.as_rows(values))
-        positions = self.as_rows(position.unsqueeze(1).expand(-1, heads, -1).unsqueeze(-1)).squeeze(-1)
-        self.insert(slot, stored_keys, stored_values, positions,
-                    None if score is None else self.as_rows(score.unsqueeze(-1)).squeeze(-1))
+        positions = self.as_rows(position.unsqueeze(1).expand(-1, heads, -1))
+        self.insert(slot, stored_keys, stored_values, positions, None if score is None else self.as_rows(score))
         if self.refine is not None:
             ranked = rank()
             for k in range(slot.shape[2]):

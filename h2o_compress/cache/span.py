@@ -75,6 +75,9 @@ class LayerSpan:
         return positions.unsqueeze(2) >= lowest[:, None, :, None]
 
 
+FULL_SPAN = LayerSpan()  # a full-attention layer's
+
+
 def layer_spans(config, num_layers: int) -> list[LayerSpan]:
     """One :class:`LayerSpan` per layer of a transformers ``config`` (its text config for a multimodal model).
 

@@ -418,17 +418,6 @@ REPORT_FILES = ("report.json", *PLOTS, "report.md", "report.html")
 """The files :func:`write_report` writes in its directory (``run_profile`` also writes a ``rows`` folder)."""
 
 
-def is_profile_report(path: str | Path) -> bool:
-    """Whether ``path`` is a report.json written by ``h2o-compress profile`` (complete or from an interrupted
-    sweep): a readable JSON object with a ``settings`` object and a ``results`` list. Never raises."""
-    try:
-        report = json.loads(read_text(path, "report", InputError))
-    except (InputError, ValueError, RecursionError):
-        return False
-    return isinstance(report, dict) and isinstance(report.get("settings"), dict) and isinstance(
-        report.get("results"), list)
-
-
 def check_out_dir(out_dir: str | Path) -> Path:
     """Refuse ``out_dir`` when writing a report there would replace files profile did not write; creates nothing.
 

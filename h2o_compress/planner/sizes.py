@@ -13,7 +13,7 @@ import torch
 
 from ..attention.launch import decode_scratch_bytes, launch_for
 from ..cache import build_layers
-from ..cache.layer import FULL_SPAN
+from ..cache.span import FULL_SPAN
 from ..config import CompressionConfig
 from ..errors import ConfigError, short
 from ..models import ModelDims
