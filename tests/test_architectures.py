@@ -194,3 +194,25 @@ def test_shared_kv_per_layer_geometry_and_hybrids_are_refused_from_the_config(mo
     with pytest.raises(UnsupportedModelError, match=re.escape(f"model type '{model_type}' {fragment}")) as error:
         model_dims(CONFIG_MAPPING[model_type]())
     assert "\n" not in str(error.value)
+
+
+def test_refusals_of_unreadable_layer_types_and_of_variants_on_a_fast_kernel():
+    """Each one line: layer types that do not match the layer count or lack a window, values wider than keys,
+    and a soft-cap reaching a layer whose decode kernel cannot run it."""
+    from transformers import MistralConfig
+
+    from h2o_compress.attention.variant import AttentionVariant
+    from h2o_compress.cache.span import layer_spans
+    from h2o_compress.cache.state import pad_values
+
+    config = MistralConfig(num_hidden_layers=2, sliding_window=None, layer_types=["full_attention"] * 2)
+    with pytest.raises(UnsupportedModelError, match="declares 2 layer types for 3 layers"):
+        layer_spans(config, 3)
+    config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="a sliding_attention layer without a window size"):
+        layer_spans(config, 2)
+    with pytest.raises(UnsupportedModelError, match="values of head dim 48 wider than the keys' 32"):
+        pad_values(torch.zeros(1, 2, 3, 48), 32, 0)
+    with pytest.raises(UnsupportedModelError, match="soft-cap or sink logits, which the cpu decode kernel"):
+        AttentionVariant.from_call({"softcap": 50.0}, "cpu", 0)
+    assert AttentionVariant.from_call({"softcap": 50.0}) == AttentionVariant(50.0)

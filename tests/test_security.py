@@ -156,3 +156,25 @@ def test_a_context_beyond_the_window_is_refused_before_tokenizing(tmp_path, monk
     with pytest.raises(InputError, match="at least .* tokens .* beyond the model's window"):
         compress(model, tokenizer, context)
     assert calls == []
+
+
+def test_a_symlinked_cache_directory_is_refused(cache_dir, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    private_dir()  # the root exists
+    (cache_dir / "kernels").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="kernels' is a symbolic link"):
+        private_dir("kernels")
+
+
+def test_a_chat_template_that_renders_without_bound_is_refused(tmp_path):
+    from conftest import save_tiny_model_dir
+    from transformers import AutoTokenizer
+
+    from h2o_compress.chat import TEMPLATE_FIXED, apply_chat_template
+
+    template = "{% for i in range(100000) %}{{ messages[0]['content'] * 50 }}{% endfor %}"
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_model_dir(tmp_path / "m", chat_template=template))
+    with pytest.raises(ModelLoadError, match="rendered .* characters for 5 characters of messages"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "w1 w2"}], tokenize=False)
+    assert TEMPLATE_FIXED < 100000 * 250

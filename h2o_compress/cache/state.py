@@ -52,6 +52,8 @@ class Geometry:
 
     @classmethod
     def of(cls, keys: torch.Tensor, setting) -> "Geometry":
+        """The geometry of a layer of ``setting`` (:class:`~.setting.LayerSetting`) whose first keys are ``keys``
+        ``[batch, kv_heads, tokens, head_dim]``."""
         quantized, device = setting.quantized, keys.device
         residual_dtype = torch.float16 if quantized and keys.dtype == torch.float32 else keys.dtype
         return cls(keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, device, residual_dtype,
@@ -116,6 +118,7 @@ class Counters:
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> "Counters":
+        """The counters of a layer that has seen nothing, for ``batch`` sequences on ``device``."""
         return cls(torch.zeros((), dtype=torch.int64, device=device),
                    torch.full((batch,), NO_REAL_TOKEN, dtype=torch.int64, device=device),
                    torch.ones((), dtype=torch.bool, device=device), torch.ones((), dtype=torch.bool, device=device))
@@ -127,6 +130,7 @@ class Counters:
         return finite
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Every counter tensor, by name (``seen``, ``first_real``, ``finite``, ``consistent``)."""
         return {"seen": self.seen, "first_real": self.first_real, "finite": self.finite, "consistent": self.consistent}
 
 
