@@ -23,6 +23,7 @@ from .errors import (
 )
 from .generation import GenerationResult, generate, make_cache
 from .models import DEFAULT_MODEL, load_model, model_dims
+from .persistence import load_cache, save_cache
 from .planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
 
 __version__ = "0.1.0"
@@ -34,6 +35,8 @@ __all__ = [
     "GenerationResult",
     "generate",
     "make_cache",
+    "save_cache",
+    "load_cache",
     "compress",
     "ask",
     "CompressedContext",

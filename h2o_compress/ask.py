@@ -33,6 +33,7 @@ from .chat import check_text_fits
 from .config import CompressionConfig, check_usable
 from .errors import CacheStateError, InputError, short
 from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
+from .persistence import save_cache, load_cache
 from .prompt_cache import check_context, prefill, shared_prefix_length
 from .weights import input_device
 
@@ -61,8 +62,8 @@ class CompressedContext:
         return self.cache.seen_tokens()
 
     def save(self, path, overwrite: bool = False):
-        """Write the compressed context to ``path`` (see :meth:`CompressedCache.save`; atomic)."""
-        return self.cache.save(path, overwrite=overwrite)
+        """Write the compressed context to ``path`` (see :func:`h2o_compress.persistence.save_cache`; atomic)."""
+        return save_cache(self.cache, path, overwrite=overwrite)
 
     @classmethod
     def load(cls, path, model, tokenizer, text: str, chat: bool = True, config=None) -> "CompressedContext":
@@ -72,7 +73,7 @@ class CompressedContext:
             CacheFileError, CacheStateError: see :func:`h2o_compress.persistence.load_cache`.
             InputError: ``text`` is not the context the file holds.
         """
-        cache = CompressedCache.load(path, model, config=config)
+        cache = load_cache(path, model, config=config)
         ids = encode_prompt(tokenizer, check_prompt(text), chat)
         held = cache.seen_tokens()
         saved = cache.prompt_state.token_ids

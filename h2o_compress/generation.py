@@ -69,7 +69,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)
-    cache.model_fingerprint = model_fingerprint(model)  # lets cache.save() check the model at load time
+    cache.model_fingerprint = model_fingerprint(model)  # lets save_cache() check the model at load time
     return cache
 
 
@@ -296,7 +296,7 @@ def generate(
 
     The budget fraction applies to ``prompt tokens + max_new_tokens``. ``on_text`` receives each new piece of
     text as it is generated (streaming). Stops at the tokenizer's end-of-sequence token. ``cache`` continues
-    from an existing cache (e.g. :meth:`CompressedCache.load`): only the prompt tokens it does not hold yet
+    from an existing cache (e.g. :func:`h2o_compress.load_cache`): only the prompt tokens it does not hold yet
     are fed (see :func:`h2o_compress.prompt_cache.prefill`). ``compile`` runs the decode steps through
     :func:`h2o_compress.compiled.compiled_decode_step` (``None``: on with CUDA, off on CPU, where eager measured
     faster); the prefill stays eager. The NaN/Inf flags of the decode steps are read once, at the end.

@@ -305,12 +305,12 @@ def check_cache_source(path) -> Path:
         info = os.stat(source)
     except OSError:
         raise CacheFileError(
-            f"cache file {short(str(source))} does not exist; allowed: a file written by cache.save()"
+            f"cache file {short(str(source))} does not exist; allowed: a file written by save_cache()"
         ) from None
     if not stat.S_ISREG(info.st_mode):
         raise CacheFileError(
             f"cache file {short(str(source))} is not a regular file ({_file_kind(info.st_mode)}); "
-            "allowed: a file written by cache.save()"
+            "allowed: a file written by save_cache()"
         )
     return source
 

@@ -1,7 +1,7 @@
 """Prompt caches: bring a :class:`CompressedCache` up to a prompt, resuming from a saved or live one.
 
 :func:`prefill` feeds only the prompt tokens a cache does not hold yet and records the prompt's token ids and
-next-token logits on the cache (``cache.prompt_state``), so :meth:`CompressedCache.save` stores them and a
+next-token logits on the cache (``cache.prompt_state``), so :func:`save_cache` stores them and a
 loaded cache continues exactly like the live one. :func:`prepare_prompt_cache` is what
 ``h2o-compress generate --save-cache F / --load-cache F`` runs before generating.
 """

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from strategies import fuzz
 
-from h2o_compress import CompressedCache, CompressionConfig, H2OCompressError, make_cache
+from h2o_compress.persistence import save_cache, load_cache
+from h2o_compress import CompressionConfig, H2OCompressError, make_cache
 from h2o_compress.persistence import _checksum, read_cache_file
 
 MODEL = tiny_llama()
@@ -30,7 +31,7 @@ def saved(tmp_path_factory):
         from h2o_compress.prompt_cache import prefill
 
         prefill(MODEL, ids, cache)
-        cache.save(path, model=MODEL)
+        save_cache(cache, path, model=MODEL)
     return read_cache_file(path)
 
 
@@ -96,7 +97,7 @@ def test_hostile_cache_files_load_cleanly_or_not_at_all(saved, tmp_path_factory,
     path = tmp_path_factory.mktemp("hostile") / "cache.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     try:
-        cache = CompressedCache.load(path, MODEL)
+        cache = load_cache(path, MODEL)
     except H2OCompressError:
         return
     cache.check()

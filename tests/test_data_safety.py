@@ -18,6 +18,7 @@ import pytest
 from conftest import save_tiny_model_dir
 from typer.testing import CliRunner
 
+from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.cli import app
 from h2o_compress.errors import CacheFileError
 from h2o_compress.persistence import _atomic_write, check_save_target, is_cache_file
@@ -163,15 +164,15 @@ def test_load_without_a_model_is_a_clear_error(tmp_path):
     import torch
     from conftest import tiny_llama
 
-    from h2o_compress import CacheStateError, CompressedCache, CompressionConfig, make_cache
+    from h2o_compress import CacheStateError, CompressionConfig, make_cache
     from h2o_compress.prompt_cache import prefill
 
     model = tiny_llama()
     cache = make_cache(model, CompressionConfig(budget=8))
     prefill(model, torch.arange(1, 12).unsqueeze(0), cache)
-    cache.save(tmp_path / "c.safetensors")
+    save_cache(cache, tmp_path / "c.safetensors")
     with pytest.raises(CacheStateError, match="model=None is not a transformers model; allowed: the model the cache"):
-        CompressedCache.load(tmp_path / "c.safetensors", None)
+        load_cache(tmp_path / "c.safetensors", None)
 
 
 @pytest.mark.integration

@@ -14,6 +14,7 @@ from test_compile import PROMPT, STEPS, eager_and_compiled, run
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
+from h2o_compress.persistence import load_cache, save_cache
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.cache import CompressedLayer
 from h2o_compress.cli import app
@@ -185,8 +186,8 @@ def test_frozen_copy_and_save_load_roundtrip(tmp_path):
     assert all(layer.setting.head_adaptive and layer.capacity is None for layer in frozen.layers)
     assert all(torch.equal(mine[k], v) for k, v in cache.layers[0].tensors().items())  # context not mutated
     assert torch.equal(frozen.layers[0].kept_per_head(), cache.layers[0].kept_per_head() + 10)
-    cache.save(tmp_path / "c.safetensors")
-    loaded = type(cache).load(tmp_path / "c.safetensors", model)
+    save_cache(cache, tmp_path / "c.safetensors")
+    loaded = load_cache(tmp_path / "c.safetensors", model)
     assert loaded.layers[0].setting.head_adaptive and loaded.config.head_budgets == "adaptive"
     for a, b in zip(cache.layers, loaded.layers):
         assert torch.equal(a.positions(), b.positions())

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from h2o_compress.persistence import load_cache, save_cache
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.models import model_dims
 from h2o_compress.planner import cache_bytes
@@ -65,8 +66,8 @@ def test_pyramid_cache_saves_and_loads(tmp_path):
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache)
-    cache.save(tmp_path / "c.safetensors")
-    loaded = type(cache).load(tmp_path / "c.safetensors", model)
+    save_cache(cache, tmp_path / "c.safetensors")
+    loaded = load_cache(tmp_path / "c.safetensors", model)
     assert loaded.capacities == cache.capacities and loaded.capacity == cache.capacity == 25
     for mine, theirs in zip(cache.layers, loaded.layers):
         assert torch.equal(mine.positions(), theirs.positions())

@@ -17,6 +17,7 @@ import torch._dynamo.testing
 from conftest import tiny_llama
 from typer.testing import CliRunner
 
+from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress import CompressedCache, CompressionConfig, ConfigError, make_cache
 from h2o_compress.cache import CompressedLayer
 from h2o_compress.cache.refinement import RefinedPlanes
@@ -189,8 +190,8 @@ def test_compiled_decode_matches_eager(model, policy, heads):
 def test_save_load_round_trip_continues_identically(model, tmp_path):
     config = setting(0.5)
     _, cache = run(model, config, steps=6)
-    path = cache.save(tmp_path / "mixed.safetensors", model=model)
-    loaded = CompressedCache.load(path, model)
+    path = save_cache(cache, tmp_path / "mixed.safetensors", model=model)
+    loaded = load_cache(path, model)
     assert loaded.config == config and loaded.nbytes() == cache.nbytes()
     for a, b in zip(cache.layers, loaded.layers):
         assert a.tensors().keys() == b.tensors().keys()
@@ -271,7 +272,7 @@ def test_a_damaged_slot_index_is_refused_on_load(model, tmp_path):
     from h2o_compress.persistence import _check_layer_values
 
     _, cache = run(model, setting(0.5), steps=3)
-    path = cache.save(tmp_path / "mixed.safetensors", model=model)
+    path = save_cache(cache, tmp_path / "mixed.safetensors", model=model)
     saved = {k.removeprefix("layers.0."): v for k, v in load_file(path).items() if k.startswith("layers.0.")}
     seen = int(cache.layers[0].seen)
     _check_layer_values(saved, 0, seen, cache.layers[0])  # as saved: fine

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from strategies import cached_llama, configs, fuzz, llama_shapes
 from typer.testing import CliRunner
 
+from h2o_compress.persistence import load_cache
 from h2o_compress import CompressedCache, CompressionConfig, make_cache
 from h2o_compress.attention import withdraw
 from h2o_compress.cache import build_layers
@@ -85,8 +86,8 @@ def test_round_trip_is_exact_and_continues_identically(model, tmp_path, name):
     logits = prefill(model, ids, cache)
     greedy(model, cache, logits, 3)  # some decode steps: quantized blocks, evictions, grown scores
     path = tmp_path / "cache.safetensors"
-    cache.save(path, model=model)
-    loaded = CompressedCache.load(path, model)
+    save_cache(cache, path, model=model)
+    loaded = load_cache(path, model)
     assert loaded.config == config
     assert loaded.capacity == cache.capacity
     assert loaded.get_seq_length() == cache.get_seq_length() == 23
@@ -124,8 +125,8 @@ def test_round_trip_for_random_configs_and_shapes(tmp_path_factory, case):
     logits = prefill(model, ids, cache)
     greedy(model, cache, logits, case["steps_before"])
     path = tmp_path_factory.mktemp("fuzz") / "cache.safetensors"
-    cache.save(path)
-    loaded = CompressedCache.load(path, model, config=case["config"])
+    save_cache(cache, path)
+    loaded = load_cache(path, model, config=case["config"])
     assert_same_state(layer_state(loaded), layer_state(cache))
     token = torch.randint(0, 128, (case["batch"], 1), generator=torch.Generator().manual_seed(case["seed"]))
     live, _ = greedy(model, cache, model(input_ids=token, past_key_values=cache).logits[:, -1], 3)
@@ -142,8 +143,8 @@ def test_left_padded_batch_round_trip(model, tmp_path):
     cache = make_cache(model, config)
     model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert cache.layers[0].first_real.tolist() == [5, 0, 2]  # padding is never held: sinks count from here
-    cache.save(tmp_path / "padded.safetensors", model=model)
-    loaded = CompressedCache.load(tmp_path / "padded.safetensors", model)
+    save_cache(cache, tmp_path / "padded.safetensors", model=model)
+    loaded = load_cache(tmp_path / "padded.safetensors", model)
     assert_same_state(layer_state(loaded), layer_state(cache))
     token = torch.randint(0, 128, (3, 1))
     for step in range(8):  # evictions with pads held
@@ -181,10 +182,10 @@ def test_saved_prompt_cache_gives_the_live_continuation(model, tmp_path):
     ids = prompt_ids(batch=1, length=24, seed=3)
     live_cache = make_cache(model, config, max_length=24 + 12)
     live_logits = prefill(model, ids, live_cache)
-    path = live_cache.save(tmp_path / "prompt.safetensors")  # prefill recorded the model fingerprint
+    path = save_cache(live_cache, tmp_path / "prompt.safetensors")  # prefill recorded the model fingerprint
     live_tokens, _ = greedy(model, live_cache, live_logits, 12)
 
-    loaded = CompressedCache.load(path, model)
+    loaded = load_cache(path, model)
     assert torch.equal(loaded.prompt_state.token_ids, ids)
     logits = prefill(model, ids, loaded)  # the whole prompt is cached: no forward pass, stored logits
     assert loaded.get_seq_length() == 24
@@ -199,9 +200,9 @@ def test_loaded_prompt_cache_extends_to_a_longer_prompt(model, tmp_path):
     full = torch.cat((prefix, prompt_ids(batch=2, length=7, seed=5)), 1)
     live = make_cache(model, config)
     prefill(model, prefix, live)
-    live.save(tmp_path / "prefix.safetensors")
+    save_cache(live, tmp_path / "prefix.safetensors")
     live_logits = prefill(model, full, live)  # feeds only the 7 new tokens
-    loaded = CompressedCache.load(tmp_path / "prefix.safetensors", model)
+    loaded = load_cache(tmp_path / "prefix.safetensors", model)
     assert torch.equal(prefill(model, full, loaded), live_logits)
     assert loaded.get_seq_length() == 19
     assert_same_state(layer_state(loaded), layer_state(live))
@@ -233,32 +234,32 @@ def test_cache_without_prompt_ids_cannot_be_prefilled(model):
 def saved_file(model, tmp_path, config=None, name="cache.safetensors"):
     cache = make_cache(model, config or CompressionConfig(budget=10, kv_bits=4, residual=2))
     prefill(model, prompt_ids(), cache)
-    return cache.save(tmp_path / name)
+    return save_cache(cache, tmp_path / name)
 
 
 def test_loading_into_another_model_is_refused(model, tmp_path):
     path = saved_file(model, tmp_path)
     same_shape_other_weights = tiny_llama(seed=1)
     with pytest.raises(CacheStateError, match="was saved for model 'llama:2x2x32'.*not this one"):
-        CompressedCache.load(path, same_shape_other_weights)
+        load_cache(path, same_shape_other_weights)
     with pytest.raises(CacheStateError, match="not this one \\(llama:2x4x32"):
-        CompressedCache.load(path, tiny_llama(seed=0, kv_heads=4))
+        load_cache(path, tiny_llama(seed=0, kv_heads=4))
     for seed in (0, 1):  # the same weights or others (the fingerprint cannot tell), in another dtype
         with pytest.raises(CacheStateError, match=r"was saved from 'llama:2x2x32' in float32, and this model is "
                            r"float16 \(the fingerprints differ\); allowed: the model that saved it, in the dtype it "
                            r"was saved with \(--dtype float32"):
-            CompressedCache.load(path, tiny_llama(seed=seed).to(torch.float16))
+            load_cache(path, tiny_llama(seed=seed).to(torch.float16))
 
 
 def test_loading_with_another_config_is_refused(model, tmp_path):
     path = saved_file(model, tmp_path)
     with pytest.raises(CacheStateError, match=r"different config: budget=20 \(file: 10\)"):
-        CompressedCache.load(path, model, config=CompressionConfig(budget=20, kv_bits=4, residual=2))
+        load_cache(path, model, config=CompressionConfig(budget=20, kv_bits=4, residual=2))
     with pytest.raises(CacheStateError, match=r"kv_bits=8 \(file: 4\)"):
-        CompressedCache.load(path, model, config={"kv_bits": 8})
+        load_cache(path, model, config={"kv_bits": 8})
     with pytest.raises(ConfigError, match="unknown config field"):
-        CompressedCache.load(path, model, config={"bits": 8})
-    assert CompressedCache.load(path, model, config={"kv_bits": 4, "budget": 10}).config.kv_bits == 4
+        load_cache(path, model, config={"bits": 8})
+    assert load_cache(path, model, config={"kv_bits": 4, "budget": 10}).config.kv_bits == 4
 
 
 def test_fingerprint_is_stable_and_discriminating(model):
@@ -273,15 +274,15 @@ def test_fingerprint_is_stable_and_discriminating(model):
 
 def test_missing_or_not_a_cache_file(model, tmp_path):
     with pytest.raises(CacheFileError, match="does not exist"):
-        CompressedCache.load(tmp_path / "nope.safetensors", model)
+        load_cache(tmp_path / "nope.safetensors", model)
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(os.urandom(300))
     with pytest.raises(CacheFileError, match="truncated or not a safetensors file"):
-        CompressedCache.load(junk, model)
+        load_cache(junk, model)
     other = tmp_path / "weights.safetensors"
     save_file({"w": torch.zeros(3)}, str(other))
     with pytest.raises(CacheFileError, match="is not an h2o-compress cache file"):
-        CompressedCache.load(other, model)
+        load_cache(other, model)
 
 
 @pytest.mark.parametrize("cut", [1, 100, 2000])
@@ -290,7 +291,7 @@ def test_truncated_file_is_detected(model, tmp_path, cut):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - cut])
     with pytest.raises(CacheFileError, match="truncated"):
-        CompressedCache.load(path, model)
+        load_cache(path, model)
 
 
 def rewrite(path, edit_metadata=None, edit_tensors=None):
@@ -310,7 +311,7 @@ def test_tampered_data_is_detected(model, tmp_path):
     raw[8 + header + 50] ^= 0x01  # one bit of tensor data
     path.write_bytes(bytes(raw))
     with pytest.raises(CacheFileError, match="fails its checksum"):
-        CompressedCache.load(path, model)
+        load_cache(path, model)
 
 
 @pytest.mark.parametrize(
@@ -327,14 +328,14 @@ def test_edited_file_is_detected(model, tmp_path, edit_metadata, edit_tensors):
     path = saved_file(model, tmp_path)
     rewrite(path, edit_metadata, edit_tensors)
     with pytest.raises(CacheFileError, match="fails its checksum"):
-        CompressedCache.load(path, model)
+        load_cache(path, model)
 
 
 def test_unknown_format_version_is_refused(model, tmp_path):
     path = saved_file(model, tmp_path)
     rewrite(path, lambda m: m.update(format_version="99"))
     with pytest.raises(CacheFileError, match="format version '99'; allowed: 3"):
-        CompressedCache.load(path, model)
+        load_cache(path, model)
 
 
 def test_file_records_metadata(model, tmp_path):
@@ -366,10 +367,10 @@ def test_interrupted_save_keeps_the_old_file(model, tmp_path, monkeypatch):
     cache = make_cache(model, CompressionConfig(budget=6))
     prefill(model, prompt_ids(batch=1, length=9), cache)
     with pytest.raises(KeyboardInterrupt):
-        cache.save(path)
+        save_cache(cache, path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left behind
-    CompressedCache.load(path, model)
+    load_cache(path, model)
 
 
 def test_failed_rename_leaves_no_partial_file(model, tmp_path, monkeypatch):
@@ -409,7 +410,7 @@ def test_unsaveable_caches_are_refused(model, tmp_path):
 def test_save_without_model_after_make_cache(model, tmp_path):
     cache = make_cache(model)
     model(input_ids=prompt_ids(batch=1, length=4), past_key_values=cache)
-    cache.save(tmp_path / "a.safetensors")
+    save_cache(cache, tmp_path / "a.safetensors")
 
 
 # -- CLI ---------------------------------------------------------------------------------------------------
@@ -512,7 +513,7 @@ def test_cache_save_replaces_a_foreign_file_only_with_overwrite(model, tmp_path)
     target = tmp_path / "notes.txt"
     target.write_text("a user's file")
     with pytest.raises(CacheFileError):
-        cache.save(target, model=model)
+        save_cache(cache, target, model=model)
     assert target.read_text() == "a user's file"
-    cache.save(target, model=model, overwrite=True)
-    assert CompressedCache.load(target, model).seen_tokens() == 20
+    save_cache(cache, target, model=model, overwrite=True)
+    assert load_cache(target, model).seen_tokens() == 20

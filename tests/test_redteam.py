@@ -26,6 +26,7 @@ from typing import Callable
 import pytest
 from conftest import save_tiny_model_dir
 
+from h2o_compress.persistence import load_cache
 from h2o_compress import H2OCompressError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -348,7 +349,7 @@ def _api_cases(tmp: Path, models: Path):
     import torch
     from conftest import tiny_llama
 
-    from h2o_compress import CompressedCache, CompressionConfig, generate, load_model, plan
+    from h2o_compress import CompressionConfig, generate, load_model, plan
     from h2o_compress.config import check_usable
     from h2o_compress.config_file import load_config
     from h2o_compress.models import check_cache_root
@@ -385,7 +386,7 @@ def _api_cases(tmp: Path, models: Path):
         "plan-group-7": lambda: plan("llama-2-7b", "24GiB", group_sizes=(7,)),
         "plan-headroom": lambda: plan("llama-2-7b", "24GiB", headroom="24GiB"),
         "memory-overflow": lambda: parse_memory("9" * 400 + "GiB"),
-        "load-none-model": lambda: CompressedCache.load(str(tmp / "notes.txt"), None),
+        "load-none-model": lambda: load_cache(str(tmp / "notes.txt"), None),
         "save-over-user-file": lambda: check_save_target(tmp / "notes.txt"),
         "save-to-fifo": lambda: check_save_target(tmp / "pipe", overwrite=True),
         "save-to-dir": lambda: check_save_target(tmp, overwrite=True),

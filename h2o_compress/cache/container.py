@@ -180,20 +180,6 @@ class CompressedCache(Cache):
                 setattr(copy, name, getattr(self, name))
         return copy
 
-    def save(self, path, model=None, overwrite: bool = False):
-        """Write this cache to ``path`` (safetensors, atomic; ``overwrite`` lets it replace a file that is not a
-        cache file); see :func:`h2o_compress.persistence.save_cache`."""
-        from ..persistence import save_cache
-
-        return save_cache(self, path, model=model, overwrite=overwrite)
-
-    @classmethod
-    def load(cls, path, model, config=None) -> "CompressedCache":
-        """Load a cache saved by :meth:`save` for ``model``; see :func:`h2o_compress.persistence.load_cache`."""
-        from ..persistence import load_cache
-
-        return load_cache(path, model, config=config)
-
 
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
