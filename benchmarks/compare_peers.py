@@ -23,7 +23,7 @@ Tasks:
   speed   prefill seconds, decode tokens/s (median step) and peak RSS above the idle process at 1k and 4k tokens.
 
 Equal bytes: kvpress's ``compression_ratio`` r keeps ``int((1 - r) x context)`` tokens; our setting "keep b" uses
-r = 1 - b for the peers and, for QA, compress-then-ask as ``h2o_compress.ask`` does it: the context is compressed
+r = 1 - b for the peers and, for QA, compress-then-ask as ``h2o_compress.runtime.ask`` does it: the context is compressed
 to ``int(b x context)`` tokens (kvzip: after its reconstruction pass), then each question and its answer are added
 to a frozen copy that evicts nothing more, which is what kvpress holds while answering. Bytes are counted the same way on both sides: every tensor
 the cache holds at the time (full-precision keys/values, quantized data, scales, zero points; ours also its fp32
@@ -872,7 +872,7 @@ def main() -> None:
         "'right' = the first number written is the pass key. 'answer NLL' = teacher-forced NLL of the right "
         "answer's tokens (space + 5 digits). 'keep' b: kvpress compression_ratio = 1 - b; ours: the context "
         "compressed to int(b x context) tokens, each question + answer added to a frozen copy (compress-then-ask, "
-        "as h2o_compress.ask), i.e. what kvpress holds while answering. KV MiB answering = mean "
+        "as h2o_compress.runtime.ask), i.e. what kvpress holds while answering. KV MiB answering = mean "
         "bytes held at the end of the answer (every tensor: data, scales, zero points, our fp32 scores).")
     report["ppl_setup"] = (
         f"{len(inputs['ppl_ids'])} tokens of the shipped corpus read {grid['ppl_chunk']} tokens per forward pass; "

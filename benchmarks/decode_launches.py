@@ -13,7 +13,7 @@ fixed random q/k/v: what the cache adds to a step besides the model's projection
 ``fused eager``     ``attention_kernel='triton'``: the op ``h2o_compress::slot_decode_attention`` (two Triton launches;
                     on CPU under ``TRITON_INTERPRET=1``, set by this script) plus the torch ops around it.
 ``fused compiled``  the same under ``torch.compile(fullgraph=True)`` (Inductor; the project's
-                    :data:`~h2o_compress.compiled.INDUCTOR_OPTIONS`); the custom op stays one extern call.
+                    :data:`~h2o_compress.runtime.compiled.INDUCTOR_OPTIONS`); the custom op stays one extern call.
 ``torch compiled``  the torch form compiled likewise (what a CUDA user without Triton would get).
 
 Counted per layer per step (over ``--steps`` profiled steps after warm-up): **aten ops** dispatched at top level
@@ -214,7 +214,7 @@ def measure(mode: str, args) -> dict:
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
-    from h2o_compress.compiled import INDUCTOR_OPTIONS
+    from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS
 
     kernel = "torch" if mode.startswith("torch") else "triton"
     compiled = mode.endswith("compiled")

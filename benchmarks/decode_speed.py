@@ -4,7 +4,7 @@
 
 Baselines: ``DynamicCache``, ``StaticCache`` eager and ``StaticCache`` + ``torch.compile`` (Inductor, fullgraph:
 what a user who wants speed runs). Ours: h2o 0.2 int4 (and 16-bit) eager and compiled
-(:func:`h2o_compress.compiled.compiled_decode_step`). Each setting prefills the same prompt (eager) and decodes
+(:func:`h2o_compress.runtime.compiled.compiled_decode_step`). Each setting prefills the same prompt (eager) and decodes
 the same number of greedy tokens through the same step function; settings are interleaved round-robin
 ``repeats`` times and the median decode time is reported. Compilation happens in a warm-up run per setting and
 length (a fresh compile per length), outside the timings (its seconds are reported). "ours eager" is what the CLI
@@ -27,7 +27,7 @@ from rich.table import Table
 from transformers import DynamicCache, StaticCache
 
 from h2o_compress import CompressedCache, CompressionConfig, load_model, make_cache
-from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
+from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS, decode_step
 
 BASELINES = ("DynamicCache", "StaticCache eager", "StaticCache + compile")
 SETTINGS = {  # name: (cache kind or CompressionConfig, compiled)
@@ -69,7 +69,7 @@ def run_once(model, prompt: torch.Tensor, new_tokens: int, kind, step) -> dict:
     for _ in range(new_tokens):
         token = logits.argmax(-1, keepdim=True)
         position = torch.full((1, 1), seen, dtype=torch.long)
-        mask = None  # ours: no mask, as h2o_compress.compiled.decode_one passes (the slots say what is held)
+        mask = None  # ours: no mask, as h2o_compress.runtime.compiled.decode_one passes (the slots say what is held)
         if not isinstance(cache, CompressedCache):
             mask = torch.ones(1, seen + 1, dtype=torch.long)
             if step is not decode_step:

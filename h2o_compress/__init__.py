@@ -8,11 +8,11 @@ Quick start::
     print(result.text, result.kv_bytes / result.kv_bytes_full_fp16)
 """
 
-from .ask import ASK_DEFAULTS, CompressedContext, ask, compress
-from .cache import CompressedCache, CompressedLayer
-from .config import CompressionConfig
-from .config_file import load_config
-from .errors import (
+from h2o_compress.runtime.ask import ASK_DEFAULTS, CompressedContext, ask, compress
+from h2o_compress.cache import CompressedCache, CompressedLayer
+from h2o_compress.config import CompressionConfig
+from h2o_compress.config_file import load_config
+from h2o_compress.utils.errors import (
     CacheFileError,
     CacheStateError,
     ConfigError,
@@ -21,12 +21,12 @@ from .errors import (
     ModelLoadError,
     UnsupportedModelError,
 )
-from .generation import GenerationResult, generate, make_cache
-from .models import DEFAULT_MODEL, load_model, model_dims
-from .persistence import load_cache, save_cache
-from .planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
+from h2o_compress.runtime.generation import GenerationResult, generate, make_cache
+from h2o_compress.models import DEFAULT_MODEL, load_model, model_dims
+from h2o_compress.persistence import load_cache, save_cache
+from h2o_compress.planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
 
-__version__ = "0.1.0"
+from h2o_compress.utils.version import __version__
 
 __all__ = [
     "CompressedCache",
@@ -57,4 +57,5 @@ __all__ = [
     "CacheStateError",
     "CacheFileError",
     "load_config",
+    "__version__",
 ]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError, short
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.policies import POLICIES, make_policy
 
 ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = (32, 64, 128)
@@ -104,7 +105,7 @@ class CompressionConfig:
             ``global`` (KVzip's allocation, Kim et al. 2025, arXiv 2505.23416 §3.3: with ``kvzip`` or ``lookahead``,
             whose scoring pass runs before the cache is built, the ``num_layers x kv_heads x C`` best-scored
             (layer, head, token) entries over the whole model are counted per layer, and each layer gets its
-            share of the same total: :func:`~h2o_compress.context_scores.global_layer_capacities`; where a prompt
+            share of the same total: :func:`~h2o_compress.runtime.context_scores.global_layer_capacities`; where a prompt
             is read without that pass, the layers stay uniform), or per-layer weights: a sequence of
             ``num_layers`` positive numbers, or the path of a JSON file holding one (a list, or ``{"weights":
             [...]}``; read once, here, and kept as the tuple), each layer getting its weight's share of the total
@@ -160,8 +161,6 @@ class CompressionConfig:
     evict_chat_header: bool = False
 
     def __post_init__(self) -> None:
-        from .policies import POLICIES
-
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
         if self.lookahead_request is not None:
@@ -323,8 +322,6 @@ class CompressionConfig:
     def eviction_policy(self):
         """A fresh :class:`~h2o_compress.policies.EvictionPolicy` of this setting (``policy`` with its heavy ratio,
         sinks, ``lookahead_request`` and ``forgetting_factor``): what each cache layer ranks by."""
-        from .policies import make_policy
-
         return make_policy(self.policy, self.heavy_ratio, self.sink_tokens, self.lookahead_request,
                            self.forgetting_factor, self.evict_chat_header)
 

@@ -2,7 +2,7 @@
 :class:`~h2o_compress.config.CompressionConfig` fields, e.g. ``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``.
 
 Every problem (missing file, syntax error, unknown key, value out of range or of the wrong type) is a
-:class:`~h2o_compress.errors.ConfigError` naming the file, the key and what is allowed.
+:class:`~h2o_compress.utils.errors.ConfigError` naming the file, the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from .config import CompressionConfig
-from .errors import ConfigError, short
-from .files import parse_json, parse_toml, read_text
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.files import parse_json, parse_toml, read_text
 
 SUFFIXES = (".json", ".toml")
 

@@ -10,10 +10,10 @@ from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
 from typer.testing import CliRunner
 
 from h2o_compress import ASK_DEFAULTS, CompressionConfig, ConfigError, InputError, ask, compress, make_cache
-from h2o_compress.ask import SEPARATOR, CompressedContext
+from h2o_compress.runtime.ask import SEPARATOR, CompressedContext
 from h2o_compress.cache.container import frozen_layer
 from h2o_compress.cli import app
-from h2o_compress.generation import encode_prompt
+from h2o_compress.runtime.generation import encode_prompt
 from h2o_compress.evaluation import default_corpus
 
 CONTEXT = default_corpus()[:1500]
@@ -108,7 +108,7 @@ def test_cli_ask_answers_every_question_and_saves_the_context(tmp_path):
 
 def test_cli_ask_passes_the_lookahead_request_to_the_scoring_pass(tmp_path, monkeypatch):
     """``--lookahead-request`` reaches the pass that scores the document (and the default request otherwise)."""
-    from h2o_compress import context_scores
+    from h2o_compress.runtime import context_scores
 
     asked = []
     real = context_scores.lookahead_scores
@@ -174,7 +174,7 @@ def test_cli_ask_refuses_a_missing_context_file(tmp_path):
 
 
 def test_kvzip_keeps_what_the_reconstruction_attends_most():
-    from h2o_compress.context_scores import reconstruction_scores
+    from h2o_compress.runtime.context_scores import reconstruction_scores
 
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=0.9, kv_bits=16)
@@ -199,7 +199,7 @@ def test_kvzip_keeps_what_the_reconstruction_attends_most():
 def test_lookahead_keeps_what_the_answer_to_its_request_attends_most():
     """``lookahead``: the prefill keeps, per KV head, the top of the attention the model's own answer to the fixed
     request gives the context (pooled), plus the recent window; the compressed context then answers as usual."""
-    from h2o_compress.context_scores import lookahead_scores
+    from h2o_compress.runtime.context_scores import lookahead_scores
 
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=16)
@@ -232,7 +232,7 @@ def test_lookahead_scores_sum_the_answers_attention_and_pool_it(monkeypatch):
 
     from transformers import DynamicCache
 
-    from h2o_compress import context_scores
+    from h2o_compress.runtime import context_scores
 
     model, tokenizer = tiny_lm()
     ids = encode_prompt(tokenizer, CONTEXT[:120], False)
@@ -272,7 +272,7 @@ def test_lookahead_without_a_request_answers_the_prompt_itself(monkeypatch):
 
     from transformers import DynamicCache
 
-    from h2o_compress import context_scores
+    from h2o_compress.runtime import context_scores
 
     model, tokenizer = tiny_lm()
     ids = encode_prompt(tokenizer, CONTEXT[:120], False)
@@ -304,7 +304,7 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
     prompt answers the prompt itself (or the request given), and the prefill keeps the top of those scores plus the
     recent window."""
     from h2o_compress import context_scores, generate
-    from h2o_compress.generation import make_scored_cache
+    from h2o_compress.runtime.generation import make_scored_cache
     from h2o_compress.evaluation.needle import answer_prompt
 
     asked, computed = [], []
@@ -321,7 +321,7 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
                                lookahead_request=request_text)
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
     made = []
-    module = "h2o_compress.evaluation.needle" if entry == "needle" else "h2o_compress.generation"
+    module = "h2o_compress.evaluation.needle" if entry == "needle" else "h2o_compress.runtime.generation"
     real_make = make_scored_cache
     monkeypatch.setattr(f"{module}.make_scored_cache",
                         lambda *args, **kwargs: made.append(real_make(*args, **kwargs)) or made[-1])
@@ -349,7 +349,7 @@ def test_generate_runs_kvzips_reconstruction_over_the_prompt(monkeypatch):
     """``kvzip`` in ``generate``: its reconstruction pass scores the prompt once; a prompt continuing a cache
     that already holds tokens is not scored again."""
     from h2o_compress import context_scores, generate
-    from h2o_compress.prompt_cache import prefill
+    from h2o_compress.runtime.prefill import prefill
 
     calls = []
     real = context_scores.reconstruction_scores
@@ -370,7 +370,7 @@ def test_lookahead_asks_again_after_every_segment_and_keeps_the_largest_score():
     """A context read in segments: the request (and its answer) is dropped from the cache after each ask, so the
     last segment's tokens get exactly the scores of one request after the whole context, and every earlier
     token at least the score its own segment's request gave it."""
-    from h2o_compress.context_scores import lookahead_scores, segment_ends
+    from h2o_compress.runtime.context_scores import lookahead_scores, segment_ends
 
     assert segment_ends(4096, 1024) == [1024, 2048, 3072, 4096]
     assert segment_ends(1500, 1024) == [1500] and segment_ends(1536, 1024) == [1024, 1536]
@@ -397,9 +397,9 @@ def test_question_agnostic_scoring_runs_on_every_architecture(tiny_model, policy
     the prefill keeps the capacity, and its kept set follows the scores (a token the scores put first is kept)."""
     from types import SimpleNamespace
 
-    from h2o_compress.context_scores import hand_context_scores
-    from h2o_compress.prompt_cache import prefill
-    from h2o_compress.context_scores import score_context
+    from h2o_compress.runtime.context_scores import hand_context_scores
+    from h2o_compress.runtime.prefill import prefill
+    from h2o_compress.runtime.context_scores import score_context
 
     class CharTokenizer:  # no chat template: the request follows as plain text
         chat_template = None
@@ -449,8 +449,8 @@ def test_bad_inputs_of_compress_then_ask_are_refused():
 def test_kvzip_reconstruction_is_asked_as_the_assistant_turn(smollm2):
     """KVzip's prompt (arXiv 2505.23416 §3.1, as kvpress builds it): the request closes the user turn, and the
     context is repeated as the assistant's answer, without the template's system/user header."""
-    from h2o_compress.context_scores import _reconstruction_prompt
-    from h2o_compress.generation import encode_prompt
+    from h2o_compress.runtime.context_scores import _reconstruction_prompt
+    from h2o_compress.runtime.generation import encode_prompt
 
     _, tokenizer = smollm2
     context = encode_prompt(tokenizer, "The pass key is 48213. Some more prose follows here.")
@@ -470,8 +470,8 @@ def test_evict_chat_header_scores_the_template_header_zero(tmp_path, monkeypatch
     from conftest import save_tiny_model_dir
 
     from h2o_compress import load_model
-    from h2o_compress.context_scores import chat_header_length, score_context
-    from h2o_compress.generation import encode_prompt
+    from h2o_compress.runtime.context_scores import chat_header_length, score_context
+    from h2o_compress.runtime.generation import encode_prompt
 
     template = ("{% for m in messages %}w120 w119 w118 {{ m['content'] }} w121{% endfor %}"
                 "{% if add_generation_prompt %} w122 w123{% endif %}")
@@ -547,7 +547,7 @@ def test_cli_ask_refuses_an_empty_or_too_long_context_before_compressing(tmp_pat
     (long) compression, with the most --max-new-tokens that fits."""
     import sys
 
-    ask_module = sys.modules["h2o_compress.ask"]  # the package's ``ask`` attribute is the function
+    ask_module = sys.modules["h2o_compress.runtime.ask"]  # the package's ``ask`` attribute is the function
 
     def never(*args, **kwargs):
         raise AssertionError("compress() ran")

@@ -17,7 +17,7 @@ from strategies import fuzz
 
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress import CompressionConfig, H2OCompressError, make_cache
-from h2o_compress.persistence import _checksum, read_cache_file
+from h2o_compress.persistence.file_format import _checksum, read_cache_file
 
 MODEL = tiny_llama()
 
@@ -28,7 +28,7 @@ def saved(tmp_path_factory):
     cache = make_cache(MODEL, CompressionConfig(budget=10, kv_bits=4, residual=2, sink_tokens=1), max_length=40)
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        from h2o_compress.prompt_cache import prefill
+        from h2o_compress.runtime.prefill import prefill
 
         prefill(MODEL, ids, cache)
         save_cache(cache, path, model=MODEL)

@@ -5,7 +5,7 @@ steps that cross several evictions and ring turnovers run with no graph break, a
 growing attention mask's length turns dynamic once), no ``.item()`` (``capture_scalar_outputs=False`` under
 ``fullgraph=True`` fails on any host read), the cache's storage pointers unchanged, and logits within 1e-5 of
 the eager step. The full matrix traces with Dynamo's ``eager`` backend (the capture is what can break); a subset
-runs through Inductor (CPU, gcc), with the options of :data:`h2o_compress.compiled.INDUCTOR_OPTIONS`.
+runs through Inductor (CPU, gcc), with the options of :data:`h2o_compress.runtime.compiled.INDUCTOR_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import TINY_MODELS
 from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, ConfigError, InputError, make_cache
-from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
+from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS, decode_step
 from h2o_compress.policies import POLICIES as REGISTERED
 
 PROMPT, STEPS = 20, 24
@@ -149,7 +149,7 @@ def test_a_host_read_in_the_step_would_fail_the_capture(kernel):
 
 
 def test_bitsandbytes_formats_refuse_compile_with_one_clear_error():
-    from h2o_compress.compiled import resolve_compile
+    from h2o_compress.runtime.compiled import resolve_compile
 
     model = TINY_MODELS["llama"]()
     cache = make_cache(model, CompressionConfig(budget=12, kv_bits=4, quant="nf4"), max_length=40)
@@ -180,7 +180,7 @@ def test_decode_one_steps_have_one_shape_so_cuda_graphs_record_once(arch):
     whose inputs hold no symbolic size. (Inductor's CUDA-graph trees record a new CUDA graph for each value of a
     SymInt input: a growing mask marked dynamic put one in, so every token recorded a graph.) Same logits as the
     eager step with the growing mask."""
-    from h2o_compress.compiled import decode_one
+    from h2o_compress.runtime.compiled import decode_one
 
     model = TINY_MODELS[arch]()
     recording, graphs = symint_recorder()
@@ -216,7 +216,7 @@ def test_a_growing_mask_would_put_a_symbolic_size_into_the_graph():
 
 
 def test_the_compiled_step_refuses_an_attention_mask():
-    from h2o_compress.compiled import compiled_decode_step
+    from h2o_compress.runtime.compiled import compiled_decode_step
 
     model = TINY_MODELS["llama"]()
     step = compiled_decode_step(model, "cpu")
@@ -244,8 +244,8 @@ def test_generate_leaves_the_compiled_steps_warm_up_out_of_the_decode_speed(monk
     and time by a clock that ticks once per reading, so the split is exact."""
     from transformers import AutoTokenizer
 
-    from h2o_compress import generation
-    from h2o_compress.compiled import warmup_steps
+    from h2o_compress.runtime import generation
+    from h2o_compress.runtime.compiled import warmup_steps
 
     assert warmup_steps("cpu") == 1 and warmup_steps(torch.device("cuda")) == 2
     model, tokenizer = TINY_MODELS["llama"](), AutoTokenizer.from_pretrained(tiny_model_dir)

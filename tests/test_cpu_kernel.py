@@ -20,7 +20,7 @@ import torch._dynamo
 
 from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.config import HEAD_ADAPTIVE_POLICIES
-from h2o_compress.compiled import decode_step
+from h2o_compress.runtime.compiled import decode_step
 from h2o_compress.policies import make_policy
 from h2o_compress.attention import cpu
 

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.cli import app
-from h2o_compress.errors import CacheFileError
-from h2o_compress.persistence import _atomic_write, check_save_target, is_cache_file
+from h2o_compress.utils.errors import CacheFileError
+from h2o_compress.persistence.file_format import _atomic_write, check_save_target, is_cache_file
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -93,7 +93,7 @@ def test_signal_during_save_removes_the_partial_file(tmp_path, signum):
         import signal, sys, time
         from pathlib import Path
         sys.path.insert(0, {str(REPO)!r})
-        from h2o_compress.persistence import _atomic_write
+        from h2o_compress.persistence.file_format import _atomic_write
 
         signal.signal({int(signum)}, signal.SIG_DFL)  # default disposition (nohup, for one, starts with SIGHUP ignored)
 
@@ -165,7 +165,7 @@ def test_load_without_a_model_is_a_clear_error(tmp_path):
     from conftest import tiny_llama
 
     from h2o_compress import CacheStateError, CompressionConfig, make_cache
-    from h2o_compress.prompt_cache import prefill
+    from h2o_compress.runtime.prefill import prefill
 
     model = tiny_llama()
     cache = make_cache(model, CompressionConfig(budget=8))

@@ -417,7 +417,7 @@ def test_non_finite_keys_in_a_direct_update_are_refused(model):
 
 
 def test_every_error_class_is_a_value_error():
-    from h2o_compress import errors
+    from h2o_compress.utils import errors
 
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
     assert len(classes) >= 7

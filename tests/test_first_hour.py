@@ -16,7 +16,7 @@ import typer
 from h2o_compress import CompressionConfig
 from h2o_compress.cli import app
 from h2o_compress.config import check_usable
-from h2o_compress.errors import ConfigError
+from h2o_compress.utils.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "h2o_compress" / "cli"
@@ -113,7 +113,7 @@ def test_settings_without_a_recent_window_are_refused(config, capacity, message)
 def test_one_colour_per_policy_and_one_marker_per_bit_width():
     from h2o_compress.config import ALLOWED_BITS
     from h2o_compress.policies import POLICIES
-    from h2o_compress.evaluation.report import bits_marker, policy_color
+    from h2o_compress.profiling.report import bits_marker, policy_color
 
     colours = [policy_color(p) for p in POLICIES]
     assert len(set(colours)) == len(colours), dict(zip(POLICIES, colours))
@@ -123,7 +123,7 @@ def test_one_colour_per_policy_and_one_marker_per_bit_width():
 
 # -- the converted-model cache directory ------------------------------------------------------------------------------
 def test_empty_cache_variable_means_unset(monkeypatch):
-    from h2o_compress.paths import cache_root
+    from h2o_compress.utils.paths import cache_root
 
     monkeypatch.setenv("H2O_COMPRESS_CACHE", "")
     assert cache_root() == Path.home() / ".cache" / "h2o-compress"
@@ -134,7 +134,7 @@ def test_empty_cache_variable_means_unset(monkeypatch):
 def test_unusable_cache_directory_is_refused(tmp_path):
     import os
 
-    from h2o_compress.models import check_cache_root
+    from h2o_compress.utils.paths import check_cache_root
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is not a directory"):

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, ConfigError, compress, generate, make_cache
 from h2o_compress.cli import app
-from h2o_compress.context_scores import global_layer_capacities, score_context
-from h2o_compress.generation import encode_prompt, make_scored_cache
+from h2o_compress.runtime.context_scores import global_layer_capacities, score_context
+from h2o_compress.runtime.generation import encode_prompt, make_scored_cache
 from h2o_compress.models import model_dims
 from h2o_compress.planner import cache_bytes
 from h2o_compress.policies import make_policy
@@ -115,7 +115,7 @@ def test_generate_and_save_load_keep_the_scored_layers(tmp_path):
     """``generate`` sizes the layers from the prompt's scores too; a compressed context saved and loaded keeps its
     layers' capacities and answers the same."""
     from h2o_compress import ask
-    from h2o_compress.ask import CompressedContext
+    from h2o_compress.runtime.ask import CompressedContext
 
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=4, layer_budgets="global")
@@ -210,7 +210,7 @@ def test_compress_then_ask_takes_heavy_ratio_1_where_decoding_refuses_it(tmp_pat
 def test_mixed_precision_global_layers_save_load_and_answer_alike(tmp_path):
     """Global layers with 8-bit rows: a saved context loads with each layer's rows and answers the same."""
     from h2o_compress import ask
-    from h2o_compress.ask import CompressedContext
+    from h2o_compress.runtime.ask import CompressedContext
 
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="kvzip", budget=0.25, heavy_ratio=1.0, sink_tokens=2, kv_bits=4,

@@ -18,7 +18,7 @@ from h2o_compress.persistence import load_cache, save_cache
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.cache import CompressedLayer
 from h2o_compress.cli import app
-from h2o_compress.compiled import decode_step
+from h2o_compress.runtime.compiled import decode_step
 from h2o_compress.models import model_dims
 from h2o_compress.planner import cache_bytes
 
@@ -279,8 +279,8 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     from evaluation.evaluation_helpers import tiny_lm
 
     from h2o_compress import ask, compress
-    from h2o_compress.context_scores import reconstruction_scores
-    from h2o_compress.generation import encode_prompt
+    from h2o_compress.runtime.context_scores import reconstruction_scores
+    from h2o_compress.runtime.generation import encode_prompt
     from h2o_compress.evaluation import default_corpus
 
     text = default_corpus()[:400]
@@ -313,7 +313,7 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
 
 def test_plan_and_profile_sweep_take_the_head_budgets():
     from h2o_compress.planner import candidates, describe
-    from h2o_compress.evaluation.profile import ProfileSettings, label
+    from h2o_compress.profiling.sweep import ProfileSettings, label
 
     grid = candidates(64, policies=("h2o",), budgets=(1.0, 0.2), bits=(4,), group_sizes=(32,), head_budgets="adaptive")
     assert [c.head_budgets for c in grid] == ["uniform", "adaptive"]  # budget 1.0 keeps everything: nothing to share

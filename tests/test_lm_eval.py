@@ -22,7 +22,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from h2o_compress import ConfigError, load_model  # noqa: E402
 from h2o_compress.cli import app  # noqa: E402
-from h2o_compress.lm_eval_model import H2OCompressLM, check_model_args  # noqa: E402
+from h2o_compress.integrations.lm_eval_model import H2OCompressLM, check_model_args  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parent / "data" / "lm_eval_task"
 CHOICE, TEXT, ANSWER = "h2o_tiny_choice", "h2o_tiny_text", "h2o_tiny_answer"
@@ -134,7 +134,7 @@ def test_the_context_is_compressed_before_the_continuation_is_scored(loaded):
 def test_a_scored_policy_scores_and_sizes_the_context_as_ask_does(loaded):
     """lm-eval's contexts go through the same scored cache as ``compress``: kvzip's reconstruction scores, and with
     ``layer_budgets=global`` the layers sized by them under the uniform total."""
-    from h2o_compress.context_scores import global_layer_capacities, score_context
+    from h2o_compress.runtime.context_scores import global_layer_capacities, score_context
 
     model, tokenizer = loaded
     lm = H2OCompressLM(pretrained=model, tokenizer=tokenizer, policy="kvzip", budget=0.2, kv_bits=4,

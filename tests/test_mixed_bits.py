@@ -22,7 +22,7 @@ from h2o_compress import CompressedCache, CompressionConfig, ConfigError, make_c
 from h2o_compress.cache import CompressedLayer
 from h2o_compress.cache.refinement import RefinedPlanes
 from h2o_compress.cli import app
-from h2o_compress.compiled import decode_step
+from h2o_compress.runtime.compiled import decode_step
 from h2o_compress.formats import IntQuantizer
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.models import model_dims
@@ -268,8 +268,8 @@ def test_cli_errors_are_one_line(args, message):
 def test_a_damaged_slot_index_is_refused_on_load(model, tmp_path):
     from safetensors.torch import load_file
 
-    from h2o_compress.errors import CacheFileError
-    from h2o_compress.persistence import _check_layer_values
+    from h2o_compress.utils.errors import CacheFileError
+    from h2o_compress.persistence.cache_state import _check_layer_values
 
     _, cache = run(model, setting(0.5), steps=3)
     path = save_cache(cache, tmp_path / "mixed.safetensors", model=model)
@@ -380,7 +380,7 @@ def test_compress_then_ask_twice_gives_the_same_answer(tmp_path, policy, heads):
     from conftest import save_tiny_model_dir
 
     from h2o_compress import load_model
-    from h2o_compress.ask import ask, compress
+    from h2o_compress.runtime.ask import ask, compress
 
     model, tokenizer = load_model(save_tiny_model_dir(tmp_path / "tiny"), device="cpu")
     config = CompressionConfig(policy=policy, budget=0.3, kv_bits=4, high_bits_fraction=0.5, head_budgets=heads)

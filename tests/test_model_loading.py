@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from h2o_compress import load_model
 from h2o_compress.cli import app
-from h2o_compress.errors import ModelLoadError
+from h2o_compress.utils.errors import ModelLoadError
 
 runner = CliRunner()
 

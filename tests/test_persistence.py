@@ -21,9 +21,10 @@ from h2o_compress import CompressedCache, CompressionConfig, make_cache
 from h2o_compress.attention import withdraw
 from h2o_compress.cache import build_layers
 from h2o_compress.cli import app
-from h2o_compress.errors import CacheFileError, CacheStateError, ConfigError, InputError
-from h2o_compress.persistence import model_fingerprint, read_cache_file, save_cache
-from h2o_compress.prompt_cache import prefill
+from h2o_compress.utils.errors import CacheFileError, CacheStateError, ConfigError, InputError
+from h2o_compress.models.identity import model_fingerprint
+from h2o_compress.persistence import read_cache_file, save_cache
+from h2o_compress.runtime.prefill import prefill
 
 CONFIGS = {
     "16bit-full": CompressionConfig(),
@@ -495,7 +496,7 @@ def test_cli_refuses_a_cache_with_other_settings(tiny_model_dir, tmp_path):
 
 def test_fingerprint_of_an_offloaded_model_reads_no_meta_weights():
     """accelerate's offloading leaves meta-device placeholders in the model: they count by shape and dtype."""
-    from h2o_compress.persistence import model_fingerprint
+    from h2o_compress.models.identity import model_fingerprint
 
     model = tiny_llama()
     before = model_fingerprint(model)

@@ -352,10 +352,10 @@ def _api_cases(tmp: Path, models: Path):
     from h2o_compress import CompressionConfig, generate, load_model, plan
     from h2o_compress.config import check_usable
     from h2o_compress.config_file import load_config
-    from h2o_compress.models import check_cache_root
+    from h2o_compress.utils.paths import check_cache_root
     from h2o_compress.persistence import check_save_target, read_cache_file
     from h2o_compress.planner import load_quality, parse_memory
-    from h2o_compress.evaluation.report import load_report, write_report
+    from h2o_compress.profiling.report import load_report, write_report
 
     class WordTokenizer:
         chat_template = None

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from h2o_compress.attention import cpu
-from h2o_compress.errors import CacheFileError, ConfigError, InputError, ModelLoadError
-from h2o_compress.paths import private_dir
+from h2o_compress.utils.errors import CacheFileError, ConfigError, InputError, ModelLoadError
+from h2o_compress.utils.paths import private_dir
 
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 OTHER_UID = 4242  # a user that is not us (only root can hand a file to another user)
@@ -89,7 +89,7 @@ def test_cache_directories_writable_by_others_are_refused_or_avoided(cache_dir):
 def test_a_converted_model_planted_by_another_user_is_not_loaded(cache_dir):
     import transformers
 
-    from h2o_compress.models import _file_hash, converted_dir, gguf_path
+    from h2o_compress.models.loading import _file_hash, converted_dir, gguf_path
 
     try:
         gguf = gguf_path("smollm2-135m")
@@ -115,7 +115,7 @@ def test_a_converted_model_planted_by_another_user_is_not_loaded(cache_dir):
 
 
 def test_a_crafted_cache_file_names_no_other_file(tmp_path, monkeypatch):
-    from h2o_compress.persistence import _saved_config
+    from h2o_compress.persistence.cache_state import _saved_config
 
     secret = tmp_path / "secret.json"
     secret.write_text("[1, 2, 3]")
@@ -131,8 +131,8 @@ def test_a_chat_template_that_never_ends_is_stopped(tmp_path, monkeypatch):
     from conftest import save_tiny_model_dir
     from transformers import AutoTokenizer
 
-    from h2o_compress import chat
-    from h2o_compress.generation import encode_prompt
+    from h2o_compress.runtime import chat
+    from h2o_compress.runtime.generation import encode_prompt
 
     template = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
     tokenizer = AutoTokenizer.from_pretrained(save_tiny_model_dir(tmp_path / "m", chat_template=template))
@@ -171,7 +171,7 @@ def test_a_chat_template_that_renders_without_bound_is_refused(tmp_path):
     from conftest import save_tiny_model_dir
     from transformers import AutoTokenizer
 
-    from h2o_compress.chat import TEMPLATE_FIXED, apply_chat_template
+    from h2o_compress.runtime.chat import TEMPLATE_FIXED, apply_chat_template
 
     template = "{% for i in range(100000) %}{{ messages[0]['content'] * 50 }}{% endfor %}"
     tokenizer = AutoTokenizer.from_pretrained(save_tiny_model_dir(tmp_path / "m", chat_template=template))

@@ -50,7 +50,7 @@ def test_compress_then_ask_with_the_chat_template(smollm2):
     """The real chat template: the compressed context ends before the template's closing tokens, each question
     extends it, and a full-budget 16-bit context answers exactly as the whole prompt would."""
     from h2o_compress import ask, compress
-    from h2o_compress.ask import SEPARATOR
+    from h2o_compress.runtime.ask import SEPARATOR
 
     model, tokenizer = smollm2
     document = (

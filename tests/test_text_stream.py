@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from h2o_compress.generation import TextStream
+from h2o_compress.runtime.generation import TextStream
 
 MIXED = ("Heavy hitters are the few tokens that receive most of the attention. Naïve café, crème brûlée; "
          "東京 and 🚀 — then plain text again, \"quoted\", and numbers 3.14159 and 2048.\n") * 12

@@ -20,7 +20,7 @@ import test_compile
 from test_compile import eager_and_compiled, run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
-from h2o_compress.compiled import INDUCTOR_OPTIONS, decode_step
+from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS, decode_step
 from h2o_compress.attention import slot_attention
 
 pytestmark = pytest.mark.skipif(
@@ -126,7 +126,7 @@ def test_cli_refuses_triton_on_a_device_it_cannot_run_on_before_loading(monkeypa
 
 
 def test_profile_runs_every_configuration_with_the_kernel_asked_for(monkeypatch):
-    from h2o_compress.evaluation.profile import ProfileSettings
+    from h2o_compress.profiling.sweep import ProfileSettings
 
     settings = ProfileSettings(device="cpu", policies=("h2o",), budgets=(0.5, 1.0), kv_bits=(16, 4),
                                attention_kernel="torch")
@@ -162,7 +162,7 @@ def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
     graph recorded for all 64 steps (Inductor's CUDA-graph trees log each recording)."""
     from conftest import tiny_llama
 
-    from h2o_compress.compiled import compiled_decode_step, decode_one
+    from h2o_compress.runtime.compiled import compiled_decode_step, decode_one
 
     model = tiny_llama().to("cuda", torch.float16)
     generator = torch.Generator().manual_seed(1)

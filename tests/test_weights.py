@@ -11,14 +11,14 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, generate, load_model
 from h2o_compress.cli import app
-from h2o_compress.errors import ConfigError, ModelLoadError
+from h2o_compress.utils.errors import ConfigError, ModelLoadError
 from h2o_compress.planner.known_models import resolve_model
 from h2o_compress.planner import weight_bytes
-from h2o_compress.prompt_cache import prefill
-from h2o_compress.weights import (
+from h2o_compress.runtime.prefill import prefill
+from h2o_compress.models.weights import (
     attention_devices, input_device, loaded_weight_bytes, loaded_weights_bits, parse_device_map, parse_max_memory,
 )
-from h2o_compress.generation import make_cache
+from h2o_compress.runtime.generation import make_cache
 
 runner = CliRunner()
 PROMPT = " ".join(f"w{i}" for i in range(5, 45))  # 40 tokens of the word-level tokenizer
@@ -27,7 +27,7 @@ SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0
 
 
 def bnb_runs_here(bits: int) -> bool:
-    from h2o_compress.weights import check_bnb_backend
+    from h2o_compress.models.weights import check_bnb_backend
 
     try:
         check_bnb_backend(bits, torch.device("cpu"))
@@ -71,7 +71,7 @@ def test_disk_offloaded_model_generates_the_same_tokens(whole, split, config):
 
 
 def test_split_or_quantized_models_decode_eagerly_by_default(whole, split):
-    from h2o_compress.weights import eager_only_reason
+    from h2o_compress.models.weights import eager_only_reason
 
     assert eager_only_reason(whole[0]) is None
     assert eager_only_reason(split[0]) == "a model split or offloaded by device_map"
@@ -138,7 +138,7 @@ def test_quantized_weights_load_and_generate_on_cpu(four_layer_dir, whole, bits,
     model, tokenizer = load_model(four_layer_dir, weights_bits=bits)
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == layer_type
     assert loaded_weights_bits(model) == bits
-    from h2o_compress.weights import eager_only_reason
+    from h2o_compress.models.weights import eager_only_reason
 
     assert eager_only_reason(model) == "bitsandbytes weights"
     # the planner's weight bytes for these bits are what bitsandbytes holds (with its scales; plus the buffers,
@@ -163,7 +163,7 @@ def test_quantized_weights_load_and_generate_on_cpu(four_layer_dir, whole, bits,
 def test_no_backend_is_one_clear_error(four_layer_dir, monkeypatch):
     """Where bitsandbytes cannot run (here simulated: its probe fails as it does without CUDA or a CPU backend),
     one error says what would work, before anything is loaded."""
-    import h2o_compress.weights as weights
+    import h2o_compress.models.weights as weights
 
     def no_kernels(bits, device):
         raise RuntimeError("no kernel image is available for execution")
@@ -266,15 +266,15 @@ def test_cli_refuses_bad_placement_in_one_line_before_any_side_effect(tmp_path, 
 
 
 def test_profile_settings_carry_the_placement_to_the_loader(monkeypatch, tmp_path):
-    import h2o_compress.models as models
-    from h2o_compress.evaluation.profile import ProfileSettings, _load
+    from h2o_compress.profiling import sweep
+    from h2o_compress.profiling.sweep import ProfileSettings, _load
 
     with pytest.raises(ConfigError, match="weights_bits=3 is not supported"):
         ProfileSettings(placement={"weights_bits": 3})
     with pytest.raises(ConfigError, match="placement keys \\['bits'\\] are unknown"):
         ProfileSettings(placement={"bits": 4})
     seen = {}
-    monkeypatch.setattr(models, "load_model", lambda name, **kwargs: seen.update(kwargs, name=name))
+    monkeypatch.setattr(sweep, "load_model", lambda name, **kwargs: seen.update(kwargs, name=name))
     placement = {"device_map": {"model": "disk"}, "offload_folder": str(tmp_path)}
     _load(ProfileSettings(model="m", device="auto", placement=placement))
     assert seen["device_map"] == {"model": "disk"} and seen["offload_folder"] == str(tmp_path) and seen["name"] == "m"

@@ -1,7 +1,7 @@
 """Our side of benchmarks/compare_peers.py: h2o-compress's CompressedCache (and the plain DynamicCache of the
 main environment), driven by the same JSON-line commands and the same token ids as ``peer_worker.py``.
 
-The QA protocol is compress-then-ask as :mod:`h2o_compress.ask` runs it, and mirrors kvpress's pipeline: the
+The QA protocol is compress-then-ask as :mod:`h2o_compress.runtime.ask` runs it, and mirrors kvpress's pipeline: the
 context is read in one forward pass (our cache evicts it to ``int(keep x context)`` tokens right after its
 attention; ``kvzip`` scores it first by reconstruction), then each question is answered greedily from a frozen
 copy of that compressed cache (:meth:`CompressedCache.frozen_copy`: the question and answer are added, nothing
@@ -111,8 +111,8 @@ def cmd_needle(command: dict) -> dict:
                 longest_question = max(len(q["ids"]) for q in item["questions"])
                 compressed = method["kind"] == "ours" and method["policy"] != "full"
                 if compressed:  # compress-then-ask: the context alone is compressed, then frozen per question
-                    from h2o_compress.generation import make_scored_cache
-                    from h2o_compress.prompt_cache import prefill
+                    from h2o_compress.runtime.generation import make_scored_cache
+                    from h2o_compress.runtime.prefill import prefill
 
                     config = _config(method, max(int(context.shape[1] * method["keep"]), 1))
                     cache = make_scored_cache(model, STATE["tokenizer"], context, config, context.shape[1])

@@ -12,7 +12,7 @@
 Importing this package imports neither Triton nor the native kernel: the kernel modules load on first use.
 """
 
-from .interface import (
+from h2o_compress.attention.interface import (
     ATTENTION_NAME, announce, attention_probability_sums, check_attention_backend, decode_attention,
     h2o_attention_forward, register_attention, use_h2o_attention, withdraw,
 )

@@ -8,7 +8,7 @@ folded in) in one call, reading the int4/int8 codes in registers. Eviction stays
 policy's :meth:`~h2o_compress.policies.EvictionPolicy.priority`, stated once, in Python.
 
 The C file is compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
-into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: :func:`~h2o_compress.paths.private_dir`)
+into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: :func:`~h2o_compress.utils.paths.private_dir`)
 and loaded with :mod:`ctypes`, only while its bytes match the SHA-256 recorded when it was built
 (:func:`_verified`). Where no compiler works, or with ``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None``
 (with one warning when compiling failed) and the cache runs its torch form: the same results. Under
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
-from ..paths import check_private_file, private_dir
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.utils.paths import check_private_file, private_dir
+from h2o_compress.formats import IntQuantizer, NoQuantizer
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
@@ -57,7 +58,7 @@ def _digest_file(path: Path) -> str:
 
 def _verified(target: Path) -> bool:
     """Whether ``target`` may be loaded: a regular file of this user that only this user can write
-    (:func:`~h2o_compress.paths.check_private_file`) whose bytes match the digest recorded when this user built it
+    (:func:`~h2o_compress.utils.paths.check_private_file`) whose bytes match the digest recorded when this user built it
     (``<target>.sha256``, same checks). Anything else is rebuilt, never loaded."""
     record = target.with_name(target.name + ".sha256")
     try:
@@ -134,8 +135,6 @@ def library() -> ctypes.CDLL | None:
 def supported(device: torch.device, dtype: torch.dtype, storage_dtype: torch.dtype, head_dim: int, formats) -> bool:
     """Whether a layer on ``device`` with model ``dtype``, window/16-bit storage ``storage_dtype``, ``head_dim``
     and key/value quantizers ``formats`` can run the native step (and the kernel builds)."""
-    from ..formats import IntQuantizer, NoQuantizer
-
     return (
         device.type == "cpu"
         and dtype in ELEMENTS

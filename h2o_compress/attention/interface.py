@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from ..errors import UnsupportedModelError
-from .variant import AttentionVariant, softmax_probabilities
+from h2o_compress.utils.errors import UnsupportedModelError
+from h2o_compress.attention.variant import AttentionVariant, softmax_probabilities
 
 ATTENTION_NAME = "h2o_compress"
 

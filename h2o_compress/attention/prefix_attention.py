@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..formats.base import StoredTensor
-from .launch import H100_SMS, power_of_two, split_count
+from h2o_compress.formats.base import StoredTensor
+from h2o_compress.attention.launch import H100_SMS, power_of_two, split_count
 
 
 @triton.jit

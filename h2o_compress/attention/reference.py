@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.base import StoredTensor
-from ..formats.integer import IntQuantizer
+from h2o_compress.formats.base import StoredTensor
+from h2o_compress.formats.integer import IntQuantizer
 
 
 def _dequantize(stored: StoredTensor, bits: int, group_size: int, head_dim: int) -> torch.Tensor:

@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .launch import LaunchOptions, launch_for, mark_static_address, power_of_two
-from .prefix_attention import _load_tokens, _sm_count, choose_splits
+from h2o_compress.attention.launch import LaunchOptions, launch_for, mark_static_address, power_of_two
+from h2o_compress.attention.prefix_attention import _load_tokens, _sm_count, choose_splits
+from h2o_compress.formats import IntQuantizer, NoQuantizer
 
 BLOCK_T = 256  # tokens per program of the combine kernel's score pass
 BLOCK_S = 8  # split partials merged per iteration of the combine kernel
@@ -306,8 +307,6 @@ def supported(device: torch.device, head_dim: int, formats) -> str | None:
     """Why the op cannot run a layer with ``head_dim`` and key/value quantizers ``formats`` on ``device``, or
     ``None``: it takes int4/int8 (``IntQuantizer``, power-of-two groups) and raw 16-bit storage, ``head_dim`` a
     power of two >= 16, on CUDA (or on the CPU under ``TRITON_INTERPRET=1``)."""
-    from ..formats import IntQuantizer, NoQuantizer
-
     reason = device_reason(device)
     if reason is not None:
         return reason

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedModelError
+from h2o_compress.utils.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@
 - :mod:`.container`: :class:`CompressedCache`, the transformers ``Cache`` over the layers.
 """
 
-from .container import CompressedCache, build_layers
-from .layer import CompressedLayer
-from .refinement import RefinedPlanes
-from .ring import RingWindow
-from .setting import LayerSetting
-from .slot_pool import SlotPool
-from .slots import SlotStore
-from .span import LayerSpan
+from h2o_compress.cache.container import CompressedCache, build_layers
+from h2o_compress.cache.layer import CompressedLayer
+from h2o_compress.cache.refinement import RefinedPlanes
+from h2o_compress.cache.ring import RingWindow
+from h2o_compress.cache.setting import LayerSetting
+from h2o_compress.cache.slot_pool import SlotPool
+from h2o_compress.cache.slots import SlotStore
+from h2o_compress.cache.span import LayerSpan
 
 __all__ = [
     "CompressedCache", "CompressedLayer", "LayerSetting", "LayerSpan", "RefinedPlanes", "RingWindow", "SlotPool",

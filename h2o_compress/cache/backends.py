@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import cpu as cpu_kernel
-from ..attention.choice import decode_kernel
-from . import decode
+from h2o_compress.attention import cpu as cpu_kernel
+from h2o_compress.attention.choice import decode_kernel
+from h2o_compress.cache import decode
 
 
 class TorchDecode:
@@ -86,7 +86,7 @@ class TritonDecode:
         return keys, values
 
     def attend(self, layer, query, key, value, scaling, variant) -> torch.Tensor:
-        from ..attention import slot_attention
+        from h2o_compress.attention import slot_attention
 
         output = slot_attention.decode_layer(layer, query, scaling)
         layer.evict()

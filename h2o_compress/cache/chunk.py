@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.interface import masked_attention
-from ..errors import CacheStateError
-from ..policies.base import NO_POSITION as NO_REAL_TOKEN
-from .decode import per_kv_head
-from .refinement import stored_rank
-from .ring import held_positions
-from .setting import GROWTH
+from h2o_compress.attention.interface import masked_attention
+from h2o_compress.utils.errors import CacheStateError
+from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
+from h2o_compress.cache.decode import per_kv_head
+from h2o_compress.cache.refinement import stored_rank
+from h2o_compress.cache.ring import held_positions
+from h2o_compress.cache.setting import GROWTH
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +61,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     chunk, layer.chunk = layer.chunk, None
     n, batch = query.shape[2], query.shape[0]
     if layer.decode_kernel == "triton":  # the decode steps' scratch, allocated eagerly before a compiled step needs it
-        from ..attention import slot_attention
+        from h2o_compress.attention import slot_attention
 
         slot_attention.layer_scratch(layer, query.shape[1])
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None

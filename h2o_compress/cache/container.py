@@ -7,13 +7,13 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache
 
-from ..config import CompressionConfig
-from ..errors import CacheStateError, InputError
-from ..formats import make_quantizer
-from .layer import CompressedLayer
-from .refinement import spread_refined_rows
-from .setting import LayerSetting
-from .span import FULL_SPAN, LayerSpan
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import CacheStateError, InputError
+from h2o_compress.formats import make_quantizer
+from h2o_compress.cache.layer import CompressedLayer
+from h2o_compress.cache.refinement import spread_refined_rows
+from h2o_compress.cache.setting import LayerSetting
+from h2o_compress.cache.span import FULL_SPAN, LayerSpan
 
 
 class CompressedCache(Cache):
@@ -163,7 +163,7 @@ class CompressedCache(Cache):
         """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
         ``max_length`` seen in all (the compressed context stays compressed, what is added after it is kept whole,
         and only that is allocated on top of the compressed storage). This cache is not changed. Used by
-        :func:`h2o_compress.ask`.
+        :func:`h2o_compress.runtime.ask`.
 
         Raises:
             CacheStateError: an empty cache, or ``max_length`` below the tokens seen.

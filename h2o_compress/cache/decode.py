@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import decode_attention
-from .refinement import stored_rank
-from .setting import GROWTH
+from h2o_compress.attention import decode_attention
+from h2o_compress.cache.refinement import stored_rank
+from h2o_compress.cache.setting import GROWTH
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,17 +19,17 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention import announce, withdraw
-from ..attention.launch import mark_static_address
-from ..attention.variant import AttentionVariant
-from ..errors import CacheStateError, InputError
-from . import backends, chunk, decode
-from .ring import RingWindow, held_positions
-from .setting import LayerSetting
-from .slots import SlotStore
-from .span import FULL_SPAN, LayerSpan
-from .store import make_store
-from .state import Counters, Geometry, check_fits, pad_values, part_view
+from h2o_compress.attention import announce, withdraw
+from h2o_compress.attention.launch import mark_static_address
+from h2o_compress.attention.variant import AttentionVariant
+from h2o_compress.utils.errors import CacheStateError, InputError
+from h2o_compress.cache import backends, chunk, decode
+from h2o_compress.cache.ring import RingWindow, held_positions
+from h2o_compress.cache.setting import LayerSetting
+from h2o_compress.cache.slots import SlotStore
+from h2o_compress.cache.span import FULL_SPAN, LayerSpan
+from h2o_compress.cache.store import make_store
+from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values, part_view
 
 
 class CompressedLayer(CacheLayerMixin):

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from ..policies.base import keep_top
+from h2o_compress.policies.base import keep_top
 
 NAMES = ("keys", "values")
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..formats import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer
-from ..formats.split import SplitIntQuantizer
-from ..policies import EvictionPolicy
-from .span import FULL_SPAN, LayerSpan
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.formats import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer
+from h2o_compress.formats.split import SplitIntQuantizer
+from h2o_compress.policies import EvictionPolicy
+from h2o_compress.cache.span import FULL_SPAN, LayerSpan
 
 GROWTH = 256  # slots added at a time to an unbounded cache of unknown length
 

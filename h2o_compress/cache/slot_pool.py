@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import KVQuantizer
-from ..policies.base import keep_top
-from .slots import SlotStore
+from h2o_compress.formats import KVQuantizer
+from h2o_compress.policies.base import keep_top
+from h2o_compress.cache.slots import SlotStore
 
 
 class SlotPool(SlotStore):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import KVQuantizer, StoredTensor
-from ..formats.split import SplitIntQuantizer
-from ..policies.base import keep_top
+from h2o_compress.formats import KVQuantizer, StoredTensor
+from h2o_compress.formats.split import SplitIntQuantizer
+from h2o_compress.policies.base import keep_top
 
 
 class SlotStore:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedModelError
+from h2o_compress.utils.errors import UnsupportedModelError
 
 FULL, SLIDING, CHUNKED = "full", "sliding", "chunked"
 _KINDS = {"full_attention": FULL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED}

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CacheStateError, InputError, UnsupportedModelError
-from ..memory import available_memory
-from ..policies.base import NO_POSITION as NO_REAL_TOKEN
+from h2o_compress.utils.errors import CacheStateError, InputError, UnsupportedModelError
+from h2o_compress.utils.memory import available_memory
+from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
 
 
 def part_view(part: str, name: str) -> property:

@@ -4,10 +4,10 @@ low planes of its top-ranked tokens where the setting keeps some at 8 bits (:cla
 
 from __future__ import annotations
 
-from .refinement import RefinedPlanes, refined_rows
-from .setting import LayerSetting
-from .slot_pool import SlotPool
-from .slots import SlotStore
+from h2o_compress.cache.refinement import RefinedPlanes, refined_rows
+from h2o_compress.cache.setting import LayerSetting
+from h2o_compress.cache.slot_pool import SlotPool
+from h2o_compress.cache.slots import SlotStore
 
 
 def make_store(setting: LayerSetting, geometry, first_tokens: int) -> SlotStore:

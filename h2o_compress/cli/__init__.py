@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import typer
 
-from .ask import ask
-from .common import fail, user_errors
-from .evaluate import eval_app
-from .generate import generate
-from .options import parse_budget
-from .plan import plan
-from .profile import ProfileCommand, profile_command
+from h2o_compress.cli.ask import ask
+from h2o_compress.cli.common import fail, user_errors
+from h2o_compress.cli.evaluate import eval_app
+from h2o_compress.cli.generate import generate
+from h2o_compress.cli.options import parse_budget
+from h2o_compress.cli.plan import plan
+from h2o_compress.cli.profile import ProfileCommand, profile_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress the KV cache of transformers LMs.")
 

@@ -1,5 +1,5 @@
 """``python -m h2o_compress.cli``: the same as the ``h2o-compress`` console script."""
 
-from . import main
+from h2o_compress.cli import main
 
 main()

@@ -12,11 +12,11 @@ from typing import List, Optional
 
 import typer
 
-from ..ask import ASK_DEFAULTS
-from ..errors import ConfigError, short
-from .common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
-from .generate import summary_line
-from .options import (
+from h2o_compress.runtime.ask import ASK_DEFAULTS
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.cli.common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
+from h2o_compress.cli.generate import summary_line
+from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
     TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
@@ -77,14 +77,14 @@ def ask(
 ):
     """Compress a document once (defaults: kvzip with global layer budgets and adaptive heads, budget 0.2 of the
     document, heavy ratio 1 with 4 sinks, 4 bits), then answer each --question from the same compressed context."""
-    from ..ask import CompressedContext, check_questions_fit, compress
-    from ..ask import ask as run_ask
-    from ..compiled import check_compile
-    from ..files import MAX_TEXT_BYTES, read_text
-    from ..errors import InputError
-    from ..generation import check_generation_args, check_prompt
-    from ..models import load_model
-    from ..weights import floating_dtype
+    from h2o_compress.runtime.ask import CompressedContext, check_questions_fit, compress
+    from h2o_compress.runtime.ask import ask as run_ask
+    from h2o_compress.runtime.compiled import check_compile
+    from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
+    from h2o_compress.utils.errors import InputError
+    from h2o_compress.runtime.generation import check_generation_args, check_prompt
+    from h2o_compress.models import load_model
+    from h2o_compress.models.weights import floating_dtype
 
     # -- every check first ---------------------------------------------------------------------------------
     context = read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES)

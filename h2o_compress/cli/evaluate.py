@@ -12,12 +12,12 @@ from typing import Callable, Optional
 
 import typer
 
-from ..compiled import check_compile
-from ..config import check_usable
-from ..errors import ConfigError, short
-from .common import load_options, set_threads, user_errors
-from .lm_eval_command import lm_eval_command
-from .options import (
+from h2o_compress.runtime.compiled import check_compile
+from h2o_compress.config import check_usable
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.cli.common import load_options, set_threads, user_errors
+from h2o_compress.cli.lm_eval_command import lm_eval_command
+from h2o_compress.cli.options import (
     CompileOpt,
     Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
 )
@@ -53,7 +53,7 @@ def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int],
     """Load the model as the flags say (``placement``: the weights/placement flags, see
     :func:`~h2o_compress.cli.options.placement_options`; ``attention_kernel``: ``--kernel``, checked against the
     device first)."""
-    from ..models import load_model
+    from h2o_compress.models import load_model
 
     options = load_options(device, dtype, placement, attention_kernel)
     set_threads(threads)
@@ -84,9 +84,9 @@ def perplexity_command(
     compression: Compression = None, placement: dict = None,
 ):
     """Streaming perplexity: the text is read through the compressed cache chunk by chunk."""
-    from ..evaluation.corpus import load_text
-    from ..evaluation.perplexity import text_perplexity
-    from ..evaluation.stream import check_count
+    from h2o_compress.evaluation.corpus import load_text
+    from h2o_compress.evaluation.perplexity import text_perplexity
+    from h2o_compress.evaluation.stream import check_count
 
     config = compression.config()
     check_compile(compile_step, config)
@@ -140,8 +140,8 @@ def needle_command(
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
-    from ..evaluation.corpus import load_text
-    from ..evaluation.needle import check_needle_args, needle_eval
+    from h2o_compress.evaluation.corpus import load_text
+    from h2o_compress.evaluation.needle import check_needle_args, needle_eval
 
     config = compression.config(frozen=protocol == "compress-then-ask")
     check_compile(compile_step, config)
@@ -189,9 +189,9 @@ def agreement_command(
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
-    from ..evaluation.agreement import agreement_eval
-    from ..evaluation.corpus import load_prompts
-    from ..evaluation.stream import check_count
+    from h2o_compress.evaluation.agreement import agreement_eval
+    from h2o_compress.evaluation.corpus import load_prompts
+    from h2o_compress.evaluation.stream import check_count
 
     config = compression.config()
     check_compile(compile_step, config)

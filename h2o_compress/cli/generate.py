@@ -13,8 +13,8 @@ from typing import Optional
 
 import typer
 
-from .common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
-from .options import (
+from h2o_compress.cli.common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
+from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
     TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
@@ -53,23 +53,23 @@ def generate(
     """Generate text with a compressed KV cache, streaming tokens as they come. With --memory-limit the planner
     picks the setting for the weights as loaded (--weights-bits) and the summary gives planned vs measured peak
     memory."""
-    from ..generation import check_generation_args, check_prompt
-    from ..generation import generate as run_generate
-    from ..models import load_model
+    from h2o_compress.runtime.generation import check_generation_args, check_prompt
+    from h2o_compress.runtime.generation import generate as run_generate
+    from h2o_compress.models import load_model
 
     # -- every check first: nothing is loaded or written before all options are known to be good ---------
     check_prompt(prompt)
     config, overrides = merged_config(compression, config_file,
                                        check_formats=memory_limit is None and load_cache is None)
     check_generation_args(max_new_tokens, temperature, seed)
-    from ..compiled import check_compile
+    from h2o_compress.runtime.compiled import check_compile
 
     check_compile(compile_step, config)
     if memory_limit is not None and load_cache is not None:
         fail("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting it was saved with")
     if memory_limit is not None:
-        from ..planner import parse_memory
-        from ..planner.plan import PICKED
+        from h2o_compress.planner import parse_memory
+        from h2o_compress.planner.plan import PICKED
 
         parse_memory(memory_limit)
         fixed = [name for name in PICKED if name in overrides]
@@ -86,7 +86,7 @@ def generate(
 
         torch.manual_seed(seed)
     # -- then the work -------------------------------------------------------------------------------------
-    from ..memory import PeakMemory
+    from h2o_compress.utils.memory import PeakMemory
 
     peak = PeakMemory() if memory_limit is not None else None  # from before the weights load: the planner counts them
     lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)
@@ -94,21 +94,21 @@ def generate(
         peak.loaded()  # the weights are resident: count them, not the transient of loading them
     row = None
     if memory_limit is not None:
-        from ..planner import choose_for_prompt, describe_choice
+        from h2o_compress.planner import choose_for_prompt, describe_choice
 
         row = choose_for_prompt(lm, tokenizer, prompt, memory_limit, max_new_tokens, chat=chat, base=config,
                                 compiled=compile_step)
         config = row.config
         typer.echo(describe_choice(row, memory_limit), err=True)
     if load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
-        from ..config import check_usable
-        from ..generation import encode_prompt
+        from h2o_compress.config import check_usable
+        from h2o_compress.runtime.generation import encode_prompt
 
         check_usable(config, config.capacity(encode_prompt(tokenizer, prompt, chat).shape[1] + max_new_tokens))
     stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     extra, load_s = {}, None
     if save_cache is not None or load_cache is not None:
-        from ..prompt_cache import prepare_prompt_cache
+        from h2o_compress.runtime.prompt_cache import prepare_prompt_cache
 
         started = time.perf_counter()
         cache = prepare_prompt_cache(
@@ -124,7 +124,7 @@ def generate(
     figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
     figures["config"] = config.to_dict()
     figures["model"] = model
-    from ..weights import floating_dtype
+    from h2o_compress.models.weights import floating_dtype
 
     figures["kv_dtype"] = str(floating_dtype(lm)).removeprefix("torch.")
     figures["weights_bits"] = placement["weights_bits"]
@@ -145,7 +145,7 @@ def generate(
 
 def peak_line(figures: dict) -> str:
     """The stderr line of ``--memory-limit``: the planner's total against the peak measured over load + generation."""
-    from ..planner import format_bytes
+    from h2o_compress.planner import format_bytes
 
     planned, measured = figures["planned_peak_bytes"], figures["measured_peak_bytes"]
     share = f" = {measured / planned:.0%} of planned" if planned else ""

@@ -1,5 +1,5 @@
 """``h2o-compress eval lm-eval``: lm-evaluation-harness tasks through the compressed cache (model type ``h2o-compress``,
-:mod:`h2o_compress.lm_eval_model`), scores as a rich table, optionally written to a JSON file.
+:mod:`h2o_compress.integrations.lm_eval_model`), scores as a rich table, optionally written to a JSON file.
 
 Every option is checked before the model loads: the model_args (keys and compression values), the task names
 (against lm-eval's tasks and those under ``--include-path``), ``--limit`` and ``--output`` (a new file only).
@@ -15,10 +15,10 @@ from typing import Optional
 
 import typer
 
-from ..errors import ConfigError, InputError, short
-from ..lm_eval_tasks import SKIPPED_KEYS, check_task_options, check_tasks, import_lm_eval
-from .common import fail, set_threads, user_errors
-from .options import JsonOpt, ThreadsOpt
+from h2o_compress.utils.errors import ConfigError, InputError, short
+from h2o_compress.integrations.lm_eval_tasks import SKIPPED_KEYS, check_task_options, check_tasks, import_lm_eval
+from h2o_compress.cli.common import fail, set_threads, user_errors
+from h2o_compress.cli.options import JsonOpt, ThreadsOpt
 
 
 def split_tasks(tasks: str, option: str = "--tasks") -> list[str]:
@@ -72,7 +72,7 @@ def lm_eval_command(
     lm_eval = import_lm_eval()
     from lm_eval.utils import handle_non_serializable, simple_parse_args_string
 
-    from ..lm_eval_model import MODEL_TYPE, check_model_args
+    from h2o_compress.integrations.lm_eval_model import MODEL_TYPE, check_model_args
 
     args = simple_parse_args_string(model_args)
     check_model_args(args)

@@ -16,8 +16,8 @@ from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
-from ..policies.lookahead import LOOKAHEAD_REQUEST
+from h2o_compress.config import CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
 
 # -- the compression options (one declaration each) -------------------------------------------------------
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _with_default(option, default):
 
 def compression_options(fn=None, *, only: tuple[str, ...] | None = None, defaults: dict | None = None):
     """Decorator: add the compression flags (all, or ``only`` these) to a typer command, with the command's own
-    ``defaults`` where given (e.g. ``ask``'s, :data:`h2o_compress.ask.ASK_DEFAULTS`).
+    ``defaults`` where given (e.g. ``ask``'s, :data:`h2o_compress.runtime.ask.ASK_DEFAULTS`).
 
     The command receives them as one keyword argument ``compression`` (a :class:`Compression`) and needs
     ``ctx: typer.Context`` as its first parameter (to tell flags given from defaults).

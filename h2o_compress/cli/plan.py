@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..config import CompressionConfig
-from .common import user_errors
-from .options import Compression, TrustOpt, WeightsBitsOpt, compression_options, parse_budget
+from h2o_compress.config import CompressionConfig
+from h2o_compress.cli.common import user_errors
+from h2o_compress.cli.options import Compression, TrustOpt, WeightsBitsOpt, compression_options, parse_budget
 
 
 @user_errors
@@ -41,9 +41,9 @@ def plan(
     compression: Compression = None,
 ):
     """Plan memory: which compression settings fit, the largest batch and context for each, and a pick."""
-    from ..planner.view import print_plan
-    from ..planner import parse_list
-    from ..planner import plan as run_plan
+    from h2o_compress.planner.view import print_plan
+    from h2o_compress.planner import parse_list
+    from h2o_compress.planner import plan as run_plan
 
     values = compression.values
     report = run_plan(

@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand
 
-from ..errors import ConfigError
-from .common import load_options, user_errors
-from .evaluate import parse_list
-from .lm_eval_command import split_tasks
-from .options import (
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.cli.common import load_options, user_errors
+from h2o_compress.cli.evaluate import parse_list
+from h2o_compress.cli.lm_eval_command import split_tasks
+from h2o_compress.cli.options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
     given_on_command_line, placement_options,
 )
@@ -96,9 +96,9 @@ def profile_command(
 ):
     """Sweep policies x budgets x KV bits: KV bytes, peak memory, speed, perplexity, agreement and optionally
     lm-eval scores, as a report."""
-    from ..evaluation.corpus import load_text
-    from ..evaluation.profile import ProfileSettings, run_profile
-    from ..evaluation.report import load_report, write_report
+    from h2o_compress.evaluation.corpus import load_text
+    from h2o_compress.profiling.sweep import ProfileSettings, run_profile
+    from h2o_compress.profiling.report import load_report, write_report
 
     if render is not None:
         ignored = options_given(ctx, "out", "render")
@@ -133,7 +133,7 @@ def profile_command(
     if text_file is not None:
         load_text(text_file)
     if ray is not None:
-        from ..evaluation.ray_sweep import check_address, import_ray
+        from h2o_compress.integrations.ray_sweep import check_address, import_ray
 
         check_address(ray)
         import_ray()  # the missing extra is named before anything runs

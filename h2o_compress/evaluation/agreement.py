@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
-from ..config import CompressionConfig
-from ..errors import InputError
-from ..generation import GenerationResult, generate
-from .corpus import load_prompts
-from .stream import ProgressFn, check_count
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import InputError
+from h2o_compress.runtime.generation import GenerationResult, generate
+from h2o_compress.evaluation.corpus import load_prompts
+from h2o_compress.evaluation.stream import ProgressFn, check_count
 
 
 def token_match_rate(reference: list[int], candidate: list[int]) -> float:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError, short
-from ..files import MAX_TEXT_BYTES, parse_json, read_text
+from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.files import MAX_TEXT_BYTES, parse_json, read_text
 
 CORPUS_FILE = "sherlock_holmes.txt"
 PROMPTS_FILE = "prompts.json"

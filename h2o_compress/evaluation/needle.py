@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..chat import apply_chat_template
-from ..config import CompressionConfig
-from ..errors import ConfigError, InputError, short
-from ..generation import check_generation_args, make_cache, make_scored_cache
-from .corpus import default_corpus
-from ..compiled import resolve_compile
-from .stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream, step_function
+from h2o_compress.runtime.chat import apply_chat_template
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import ConfigError, InputError, short
+from h2o_compress.runtime.generation import check_generation_args, make_cache, make_scored_cache
+from h2o_compress.evaluation.corpus import default_corpus
+from h2o_compress.runtime.compiled import resolve_compile
+from h2o_compress.evaluation.stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream, step_function
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -180,7 +180,7 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
     Question in the prompt (``context_tokens`` ``None``): one cache built for ``tokens + max_new_tokens``.
     Compress-then-ask (``context_tokens`` = tokens before the question): the context alone goes through a cache
     built for it (the budget applies to the context), then the question and the answer go into its frozen copy
-    (:meth:`~h2o_compress.CompressedCache.frozen_copy`: nothing more is evicted), as :func:`h2o_compress.ask`
+    (:meth:`~h2o_compress.CompressedCache.frozen_copy`: nothing more is evicted), as :func:`h2o_compress.runtime.ask`
     does. ``chunk_size`` ``None`` reads the prompt in one pass, as :func:`h2o_compress.generate` does (eviction
     then acts after the prompt); a number reads it in chunks, so eviction acts while it is read. ``compile``:
     decode steps through the compiled step (``None``: on with CUDA).
@@ -270,7 +270,7 @@ def needle_eval(
     both settings see identical prompts; ``corpus`` is the haystack's prose (default: the shipped corpus).
     ``protocol``: ``question-in-prompt`` (the budget fraction is relative to ``prompt + max_new_tokens``) or
     ``compress-then-ask`` (instruction + haystack compressed before the question is read, the budget relative to
-    them; the question and the answer are added without eviction, as :func:`h2o_compress.ask` does).
+    them; the question and the answer are added without eviction, as :func:`h2o_compress.runtime.ask` does).
 
     Raises:
         ConfigError: bad lengths, depths, trials, seed, chunk size or compression setting; ``max_new_tokens`` too

@@ -14,12 +14,12 @@ from typing import Callable
 
 import torch
 
-from ..config import CompressionConfig
-from ..errors import InputError
-from ..generation import make_cache
-from .corpus import load_text, tokenize_text
-from ..compiled import resolve_compile
-from .stream import ProgressFn, check_count, context_limit, model_device, read_stream, step_function
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import InputError
+from h2o_compress.runtime.generation import make_cache
+from h2o_compress.evaluation.corpus import load_text, tokenize_text
+from h2o_compress.runtime.compiled import resolve_compile
+from h2o_compress.evaluation.stream import ProgressFn, check_count, context_limit, model_device, read_stream, step_function
 
 
 @dataclass

@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from ..compiled import compiled_decode_step, decode_one, decode_step
-from ..errors import ConfigError, short
+from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.models.weights import input_device
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``: called after each chunk with tokens read so far and tokens to read."""
@@ -32,9 +33,7 @@ def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximu
 
 def model_device(model) -> torch.device:
     """Where the model takes its inputs (its input embeddings' execution device; see
-    :func:`h2o_compress.weights.input_device`)."""
-    from ..weights import input_device
-
+    :func:`h2o_compress.models.weights.input_device`)."""
     return input_device(model)
 
 
@@ -70,9 +69,9 @@ def forward_chunk(model, cache, chunk: torch.Tensor, last_only: bool = False) ->
 
 
 def step_function(model, compile: bool):
-    """The decode step to use: :func:`~h2o_compress.compiled.compiled_decode_step` when ``compile`` (the cache must
-    be compileable: :func:`~h2o_compress.compiled.resolve_compile` checks), else the eager
-    :func:`~h2o_compress.compiled.decode_step`."""
+    """The decode step to use: :func:`~h2o_compress.runtime.compiled.compiled_decode_step` when ``compile`` (the cache must
+    be compileable: :func:`~h2o_compress.runtime.compiled.resolve_compile` checks), else the eager
+    :func:`~h2o_compress.runtime.compiled.decode_step`."""
     return compiled_decode_step(model) if compile else decode_step
 
 
@@ -130,7 +129,7 @@ def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[
     The first token comes from ``logits``; each further one costs one forward pass through ``cache``. Stops
     after a token in ``stop_ids``. ``step``: the decode step function (:func:`step_function`; default eager).
     ``untimed``: decode passes left out of the seconds, the first ones (a compiled step's warm-up,
-    :func:`h2o_compress.compiled.warmup_steps`).
+    :func:`h2o_compress.runtime.compiled.warmup_steps`).
 
     Returns:
         ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes after

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import KVQuantizer, StoredTensor, gather_tokens
-from .bitsandbytes import BitsAndBytesQuantizer
-from .integer import IntQuantizer, hadamard_matrix
-from .none import NoQuantizer
+from h2o_compress.formats.base import KVQuantizer, StoredTensor, gather_tokens
+from h2o_compress.formats.bitsandbytes import BitsAndBytesQuantizer
+from h2o_compress.formats.integer import IntQuantizer, hadamard_matrix
+from h2o_compress.formats.none import NoQuantizer
 
 __all__ = [
     "KVQuantizer",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from .base import KVQuantizer, StoredTensor
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.formats.base import KVQuantizer, StoredTensor
 
 
 def _functional():

@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from ..errors import ConfigError
-from .base import KVQuantizer, StoredTensor
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.formats.base import KVQuantizer, StoredTensor
 
 
 @functools.lru_cache(maxsize=32)

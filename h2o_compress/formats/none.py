@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVQuantizer, StoredTensor
+from h2o_compress.formats.base import KVQuantizer, StoredTensor
 
 
 class NoQuantizer(KVQuantizer):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import StoredTensor
-from .integer import IntQuantizer
+from h2o_compress.formats.base import StoredTensor
+from h2o_compress.formats.integer import IntQuantizer
 
 CENTRE = 7.5  # the middle of the 16 low-plane codes
 

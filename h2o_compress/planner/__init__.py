@@ -10,13 +10,13 @@
 - :mod:`.units`: memory amounts, lists, headroom; :mod:`.view`: the ``h2o-compress plan`` table (rich).
 """
 
-from .known_models import ModelSpec, resolve_model
-from .plan import PlanReport, PlanRow, choose, choose_for_prompt, describe_choice, plan
-from .settings import candidates, describe, load_quality
-from .sizes import (
+from h2o_compress.planner.known_models import ModelSpec, resolve_model
+from h2o_compress.planner.plan import PlanReport, PlanRow, choose, choose_for_prompt, describe_choice, plan
+from h2o_compress.planner.settings import candidates, describe, load_quality
+from h2o_compress.planner.sizes import (
     CacheBytes, cache_bytes, forward_peak_bytes, graph_pool_bytes, runs_decode_op, weight_bytes, workspace_bytes,
 )
-from .units import format_bytes, parse_headroom, parse_list, parse_memory
+from h2o_compress.planner.units import format_bytes, parse_headroom, parse_list, parse_memory
 
 __all__ = [
     "CacheBytes", "ModelSpec", "PlanReport", "PlanRow", "cache_bytes", "candidates", "choose", "choose_for_prompt",

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelLoadError, short
-from ..models import ModelDims, check_config_values, check_model_dir, model_dims
+from h2o_compress.utils.errors import ModelLoadError, short
+from h2o_compress.models import ModelDims, check_config_values, check_model_dir, model_dims
+from h2o_compress.models.weights import floating_dtype, loaded_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,6 @@ def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
 
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         name = getattr(model, "name_or_path_for_cache", None) or getattr(model.config, "_name_or_path", "") or "model"
-        from ..weights import floating_dtype, loaded_weight_bytes
 
         footprint = loaded_weight_bytes(model)  # with bitsandbytes' scales, which get_memory_footprint misses
         dtype = floating_dtype(model)  # 8/4-bit weights are integers: the compute dtype is the floating one

@@ -7,15 +7,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..compiled import compiles_by_default
-from ..config import CompressionConfig
-from ..errors import ConfigError, short
-from ..models import ModelDims, resolve_dtype
-from ..weights import loaded_weights_bits
-from .known_models import ModelSpec, resolve_model
-from .settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
-from .sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
-from .units import format_bytes, parse_headroom, parse_memory
+from h2o_compress.runtime.compiled import compiles_by_default
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.models import ModelDims, resolve_dtype
+from h2o_compress.models.weights import loaded_weights_bits
+from h2o_compress.planner.known_models import ModelSpec, resolve_model
+from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
+from h2o_compress.planner.sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
+from h2o_compress.planner.units import format_bytes, parse_headroom, parse_memory
+from h2o_compress.runtime.generation import encode_prompt
 
 MAX_BATCH = 2**20
 MAX_CONTEXT = 2**24
@@ -146,7 +147,7 @@ def plan(
         trust_remote_code: let a model directory with an ``auto_map`` be read (off: refused).
         compiled: count the CUDA-graph pool of the compiled decode step in the workspace. ``None``: as
             ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
-            weights (:func:`h2o_compress.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
+            weights (:func:`h2o_compress.runtime.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
             card: the CUDA default compiles).
 
     Returns:
@@ -265,8 +266,6 @@ def choose_for_prompt(
         InputError: empty prompt.
         ConfigError: nothing fits (the message names the smallest memory that would).
     """
-    from ..generation import encode_prompt
-
     base = base or CompressionConfig()
     prompt_len = encode_prompt(tokenizer, prompt, chat).shape[1]
     options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),

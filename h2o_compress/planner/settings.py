@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from ..config import ALLOWED_GROUP_SIZES, CompressionConfig, MAX_RESIDUAL
-from ..errors import ConfigError, short
-from ..files import read_json
+from h2o_compress.config import ALLOWED_GROUP_SIZES, CompressionConfig, MAX_RESIDUAL
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.files import read_json
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.25, 0.1)
 # Quality metrics a profile report may carry: lower is better for the first group, higher for the second.

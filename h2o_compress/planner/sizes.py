@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.launch import decode_scratch_bytes, launch_for
-from ..cache import build_layers
-from ..cache.span import FULL_SPAN
-from ..config import CompressionConfig
-from ..errors import ConfigError, short
-from ..models import ModelDims
-from ..policies import POLICIES
-from .known_models import ModelSpec
+from h2o_compress.attention.launch import decode_scratch_bytes, launch_for
+from h2o_compress.cache import build_layers
+from h2o_compress.cache.span import FULL_SPAN
+from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.models import ModelDims
+from h2o_compress.policies import POLICIES
+from h2o_compress.planner.known_models import ModelSpec
 
 WEIGHT_BITS = (16, 8, 4)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..errors import ConfigError, short
+from h2o_compress.utils.errors import ConfigError, short
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

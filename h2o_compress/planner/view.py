@@ -6,8 +6,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .plan import PlanReport
-from .units import format_bytes
+from h2o_compress.planner.plan import PlanReport
+from h2o_compress.planner.units import format_bytes
 
 
 def plan_table(report: PlanReport) -> Table:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from .a2sf import A2SFPolicy
-from .base import EvictionPolicy
-from .full import FullPolicy
-from .h2o import H2OPolicy
-from .h2o_mean import H2OMeanPolicy
-from .kvzip import KVzipPolicy
-from .local import LocalPolicy
-from .lookahead import LookaheadPolicy
-from .sink import SinkPolicy
-from .snapkv import SnapKVPolicy
-from .strided import StridedPolicy
-from .tova import TOVAPolicy
+from h2o_compress.policies.a2sf import A2SFPolicy
+from h2o_compress.policies.base import EvictionPolicy
+from h2o_compress.policies.full import FullPolicy
+from h2o_compress.policies.h2o import H2OPolicy
+from h2o_compress.policies.h2o_mean import H2OMeanPolicy
+from h2o_compress.policies.kvzip import KVzipPolicy
+from h2o_compress.policies.local import LocalPolicy
+from h2o_compress.policies.lookahead import LookaheadPolicy
+from h2o_compress.policies.sink import SinkPolicy
+from h2o_compress.policies.snapkv import SnapKVPolicy
+from h2o_compress.policies.strided import StridedPolicy
+from h2o_compress.policies.tova import TOVAPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "h2o": H2OPolicy,

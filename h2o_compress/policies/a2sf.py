@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
-from .h2o import H2OPolicy
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.policies.h2o import H2OPolicy
+from h2o_compress.attention import attention_probability_sums
 
 
 @dataclass
@@ -40,7 +41,5 @@ class A2SFPolicy(H2OPolicy):
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The chunk's probabilities, query ``i`` of ``n`` weighed ``factor ** (n - 1 - i)``."""
-        from ..attention import attention_probability_sums
-
         return attention_probability_sums(query, keys, mask, scaling, chunk_size, decay=self.score_decay,
                                           variant=variant)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from h2o_compress.attention import attention_probability_sums
 
 
 NO_POSITION = 2**40  # sorts after every real position
@@ -58,8 +59,6 @@ class EvictionPolicy:
         heads summed per KV head (H2O, arXiv 2306.14048 §4). ``query`` ``[batch, q_heads, queries, head_dim]``,
         ``keys`` ``[batch, kv_heads, keys, head_dim]``, ``mask`` as
         :func:`~h2o_compress.attention.attention_probability_sums` takes it."""
-        from ..attention import attention_probability_sums
-
         return attention_probability_sums(query, keys, mask, scaling, chunk_size, variant=variant)
 
     def recent_window(self, capacity: int) -> int:

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from .h2o import H2OPolicy
+from h2o_compress.policies.h2o import H2OPolicy
 
 
 @dataclass
 class ContextScoredPolicy(H2OPolicy):
     """Base of the compress-then-ask policies (``kvzip``, ``lookahead``): before the context's prefill,
-    :func:`h2o_compress.context_scores.score_context` runs the pass that :attr:`scorer` names and hands each
+    :func:`h2o_compress.runtime.context_scores.score_context` runs the pass that :attr:`scorer` names and hands each
     layer its scores; the prefill keeps the top of them (split by ``heavy_ratio`` as ``h2o``), and decode steps
     then accumulate attention as ``h2o``. Without such scores (a prompt streamed in chunks), the policy ranks as
     ``h2o``.
@@ -26,7 +26,7 @@ class ContextScoredPolicy(H2OPolicy):
             step (the context's prefill) and then dropped.
     """
 
-    #: The scoring pass, a key of :data:`h2o_compress.context_scores.SCORERS`.
+    #: The scoring pass, a key of :data:`h2o_compress.runtime.context_scores.SCORERS`.
     scorer: ClassVar[str] = ""
     evict_chat_header: bool = False
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import EvictionPolicy
+from h2o_compress.policies.base import EvictionPolicy
 
 
 @dataclass

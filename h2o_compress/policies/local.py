@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from .base import EvictionPolicy
+from h2o_compress.policies.base import EvictionPolicy
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .context_scored import ContextScoredPolicy
+from h2o_compress.policies.context_scored import ContextScoredPolicy
 
 #: The request the model answers before the question is known: generic, asked of every context.
 LOOKAHEAD_REQUEST = "List the important facts and numbers in the text above."
@@ -24,7 +24,7 @@ class LookaheadPolicy(ContextScoredPolicy):
 
     Lookahead Q-Cache (arXiv 2505.20334) generates such pseudo queries from the prompt with the question; here
     the request stands in for the question that is not known yet. Costs one prefill of the context plus
-    ``new_tokens`` decode steps per request, with eager attention (:func:`h2o_compress.context_scores.lookahead_scores`).
+    ``new_tokens`` decode steps per request, with eager attention (:func:`h2o_compress.runtime.context_scores.lookahead_scores`).
 
     In ``generate`` the prompt holds its question: there the pass answers the prompt itself (its own first
     ``new_tokens`` tokens, one pass at the end: Lookahead Q-Cache's own setting), unless a request was given;

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .h2o import H2OPolicy
+from h2o_compress.policies.h2o import H2OPolicy
+from h2o_compress.attention import attention_probability_sums
 
 
 @dataclass
@@ -27,8 +28,6 @@ class SnapKVPolicy(H2OPolicy):
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The last ``window`` queries' attention, max-pooled over ``pool`` neighbouring keys."""
-        from ..attention import attention_probability_sums
-
         queries = query.shape[2]
         window = min(self.window, queries)
         last = None if mask is None else mask[..., -window:, :]  # None: causal, bottom-right aligned

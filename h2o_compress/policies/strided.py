@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from .h2o import H2OPolicy
+from h2o_compress.policies.h2o import H2OPolicy
 
 
 @dataclass

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from .h2o import H2OPolicy
+from h2o_compress.policies.h2o import H2OPolicy
+from h2o_compress.attention import attention_probability_sums
 
 
 @dataclass
@@ -23,7 +24,5 @@ class TOVAPolicy(H2OPolicy):
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The attention of the chunk's last query only."""
-        from ..attention import attention_probability_sums
-
         last = None if mask is None else mask[..., -1:, :]
         return attention_probability_sums(query[:, :, -1:], keys, last, scaling, chunk_size, variant=variant)

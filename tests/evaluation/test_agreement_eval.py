@@ -6,7 +6,7 @@ import pytest
 from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
-from h2o_compress.errors import InputError
+from h2o_compress.utils.errors import InputError
 from h2o_compress.evaluation import agreement_eval, load_prompts, prefix_match_rate, rouge_l, token_match_rate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ from evaluation_helpers import save_tiny_lm, one_thread  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app
-from h2o_compress.outputs import MANIFEST
+from h2o_compress.utils.outputs import MANIFEST
 
 runner = CliRunner()
 

@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 
 from h2o_compress.cli import app
 from h2o_compress.config import CompressionConfig
-from h2o_compress.errors import ConfigError, InputError, ModelLoadError
-from h2o_compress.evaluation import ProfileSettings, needle_eval, run_profile, write_report
+from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError
+from h2o_compress.evaluation import needle_eval
+from h2o_compress.profiling import ProfileSettings, run_profile, write_report
 from h2o_compress.evaluation.corpus import load_prompts
 from h2o_compress.evaluation.needle import check_needle_args, passkey_tokens
 from h2o_compress.evaluation.perplexity import text_perplexity
-from h2o_compress.evaluation.report import check_out_dir
+from h2o_compress.profiling.report import check_out_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()

@@ -6,7 +6,7 @@ import pytest
 from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
-from h2o_compress.errors import ConfigError
+from h2o_compress.utils.errors import ConfigError
 from h2o_compress.evaluation import extract_answer, is_correct, needle_eval, plant_needle
 from h2o_compress.evaluation import needle as needle_module
 

@@ -9,7 +9,7 @@ import torch
 from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
-from h2o_compress.errors import ConfigError, InputError
+from h2o_compress.utils.errors import ConfigError, InputError
 from h2o_compress.evaluation import reference_perplexity, streaming_perplexity, text_perplexity
 from h2o_compress.evaluation.perplexity import stream_nll
 

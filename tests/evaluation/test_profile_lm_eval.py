@@ -15,8 +15,8 @@ lm_eval = pytest.importorskip("lm_eval")  # in the `test` extra; the feature its
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from h2o_compress.cli import app  # noqa: E402
-from h2o_compress.errors import ConfigError, InputError  # noqa: E402
-from h2o_compress.evaluation import ProfileSettings  # noqa: E402
+from h2o_compress.utils.errors import ConfigError, InputError  # noqa: E402
+from h2o_compress.profiling import ProfileSettings  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parents[1] / "data" / "lm_eval_task"
 CHOICE, TEXT = "h2o_tiny_choice", "h2o_tiny_text"

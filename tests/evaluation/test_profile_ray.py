@@ -13,10 +13,10 @@ from evaluation_helpers import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app
-from h2o_compress.errors import ConfigError, ModelLoadError
-from h2o_compress.evaluation import ProfileSettings, run_profile
-from h2o_compress.evaluation import profile as profile_module
-from h2o_compress.evaluation.rows import ROWS_DIR
+from h2o_compress.utils.errors import ConfigError, ModelLoadError
+from h2o_compress.profiling import ProfileSettings, run_profile
+from h2o_compress.profiling import sweep as profile_module
+from h2o_compress.profiling.rows import ROWS_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +51,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_instance():
     ray = pytest.importorskip("ray")
-    from h2o_compress.evaluation.ray_sweep import runtime_env
+    from h2o_compress.integrations.ray_sweep import runtime_env
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 2**20,
              configure_logging=False, runtime_env=runtime_env())  # the workers import this checkout's package

@@ -8,10 +8,10 @@ import math
 import pytest
 from evaluation_helpers import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (fixture)
 
-from h2o_compress.errors import ConfigError, InputError
-from h2o_compress.evaluation import ProfileSettings, run_profile, write_report
-from h2o_compress.evaluation.profile import label
-from h2o_compress.evaluation.report import PLOTS, finalize, policy_comparison
+from h2o_compress.utils.errors import ConfigError, InputError
+from h2o_compress.profiling import ProfileSettings, run_profile, write_report
+from h2o_compress.profiling.sweep import label
+from h2o_compress.profiling.report import PLOTS, finalize, policy_comparison
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

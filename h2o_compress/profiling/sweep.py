@@ -8,7 +8,7 @@ what it saves and what it costs (DESIGN.md §4):
 - prefill and decode tokens/s per context length;
 - streaming perplexity of the corpus (:mod:`.perplexity`), greedy agreement with the uncompressed output
   (:mod:`.agreement`) and, optionally, passkey retrieval (:mod:`.needle`) and lm-evaluation-harness task scores
-  (:func:`h2o_compress.lm_eval_tasks.score_model`: the ``h2o-compress`` model type on the loaded model).
+  (:func:`h2o_compress.integrations.lm_eval_tasks.score_model`: the ``h2o-compress`` model type on the loaded model).
 
 The uncompressed configuration (``full``, 16 bits) always runs first: it is the reference of every ratio.
 """
@@ -29,17 +29,23 @@ from pathlib import Path
 
 import torch
 
-from ..config import ALLOWED_BITS, CompressionConfig
-from ..errors import ConfigError, InputError, short
-from ..generation import make_cache
-from ..outputs import OutputDir
-from .agreement import agreement_eval, reference_generations
-from .corpus import load_prompts, load_text, tokenize_text
-from .needle import ANSWER_TOKENS, check_needle_args, needle_eval, plant_needle
-from .perplexity import streaming_perplexity
-from ..compiled import decode_step, resolve_compile, warmup_steps
-from ..weights import floating_dtype
-from .stream import check_count, context_limit, greedy_decode, model_device, read_stream, step_function, sync
+from h2o_compress.config import ALLOWED_BITS, CompressionConfig
+from h2o_compress.utils.errors import ConfigError, InputError, short
+from h2o_compress.runtime.generation import GenerationResult, make_cache
+from h2o_compress.utils.outputs import OutputDir
+from h2o_compress.evaluation.agreement import agreement_eval, reference_generations
+from h2o_compress.evaluation.corpus import load_prompts, load_text, tokenize_text
+from h2o_compress.evaluation.needle import ANSWER_TOKENS, check_needle_args, needle_eval, plant_needle
+from h2o_compress.evaluation.perplexity import streaming_perplexity
+from h2o_compress.runtime.compiled import decode_step, resolve_compile, warmup_steps
+from h2o_compress.models.weights import floating_dtype
+from h2o_compress.evaluation.stream import check_count, context_limit, greedy_decode, model_device, read_stream, step_function, sync
+from h2o_compress.attention.choice import check_kernel
+from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
+from h2o_compress.integrations.ray_sweep import RaySweep
+from h2o_compress.models import load_model, placement_options, resolve_device
+from h2o_compress.profiling.report import check_out_dir, finalize, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
+from h2o_compress.profiling.rows import RowStore, row_key
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
 _DEFAULTS = CompressionConfig()
@@ -119,8 +125,6 @@ class ProfileSettings:
     placement: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from ..models import placement_options, resolve_device
-
         device = None  # where the weights (and caches) go
         if self.placement:  # refused now, not in a worker after the first configuration
             unknown = set(self.placement) - set(PLACEMENT_DEFAULTS)
@@ -155,12 +159,9 @@ class ProfileSettings:
         except ConfigError as exc:
             raise ConfigError(f"needle {exc}") from None
         self.configs()  # validates policies, budgets and the fixed options
-        from ..attention.choice import check_kernel
 
         check_kernel(self.attention_kernel, device if device is not None else resolve_device(self.device))
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
-            from ..lm_eval_tasks import check_task_options
-
             check_task_options(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
 
     def check_lm_eval_tasks(self) -> None:
@@ -171,8 +172,6 @@ class ProfileSettings:
             ConfigError: lm-eval not installed, or an unknown task name.
         """
         if self.lm_eval_tasks:
-            from ..lm_eval_tasks import check_tasks
-
             check_tasks(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
 
     def configs(self) -> list[CompressionConfig]:
@@ -231,7 +230,7 @@ def measure_speed(
 ) -> dict:
     """Prefill ``seq_len`` corpus tokens in one pass, then ``decode_tokens`` greedy decode steps (compiled: the
     step is compiled on a throwaway cache first, and the timed cache's first
-    :func:`~h2o_compress.compiled.warmup_steps` steps, which record its CUDA graph on CUDA, are left out of the
+    :func:`~h2o_compress.runtime.compiled.warmup_steps` steps, which record its CUDA graph on CUDA, are left out of the
     speed).
 
     Returns a dict: seq_len, capacity, prefill_tokens_per_s, decode_tokens_per_s, kv_bytes, kv_bytes_full_fp16,
@@ -330,8 +329,6 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
                              max_new_tokens=ANSWER_TOKENS, reference=False, corpus=text, compile=settings.compile)
         record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
     if settings.lm_eval_tasks:
-        from ..lm_eval_tasks import score_model
-
         record["lm_eval"] = score_model(model, tokenizer, config, settings.lm_eval_tasks, settings.lm_eval_limit,
                                         settings.lm_eval_include_path)
     record["seconds"] = time.perf_counter() - started
@@ -339,8 +336,6 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
 
 
 def _load(settings: ProfileSettings):
-    from ..models import load_model
-
     if settings.threads:
         torch.set_num_threads(settings.threads)
     return load_model(settings.model, device=settings.device, dtype=settings.dtype,
@@ -395,7 +390,6 @@ def environment(settings: ProfileSettings) -> dict:
     """Versions, platform and device facts for the report."""
     import importlib.metadata as md
 
-    from ..models import resolve_device
 
     def version(name: str) -> str | None:
         try:
@@ -461,7 +455,7 @@ def _progress(show: bool):
 def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, show_progress: bool = True,
                 model=None, tokenizer=None, ray_address: str | None = None, resume: bool = True) -> dict:
     """Run the sweep and return the report dict; with ``out_dir``, also write report.json, report.md, the PNG
-    plots and report.html there (see :func:`h2o_compress.evaluation.report.write_report`). report.json is
+    plots and report.html there (see :func:`h2o_compress.profiling.report.write_report`). report.json is
     rewritten after each configuration (``"complete": false``) so an interrupted sweep keeps its figures.
 
     Resume: with ``out_dir``, each configuration is also saved as it finishes in ``out_dir/rows``
@@ -478,7 +472,7 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
             agreement of every other row compares with its generations), then the rest in parallel.
 
     ``out_dir`` must be new, empty of report files, or the output directory of an earlier sweep
-    (:func:`~h2o_compress.evaluation.report.check_out_dir`), checked before any work; when the run fails, the
+    (:func:`~h2o_compress.profiling.report.check_out_dir`), checked before any work; when the run fails, the
     directories it created and left empty are removed again.
 
     Raises:
@@ -487,8 +481,6 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
         InputError: ``out_dir`` (or its ``rows``) exists and is not a directory, or holds report files profile
             did not write; a measurement needs more positions than the model has.
     """
-    from .report import check_out_dir, missing_dirs, remove_empty_dirs
-
     created: list[Path] = []
     if out_dir is not None:
         check_out_dir(out_dir)
@@ -503,14 +495,8 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
 def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model, tokenizer, ray_address,
                  resume: bool) -> dict:
     """:func:`run_profile` once ``out_dir`` is checked."""
-    from ..models import resolve_device
-    from .report import finalize, prepare_out_dir, write_report
-    from .rows import RowStore, row_key
-
     settings.check_lm_eval_tasks()  # unknown task names: before Ray starts, a model loads or a file is written
     if ray_address is not None:
-        from .ray_sweep import RaySweep
-
         if model is not None:
             raise ConfigError("a loaded model cannot be sent to Ray tasks; allowed: ray_address=None with model=, "
                               "or settings.model naming a model every Ray worker can load")
@@ -604,8 +590,6 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
 
 def _references(record: dict | None) -> list | None:
     """The reference row's generations (the agreement's reference) as GenerationResults, or ``None``."""
-    from ..generation import GenerationResult
-
     generations = (record or {}).get("generations")
     return None if generations is None else [GenerationResult(**g) for g in generations]
 

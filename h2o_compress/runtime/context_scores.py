@@ -9,9 +9,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .chat import apply_chat_template
-from .config import fit_to_total
-from .models import model_dims
+from h2o_compress.runtime.chat import apply_chat_template
+from h2o_compress.config import fit_to_total
+from h2o_compress.models import model_dims
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
 ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)
@@ -275,7 +275,7 @@ def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _request_prompt(tokenizer, context_ids: torch.Tensor, request: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(asked [1, r], body [batch, b])``: ``request`` as read after the context, and the context without the
     chat template's header. A context that opens with the template's user turn (as
-    :func:`h2o_compress.ask.compress` encodes it) gets the request at the end of that turn, then the end of the
+    :func:`h2o_compress.runtime.ask.compress` encodes it) gets the request at the end of that turn, then the end of the
     turn and the assistant's header; otherwise the request follows as plain text and the body is the whole
     context."""
     frame = _chat_frame(tokenizer)

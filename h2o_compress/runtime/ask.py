@@ -28,14 +28,15 @@ from typing import Callable
 
 import torch
 
-from .cache import CompressedCache
-from .chat import check_text_fits
-from .config import CompressionConfig, check_usable
-from .errors import CacheStateError, InputError, short
-from .generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
-from .persistence import save_cache, load_cache
-from .prompt_cache import check_context, prefill, shared_prefix_length
-from .weights import input_device
+from h2o_compress.cache import CompressedCache
+from h2o_compress.runtime.chat import check_text_fits
+from h2o_compress.config import CompressionConfig, check_usable
+from h2o_compress.utils.errors import CacheStateError, InputError, short
+from h2o_compress.runtime.generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
+from h2o_compress.persistence import save_cache, load_cache
+from h2o_compress.runtime.prefill import check_context, prefill
+from h2o_compress.runtime.prompt_cache import shared_prefix_length
+from h2o_compress.models.weights import input_device
 
 ASK_DEFAULTS = CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=1.0, sink_tokens=4, kv_bits=4,
                                  layer_budgets="global", head_budgets="adaptive")
@@ -94,7 +95,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
         context: the document (one user turn with the chat template, up to the end of its text).
         config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="kvzip"`` (the default) and
             ``policy="lookahead"`` first score the context by their pass
-            (:func:`~h2o_compress.context_scores.score_context`: about one extra prefill of the context, twice it
+            (:func:`~h2o_compress.runtime.context_scores.score_context`: about one extra prefill of the context, twice it
             for kvzip).
         chat: apply the tokenizer's chat template.
 
@@ -149,7 +150,7 @@ def ask(
     evicts nothing more (:meth:`CompressedCache.frozen_copy`), so ``context`` is unchanged and can be asked again.
 
     Returns:
-        A :class:`~h2o_compress.generation.GenerationResult` (``prompt_tokens`` = context + question;
+        A :class:`~h2o_compress.runtime.generation.GenerationResult` (``prompt_tokens`` = context + question;
         ``kv_bytes`` = the copy at the end of the answer).
 
     Raises:

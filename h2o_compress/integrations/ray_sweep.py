@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError, H2OCompressError, short
+from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
 
 RAY_EXTRA = "pip install 'h2o-compress[ray]'"
 

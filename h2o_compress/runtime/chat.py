@@ -14,7 +14,7 @@ import functools
 import signal
 import threading
 
-from .errors import InputError, ModelLoadError
+from h2o_compress.utils.errors import InputError, ModelLoadError
 
 TEMPLATE_SECONDS = 10.0  # a real chat template renders in milliseconds
 TEMPLATE_GROWTH = 64  # rendered characters per character of the messages, at most (plus TEMPLATE_FIXED)

@@ -10,7 +10,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import ConfigError, short
+from h2o_compress.utils.errors import ConfigError, short
 
 
 def cache_root() -> Path:

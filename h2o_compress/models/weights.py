@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, ModelLoadError, short
+from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 
 WEIGHT_BITS = (16, 8, 4)
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")

@@ -3,7 +3,7 @@
 Import this module (or run ``h2o-compress eval lm-eval``) and lm-eval knows the model type::
 
     import lm_eval
-    import h2o_compress.lm_eval_model  # registers "h2o-compress"
+    import h2o_compress.integrations.lm_eval_model  # registers "h2o-compress"
     results = lm_eval.simple_evaluate(model="h2o-compress", model_args="pretrained=smollm2-135m,budget=0.2,kv_bits=4",
                                       tasks=["lambada_openai"])
 
@@ -20,7 +20,7 @@ context + continuation, so a cache that evicts after that pass changes nothing i
   the prefill; the continuation is then scored against that compressed cache as **one chunk appended after it, on a
   frozen copy** (:meth:`~h2o_compress.cache.CompressedCache.frozen_copy`: nothing more is evicted; the tokens
   after the context are kept as they come). Why one chunk and not decode steps: it is the compress-then-ask protocol
-  of :func:`h2o_compress.ask` (kvpress): every choice of a question is scored against the *same* compressed context,
+  of :func:`h2o_compress.runtime.ask` (kvpress): every choice of a question is scored against the *same* compressed context,
   prefilled and compressed once per context (not once per choice, and not with a capacity that depends on the
   choice's length); a continuation is an answer of a few tokens, so what decode steps could evict during it is at
   most its own length; and it costs one forward pass per continuation. The first continuation token is scored from
@@ -46,12 +46,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .config import CompressionConfig, check_usable, parse_budget
-from .errors import ConfigError, short
-from .generation import make_cache, make_scored_cache
-from .prompt_cache import prefill
-from .models import DEFAULT_MODEL, load_model
-from .evaluation.stream import check_count, read_stream
+from h2o_compress.config import CompressionConfig, check_usable, parse_budget
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.runtime.generation import make_cache, make_scored_cache
+from h2o_compress.runtime.prefill import prefill
+from h2o_compress.models import DEFAULT_MODEL, load_model
+from h2o_compress.evaluation.stream import check_count, read_stream
 
 try:
     from lm_eval.api.registry import register_model

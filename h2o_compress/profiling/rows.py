@@ -21,7 +21,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..errors import InputError, short
+from h2o_compress.utils.errors import InputError, short
 
 ROWS_DIR = "rows"
 FORMAT = 1

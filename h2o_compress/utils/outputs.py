@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .errors import InputError, short
+from h2o_compress.utils.errors import InputError, short
 
 MANIFEST = ".h2o-compress-manifest.json"
 

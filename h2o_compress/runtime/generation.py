@@ -9,18 +9,18 @@ from typing import Callable
 
 import torch
 
-from .attention import check_attention_backend, use_h2o_attention
-from .attention.choice import check_kernel
-from .cache import CompressedCache, build_layers
-from .chat import apply_chat_template
-from .config import CONTEXT_SCORED_POLICIES, CompressionConfig
-from .compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
-from .errors import CacheStateError, ConfigError, InputError, short
-from .models import model_dims, torch_decode_reason
-from .identity import model_fingerprint, model_identity
-from .context_scores import global_layer_capacities, hand_context_scores, score_context
-from .prompt_cache import check_context, prefill
-from .weights import input_device
+from h2o_compress.attention import check_attention_backend, use_h2o_attention
+from h2o_compress.attention.choice import check_kernel
+from h2o_compress.cache import CompressedCache, build_layers
+from h2o_compress.runtime.chat import apply_chat_template
+from h2o_compress.config import CONTEXT_SCORED_POLICIES, CompressionConfig
+from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
+from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
+from h2o_compress.models import model_dims, torch_decode_reason
+from h2o_compress.models.identity import model_fingerprint, model_identity
+from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
+from h2o_compress.runtime.prefill import check_context, prefill
+from h2o_compress.models.weights import input_device
 
 
 def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None,
@@ -90,9 +90,9 @@ def _check_layer_capacities(capacities, config: CompressionConfig, num_layers: i
 def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_length: int,
                       question_in_prompt: bool = False) -> CompressedCache:
     """A cache ready for the prefill of ``input_ids`` ``[batch, tokens]``: for ``kvzip`` and ``lookahead`` their
-    scoring pass runs first (:func:`~h2o_compress.context_scores.score_context`), the cache is built with the layer
+    scoring pass runs first (:func:`~h2o_compress.runtime.context_scores.score_context`), the cache is built with the layer
     capacities those scores give under ``layer_budgets="global"``
-    (:func:`~h2o_compress.context_scores.global_layer_capacities`; the config's own split otherwise), and each
+    (:func:`~h2o_compress.runtime.context_scores.global_layer_capacities`; the config's own split otherwise), and each
     layer gets its scores for the prefill. Other policies: ``make_cache(model, config, max_length)``.
     ``question_in_prompt``: ``input_ids`` is a whole prompt, question included (``generate``), not a document
     asked about later.
@@ -150,10 +150,10 @@ class GenerationResult:
         prefill_s: seconds of the prompt forward pass (gives the first new token), with the scoring pass of
             ``kvzip`` and ``lookahead`` before it.
         decode_s: seconds of the decode forward passes (with ``compiled``, the first ones, which compile and on
-            CUDA record the CUDA graph (:func:`h2o_compress.compiled.warmup_steps`), are left out and reported as
+            CUDA record the CUDA graph (:func:`h2o_compress.runtime.compiled.warmup_steps`), are left out and reported as
             ``compile_s``).
         decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
-        compiled: whether the decode steps ran compiled (:mod:`h2o_compress.compiled`).
+        compiled: whether the decode steps ran compiled (:mod:`h2o_compress.runtime.compiled`).
         compile_s: seconds of the compiled step's warm-up calls (compilation included); 0 when not compiled.
         decode_kernel: the decode attention the layers ran (:attr:`CompressedCache.decode_kernel`): ``cpu``,
             ``triton`` or ``torch``, joined by ``+`` where layers differ; empty when nothing was decoded.
@@ -297,8 +297,8 @@ def generate(
     The budget fraction applies to ``prompt tokens + max_new_tokens``. ``on_text`` receives each new piece of
     text as it is generated (streaming). Stops at the tokenizer's end-of-sequence token. ``cache`` continues
     from an existing cache (e.g. :func:`h2o_compress.load_cache`): only the prompt tokens it does not hold yet
-    are fed (see :func:`h2o_compress.prompt_cache.prefill`). ``compile`` runs the decode steps through
-    :func:`h2o_compress.compiled.compiled_decode_step` (``None``: on with CUDA, off on CPU, where eager measured
+    are fed (see :func:`h2o_compress.runtime.prefill.prefill`). ``compile`` runs the decode steps through
+    :func:`h2o_compress.runtime.compiled.compiled_decode_step` (``None``: on with CUDA, off on CPU, where eager measured
     faster); the prefill stays eager. The NaN/Inf flags of the decode steps are read once, at the end.
 
     Raises:

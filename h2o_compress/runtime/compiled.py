@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import CompressedCache
-from .errors import ConfigError, InputError
+from h2o_compress.cache import CompressedCache
+from h2o_compress.utils.errors import ConfigError, InputError
+from h2o_compress.models.weights import eager_only_reason
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
 
@@ -109,9 +110,7 @@ def check_compile(compile: bool | None, config) -> None:
 def compiles_by_default(device: torch.device | str, model=None) -> bool:
     """Whether ``compile=None`` compiles on ``device`` (for a cache that can compile): on CUDA, unless ``model`` has
     bitsandbytes weights or is dispatched by accelerate over several devices or with offload
-    (:func:`h2o_compress.weights.eager_only_reason`); never on CPU."""
-    from .weights import eager_only_reason
-
+    (:func:`h2o_compress.models.weights.eager_only_reason`); never on CPU."""
     return torch.device(device).type == "cuda" and (model is None or eager_only_reason(model) is None)
 
 
@@ -119,7 +118,7 @@ def resolve_compile(compile: bool | None, cache, device: torch.device, model=Non
     """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
     (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``), and off by default for a
     ``model`` with bitsandbytes weights or dispatched by accelerate over several devices or with offload (as
-    transformers' own auto-compile does; :func:`h2o_compress.weights.eager_only_reason`).
+    transformers' own auto-compile does; :func:`h2o_compress.models.weights.eager_only_reason`).
 
     Raises:
         ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a

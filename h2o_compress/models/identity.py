@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from .errors import CacheStateError, short
-from .models import model_dims
+from h2o_compress.utils.errors import CacheStateError, short
+from h2o_compress.models.dims import model_dims
 
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
 _VOLATILE_CONFIG_KEYS = {

@@ -1,5 +1,5 @@
 """lm-evaluation-harness tasks: checking task options before anything runs, and scoring an already-loaded model
-with the ``h2o-compress`` model type (:mod:`h2o_compress.lm_eval_model`). Shared by ``h2o-compress eval lm-eval``
+with the ``h2o-compress`` model type (:mod:`h2o_compress.integrations.lm_eval_model`). Shared by ``h2o-compress eval lm-eval``
 and ``h2o-compress profile --lm-eval-tasks`` (lm-eval: https://github.com/EleutherAI/lm-evaluation-harness).
 
 A leaf module: ``lm_eval`` and the model type are imported only when a function needs them, so importing this module
@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ConfigError, InputError, short
+from h2o_compress.utils.errors import ConfigError, InputError, short
+from h2o_compress.evaluation.stream import check_count
 
 LM_EVAL_EXTRA = "pip install -e '.[lm-eval]' (lm_eval>=0.4.13)"
 SKIPPED_KEYS = ("name", "alias", "sample_len")
@@ -56,8 +57,6 @@ def check_task_options(tasks: Sequence[str], limit: int | None = None, include_p
     Raises:
         ConfigError: no task name, or a bad ``limit``. InputError: ``include_path`` is not a directory.
     """
-    from .evaluation.stream import check_count
-
     if not tasks or any(not isinstance(name, str) or not name.strip() for name in tasks):
         raise ConfigError(f"{option} {short(', '.join(map(str, tasks)))} names no task (or an empty one); allowed: "
                           "lm-eval task names, comma-separated")
@@ -104,7 +103,7 @@ def flat_scores(results: dict) -> dict[str, dict[str, float]]:
 def score_model(model, tokenizer, config, tasks: Sequence[str], limit: int | None = None,
                 include_path: str | None = None) -> dict:
     """Score an already-loaded model on lm-eval ``tasks`` through the compressed cache of ``config`` (the
-    ``h2o-compress`` model type, :class:`~h2o_compress.lm_eval_model.H2OCompressLM`; no second model load).
+    ``h2o-compress`` model type, :class:`~h2o_compress.integrations.lm_eval_model.H2OCompressLM`; no second model load).
 
     Args:
         model, tokenizer: a loaded causal LM and its tokenizer.
@@ -120,7 +119,7 @@ def score_model(model, tokenizer, config, tasks: Sequence[str], limit: int | Non
     """
     lm_eval = import_lm_eval()
     manager = check_tasks(tasks, limit, include_path)
-    from .lm_eval_model import H2OCompressLM
+    from h2o_compress.integrations.lm_eval_model import H2OCompressLM
 
     lm = H2OCompressLM(pretrained=model, tokenizer=tokenizer, **config.to_dict())
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager,

@@ -1,6 +1,6 @@
 """Prompt caches: bring a :class:`CompressedCache` up to a prompt, resuming from a saved or live one.
 
-:func:`prefill` feeds only the prompt tokens a cache does not hold yet and records the prompt's token ids and
+:func:`~h2o_compress.runtime.prefill.prefill` feeds only the prompt tokens a cache does not hold yet and records the prompt's token ids and
 next-token logits on the cache (``cache.prompt_state``), so :func:`save_cache` stores them and a
 loaded cache continues exactly like the live one. :func:`prepare_prompt_cache` is what
 ``h2o-compress generate --save-cache F / --load-cache F`` runs before generating.
@@ -8,90 +8,23 @@ loaded cache continues exactly like the live one. :func:`prepare_prompt_cache` i
 
 from __future__ import annotations
 
-import torch
 
-from .errors import CacheStateError, ConfigError, InputError, short
-from .persistence import PromptState, check_save_target, load_cache, model_fingerprint, save_cache
-from .weights import input_device
-
-
-def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Raise InputError when ``prompt_tokens + max_new_tokens`` exceeds the model's ``max_position_embeddings``."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and prompt_tokens > limit:
-        raise InputError(f"prompt of {prompt_tokens} tokens exceeds the model's context of {limit} tokens; allowed: a "
-                         "shorter text")
-    if limit and prompt_tokens + max_new_tokens > limit:
-        raise InputError(
-            f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
-            f"{limit} tokens; allowed: max_new_tokens at most {limit - prompt_tokens}, or a shorter prompt"
-        )
-
-
-@torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
-
-    A fresh cache gets the whole prompt in one forward pass (exactly what :func:`h2o_compress.generate` does,
-    ``logits_to_keep=1``).
-    A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold the first ``n``
-    tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the recorded
-    next-token logits are returned without running the model.
-
-    Args:
-        model: the causal LM the cache belongs to.
-        input_ids: int64 ``[batch, tokens]`` on the model's device.
-        cache: a :class:`CompressedCache` (batch must match).
-
-    Returns:
-        Logits ``[batch, vocab]`` (model dtype) of the token after the prompt. Sets ``cache.prompt_state``.
-
-    Raises:
-        InputError: the prompt does not start with the tokens the cache holds.
-        CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
-            without its next-token logits.
-    """
-    held = int(cache.get_seq_length())
-    state = getattr(cache, "prompt_state", None)
-    if held:
-        if not isinstance(state, PromptState) or state.token_ids.shape[1] != held:
-            raise CacheStateError(
-                f"the cache holds {held} tokens but not their ids, so the prompt cannot be checked against it; "
-                "allowed: a fresh cache or one saved after prefill()"
-            )
-        cached = state.token_ids.to(input_ids.device)
-        if input_ids.shape[0] != cached.shape[0] or input_ids.shape[1] < held or not torch.equal(
-            input_ids[:, :held], cached
-        ):
-            raise InputError(
-                f"the prompt ({input_ids.shape[1]} tokens) does not start with the {held} tokens the cache holds; "
-                "allowed: a prompt that extends the cached one"
-            )
-    if input_ids.shape[1] > held:
-        inputs = input_ids[:, held:]
-        logits = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    elif state.next_logits is not None:
-        logits = state.next_logits
-    else:
-        raise CacheStateError(
-            "the cache holds the whole prompt but not its next-token logits; allowed: a prompt with more tokens"
-        )
-    cache.prompt_state = PromptState(input_ids.detach().to("cpu", copy=True), logits.detach().clone())
-    if getattr(cache, "model_fingerprint", None) is None:
-        cache.model_fingerprint = model_fingerprint(model)
-    return logits
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.config import check_usable
+from h2o_compress.runtime.generation import encode_prompt, make_cache
+from h2o_compress.runtime.prefill import check_context, prefill
+from h2o_compress.persistence import check_save_target, load_cache, save_cache
+from h2o_compress.models.weights import input_device
 
 
 def shared_prefix_length(tokenizer, prompt: str, chat: bool = True) -> int:
-    """Tokens of ``prompt`` (as :func:`~h2o_compress.generation.encode_prompt` gives them) that a follow-up
+    """Tokens of ``prompt`` (as :func:`~h2o_compress.runtime.generation.encode_prompt` gives them) that a follow-up
     prompt extending its text will share.
 
     Without the chat template, every token. With it, the tokens before the template's closing part (end of the
     user turn, assistant header), found as the common prefix of the prompt's ids and the ids of two
     extensions of its text (so a last word that merges with following text is left out too).
     """
-    from .generation import encode_prompt
-
     ids = encode_prompt(tokenizer, prompt, chat)[0]
     if not (chat and getattr(tokenizer, "chat_template", None)):
         return int(ids.shape[0])
@@ -108,8 +41,6 @@ def _check_generates(cache, source) -> None:
     """Refuse a loaded cache whose setting cannot keep evicting while it generates (:func:`check_usable`): e.g. a
     compressed context saved by ``ask`` with KVzip's setting (no recent window), which only ``ask`` continues
     without eviction. Raises ConfigError naming the file."""
-    from .config import check_usable
-
     try:
         check_usable(cache.config, cache.capacity)
     except ConfigError as exc:
@@ -149,8 +80,6 @@ def prepare_prompt_cache(
         ConfigError: a loaded cache whose setting leaves no recent window (:func:`~h2o_compress.config.check_usable`),
             e.g. one saved by ``ask``.
     """
-    from .generation import encode_prompt, make_cache
-
     if save is not None:
         check_save_target(save, overwrite)
     device = input_device(model)

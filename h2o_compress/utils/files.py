@@ -16,7 +16,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from .errors import H2OCompressError, short
+from h2o_compress.utils.errors import H2OCompressError, short
 
 MAX_SETTINGS_BYTES = 16 * 2**20  # config files, reports, model config.json
 MAX_TEXT_BYTES = 256 * 2**20  # text files read by the evaluations

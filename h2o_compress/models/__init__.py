@@ -1,0 +1,15 @@
+"""The model side: its attention geometry (:mod:`.dims`), loading it (:mod:`.loading`: the embedded SmolLM2
+default, local directories, hub ids), its weights as loaded and where they live (:mod:`.weights`), and the
+fingerprint that ties a saved cache to it (:mod:`.identity`)."""
+
+from h2o_compress.models.dims import ModelDims, check_config_values, model_dims, torch_decode_reason
+from h2o_compress.models.loading import (
+    DEFAULT_MODEL, DTYPES, check_model_dir, converted_dir, gguf_path, load_model, placement_options, resolve_device,
+    resolve_dtype,
+)
+
+__all__ = [
+    "ModelDims", "model_dims", "torch_decode_reason", "check_config_values",
+    "DEFAULT_MODEL", "DTYPES", "load_model", "check_model_dir", "converted_dir", "gguf_path", "placement_options",
+    "resolve_device", "resolve_dtype",
+]

@@ -1,0 +1,8 @@
+"""The profile sweep: policies x budgets x KV bits, measured for KV bytes, peak memory, speed and quality
+(:mod:`.sweep`), each configuration a row file that a later run reuses (:mod:`.rows`), written as JSON, Markdown,
+PNG plots and HTML (:mod:`.report`). ``h2o-compress profile``."""
+
+from h2o_compress.profiling.report import write_report
+from h2o_compress.profiling.sweep import ProfileSettings, run_profile
+
+__all__ = ["ProfileSettings", "run_profile", "write_report"]

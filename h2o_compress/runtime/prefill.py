@@ -1,0 +1,77 @@
+"""Prefill: bring a cache up to a prompt, feeding only the tokens it does not hold yet, and record the prompt
+(token ids, next-token logits) on the cache so a saved cache continues exactly like the live one."""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_compress.models.identity import model_fingerprint
+from h2o_compress.persistence import PromptState
+from h2o_compress.utils.errors import CacheStateError, InputError
+
+
+def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise InputError when ``prompt_tokens + max_new_tokens`` exceeds the model's ``max_position_embeddings``."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and prompt_tokens > limit:
+        raise InputError(f"prompt of {prompt_tokens} tokens exceeds the model's context of {limit} tokens; allowed: a "
+                         "shorter text")
+    if limit and prompt_tokens + max_new_tokens > limit:
+        raise InputError(
+            f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"{limit} tokens; allowed: max_new_tokens at most {limit - prompt_tokens}, or a shorter prompt"
+        )
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
+
+    A fresh cache gets the whole prompt in one forward pass (exactly what :func:`h2o_compress.generate` does,
+    ``logits_to_keep=1``).
+    A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold the first ``n``
+    tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the recorded
+    next-token logits are returned without running the model.
+
+    Args:
+        model: the causal LM the cache belongs to.
+        input_ids: int64 ``[batch, tokens]`` on the model's device.
+        cache: a :class:`CompressedCache` (batch must match).
+
+    Returns:
+        Logits ``[batch, vocab]`` (model dtype) of the token after the prompt. Sets ``cache.prompt_state``.
+
+    Raises:
+        InputError: the prompt does not start with the tokens the cache holds.
+        CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
+            without its next-token logits.
+    """
+    held = int(cache.get_seq_length())
+    state = getattr(cache, "prompt_state", None)
+    if held:
+        if not isinstance(state, PromptState) or state.token_ids.shape[1] != held:
+            raise CacheStateError(
+                f"the cache holds {held} tokens but not their ids, so the prompt cannot be checked against it; "
+                "allowed: a fresh cache or one saved after prefill()"
+            )
+        cached = state.token_ids.to(input_ids.device)
+        if input_ids.shape[0] != cached.shape[0] or input_ids.shape[1] < held or not torch.equal(
+            input_ids[:, :held], cached
+        ):
+            raise InputError(
+                f"the prompt ({input_ids.shape[1]} tokens) does not start with the {held} tokens the cache holds; "
+                "allowed: a prompt that extends the cached one"
+            )
+    if input_ids.shape[1] > held:
+        inputs = input_ids[:, held:]
+        logits = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    elif state.next_logits is not None:
+        logits = state.next_logits
+    else:
+        raise CacheStateError(
+            "the cache holds the whole prompt but not its next-token logits; allowed: a prompt with more tokens"
+        )
+    cache.prompt_state = PromptState(input_ids.detach().to("cpu", copy=True), logits.detach().clone())
+    if getattr(cache, "model_fingerprint", None) is None:
+        cache.model_fingerprint = model_fingerprint(model)
+    return logits
