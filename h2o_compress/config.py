@@ -12,23 +12,16 @@ import math
 from dataclasses import asdict, dataclass
 
 from h2o_compress.utils.errors import ConfigError, short
-from h2o_compress.policies import POLICIES, make_policy
+from h2o_compress.formats import FORMATS, GROUP_SIZES
+from h2o_compress.policies import POLICIES, POLICY_OPTIONS, make_policy, policy_names
 
 ALLOWED_BITS = (4, 8, 16)
-ALLOWED_GROUP_SIZES = (32, 64, 128)
-QUANT_BACKENDS = ("int", "nf4", "fp4", "int8-blockwise")
+ALLOWED_GROUP_SIZES = GROUP_SIZES
 ATTENTION_KERNELS = ("auto", "torch", "triton")
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
-# The policies whose scoring pass runs before the cache is built (so ``layer_budgets="global"`` can size each layer)
-CONTEXT_SCORED_POLICIES = ("kvzip", "lookahead")
 HEAD_BUDGETS = ("uniform", "adaptive")
-# The policies whose ranking compares tokens across KV heads (a score of attention received): the ones that can
-# share a layer's budget between its heads (Ada-KV). The others rank every token alike (local, sink, full) or by
-# a pattern shared by every head (strided), so a shared budget would change nothing but the tie order.
-HEAD_ADAPTIVE_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "a2sf", "kvzip", "lookahead")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
-SCORED_POLICIES = ("h2o", "h2o-mean", "snapkv", "tova", "a2sf", "strided", "kvzip", "lookahead")  # the policies that split the budget by heavy_ratio
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
@@ -123,7 +116,7 @@ class CompressionConfig:
             over all heads together). The layer's tokens live in one slot pool tagged by head
             (:class:`~h2o_compress.cache.SlotPool`), so evicted tokens really free memory and the bytes
             are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
-            ``C``); needs a scoring policy (``HEAD_ADAPTIVE_POLICIES``); decode steps run the torch form
+            ``C``); needs a policy that ranks across heads (``shares_heads``); decode steps run the torch form
             (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).
         evict_chat_header: with ``kvzip`` or ``lookahead``, the chat template's header at the start of a context
             (system prompt, user-turn opening) gets score 0 beyond the sinks, so it is evicted first, as kvpress's
@@ -163,25 +156,8 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
-        if self.lookahead_request is not None:
-            if not isinstance(self.lookahead_request, str) or not 1 <= len(self.lookahead_request.strip()) <= 1000:
-                raise ConfigError(f"lookahead_request={short(self.lookahead_request)} is invalid; allowed: a text of "
-                                  "1 to 1000 characters, or None for the default request")
-            if self.policy != "lookahead":
-                raise ConfigError(f"lookahead_request is set but policy={short(self.policy)}; allowed: "
-                                  "lookahead_request with policy 'lookahead' only")
         if not isinstance(self.evict_chat_header, bool):
             raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
-        if self.evict_chat_header and self.policy not in CONTEXT_SCORED_POLICIES:
-            raise ConfigError(f"evict_chat_header is set but policy={short(self.policy)}; allowed: evict_chat_header "
-                              f"with policies {', '.join(CONTEXT_SCORED_POLICIES)} (their scoring pass sets the scores)")
-        if self.forgetting_factor is not None:
-            factor = _number("forgetting_factor", self.forgetting_factor, "a number in (0, 1]")
-            if not 0 < factor <= 1:
-                raise ConfigError(f"forgetting_factor={short(self.forgetting_factor)} is out of range; allowed: (0, 1]")
-            if self.policy != "a2sf":
-                raise ConfigError(f"forgetting_factor is set but policy={short(self.policy)}; allowed: "
-                                  "forgetting_factor with policy 'a2sf' only")
         budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
             raise ConfigError(
@@ -200,12 +176,17 @@ class CompressionConfig:
                 continue
             if type(value) is not int or value not in ALLOWED_BITS:
                 raise ConfigError(f"{name}={short(value)} is not supported; allowed: 4, 8, 16")
-        if not isinstance(self.quant, str) or self.quant not in QUANT_BACKENDS:
-            raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(QUANT_BACKENDS)}")
-        if self.quant == "int8-blockwise" and 4 in (self.key_bits, self.value_bits):
-            raise ConfigError("quant='int8-blockwise' is an 8-bit format; allowed kv bits with it: 8, 16")
-        if type(self.group_size) is not int or self.group_size not in ALLOWED_GROUP_SIZES:
-            raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: 32, 64, 128")
+        if not isinstance(self.quant, str) or self.quant not in FORMATS:
+            raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(FORMATS)}")
+        stored = self.format.supported_bits
+        for bits in {self.key_bits, self.value_bits} - {16} - set(stored):
+            width = "/".join(map(str, stored))
+            article = "an" if width.startswith("8") else "a"
+            raise ConfigError(f"quant={self.quant!r} is {article} {width}-bit format, not {bits}-bit; allowed kv bits with it: "
+                              f"{', '.join(map(str, (*stored, 16)))}")
+        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
+            raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: "
+                              f"{', '.join(map(str, GROUP_SIZES))}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
         if self.residual > MAX_RESIDUAL:
@@ -227,12 +208,13 @@ class CompressionConfig:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
             )
+        self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
         self._check_head_budgets()
         self._check_high_bits()
-        if self.layer_budgets == "global" and self.policy not in CONTEXT_SCORED_POLICIES:
+        if self.layer_budgets == "global" and not POLICIES[self.policy].scorer:
             raise ConfigError(
                 f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
-                f"pass run before the cache is built; allowed policies: {', '.join(CONTEXT_SCORED_POLICIES)}"
+                f"pass run before the cache is built; allowed policies: {', '.join(policy_names(scorer=True))}"
             )
 
     def _check_high_bits(self) -> None:
@@ -243,7 +225,7 @@ class CompressionConfig:
             raise ConfigError(f"high_bits_fraction={short(self.high_bits_fraction)} is out of range; allowed: [0, 1]")
         if fraction == 0:
             return
-        if self.quant != "int" or 4 not in (self.key_bits, self.value_bits):
+        if not self.format.mixed_precision or 4 not in (self.key_bits, self.value_bits):
             raise ConfigError(
                 f"high_bits_fraction={fraction!r} keeps some 4-bit tokens at 8 bits, but keys are {self.key_bits}-bit "
                 f"and values {self.value_bits}-bit with quant={self.quant!r}; allowed: kv_bits (or k_bits / v_bits) "
@@ -262,10 +244,10 @@ class CompressionConfig:
             )
         if self.head_budgets != "adaptive":
             return
-        if self.policy not in HEAD_ADAPTIVE_POLICIES and self.policy != "full":
+        if not POLICIES[self.policy].shares_heads and self.policy != "full":
             raise ConfigError(
                 f"head_budgets='adaptive' with policy={self.policy!r}: it ranks every head's tokens alike, so there is "
-                f"nothing to share between heads; allowed policies: {', '.join(HEAD_ADAPTIVE_POLICIES)}"
+                f"nothing to share between heads; allowed policies: {', '.join(policy_names(shares_heads=True))}"
             )
         if self.attention_kernel == "triton":
             raise ConfigError(
@@ -282,6 +264,16 @@ class CompressionConfig:
     def value_bits(self) -> int:
         """Bits of stored values (``v_bits`` if set, else ``kv_bits``)."""
         return self.v_bits if self.v_bits is not None else self.kv_bits
+
+    @property
+    def format(self):
+        """The quantization format family of ``quant`` (a :class:`~h2o_compress.formats.KVQuantizer` class)."""
+        return FORMATS[self.quant]
+
+    @property
+    def compilable(self) -> bool:
+        """Whether the decode step can be traced by ``torch.compile``: 16 bits, or a format that declares it."""
+        return not self.quantized or self.format.compilable
 
     @property
     def quantized(self) -> bool:
@@ -322,8 +314,8 @@ class CompressionConfig:
     def eviction_policy(self):
         """A fresh :class:`~h2o_compress.policies.EvictionPolicy` of this setting (``policy`` with its heavy ratio,
         sinks, ``lookahead_request`` and ``forgetting_factor``): what each cache layer ranks by."""
-        return make_policy(self.policy, self.heavy_ratio, self.sink_tokens, self.lookahead_request,
-                           self.forgetting_factor, self.evict_chat_header)
+        return make_policy(self.policy, self.heavy_ratio, self.sink_tokens,
+                           **{option: getattr(self, option) for option in POLICY_OPTIONS})
 
     def min_layer_capacity(self, capacity: int) -> int:
         """The smallest capacity (tokens per KV head, at most ``capacity``) whose split leaves a recent window of
@@ -450,12 +442,12 @@ def check_usable(config: CompressionConfig, capacity: int | None = None, frozen:
         if config.budget != 1:
             raise ConfigError(
                 f"policy='full' keeps every token, so budget={config.budget!r} would be ignored; allowed: budget 1.0 "
-                "with policy full, or another policy (h2o, h2o-mean, snapkv, tova, a2sf, strided, kvzip, lookahead, local, sink) for a smaller budget"
+                f"with policy full, or another policy ({', '.join(n for n in POLICIES if n != 'full')}) for a smaller budget"
             )
         return config
     if frozen:
         return config
-    if config.policy in SCORED_POLICIES and config.heavy_ratio >= 1:
+    if POLICIES[config.policy].needs_scores and config.heavy_ratio >= 1:
         raise ConfigError(
             f"heavy_ratio={config.heavy_ratio!r} leaves no recent window (the newest tokens could be evicted); "
             "allowed: a heavy ratio in [0, 1)"
@@ -473,6 +465,9 @@ def check_usable(config: CompressionConfig, capacity: int | None = None, frozen:
     return config
 
 
+DEFAULT_QUANT = CompressionConfig.quant  # the default format: giving it changes nothing
+
+
 def check_format_options(config: CompressionConfig, given) -> None:
     """Refuse storage-format options the user gave (``given``: the field names set on the command line or in a
     config file) that the bits make moot, so they would be ignored silently: ``quant`` other than ``int`` or
@@ -484,14 +479,15 @@ def check_format_options(config: CompressionConfig, given) -> None:
         ConfigError: naming the option, the bits and what is allowed.
     """
     unquantized = config.key_bits == 16 and config.value_bits == 16
-    if "quant" in given and config.quant != "int" and unquantized:
+    if "quant" in given and config.quant != DEFAULT_QUANT and unquantized:
         raise ConfigError(
             f"quant={config.quant!r} quantizes nothing with 16-bit keys and values, so it would be ignored; allowed: "
             "kv_bits 4 or 8 (or k_bits / v_bits) with it"
         )
-    if "rotate" in given and config.rotate and (unquantized or config.quant != "int"):
+    if "rotate" in given and config.rotate and (unquantized or not config.format.rotates):
         reason = "16-bit keys and values" if unquantized else f"quant={config.quant!r}"
         raise ConfigError(
             f"rotate=True rotates before int quantization, which {reason} does not run, so it would be ignored; "
-            "allowed: rotate with kv_bits 4 or 8 and quant 'int', or rotate False"
+            f"allowed: rotate with kv_bits 4 or 8 and quant {', '.join(repr(n) for n, f in FORMATS.items() if f.rotates)}, "
+            "or rotate False"
         )

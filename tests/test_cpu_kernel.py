@@ -19,7 +19,7 @@ from test_compile import POLICIES, run, setting
 import torch._dynamo
 
 from h2o_compress import CompressionConfig, make_cache
-from h2o_compress.config import HEAD_ADAPTIVE_POLICIES
+from h2o_compress.policies import policy_names
 from h2o_compress.runtime.compiled import decode_step
 from h2o_compress.policies import make_policy
 from h2o_compress.attention import cpu
@@ -56,7 +56,7 @@ def test_kernel_keeps_the_same_tokens_and_logits_as_the_torch_form(arch, policy,
 
 
 @pytest.mark.parametrize("bits", [16, 4])
-@pytest.mark.parametrize("policy", sorted(HEAD_ADAPTIVE_POLICIES))
+@pytest.mark.parametrize("policy", sorted(policy_names(shares_heads=True)))
 @pytest.mark.parametrize("arch", sorted(TINY_MODELS))
 def test_head_adaptive_pool_in_the_kernel_keeps_the_same_tokens(arch, policy, bits):
     """A head-adaptive layer's slot pool (``owner`` tags) in the kernel: each head's leaving token in the lowest

@@ -58,7 +58,7 @@ def check_kernel(attention_kernel: str, device: torch.device | str, head_dim: in
 def _triton_reason(device: torch.device, head_dim: int | None = None, formats=()) -> str | None:
     """Why the Triton op cannot run on ``device`` (with ``head_dim`` and ``formats`` when given), or ``None``."""
     try:
-        from h2o_compress.attention import slot_attention
+        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
     except ImportError as exc:
         return f"Triton does not import ({exc})"
     if head_dim is None:

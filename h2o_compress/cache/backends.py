@@ -86,7 +86,7 @@ class TritonDecode:
         return keys, values
 
     def attend(self, layer, query, key, value, scaling, variant) -> torch.Tensor:
-        from h2o_compress.attention import slot_attention
+        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
 
         output = slot_attention.decode_layer(layer, query, scaling)
         layer.evict()

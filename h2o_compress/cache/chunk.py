@@ -61,7 +61,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     chunk, layer.chunk = layer.chunk, None
     n, batch = query.shape[2], query.shape[0]
     if layer.decode_kernel == "triton":  # the decode steps' scratch, allocated eagerly before a compiled step needs it
-        from h2o_compress.attention import slot_attention
+        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
 
         slot_attention.layer_scratch(layer, query.shape[1])
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None

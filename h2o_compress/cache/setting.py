@@ -80,23 +80,11 @@ class LayerSetting:
         self._check()
 
     def _check(self) -> None:
-        """Refuse what the layout cannot run (ConfigError, naming the setting and what is allowed)."""
-        if self.head_adaptive and self.attention_kernel == "triton":
-            raise ConfigError(
-                "attention_kernel='triton' cannot run head_budgets='adaptive': the Triton op reads per-head slots and "
-                "an adaptive layer pools them; allowed: attention_kernel='auto' or 'torch' (the torch form)"
-            )
+        """Refuse what a layer of unknown length cannot hold (ConfigError). What the setting itself allows (kernels,
+        formats, policies) :class:`~h2o_compress.config.CompressionConfig` checks, once."""
         if self.head_adaptive and self.growable:
             raise ConfigError("head_budgets='adaptive' needs a capacity or max_length (its slot pool has a fixed size)")
-        if self.high_bits_fraction <= 0:
-            return
-        if not self.split_names:
-            raise ConfigError(f"high_bits_fraction={self.high_bits_fraction} needs 4-bit int keys or values; allowed: "
-                              "kv_bits (or k_bits / v_bits) 4 with quant='int'")
-        if self.attention_kernel == "triton":
-            raise ConfigError("high_bits_fraction > 0 runs the torch decode step (the Triton op does not read the "
-                              "8-bit tokens' low planes); allowed: attention_kernel='auto' or 'torch'")
-        if self.growable:
+        if self.high_bits_fraction > 0 and self.growable:
             raise ConfigError("high_bits_fraction > 0 needs a cache of known length; pass max_length to make_cache")
 
     @property

@@ -9,6 +9,7 @@ the command line (so ``--config FILE`` can merge under them). The model-runtime 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -16,7 +17,9 @@ from typing import Optional
 
 import typer
 
-from h2o_compress.config import CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from h2o_compress.formats import FORMATS, GROUP_SIZES
+from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from h2o_compress.policies import describe_policies
 from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
 
 # -- the compression options (one declaration each) -------------------------------------------------------
@@ -26,51 +29,57 @@ class _Flag:
     option: object
 
 
+def _or(values) -> str:
+    """``a, b or c``: the allowed values in a help text."""
+    values = [str(v) for v in values]
+    return ", ".join(values[:-1]) + f" or {values[-1]}" if len(values) > 1 else "".join(values)
+
+
+#: The defaults of the flags: CompressionConfig's own (each written once, in the dataclass).
+DEFAULT = {f.name: f.default for f in dataclasses.fields(CompressionConfig)}
+
 COMPRESSION_FLAGS: dict[str, _Flag] = {
     "policy": _Flag(str, typer.Option(
-        "h2o", "--policy", help="Eviction policy: h2o, h2o-mean, snapkv, tova, a2sf (H2O with a forgetting "
-        "factor: --forgetting-factor), strided, kvzip (scored by "
-        "reconstructing the prompt or document first), lookahead (scored by the model's own answer first: to a "
-        "fixed request about a document in ask, to the prompt itself in generate), local, sink or full.")),
+        DEFAULT["policy"], "--policy", help=f"Eviction policy: {describe_policies()}.")),
     "budget": _Flag(str, typer.Option(
-        "1.0", "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
+        str(DEFAULT["budget"]), "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
     "heavy_ratio": _Flag(float, typer.Option(
-        0.5, "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1]; below 1 with eviction while generating (at "
+        DEFAULT["heavy_ratio"], "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1]; below 1 with eviction while generating (at "
         "least one recent token), 1 only for a context compressed once (ask).")),
     "sink_tokens": _Flag(Optional[int], typer.Option(
-        None, "--sink-tokens", help="First tokens always kept (attention sinks); when not given: 4 for --policy sink, else 0 (ask: 4).")),
-    "kv_bits": _Flag(int, typer.Option(16, "--kv-bits", help="Bits of stored keys and values: 16, 8 or 4.")),
-    "k_bits": _Flag(Optional[int], typer.Option(None, "--k-bits", help="Bits of keys (overrides --kv-bits).")),
-    "v_bits": _Flag(Optional[int], typer.Option(None, "--v-bits", help="Bits of values (overrides --kv-bits).")),
+        DEFAULT["sink_tokens"], "--sink-tokens", help="First tokens always kept (attention sinks); when not given: 4 for --policy sink, else 0 (ask: 4).")),
+    "kv_bits": _Flag(int, typer.Option(DEFAULT["kv_bits"], "--kv-bits", help=f"Bits of stored keys and values: {_or(ALLOWED_BITS[::-1])}.")),
+    "k_bits": _Flag(Optional[int], typer.Option(DEFAULT["k_bits"], "--k-bits", help="Bits of keys (overrides --kv-bits).")),
+    "v_bits": _Flag(Optional[int], typer.Option(DEFAULT["v_bits"], "--v-bits", help="Bits of values (overrides --kv-bits).")),
     "quant": _Flag(str, typer.Option(
-        "int", "--quant", help="Format: int (ours), nf4, fp4 or int8-blockwise (bitsandbytes).")),
-    "group_size": _Flag(int, typer.Option(32, "--group-size", help="head_dim elements per scale/zero: 32, 64 or 128.")),
+        DEFAULT["quant"], "--quant", help=f"Format: {_or(FORMATS)} (int: ours; the others: bitsandbytes).")),
+    "group_size": _Flag(int, typer.Option(DEFAULT["group_size"], "--group-size", help=f"head_dim elements per scale/zero: {_or(GROUP_SIZES)}.")),
     "residual": _Flag(int, typer.Option(
-        3, "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
+        DEFAULT["residual"], "--residual", help="Newest tokens kept in 16-bit (a ring of N; each token quantized once as it leaves).")),
     "layer_budgets": _Flag(str, typer.Option(
-        "uniform", "--layer-budgets", help="Spread the capacity over the layers: uniform, pyramid (PyramidKV: "
+        DEFAULT["layer_budgets"], "--layer-budgets", help="Spread the capacity over the layers: uniform, pyramid (PyramidKV: "
         "more for the first layers, less for the last), global (KVzip: with --policy kvzip or lookahead, each "
         "layer's share of the best-scored tokens over the whole model) or FILE (a JSON list of per-layer weights, "
         "one per layer: each layer its weight's share); same total bytes.")),
     "high_bits_fraction": _Flag(float, typer.Option(
-        0.0, "--high-bits-fraction", help="Share in [0, 1] of the stored tokens kept at 8 bits, the top-ranked by "
+        DEFAULT["high_bits_fraction"], "--high-bits-fraction", help="Share in [0, 1] of the stored tokens kept at 8 bits, the top-ranked by "
         "the policy, the rest at 4 (needs --kv-bits 4, quant int; 0 = off).")),
     "head_budgets": _Flag(str, typer.Option(
-        "uniform", "--head-budgets", help="Spread each layer's capacity over its KV heads: uniform, or adaptive "
+        DEFAULT["head_budgets"], "--head-budgets", help="Spread each layer's capacity over its KV heads: uniform, or adaptive "
         "(Ada-KV: heavy hitters ranked over all heads together, same bytes; scoring policies; decode: the CPU kernel on CPU, the torch form on CUDA).")),
     "attention_kernel": _Flag(str, typer.Option(
-        "auto", "--kernel",
+        DEFAULT["attention_kernel"], "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
              "op), torch (torch code that --compile fuses) or triton (the Triton op, CUDA).")),
     "forgetting_factor": _Flag(Optional[float], typer.Option(
-        None, "--forgetting-factor", help="With --policy a2sf: the factor in (0, 1] each query scales the held "
+        DEFAULT["forgetting_factor"], "--forgetting-factor", help="With --policy a2sf: the factor in (0, 1] each query scales the held "
         "scores by before adding its attention (default 0.8).")),
     "evict_chat_header": _Flag(bool, typer.Option(
-        False, "--evict-chat-header", help="With --policy kvzip or lookahead: score the chat template's header "
+        DEFAULT["evict_chat_header"], "--evict-chat-header", help="With --policy kvzip or lookahead: score the chat template's header "
         "(system prompt, user-turn opening) 0, so that beyond the sinks it is evicted first (as kvpress's "
         "KVzipPress).")),
     "lookahead_request": _Flag(Optional[str], typer.Option(
-        None, "--lookahead-request",
+        DEFAULT["lookahead_request"], "--lookahead-request",
         help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "
              f"\"{LOOKAHEAD_REQUEST}\").")),
 }

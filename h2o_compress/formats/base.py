@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 from dataclasses import dataclass
 
 import torch
+
+from h2o_compress.utils.errors import ConfigError
 
 
 @dataclass
@@ -112,14 +115,42 @@ def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(tensor, 2, expanded)
 
 
+#: Elements of ``head_dim`` that may share one scale (``group_size``; a block for bitsandbytes).
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_group_size(group_size: int, head_dim: int) -> None:
+    """Refuse a ``group_size`` that does not divide ``head_dim`` (ConfigError naming both and the sizes that do)."""
+    if head_dim % group_size:
+        allowed = ", ".join(str(g) for g in GROUP_SIZES if head_dim % g == 0) or "none (use 16 bits)"
+        raise ConfigError(f"group_size={group_size} does not divide the model's head_dim={head_dim}; allowed: {allowed}")
+
+
 class KVQuantizer(ABC):
     """Turns ``[batch, kv_heads, seq, head_dim]`` keys or values into a :class:`StoredTensor` and back.
 
     Each token is quantized independently (per-token groups along ``head_dim``), so tokens can be evicted
     by gathering their packed data and scales (DESIGN.md §2, Quantization).
+
+    A format family declares what it supports in class variables, which the config's checks, the planner and
+    the CLI read (:data:`h2o_compress.formats.FORMATS`), and builds its quantizer for a bit width with
+    :meth:`create`.
     """
 
     bits: int = 16
+    #: The bit widths below 16 the family stores.
+    supported_bits: ClassVar[tuple[int, ...]] = ()
+    #: It quantizes in a Hadamard-rotated basis when the config's ``rotate`` is on.
+    rotates: ClassVar[bool] = False
+    #: Some of its 4-bit tokens can keep 8 bits (``high_bits_fraction``, :mod:`h2o_compress.formats.split`).
+    mixed_precision: ClassVar[bool] = False
+    #: Its decode step can be traced by ``torch.compile`` (the bitsandbytes calls cannot).
+    compilable: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, bits: int, group_size: int, head_dim: int, rotate: bool = True) -> "KVQuantizer":
+        """The family's quantizer for ``bits``-bit tensors (one of :attr:`supported_bits`)."""
+        raise NotImplementedError
 
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> StoredTensor:

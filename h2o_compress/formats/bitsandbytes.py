@@ -7,10 +7,12 @@ gather their packed data and absmax scales.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from h2o_compress.utils.errors import ConfigError
-from h2o_compress.formats.base import KVQuantizer, StoredTensor
+from h2o_compress.formats.base import KVQuantizer, StoredTensor, check_group_size
 
 
 def _functional():
@@ -31,11 +33,19 @@ class BitsAndBytesQuantizer(KVQuantizer):
         ConfigError: unknown format or ``block_size`` not dividing ``head_dim``.
     """
 
+    supported_bits: ClassVar[tuple[int, ...]] = (4, 8)
+    compilable: ClassVar[bool] = False
+    #: The bitsandbytes format of this family's 4-bit tensors (8-bit ones are blockwise ``int8``).
+    format_4bit: ClassVar[str] = "nf4"
+
+    @classmethod
+    def create(cls, bits: int, group_size: int, head_dim: int, rotate: bool = True) -> "BitsAndBytesQuantizer":
+        return cls(cls.format_4bit if bits == 4 else "int8", group_size, head_dim)
+
     def __init__(self, fmt: str, block_size: int, head_dim: int):
         if fmt not in ("nf4", "fp4", "int8"):
             raise ConfigError(f"unknown bitsandbytes format {fmt!r}; allowed: nf4, fp4, int8")
-        if head_dim % block_size:
-            raise ConfigError(f"group_size={block_size} does not divide the model's head_dim={head_dim}")
+        check_group_size(block_size, head_dim)
         self.fmt, self.block_size, self.head_dim = fmt, block_size, head_dim
         self.bits = 8 if fmt == "int8" else 4
         self._F = _functional()
@@ -77,3 +87,19 @@ class BitsAndBytesQuantizer(KVQuantizer):
         if not hasattr(self, "_dynamic_code"):
             self._dynamic_code = self._F.create_dynamic_map().to(device)
         return self._dynamic_code
+
+
+class NF4Quantizer(BitsAndBytesQuantizer):
+    """``nf4``: 4-bit NormalFloat (QLoRA, Dettmers et al. 2023, arXiv 2305.14314 §3); 8-bit tensors blockwise int8."""
+
+
+class FP4Quantizer(BitsAndBytesQuantizer):
+    """``fp4``: bitsandbytes' 4-bit float; 8-bit tensors blockwise int8."""
+
+    format_4bit: ClassVar[str] = "fp4"
+
+
+class Int8BlockwiseQuantizer(BitsAndBytesQuantizer):
+    """``int8-blockwise``: bitsandbytes' blockwise dynamic 8-bit (Dettmers et al. 2022, arXiv 2110.02861); 8 bits only."""
+
+    supported_bits: ClassVar[tuple[int, ...]] = (8,)

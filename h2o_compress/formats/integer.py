@@ -14,8 +14,10 @@ import functools
 
 import torch
 
+from typing import ClassVar
+
 from h2o_compress.utils.errors import ConfigError
-from h2o_compress.formats.base import KVQuantizer, StoredTensor
+from h2o_compress.formats.base import KVQuantizer, StoredTensor, check_group_size
 
 
 @functools.lru_cache(maxsize=32)
@@ -45,14 +47,18 @@ class IntQuantizer(KVQuantizer):
         ConfigError: ``bits`` not 4 or 8, or ``group_size`` not dividing ``head_dim``.
     """
 
+    supported_bits: ClassVar[tuple[int, ...]] = (4, 8)
+    rotates: ClassVar[bool] = True
+    mixed_precision: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, bits: int, group_size: int, head_dim: int, rotate: bool = True) -> "IntQuantizer":
+        return cls(bits, group_size, head_dim, rotate)
+
     def __init__(self, bits: int, group_size: int, head_dim: int, rotate: bool = True):
         if bits not in (4, 8):
             raise ConfigError(f"integer quantization supports 4 or 8 bits, got {bits}")
-        if head_dim % group_size:
-            raise ConfigError(
-                f"group_size={group_size} does not divide the model's head_dim={head_dim}; "
-                f"allowed: {', '.join(str(g) for g in (32, 64, 128) if head_dim % g == 0) or 'none'}"
-            )
+        check_group_size(group_size, head_dim)
         self.bits, self.group_size, self.head_dim, self.rotate = bits, group_size, head_dim, rotate
         self.qmax = 2**bits - 1
 

@@ -119,7 +119,7 @@ def score_model(model, tokenizer, config, tasks: Sequence[str], limit: int | Non
     """
     lm_eval = import_lm_eval()
     manager = check_tasks(tasks, limit, include_path)
-    from h2o_compress.integrations.lm_eval_model import H2OCompressLM
+    from h2o_compress.integrations.lm_eval_model import H2OCompressLM  # deferred: needs lm_eval (optional)
 
     lm = H2OCompressLM(pretrained=model, tokenizer=tokenizer, **config.to_dict())
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=manager,

@@ -189,7 +189,7 @@ def runs_decode_op(config: CompressionConfig, adaptive: bool) -> bool:
     """Whether a CUDA cache with ``config`` decodes through the Triton op (and keeps its per-layer scratch): uniform
     heads (not ``adaptive``: a head-adaptive layer that evicts), no mixed precision, 16 bits or the ``int`` formats
     (the bitsandbytes formats decode eagerly in the torch form), and ``attention_kernel`` other than ``torch``."""
-    eager_only = config.quantized and config.quant != "int"
+    eager_only = not config.compilable
     return (not adaptive and config.high_bits_fraction == 0 and not eager_only
             and config.attention_kernel != "torch")
 
@@ -213,7 +213,7 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     size = _element_size(dtype)
     scratch = 0
     adaptive = config.head_budgets == "adaptive" and config.capacity(prompt_len + 1) is not None
-    eager_only = config.quantized and config.quant != "int"  # bitsandbytes formats: torch form, never compiled
+    eager_only = not config.compilable  # bitsandbytes formats: torch form, never compiled
     fused = slots is not None and runs_decode_op(config, adaptive)
     if adaptive:  # torch form only (no Triton scratch); every head's attention reads the whole pool
         kept *= spec.dims.kv_heads

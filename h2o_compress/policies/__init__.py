@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from h2o_compress.policies.a2sf import A2SFPolicy
 from h2o_compress.policies.base import EvictionPolicy
 from h2o_compress.policies.full import FullPolicy
@@ -14,6 +16,7 @@ from h2o_compress.policies.sink import SinkPolicy
 from h2o_compress.policies.snapkv import SnapKVPolicy
 from h2o_compress.policies.strided import StridedPolicy
 from h2o_compress.policies.tova import TOVAPolicy
+from h2o_compress.utils.errors import ConfigError
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "h2o": H2OPolicy,
@@ -31,24 +34,59 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 __all__ = [
     "A2SFPolicy", "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
-    "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "make_policy",
+    "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "POLICY_OPTIONS", "make_policy",
+    "policy_names", "policy_names_taking", "takes_option", "describe_policies",
 ]
 
 
-def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None,
-                request: str | None = None, forgetting_factor: float | None = None,
-                evict_chat_header: bool = False) -> EvictionPolicy:
-    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`); ``request``: ``lookahead``'s request,
-    ``forgetting_factor``: ``a2sf``'s (``None``: their defaults); ``evict_chat_header``: ``kvzip``/``lookahead``
-    score the chat template's header 0."""
+#: The :class:`~h2o_compress.config.CompressionConfig` fields that set a policy's own option, and the dataclass
+#: field of the policy they set. A policy takes an option when it has that field.
+POLICY_OPTIONS = {"lookahead_request": "request", "forgetting_factor": "forgetting_factor",
+                  "evict_chat_header": "evict_chat_header"}
+
+
+def policy_names(**declared) -> tuple[str, ...]:
+    """The registered names whose class declares every given value, in registry order: ``policy_names()`` all of
+    them, ``policy_names(shares_heads=True)`` those that can share a layer's budget between heads. A declared value
+    ``True`` for ``scorer`` means any scoring pass."""
+    def matches(cls) -> bool:
+        return all(bool(getattr(cls, key)) if want is True and key == "scorer" else getattr(cls, key) == want
+                   for key, want in declared.items())
+    return tuple(name for name, cls in POLICIES.items() if matches(cls))
+
+
+def takes_option(name: str, option: str) -> bool:
+    """Whether the policy registered as ``name`` takes the config field ``option`` (see :data:`POLICY_OPTIONS`)."""
+    return POLICY_OPTIONS[option] in {f.name for f in dataclasses.fields(POLICIES[name])}
+
+
+def describe_policies() -> str:
+    """``name (summary), ...`` of every registered policy: the CLI's ``--policy`` help."""
+    return "; ".join(f"{name}: {cls.summary}" if cls.summary else name for name, cls in POLICIES.items())
+
+
+def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None, **options) -> EvictionPolicy:
+    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`) with its capacity split and its own
+    ``options``, given by their config names (:data:`POLICY_OPTIONS`; ``None`` or ``False``: the policy's default).
+
+    Raises:
+        ConfigError: an option the policy does not take, or a value its ``__post_init__`` refuses.
+    """
     cls = POLICIES[name]
     kwargs = {"heavy_ratio": heavy_ratio}
     if sink_tokens is not None:
         kwargs["sink_tokens"] = sink_tokens
-    if request is not None:
-        kwargs["request"] = request
-    if forgetting_factor is not None:
-        kwargs["forgetting_factor"] = forgetting_factor
-    if evict_chat_header:
-        kwargs["evict_chat_header"] = True
+    for option, value in options.items():
+        if value is None or value is False:
+            continue
+        if not takes_option(name, option):
+            takers = policy_names_taking(option)
+            allowed = f"policy {takers[0]!r} only" if len(takers) == 1 else f"policies {', '.join(takers)}"
+            raise ConfigError(f"{option} is set but policy={name!r}; allowed: {option} with {allowed}")
+        kwargs[POLICY_OPTIONS[option]] = value
     return cls(**kwargs)
+
+
+def policy_names_taking(option: str) -> tuple[str, ...]:
+    """The registered policies that take the config field ``option``."""
+    return tuple(name for name in POLICIES if takes_option(name, option))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from h2o_compress.utils.errors import ConfigError
+from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.policies.h2o import H2OPolicy
 from h2o_compress.attention import attention_probability_sums
 
@@ -28,12 +29,15 @@ class A2SFPolicy(H2OPolicy):
         ConfigError: a factor outside (0, 1].
     """
 
+    summary: ClassVar[str] = "H2O with a forgetting factor (--forgetting-factor)"
     forgetting_factor: float = 0.8
 
     def __post_init__(self) -> None:
         factor = self.forgetting_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise ConfigError(f"forgetting_factor={factor!r} is invalid; allowed: a number in (0, 1]")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise ConfigError(f"forgetting_factor={short(factor)} is invalid; allowed: a number in (0, 1]")
+        if not 0 < factor <= 1:  # (NaN fails too)
+            raise ConfigError(f"forgetting_factor={short(factor)} is out of range; allowed: a number in (0, 1]")
 
     @property
     def score_decay(self) -> float:

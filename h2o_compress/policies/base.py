@@ -30,14 +30,26 @@ class EvictionPolicy:
     is the one function prefill eviction (keep the top ``capacity``), decode eviction (evict the lowest) and the
     planner's window arithmetic (:meth:`recent_window`) read.
 
-    Subclasses set ``needs_scores`` when they rank by accumulated attention scores, and say how much of the
-    capacity is the recent window (:meth:`recent_window`). ``sink_tokens`` first real tokens are always kept
+    Subclasses declare what they support in class variables (``summary``, ``needs_scores``, ``shares_heads``,
+    ``scorer``, ``ranks_by``, ``accumulates``) and say how much of the capacity is the recent window
+    (:meth:`recent_window`); their own options are dataclass fields, checked in ``__post_init__``. ``sink_tokens`` first real tokens are always kept
     (StreamingLLM's attention sinks); padding is never kept.
     """
 
     heavy_ratio: float = 0.5
     sink_tokens: int = 0
+    # -- what the policy supports, declared once: config checks, CLI help, error messages and plots read these --
+    #: One line saying how it ranks, for ``--policy``'s help.
+    summary: ClassVar[str] = ""
+    #: It ranks by accumulated attention scores, and splits its capacity into heavy hitters (``heavy_ratio``) and
+    #: a recent window.
     needs_scores = False
+    #: Its ranking compares tokens across KV heads (attention received), so a layer's budget can be shared
+    #: between its heads (``head_budgets="adaptive"``, Ada-KV).
+    shares_heads: ClassVar[bool] = False
+    #: The scoring pass run over a context before its cache is built (a key of
+    #: :data:`h2o_compress.runtime.context_scores.SCORERS`); ``""``: none.
+    scorer: ClassVar[str] = ""
     #: What :meth:`rank` returns, for kernels that apply :meth:`priority`'s shared rules themselves: ``"nothing"``
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
     #: kernels leave the eviction to :meth:`priority`). ``tests/test_policies.py`` checks it against :meth:`rank`.

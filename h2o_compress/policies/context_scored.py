@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 
 from h2o_compress.policies.h2o import H2OPolicy
@@ -26,8 +24,6 @@ class ContextScoredPolicy(H2OPolicy):
             step (the context's prefill) and then dropped.
     """
 
-    #: The scoring pass, a key of :data:`h2o_compress.runtime.context_scores.SCORERS`.
-    scorer: ClassVar[str] = ""
     evict_chat_header: bool = False
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
 

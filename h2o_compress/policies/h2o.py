@@ -21,7 +21,9 @@ class H2OPolicy(EvictionPolicy):
     received since it entered the cache, GQA query heads summed per KV head (DESIGN.md §2).
     """
 
+    summary: ClassVar[str] = "heavy hitters (largest accumulated attention) + recent window"
     needs_scores = True
+    shares_heads: ClassVar[bool] = True
     ranks_by: ClassVar[str] = "scores"
 
     def heavy(self, capacity: int) -> int:

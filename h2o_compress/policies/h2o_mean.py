@@ -21,6 +21,8 @@ class H2OMeanPolicy(H2OPolicy):
     accumulated and stored (the slot positions the cache keeps give the counts, so it costs no memory).
     """
 
+    summary: ClassVar[str] = "heavy hitters ranked by mean instead of summed attention"
+
     ranks_by: ClassVar[str] = "custom"
 
     def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen) -> torch.Tensor:

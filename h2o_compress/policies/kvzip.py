@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from h2o_compress.policies.context_scored import ContextScoredPolicy
 
@@ -20,4 +21,5 @@ class KVzipPolicy(ContextScoredPolicy):
     the policy ranks as ``h2o``.
     """
 
-    scorer = "reconstruction"
+    summary: ClassVar[str] = "scored by reconstructing the prompt or document first (KVzip)"
+    scorer: ClassVar[str] = "reconstruction"

@@ -1,6 +1,7 @@
 """``local``: keep only the most recent tokens (a sliding window over the KV cache)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from h2o_compress.policies.base import EvictionPolicy
 
@@ -11,6 +12,8 @@ class LocalPolicy(EvictionPolicy):
 
     ``sink_tokens`` is ignored: this is the window-only baseline.
     """
+
+    summary: ClassVar[str] = "recent window only"
 
     def __post_init__(self):
         self.sink_tokens = 0

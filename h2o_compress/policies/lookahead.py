@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.policies.context_scored import ContextScoredPolicy
 
 #: The request the model answers before the question is known: generic, asked of every context.
@@ -40,11 +42,19 @@ class LookaheadPolicy(ContextScoredPolicy):
             before it, so a 1.5k-token context gets one request, a 4k one four).
     """
 
-    scorer = "lookahead"
+    summary: ClassVar[str] = ("scored by the model's own answer first: to a fixed request about a document in ask, to "
+                              "the prompt itself in generate")
+    scorer: ClassVar[str] = "lookahead"
     request: str | None = None
     new_tokens: int = 32
     pool: int = 7
     segment: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.request is not None and (not isinstance(self.request, str)
+                                         or not 1 <= len(self.request.strip()) <= 1000):
+            raise ConfigError(f"lookahead_request={short(self.request)} is invalid; allowed: a text of 1 to 1000 "
+                              "characters, or None for the default request")
 
     def request_for(self, question_in_prompt: bool) -> str | None:
         """The request the scoring pass asks: :attr:`request` if given; else ``None`` (the prompt answers itself)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -22,6 +23,8 @@ class SnapKVPolicy(H2OPolicy):
         window: prompt queries that vote (paper: 32).
         pool: max-pool width over the positions of the step's own tokens, odd (paper and kvpress: 5 to 7).
     """
+
+    summary: ClassVar[str] = "prompt tokens ranked by the attention of the last prompt queries (SnapKV)"
 
     window: int = 32
     pool: int = 5

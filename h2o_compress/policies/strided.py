@@ -22,7 +22,9 @@ class StridedPolicy(H2OPolicy):
     """
 
     stride: int = 8
+    summary: ClassVar[str] = "every stride-th position, then heavy hitters, + recent window"
     ranks_by: ClassVar[str] = "custom"
+    shares_heads: ClassVar[bool] = False  # the pattern is the same for every head
 
     def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen) -> torch.Tensor:
         """Strided positions above every other token, each group ordered by accumulated attention."""

@@ -20,6 +20,8 @@ class TOVAPolicy(H2OPolicy):
     window, so a heavy ratio near 1 (0.9 or more; at least one recent token stays) is closest to it.
     """
 
+    summary: ClassVar[str] = "the current query's attention only (TOVA)"
+
     accumulates: ClassVar[bool] = False
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from h2o_compress.policies import POLICIES
 from h2o_compress.utils.errors import InputError, short
 from h2o_compress.utils.files import read_text
 from h2o_compress.utils.outputs import OutputDir, check_out_path
@@ -32,20 +33,20 @@ def _reading(chunk_size: int, short: bool = False) -> str:
             "part of the compression's cost; --chunk-size 1 gives the token-by-token figure)")
 
 
-# One colour per policy, one marker per bit width (no two policies share a colour).
-POLICY_COLORS = {"full": "black", "h2o": "tab:red", "h2o-mean": "tab:purple", "local": "tab:blue",
-                 "sink": "tab:green", "snapkv": "tab:orange", "tova": "tab:brown",
-                 "strided": "tab:pink", "kvzip": "tab:olive",
-                 "lookahead": "tab:cyan"}
-SPARE_COLORS = ("tab:gray", "gold")
+# One colour per registered policy, in registry order ("full", the reference, is black), one marker per bit width.
+PALETTE = ("tab:red", "tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:brown", "tab:gray", "tab:pink",
+           "tab:olive", "tab:cyan", "gold", "navy", "teal", "lime", "maroon", "coral")
 BITS_MARKERS = {16: "o", 8: "s", 4: "^"}
 
 
 def policy_color(policy: str) -> str:
-    """The colour of ``policy`` in every plot (a spare colour, stable per name, for policies added later)."""
-    if policy in POLICY_COLORS:
-        return POLICY_COLORS[policy]
-    return SPARE_COLORS[sum(map(ord, str(policy))) % len(SPARE_COLORS)]
+    """The colour of ``policy`` in every plot, from its place in :data:`h2o_compress.policies.POLICIES` (so a new
+    policy gets its own colour with no edit here); a name not registered gets a stable one from its letters."""
+    if policy == "full":
+        return "black"
+    names = [name for name in POLICIES if name != "full"]
+    index = names.index(policy) if policy in names else sum(map(ord, str(policy)))
+    return PALETTE[index % len(PALETTE)]
 
 
 def bits_marker(bits) -> str:

@@ -100,7 +100,7 @@ def check_compile(compile: bool | None, config) -> None:
     """
     if compile is not None and not isinstance(compile, bool):
         raise ConfigError(f"compile={compile!r} is invalid; allowed: True, False or None (auto)")
-    if compile and config.quantized and config.quant != "int":
+    if compile and not config.compilable:
         raise ConfigError(
             f"compile=True with quant={config.quant!r}: the bitsandbytes formats (nf4, fp4, int8-blockwise) run "
             "eagerly only; allowed: quant='int' with compile, or --no-compile"

@@ -13,7 +13,9 @@ from h2o_compress.attention import check_attention_backend, use_h2o_attention
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.cache import CompressedCache, build_layers
 from h2o_compress.runtime.chat import apply_chat_template
-from h2o_compress.config import CONTEXT_SCORED_POLICIES, CompressionConfig
+from h2o_compress.config import CompressionConfig
+from h2o_compress.formats import check_group_size
+from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
@@ -48,12 +50,8 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens)")
     check_attention_backend(model)
     dims = model_dims(model.config)
-    if config.quantized and dims.head_dim % config.group_size:
-        allowed = [g for g in (32, 64, 128) if dims.head_dim % g == 0]
-        raise ConfigError(
-            f"group_size={config.group_size} does not divide the model's head_dim={dims.head_dim}; "
-            f"allowed: {', '.join(map(str, allowed)) or 'none (use 16 bits)'}"
-        )
+    if config.quantized:
+        check_group_size(config.group_size, dims.head_dim)
     if dims.expands_cache and config.rotate:  # the module expands the cached latents itself: no basis to undo
         config = dataclasses.replace(config, rotate=False)
     capacity = config.capacity(max_length)
@@ -102,7 +100,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
     """
     config = _check_config(config)
-    if config.policy not in CONTEXT_SCORED_POLICIES:
+    if not POLICIES[config.policy].scorer:
         return make_cache(model, config, max_length)
     scores = score_context(model, tokenizer, input_ids, config.eviction_policy(), question_in_prompt)
     capacities, capacity = None, config.capacity(max_length)
