@@ -91,7 +91,7 @@ def test_triton_refused_where_it_cannot_run(monkeypatch):
     op could) refuses at its first token, naming the layer."""
     model = TINY_MODELS["llama"]()
     before = model.config._attn_implementation
-    with pytest.raises(ConfigError, match="attention_kernel='triton' cannot run: the Bits"):
+    with pytest.raises(ConfigError, match="attention_kernel='triton' cannot run: the NF4Quantizer format"):
         make_cache(model, CompressionConfig(budget=12, kv_bits=4, quant="nf4", attention_kernel="triton"), max_length=40)
     assert model.config._attn_implementation == before  # refused before the model was touched
     config = CompressionConfig(budget=12, kv_bits=4, attention_kernel="triton")

@@ -9,12 +9,11 @@ from typing import Callable
 
 import torch
 
-from h2o_compress.attention import check_attention_backend, use_h2o_attention
-from h2o_compress.attention.choice import check_kernel
+from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, build_layers
 from h2o_compress.runtime.chat import apply_chat_template
 from h2o_compress.config import CompressionConfig
-from h2o_compress.formats import check_group_size
+from h2o_compress.runtime.checks import check_setting
 from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
@@ -45,13 +44,10 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             Triton op cannot run (:func:`~h2o_compress.attention.choice.check_kernel`).
         UnsupportedModelError: the model's attention cannot be scored.
     """
-    config = _check_config(config)
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens)")
-    check_attention_backend(model)
+    config = check_setting(config, model=model, usable=False)
     dims = model_dims(model.config)
-    if config.quantized:
-        check_group_size(config.group_size, dims.head_dim)
     if dims.expands_cache and config.rotate:  # the module expands the cached latents itself: no basis to undo
         config = dataclasses.replace(config, rotate=False)
     capacity = config.capacity(max_length)
@@ -61,9 +57,6 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
                           capacities=layer_capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims))
-    device = input_device(model)
-    for formats in {(layer.key_quantizer, layer.value_quantizer) for layer in layers}:
-        check_kernel(config.attention_kernel, device, dims.head_dim, formats)
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)
