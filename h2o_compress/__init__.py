@@ -25,6 +25,7 @@ from h2o_compress.runtime.generation import GenerationResult, generate, make_cac
 from h2o_compress.models import DEFAULT_MODEL, load_model, model_dims
 from h2o_compress.persistence import load_cache, save_cache
 from h2o_compress.planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
+from h2o_compress.jobs import AskJob, AskReport, GenerateJob, GenerateReport, run_ask, run_generate
 
 from h2o_compress.utils.version import __version__
 
@@ -41,6 +42,12 @@ __all__ = [
     "ask",
     "CompressedContext",
     "ASK_DEFAULTS",
+    "run_generate",
+    "GenerateJob",
+    "GenerateReport",
+    "run_ask",
+    "AskJob",
+    "AskReport",
     "load_model",
     "model_dims",
     "plan",

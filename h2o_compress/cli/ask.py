@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import List, Optional
 
 import typer
 
 from h2o_compress.runtime.ask import ASK_DEFAULTS
-from h2o_compress.utils.errors import ConfigError, short
-from h2o_compress.cli.common import check_cache_paths, fail, load_options, merged_config, set_threads, user_errors
-from h2o_compress.cli.generate import summary_line
+from h2o_compress.utils.errors import ConfigError
+from h2o_compress.cli.common import load_options, merged_config, user_errors
+from h2o_compress.cli.generate import summary_line, write_piece
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
     TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
+from h2o_compress.jobs.ask import AskJob
+from h2o_compress.utils.defaults import default_of
 
 DEFAULTS = {
     "policy": ASK_DEFAULTS.policy, "budget": str(ASK_DEFAULTS.budget), "heavy_ratio": ASK_DEFAULTS.heavy_ratio,
@@ -55,7 +56,8 @@ def ask(
     context_file: str = typer.Option(..., "--context-file", help="The document (UTF-8 text), compressed once."),
     question: List[str] = typer.Option(..., "--question", help="A question (repeat for several)."),
     model: str = ModelOpt,
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens per answer at most."),
+    max_new_tokens: int = typer.Option(
+        default_of(AskJob, "max_new_tokens"), "--max-new-tokens", help="Tokens per answer at most."),
     device: str = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     chat: bool = ChatOpt,
@@ -77,66 +79,32 @@ def ask(
 ):
     """Compress a document once (defaults: kvzip with global layer budgets and adaptive heads, budget 0.2 of the
     document, heavy ratio 1 with 4 sinks, 4 bits), then answer each --question from the same compressed context."""
-    from h2o_compress.runtime.ask import CompressedContext, check_questions_fit, compress
-    from h2o_compress.runtime.ask import ask as run_ask
-    from h2o_compress.runtime.compiled import check_compile
-    from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
-    from h2o_compress.utils.errors import InputError
-    from h2o_compress.runtime.generation import check_generation_args, check_prompt
-    from h2o_compress.models import load_model
-    from h2o_compress.models.weights import floating_dtype
-
-    # -- every check first ---------------------------------------------------------------------------------
-    context = read_text(context_file, "context file", InputError, limit=MAX_TEXT_BYTES)
-    if not context.strip():
-        fail(f"context file {short(context_file)} is empty (or whitespace only); allowed: a document to ask about")
-    check_prompt(context)
-    for text in question:
-        check_prompt(text)
-    config, overrides = fitted_config(compression, config_file, check_formats=load_cache is None)
-    check_generation_args(max_new_tokens, temperature, seed)
-    check_compile(compile_step, config)
-    if save_cache is not None and load_cache is not None:
-        fail("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
-    check_cache_paths(save_cache, load_cache, overwrite)
-    load = load_options(device, dtype, placement, config.attention_kernel)
-    set_threads(threads)
-    # -- then the work -------------------------------------------------------------------------------------
-    lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **load)
-    check_questions_fit(lm, tokenizer, context, question, max_new_tokens, chat)  # before minutes of compressing
-    started = time.perf_counter()
-    if load_cache is not None:
-        compressed = CompressedContext.load(load_cache, lm, tokenizer, context, chat, config=overrides)
-    else:
-        compressed = compress(lm, tokenizer, context, config, chat=chat)
-    context_s = time.perf_counter() - started
-    if save_cache is not None:
-        compressed.save(save_cache, overwrite=overwrite)
-    cache = compressed.cache
-    head = {
-        "model": model, "config": cache.config.to_dict(), "context_tokens": compressed.tokens,
-        "context_kv_bytes": cache.nbytes(), "context_kv_bytes_full_fp16": cache.full_fp16_nbytes(),
-        "capacity": cache.capacity, ("cache_load_s" if load_cache else "compress_s"): context_s,
-    }
+    config, given = fitted_config(compression, config_file, check_formats=load_cache is None)
+    job = AskJob(  # checks every option: nothing is loaded or written before all are known to be good
+        question, context_file=context_file, model=model, config=config, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, seed=seed, compile=compile_step, save_cache=save_cache, load_cache=load_cache,
+        overwrite=overwrite, given=given, load=load_options(device, dtype, placement, config.attention_kernel),
+        threads=threads, trust_remote_code=trust_remote_code)
+    session = job.start()
     if not as_json:
-        typer.echo(
-            f"[context: {head['context_tokens']} tokens, capacity {head['capacity'] or 'all'}, KV "
-            f"{head['context_kv_bytes'] / 2**20:.2f} MiB = {head['context_kv_bytes'] / max(1, head['context_kv_bytes_full_fp16']):.1%}"
-            f" of an fp16 cache, {'loaded' if load_cache else 'compressed'} in {context_s:.2f} s]", err=True,
-        )
+        typer.echo(context_line(session.figures, loaded=load_cache is not None), err=True)
     answers = []
-    kv_dtype = str(floating_dtype(lm)).removeprefix("torch.")
-    for text in question:
+    for text in job.questions:
         if not as_json:
             sys.stdout.write(f"Q: {text}\nA: ")
-        stream = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-        result = run_ask(lm, tokenizer, compressed, text, max_new_tokens=max_new_tokens, temperature=temperature,
-                         seed=seed, on_text=stream, compile=compile_step)
-        figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
-        figures["question"] = text
-        answers.append(figures)
+        answers.append(session.answer(text, on_text=None if as_json else write_piece))
         if not as_json:
             sys.stdout.write("\n")
-            typer.echo(summary_line({**figures, "kv_dtype": kv_dtype}), err=True)
+            typer.echo(summary_line({**answers[-1], "kv_dtype": session.kv_dtype}), err=True)
     if as_json:
-        typer.echo(json.dumps({**head, "answers": answers}))
+        typer.echo(json.dumps({**session.figures, "answers": answers}))
+
+
+def context_line(figures: dict, loaded: bool = False) -> str:
+    """The stderr line of ``ask`` once the context is compressed (or loaded): tokens, capacity, KV bytes and their
+    share of an fp16 cache, time."""
+    context_s = figures["cache_load_s" if loaded else "compress_s"]
+    share = figures["context_kv_bytes"] / max(1, figures["context_kv_bytes_full_fp16"])
+    return (f"[context: {figures['context_tokens']} tokens, capacity {figures['capacity'] or 'all'}, KV "
+            f"{figures['context_kv_bytes'] / 2**20:.2f} MiB = {share:.1%} of an fp16 cache, "
+            f"{'loaded' if loaded else 'compressed'} in {context_s:.2f} s]")

@@ -43,21 +43,6 @@ def set_threads(threads: Optional[int]) -> None:
     torch.set_num_threads(threads)
 
 
-def check_cache_paths(save_cache: Optional[str], load_cache: Optional[str], overwrite: bool) -> None:
-    """Refuse, before anything is loaded, a ``--save-cache`` target that cannot be written (or would replace a
-    file that is not a cache file without ``--overwrite``) and a ``--load-cache`` source that cannot be read or whose
-    header is not a cache file's (truncated, another format or version).
-    Raises CacheFileError naming the path and what is allowed."""
-    if save_cache is not None:
-        from h2o_compress.persistence import check_save_target
-
-        check_save_target(save_cache, overwrite)
-    if load_cache is not None:
-        from h2o_compress.persistence import check_cache_header
-
-        check_cache_header(load_cache)  # its header, before the model loads
-
-
 def merged_config(compression: Compression, config_file: Optional[str], frozen: bool = False,
                   check_formats: bool = True) -> tuple[CompressionConfig, dict]:
     """The compression flags merged over ``--config FILE`` (JSON/TOML), which goes over the command's own defaults

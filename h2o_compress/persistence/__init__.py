@@ -2,7 +2,9 @@
 checks, checksum, atomic writes); :mod:`.cache_state` is what a cache saves and how it is rebuilt for a model."""
 
 from h2o_compress.persistence.cache_state import DERIVED_LAYER_TENSORS, PromptState, load_cache, save_cache
-from h2o_compress.persistence.file_format import check_cache_header, check_save_target, is_cache_file, read_cache_file
+from h2o_compress.persistence.file_format import (
+    check_cache_header, check_cache_paths, check_save_target, is_cache_file, read_cache_file,
+)
 
-__all__ = ["save_cache", "load_cache", "PromptState", "DERIVED_LAYER_TENSORS", "check_cache_header",
+__all__ = ["save_cache", "load_cache", "PromptState", "DERIVED_LAYER_TENSORS", "check_cache_header", "check_cache_paths",
            "check_save_target", "is_cache_file", "read_cache_file"]

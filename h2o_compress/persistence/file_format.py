@@ -219,6 +219,21 @@ def check_cache_header(path) -> Path:
     return source
 
 
+def check_cache_paths(save=None, load=None, overwrite: bool = False) -> None:
+    """Refuse, before anything is loaded, a ``save`` target that cannot be written (or would replace a file that is
+    not a cache file without ``overwrite``: :func:`check_save_target`) and a ``load`` source that cannot be read or
+    whose header is not a cache file's (truncated, another format or version: :func:`check_cache_header`);
+    ``None`` skips either. What ``generate``/``ask`` ``--save-cache``/``--load-cache`` check first.
+
+    Raises:
+        CacheFileError: naming the path and what is allowed.
+    """
+    if save is not None:
+        check_save_target(save, overwrite)
+    if load is not None:
+        check_cache_header(load)  # its header, before the model loads
+
+
 def _check_format(metadata: dict[str, str], source: Path) -> None:
     """Refuse metadata that is not an h2o-compress cache's of :data:`FORMAT_VERSION` (CacheFileError)."""
     if metadata.get("format") != FORMAT:

@@ -42,7 +42,7 @@ from h2o_compress.models.weights import floating_dtype
 from h2o_compress.evaluation.stream import check_count, context_limit, greedy_decode, model_device, read_stream, step_function, sync
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
-from h2o_compress.integrations.ray_sweep import RaySweep
+from h2o_compress.integrations.ray_sweep import RaySweep, check_address, import_ray
 from h2o_compress.models import load_model, placement_options, resolve_device
 from h2o_compress.profiling.report import check_out_dir, finalize, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
 from h2o_compress.profiling.rows import RowStore, row_key
@@ -476,11 +476,18 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
     directories it created and left empty are removed again.
 
     Raises:
-        ConfigError: bad settings (an unknown lm-eval task name included); Ray asked for but not installed (the message names the ``ray`` extra) or not
-            reachable; ``ray_address`` with ``model``. ModelLoadError: the model cannot be loaded.
-        InputError: ``out_dir`` (or its ``rows``) exists and is not a directory, or holds report files profile
-            did not write; a measurement needs more positions than the model has.
+        ConfigError: bad settings (an unknown lm-eval task name included); an empty ``ray_address``; Ray asked for
+            but not installed (the message names the ``ray`` extra) or not reachable; ``ray_address`` with
+            ``model``. ModelLoadError: the model cannot be loaded.
+        InputError: ``settings.text_file`` cannot be read; ``out_dir`` (or its ``rows``) exists and is not a
+            directory, or holds report files profile did not write; a measurement needs more positions than the
+            model has.
     """
+    if settings.text_file is not None:
+        load_text(settings.text_file)  # readable text: before a directory is made or a model loads
+    if ray_address is not None:
+        check_address(ray_address)
+        import_ray()  # the missing extra is named before anything runs
     created: list[Path] = []
     if out_dir is not None:
         check_out_dir(out_dir)

@@ -1,0 +1,16 @@
+"""What the commands that run a model do, one Python call each (the CLI parses options, calls it and prints):
+
+- :mod:`.generate`: :func:`run_generate` / :class:`GenerateJob` (``h2o-compress generate``: the planner under a
+  memory limit, prompt caches, the summary figures);
+- :mod:`.ask`: :func:`run_ask` / :class:`AskJob` (``h2o-compress ask``: compress a document once, then answer).
+
+Each job checks every setting when it is made, before anything is loaded or written. ``profile`` runs
+:func:`h2o_compress.profiling.run_profile`, ``plan`` :func:`h2o_compress.planner.plan` and ``eval`` the functions of
+:mod:`h2o_compress.evaluation`. This layer sits above the planner (``generate --memory-limit`` uses it) and below
+the CLI.
+"""
+
+from h2o_compress.jobs.ask import AskJob, AskReport, AskSession, run_ask
+from h2o_compress.jobs.generate import GenerateJob, GenerateReport, run_generate
+
+__all__ = ["AskJob", "AskReport", "AskSession", "GenerateJob", "GenerateReport", "run_ask", "run_generate"]

@@ -1,0 +1,222 @@
+"""``h2o-compress ask`` as Python calls: :class:`AskJob` checks every setting when it is made (nothing is loaded or
+written before all are known to be good); :meth:`AskJob.start` loads the model and compresses (or loads) the
+context once, giving an :class:`AskSession` whose :meth:`~AskSession.answer` answers one question from it;
+:func:`run_ask` does all of it for a list of questions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import h2o_compress.runtime.ask as asking
+from h2o_compress.config import CompressionConfig
+from h2o_compress.evaluation.stream import check_count
+from h2o_compress.models import DEFAULT_MODEL
+from h2o_compress.persistence import check_cache_paths
+from h2o_compress.runtime.compiled import check_compile
+from h2o_compress.runtime.generation import GenerationResult, check_generation_args, check_prompt
+from h2o_compress.utils.defaults import default_of
+from h2o_compress.utils.errors import ConfigError, InputError, short
+from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
+
+
+@dataclass
+class AskJob:
+    """Compress-then-ask from a model named by path or alias, checked when made.
+
+    Attributes:
+        questions: the questions (each answered from the same compressed context); a single str is one question.
+        context: the document text; or ``context_file``: a UTF-8 text file holding it (one of the two).
+        model: alias, local model directory or hub id (:func:`h2o_compress.load_model`).
+        config: the compression setting (default :data:`~h2o_compress.runtime.ask.ASK_DEFAULTS`).
+        max_new_tokens: tokens per answer at most; chat, temperature, seed, compile: as for :func:`h2o_compress.ask`.
+        save_cache: a file to save the compressed context to (an existing file must be a cache file unless
+            ``overwrite``); load_cache: a compressed context saved that way (same document), instead of compressing.
+        given: the settings asked for explicitly (e.g. the command line's flags): a loaded context's setting must
+            match them.
+        load: keyword arguments of :func:`h2o_compress.load_model` (``device``, ``dtype``, ``weights_bits``, ...).
+        threads: torch CPU threads set before loading (``None``: torch's default).
+        trust_remote_code: let the model directory run its own code.
+
+    Raises (when made):
+        InputError: a context file that cannot be read, an empty context or question, or one that is not UTF-8.
+        ConfigError: bad ``max_new_tokens``/``temperature``/``seed``/``compile``/``threads``, both ``context`` and
+            ``context_file`` (or neither), ``save_cache`` with ``load_cache``.
+        CacheFileError: a ``save_cache`` that cannot be written, or a ``load_cache`` that is not a cache file.
+    """
+
+    questions: Sequence[str]
+    context: str | None = None
+    context_file: str | Path | None = None
+    model: str = DEFAULT_MODEL
+    config: CompressionConfig | None = None
+    max_new_tokens: int = default_of(asking.ask, "max_new_tokens")
+    chat: bool = default_of(asking.compress, "chat")
+    temperature: float = default_of(asking.ask, "temperature")
+    seed: int | None = None
+    compile: bool | None = None
+    save_cache: str | None = None
+    load_cache: str | None = None
+    overwrite: bool = False
+    given: dict = field(default_factory=dict)
+    load: dict = field(default_factory=dict)
+    threads: int | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.context is None) == (self.context_file is None):
+            raise ConfigError("give the document as context (text) or as context_file (a path), one of the two")
+        if self.context_file is not None:
+            self.context = read_text(self.context_file, "context file", InputError, limit=MAX_TEXT_BYTES)
+            if not self.context.strip():
+                raise InputError(f"context file {short(str(self.context_file))} is empty (or whitespace only); "
+                                 "allowed: a document to ask about")
+        check_prompt(self.context)
+        self.questions = [self.questions] if isinstance(self.questions, str) else list(self.questions)
+        for text in self.questions:
+            check_prompt(text)
+        if self.config is None:
+            self.config = asking.ASK_DEFAULTS
+        elif not isinstance(self.config, CompressionConfig):
+            raise ConfigError(f"config={short(self.config)} is invalid; allowed: a CompressionConfig or None")
+        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
+        check_compile(self.compile, self.config)
+        if self.save_cache is not None and self.load_cache is not None:
+            raise ConfigError("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
+        check_cache_paths(self.save_cache, self.load_cache, self.overwrite)
+        if self.threads is not None:
+            check_count("threads", self.threads, unit="threads", maximum=4096)
+
+    def start(self) -> "AskSession":
+        """Load the model, refuse a question that cannot fit, then compress the context (or load it) and save it.
+
+        Returns:
+            An :class:`AskSession` holding the compressed context and its figures.
+
+        Raises:
+            ModelLoadError: the model cannot be loaded.
+            InputError: context + a question + ``max_new_tokens`` beyond the model's window (before compressing),
+                or a loaded context that is not this document.
+            ConfigError, CacheFileError, CacheStateError: see :func:`h2o_compress.compress` and
+                :meth:`~h2o_compress.runtime.ask.CompressedContext.load` / ``save``.
+        """
+        import torch
+
+        from h2o_compress import models
+        from h2o_compress.models.weights import floating_dtype
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+        asking.check_questions_fit(lm, tokenizer, self.context, self.questions, self.max_new_tokens, self.chat)
+        started = time.perf_counter()  # before minutes of compressing, above
+        if self.load_cache is not None:
+            compressed = asking.CompressedContext.load(self.load_cache, lm, tokenizer, self.context, self.chat,
+                                                       config=self.given)
+        else:
+            compressed = asking.compress(lm, tokenizer, self.context, self.config, chat=self.chat)
+        context_s = time.perf_counter() - started
+        if self.save_cache is not None:
+            compressed.save(self.save_cache, overwrite=self.overwrite)
+        cache = compressed.cache
+        figures = {
+            "model": self.model, "config": cache.config.to_dict(), "context_tokens": compressed.tokens,
+            "context_kv_bytes": cache.nbytes(), "context_kv_bytes_full_fp16": cache.full_fp16_nbytes(),
+            "capacity": cache.capacity, ("cache_load_s" if self.load_cache else "compress_s"): context_s,
+        }
+        return AskSession(self, lm, tokenizer, compressed, figures, str(floating_dtype(lm)).removeprefix("torch."))
+
+
+@dataclass
+class AskSession:
+    """A loaded model and a compressed context, from :meth:`AskJob.start`.
+
+    Attributes:
+        job: the :class:`AskJob` (its generation settings apply to every answer).
+        model, tokenizer: the loaded LM.
+        context: the :class:`~h2o_compress.runtime.ask.CompressedContext` (never changed by :meth:`answer`).
+        figures: what ``ask --json`` prints before its answers: ``model``, ``config``, ``context_tokens``,
+            ``context_kv_bytes``/``context_kv_bytes_full_fp16`` (bytes), ``capacity`` (tokens per layer and KV
+            head) and ``compress_s`` or ``cache_load_s`` (seconds).
+        kv_dtype: the floating dtype of the model (the 16-bit storage of the cache), e.g. ``float32``.
+    """
+
+    job: AskJob
+    model: object
+    tokenizer: object
+    context: asking.CompressedContext
+    figures: dict
+    kv_dtype: str
+
+    def answer(self, question: str, on_text: Callable[[str], None] | None = None) -> dict:
+        """Answer ``question`` from the compressed context (:func:`h2o_compress.ask`); ``on_text`` receives each new
+        piece of text (streaming).
+
+        Returns:
+            The figures of ``ask --json``'s answer: the :class:`GenerationResult` fields but ``token_ids``, and
+            ``question``.
+
+        Raises:
+            InputError: empty question, or context + question + new tokens beyond the model's window.
+        """
+        return _answer_figures(self._generate(question, on_text), question)
+
+    def _generate(self, question: str, on_text=None) -> GenerationResult:
+        job = self.job
+        return asking.ask(self.model, self.tokenizer, self.context, question, max_new_tokens=job.max_new_tokens,
+                          temperature=job.temperature, seed=job.seed, on_text=on_text, compile=job.compile)
+
+
+def _answer_figures(result: GenerationResult, question: str) -> dict:
+    figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
+    figures["question"] = question
+    return figures
+
+
+@dataclass
+class AskReport:
+    """What :func:`run_ask` returns.
+
+    Attributes:
+        context: the compressed context's figures (:attr:`AskSession.figures`).
+        answers: one figures dict per question (:meth:`AskSession.answer`), ``text`` the answer.
+        results: the :class:`GenerationResult` of each answer (token ids included).
+    """
+
+    context: dict
+    answers: list[dict]
+    results: list[GenerationResult]
+
+    def to_dict(self) -> dict:
+        """The object ``ask --json`` prints: the context's figures and ``answers``."""
+        return {**self.context, "answers": list(self.answers)}
+
+
+def run_ask(questions: Sequence[str] | str, context: str | None = None, context_file: str | Path | None = None,
+            model: str = DEFAULT_MODEL, config: CompressionConfig | None = None,
+            on_text: Callable[[str], None] | None = None, **settings) -> AskReport:
+    """What ``h2o-compress ask`` runs: the document compressed once (or loaded), then each question answered from it.
+
+    Args:
+        questions: the questions (a single str is one).
+        context: the document text; or context_file: a UTF-8 file holding it (one of the two).
+        model: alias, local model directory or hub id.
+        config: the compression setting (default :data:`~h2o_compress.runtime.ask.ASK_DEFAULTS`).
+        on_text: receives each new piece of each answer (streaming).
+        settings: the other fields of :class:`AskJob` (``max_new_tokens`` in tokens per answer,
+            ``save_cache``/``load_cache`` paths, ``load``, ...).
+
+    Returns:
+        An :class:`AskReport` (``.answers[i]["text"]``, ``.to_dict()``).
+
+    Raises:
+        See :class:`AskJob` (every setting, before anything is loaded), :meth:`AskJob.start` and
+        :meth:`AskSession.answer`.
+    """
+    session = AskJob(questions, context, context_file, model, config, **settings).start()
+    results = [session._generate(question, on_text) for question in session.job.questions]
+    answers = [_answer_figures(result, question) for result, question in zip(results, session.job.questions)]
+    return AskReport(session.figures, answers, results)

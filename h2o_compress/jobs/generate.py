@@ -1,0 +1,213 @@
+"""``h2o-compress generate`` as one Python call: :class:`GenerateJob` checks every setting when it is made (nothing
+is loaded or written before all are known to be good), :meth:`GenerateJob.run` loads the model, lets the planner
+pick the setting under a memory limit, loads or saves the prompt cache, generates and gathers the figures the
+command prints. :func:`run_generate` does both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from h2o_compress.config import CompressionConfig, check_usable
+from h2o_compress.evaluation.stream import check_count
+from h2o_compress.models import DEFAULT_MODEL
+from h2o_compress.persistence import check_cache_paths
+from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, parse_memory
+from h2o_compress.planner.plan import PICKED
+from h2o_compress.runtime.compiled import check_compile
+from h2o_compress.runtime.generation import (
+    GenerationResult, check_generation_args, check_prompt, encode_prompt, generate,
+)
+from h2o_compress.utils.defaults import default_of
+from h2o_compress.utils.errors import ConfigError, short
+
+
+@dataclass
+class GenerateReport:
+    """What :meth:`GenerateJob.run` returns.
+
+    Attributes:
+        result: the :class:`~h2o_compress.runtime.generation.GenerationResult` (text, token counts, bytes, times).
+        config: the setting the cache ran with (the planner's pick under ``memory_limit``, the file's with
+            ``load_cache``).
+        figures: what ``generate --json`` prints: the result's figures (without ``token_ids``) plus ``config``,
+            ``model``, ``kv_dtype``, ``weights_bits``; with ``memory_limit`` ``planned_peak_bytes``,
+            ``measured_peak_bytes`` (bytes) and ``measured_peak_kind``; with a prompt cache ``cache_load_s`` or
+            ``cache_save_s`` (seconds, also the ``prefill_s``: the prompt went through the cache).
+        plan: the planner's row under ``memory_limit`` (``None`` otherwise).
+    """
+
+    result: GenerationResult
+    config: CompressionConfig
+    figures: dict
+    plan: PlanRow | None = None
+
+    def to_dict(self) -> dict:
+        """The figures (a copy), as ``generate --json`` prints them."""
+        return dict(self.figures)
+
+
+@dataclass
+class GenerateJob:
+    """One generation from a model named by path or alias, checked when made.
+
+    Attributes:
+        prompt: the prompt text.
+        model: alias, local model directory or hub id (:func:`h2o_compress.load_model`).
+        config: the compression setting (default: no compression); with ``memory_limit``, the base the planner
+            keeps all but budget, bits and group size of (:func:`~h2o_compress.planner.choose_for_prompt`).
+        max_new_tokens, chat, temperature, seed, compile: as for :func:`h2o_compress.generate` (``seed`` also seeds
+            torch before the model loads).
+        memory_limit: bytes, or a text such as ``"2GiB"``: the planner picks the setting for the model as loaded,
+            and the figures give planned against measured peak memory.
+        save_cache: a file to save the prompt cache to (the part a follow-up prompt shares); an existing file must
+            be a cache file unless ``overwrite``.
+        load_cache: a saved prompt cache to start from (the prompt must extend it).
+        given: the settings asked for explicitly (e.g. the command line's flags): a loaded cache's setting must
+            match them, and ``memory_limit`` refuses those it picks itself.
+        load: keyword arguments of :func:`h2o_compress.load_model` (``device``, ``dtype``, ``weights_bits``,
+            ``device_map``, ...).
+        threads: torch CPU threads set before loading (``None``: torch's default).
+        trust_remote_code: let the model directory run its own code.
+
+    Raises (when made):
+        InputError: empty prompt, or one that is not UTF-8.
+        ConfigError: bad ``max_new_tokens``/``temperature``/``seed``/``compile``/``threads``/``memory_limit``,
+            ``memory_limit`` with ``load_cache``, or with a setting it picks in ``given``.
+        CacheFileError: a ``save_cache`` that cannot be written, or a ``load_cache`` that is not a cache file.
+    """
+
+    prompt: str
+    model: str = DEFAULT_MODEL
+    config: CompressionConfig | None = None
+    max_new_tokens: int = default_of(generate, "max_new_tokens")
+    chat: bool = default_of(generate, "chat")
+    temperature: float = default_of(generate, "temperature")
+    seed: int | None = None
+    compile: bool | None = None
+    memory_limit: str | int | None = None
+    save_cache: str | None = None
+    load_cache: str | None = None
+    overwrite: bool = False
+    given: dict = field(default_factory=dict)
+    load: dict = field(default_factory=dict)
+    threads: int | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        check_prompt(self.prompt)
+        if self.config is None:
+            self.config = CompressionConfig()
+        elif not isinstance(self.config, CompressionConfig):
+            raise ConfigError(f"config={short(self.config)} is invalid; allowed: a CompressionConfig or None")
+        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
+        check_compile(self.compile, self.config)
+        if self.memory_limit is not None and self.load_cache is not None:
+            raise ConfigError("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting "
+                              "it was saved with")
+        if self.memory_limit is not None:
+            parse_memory(self.memory_limit)
+            fixed = [name for name in PICKED if name in self.given]
+            if fixed:
+                flags = ", ".join("--" + name.replace("_", "-") for name in fixed)
+                raise ConfigError(
+                    f"--memory-limit picks budget, bits and group size itself, so {flags} (given on the command line "
+                    "or in --config) would be ignored; allowed: --memory-limit without them, or those settings "
+                    "without --memory-limit")
+        check_cache_paths(self.save_cache, self.load_cache, self.overwrite)
+        if self.threads is not None:
+            check_count("threads", self.threads, unit="threads", maximum=4096)
+
+    def run(self, on_text: Callable[[str], None] | None = None,
+            on_plan: Callable[[str], None] | None = None) -> GenerateReport:
+        """Load the model and generate.
+
+        Args:
+            on_text: receives each new piece of text as it is generated (streaming).
+            on_plan: with ``memory_limit``, receives the planner's one-line choice before generation starts.
+
+        Returns:
+            A :class:`GenerateReport`.
+
+        Raises:
+            ModelLoadError: the model cannot be loaded.
+            ConfigError: nothing fits ``memory_limit``, or a setting that leaves no recent window at this capacity.
+            InputError, CacheFileError, CacheStateError: see :func:`h2o_compress.generate` and
+                :func:`~h2o_compress.runtime.prompt_cache.prepare_prompt_cache`.
+        """
+        import torch
+
+        from h2o_compress import models
+        from h2o_compress.models.weights import floating_dtype
+        from h2o_compress.utils.memory import PeakMemory
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
+        config = self.config
+        peak = PeakMemory() if self.memory_limit is not None else None  # before the weights: the planner counts them
+        lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+        if peak is not None:
+            peak.loaded()  # the weights are resident: count them, not the transient of loading them
+        row = None
+        if self.memory_limit is not None:
+            row = choose_for_prompt(lm, tokenizer, self.prompt, self.memory_limit, self.max_new_tokens, chat=self.chat,
+                                    base=config, compiled=self.compile)
+            config = row.config
+            if on_plan is not None:
+                on_plan(describe_choice(row, self.memory_limit))
+        if self.load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
+            check_usable(config, config.capacity(encode_prompt(tokenizer, self.prompt, self.chat).shape[1]
+                                                 + self.max_new_tokens))
+        extra, load_s = {}, None
+        if self.save_cache is not None or self.load_cache is not None:
+            from h2o_compress.runtime.prompt_cache import prepare_prompt_cache
+
+            started = time.perf_counter()
+            cache = prepare_prompt_cache(
+                lm, tokenizer, self.prompt, config, self.max_new_tokens, self.chat, load=self.load_cache,
+                save=self.save_cache, expect=self.given, overwrite=self.overwrite,
+            )
+            load_s = time.perf_counter() - started
+            config, extra = cache.config, {"cache": cache}
+        result = generate(
+            lm, tokenizer, self.prompt, config, max_new_tokens=self.max_new_tokens, chat=self.chat,
+            temperature=self.temperature, seed=self.seed, on_text=on_text, compile=self.compile, **extra,
+        )
+        figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
+        figures["config"] = config.to_dict()
+        figures["model"] = self.model
+        figures["kv_dtype"] = str(floating_dtype(lm)).removeprefix("torch.")
+        figures["weights_bits"] = self.load.get("weights_bits", 16)
+        if row is not None:
+            figures["planned_peak_bytes"] = row.total_bytes
+            figures["measured_peak_bytes"], figures["measured_peak_kind"] = peak.measure()
+        if load_s is not None:  # the prompt went through the cache before generate: that time is not "prefill"
+            figures["prefill_s"] = load_s
+            figures["cache_load_s" if self.load_cache is not None else "cache_save_s"] = load_s
+        return GenerateReport(result, config, figures, row)
+
+
+def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionConfig | None = None,
+                 on_text: Callable[[str], None] | None = None, on_plan: Callable[[str], None] | None = None,
+                 **settings) -> GenerateReport:
+    """What ``h2o-compress generate`` runs: ``GenerateJob(prompt, model, config, **settings).run(on_text, on_plan)``.
+
+    Args:
+        prompt: the prompt text.
+        model: alias, local model directory or hub id.
+        config: the compression setting (default: none).
+        on_text: receives each new piece of text (streaming); on_plan: the planner's choice under ``memory_limit``.
+        settings: the other fields of :class:`GenerateJob` (``max_new_tokens`` in tokens, ``memory_limit`` in
+            bytes or as ``"2GiB"``, ``save_cache``/``load_cache`` paths, ``load``, ...).
+
+    Returns:
+        A :class:`GenerateReport` (``.result.text``, ``.figures``).
+
+    Raises:
+        See :class:`GenerateJob` (every setting, before anything is loaded) and :meth:`GenerateJob.run`.
+    """
+    return GenerateJob(prompt, model, config, **settings).run(on_text, on_plan)
