@@ -10,6 +10,11 @@ import typer
 from h2o_compress.config import CompressionConfig, check_format_options, check_usable
 from h2o_compress.utils.errors import H2OCompressError, one_line
 from h2o_compress.cli.options import Compression
+from h2o_compress.attention.choice import check_kernel
+from h2o_compress.config_file import load_config, read_config_values
+from h2o_compress.evaluation.stream import check_count
+from h2o_compress.models import placement_options
+from h2o_compress.models.weights import parse_device_map
 
 
 def fail(message: str) -> None:
@@ -33,8 +38,6 @@ def user_errors(fn):
 
 def set_threads(threads: Optional[int]) -> None:
     """Apply ``--threads N`` to torch (``None``: leave torch's default). Raises ConfigError for N < 1."""
-    from h2o_compress.evaluation.stream import check_count
-
     if threads is None:
         return
     check_count("threads", threads, unit="threads", maximum=4096)
@@ -53,8 +56,6 @@ def merged_config(compression: Compression, config_file: Optional[str], frozen: 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
     file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
     """
-    from h2o_compress.config_file import load_config, read_config_values
-
     config = compression.config(check=False)
     overrides = compression.overrides(config)
     settings = overrides
@@ -72,10 +73,6 @@ def load_options(device: str, dtype: Optional[str], placement: dict, attention_k
     flags (:func:`~h2o_compress.cli.options.placement_options`), all checked now, before any side effect
     (``--device-map`` parsed from its name, JSON or file), with ``--kernel`` against the device
     (:func:`~h2o_compress.attention.choice.check_kernel`). Raises ConfigError or ModelLoadError."""
-    from h2o_compress.attention.choice import check_kernel
-    from h2o_compress.models import placement_options
-    from h2o_compress.models.weights import parse_device_map
-
     options = {"device": device, "dtype": dtype, **placement, "device_map": parse_device_map(placement["device_map"])}
     check_kernel(attention_kernel, placement_options(**options)["_device"])  # where the weights (and cache) go
     return options

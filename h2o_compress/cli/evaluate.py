@@ -21,6 +21,12 @@ from h2o_compress.cli.options import (
     CompileOpt,
     Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
 )
+from h2o_compress import models
+from h2o_compress.evaluation.agreement import agreement_eval
+from h2o_compress.evaluation.corpus import load_prompts, load_text
+from h2o_compress.evaluation.needle import check_needle_args, needle_eval
+from h2o_compress.evaluation.perplexity import text_perplexity
+from h2o_compress.evaluation.stream import check_count
 
 eval_app = typer.Typer(
     add_completion=False, no_args_is_help=True,
@@ -53,11 +59,9 @@ def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int],
     """Load the model as the flags say (``placement``: the weights/placement flags, see
     :func:`~h2o_compress.cli.options.placement_options`; ``attention_kernel``: ``--kernel``, checked against the
     device first)."""
-    from h2o_compress.models import load_model
-
     options = load_options(device, dtype, placement, attention_kernel)
     set_threads(threads)
-    return load_model(model, trust_remote_code=trust, **options)
+    return models.load_model(model, trust_remote_code=trust, **options)
 
 
 def _mib(value: int) -> str:
@@ -84,10 +88,6 @@ def perplexity_command(
     compression: Compression = None, placement: dict = None,
 ):
     """Streaming perplexity: the text is read through the compressed cache chunk by chunk."""
-    from h2o_compress.evaluation.corpus import load_text
-    from h2o_compress.evaluation.perplexity import text_perplexity
-    from h2o_compress.evaluation.stream import check_count
-
     config = compression.config()
     check_compile(compile_step, config)
     check_count("max_tokens", max_tokens, minimum=2)
@@ -140,9 +140,6 @@ def needle_command(
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Passkey retrieval: accuracy per (context length, depth), compressed vs uncompressed."""
-    from h2o_compress.evaluation.corpus import load_text
-    from h2o_compress.evaluation.needle import check_needle_args, needle_eval
-
     config = compression.config(frozen=protocol == "compress-then-ask")
     check_compile(compile_step, config)
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
@@ -189,10 +186,6 @@ def agreement_command(
     compile_step: Optional[bool] = CompileOpt, compression: Compression = None, placement: dict = None,
 ):
     """Greedy generations with and without compression: token match rate and ROUGE-L."""
-    from h2o_compress.evaluation.agreement import agreement_eval
-    from h2o_compress.evaluation.corpus import load_prompts
-    from h2o_compress.evaluation.stream import check_count
-
     config = compression.config()
     check_compile(compile_step, config)
     check_count("max_new_tokens", max_new_tokens)

@@ -19,6 +19,7 @@ from h2o_compress.cli.options import (
 )
 from h2o_compress.jobs.generate import GenerateJob
 from h2o_compress.utils.defaults import default_of
+from h2o_compress.planner import format_bytes
 
 
 def write_piece(piece: str) -> None:
@@ -79,8 +80,6 @@ def generate(
 
 def peak_line(figures: dict) -> str:
     """The stderr line of ``--memory-limit``: the planner's total against the peak measured over load + generation."""
-    from h2o_compress.planner import format_bytes
-
     planned, measured = figures["planned_peak_bytes"], figures["measured_peak_bytes"]
     share = f" = {measured / planned:.0%} of planned" if planned else ""
     return (f"[peak memory while generating: planned {format_bytes(planned)} (weights + KV cache + workspace), "

@@ -72,7 +72,7 @@ def lm_eval_command(
     lm_eval = import_lm_eval()
     from lm_eval.utils import handle_non_serializable, simple_parse_args_string
 
-    from h2o_compress.integrations.lm_eval_model import MODEL_TYPE, check_model_args
+    from h2o_compress.integrations.lm_eval_model import MODEL_TYPE, check_model_args  # deferred: needs lm_eval (optional)
 
     args = simple_parse_args_string(model_args)
     check_model_args(args)

@@ -10,6 +10,8 @@ import typer
 from h2o_compress.config import CompressionConfig
 from h2o_compress.cli.common import user_errors
 from h2o_compress.cli.options import Compression, TrustOpt, WeightsBitsOpt, compression_options, parse_budget
+from h2o_compress.planner import parse_list, plan as run_plan
+from h2o_compress.planner.view import print_plan
 
 
 @user_errors
@@ -41,10 +43,6 @@ def plan(
     compression: Compression = None,
 ):
     """Plan memory: which compression settings fit, the largest batch and context for each, and a pick."""
-    from h2o_compress.planner.view import print_plan
-    from h2o_compress.planner import parse_list
-    from h2o_compress.planner import plan as run_plan
-
     values = compression.values
     report = run_plan(
         model, memory, batch=batch, prompt_len=prompt_len, gen_len=gen_len, weights_bits=weights_bits, dtype=dtype,

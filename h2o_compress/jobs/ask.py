@@ -21,6 +21,8 @@ from h2o_compress.runtime.generation import GenerationResult, check_generation_a
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
+from h2o_compress import models
+from h2o_compress.models.weights import floating_dtype
 
 
 @dataclass
@@ -105,8 +107,6 @@ class AskJob:
         """
         import torch
 
-        from h2o_compress import models
-        from h2o_compress.models.weights import floating_dtype
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)

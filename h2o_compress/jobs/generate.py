@@ -22,6 +22,10 @@ from h2o_compress.runtime.generation import (
 )
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress import models
+from h2o_compress.models.weights import floating_dtype
+from h2o_compress.runtime.prompt_cache import prepare_prompt_cache
+from h2o_compress.utils.memory import PeakMemory
 
 
 @dataclass
@@ -139,9 +143,6 @@ class GenerateJob:
         """
         import torch
 
-        from h2o_compress import models
-        from h2o_compress.models.weights import floating_dtype
-        from h2o_compress.utils.memory import PeakMemory
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
@@ -164,8 +165,6 @@ class GenerateJob:
                                                  + self.max_new_tokens))
         extra, load_s = {}, None
         if self.save_cache is not None or self.load_cache is not None:
-            from h2o_compress.runtime.prompt_cache import prepare_prompt_cache
-
             started = time.perf_counter()
             cache = prepare_prompt_cache(
                 lm, tokenizer, self.prompt, config, self.max_new_tokens, self.chat, load=self.load_cache,
