@@ -303,7 +303,8 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
     """``generate`` (and ``eval needle``'s question-in-prompt protocol) with ``lookahead``: the pass over the whole
     prompt answers the prompt itself (or the request given), and the prefill keeps the top of those scores plus the
     recent window."""
-    from h2o_compress import context_scores, generate
+    from h2o_compress import generate
+    from h2o_compress.runtime import context_scores
     from h2o_compress.runtime.generation import make_scored_cache
     from h2o_compress.evaluation.needle import answer_prompt
 
@@ -348,7 +349,8 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
 def test_generate_runs_kvzips_reconstruction_over_the_prompt(monkeypatch):
     """``kvzip`` in ``generate``: its reconstruction pass scores the prompt once; a prompt continuing a cache
     that already holds tokens is not scored again."""
-    from h2o_compress import context_scores, generate
+    from h2o_compress import generate
+    from h2o_compress.runtime import context_scores
     from h2o_compress.runtime.prefill import prefill
 
     calls = []

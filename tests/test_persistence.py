@@ -354,9 +354,9 @@ def test_file_records_metadata(model, tmp_path):
 def test_interrupted_save_keeps_the_old_file(model, tmp_path, monkeypatch):
     path = saved_file(model, tmp_path)
     before = path.read_bytes()
-    import safetensors.torch
+    from h2o_compress.persistence import file_format
 
-    real_save = safetensors.torch.save_file
+    real_save = file_format.save_file
 
     def save_then_die(tensors, filename, metadata=None):
         real_save(tensors, filename, metadata=metadata)
@@ -364,7 +364,7 @@ def test_interrupted_save_keeps_the_old_file(model, tmp_path, monkeypatch):
             handle.truncate(os.path.getsize(filename) // 2)  # half written when the process is interrupted
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_then_die)
+    monkeypatch.setattr(file_format, "save_file", save_then_die)
     cache = make_cache(model, CompressionConfig(budget=6))
     prefill(model, prompt_ids(batch=1, length=9), cache)
     with pytest.raises(KeyboardInterrupt):
