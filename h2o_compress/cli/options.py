@@ -18,6 +18,9 @@ from typing import Optional
 import typer
 
 from h2o_compress.formats import FORMATS, GROUP_SIZES
+from h2o_compress.models import load_model
+from h2o_compress.runtime.generation import generate
+from h2o_compress.utils.defaults import default_of
 from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
 from h2o_compress.policies import describe_policies
 from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
@@ -172,8 +175,8 @@ def compression_options(fn=None, *, only: tuple[str, ...] | None = None, default
 
 
 # -- model-runtime options --------------------------------------------------------------------------------
-ModelOpt = typer.Option("smollm2-135m", "--model", help="Alias, local model directory or hub id.")
-DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+ModelOpt = typer.Option(default_of(load_model, "name_or_path"), "--model", help="Alias, local model directory or hub id.")
+DeviceOpt = typer.Option(default_of(load_model, "device"), "--device", help="auto, cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
 ThreadsOpt = typer.Option(
     None, "--threads", help="torch CPU threads (default: torch's; 1-2 is much faster on a busy machine).")
@@ -182,8 +185,8 @@ TrustOpt = typer.Option(
     help="Allow a model directory or hub repo to run its own Python code (its auto_map). Off by default.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object.")
 # -- generation options (generate, ask) --------------------------------------------------------------------
-ChatOpt = typer.Option(True, "--chat/--no-chat", help="Apply the tokenizer's chat template.")
-TemperatureOpt = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples.")
+ChatOpt = typer.Option(default_of(generate, "chat"), "--chat/--no-chat", help="Apply the tokenizer's chat template.")
+TemperatureOpt = typer.Option(default_of(generate, "temperature"), "--temperature", help="0 = greedy; > 0 samples.")
 SamplingSeedOpt = typer.Option(None, "--seed", help="Random seed for sampling.")
 StreamJsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of streaming text.")
 OverwriteOpt = typer.Option(
@@ -197,7 +200,7 @@ ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (
 
 # -- weights and placement options (generate, eval, profile; plan takes --weights-bits) -----------------------
 WeightsBitsOpt = typer.Option(
-    16, "--weights-bits", help="Weights: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4), through bitsandbytes.")
+    default_of(load_model, "weights_bits"), "--weights-bits", help="Weights: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4), through bitsandbytes.")
 PLACEMENT_FLAGS: dict[str, _Flag] = {
     "weights_bits": _Flag(int, WeightsBitsOpt),
     "device_map": _Flag(Optional[str], typer.Option(
