@@ -186,8 +186,8 @@ def test_shell_block(block: Block, tmp_path_factory):
     env = dict(os.environ, DOCS_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     try:
-        out = subprocess.run(["bash", "-c", script], cwd=PAGE_DIRECTORIES[block.page], env=env, capture_output=True, text=True,
-                             timeout=BLOCK_TIMEOUT_S)
+        out = subprocess.run(["bash", "-c", script], cwd=PAGE_DIRECTORIES[block.page], env=env, capture_output=True,
+                             text=True, timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{block.id}: took longer than {BLOCK_TIMEOUT_S} s")
     assert out.returncode == 0, f"{block.id}: exit code {out.returncode}\n{out.stderr[-4000:]}"
