@@ -33,12 +33,12 @@ def _long_options(command: click.Command) -> set[str]:
     return {o for p in command.params for o in p.opts + p.secondary_opts if o.startswith("--") and o != "--help"}
 
 
-def test_every_generate_option_is_in_the_readme():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("Options of `generate`:"):readme.index("## Python API")]
+def test_every_generate_option_is_in_the_user_guide():
+    guide = (REPO / "docs" / "guide" / "cli.md").read_text()  # the README's former "Command line" section
+    section = guide[guide.index("Options of `generate`:"):]
     documented = set(re.findall(r"--[a-z][a-z0-9-]*", section))
     missing = _long_options(_command("generate")) - documented
-    assert not missing, f"options of generate missing from the README's option list: {sorted(missing)}"
+    assert not missing, f"options of generate missing from the user guide's option list: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("path", [("generate",), ("eval", "perplexity"), ("eval", "needle"), ("eval", "agreement"),
@@ -52,6 +52,8 @@ def test_design_reference_is_in_the_repository_and_linked():
     assert (REPO / "docs" / "DESIGN.md").read_text().startswith("# h2o-compress: design and semantics")
     readme = (REPO / "README.md").read_text()
     assert "(docs/DESIGN.md)" in readme and not re.search(r"(?<![/\[])DESIGN\.md(?!\])", readme)
+    semantics = (REPO / "docs" / "guide" / "semantics.md").read_text()  # the README's former "Semantics" section
+    assert "(../DESIGN.md)" in semantics and "DESIGN.md" in (REPO / "mkdocs.yml").read_text()
 
 
 # -- the CLI package ---------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ app.command("ask")(ask)
 app.command("plan")(plan)
 app.add_typer(eval_app, name="eval")
 app.command("profile", cls=ProfileCommand)(profile_command)
+click_app = typer.main.get_command(app)  # the click command behind `app`: the docs' CLI reference (mkdocs-click)
 
 
 def main() -> None:

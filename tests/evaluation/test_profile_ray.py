@@ -165,7 +165,8 @@ def test_a_changed_setting_does_not_reuse_stale_rows(tmp_path, counted, change):
 
 def test_placement_defaults_do_not_split_one_sweep_in_two(tmp_path, model_dir):
     """The CLI passes every placement argument (at its default); the API passes none: one sweep, so the API run
-    reuses the CLI run's rows (it measured them all again: README's Ray example after its CLI example)."""
+    reuses the CLI run's rows (it measured them all again: docs/guide/evaluation.md's Ray example after its CLI
+    example)."""
     cli = two_configs(model_dir, placement={"weights_bits": 16, "device_map": None, "max_memory": None,
                                             "offload_folder": None})
     assert cli.placement == {}
