@@ -202,7 +202,7 @@ def test_a2sf_decode_scores_fade_then_add_the_steps_attention(kernel):
 def test_a2sf_factor_is_a_setting_of_its_own_policy_only(tmp_path):
     import json
 
-    from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
+    from helpers.tiny_lm import save_tiny_lm, tiny_lm
     from typer.testing import CliRunner
 
     from h2o_compress import CompressionConfig, ConfigError, make_cache

@@ -224,7 +224,7 @@ def test_placement_options_are_declared_once_and_taken_by_every_command_that_loa
 
     import typer
 
-    cli = pathlib.Path(__file__).resolve().parents[1] / "h2o_compress" / "cli"
+    cli = pathlib.Path(__file__).resolve().parents[2] / "h2o_compress" / "cli"
     flags = ("--weights-bits", "--device-map", "--max-memory", "--offload-folder")
     for flag in flags:
         assert [p.name for p in cli.glob("*.py") if f'"{flag}"' in p.read_text()] == ["options.py"], flag

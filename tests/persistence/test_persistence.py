@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
-from strategies import cached_llama, configs, fuzz, llama_shapes
+from helpers.strategies import cached_llama, configs, fuzz, llama_shapes
 from typer.testing import CliRunner
 
 from h2o_compress.persistence import load_cache
