@@ -57,9 +57,9 @@ class CharTokenizer:
         return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 100 for c in text]]))
 
 
-@lru_cache(maxsize=1)
-def model():
-    return tiny_llama()
+@lru_cache(maxsize=None)
+def model(device: str = "cpu"):
+    return tiny_llama().to(device)
 
 
 def config(policy: str, kernel: str) -> CompressionConfig:
@@ -74,32 +74,32 @@ def held(cache) -> list[list[list[set[int]]]]:
 
 
 @lru_cache(maxsize=None)
-def drill(policy: str, kernel: str, steps: int = STEPS):
+def drill(policy: str, kernel: str, steps: int = STEPS, device: str = "cpu"):
     """The prefill then ``steps`` greedy decode steps through ``decode_step`` (the cache sized for
     :data:`STEPS`, so fewer steps are a prefix of the full drill). Returns ``(pads, logits of every step
-    [steps + 1, batch, vocab], held positions after every step, the cache)``."""
+    [steps + 1, batch, vocab] on the CPU, held positions after every step, the cache)``."""
     scored = policy in CONTEXT_SCORED_POLICIES
     pads = (0,) if scored else (3, 0)
     batch = len(pads)
-    ids = torch.randint(0, 100, (batch, PROMPT), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones(batch, PROMPT, dtype=torch.long)
+    ids = torch.randint(0, 100, (batch, PROMPT), generator=torch.Generator().manual_seed(5)).to(device)
+    mask = torch.ones(batch, PROMPT, dtype=torch.long, device=device)
     for row, pad in enumerate(pads):
         mask[row, :pad] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
         if scored:  # their real path: the scoring pass, then a prefill ranked by its scores
-            cache = make_scored_cache(model(), CharTokenizer(), ids, config(policy, kernel), PROMPT + STEPS)
+            cache = make_scored_cache(model(device), CharTokenizer(), ids, config(policy, kernel), PROMPT + STEPS)
         else:
-            cache = make_cache(model(), config(policy, kernel), max_length=PROMPT + STEPS)
-        logits = model()(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
+            cache = make_cache(model(device), config(policy, kernel), max_length=PROMPT + STEPS)
+        logits = model(device)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
         out, history = [logits], [held(cache)]
         position = positions[:, -1:]
         for _ in range(steps):
             position = position + 1
-            logits = decode_step(model(), logits.argmax(-1, keepdim=True), cache, position)
+            logits = decode_step(model(device), logits.argmax(-1, keepdim=True), cache, position)
             out.append(logits)
             history.append(held(cache))
-    return pads, torch.stack(out), history, cache
+    return pads, torch.stack(out).float().cpu(), history, cache
 
 
 @pytest.mark.parametrize("policy", EVERY_POLICY)
@@ -143,8 +143,9 @@ def test_decode_kernels_keep_the_torch_forms_tokens_and_logits(policy, kernel, a
     """Int4 storage: a value on a code rounding boundary can land one code apart (tests/attention/test_cpu_kernel.py),
     hence 1e-3 for the CPU kernel; the tokens kept must be identical. The Triton interpreter runs
     :data:`TRITON_STEPS` steps only (on a GPU: all of them)."""
-    _, reference, reference_history, _ = drill(policy, "torch")
-    _, ours, history, cache = drill(policy, kernel, steps)
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
+    _, reference, reference_history, _ = drill(policy, "torch", STEPS, device)
+    _, ours, history, cache = drill(policy, kernel, steps, device)
     reference, reference_history = reference[: steps + 1], reference_history[: steps + 1]
     expected = "cpu" if kernel == "auto" else kernel
     assert all(layer.decode_kernel == expected for layer in cache.layers), [l.decode_kernel for l in cache.layers]
