@@ -142,7 +142,7 @@ def test_device_map_auto_keeps_each_layers_cache_on_its_device(four_layer_dir, s
 
 def test_fp16_quantized_cache_stays_close_to_full_on_cuda():
     """int8/int4 on the GPU in fp16 (residual window and scales in the model dtype): bounded error against
-    DynamicCache, as on CPU (tests/test_cache.py)."""
+    DynamicCache, as on CPU (tests/cache/test_cache.py)."""
     model = tiny_llama(head_dim=64, heads=4, kv_heads=2).to(CUDA, torch.float16)
     prompt, tokens = (t.to(CUDA) for t in inputs(batch=1, prompt_len=40, steps=8))
     reference = feed(model, DynamicCache(config=model.config), prompt, tokens)

@@ -22,7 +22,7 @@ import torch
 from conftest import tiny_neox, tiny_opt
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import cached_llama, configs, fuzz, llama_shapes
+from helpers.strategies import cached_llama, configs, fuzz, llama_shapes
 from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, make_cache
@@ -39,7 +39,7 @@ def layer_cases(draw):
     capacity = None if values["policy"] == "full" else draw(st.one_of(st.none(), st.integers(1, 40)))
     return dict(
         # the torch form: this test injects probability sums between its steps (the CPU kernel's own step is
-        # checked against it in tests/test_cpu_kernel.py)
+        # checked against it in tests/attention/test_cpu_kernel.py)
         config=CompressionConfig(budget=1.0, attention_kernel="torch", **values),
         capacity=capacity,
         head_dim=head_dim,

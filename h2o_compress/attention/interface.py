@@ -182,7 +182,7 @@ def register_attention() -> None:
 
 
 # Model types whose attention goes through AttentionInterface but computes what a compressed cache cannot follow
-# (tests/test_architectures.py checks every other decoder class transformers ships is exact at budget 1.0).
+# (tests/models/test_architectures.py checks every other decoder class transformers ships is exact at budget 1.0).
 UNSUPPORTED_MODEL_TYPES = {
     "diffllama": "differential attention calls the attention function twice per layer and subtracts the maps",
     "doge": "dynamic mask attention adds a learned mask over the keys outside the attention function",

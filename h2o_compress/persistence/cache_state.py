@@ -14,7 +14,7 @@ File format (``format_version`` 3: the slot layout of :mod:`h2o_compress.cache`;
   other metadata field and every tensor's name, dtype, shape and bytes. The checksum catches truncation and
   accidental damage, not a deliberate edit (anyone can recompute it): every structural field and every invariant
   a layer can be checked for is checked on load as well (``_check_structure``, ``_check_prompt``,
-  ``_check_layer_values``; fuzzed by ``tests/test_cache_file_fuzz.py``).
+  ``_check_layer_values``; fuzzed by ``tests/persistence/test_cache_file_fuzz.py``).
 
 Writes are atomic: the file is written to a temporary name in the target directory, flushed to disk and
 renamed over the target, so an interrupted save leaves either the old file or the new one, never half a file.

@@ -52,7 +52,7 @@ class EvictionPolicy:
     scorer: ClassVar[str] = ""
     #: What :meth:`rank` returns, for kernels that apply :meth:`priority`'s shared rules themselves: ``"nothing"``
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
-    #: kernels leave the eviction to :meth:`priority`). ``tests/test_policies.py`` checks it against :meth:`rank`.
+    #: kernels leave the eviction to :meth:`priority`). ``tests/policies/test_policies.py`` checks it against :meth:`rank`.
     ranks_by: ClassVar[str] = "nothing"
     #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
     #: attention replaces them (TOVA ranks by the current query's attention only).

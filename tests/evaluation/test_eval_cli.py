@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from evaluation_helpers import save_tiny_lm, one_thread  # noqa: F401 (fixture)
+from helpers.tiny_lm import save_tiny_lm, one_thread  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from evaluation_helpers import tiny_lm, one_thread  # noqa: F401 (fixture)
+from helpers.tiny_lm import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress import CompressionConfig
 from h2o_compress.utils.errors import ConfigError

@@ -93,7 +93,12 @@ def test_rotation_made_in_inference_mode_works_with_autograd_on():
 
     hadamard_matrix.cache_clear()
     with torch.inference_mode():
-        hadamard_matrix(48)
+        made_in_inference = hadamard_matrix(48)
+    rotation = hadamard_matrix(48)
+    assert not rotation.is_inference()  # an inference tensor cannot be saved for backward
+    assert rotation is made_in_inference  # the matrix cached under inference mode is the one reused
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(48), atol=1e-6, rtol=0)  # orthonormal
     x = torch.randn(2, 48, requires_grad=True)
-    (x @ hadamard_matrix(48)).sum().backward()
-    assert x.grad is not None
+    (x @ rotation).sum().backward()
+    # d/dx sum(x @ R) = every row R summed over its columns
+    torch.testing.assert_close(x.grad, rotation.sum(-1).expand(2, 48))

@@ -55,10 +55,18 @@ def test_local_and_sink_windows():
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_registry_builds_every_policy(name):
-    policy = make_policy(name, heavy_ratio=0.5)
-    assert isinstance(policy, POLICIES[name])
-    assert policy.recent_window(10) <= 10
+def test_make_policy_passes_its_settings_and_protected_tokens_fit_the_capacity(name):
+    """``make_policy`` hands ``heavy_ratio`` and ``sink_tokens`` to every policy (``local`` alone ignores sinks,
+    by its definition), and at every capacity the protected tokens (sinks + recent window) fit in it: eviction
+    keeps the top ``capacity`` by priority, so more protected tokens than that would evict a protected one. Every
+    policy through a cache: tests/policies/test_policy_contract.py."""
+    policy = make_policy(name, heavy_ratio=0.25, sink_tokens=3)
+    assert policy.heavy_ratio == 0.25
+    assert policy.sink_tokens == (0 if name == "local" else 3)
+    assert make_policy(name).sink_tokens == POLICIES[name]().sink_tokens  # None: the policy's own default
+    for capacity in range(0, 40):
+        window = policy.recent_window(capacity)
+        assert 0 <= window and window + min(policy.sink_tokens, capacity) <= capacity, capacity
 
 
 def test_h2o_mean_ranks_by_mean_attention_not_the_sum():
@@ -202,7 +210,7 @@ def test_a2sf_decode_scores_fade_then_add_the_steps_attention(kernel):
 def test_a2sf_factor_is_a_setting_of_its_own_policy_only(tmp_path):
     import json
 
-    from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
+    from helpers.tiny_lm import save_tiny_lm, tiny_lm
     from typer.testing import CliRunner
 
     from h2o_compress import CompressionConfig, ConfigError, make_cache

@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from evaluation_helpers import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (fixture)
+from helpers.tiny_lm import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app

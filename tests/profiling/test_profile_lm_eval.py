@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from evaluation_helpers import one_thread, save_tiny_lm  # noqa: F401 (fixture)
+from helpers.tiny_lm import one_thread, save_tiny_lm  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 lm_eval = pytest.importorskip("lm_eval")  # in the `test` extra; the feature itself is the optional `lm-eval` extra

@@ -224,7 +224,7 @@ def test_placement_options_are_declared_once_and_taken_by_every_command_that_loa
 
     import typer
 
-    cli = pathlib.Path(__file__).resolve().parents[1] / "h2o_compress" / "cli"
+    cli = pathlib.Path(__file__).resolve().parents[2] / "h2o_compress" / "cli"
     flags = ("--weights-bits", "--device-map", "--max-memory", "--offload-folder")
     for flag in flags:
         assert [p.name for p in cli.glob("*.py") if f'"{flag}"' in p.read_text()] == ["options.py"], flag
@@ -291,7 +291,10 @@ def test_memory_limit_plans_with_the_loaded_weight_bits(four_layer_dir):
     model, _ = load_model(four_layer_dir, weights_bits=4)
     assert figures["weights_bits"] == 4
     assert figures["planned_peak_bytes"] > loaded_weight_bytes(model)  # weights as loaded + cache + workspace
-    assert figures["measured_peak_kind"] == "cpu_peak_rss_growth" and figures["measured_peak_bytes"] >= 0
+    assert figures["measured_peak_kind"] == "cpu_peak_rss_growth"
+    # the window opens before the load and restarts after it: the weights stay resident while generating, so the
+    # peak covers them (what the window counts and drops: tests/utils/test_memory.py)
+    assert figures["measured_peak_bytes"] >= loaded_weight_bytes(model), (figures, loaded_weight_bytes(model))
     text = runner.invoke(app, ["generate", PROMPT, "--model", four_layer_dir, "--no-chat", "--max-new-tokens", "4",
                                "--weights-bits", "4", "--memory-limit", "1GiB"])
     assert "[peak memory while generating: planned" in text.output and "measured" in text.output

@@ -18,7 +18,7 @@ from h2o_compress.cli import app
 from h2o_compress.config import check_usable
 from h2o_compress.utils.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "h2o_compress" / "cli"
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
+from helpers.tiny_lm import save_tiny_lm, tiny_lm
 from typer.testing import CliRunner
 
 from h2o_compress import ASK_DEFAULTS, CompressionConfig, ConfigError, InputError, ask, compress, make_cache

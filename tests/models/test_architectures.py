@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from architectures import VOCAB, WINDOW, causal_lm_types, tiny_causal_lm
+from helpers.architectures import VOCAB, WINDOW, causal_lm_types, tiny_causal_lm
 from h2o_compress import CompressionConfig, UnsupportedModelError, make_cache
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.runtime.compiled import decode_step

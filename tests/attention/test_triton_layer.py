@@ -16,8 +16,8 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_MODELS
-import test_compile
-from test_compile import eager_and_compiled, run, setting
+from helpers import decode_steps
+from helpers.decode_steps import eager_and_compiled, run, setting
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache
 from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS, decode_step
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def short_runs(monkeypatch):
     """8 decode steps (capacity 12 of 28 tokens: an eviction every step): the interpreter is slow."""
-    monkeypatch.setattr(test_compile, "STEPS", 8)
+    monkeypatch.setattr(decode_steps, "STEPS", 8)
 
 
 def kept(cache) -> list[torch.Tensor]:
@@ -70,7 +70,7 @@ def test_triton_step_captures_in_one_graph():
 def test_triton_step_under_inductor_matches_eager():
     """Inductor (not only Dynamo) compiles the fused step, with the new token's rotation fused into its ring-write
     kernel (a product + sum instead of the eager matmul): the same tokens kept and the eager logits to float
-    reassociation (5e-4, as tests/test_compile.py allows a quantized cache under Inductor)."""
+    reassociation (5e-4, as tests/runtime/test_compile.py allows a quantized cache under Inductor)."""
     model = TINY_MODELS["llama"]()
     config = setting("h2o", 4, "triton")
     torch._dynamo.reset()

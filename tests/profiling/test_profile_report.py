@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from evaluation_helpers import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (fixture)
+from helpers.tiny_lm import save_tiny_lm, tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress.utils.errors import ConfigError, InputError
 from h2o_compress.profiling import ProfileSettings, run_profile, write_report

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
-from strategies import cached_llama, configs, fuzz, llama_shapes
+from helpers.strategies import cached_llama, configs, fuzz, llama_shapes
 from typer.testing import CliRunner
 
 from h2o_compress.persistence import load_cache
@@ -407,11 +407,29 @@ def test_unsaveable_caches_are_refused(model, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+UNBOUNDED_RELOAD = pytest.mark.xfail(strict=True, raises=CacheFileError, reason=(
+    "core: an unbounded cache (no max_length) saves a store grown to tokens + 256 slots, but load_cache sizes the "
+    "empty layer it fills for 0 tokens (256 slots) and refuses the file: 'tensor store.keys.x is (1, 2, 260, 32) "
+    "..., the config implies (1, 2, 256, 32)'"))
+
+
+@pytest.mark.parametrize("max_length", [pytest.param(None, marks=UNBOUNDED_RELOAD), 8])
 @torch.no_grad()
-def test_save_without_model_after_make_cache(model, tmp_path):
-    cache = make_cache(model)
+def test_save_without_model_after_make_cache(model, tmp_path, max_length):
+    """The forward pass records the model's fingerprint, so ``save_cache`` needs no ``model``; the file loads back
+    for that model as the same cache and continues as the live one."""
+    cache = make_cache(model, max_length=max_length)
     model(input_ids=prompt_ids(batch=1, length=4), past_key_values=cache)
-    save_cache(cache, tmp_path / "a.safetensors")
+    path = save_cache(cache, tmp_path / "a.safetensors")
+    loaded = load_cache(path, model)
+    assert loaded.get_seq_length() == cache.get_seq_length() == 4
+    for mine, theirs in zip(cache.layers, loaded.layers, strict=True):
+        assert torch.equal(mine.positions(), theirs.positions())
+        assert mine.tensors().keys() == theirs.tensors().keys()
+        assert all(torch.equal(t, theirs.tensors()[name]) for name, t in mine.tensors().items())
+    token = prompt_ids(batch=1, length=1, seed=1)
+    torch.testing.assert_close(model(input_ids=token, past_key_values=loaded).logits,
+                               model(input_ids=token, past_key_values=cache).logits, atol=0, rtol=0)
 
 
 # -- CLI ---------------------------------------------------------------------------------------------------

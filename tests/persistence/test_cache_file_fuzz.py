@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
-from strategies import fuzz
+from helpers.strategies import fuzz
 
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress import CompressionConfig, H2OCompressError, make_cache

@@ -24,7 +24,7 @@ from h2o_compress import ConfigError, load_model  # noqa: E402
 from h2o_compress.cli import app  # noqa: E402
 from h2o_compress.integrations.lm_eval_model import H2OCompressLM, check_model_args  # noqa: E402
 
-TASK_DIR = Path(__file__).resolve().parent / "data" / "lm_eval_task"
+TASK_DIR = Path(__file__).resolve().parents[1] / "data" / "lm_eval_task"
 CHOICE, TEXT, ANSWER = "h2o_tiny_choice", "h2o_tiny_text", "h2o_tiny_answer"
 TASKS = [CHOICE, TEXT, ANSWER]
 LIMIT = 2

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_MODELS
-from evaluation.evaluation_helpers import save_tiny_lm, tiny_lm
+from helpers.tiny_lm import save_tiny_lm, tiny_lm
 from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, ConfigError, make_cache

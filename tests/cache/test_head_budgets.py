@@ -10,7 +10,8 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_MODELS, save_tiny_model_dir, tiny_llama
-from test_compile import PROMPT, STEPS, eager_and_compiled, run
+from helpers.decode_steps import PROMPT, STEPS, eager_and_compiled, run
+from helpers.measured_caches import llama128, predicted, run_cache
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
@@ -256,8 +257,6 @@ ADAPTIVE_CASES = [  # policy, budget, k_bits, v_bits, group, residual, batch, pr
 
 @pytest.mark.parametrize("case", ADAPTIVE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_planner_counts_the_pool_to_the_byte(case):
-    from test_planner import llama128, predicted, run_cache
-
     policy, budget, kb, vb, group, residual, batch, prompt, new = case
     config = adaptive(policy=policy, budget=budget, k_bits=kb, v_bits=vb, group_size=group, residual=residual)
     model = llama128()
@@ -276,7 +275,7 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     """``h2o_compress.compress`` with kvzip: each layer keeps, over both heads together, the tokens the
     reconstruction attends most (plus each head's recent window); asking twice gives the same answer and leaves the
     compressed context as it was."""
-    from evaluation.evaluation_helpers import tiny_lm
+    from helpers.tiny_lm import tiny_lm
 
     from h2o_compress import ask, compress
     from h2o_compress.runtime.context_scores import reconstruction_scores

@@ -83,7 +83,15 @@ def test_old_rotary_inv_freq_buffers_in_checkpoint_load(saved_dir, tmp_path):
     weights = load_file(f"{path}/model.safetensors")
     weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
     save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
-    load_model(path, device="cpu")
+    model, _ = load_model(path, device="cpu")
+    reference, _ = load_model(saved_dir, device="cpu")
+    assert model.state_dict().keys() == reference.state_dict().keys()  # the stale buffer is not taken in
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert not torch.equal(model.model.rotary_emb.inv_freq, torch.ones(16))  # computed from the config
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=0, rtol=0)
 
 
 def test_config_with_more_layers_than_weights_is_refused(saved_dir, tmp_path):

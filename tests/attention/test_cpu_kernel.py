@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import TINY_MODELS
-from test_compile import POLICIES, run, setting
+from helpers.decode_steps import POLICIES, run, setting
 
 import torch._dynamo
 

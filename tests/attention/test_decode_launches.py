@@ -20,7 +20,7 @@ import torch
 
 from h2o_compress.attention import slot_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decode_launches  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
