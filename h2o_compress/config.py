@@ -121,7 +121,7 @@ class CompressionConfig:
         evict_chat_header: with ``kvzip`` or ``lookahead``, the chat template's header at the start of a context
             (system prompt, user-turn opening) gets score 0 beyond the sinks, so it is evicted first, as kvpress's
             ``KVzipPress`` does (it scores only the reconstructed context); ``False`` (default): scored like the
-            rest. See the README's compress-then-ask section for when it helps.
+            rest. See docs/guide/compress-then-ask.md for when it helps.
         lookahead_request: with ``policy="lookahead"``, what the model is asked about a context before it is
             compressed (:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`); ``None`` (default): "List the
             important facts and numbers in the text above.". 1 to 1,000 characters.
