@@ -354,6 +354,11 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
         raise CacheFileError(f"layer {i}: saved residual dtype {state['residual_dtype']} is not {layer.residual_dtype}")
     prefix = f"layers.{i}."
     saved = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+    if layer.growable:  # an unbounded store grew as it went: as large as the saved one (already in memory)
+        positions = saved.get("store.positions")
+        if positions is not None and positions.dim() == 3 and positions.shape[2] > layer.store.slots:
+            layer.store.resize(positions.shape[2])
+        layer.counters.grown_to = state["seen_tokens"]
     expected = layer.tensors()
     if set(saved) != set(expected):
         raise CacheFileError(f"layer {i}: the file holds tensors {sorted(saved)}, the config implies {sorted(expected)}")
