@@ -29,7 +29,6 @@ from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.attention import cpu, slot_attention
-from h2o_compress.config import CONTEXT_SCORED_POLICIES
 from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.compiled import decode_step
 from h2o_compress.runtime.generation import make_scored_cache
@@ -78,7 +77,7 @@ def drill(policy: str, kernel: str, steps: int = STEPS, device: str = "cpu"):
     """The prefill then ``steps`` greedy decode steps through ``decode_step`` (the cache sized for
     :data:`STEPS`, so fewer steps are a prefix of the full drill). Returns ``(pads, logits of every step
     [steps + 1, batch, vocab] on the CPU, held positions after every step, the cache)``."""
-    scored = policy in CONTEXT_SCORED_POLICIES
+    scored = bool(POLICIES[policy].scorer)
     pads = (0,) if scored else (3, 0)
     batch = len(pads)
     ids = torch.randint(0, 100, (batch, PROMPT), generator=torch.Generator().manual_seed(5)).to(device)
