@@ -186,3 +186,9 @@ def test_lm_eval_model_args_good_values_pass():
     from h2o_compress.integrations.lm_eval_model import check_model_args
 
     check_model_args({"pretrained": "x", "max_length": 2048, "softmax_dtype": "float32"})
+
+
+def test_checkpoint_names_with_odd_digits_sort_without_raising():
+    from h2o_compress.models.loading import _some
+
+    assert "layers.2" in _some(["layers.10", "layers.²", "layers.2", "layers." + "9" * 5000])
