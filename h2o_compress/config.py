@@ -170,6 +170,9 @@ class CompressionConfig:
             isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0
         ):
             raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is invalid; allowed: an integer >= 0")
+        if self.sink_tokens is not None and self.sink_tokens > MAX_TOKENS:
+            raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is too large; allowed: an integer from 0 to "
+                              f"{MAX_TOKENS}")
         for name in ("kv_bits", "k_bits", "v_bits"):
             value = getattr(self, name)
             if value is None and name != "kv_bits":
@@ -202,6 +205,9 @@ class CompressionConfig:
             or self.score_chunk_size < 1
         ):
             raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
+        if self.score_chunk_size > MAX_TOKENS:
+            raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is too large; allowed: an integer from "
+                              f"1 to {MAX_TOKENS}")
         if not (isinstance(self.layer_budgets, str) and self.layer_budgets in LAYER_BUDGETS):
             self.layer_budgets = layer_weights(self.layer_budgets)
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:

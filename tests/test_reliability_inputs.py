@@ -192,3 +192,14 @@ def test_checkpoint_names_with_odd_digits_sort_without_raising():
     from h2o_compress.models.loading import _some
 
     assert "layers.2" in _some(["layers.10", "layers.²", "layers.2", "layers." + "9" * 5000])
+
+
+@pytest.mark.parametrize("field,value", [("sink_tokens", 10**18 - 1), ("score_chunk_size", 10**18 - 1)])
+def test_token_counts_past_any_context_are_refused(field, value, tmp_path):
+    """(An integer ``budget`` stays unbounded in the API: the cache caps it at what it sees and refuses storage the
+    device cannot hold, tests/cache/test_cache.py; ``--budget`` is bounded by parse_budget.)"""
+    with pytest.raises(ConfigError, match=f"{field}=.* too large; allowed: .*{2**31 - 1}"):
+        CompressionConfig(**{field: value})
+    path = tmp_path / "c.json"
+    path.write_text(f'{{"{field}": {value!r}}}')
+    assert_cli_error(runner.invoke(app, ["generate", "--config", str(path), "hello"]), "too large")
