@@ -140,7 +140,7 @@ def test_large_layer_weights_file_is_refused_before_reading(tmp_path):
 # -- 7. offload_folder of the wrong type ---------------------------------------------------------------------------
 @pytest.mark.parametrize("device_map", ["auto", None])
 def test_offload_folder_type(device_map):
-    with pytest.raises(ConfigError, match="offload_folder=5 is a int; allowed: a directory path"):
+    with pytest.raises(ConfigError, match="offload_folder=5 is of type int; allowed: a directory path"):
         check_offload_folder(device_map, 5)
 
 

@@ -173,7 +173,7 @@ def check_offload_folder(device_map, offload_folder) -> str | None:
     has ``disk`` entries (created if missing); an existing path must be a directory holding nothing else; refused
     without a ``device_map`` (it would be ignored). Raises ConfigError."""
     if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
-        raise ConfigError(f"offload_folder={short(offload_folder)} is a {type(offload_folder).__name__}; allowed: a "
+        raise ConfigError(f"offload_folder={short(offload_folder)} is of type {type(offload_folder).__name__}; allowed: a "
                           "directory path (str or pathlib.Path)")
     if offload_folder is not None and device_map is None:
         raise ConfigError(f"offload_folder {short(str(offload_folder))} only applies to a device_map (it holds the "
