@@ -170,6 +170,9 @@ class CompressionConfig:
             isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0
         ):
             raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is invalid; allowed: an integer >= 0")
+        if self.sink_tokens is not None and self.sink_tokens > MAX_TOKENS:
+            raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is too large; allowed: an integer from 0 to "
+                              f"{MAX_TOKENS}")
         for name in ("kv_bits", "k_bits", "v_bits"):
             value = getattr(self, name)
             if value is None and name != "kv_bits":
@@ -202,6 +205,9 @@ class CompressionConfig:
             or self.score_chunk_size < 1
         ):
             raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
+        if self.score_chunk_size > MAX_TOKENS:
+            raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is too large; allowed: an integer from "
+                              f"1 to {MAX_TOKENS}")
         if not (isinstance(self.layer_budgets, str) and self.layer_budgets in LAYER_BUDGETS):
             self.layer_budgets = layer_weights(self.layer_budgets)
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
@@ -339,7 +345,8 @@ class CompressionConfig:
             return [capacity] * num_layers
         floor = self.min_layer_capacity(capacity)
         if weights is not None:  # each layer its weight's share, rounded down, then to the exact total
-            caps = [max(floor, int(capacity * num_layers * w / sum(weights))) for w in weights]
+            total = math.fsum(weights)  # finite: each weight is at most MAX_LAYER_WEIGHT (layer_weights)
+            caps = [max(floor, int(capacity * num_layers * (w / total))) for w in weights]
             order = sorted(range(num_layers), key=lambda i: -weights[i])  # the heaviest gain (or lose) first
             return fit_to_total(caps, capacity * num_layers, floor, order=order)
         last = max(capacity / PYRAMID_BETA, floor)
@@ -355,34 +362,44 @@ class CompressionConfig:
 MAX_LAYERS = 10_000  # layer weights a config may give
 
 
+MAX_LAYER_WEIGHT = 1e100  # a layer weight's bound: the weights, their sum and capacity x layers x weight stay finite
+
+
+def _weight(w) -> bool:
+    """``w`` is a positive number at most :data:`MAX_LAYER_WEIGHT` (compared before any float conversion)."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)):
+        return False
+    if isinstance(w, int):
+        return 0 < w <= MAX_LAYER_WEIGHT
+    return math.isfinite(w) and 0 < w <= MAX_LAYER_WEIGHT
+
+
 def layer_weights(value) -> tuple[float, ...]:
-    """``layer_budgets`` given as per-layer weights: a sequence of positive finite numbers, or the path of a JSON
-    file holding one (a list, or an object with a ``weights`` list), as a tuple of floats.
+    """``layer_budgets`` given as per-layer weights: a sequence of positive finite numbers (each at most
+    :data:`MAX_LAYER_WEIGHT`), or the path of a JSON file holding one (a list, or an object with a ``weights``
+    list; read bounded: at most 16 MiB, numbers finite), as a tuple of floats.
 
     Raises:
         ConfigError: naming the value (or file) and what is allowed.
     """
-    import json
     from pathlib import Path
 
-    allowed = (f"allowed: {', '.join(LAYER_BUDGETS)}, per-layer weights (1 to {MAX_LAYERS} positive numbers) or "
-               "the path of a JSON file holding them (a list, or {\"weights\": [...]})")
+    from h2o_compress.utils.files import read_json
+
+    allowed = (f"allowed: {', '.join(LAYER_BUDGETS)}, per-layer weights (1 to {MAX_LAYERS} positive numbers, each at "
+               f"most {MAX_LAYER_WEIGHT:g}) or the path of a JSON file holding them (a list, or {{\"weights\": [...]}})")
     source = "layer_budgets"
     if isinstance(value, str):
         path = Path(value)
         if not path.is_file():
             what = "a directory, not a file" if path.is_dir() else "no such file"
             raise ConfigError(f"layer_budgets={short(value)} is not supported ({what}); {allowed}")
-        try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"layer_budgets file {str(path)!r} is not readable JSON ({exc}); {allowed}") from None
+        value = read_json(path, "layer_budgets file", ConfigError, bounded=True)
         if isinstance(value, dict):
             value = value.get("weights")
-        source = f"layer_budgets file {str(path)!r}"
-    numbers = (int, float)
+        source = f"layer_budgets file {short(str(path))}"
     if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_LAYERS
-            or not all(isinstance(w, numbers) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in value)):
+            or not all(_weight(w) for w in value)):
         raise ConfigError(f"{source} holds {short(value)}, not per-layer weights; {allowed}")
     return tuple(float(w) for w in value)
 

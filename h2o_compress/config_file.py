@@ -34,7 +34,7 @@ def read_config_values(path) -> dict:
         raise ConfigError(f"config file {name} has an unsupported type; allowed: {', '.join(SUFFIXES)}")
     text = read_text(source, "config file", ConfigError)
     parse = parse_json if source.suffix.lower() == ".json" else parse_toml
-    values = parse(text, f"config file {name}", ConfigError)
+    values = parse(text, f"config file {name}", ConfigError, bounded=True)
     if not isinstance(values, dict):
         kind = type(values).__name__
         raise ConfigError(f"config file {name} holds a {kind}; allowed: an object of settings")

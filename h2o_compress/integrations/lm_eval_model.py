@@ -46,7 +46,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from h2o_compress.config import CompressionConfig, check_usable, parse_budget
+from h2o_compress.config import MAX_TOKENS, CompressionConfig, check_usable, parse_budget
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import make_cache, make_scored_cache
 from h2o_compress.runtime.prefill import prefill
@@ -119,6 +119,7 @@ def check_model_args(args: dict) -> CompressionConfig:
             "time through the compressed cache; allowed: 1"
         )
     check_count("chunk_size", args.get("chunk_size", 1))
+    _check_hflm_args(args)
     if isinstance(args.get("pretrained", DEFAULT_MODEL), str) and args.get("tokenizer") is not None:
         raise ConfigError(
             "tokenizer= is only for an already-loaded model passed as pretrained=; with a model name or directory "
@@ -127,6 +128,24 @@ def check_model_args(args: dict) -> CompressionConfig:
     if args.get("backend", "causal") not in ("causal", "default"):
         raise ConfigError(f"backend={short(args['backend'])} is not supported; allowed: causal (decoder-only models)")
     return config
+
+
+SOFTMAX_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_hflm_args(args: dict) -> None:
+    """``max_length`` (an integer from 1 to :data:`~h2o_compress.config.MAX_TOKENS`; lm-eval reads a 5,000-digit
+    one as ``inf``) and ``softmax_dtype`` (a float dtype name), as the CLI checks its own options. Raises ConfigError."""
+    length = args.get("max_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_TOKENS):
+        raise ConfigError(f"max_length={short(length)} is invalid; allowed: an integer from 1 to {MAX_TOKENS} (tokens), "
+                          "or no max_length (the model's own)")
+    dtype = args.get("softmax_dtype")
+    if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in SOFTMAX_DTYPES:
+        raise ConfigError(f"softmax_dtype={short(dtype)} is not supported; allowed: {', '.join(SOFTMAX_DTYPES)}, or "
+                          "no softmax_dtype (the logits' own)")
+    if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        raise ConfigError(f"softmax_dtype={dtype} is not supported; allowed: {', '.join(SOFTMAX_DTYPES)}")
 
 
 @register_model(MODEL_TYPE)

@@ -213,8 +213,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def _natural_key(key: str):
-    """Sort ``layers.2`` before ``layers.10``."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split(".")]
+    """Sort ``layers.2`` before ``layers.10`` (a checkpoint's own names: only short ASCII digit runs read as numbers,
+    ``layers.²`` or a 5,000-digit part sort as text instead of raising)."""
+    return [(0, int(part), "") if part.isascii() and part.isdigit() and len(part) <= 18 else (1, 0, part)
+            for part in key.split(".")]
 
 
 def _some(keys, shown: int = 3) -> str:

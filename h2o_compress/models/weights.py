@@ -12,12 +12,13 @@ runs that layer on (``module._hf_hook.execution_device``; CPU/disk-offloaded wei
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
 
 from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
+from h2o_compress.utils.files import parse_json, read_text
 
 WEIGHT_BITS = (16, 8, 4)
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -25,12 +26,15 @@ DEVICE_MAP_ALLOWED = (
     "auto, balanced, balanced_low_0, sequential, or a JSON object (or .json file) mapping module names to a GPU "
     "index, cuda:N, cpu or disk"
 )
+MAX_DEVICE_MAP_BYTES = 2**20  # a map of every module of a 1,000-layer model is far smaller
+MAX_INDEX_DIGITS = 6  # a GPU index (or a byte count's digits: see MAX_AMOUNT_DIGITS)
+MAX_AMOUNT_DIGITS = 18
 MAX_MEMORY_ALLOWED = "entries DEVICE=AMOUNT separated by commas, DEVICE a GPU index, cpu or disk, e.g. 0=20GiB,cpu=64GiB"
 
 
 def check_weights_bits(bits) -> int:
     """``bits`` if it is 16 (weights in the model's dtype), 8 (LLM.int8) or 4 (NF4). Raises ConfigError."""
-    if isinstance(bits, bool) or bits not in WEIGHT_BITS:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in WEIGHT_BITS:  # 4.0: not an integer
         raise ConfigError(f"weights_bits={short(bits)} is not supported; allowed: 16, 8 or 4")
     return int(bits)
 
@@ -47,19 +51,25 @@ def parse_device_map(text: str | None):
     if text in DEVICE_MAP_STRATEGIES:
         return text
     source = text
+    if len(text) > MAX_DEVICE_MAP_BYTES:  # before any parsing: a 10 MB map would take minutes to check
+        raise ConfigError(f"device_map of {len(text)} characters is too long; allowed: at most {MAX_DEVICE_MAP_BYTES} "
+                          f"({DEVICE_MAP_ALLOWED})")
     if not text.startswith("{"):
         path = Path(text)
         if path.suffix != ".json" or not path.is_file():
             raise ConfigError(f"device_map={short(text)} is invalid; allowed: {DEVICE_MAP_ALLOWED}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read device map file {short(source)}: {type(exc).__name__}") from None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"device_map={short(source)} is not valid JSON ({exc}); allowed: {DEVICE_MAP_ALLOWED}") from None
+        text = read_text(path, "device map file", ConfigError, limit=MAX_DEVICE_MAP_BYTES)
+        value = parse_json(text, f"device map file {short(source)}", ConfigError, bounded=True)
+    else:
+        value = parse_json(text, f"device_map={short(source)}", ConfigError, bounded=True)
     return check_device_map(value)
+
+
+def _ascii_int(text: str, digits: int) -> int | None:
+    """``int(text)`` if ``text`` is 1 to ``digits`` ASCII digits, else ``None`` (``'²'``, ``'٣'``: not an index)."""
+    if text.isascii() and text.isdigit() and len(text) <= digits:
+        return int(text)
+    return None
 
 
 def _check_target(name: str, target, option: str = "device_map"):
@@ -67,8 +77,12 @@ def _check_target(name: str, target, option: str = "device_map"):
     where = f"{option}[{short(name)}]={short(target)}" if option == "device_map" else f"{option} device {short(target)}"
     if target in ("cpu", "disk"):
         return target
-    if isinstance(target, str) and target.isdigit():
-        target = int(target)
+    if isinstance(target, str) and target.isdigit():  # ASCII digits only, a few of them: int('²') raises
+        index = _ascii_int(target, MAX_INDEX_DIGITS)
+        if index is None:
+            raise ConfigError(f"{where} is invalid; allowed: a GPU index (at most {MAX_INDEX_DIGITS} ASCII digits), "
+                              "cuda:N, cpu or disk")
+        target = index
     if isinstance(target, str):
         try:
             device = torch.device(target)
@@ -131,6 +145,11 @@ def parse_max_memory(value) -> dict | None:
                 raise ConfigError(f"max_memory entry {short(part.strip())} is invalid; allowed: {MAX_MEMORY_ALLOWED}")
             device = device.strip()
             amount = amount.strip()
+            if (device.isdigit() and _ascii_int(device, MAX_INDEX_DIGITS) is None
+                    or amount.isdigit() and _ascii_int(amount, MAX_AMOUNT_DIGITS) is None):
+                raise ConfigError(f"max_memory entry {short(part.strip())} is invalid (a GPU index of at most "
+                                  f"{MAX_INDEX_DIGITS} ASCII digits, bytes of at most {MAX_AMOUNT_DIGITS}); "
+                                  f"allowed: {MAX_MEMORY_ALLOWED}")
             entries[int(device) if device.isdigit() else device] = int(amount) if amount.isdigit() else amount
         value = entries
     if not isinstance(value, dict) or not value:
@@ -153,6 +172,9 @@ def check_offload_folder(device_map, offload_folder) -> str | None:
     """The folder accelerate writes offloaded weights to (``<name>.dat`` + ``index.json``): needed when the map
     has ``disk`` entries (created if missing); an existing path must be a directory holding nothing else; refused
     without a ``device_map`` (it would be ignored). Raises ConfigError."""
+    if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
+        raise ConfigError(f"offload_folder={short(offload_folder)} is of type {type(offload_folder).__name__}; allowed: a "
+                          "directory path (str or pathlib.Path)")
     if offload_folder is not None and device_map is None:
         raise ConfigError(f"offload_folder {short(str(offload_folder))} only applies to a device_map (it holds the "
                           "weights of modules the map puts on disk); allowed: device_map='auto' (or another strategy, "

@@ -55,6 +55,12 @@ class LookaheadPolicy(ContextScoredPolicy):
                                          or not 1 <= len(self.request.strip()) <= 1000):
             raise ConfigError(f"lookahead_request={short(self.request)} is invalid; allowed: a text of 1 to 1000 "
                               "characters, or None for the default request")
+        if self.request is not None:
+            try:  # a lone surrogate (invalid UTF-8 on a command line arrives as one) breaks the tokenizer
+                self.request.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"lookahead_request holds a character that is not valid Unicode ({exc.object[exc.start]!r} "
+                                  f"at position {exc.start}); allowed: UTF-8 text of 1 to 1000 characters") from None
 
     def request_for(self, question_in_prompt: bool) -> str | None:
         """The request the scoring pass asks: :attr:`request` if given; else ``None`` (the prompt answers itself)

@@ -60,28 +60,95 @@ def read_text(path, what: str, error: type[H2OCompressError], limit: int = MAX_S
         raise error(f"{what} {name} is not UTF-8 text") from None
 
 
-def parse_json(text: str, what: str, error: type[H2OCompressError]):
-    """``json.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``."""
+MAX_INT_DIGITS = 18
+"""Digits an integer in a settings file (config, layer weights, device map) may have: up to ``10**18 - 1``,
+past anything a setting means; parsed bounded, not through ``int()`` of thousands of digits."""
+MAX_NUMBER = 2**63 - 1
+"""The largest integer a bounded settings file may hold (TOML's 64-bit integers)."""
+NUMBERS_ALLOWED = f"allowed: integers of at most {MAX_INT_DIGITS} digits and finite numbers"
+
+
+class _NumberRefused(Exception):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-+"))
+    if digits > MAX_INT_DIGITS:
+        raise _NumberRefused(f"an integer of {digits} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _NumberRefused(f"the number {short(text, 40, repr_=False)}, which is not finite as a float")
+    return value
+
+
+def _constant(text: str):
+    raise _NumberRefused(f"{text}, which is not a finite number")
+
+
+def check_numbers(value, what: str, error: type[H2OCompressError]):
+    """``value`` (parsed JSON/TOML) if every number in it is a finite float or an integer within
+    :data:`MAX_NUMBER`; walked without recursion. Raises ``error`` naming the first other one."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int) and abs(item) > MAX_NUMBER:
+            raise error(f"{what} holds an integer of more than {MAX_INT_DIGITS} digits; {NUMBERS_ALLOWED}")
+        elif isinstance(item, float) and not (item == item and abs(item) != float("inf")):
+            raise error(f"{what} holds the number {item}, which is not finite; {NUMBERS_ALLOWED}")
+    return value
+
+
+def parse_json(text: str, what: str, error: type[H2OCompressError], bounded: bool = False):
+    """``json.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``.
+
+    ``bounded``: integers of more than :data:`MAX_INT_DIGITS` digits, numbers that overflow a float (``1e400``) and
+    ``NaN``/``Infinity`` are refused as they are read (settings files: config, layer weights, device map).
+    """
+    hooks = {"parse_int": _bounded_int, "parse_float": _finite_float, "parse_constant": _constant} if bounded else {}
     try:
-        return json.loads(text)
+        return json.loads(text, **hooks)
+    except _NumberRefused as exc:
+        raise error(f"{what} holds {exc.reason}; {NUMBERS_ALLOWED}") from None
     except json.JSONDecodeError as exc:
         raise error(f"{what} is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None
     except (RecursionError, ValueError) as exc:  # ValueError: an integer of more than 4300 digits
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else short(str(exc), 120, repr_=False)
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else _reason(exc)
         raise error(f"{what} is not usable JSON ({reason})") from None
 
 
-def parse_toml(text: str, what: str, error: type[H2OCompressError]):
-    """``tomllib.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``."""
+def _reason(exc: Exception) -> str:
+    if "Exceeds the limit" in str(exc):  # Python's int-str digit limit: say what it means, not how to lift it
+        return "an integer of more than 4300 digits"
+    return short(str(exc), 120, repr_=False)
+
+
+def parse_toml(text: str, what: str, error: type[H2OCompressError], bounded: bool = False):
+    """``tomllib.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``; ``bounded``:
+    as :func:`parse_json` (integers beyond :data:`MAX_NUMBER`, ``inf``/``nan`` refused)."""
     try:
-        return tomllib.loads(text)
+        value = tomllib.loads(text, parse_float=_finite_float) if bounded else tomllib.loads(text)
+    except _NumberRefused as exc:
+        raise error(f"{what} holds {exc.reason}; {NUMBERS_ALLOWED}") from None
     except tomllib.TOMLDecodeError as exc:
         raise error(f"{what} is not valid TOML: {short(str(exc), 200, repr_=False)}") from None
     except (RecursionError, ValueError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else short(str(exc), 120, repr_=False)
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else _reason(exc)
         raise error(f"{what} is not usable TOML ({reason})") from None
+    return check_numbers(value, what, error) if bounded else value
 
 
-def read_json(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES):
+def read_json(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES, bounded: bool = False):
     """The JSON value in the regular file ``path`` (see :func:`read_text` and :func:`parse_json`)."""
-    return parse_json(read_text(path, what, error, limit), f"{what} {short(str(Path(path)))}", error)
+    return parse_json(read_text(path, what, error, limit), f"{what} {short(str(Path(path)))}", error, bounded)

@@ -51,7 +51,7 @@ def test_a_bad_file_and_the_wrong_layer_count_are_refused(tmp_path):
         CompressionConfig(budget=0.1, layer_budgets=str(tmp_path))
     path = tmp_path / "w.json"
     path.write_text("{not json")
-    with pytest.raises(ConfigError, match="is not readable JSON"):
+    with pytest.raises(ConfigError, match="is not valid JSON"):
         CompressionConfig(budget=0.1, layer_budgets=str(path))
     path.write_text(json.dumps({"weights": "many"}))
     with pytest.raises(ConfigError, match="holds 'many', not per-layer weights"):
