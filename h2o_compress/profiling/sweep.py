@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
 from h2o_compress.integrations.ray_sweep import RaySweep, check_address, import_ray
 from h2o_compress.models import load_model, placement_options, resolve_device
-from h2o_compress.profiling.report import check_out_dir, finalize, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
+from h2o_compress.profiling.report import check_out_dir, finalize, record_problem, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
 from h2o_compress.profiling.rows import RowStore, row_key
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
@@ -537,8 +538,16 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
     if store is not None and resume:
         for i in range(len(configs)):
             found = store.load(keys[i], labels[i])
-            if found is not None:
-                records[i] = found
+            if found is None:
+                continue
+            problem = record_problem(found, "record")
+            if problem is None and i == 0:
+                problem = _references_problem(found, settings.agreement_prompts)
+            if problem is not None:  # measured again (and its file replaced), never trusted
+                warnings.warn(f"profile: the row file {store.path(keys[i], labels[i])} does not validate ({problem}); "
+                              "measuring that configuration again", stacklevel=2)
+                continue
+            records[i] = found
     report["rows_reused"] = len(records)
     references = _references(records.get(0))
 
@@ -599,6 +608,21 @@ def _references(record: dict | None) -> list | None:
     """The reference row's generations (the agreement's reference) as GenerationResults, or ``None``."""
     generations = (record or {}).get("generations")
     return None if generations is None else [GenerationResult(**g) for g in generations]
+
+
+def _references_problem(record: dict, prompts: int) -> str | None:
+    """Why the reference row's saved generations (one per agreement prompt) cannot be read back (``None``: they
+    can, or the sweep has no agreement prompts)."""
+    if not prompts:
+        return None
+    generations = record.get("generations")
+    if not isinstance(generations, list) or len(generations) != prompts:
+        return f"record.generations is {short(generations, 60)}; allowed: a list of {prompts} generations"
+    try:
+        _references(record)
+    except (TypeError, ValueError, AttributeError) as exc:
+        return f"record.generations cannot be read back: {short(str(exc), 80, repr_=False)}"
+    return None
 
 
 def _public(record: dict) -> dict:

@@ -1,0 +1,116 @@
+"""Issue 34, the profile classes: a report or row file of the wrong shape, settings that mean nothing, signals
+and a full disk each give one clean error line (or a warning and a new measurement), never a traceback, a hang or
+a silently wrong row."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+from helpers.tiny_lm import tiny_lm, one_thread  # noqa: F401 (fixture)
+
+from h2o_compress.profiling import ProfileSettings, run_profile
+from h2o_compress.profiling.report import load_report
+from h2o_compress.utils.errors import InputError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def small_settings(**overrides) -> ProfileSettings:
+    values = dict(model="tiny", policies=("h2o",), budgets=(1.0, 0.5), kv_bits=(16,), seq_lens=(16,),
+                  decode_tokens=2, ppl_tokens=24, chunk_size=8, agreement_prompts=1, max_new_tokens=2)
+    values.update(overrides)
+    return ProfileSettings(**values)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    model, tokenizer = tiny_lm()
+    report = run_profile(small_settings(), out, show_progress=False, model=model, tokenizer=tokenizer)
+    return report, out, model, tokenizer
+
+
+# -- 1. profile --render of a report whose fields have the wrong types -----------------------------------------
+def _set(report: dict, path: tuple, value) -> None:
+    target = report
+    for part in path[:-1]:
+        target = target[part]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+
+
+@pytest.mark.parametrize("path, value, named", [
+    (("results", 1, "config", "kv_bits"), "4", "results[1].config.kv_bits"),
+    (("results", 1, "config", "budget"), "0.5", "results[1].config.budget"),
+    (("results", 0, "perplexity", "kv_bytes"), KeyError, "results[0].perplexity.kv_bytes"),
+    (("results", 1, "lm_eval"), {"scores": {"lambada": {"acc,none": [0.5]}}}, "results[1].lm_eval.scores.lambada"),
+    (("results", 1, "lm_eval"), {"scores": ["lambada"]}, "results[1].lm_eval.scores"),
+    (("results", 1, "speed", 0, "decode_tokens_per_s"), "fast", "results[1].speed[0].decode_tokens_per_s"),
+    (("results", 1, "agreement", "token_match"), "1", "results[1].agreement.token_match"),
+    (("settings", "seq_lens"), "16", "settings.seq_lens"),
+    (("results", 1, "label"), KeyError, "label"),
+])
+def test_render_names_the_field_of_the_wrong_type(tiny_run, tmp_path, path, value, named):
+    report, out, *_ = tiny_run
+    bad = json.loads((out / "report.json").read_text())
+    _set(bad, path, value)
+    source = tmp_path / "bad.json"
+    source.write_text(json.dumps(bad))
+    with pytest.raises(InputError) as err:
+        load_report(source)
+    message = str(err.value)
+    assert named in message and "\n" not in message
+
+
+def test_render_cli_gives_one_error_line(tiny_run, tmp_path):
+    from typer.testing import CliRunner
+    from h2o_compress.cli import app
+
+    _, out, *_ = tiny_run
+    bad = json.loads((out / "report.json").read_text())
+    bad["results"][1]["config"]["kv_bits"] = "4"
+    source = tmp_path / "bad.json"
+    source.write_text(json.dumps(bad))
+    result = CliRunner().invoke(app, ["profile", "--render", str(source), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert "results[1].config.kv_bits" in result.output and "Traceback" not in result.output
+
+
+# -- 2. resuming from a row file of the wrong shape -----------------------------------------------------------
+@pytest.mark.parametrize("damage", ["drop_perplexity", "string_perplexity", "speed_not_list", "no_generations"])
+def test_resume_measures_a_bad_row_again_with_a_warning(tiny_run, tmp_path, damage):
+    report, out, model, tokenizer = tiny_run
+    work = tmp_path / "out"
+    (work / "rows").mkdir(parents=True)
+    files = sorted((out / "rows").glob("*.json"))
+    assert len(files) == 2
+    for f in files:
+        (work / "rows" / f.name).write_bytes(f.read_bytes())
+    target = next(f for f in (work / "rows").glob("*.json") if f.name.startswith(
+        "full" if damage == "no_generations" else "h2o"))
+    stored = json.loads(target.read_text())
+    good = copy.deepcopy(stored["record"])
+    record = stored["record"]
+    if damage == "drop_perplexity":
+        del record["perplexity"]["perplexity"]
+    elif damage == "string_perplexity":
+        record["perplexity"]["perplexity"] = "12.5"
+    elif damage == "speed_not_list":
+        record["speed"] = {"seq_len": 16}
+    else:
+        del record["generations"]
+    target.write_text(json.dumps(stored))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = run_profile(small_settings(), work, show_progress=False, model=model, tokenizer=tokenizer)
+    messages = [str(w.message) for w in caught if "does not validate" in str(w.message)]
+    assert len(messages) == 1 and target.name in messages[0]
+    assert again["rows_reused"] == 1
+    fixed = json.loads(target.read_text())["record"]  # measured again and written over the bad file
+    assert set(fixed) >= set(good) - {"seconds"}
+    assert isinstance(fixed["perplexity"]["perplexity"], float)
