@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_compress.config import ALLOWED_BITS, CompressionConfig
+from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_usable
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, make_cache
 from h2o_compress.utils.outputs import OutputDir
@@ -159,11 +159,39 @@ class ProfileSettings:
                 check_needle_args(self.needle_lengths, self.needle_depths, max_new_tokens=ANSWER_TOKENS)
         except ConfigError as exc:
             raise ConfigError(f"needle {exc}") from None
-        self.configs()  # validates policies, budgets and the fixed options
+        self.check_meaningful(self.configs())  # configs() validates policies, budgets and the fixed options
 
         check_kernel(self.attention_kernel, device if device is not None else resolve_device(self.device))
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
             check_task_options(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
+
+    def check_meaningful(self, configs: list[CompressionConfig]) -> None:
+        """Refuse, as ``generate`` does, settings whose rows would be measured with a setting that means nothing:
+
+        - ``high_bits_fraction`` > 0 without 4 in ``kv_bits``: it keeps some 4-bit tokens at 8 bits, so no row of
+          the sweep would use it. In a sweep that has 4-bit rows it applies to them only (their label says
+          ``hi8``); the 16- and 8-bit rows are measured without it, as the comparison.
+        - a configuration that leaves no recent window (:func:`~h2o_compress.config.check_usable`) at the capacity
+          of a length the sweep measures (each ``seq_lens``, ``ppl_tokens`` and ``needle_lengths``; an integer
+          budget is its own capacity): e.g. the 4 sink tokens of ``sink`` with ``--budgets 3``, or budget 0.2 of a
+          16-token context.
+
+        Raises:
+            ConfigError: naming the option, the configuration and what is allowed.
+        """
+        if self.high_bits_fraction and 4 not in self.kv_bits:
+            raise ConfigError(
+                f"high_bits_fraction={self.high_bits_fraction!r} keeps some 4-bit tokens at 8 bits, but kv_bits "
+                f"{', '.join(map(str, self.kv_bits))} has no 4-bit row, so it would be ignored; allowed: 4 in "
+                "--kv-bits, or high_bits_fraction 0")
+        lengths = sorted({*self.seq_lens, self.ppl_tokens, *self.needle_lengths})
+        for config in configs:
+            for length in lengths if config.budget_is_fraction else [None]:
+                try:
+                    check_usable(config, config.capacity(length) if length is not None else None)
+                except ConfigError as exc:
+                    where = f" at the {length}-token length the sweep measures" if length is not None else ""
+                    raise ConfigError(f"profile row {label(config)}{where}: {exc}") from None
 
     def check_lm_eval_tasks(self) -> None:
         """Check every ``lm_eval_tasks`` name against lm-eval's tasks and ``lm_eval_include_path`` (builds lm-eval's

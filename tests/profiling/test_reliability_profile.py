@@ -13,7 +13,7 @@ from helpers.tiny_lm import tiny_lm, one_thread  # noqa: F401 (fixture)
 
 from h2o_compress.profiling import ProfileSettings, run_profile
 from h2o_compress.profiling.report import load_report
-from h2o_compress.utils.errors import InputError
+from h2o_compress.utils.errors import ConfigError, InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,3 +114,32 @@ def test_resume_measures_a_bad_row_again_with_a_warning(tiny_run, tmp_path, dama
     fixed = json.loads(target.read_text())["record"]  # measured again and written over the bad file
     assert set(fixed) >= set(good) - {"seconds"}
     assert isinstance(fixed["perplexity"]["perplexity"], float)
+
+
+# -- 3. settings that mean nothing are refused before anything runs --------------------------------------------
+@pytest.mark.parametrize("bad, named", [
+    (dict(kv_bits=(16,), high_bits_fraction=0.25), "high_bits_fraction=0.25"),
+    (dict(kv_bits=(16, 8), high_bits_fraction=0.25), "has no 4-bit row"),
+    (dict(policies=("sink",), budgets=(1.0, 3)), "sink 3 16-bit"),
+    (dict(policies=("sink",), budgets=(1.0, 0.2), seq_lens=(16,)), "sink 0.2 16-bit at the 16-token length"),
+])
+def test_settings_that_mean_nothing_are_refused(bad, named):
+    with pytest.raises(ConfigError) as err:
+        small_settings(**bad)
+    assert named in str(err.value) and "allowed:" in str(err.value)
+
+
+def test_high_bits_fraction_applies_to_the_4_bit_rows_of_a_mixed_sweep():
+    configs = small_settings(kv_bits=(16, 4), high_bits_fraction=0.25).configs()
+    assert {(c.key_bits, c.high_bits_fraction) for c in configs} == {(16, 0.0), (4, 0.25)}
+
+
+def test_cli_refuses_before_any_file_is_written(tmp_path):
+    from typer.testing import CliRunner
+    from h2o_compress.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["profile", "--model", "tiny-does-not-load", "--out", str(out), "--kv-bits",
+                                      "16,8", "--high-bits-fraction", "0.5"])
+    assert result.exit_code == 2 and result.output.startswith("error: high_bits_fraction=0.5"), result.output
+    assert not out.exists()
