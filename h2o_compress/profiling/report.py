@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o_compress.policies import POLICIES
-from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import read_text
 from h2o_compress.utils.outputs import OutputDir, check_out_path
 
@@ -663,10 +663,13 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
         raise InputError(f"the report cannot be rendered ({short(exc, 80)}); allowed: a complete report") from None
     target = OutputDir(prepare_out_dir(out_dir))  # each file replaced only while it is what profile wrote
     written = {"report.json": target.write("report.json", json.dumps(report, indent=2, default=str) + "\n")}
-    with tempfile.TemporaryDirectory(prefix="h2o-plots-") as scratch:  # matplotlib writes where it is told
-        for path in write_plots(report, Path(scratch)):
-            written[path.name] = target.write(path.name, path.read_bytes())
-        page_html = html_page(report, Path(scratch))
+    try:
+        with tempfile.TemporaryDirectory(prefix="h2o-plots-") as scratch:  # matplotlib writes where it is told
+            for path in write_plots(report, Path(scratch)):
+                written[path.name] = target.write(path.name, path.read_bytes())
+            page_html = html_page(report, Path(scratch))
+    except OSError as exc:  # the scratch directory (the system's temporary one): full, read-only...
+        raise InputError(write_failure(exc.filename or tempfile.gettempdir(), exc)) from None
     written["report.md"] = target.write("report.md", page)
     written["report.html"] = target.write("report.html", page_html)
     return written

@@ -5,6 +5,8 @@ a silently wrong row."""
 from __future__ import annotations
 
 import copy
+import errno
+import os
 import json
 import warnings
 
@@ -143,3 +145,73 @@ def test_cli_refuses_before_any_file_is_written(tmp_path):
                                       "16,8", "--high-bits-fraction", "0.5"])
     assert result.exit_code == 2 and result.output.startswith("error: high_bits_fraction=0.5"), result.output
     assert not out.exists()
+
+
+# -- 5. OSError while writing rows, a report, or the converted default model ----------------------------------
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_row_file_on_a_full_disk_is_one_line_naming_the_file_and_bytes(tmp_path, monkeypatch):
+    from h2o_compress.profiling import rows
+
+    store = rows.RowStore(tmp_path)
+    monkeypatch.setattr(rows.os, "replace", _no_space)
+    with pytest.raises(InputError) as err:
+        store.save({"k": 1}, "h2o 0.5 16-bit", {"label": "x"})
+    message = str(err.value)
+    assert "h2o_0.5_16-bit." in message and "bytes" in message and "No space left" in message and "\n" not in message
+    assert list((tmp_path / "rows").iterdir()) == []  # no temporary file left
+
+
+def test_report_on_a_full_disk_is_one_line(tiny_run, tmp_path, monkeypatch):
+    from h2o_compress.profiling.report import write_report
+    from h2o_compress.utils import outputs
+
+    report, *_ = tiny_run
+    monkeypatch.setattr(outputs.os, "replace", _no_space)
+    with pytest.raises(InputError) as err:
+        write_report(copy.deepcopy(report), tmp_path / "out")
+    assert "report.json" in str(err.value) and "bytes" in str(err.value) and "free at least" in str(err.value)
+
+
+def test_sweep_into_a_read_only_rows_dir_is_one_cli_line(tiny_model_dir, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    from typer.testing import CliRunner
+    from h2o_compress.cli import app
+    from h2o_compress.profiling import rows
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "out" / "rows"))
+
+    monkeypatch.setattr(rows, "tempfile", SimpleNamespace(mkstemp=read_only))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["profile", "--model", str(tiny_model_dir), "--out", str(out),
+                                      "--no-isolate", "--threads", "1", "--policies", "h2o", "--budgets", "1",
+                                      "--kv-bits", "16", "--seq-len", "16", "--decode-tokens", "1",
+                                      "--ppl-tokens", "16", "--agreement-prompts", "0"])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]  # after the progress bar's line
+    assert line.startswith("error: cannot write") and "Read-only file system" in line and "Traceback" not in result.output
+    assert "full_16-bit." in line and "bytes)" in line
+
+
+def test_converting_the_default_model_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    import safetensors.torch
+    import transformers
+    from h2o_compress.models import loading
+    from h2o_compress.utils.errors import ModelLoadError
+
+    model, tokenizer = tiny_lm()
+    monkeypatch.setattr(loading, "check_cache_root", lambda *a, **k: None)
+    monkeypatch.setattr(loading, "check_loading_info", lambda *a, **k: None)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: (model, {}))
+    monkeypatch.setattr(safetensors.torch, "save_model", _no_space)
+    target = tmp_path / "smollm2-converted"
+    with pytest.raises(ModelLoadError) as err:
+        loading._convert_gguf(tmp_path / "model.gguf", target)
+    message = str(err.value)
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert str(target) in message and f"{needed} bytes" in message and "No space left" in message
+    assert list(tmp_path.iterdir()) == []  # the staging directory is removed
