@@ -21,10 +21,12 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
@@ -397,10 +399,67 @@ def _isolated(settings: ProfileSettings):
     context = multiprocessing.get_context("spawn")
 
     def run(config: CompressionConfig, references) -> dict:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            return pool.submit(_worker, settings, config, references).result()
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context)
+        try:
+            result = pool.submit(_worker, settings, config, references).result()
+        except BaseException:  # interrupted (a signal, Ctrl-C) or failed: the worker ends now, not after its row
+            _end_workers(pool)
+            raise
+        pool.shutdown(wait=True)
+        return result
 
     return run
+
+
+def _end_workers(pool: concurrent.futures.ProcessPoolExecutor, grace: float = 3.0) -> None:
+    """End every worker process of ``pool`` (SIGTERM, then SIGKILL after ``grace`` seconds) and shut it down, so an
+    interrupted sweep leaves no process behind: multiprocessing's resource tracker, which only the workers and this
+    process hold open, then ends with this process (it is not stopped here: the pool's own finalizers still
+    unregister their semaphores with it)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+    pool.shutdown(wait=True, cancel_futures=True)  # its worker is gone: returns at once
+
+
+class ProfileInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived during a sweep (raised so that its workers end and no partial row is written)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _interruptible(signals=(signal.SIGTERM, signal.SIGHUP)):
+    """Within the block, SIGTERM/SIGHUP raise :class:`ProfileInterrupted` (SIGINT already raises
+    KeyboardInterrupt), once: a second signal while the sweep cleans up is ignored. Afterwards the previous handlers
+    are back, and the signal that arrived is delivered to them (by default: the process ends by that signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+
+    def handler(signum, frame):
+        if not arrived:
+            arrived.append(signum)
+            raise ProfileInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if arrived:
+            signal.raise_signal(arrived[0])  # the previous handler's behaviour (by default: terminate)
 
 
 def _cpu_name() -> str:
@@ -522,7 +581,8 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
         check_out_dir(out_dir)
         created = missing_dirs(out_dir)
     try:
-        return _run_profile(settings, out_dir, show_progress, model, tokenizer, ray_address, resume)
+        with _interruptible():  # SIGTERM/SIGHUP end the workers and leave only complete rows
+            return _run_profile(settings, out_dir, show_progress, model, tokenizer, ray_address, resume)
     except BaseException:
         remove_empty_dirs(created)  # a failed run leaves no empty directory behind (nothing with a file in it)
         raise

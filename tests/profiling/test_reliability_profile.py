@@ -215,3 +215,59 @@ def test_converting_the_default_model_on_a_full_disk_is_one_line(tmp_path, monke
     needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert str(target) in message and f"{needed} bytes" in message and "No space left" in message
     assert list(tmp_path.iterdir()) == []  # the staging directory is removed
+
+
+# -- 4. signals end every worker and tracker process, and leave only complete rows -----------------------------
+def _command(psutil, pid: int) -> str:
+    """The command line of a live process ``pid`` ("" once it is gone or a zombie)."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline()) or "?"
+    except psutil.Error:
+        return ""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_signal_ends_every_process_and_keeps_finished_rows(tiny_model_dir, tmp_path, signame):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "h2o_compress", "profile", "--model", str(tiny_model_dir), "--out", str(out),
+               "--isolate", "--device", "cpu", "--threads", "1", "--policies", "h2o,local", "--budgets", "1,0.5",
+               "--kv-bits", "16", "--seq-len", "16", "--decode-tokens", "1", "--ppl-tokens", "16",
+               "--agreement-prompts", "0"]
+    with open(tmp_path / "log.txt", "wb") as log:
+        process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    seen: set[int] = set()
+    try:
+        parent, started = psutil.Process(process.pid), time.monotonic()
+        while time.monotonic() - started < 45:  # a worker measures the second row, the first one is saved
+            children = parent.children(recursive=True)
+            seen |= {child.pid for child in children}
+            workers = [c for c in children if "spawn_main" in _command(psutil, c.pid)]
+            if workers and list(out.glob("rows/*.json")):
+                break
+            assert process.poll() is None, (tmp_path / "log.txt").read_text()
+            time.sleep(0.1)
+        else:
+            pytest.fail("no worker measuring a second row within 45 s")
+        process.send_signal(getattr(signal, signame))
+        assert process.wait(timeout=30) != 0
+        time.sleep(0.5)
+        left = [_command(psutil, pid) for pid in seen]
+        assert [command for command in left if command] == []
+        names = sorted(path.name for path in (out / "rows").iterdir())
+        assert names and all(name.endswith(".json") and not name.startswith(".") for name in names)
+        for name in names:  # complete rows only (the first one, maybe the second)
+            assert json.loads((out / "rows" / name).read_text())["record"]["perplexity"]["perplexity"] > 0
+    finally:
+        for pid in [process.pid, *seen]:  # what this test started, should an assertion have failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        process.wait(timeout=10)
