@@ -77,7 +77,9 @@ class ProfileSettings:
         needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
             :data:`~h2o_compress.evaluation.needle.ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
-        high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
+        high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off); the 16-
+            and 8-bit rows are measured without it, and a sweep with no 4-bit row refuses it
+            (:meth:`check_meaningful`).
         head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
         attention_kernel: the decode step's attention in every configuration (``auto``, ``torch`` or ``triton``;
             :class:`~h2o_compress.CompressionConfig`), checked against ``device`` before any work.
@@ -558,6 +560,10 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
             instance, ``"auto"`` joins the cluster running on this machine, ``"ray://HEAD:10001"`` or
             ``"HEAD:6379"`` an existing cluster; ``None`` (default) runs here. The reference runs first (the
             agreement of every other row compares with its generations), then the rest in parallel.
+
+    Signals: SIGTERM and SIGHUP (from the main thread; SIGINT as KeyboardInterrupt) end the running worker process
+    (:func:`_end_workers`) or cancel the Ray tasks in flight, keep the rows already finished (never a partial one)
+    and are then delivered again, so the process ends by that signal.
 
     ``out_dir`` must be new, empty of report files, or the output directory of an earlier sweep
     (:func:`~h2o_compress.profiling.report.check_out_dir`), checked before any work; when the run fails, the
