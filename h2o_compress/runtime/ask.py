@@ -161,11 +161,12 @@ def ask(
     """
     check_prompt(question)
     if not isinstance(context, CompressedContext):
-        raise CacheStateError(f"context={short(context)} is a {type(context).__name__}; allowed: a CompressedContext "
-                              "from compress() (or CompressedContext.load())")
+        raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()), not "
+                              f"context={short(context)} (a {type(context).__name__})")
     if not isinstance(context.cache, CompressedCache) or context.cache.seen_tokens() == 0:
-        raise CacheStateError(f"context.cache={short(context.cache)} holds no compressed context; allowed: the "
-                              "CompressedCache of compress() (or CompressedContext.load()), holding at least one token")
+        raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()): "
+                              f"context.cache={short(context.cache)} holds no compressed context; allowed: a "
+                              "CompressedCache holding at least one token")
     prompt = context.text + SEPARATOR + question
     total = encode_prompt(tokenizer, prompt, context.chat).shape[1]
     check_context(model, total, max_new_tokens)
