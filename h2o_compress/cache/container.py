@@ -178,6 +178,7 @@ class CompressedCache(Cache):
         for name in ("model_fingerprint", "prompt_state"):
             if hasattr(self, name):
                 setattr(copy, name, getattr(self, name))
+        copy.max_length = max_length  # its storage has room for no more: a longer generation is refused up front
         return copy
 
 

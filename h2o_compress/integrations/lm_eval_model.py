@@ -228,7 +228,7 @@ class H2OCompressLM(HFLM):
         the next-token logits ``[1, vocab]``."""
         ids = torch.tensor([context], dtype=torch.long, device=self.device)
         cache = make_scored_cache(self.model, self.tokenizer, ids, self.compression, len(context))
-        return cache, prefill(self.model, ids, cache)
+        return cache, prefill(self.model, ids, cache, check_model=False)  # made for this model just above
 
     @torch.inference_mode()
     def _score_continuation(self, cache, last_logits: torch.Tensor, context_tokens: int, continuation: list[int]):

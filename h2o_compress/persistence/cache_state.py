@@ -30,7 +30,7 @@ from h2o_compress.utils.errors import CacheFileError, CacheStateError, ConfigErr
 from h2o_compress.models.identity import model_fingerprint, model_identity
 from h2o_compress.models.weights import attention_devices, floating_dtype, input_device
 from h2o_compress.attention import use_h2o_attention
-from h2o_compress.cache import CompressedCache, build_layers
+from h2o_compress.cache import CompressedCache, CompressedLayer, build_layers
 from h2o_compress.config import LAYER_BUDGETS, CompressionConfig
 from h2o_compress.models import model_dims
 from h2o_compress.policies.base import NO_POSITION
@@ -249,6 +249,8 @@ def load_cache(path, model, config=None):
                 f"cache file {str(source)!r}: layer {i} holds capacity {short(state['capacity'])} but the file's "
                 f"config ({saved.layer_budgets} layer budgets of {capacity}) gives {layer.capacity}"
             )
+        _check_sizes(layer, i, state, tensors, source)  # every layer, before any of them allocates
+    for i, (layer, state) in enumerate(zip(layers, layer_states)):
         _restore_layer(layer, i, state, tensors, devices[i])
     cache = CompressedCache(layers, saved, model_id=model_identity(model), capacity=capacity)
     cache.model_fingerprint = fingerprint
@@ -341,6 +343,37 @@ def _check_prompt(tensors: dict, state: dict, model, source: Path) -> None:
             )
         if not bool(torch.isfinite(logits).all()):
             raise CacheFileError(f"{where}: prompt.next_logits holds NaN or Inf")
+
+
+def _check_sizes(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Refuse, before anything is allocated, a layer whose metadata (capacity, max_tokens, batch, residual) implies
+    buffers of other shapes than the tensors the file holds: a layer of known size is sized on the ``meta`` device
+    (no memory) and its buffers compared with the file's, so a crafted capacity of 50M tokens beside a few saved
+    slots costs nothing instead of gigabytes. (An unbounded layer of unknown length starts small and grows to the
+    saved store, which is already in memory.)
+
+    Raises:
+        CacheFileError: naming the layer, the tensor and both shapes.
+    """
+    if layer.growable:
+        return
+    probe = CompressedLayer(layer.layer_idx, **layer.setting.arguments())
+    shape = (state["batch"], state["kv_heads"], 0, state["head_dim"])
+    empty = torch.empty(shape, dtype=_dtype(state["dtype"]), device="meta")
+    probe.lazy_initialization(empty, empty)
+    expected = probe.tensors()
+    prefix = f"layers.{i}."
+    saved = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+    if set(saved) != set(expected):
+        raise CacheFileError(f"cache file {str(source)!r}: layer {i} holds tensors {sorted(saved)}, its metadata "
+                             f"implies {sorted(expected)}")
+    for name, tensor in saved.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CacheFileError(
+                f"cache file {str(source)!r}: layer {i} tensor {name} is {tuple(tensor.shape)} but its metadata "
+                f"(capacity {short(state.get('capacity'))}, max_tokens {short(state.get('max_tokens'))}, batch "
+                f"{state['batch']}) implies {tuple(expected[name].shape)}; allowed: the sizes of the saved tensors"
+            )
 
 
 def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -17,16 +17,23 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import stat
 import tempfile
 import threading
 from pathlib import Path
 import torch
+
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from h2o_compress.utils.errors import CacheFileError, one_line, short
 from h2o_compress.utils.version import __version__
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 
 FORMAT = "h2o-compress-kv-cache"
@@ -145,11 +152,64 @@ def _cleanup_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)):
             signal.signal(sig, old)
 
 
+def _lock(fd: int, wait: bool = True) -> bool:
+    """An exclusive advisory lock (``flock``) on ``fd``: True when taken (always without ``fcntl``, not when another
+    process holds it and ``wait`` is false). The kernel drops it when its holder dies, SIGKILL included."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+def remove_orphaned_partials(target: Path) -> list[Path]:
+    """Remove the temporary files that earlier saves to ``target`` left behind when killed outright (SIGKILL, power
+    loss: no handler ran): ``.NAME.XXXX.partial`` beside ``target`` (``NAME`` its name, ``XXXX`` letters, digits or
+    ``_``), regular files (not links) owned by this user, that no running save holds (each save locks its own with
+    ``flock`` until its rename). Nothing else is touched; a file that cannot be opened, checked or removed is left.
+    Without ``fcntl`` (no way to tell a running save's file from an orphan) nothing is removed.
+
+    Returns:
+        The paths removed.
+    """
+    if fcntl is None:
+        return []
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.[A-Za-z0-9_]+\.partial")
+    removed = []
+    try:
+        names = [entry.name for entry in os.scandir(target.parent) if pattern.fullmatch(entry.name)]
+    except OSError:
+        return removed
+    for name in names:
+        path = target.parent / name
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:  # gone, a link (O_NOFOLLOW), or not ours to read
+            continue
+        try:
+            info = os.fstat(fd)
+            if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or not _lock(fd, wait=False)):
+                continue
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino):  # still the file checked: remove it
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _atomic_write(write, target: Path) -> None:
     """Run ``write(temp_path)`` then rename the temp file over ``target``.
 
     The new file gets the mode of the file it replaces (or ``0666`` less the umask). On any failure, including
-    SIGTERM and SIGHUP (Ctrl-C raises KeyboardInterrupt), the temporary ``.NAME.XXXX.partial`` file is removed.
+    SIGTERM and SIGHUP (Ctrl-C raises KeyboardInterrupt), the temporary ``.NAME.XXXX.partial`` file is removed;
+    one that an earlier save killed outright (SIGKILL) left is removed by the next save to the same target
+    (:func:`remove_orphaned_partials`).
     """
     try:
         mode = stat.S_IMODE(os.stat(target).st_mode)
@@ -157,10 +217,11 @@ def _atomic_write(write, target: Path) -> None:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
+    remove_orphaned_partials(target)
     with _cleanup_on_signals():
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-        os.close(fd)
         try:
+            _lock(fd)  # held until the rename: a file of this pattern that can be locked is an orphan
             write(tmp)
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
@@ -170,6 +231,8 @@ def _atomic_write(write, target: Path) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        finally:
+            os.close(fd)
     with contextlib.suppress(OSError):  # make the rename itself durable where the platform allows it
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:

@@ -114,7 +114,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     check_context(model, ids.shape[1], 0)
     check_usable(config, config.capacity(ids.shape[1]), frozen=True)  # the context never evicts again
     cache = make_scored_cache(model, tokenizer, ids, config, ids.shape[1])  # kvzip, lookahead: scored first
-    prefill(model, ids, cache)
+    prefill(model, ids, cache, check_model=False)  # made for this model just above
     cache.check()
     return CompressedContext(cache, context, chat)
 
@@ -156,11 +156,17 @@ def ask(
     Raises:
         InputError: empty question, or context + question + new tokens beyond the model's window.
         ConfigError: bad ``max_new_tokens``/``temperature``/``seed``.
-        CacheStateError: ``context.cache`` holds no compressed context.
+        CacheStateError: ``context`` is not a CompressedContext, or its ``cache`` is not a CompressedCache (e.g.
+            ``None``) or holds no tokens.
     """
     check_prompt(question)
-    if not isinstance(context, CompressedContext) or context.cache.seen_tokens() == 0:
-        raise CacheStateError("ask() needs a CompressedContext from compress() (or CompressedContext.load())")
+    if not isinstance(context, CompressedContext):
+        raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()), not "
+                              f"context={short(context)} (a {type(context).__name__})")
+    if not isinstance(context.cache, CompressedCache) or context.cache.seen_tokens() == 0:
+        raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()): "
+                              f"context.cache={short(context.cache)} holds no compressed context; allowed: a "
+                              "CompressedCache holding at least one token")
     prompt = context.text + SEPARATOR + question
     total = encode_prompt(tokenizer, prompt, context.chat).shape[1]
     check_context(model, total, max_new_tokens)

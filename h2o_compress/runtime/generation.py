@@ -20,7 +20,7 @@ from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, 
 from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_fingerprint, model_identity
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
-from h2o_compress.runtime.prefill import check_context, prefill
+from h2o_compress.runtime.prefill import check_cache_model, check_context, prefill
 from h2o_compress.models.weights import input_device
 
 
@@ -104,6 +104,23 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     cache = make_cache(model, config, max_length, layer_capacities=capacities)
     hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
     return cache
+
+
+def check_cache_room(cache, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse, before the first step, a generation that would take ``cache`` beyond the ``max_length`` it was made
+    for (:func:`make_cache`): ``prompt_tokens + max_new_tokens`` tokens, as :func:`generate` sizes its own cache.
+    Decode steps are not checked (that would sync the host per token), so this is the check.
+
+    Raises:
+        InputError: naming both counts and the most ``max_new_tokens`` that fits.
+    """
+    limit = getattr(cache, "max_length", None)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise InputError(
+            f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the cache's max_length of "
+            f"{limit} tokens (what make_cache was told it will see); allowed: max_new_tokens at most "
+            f"{max(limit - prompt_tokens, 0)}, or a cache made with max_length >= {prompt_tokens + max_new_tokens}"
+        )
 
 
 def _check_argument_kinds(model, tokenizer, on_text) -> None:
@@ -293,15 +310,20 @@ def generate(
     faster); the prefill stays eager. The NaN/Inf flags of the decode steps are read once, at the end.
 
     Raises:
-        InputError: empty prompt, prompt + new tokens longer than the model's context, or a prompt that does
-            not extend the one ``cache`` holds.
+        InputError: empty prompt, prompt + new tokens longer than the model's context or than the
+            ``max_length`` ``cache`` was made for (checked once, before the prefill), or a prompt that does not
+            extend the one ``cache`` holds.
         ConfigError: bad ``max_new_tokens``/``temperature``/``seed`` or compression setting.
-        CacheStateError: ``cache`` and ``config`` both given and different.
+        CacheStateError: ``cache`` and ``config`` both given and different, ``cache`` not a CompressedCache, or
+            ``cache`` filled by another model (its ``model_fingerprint``; checked once per generation).
         InputError: NaN or Inf reached the cache during decoding (read once, at the end).
         ConfigError: ``model`` is not a loaded model (e.g. a name: use :func:`~h2o_compress.load_model`),
             ``tokenizer`` has no ``encode``/``decode``, or ``on_text`` is not callable.
     """
     _check_argument_kinds(model, tokenizer, on_text)
+    if cache is not None and not isinstance(cache, CompressedCache):
+        raise CacheStateError(f"cache={short(cache)} is not a CompressedCache; allowed: a cache of "
+                              "h2o_compress.make_cache(...) or load_cache(...), or None")
     if cache is None:
         config = _check_config(config)
     elif config is None:
@@ -313,6 +335,9 @@ def generate(
     input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
+    if cache is not None:  # once per generation, before any forward pass: no check in the decode steps
+        check_cache_room(cache, prompt_tokens, max_new_tokens)
+        check_cache_model(cache, model)
     _sync(device)
     start = time.perf_counter()
     if cache is None:
@@ -335,7 +360,7 @@ def generate(
 
     _sync(device)
     start = time.perf_counter()
-    logits = prefill(model, input_ids, cache)
+    logits = prefill(model, input_ids, cache, check_model=False)  # checked above
     token = pick(logits)
     _sync(device)
     prefill_s = time.perf_counter() - start + scoring_s

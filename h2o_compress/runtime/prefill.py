@@ -23,8 +23,30 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
         )
 
 
+def check_cache_model(cache, model) -> None:
+    """Refuse ``cache`` when it was filled by (or made for) another model than ``model``: its recorded
+    ``model_fingerprint`` (:func:`~h2o_compress.models.identity.model_fingerprint`, set by ``make_cache``,
+    ``load_cache`` and :func:`prefill`) differs from the model's. Shapes alone do not tell two models of one
+    architecture apart. Reads a few values per parameter: run once per generation, never per token. A cache with no
+    fingerprint recorded passes.
+
+    Raises:
+        CacheStateError: naming both fingerprints.
+    """
+    recorded = getattr(cache, "model_fingerprint", None)
+    if recorded is None:
+        return
+    current = model_fingerprint(model)
+    if current != recorded:
+        raise CacheStateError(
+            f"this cache belongs to another model (fingerprint {str(recorded)[:12]}), not this one ({current[:12]}: "
+            "same shapes, other weights, dtype or config); allowed: the model that made or filled it, or a new cache "
+            "from make_cache(model, ...)"
+        )
+
+
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> torch.Tensor:
     """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
 
     A fresh cache gets the whole prompt in one forward pass (exactly what :func:`h2o_compress.generate` does,
@@ -37,6 +59,8 @@ def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
         model: the causal LM the cache belongs to.
         input_ids: int64 ``[batch, tokens]`` on the model's device.
         cache: a :class:`CompressedCache` (batch must match).
+        check_model: check first that ``cache`` belongs to ``model`` (:func:`check_cache_model`); ``False`` where
+            the caller has just checked it.
 
     Returns:
         Logits ``[batch, vocab]`` (model dtype) of the token after the prompt. Sets ``cache.prompt_state``.
@@ -44,8 +68,10 @@ def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     Raises:
         InputError: the prompt does not start with the tokens the cache holds.
         CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
-            without its next-token logits.
+            without its next-token logits, or belongs to another model (:func:`check_cache_model`).
     """
+    if check_model:
+        check_cache_model(cache, model)
     held = int(cache.get_seq_length())
     state = getattr(cache, "prompt_state", None)
     if held:

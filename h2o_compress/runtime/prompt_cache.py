@@ -93,7 +93,7 @@ def prepare_prompt_cache(
     if save is not None:
         shared = shared_prefix_length(tokenizer, prompt, chat)
         if shared > cache.get_seq_length():
-            prefill(model, input_ids[:, :shared], cache)
+            prefill(model, input_ids[:, :shared], cache, check_model=False)  # made or loaded for this model
         save_cache(cache, save, overwrite=overwrite)
-    prefill(model, input_ids, cache)
+    prefill(model, input_ids, cache, check_model=False)
     return cache
