@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.formats import FORMATS, GROUP_SIZES
 from h2o_compress.policies import POLICIES, POLICY_OPTIONS, make_policy, policy_names
+from h2o_compress.utils.files import read_json
 
 ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = GROUP_SIZES
@@ -382,10 +384,6 @@ def layer_weights(value) -> tuple[float, ...]:
     Raises:
         ConfigError: naming the value (or file) and what is allowed.
     """
-    from pathlib import Path
-
-    from h2o_compress.utils.files import read_json
-
     allowed = (f"allowed: {', '.join(LAYER_BUDGETS)}, per-layer weights (1 to {MAX_LAYERS} positive numbers, each at "
                f"most {MAX_LAYER_WEIGHT:g}) or the path of a JSON file holding them (a list, or {{\"weights\": [...]}})")
     source = "layer_budgets"
