@@ -22,6 +22,7 @@ from h2o_compress.utils.errors import (
     UnsupportedModelError,
 )
 from h2o_compress.runtime.generation import GenerationResult, generate, make_cache
+from h2o_compress.runtime.batch import BatchRequest, BatchResult, BatchStats, generate_batch
 from h2o_compress.models import DEFAULT_MODEL, load_model, model_dims
 from h2o_compress.persistence import load_cache, save_cache
 from h2o_compress.planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
@@ -35,6 +36,10 @@ __all__ = [
     "CompressionConfig",
     "GenerationResult",
     "generate",
+    "generate_batch",
+    "BatchRequest",
+    "BatchResult",
+    "BatchStats",
     "make_cache",
     "save_cache",
     "load_cache",
