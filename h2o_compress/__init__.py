@@ -26,7 +26,9 @@ from h2o_compress.runtime.batch import BatchRequest, BatchResult, BatchStats, ge
 from h2o_compress.models import DEFAULT_MODEL, load_model, model_dims
 from h2o_compress.persistence import load_cache, save_cache
 from h2o_compress.planner import PlanReport, PlanRow, choose, choose_for_prompt, plan
-from h2o_compress.jobs import AskJob, AskReport, GenerateJob, GenerateReport, run_ask, run_generate
+from h2o_compress.jobs import (
+    AskJob, AskReport, BatchJob, BatchReport, GenerateJob, GenerateReport, run_ask, run_batch, run_generate,
+)
 
 from h2o_compress.utils.version import __version__
 
@@ -48,6 +50,9 @@ __all__ = [
     "CompressedContext",
     "ASK_DEFAULTS",
     "run_generate",
+    "run_batch",
+    "BatchJob",
+    "BatchReport",
     "GenerateJob",
     "GenerateReport",
     "run_ask",

@@ -1,8 +1,8 @@
-"""Command line: ``h2o-compress generate|ask|plan|eval|profile``, one module per command.
+"""Command line: ``h2o-compress generate|batch|ask|plan|eval|profile``, one module per command.
 
 - :mod:`.options`: the options shared by the commands, declared once (a leaf module).
 - :mod:`.common`: one-line errors (``error: ...``, exit code 2, never a traceback), threads, ``--config``.
-- :mod:`.generate`, :mod:`.ask` (compress-then-ask), :mod:`.plan`, :mod:`.evaluate` (``eval perplexity|needle|agreement``), :mod:`.profile`.
+- :mod:`.generate`, :mod:`.batch` (a file of prompts), :mod:`.ask` (compress-then-ask), :mod:`.plan`, :mod:`.evaluate` (``eval perplexity|needle|agreement``), :mod:`.profile`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from h2o_compress.cli.ask import ask
+from h2o_compress.cli.batch import batch
 from h2o_compress.cli.common import fail, user_errors
 from h2o_compress.cli.evaluate import eval_app
 from h2o_compress.cli.generate import generate
@@ -27,6 +28,7 @@ def _root() -> None:
 
 app.command("generate")(generate)
 app.command("ask")(ask)
+app.command("batch")(batch)
 app.command("plan")(plan)
 app.add_typer(eval_app, name="eval")
 app.command("profile", cls=ProfileCommand)(profile_command)

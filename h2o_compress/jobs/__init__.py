@@ -2,6 +2,8 @@
 
 - :mod:`.generate`: :func:`run_generate` / :class:`GenerateJob` (``h2o-compress generate``: the planner under a
   memory limit, prompt caches, the summary figures);
+- :mod:`.batch`: :func:`run_batch` / :class:`BatchJob` (``h2o-compress batch``: a file of prompts, answers appended
+  as they finish, resumable, the batch sized by the planner);
 - :mod:`.ask`: :func:`run_ask` / :class:`AskJob` (``h2o-compress ask``: compress a document once, then answer).
 
 Each job checks every setting when it is made, before anything is loaded or written. ``profile`` runs
@@ -11,6 +13,7 @@ the CLI.
 """
 
 from h2o_compress.jobs.ask import AskJob, AskReport, AskSession, run_ask
+from h2o_compress.jobs.batch import BatchJob, BatchReport, run_batch
 from h2o_compress.jobs.generate import GenerateJob, GenerateReport, run_generate
 
-__all__ = ["AskJob", "AskReport", "AskSession", "GenerateJob", "GenerateReport", "run_ask", "run_generate"]
+__all__ = ["AskJob", "AskReport", "AskSession", "BatchJob", "BatchReport", "run_batch", "GenerateJob", "GenerateReport", "run_ask", "run_generate"]

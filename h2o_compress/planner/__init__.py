@@ -11,7 +11,9 @@
 """
 
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
-from h2o_compress.planner.plan import PlanReport, PlanRow, choose, choose_for_prompt, describe_choice, plan
+from h2o_compress.planner.plan import (
+    PlanReport, PlanRow, choose, choose_for_prompt, describe_choice, fit_batch, plan,
+)
 from h2o_compress.planner.settings import candidates, describe, load_quality
 from h2o_compress.planner.sizes import (
     CacheBytes, cache_bytes, forward_peak_bytes, graph_pool_bytes, runs_decode_op, weight_bytes, workspace_bytes,
@@ -20,7 +22,7 @@ from h2o_compress.planner.units import format_bytes, parse_headroom, parse_list,
 
 __all__ = [
     "CacheBytes", "ModelSpec", "PlanReport", "PlanRow", "cache_bytes", "candidates", "choose", "choose_for_prompt",
-    "describe", "describe_choice", "format_bytes", "forward_peak_bytes", "graph_pool_bytes", "load_quality",
+    "describe", "describe_choice", "fit_batch", "format_bytes", "forward_peak_bytes", "graph_pool_bytes", "load_quality",
     "parse_headroom", "parse_list", "parse_memory", "plan", "resolve_model", "runs_decode_op", "weight_bytes",
     "workspace_bytes",
 ]

@@ -183,22 +183,8 @@ def plan(
             "and 16 bits was not among the bit widths"
         )
 
-    def total(config, b, prompt) -> tuple[CacheBytes, int, int]:
-        cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
-        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual,
-                               compiled)
-        return cache, work, weights + cache.total + work
-
-    rows = []
-    for config in grid:
-        cache, work, need = total(config, batch, prompt_len)
-        longest_prompt = _largest(lambda p: total(config, batch, p)[2] <= usable, 1, MAX_CONTEXT)
-        rows.append(PlanRow(
-            config=config, cache=cache, weight_bytes=weights, workspace_bytes=work, total_bytes=need,
-            fits=need <= usable, max_batch=_largest(lambda b: total(config, b, prompt_len)[2] <= usable, 1, MAX_BATCH),
-            max_context=longest_prompt + gen_len if longest_prompt else 0, quality=quality.get(_setting_key(config)),
-            kv_dtype=str(kv_dtype).removeprefix("torch."),
-        ))
+    rows = [_row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, usable, compiled,
+                 quality.get(_setting_key(config))) for config in grid]
     rows.sort(key=lambda r: (r.quality is None, r.quality or 0.0, -r.cache.total))
     notes = []
     if spec.max_context and prompt_len + gen_len > spec.max_context:
@@ -214,6 +200,48 @@ def plan(
         recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,
         headroom_bytes=reserve, warnings=warnings, compiled=compiled,
     )
+
+
+def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, gen_len: int, weights: int,
+         kv_dtype: torch.dtype, usable: int, compiled: bool, quality: float | None = None) -> PlanRow:
+    """``config`` evaluated at ``batch`` and the lengths: its bytes, whether it fits ``usable`` bytes, its largest
+    batch and longest context."""
+
+    def total(b: int, prompt: int) -> tuple[CacheBytes, int, int]:
+        cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual, compiled)
+        return cache, work, weights + cache.total + work
+
+    cache, work, need = total(batch, prompt_len)
+    longest_prompt = _largest(lambda p: total(batch, p)[2] <= usable, 1, MAX_CONTEXT)
+    return PlanRow(
+        config=config, cache=cache, weight_bytes=weights, workspace_bytes=work, total_bytes=need,
+        fits=need <= usable, max_batch=_largest(lambda b: total(b, prompt_len)[2] <= usable, 1, MAX_BATCH),
+        max_context=longest_prompt + gen_len if longest_prompt else 0, quality=quality,
+        kv_dtype=str(kv_dtype).removeprefix("torch."),
+    )
+
+
+def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len: int, headroom=0,
+              compiled: bool | None = None) -> PlanRow:
+    """``config`` as it is (no candidate grid) for a loaded ``model`` under ``memory``: the :class:`PlanRow` whose
+    ``max_batch`` is the largest batch of ``prompt_len + gen_len``-token sequences that fits with the weights as
+    loaded (what ``h2o-compress batch --batch-size auto`` runs), 0 when not even one does. Same accounting as
+    :func:`plan`; ``headroom`` and ``compiled`` as there.
+
+    Raises:
+        ConfigError: a bad memory amount, headroom or length.
+    """
+    limit = parse_memory(memory)
+    usable = limit - parse_headroom(headroom, limit)
+    for name, value in (("prompt_len", prompt_len), ("gen_len", gen_len)):
+        _positive(name, value, MAX_CONTEXT)
+    spec = resolve_model(model)
+    kv_dtype = spec.dtype or resolve_dtype("float16", torch.device("cpu"))
+    weights = weight_bytes(spec, 16, kv_dtype)
+    if compiled is None:
+        compiled = _compiled_by_default(model, spec, 16)
+    return _row(spec, config, 1, prompt_len, gen_len, weights, kv_dtype, usable, compiled)
 
 
 def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:

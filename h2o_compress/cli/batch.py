@@ -1,0 +1,107 @@
+"""``h2o-compress batch``: answer a file of prompts, many at a time, through compressed KV caches.
+
+Every option and both files are checked before anything is loaded or written; answers are appended to OUTPUT as
+each prompt finishes, so a killed run loses nothing it answered and the same command resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from h2o_compress.cli.common import load_options, merged_config, user_errors
+from h2o_compress.cli.options import (
+    ChatOpt, CompileOpt, Compression, ConfigFileOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SamplingSeedOpt,
+    TemperatureOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
+)
+from h2o_compress.jobs.batch import BatchJob
+from h2o_compress.planner import format_bytes
+from h2o_compress.utils.defaults import default_of
+
+
+def parse_batch_size(value: str) -> int | str:
+    """``--batch-size``: ``auto`` or an integer (checked by the job)."""
+    return "auto" if value.strip().lower() == "auto" else int(value) if value.strip().lstrip("-").isdigit() else value
+
+
+@user_errors
+@compression_options
+@placement_options
+def batch(
+    ctx: typer.Context,
+    input: str = typer.Argument(..., help="Prompts: JSONL ({\"id\": ..., \"prompt\": \"...\"} or \"messages\": [...] "
+                                "per line; optional max_new_tokens, temperature, seed) or text, one prompt per line."),
+    output: str = typer.Option(..., "--output", "-o", help="Answers (JSONL), appended as each prompt finishes; "
+                               "ids already there are skipped, so rerunning the command resumes."),
+    model: str = ModelOpt,
+    max_new_tokens: int = typer.Option(
+        default_of(BatchJob, "max_new_tokens"), "--max-new-tokens", help="Tokens per answer at most (a line's own "
+        "max_new_tokens wins)."),
+    batch_size: str = typer.Option(
+        str(default_of(BatchJob, "batch_size")), "--batch-size", help="Sequences decoded together, or auto: the "
+        "largest that fits --memory-limit (or the free memory) for the longest prompt plus its new tokens."),
+    memory_limit: Optional[str] = typer.Option(
+        None, "--memory-limit", help="With --batch-size auto: the memory to fit (e.g. 8GiB)."),
+    device: str = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    chat: bool = ChatOpt,
+    temperature: float = TemperatureOpt,
+    seed: Optional[int] = SamplingSeedOpt,
+    as_json: bool = JsonOpt,
+    config_file: Optional[str] = ConfigFileOpt,
+    threads: Optional[int] = ThreadsOpt,
+    trust_remote_code: bool = TrustOpt,
+    compile_step: Optional[bool] = CompileOpt,
+    compression: Compression = None,
+    placement: dict = None,
+):
+    """Answer every prompt of INPUT into OUTPUT, --batch-size at a time, each group through one compressed KV cache
+    (prompts grouped by length; a finished row waits for its group: the summary gives that idle share)."""
+    config, _ = merged_config(compression, config_file)
+    job = BatchJob(  # checks every option and both files: nothing is loaded or written before all are good
+        input, output, model, config, max_new_tokens=max_new_tokens, batch_size=parse_batch_size(batch_size),
+        memory_limit=memory_limit, chat=chat, temperature=temperature, seed=seed, compile=compile_step,
+        load=load_options(device, dtype, placement, config.attention_kernel), threads=threads,
+        trust_remote_code=trust_remote_code)
+    with BatchProgress() as progress:
+        report = job.run(on_result=progress.answered, on_step=progress.stepped, on_start=progress.begin,
+                         on_plan=lambda line: progress.console.print(line, style="dim"))
+    typer.echo(json.dumps(report.figures) if as_json else summary_line(report.figures), err=not as_json)
+
+
+class BatchProgress(Progress):
+    """The bar of a batch run on stderr: prompts done of all, tokens/s, the rows in use."""
+
+    def __init__(self):
+        super().__init__(TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                         TimeElapsedColumn(), console=Console(stderr=True))
+        self.task, self.tokens, self.elapsed = None, 0, None
+
+    def begin(self, todo: int, skipped: int) -> None:
+        if skipped:
+            self.console.print(f"resuming: {skipped} prompts already answered in the output", style="dim")
+        self.task = self.add_task("batch", total=todo, rate="")
+
+    def stepped(self, produced: int, rows: int) -> None:
+        self.tokens += produced
+        elapsed = self.tasks[self.task].elapsed or 0.0
+        rate = f"{self.tokens / elapsed:.1f} tok/s" if elapsed else ""
+        self.update(self.task, rate=f"{rate} | batch {rows}")
+
+    def answered(self, result, stats) -> None:
+        self.advance(self.task)
+
+
+def summary_line(figures: dict) -> str:
+    """The stderr summary of a batch run."""
+    return (
+        f"[{figures['prompts']} prompts ({figures['errors']} errors, {figures['skipped']} already answered) | "
+        f"{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | batch {figures['batch_size']} | "
+        f"decode {figures['decode_tokens_per_s']:.1f} tok/s, end to end {figures['end_to_end_tokens_per_s']:.1f} "
+        f"tok/s | idle rows {figures['idle_share']:.0%} | KV {format_bytes(figures['kv_bytes_per_sequence'])} per "
+        f"sequence | peak {format_bytes(figures['peak_bytes'])}]"
+    )

@@ -1,0 +1,221 @@
+"""``h2o-compress batch`` as one Python call: :class:`BatchJob` checks every setting and both files when it is made
+(nothing is loaded or written before all are known to be good); :meth:`BatchJob.run` loads the model, sizes the
+batch (``"auto"``: the planner's largest under the memory limit), answers the prompts not yet in OUTPUT through
+:func:`~h2o_compress.runtime.batch.generate_batch` and appends each answer as it finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from h2o_compress import models
+from h2o_compress.config import CompressionConfig, check_usable
+from h2o_compress.evaluation.stream import check_count
+from h2o_compress.jobs.batch_files import AnswerFile, read_requests
+from h2o_compress.models import DEFAULT_MODEL
+from h2o_compress.models.weights import input_device
+from h2o_compress.planner import format_bytes, parse_memory
+from h2o_compress.planner.plan import fit_batch
+from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch, row_config
+from h2o_compress.runtime.batch_requests import BatchResult, prepare
+from h2o_compress.runtime.compiled import check_compile
+from h2o_compress.runtime.generation import check_generation_args, generate
+from h2o_compress.utils.defaults import default_of
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.memory import PeakMemory, available_memory
+
+
+@dataclass
+class BatchReport:
+    """What :meth:`BatchJob.run` returns: the :class:`~h2o_compress.runtime.batch.BatchStats` of the run, the batch
+    size it ran with and why (``batch_reason``), ``skipped`` (prompts already answered in OUTPUT), the seconds end to
+    end (model load excluded), the peak memory measured (bytes, and its kind) and ``figures``: the ``--json``
+    summary."""
+
+    stats: BatchStats
+    batch_size: int
+    batch_reason: str
+    skipped: int
+    seconds: float
+    peak_bytes: int
+    peak_kind: str
+    figures: dict = field(default_factory=dict)
+
+
+@dataclass
+class BatchJob:
+    """Answer every prompt of INPUT into OUTPUT, checked when made.
+
+    Attributes:
+        input: a JSONL file (``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}`` per line, with
+            optional ``max_new_tokens``, ``temperature``, ``seed``) or a text file (one prompt per line).
+        output: the JSONL answers file, appended to (never replaced): one line per prompt (``id``, ``text``,
+            ``prompt_tokens``, ``new_tokens``, ``finish_reason``, and ``error`` for a refused prompt); ids already
+            in it are skipped (resume).
+        model, config, max_new_tokens, chat, temperature, seed, compile: as for :func:`h2o_compress.generate`
+            (``max_new_tokens`` etc. are the defaults a line may override).
+        batch_size: sequences per group, or ``"auto"``: the largest that fits ``memory_limit`` (or the device's free
+            memory) for the longest prompt plus its new tokens, with the weights as loaded
+            (:func:`~h2o_compress.planner.plan.fit_batch`).
+        memory_limit: bytes or a text such as ``"2GiB"`` (only with ``batch_size="auto"``).
+        load, threads, trust_remote_code: as for :class:`~h2o_compress.jobs.generate.GenerateJob`.
+
+    Raises (when made):
+        ConfigError: a bad setting, ``memory_limit`` without ``batch_size="auto"``.
+        InputError: INPUT missing, not text, or empty; OUTPUT a directory, the input, or a file that is not answers.
+    """
+
+    input: str
+    output: str
+    model: str = DEFAULT_MODEL
+    config: CompressionConfig | None = None
+    max_new_tokens: int = default_of(generate, "max_new_tokens")
+    batch_size: int | str = 8
+    memory_limit: str | int | None = None
+    chat: bool = default_of(generate, "chat")
+    temperature: float = default_of(generate, "temperature")
+    seed: int | None = None
+    compile: bool | None = None
+    load: dict = field(default_factory=dict)
+    threads: int | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = CompressionConfig()
+        elif not isinstance(self.config, CompressionConfig):
+            raise ConfigError(f"config={short(self.config)} is invalid; allowed: a CompressionConfig or None")
+        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
+        check_compile(self.compile, self.config)
+        if self.batch_size != "auto":
+            check_batch_size(self.batch_size)
+            if self.memory_limit is not None:
+                raise ConfigError("--memory-limit sizes the batch, so it goes with --batch-size auto; allowed: "
+                                  "--batch-size auto --memory-limit SIZE, or --batch-size N alone")
+        if self.memory_limit is not None:
+            parse_memory(self.memory_limit)
+        if self.threads is not None:
+            check_count("threads", self.threads, unit="threads", maximum=4096)
+        self.requests = read_requests(self.input)
+        AnswerFile.check(self.output, self.input)
+
+    def run(self, on_result: Callable[[BatchResult, BatchStats], None] | None = None,
+            on_step: Callable[[int, int], None] | None = None, on_plan: Callable[[str], None] | None = None,
+            on_start: Callable[[int, int], None] | None = None) -> BatchReport:
+        """Load the model and answer the prompts OUTPUT does not hold yet.
+
+        Args:
+            on_result: receives each answer (after it is written) and the stats so far.
+            on_step: receives ``(rows that produced a token, rows in the group)`` per step (a progress bar).
+            on_plan: receives the line saying which batch size runs and why.
+            on_start: receives ``(prompts to answer, prompts already answered)`` once the files are read.
+
+        Returns:
+            A :class:`BatchReport`.
+
+        Raises:
+            ModelLoadError: the model cannot be loaded.
+            ConfigError: with ``batch_size="auto"``, not even one sequence fits the memory.
+            InputError: OUTPUT is being written by another run.
+        """
+        import torch
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        with AnswerFile(self.output, self.input) as answers:
+            todo = [r for r in self.requests if str(r.id if isinstance(r, BatchResult) else r["id"]) not in answers.done]
+            if on_start is not None:
+                on_start(len(todo), len(self.requests) - len(todo))
+            peak = PeakMemory()
+            lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+            peak.loaded()
+            batch_size, reason = self._batch_size(lm, tokenizer, [r for r in todo if isinstance(r, dict)])
+            if on_plan is not None:
+                on_plan(reason)
+            started = time.perf_counter()
+            refused = [r for r in todo if isinstance(r, BatchResult)]
+            for result in refused:  # lines that are not a request: answered with their error first
+                answers.write(result)
+                if on_result is not None:
+                    on_result(result, BatchStats(prompts=1, errors=1))
+            run = generate_batch(lm, tokenizer, self._seeded(todo), self.config, self.max_new_tokens, batch_size,
+                                 self.chat, self.temperature, self.seed, self.compile, on_step=on_step)
+            for result in run:
+                answers.write(result)
+                if on_result is not None:
+                    on_result(result, run.stats)
+            stats = run.stats
+            stats.prompts, stats.errors = stats.prompts + len(refused), stats.errors + len(refused)
+            seconds = time.perf_counter() - started
+        peak_bytes, peak_kind = peak.measure()
+        report = BatchReport(stats, batch_size, reason, len(self.requests) - len(todo), seconds, peak_bytes, peak_kind)
+        report.figures = summary(report, self.config)
+        return report
+
+    def _seeded(self, todo: list) -> list[dict]:
+        """The requests of ``todo`` to run; with a job ``seed``, a line without its own gets ``seed`` plus its line
+        index, so a resumed run samples each line as the uninterrupted one did."""
+        index = {id(r): i for i, r in enumerate(self.requests)}
+        requests = [r for r in todo if isinstance(r, dict)]
+        if self.seed is None:
+            return requests
+        return [r if "seed" in r else {**r, "seed": (self.seed + index[id(r)]) % 2**64} for r in requests]
+
+    def _batch_size(self, lm, tokenizer, requests: list[dict]) -> tuple[int, str]:
+        """The batch size to run and a line saying why."""
+        if self.batch_size != "auto":
+            return self.batch_size, f"batch size {self.batch_size} (--batch-size)"
+        prepared = [prepare(lm, tokenizer, r, i, self.chat, self.max_new_tokens, self.temperature, self.seed)
+                    for i, r in enumerate(requests)]
+        lengths = [p.ids.numel() + p.max_new_tokens for p in prepared if not isinstance(p, BatchResult)]
+        if not lengths:
+            return 1, "batch size 1 (no prompt to run)"
+        longest = max(p for p in lengths)
+        prompt_len = max(p.ids.numel() for p in prepared if not isinstance(p, BatchResult))
+        gen_len = max(longest - prompt_len, 1)
+        limit = self.memory_limit
+        source = "--memory-limit"
+        if limit is None:
+            limit, source = available_memory(input_device(lm)), "free memory"
+            if limit is None:
+                raise ConfigError("--batch-size auto cannot read this device's free memory; allowed: --memory-limit "
+                                  "SIZE, or --batch-size N")
+        config = row_config(self.config, longest)
+        check_usable(config, config.capacity(longest))
+        row = fit_batch(lm, config, limit, prompt_len, gen_len)
+        if row.max_batch < 1:
+            raise ConfigError(
+                f"--batch-size auto: not even one sequence of {prompt_len} + {gen_len} tokens fits {source} "
+                f"{format_bytes(parse_memory(limit))} with {row.label} (one needs {format_bytes(row.total_bytes)}: "
+                f"weights {format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)}, workspace "
+                f"{format_bytes(row.workspace_bytes)}); allowed: more memory, a smaller budget or fewer bits")
+        size = min(row.max_batch, len(lengths))
+        per_row = row.cache.total
+        return size, (
+            f"batch size {size} (auto): the largest that fits {source} {format_bytes(parse_memory(limit))} is "
+            f"{row.max_batch} sequences of {prompt_len} + {gen_len} tokens with {row.label} (weights "
+            f"{format_bytes(row.weight_bytes)}, KV cache {format_bytes(per_row)} per sequence)"
+            + (f"; {len(lengths)} prompts to run" if size < row.max_batch else ""))
+
+
+def summary(report: BatchReport, config: CompressionConfig) -> dict:
+    """The ``--json`` summary of a batch run: the stats, the rates (tokens/s) and memory (bytes)."""
+    stats = report.stats
+    return {
+        **stats.to_dict(), "batch_size": report.batch_size, "batch_reason": report.batch_reason,
+        "skipped": report.skipped, "seconds": report.seconds,
+        "end_to_end_tokens_per_s": stats.new_tokens / report.seconds if report.seconds > 0 else 0.0,
+        "peak_bytes": report.peak_bytes, "peak_kind": report.peak_kind, "config": config.to_dict(),
+    }
+
+
+def run_batch(input: str, output: str, model: str = DEFAULT_MODEL, config: CompressionConfig | None = None,
+              **settings) -> BatchReport:
+    """What ``h2o-compress batch`` runs: ``BatchJob(input, output, model, config, **settings).run()``.
+
+    Raises:
+        See :class:`BatchJob` (every setting, before anything is loaded) and :meth:`BatchJob.run`.
+    """
+    return BatchJob(input, output, model, config, **settings).run()
