@@ -131,7 +131,7 @@ class BatchJob:
             peak = PeakMemory()
             lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
             peak.loaded()
-            batch_size, reason = self._batch_size(lm, tokenizer, [r for r in todo if isinstance(r, dict)])
+            config, batch_size, reason = self._setting(lm, tokenizer)
             if on_plan is not None:
                 on_plan(reason)
             started = time.perf_counter()
@@ -140,7 +140,7 @@ class BatchJob:
                 answers.write(result)
                 if on_result is not None:
                     on_result(result, BatchStats(prompts=1, errors=1))
-            run = generate_batch(lm, tokenizer, self._seeded(todo), self.config, self.max_new_tokens, batch_size,
+            run = generate_batch(lm, tokenizer, self._seeded(todo), config, self.max_new_tokens, batch_size,
                                  self.chat, self.temperature, self.seed, self.compile, on_step=on_step)
             for result in run:
                 answers.write(result)
@@ -163,27 +163,28 @@ class BatchJob:
             return requests
         return [r if "seed" in r else {**r, "seed": (self.seed + index[id(r)]) % 2**64} for r in requests]
 
-    def _batch_size(self, lm, tokenizer, requests: list[dict]) -> tuple[int, str]:
-        """The batch size to run and a line saying why."""
-        if self.batch_size != "auto":
-            return self.batch_size, f"batch size {self.batch_size} (--batch-size)"
+    def _setting(self, lm, tokenizer) -> tuple[CompressionConfig, int, str]:
+        """The setting every row runs with (a budget fraction taken of the longest sequence of the whole INPUT,
+        answered lines included, so a resumed run keeps what the first one kept), the batch size and a line saying
+        why."""
         prepared = [prepare(lm, tokenizer, r, i, self.chat, self.max_new_tokens, self.temperature, self.seed)
-                    for i, r in enumerate(requests)]
-        lengths = [p.ids.numel() + p.max_new_tokens for p in prepared if not isinstance(p, BatchResult)]
-        if not lengths:
-            return 1, "batch size 1 (no prompt to run)"
-        longest = max(p for p in lengths)
-        prompt_len = max(p.ids.numel() for p in prepared if not isinstance(p, BatchResult))
+                    for i, r in enumerate(self.requests) if isinstance(r, dict)]
+        prepared = [p for p in prepared if not isinstance(p, BatchResult)]
+        if not prepared:
+            return self.config, 1, "batch size 1 (no prompt to run)"
+        prompt_len = max(p.ids.numel() for p in prepared)
+        longest = max(p.ids.numel() + p.max_new_tokens for p in prepared)
+        config = row_config(self.config, longest)
+        check_usable(config, config.capacity(longest))
+        if self.batch_size != "auto":
+            return config, self.batch_size, f"batch size {self.batch_size} (--batch-size)"
         gen_len = max(longest - prompt_len, 1)
-        limit = self.memory_limit
-        source = "--memory-limit"
+        limit, source = self.memory_limit, "--memory-limit"
         if limit is None:
             limit, source = available_memory(input_device(lm)), "free memory"
             if limit is None:
                 raise ConfigError("--batch-size auto cannot read this device's free memory; allowed: --memory-limit "
                                   "SIZE, or --batch-size N")
-        config = row_config(self.config, longest)
-        check_usable(config, config.capacity(longest))
         row = fit_batch(lm, config, limit, prompt_len, gen_len)
         if row.max_batch < 1:
             raise ConfigError(
@@ -191,13 +192,12 @@ class BatchJob:
                 f"{format_bytes(parse_memory(limit))} with {row.label} (one needs {format_bytes(row.total_bytes)}: "
                 f"weights {format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)}, workspace "
                 f"{format_bytes(row.workspace_bytes)}); allowed: more memory, a smaller budget or fewer bits")
-        size = min(row.max_batch, len(lengths))
-        per_row = row.cache.total
-        return size, (
+        size = min(row.max_batch, len(prepared))
+        return config, size, (
             f"batch size {size} (auto): the largest that fits {source} {format_bytes(parse_memory(limit))} is "
             f"{row.max_batch} sequences of {prompt_len} + {gen_len} tokens with {row.label} (weights "
-            f"{format_bytes(row.weight_bytes)}, KV cache {format_bytes(per_row)} per sequence)"
-            + (f"; {len(lengths)} prompts to run" if size < row.max_batch else ""))
+            f"{format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)} per sequence)"
+            + (f"; {len(prepared)} prompts in the input" if size < row.max_batch else ""))
 
 
 def summary(report: BatchReport, config: CompressionConfig) -> dict:

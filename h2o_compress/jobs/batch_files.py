@@ -49,7 +49,8 @@ def read_requests(path) -> list[dict | BatchResult]:
             ident = str(request.get("id", number))
             if ident in seen:
                 request = _error(number, f"line {number}: id {ident!r} repeats line {seen[ident]}; allowed: one line "
-                                         "per id (answers are matched to prompts by id)", ident)
+                                         "per id (answers are matched to prompts by id; this one is answered as id "
+                                         f"{str(number)!r}, its line number)")
             else:
                 seen[ident] = number
                 request.setdefault("id", ident)

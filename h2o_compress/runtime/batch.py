@@ -49,7 +49,8 @@ class BatchStats:
         prefill_s, decode_s: seconds of the batched prefills (scoring passes included) and decode steps.
         row_steps: decode row-steps run (rows x steps); idle_row_steps: those spent on rows already finished.
         kv_bytes_per_sequence: ``cache.nbytes()`` per row at the end of the largest group (bytes).
-        capacity: tokens kept per layer and KV head for every row (``None``: unbounded).
+        capacity: tokens kept per layer and KV head for every row (``None``: unbounded); a group whose sequences
+            are all shorter holds them all.
     """
 
     prompts: int = 0
@@ -173,7 +174,9 @@ def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temp
     rows = sorted((p for p in prepared if isinstance(p, Prepared)), key=lambda p: -(p.ids.numel() + p.max_new_tokens))
     if not rows:
         return
-    config = row_config(config, rows[0].ids.numel() + rows[0].max_new_tokens)
+    longest = rows[0].ids.numel() + rows[0].max_new_tokens
+    config = row_config(config, longest)
+    stats.capacity = config.capacity(longest)
     eos = _eos_ids(model, tokenizer)
     for start in range(0, len(rows), batch_size):
         group, answered = rows[start : start + batch_size], set()
@@ -281,7 +284,6 @@ def _run_group(model, tokenizer, group: list[Prepared], config, eos: set[int], c
             stats.idle_row_steps += sum(done)
     cache.check()
     stats.kv_bytes_per_sequence = max(stats.kv_bytes_per_sequence, cache.nbytes() // batch)
-    stats.capacity = cache.capacity
 
 
 def _pick(logits: torch.Tensor, group: list[Prepared], generators) -> torch.Tensor:
