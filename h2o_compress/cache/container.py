@@ -133,6 +133,24 @@ class CompressedCache(Cache):
         token."""
         return "+".join(sorted({layer.decode_kernel for layer in self.layers if layer.is_initialized}))
 
+    def take_rows(self, indices, source: "CompressedCache", batch: int) -> None:
+        """Copy every sequence of ``source`` (a cache of the same setting and model, e.g. one prompt prefilled alone)
+        into rows ``indices`` (ints, one per ``source`` sequence) of this cache of ``batch`` rows, layer by layer
+        (:meth:`CompressedLayer.take_rows`); the first call makes this cache's buffers. Continuous batching
+        (:func:`h2o_compress.generate_batch`) refills a finished row this way. Eager: reads ``seen`` once per layer.
+        ``source`` is left empty.
+
+        Raises:
+            CacheStateError: ``source`` has another layer count or setting, or holds nothing.
+        """
+        if len(source.layers) != len(self.layers):
+            raise CacheStateError(f"the source cache has {len(source.layers)} layers, this one {len(self.layers)}: "
+                                  "rows move only between caches of one model")
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        for layer, other in zip(self.layers, source.layers):
+            layer.take_rows(indices, other, batch)
+        self.max_length = None  # positions keep counting as rows are refilled
+
     def kept_length(self, layer_idx: int = 0) -> int:
         """Tokens held now by ``layer_idx``, per sequence and KV head (reads the device)."""
         return self.layers[layer_idx].kept_length()

@@ -23,7 +23,7 @@ from h2o_compress.attention import announce, withdraw
 from h2o_compress.attention.launch import mark_static_address
 from h2o_compress.attention.variant import AttentionVariant
 from h2o_compress.utils.errors import CacheStateError, InputError
-from h2o_compress.cache import backends, chunk, decode
+from h2o_compress.cache import backends, chunk, decode, rows
 from h2o_compress.cache.ring import RingWindow, held_positions
 from h2o_compress.cache.setting import LayerSetting
 from h2o_compress.cache.slots import SlotStore
@@ -80,9 +80,9 @@ class CompressedLayer(CacheLayerMixin):
             self.ring = RingWindow(shape, geometry.residual_dtype, geometry.device, self.with_scores)
         self.counters = Counters.zeros(geometry.batch, geometry.device)
         self.backend = backends.choose(self)
-        if geometry.device.type != "meta":
-            mark_static_address(self.tensors())
         self.is_initialized = True
+        if geometry.device.type != "meta":
+            mark_static_address(self.tensors().values())
 
     @property
     def decode_kernel(self) -> str | None:
@@ -234,6 +234,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices], in_place=False)
+
+    def take_rows(self, indices: torch.Tensor, source: "CompressedLayer", batch: int) -> None:
+        """Copy every sequence of ``source`` (a layer of the same setting) into rows ``indices`` of this layer of
+        ``batch`` rows, aligning their positions (:func:`.rows.take_rows`: continuous batching). Eager."""
+        rows.take_rows(self, indices, source, batch)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise CacheStateError("a compressed cache cannot be cropped: evicted tokens cannot be restored")

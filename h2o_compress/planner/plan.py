@@ -203,13 +203,19 @@ def plan(
 
 
 def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, gen_len: int, weights: int,
-         kv_dtype: torch.dtype, usable: int, compiled: bool, quality: float | None = None) -> PlanRow:
+         kv_dtype: torch.dtype, usable: int, compiled: bool, quality: float | None = None,
+         rows_alone: bool = False) -> PlanRow:
     """``config`` evaluated at ``batch`` and the lengths: its bytes, whether it fits ``usable`` bytes, its largest
-    batch and longest context."""
+    batch and longest context. ``rows_alone``: each sequence is prefilled alone into a cache of its own, then moved
+    into the batch (:func:`h2o_compress.generate_batch`): the prefill's workspace is one sequence's, plus that
+    sequence's cache while it is moved."""
 
     def total(b: int, prompt: int) -> tuple[CacheBytes, int, int]:
         cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
-        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual, compiled)
+        work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual, compiled,
+                               prefill_batch=1 if rows_alone else None)
+        if rows_alone:
+            work += cache.total // b
         return cache, work, weights + cache.total + work
 
     cache, work, need = total(batch, prompt_len)
@@ -223,25 +229,28 @@ def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int
 
 
 def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len: int, headroom=0,
-              compiled: bool | None = None) -> PlanRow:
+              compiled: bool | None = None, batch: int = 1) -> PlanRow:
     """``config`` as it is (no candidate grid) for a loaded ``model`` under ``memory``: the :class:`PlanRow` whose
     ``max_batch`` is the largest batch of ``prompt_len + gen_len``-token sequences that fits with the weights as
-    loaded (what ``h2o-compress batch --batch-size auto`` runs), 0 when not even one does. Same accounting as
-    :func:`plan`; ``headroom`` and ``compiled`` as there.
+    loaded (what ``h2o-compress batch --batch-size auto`` runs), 0 when not even one does; its bytes are those of
+    ``batch`` sequences. Same accounting as :func:`plan` but for the prefill, which :func:`h2o_compress.generate_batch`
+    runs one sequence at a time (its workspace is one sequence's, plus that sequence's cache until it joins the
+    batch); ``headroom`` and ``compiled`` as there.
 
     Raises:
         ConfigError: a bad memory amount, headroom or length.
     """
     limit = parse_memory(memory)
     usable = limit - parse_headroom(headroom, limit)
-    for name, value in (("prompt_len", prompt_len), ("gen_len", gen_len)):
-        _positive(name, value, MAX_CONTEXT)
+    for name, value, maximum in (("prompt_len", prompt_len, MAX_CONTEXT), ("gen_len", gen_len, MAX_CONTEXT),
+                                 ("batch", batch, MAX_BATCH)):
+        _positive(name, value, maximum)
     spec = resolve_model(model)
     kv_dtype = spec.dtype or resolve_dtype("float16", torch.device("cpu"))
     weights = weight_bytes(spec, 16, kv_dtype)
     if compiled is None:
         compiled = _compiled_by_default(model, spec, 16)
-    return _row(spec, config, 1, prompt_len, gen_len, weights, kv_dtype, usable, compiled)
+    return _row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, usable, compiled, rows_alone=True)
 
 
 def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:

@@ -195,7 +195,8 @@ def runs_decode_op(config: CompressionConfig, adaptive: bool) -> bool:
 
 
 def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, kept: int,
-                    dtype: torch.dtype, slots: int | None = None, residual: int = 0, compiled: bool = False) -> int:
+                    dtype: torch.dtype, slots: int | None = None, residual: int = 0, compiled: bool = False,
+                    prefill_batch: int | None = None) -> int:
     """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
     decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
     ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
@@ -204,6 +205,9 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     torch form, a head-adaptive one reading ``kv_heads x`` the kept tokens per head),
     plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`; none for
     the bitsandbytes formats, which decode eagerly).
+
+    ``prefill_batch``: sequences prefilled together (``None``: the whole ``batch``; a batch job of
+    :func:`h2o_compress.generate_batch` prefills 1 at a time).
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
@@ -225,6 +229,6 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
             batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
     pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled and not eager_only else 0
     return scratch + pool + max(
-        forward_peak_bytes(spec, config, batch, prompt_len, prompt_len, size),
+        forward_peak_bytes(spec, config, min(batch, prefill_batch or batch), prompt_len, prompt_len, size),
         forward_peak_bytes(spec, config, batch, 1, kept + 1, size),
     )

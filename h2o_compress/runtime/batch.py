@@ -1,22 +1,30 @@
-"""``generate_batch``: many prompts through one compressed KV cache per batch (the throughput of the H2O paper,
-Zhang et al. 2023, arXiv 2306.14048 §5.3: a smaller cache fits a larger batch).
+"""``generate_batch``: many prompts through one compressed KV cache of ``batch_size`` rows (the throughput of the
+H2O paper, Zhang et al. 2023, arXiv 2306.14048 §5.3: a smaller cache fits a larger batch).
 
-How a job runs:
+How a job runs (continuous batching over the cache's fixed buffers):
 
 - Every request is checked and tokenized first (:func:`~h2o_compress.runtime.batch_requests.prepare`); a bad one
   gives an error result naming its id and the others go on.
-- Prompts are **grouped by length** (longest first), ``batch_size`` at a time, and each group is left-padded into
-  one batched prefill. A sequence that ends early (its end-of-sequence token or its own ``max_new_tokens``) keeps
-  its row until the group's longest ends: those idle row-steps are the waste, counted in
-  :attr:`BatchStats.idle_row_steps` (grouping by length keeps it small; rows are not refilled mid-group).
+- Each prompt is prefilled **alone**, exactly as ``generate`` prefills it (its own scoring pass for ``kvzip`` and
+  ``lookahead``), into a one-row cache whose sequence is then moved into a free row of the batch cache
+  (:meth:`~h2o_compress.cache.CompressedCache.take_rows`: positions are aligned, nothing is recomputed). So the
+  prefill needs the workspace of one sequence, whatever the batch, and no padding is ever computed.
+- Decode steps run every row at once. A row whose sequence ends (its end-of-sequence token or its own
+  ``max_new_tokens``) is refilled with the next prompt before the next step, so no row waits for another; rows are
+  idle only at the end of the job, when no prompt is left (then the batch shrinks by halves). ``refill=False``
+  runs static batches instead (the next ``batch_size`` prompts start when all rows have ended), to measure what
+  refilling saves: :attr:`BatchStats.idle_row_steps`.
 - The budget: an integer is tokens per layer and KV head for every row, as for ``generate`` alone (so each answer
   has the greedy tokens ``generate`` gives that prompt alone). A fraction applies to the job's longest sequence
   (the longest ``prompt + max_new_tokens`` of all requests): every row keeps ``ceil(budget x that)`` tokens, at
-  least what it keeps alone, and every group holds the same bytes per row (what ``--batch-size auto`` plans).
+  least what it keeps alone, and every row holds the same bytes (what ``--batch-size auto`` plans).
+  ``layer_budgets="global"`` splits the capacity over the layers once, from the scores of the first prompts
+  admitted (one split for every row: the rows share the cache's buffers).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -45,19 +53,19 @@ class BatchStats:
     Attributes:
         prompts: requests answered (errors included); errors: those that failed.
         prompt_tokens, new_tokens: tokens read and generated (answered requests).
-        batches: groups run; batch_size: the largest group.
-        prefill_s, decode_s: seconds of the batched prefills (scoring passes included) and decode steps.
-        row_steps: decode row-steps run (rows x steps); idle_row_steps: those spent on rows already finished.
-        kv_bytes_per_sequence: ``cache.nbytes()`` per row at the end of the largest group (bytes).
-        capacity: tokens kept per layer and KV head for every row (``None``: unbounded); a group whose sequences
-            are all shorter holds them all.
+        batch_size: rows of the batch cache (at most the number of prompts).
+        prefill_s, decode_s: seconds of the prefills (scoring passes and the move into the batch included) and of
+            the decode steps.
+        row_steps: decode row-steps run (rows x steps); idle_row_steps: those spent on rows holding no running
+            sequence (the end of the job; static batches: rows whose sequence ended before their batch's last).
+        kv_bytes_per_sequence: ``cache.nbytes()`` per row (bytes).
+        capacity: tokens kept per layer and KV head for every row (``None``: unbounded).
     """
 
     prompts: int = 0
     errors: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
-    batches: int = 0
     batch_size: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -73,7 +81,7 @@ class BatchStats:
 
     @property
     def idle_share(self) -> float:
-        """Share of the decode row-steps spent on finished rows (the waste of static groups)."""
+        """Share of the decode row-steps spent on rows holding no running sequence."""
         return self.idle_row_steps / self.row_steps if self.row_steps else 0.0
 
     def to_dict(self) -> dict:
@@ -114,8 +122,10 @@ def generate_batch(
     model, tokenizer, requests: Iterable, config: CompressionConfig | None = None, max_new_tokens: int = 128,
     batch_size: int = 8, chat: bool = True, temperature: float = 0.0, seed: int | None = None,
     compile: bool | None = None, in_order: bool = False, on_step: Callable[[int, int], None] | None = None,
+    longest_first: bool = True, refill: bool = True,
 ) -> BatchRun:
-    """Generate for many prompts, ``batch_size`` at a time, each group through one compressed KV cache.
+    """Generate for many prompts, ``batch_size`` sequences decoded at once through one compressed KV cache, a row
+    refilled with the next prompt as soon as its sequence ends (see the module's text).
 
     Args:
         model, tokenizer: as for :func:`h2o_compress.generate`.
@@ -126,15 +136,18 @@ def generate_batch(
         max_new_tokens, chat, temperature, seed, compile: the job's defaults, as for ``generate``; a request's own
             ``seed`` seeds its sampling as ``generate`` would (the same tokens); without one, the job's ``seed``
             plus the request's index.
-        batch_size: sequences per group (rows of one cache), 1 to :data:`MAX_BATCH_SIZE`.
+        batch_size: rows of the batch cache, 1 to :data:`MAX_BATCH_SIZE` (at most the number of prompts are used).
         in_order: yield results in input order (held back until their turn) instead of as they finish.
-        on_step: called after each prefill and decode step with ``(rows that produced a token, rows in the
-            group)`` (for a progress bar).
+        on_step: called after each decode step with ``(rows that produced a token, rows in the batch)`` (for a
+            progress bar).
+        longest_first: admit prompts longest first (``prompt + max_new_tokens``), so the end of the job, where rows
+            run idle, holds the short ones; ``False``: in input order.
+        refill: refill a row as soon as its sequence ends (continuous batching); ``False``: static batches.
 
     Returns:
         A :class:`BatchRun`: iterate it for :class:`~h2o_compress.runtime.batch_requests.BatchResult` objects (one
-        per request; a refused request, or one whose group failed, has ``finish_reason == "error"`` and
-        ``error``); ``.stats`` holds the :class:`BatchStats`.
+        per request; a refused request, or one whose batch failed, has ``finish_reason == "error"`` and ``error``);
+        ``.stats`` holds the :class:`BatchStats`.
 
     Raises:
         ConfigError: a bad job-wide argument (checked before anything runs, when this is called).
@@ -150,7 +163,7 @@ def generate_batch(
         raise ConfigError("requests is a single text; allowed: a list of texts or request objects")
     stats = BatchStats()
     results = _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile,
-                   on_step, stats)
+                   on_step, stats, bool(longest_first), bool(refill))
     return BatchRun(_in_order(results) if in_order else results, stats)
 
 
@@ -164,145 +177,185 @@ def _in_order(results: Iterator[BatchResult]) -> Iterator[BatchResult]:
 
 
 def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile, on_step,
-         stats: BatchStats) -> Iterator[BatchResult]:
+         stats: BatchStats, longest_first: bool, refill: bool) -> Iterator[BatchResult]:
     prepared = [prepare(model, tokenizer, item, index, chat, max_new_tokens, temperature, seed)
                 for index, item in enumerate(items)]
     for result in prepared:
         if isinstance(result, BatchResult):
             stats.prompts, stats.errors = stats.prompts + 1, stats.errors + 1
             yield result
-    rows = sorted((p for p in prepared if isinstance(p, Prepared)), key=lambda p: -(p.ids.numel() + p.max_new_tokens))
+    rows = [p for p in prepared if isinstance(p, Prepared)]
     if not rows:
         return
-    longest = rows[0].ids.numel() + rows[0].max_new_tokens
+    if longest_first:
+        rows.sort(key=lambda p: -(p.ids.numel() + p.max_new_tokens))
+    longest = max(p.ids.numel() + p.max_new_tokens for p in rows)
     config = row_config(config, longest)
     stats.capacity = config.capacity(longest)
-    eos = _eos_ids(model, tokenizer)
-    for start in range(0, len(rows), batch_size):
-        group, answered = rows[start : start + batch_size], set()
-        try:
-            for result in _run_group(model, tokenizer, group, config, eos, compile, on_step, stats):
-                answered.add(result.index)
-                stats.prompts += 1
-                stats.prompt_tokens, stats.new_tokens = stats.prompt_tokens + result.prompt_tokens, stats.new_tokens + result.new_tokens
-                yield result
-        except H2OCompressError as exc:  # the group's cache failed (e.g. NaN reached it): its other rows say why
-            for p in group:
-                if p.index not in answered:
-                    stats.prompts, stats.errors = stats.prompts + 1, stats.errors + 1
-                    yield BatchResult(id=p.request.id, index=p.index, prompt_tokens=p.ids.numel(),
-                                      finish_reason="error", error=str(exc))
+    batch = _Batch(model, tokenizer, config, longest, min(batch_size, len(rows)), compile, stats)
+    answered = set()
+    try:
+        for result in batch.run(rows, refill, on_step):
+            answered.add(result.index)
+            stats.prompts += 1
+            stats.prompt_tokens, stats.new_tokens = stats.prompt_tokens + result.prompt_tokens, stats.new_tokens + result.new_tokens
+            yield result
+    except H2OCompressError as exc:  # the batch cache failed (e.g. NaN reached it): the prompts not answered say why
+        for p in rows:
+            if p.index not in answered:
+                stats.prompts, stats.errors = stats.prompts + 1, stats.errors + 1
+                yield BatchResult(id=p.request.id, index=p.index, prompt_tokens=p.ids.numel(), finish_reason="error",
+                                  error=str(exc))
 
 
-def left_pad(group: list[Prepared], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` int64 ``[batch, longest]``: each row's tokens at the right end."""
-    width = max(p.ids.numel() for p in group)
-    ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(group), width, dtype=torch.long)
-    for row, p in enumerate(group):
-        ids[row, width - p.ids.numel():] = p.ids
-        mask[row, width - p.ids.numel():] = 1
-    return ids.to(device), mask.to(device)
+class _Batch:
+    """The rows of a batch job: the batch cache, which prompt each row runs, its tokens so far and its sampler."""
+
+    def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats):
+        self.model, self.tokenizer, self.config, self.longest, self.stats = model, tokenizer, config, longest, stats
+        self.device, self.size = input_device(model), size
+        self.eos = _eos_ids(model, tokenizer)
+        self.scored = bool(POLICIES[config.policy].scorer)
+        self.capacities = None  # layer_budgets="global": one split for every row, from the first prompts' scores
+        self.cache = make_cache(model, config, longest)
+        self.compile = compile
+        self.rows: list[Prepared | None] = [None] * size
+        self.tokens: list[list[int]] = [[] for _ in range(size)]
+        self.generators: list[torch.Generator | None] = [None] * size
+        self.token = torch.zeros(size, 1, dtype=torch.long, device=self.device)
+
+    def run(self, prompts: list[Prepared], refill: bool, on_step) -> Iterator[BatchResult]:
+        self.queue = collections.deque(prompts)
+        if self.scored and self.config.layer_budgets == "global":
+            self._split_layers(prompts[: self.size])
+        for row in range(self.size):
+            yield from self._fill(row)
+        compiled = resolve_compile(self.compile, self.cache, self.device, self.model)
+        step = compiled_decode_step(self.model, self.device) if compiled else decode_step
+        untimed = warmup_steps(self.device) if compiled else 0
+        steps = 0
+        while any(r is not None for r in self.rows):
+            start = time.perf_counter()
+            positions = torch.tensor([[self._position(row)] for row in range(self.size)], device=self.device)
+            logits = step(self.model, self.token, self.cache, positions, None)
+            self.token = self._pick(logits)
+            values = self.token[:, 0].tolist()
+            _sync(self.device)
+            steps += 1
+            running = [row for row in range(self.size) if self.rows[row] is not None]
+            if steps > untimed:
+                self.stats.decode_s += time.perf_counter() - start
+                self.stats.row_steps += self.size
+                self.stats.idle_row_steps += self.size - len(running)
+            if on_step is not None:
+                on_step(len(running), self.size)
+            for row in running:
+                self.tokens[row].append(values[row])
+                if self._ended(row):
+                    yield self._result(row)
+                    self.rows[row] = None
+            if refill or not any(r is not None for r in self.rows):
+                for row in range(self.size):
+                    if self.rows[row] is None:
+                        yield from self._fill(row)
+            if not compiled:  # a compiled step keeps its shapes (and its buffers' addresses)
+                self._shrink()
+        self.cache.check()
+
+    def _fill(self, row: int) -> Iterator[BatchResult]:
+        """Prefill the next prompts alone into ``row`` until one is still running after its first token."""
+        while self.queue:
+            prompt = self.queue.popleft()
+            start = time.perf_counter()
+            part = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
+            ids = prompt.ids[None].to(self.device)
+            if self.scored:
+                hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True)
+            logits = self.model(input_ids=ids, past_key_values=part, use_cache=True, logits_to_keep=1).logits[:, -1]
+            self.cache.take_rows([row], part, self.size)
+            self.rows[row], self.tokens[row] = prompt, []
+            self.generators[row] = _generator(prompt, self.device)
+            first = self._pick(logits, only=row)
+            self.token[row] = first[0]
+            self.tokens[row].append(int(first[0, 0]))
+            _sync(self.device)
+            self.stats.prefill_s += time.perf_counter() - start
+            self.stats.batch_size = max(self.stats.batch_size, self.size)
+            if not self._ended(row):
+                self.stats.kv_bytes_per_sequence = self.cache.nbytes() // self.size
+                return
+            yield self._result(row)
+            self.rows[row] = None
+
+    def _split_layers(self, first: list[Prepared]) -> None:
+        """``layer_budgets="global"``: each layer's capacity, from the scores of the first prompts (each alone)."""
+        capacity = self.config.capacity(self.longest)
+        if capacity is None:
+            return
+        capacity = min(capacity, self.longest)
+        width = max(p.ids.numel() for p in first)
+        scores = [score_context(self.model, self.tokenizer, p.ids[None].to(self.device),
+                                self.config.eviction_policy(), True) for p in first]
+        aligned = [torch.cat([torch.nn.functional.pad(s[layer], (0, width - s[layer].shape[-1])) for s in scores])
+                   for layer in range(len(scores[0]))]  # first token first: the sinks are each prompt's first tokens
+        self.capacities = global_layer_capacities(aligned, capacity, self.config.min_layer_capacity(capacity),
+                                                  self.longest, self.config.sinks)
+        self.cache = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
+
+    def _position(self, row: int) -> int:
+        """The position of the token ``row`` feeds: its prompt's length plus its tokens so far, less one (an idle
+        row feeds its last again: a learned position table ends at the model's context)."""
+        prompt = self.rows[row]
+        return 0 if prompt is None else prompt.ids.numel() + len(self.tokens[row]) - 1
+
+    def _ended(self, row: int) -> bool:
+        tokens = self.tokens[row]
+        return tokens[-1] in self.eos or len(tokens) >= self.rows[row].max_new_tokens
+
+    def _pick(self, logits: torch.Tensor, only: int | None = None) -> torch.Tensor:
+        """Next token ``[rows, 1]``: the argmax, or for a sampling row a draw of ``softmax(logits / t)`` with its
+        own generator (as ``generate`` draws for that prompt alone). ``only``: ``logits`` ``[1, vocab]`` of that row."""
+        token = logits.argmax(-1, keepdim=True)
+        for i, row in enumerate([only] if only is not None else range(self.size)):
+            prompt, generator = self.rows[row], self.generators[row]
+            if prompt is not None and generator is not None:
+                probs = torch.softmax(logits[i : i + 1].float() / prompt.temperature, -1)
+                token[i] = torch.multinomial(probs, 1, generator=generator)[0]
+        return token
+
+    def _shrink(self) -> None:
+        """With no prompt left to admit, halve the batch once at most half its rows run (fewer rows per step; a
+        compiled step compiles, or records, once per size)."""
+        running = [row for row in range(self.size) if self.rows[row] is not None]
+        if not running or len(running) > self.size // 2 or self.size == 1 or self.queue:
+            return
+        keep = torch.tensor(running, device=self.device)
+        self.cache.batch_select_indices(keep)
+        self.rows = [self.rows[r] for r in running]
+        self.tokens = [self.tokens[r] for r in running]
+        self.generators = [self.generators[r] for r in running]
+        self.token = self.token.index_select(0, keep)
+        self.size = len(running)
+
+    def _result(self, row: int) -> BatchResult:
+        prompt, tokens = self.rows[row], self.tokens[row]
+        return BatchResult(
+            id=prompt.request.id, index=prompt.index, text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            prompt_tokens=prompt.ids.numel(), new_tokens=len(tokens),
+            finish_reason="stop" if tokens[-1] in self.eos else "length", token_ids=tokens,
+        )
 
 
-def _group_cache(model, tokenizer, group: list[Prepared], config: CompressionConfig, max_length: int):
-    """A cache for the group; for a policy with a scoring pass (kvzip, lookahead) each prompt is scored alone, as
-    ``generate`` scores it, and its scores are left-padded into the group's."""
-    if not POLICIES[config.policy].scorer:
-        return make_cache(model, config, max_length)
-    device = input_device(model)
-    width = max(p.ids.numel() for p in group)
-    alone = [score_context(model, tokenizer, p.ids[None].to(device), config.eviction_policy(), True) for p in group]
-    capacity = config.capacity(max_length)
-    capacities = None
-    if config.layer_budgets == "global" and capacity is not None:
-        capacity = min(capacity, max_length)
-        aligned = [torch.cat([torch.nn.functional.pad(s[layer], (0, width - s[layer].shape[-1])) for s in alone])
-                   for layer in range(len(alone[0]))]  # first token first: the sinks are each row's first tokens
-        capacities = global_layer_capacities(aligned, capacity, config.min_layer_capacity(capacity), max_length,
-                                             config.sinks)
-    cache = make_cache(model, config, max_length, layer_capacities=capacities)
-    padded = [torch.cat([torch.nn.functional.pad(s[layer], (width - s[layer].shape[-1], 0)) for s in alone])
-              for layer in range(len(alone[0]))]
-    hand_context_scores(model, tokenizer, None, cache, scores=padded)
-    return cache
-
-
-@torch.inference_mode()
-def _run_group(model, tokenizer, group: list[Prepared], config, eos: set[int], compile, on_step,
-               stats: BatchStats) -> Iterator[BatchResult]:
-    device, batch = input_device(model), len(group)
-    pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else next(iter(eos), 0)
-    ids, mask = left_pad(group, pad_id, device)
-    lengths = torch.tensor([p.ids.numel() for p in group], device=device)
-    most_new = max(p.max_new_tokens for p in group)
-    _sync(device)
-    start = time.perf_counter()
-    cache = _group_cache(model, tokenizer, group, config, ids.shape[1] + most_new)
-    padded = bool((mask == 0).any())
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    generators = [None if p.temperature == 0 else torch.Generator(device=device) for p in group]
-    for generator, p in zip(generators, group):
-        if generator is not None:
-            generator.manual_seed(p.seed) if p.seed is not None else generator.seed()
-    token = _pick(logits, group, generators)
-    _sync(device)
-    stats.prefill_s += time.perf_counter() - start
-    stats.batches, stats.batch_size = stats.batches + 1, max(stats.batch_size, batch)
-    compiled = resolve_compile(compile, cache, device, model)
-    step = compiled_decode_step(model, device) if compiled else decode_step
-    untimed = warmup_steps(device) if compiled else 0
-    # the fed position of a finished row stops at its own last one (a learned position table ends at the context)
-    last = (lengths + torch.tensor([p.max_new_tokens for p in group], device=device) - 1)[:, None]
-    generated: list[list[int]] = [[] for _ in group]
-    done = [False] * batch
-    steps = 0
-    while True:
-        values = token[:, 0].tolist()
-        for row, value in enumerate(values):
-            if not done[row]:
-                generated[row].append(value)
-                done[row] = value in eos or len(generated[row]) >= group[row].max_new_tokens
-        if on_step is not None:
-            on_step(sum(1 for row in range(batch) if len(generated[row]) == steps + 1), batch)
-        for row in range(batch):
-            if done[row] and len(generated[row]) == steps + 1:
-                yield _result(tokenizer, group[row], generated[row], eos)
-        if all(done):
-            break
-        start = time.perf_counter()
-        fed = torch.minimum(lengths[:, None] + steps, last)
-        logits = step(model, token, cache, fed, None)
-        token = _pick(logits, group, generators)
-        _sync(device)
-        steps += 1
-        if steps > untimed:
-            stats.decode_s += time.perf_counter() - start
-            stats.row_steps += batch
-            stats.idle_row_steps += sum(done)
-    cache.check()
-    stats.kv_bytes_per_sequence = max(stats.kv_bytes_per_sequence, cache.nbytes() // batch)
-
-
-def _pick(logits: torch.Tensor, group: list[Prepared], generators) -> torch.Tensor:
-    """Next token per row ``[batch, 1]``: greedy rows the argmax, sampled rows a draw of ``softmax(logits / t)``
-    with the row's own generator (as ``generate`` draws for that prompt alone)."""
-    token = logits.argmax(-1, keepdim=True)
-    for row, (p, generator) in enumerate(zip(group, generators)):
-        if generator is not None:
-            probs = torch.softmax(logits[row : row + 1].float() / p.temperature, -1)
-            token[row] = torch.multinomial(probs, 1, generator=generator)[0]
-    return token
-
-
-def _result(tokenizer, p: Prepared, tokens: list[int], eos: set[int]) -> BatchResult:
-    return BatchResult(
-        id=p.request.id, index=p.index, text=tokenizer.decode(tokens, skip_special_tokens=True),
-        prompt_tokens=p.ids.numel(), new_tokens=len(tokens), finish_reason="stop" if tokens[-1] in eos else "length",
-        token_ids=tokens,
-    )
+def _generator(prompt: Prepared, device) -> torch.Generator | None:
+    """The sampler of a sampling prompt: seeded with its seed (as ``generate(seed=...)``), else at random."""
+    if prompt.temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    if prompt.seed is not None:
+        generator.manual_seed(prompt.seed)
+    else:
+        generator.seed()
+    return generator
 
 
 __all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "generate_batch", "row_config"]

@@ -45,9 +45,27 @@ def test_batched_answers_equal_generate_alone(arch, setting, tokenizer, one_thre
         results = list(run)
         assert [r.index for r in results] == list(range(len(PROMPTS)))
         assert [r.token_ids for r in results] == expected, f"batch {batch_size}"
-        assert run.stats.batches == math.ceil(len(PROMPTS) / batch_size)
+        assert run.stats.batch_size == min(batch_size, len(PROMPTS))
         assert run.stats.new_tokens == sum(len(t) for t in expected)
+    static = generate_batch(model, tokenizer, PROMPTS, config, max_new_tokens=12, batch_size=3, chat=False,
+                            in_order=True, refill=False, longest_first=False)
+    assert [r.token_ids for r in static] == expected
 
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "mistral", "gemma2", "gpt_oss"])
+@torch.inference_mode()
+def test_rows_moved_between_caches_keep_chunks_windows_softcap_and_sinks(model_type, tokenizer, one_thread):
+    """A prompt prefilled alone and moved into a row that has seen more (its positions shifted, its ring turned)
+    decodes as alone: chunked (Llama 4), sliding (Mistral), soft-capped sliding (Gemma 2), sink logits (GPT-OSS)."""
+    from helpers.architectures import tiny_causal_lm
+
+    model = tiny_causal_lm(model_type)
+    prompts = [p for p in PROMPTS if len(tokenizer(p).input_ids) > 20][:2] + PROMPTS[:4]
+    for config in (CompressionConfig(budget=10, kv_bits=4, residual=3), CompressionConfig(budget=1.0, kv_bits=16)):
+        expected = alone(model, tokenizer, config, prompts)
+        run = generate_batch(model, tokenizer, prompts, config, max_new_tokens=12, batch_size=2, chat=False,
+                             in_order=True, longest_first=False)
+        assert [r.token_ids for r in run] == expected, config
 
 @torch.inference_mode()
 def test_budget_fraction_is_of_the_longest_sequence(tokenizer, one_thread):
@@ -81,21 +99,23 @@ def test_sampling_with_a_seed_draws_what_generate_draws(tokenizer, one_thread):
 
 
 @torch.inference_mode()
-def test_per_prompt_max_new_tokens_and_idle_rows(tokenizer, one_thread):
-    """A row that ends early waits for its group: the idle row-steps are counted, never decoded into its answer."""
+def test_rows_are_refilled_as_they_end_and_static_batches_wait(tokenizer, one_thread):
+    """Mixed lengths: continuous batching refills a row as soon as its sequence ends (idle rows only at the end of
+    the job), static batches leave ended rows idle until their batch's longest ends; the answers are the same."""
     model = TINY_MODELS["llama"]()
-    lengths = [2, 9, 5]
-    requests = [{"id": f"r{n}", "prompt": PROMPTS[0], "max_new_tokens": n} for n in lengths]
-    run = generate_batch(model, tokenizer, requests, CompressionConfig(budget=10), batch_size=3, chat=False,
-                         in_order=True)
-    results = list(run)
-    assert [r.new_tokens for r in results if r.finish_reason == "length"] == [n for n, r in zip(lengths, results)
-                                                                               if r.finish_reason == "length"]
-    assert all(r.new_tokens <= n for n, r in zip(lengths, results))
-    steps = max(r.new_tokens for r in results) - 1
-    assert run.stats.row_steps == 3 * steps
-    assert run.stats.idle_row_steps == sum(steps - (r.new_tokens - 1) for r in results)
-    assert run.stats.idle_share > 0
+    lengths = [2, 12, 3, 12, 5, 2, 9, 4, 12, 3]
+    requests = [{"id": f"r{i}", "prompt": PROMPTS[i % 9], "max_new_tokens": n} for i, n in enumerate(lengths)]
+    config = CompressionConfig(budget=10, kv_bits=4, residual=2)
+    runs = {refill: generate_batch(model, tokenizer, requests, config, batch_size=3, chat=False, in_order=True,
+                                   refill=refill, longest_first=False) for refill in (True, False)}
+    answers = {refill: [r.token_ids for r in run] for refill, run in runs.items()}
+    assert answers[True] == answers[False]
+    assert all(len(a) <= n for a, n in zip(answers[True], lengths))
+    continuous, static = runs[True].stats, runs[False].stats
+    decoded = sum(len(a) - 1 for a in answers[True])  # the first token of each comes from its prefill
+    assert continuous.row_steps - continuous.idle_row_steps == decoded == static.row_steps - static.idle_row_steps
+    assert continuous.idle_row_steps < static.idle_row_steps
+    assert continuous.row_steps < static.row_steps
 
 
 @torch.inference_mode()

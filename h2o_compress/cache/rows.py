@@ -1,0 +1,86 @@
+"""Sequences moved between caches of one setting: a prompt prefilled alone, placed into a row of a running batch
+(continuous batching, :func:`h2o_compress.generate_batch`).
+
+Positions in a layer are only ever compared with each other and with ``seen`` (the recent window, sliding windows,
+chunks counted from ``first_real``, the sinks, the ring's slot ``position % size``), so a layer whose every position,
+``first_real`` and ``seen`` move by the same ``delta`` (and whose ring turns by ``delta``) holds the same tokens with
+the same futures: :func:`shift`. Two layers that have seen different counts are aligned that way, then rows are
+copied buffer by buffer (:func:`take_rows`). Eager code run once per prompt placed, never in a decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_compress.attention.launch import mark_static_address
+from h2o_compress.policies.base import NO_POSITION
+from h2o_compress.utils.errors import CacheStateError
+
+
+def shift(layer, delta: int) -> None:
+    """Move every position of ``layer`` (held tokens of the store and ring, ``first_real``, ``seen``) by ``delta``
+    tokens (>= 0), turning the ring with them. In place."""
+    if delta == 0 or not layer.is_initialized:
+        return
+    for name, tensor in layer.tensors().items():
+        if name.endswith("positions"):
+            tensor.copy_(torch.where(tensor >= 0, tensor + delta, tensor))
+    first_real = layer.first_real
+    first_real.copy_(torch.where(first_real != NO_POSITION, first_real + delta, first_real))
+    layer.seen.add_(delta)
+    ring = layer.ring
+    turn = 0 if ring is None else delta % ring.size
+    if turn:  # the token at position p sits in slot p % size
+        for name, tensor in ring.tensors().items():
+            tensor.copy_(tensor.roll(turn, dims=1 if name == "positions" else 2))
+
+
+def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
+    """Copy every sequence of ``source`` (a layer of the same setting: same capacity, formats and ring) into rows
+    ``rows`` (int64 ``[source batch]``) of ``layer``, which holds ``batch`` sequences; a layer that holds nothing yet
+    is made from ``source`` (its other rows copies of ``source``'s first, to be overwritten). The layer that has seen
+    fewer tokens is first :func:`shift` ed to the other's ``seen``. ``source`` is left empty.
+
+    Raises:
+        CacheStateError: ``source`` holds nothing, or its buffers do not match this layer's (another setting).
+    """
+    if not source.is_initialized:
+        raise CacheStateError(f"layer {layer.layer_idx}: the source cache holds nothing; prefill it first")
+    if (source.capacity, source.residual) != (layer.capacity, layer.residual):
+        raise CacheStateError(f"layer {layer.layer_idx}: rows of a cache of capacity {source.capacity} (ring "
+                              f"{source.residual}) cannot go into one of capacity {layer.capacity} (ring {layer.residual})")
+    rows = rows.to(source.device)
+    if not layer.is_initialized:
+        index = torch.zeros(batch, dtype=torch.long, device=source.device)
+        index[rows] = torch.arange(rows.numel(), device=source.device)
+        source._map_batch(lambda t: t.index_select(0, index), in_place=False)
+        for part in ("store", "ring", "geometry", "counters", "backend", "bound_module"):
+            setattr(layer, part, getattr(source, part))
+        layer.is_initialized = True
+        mark_static_address(layer.tensors().values())
+        _refresh_scratch(layer)
+        source.reset()
+        return
+    gap = int(layer.seen) - int(source.seen)
+    shift(layer if gap < 0 else source, abs(gap))
+    mine = layer.tensors()
+    for name, tensor in source.tensors().items():
+        target = mine.get(name)
+        if target is None or target.shape[1:] != tensor.shape[1:]:
+            raise CacheStateError(f"layer {layer.layer_idx}: buffer {name} of the source does not match this cache's "
+                                  "(another setting)")
+        if name in ("finite", "consistent"):
+            target &= tensor
+        elif tensor.dim() and name != "seen":
+            target.index_copy_(0, rows, tensor)
+    source.reset()
+
+
+def _refresh_scratch(layer) -> None:
+    """A layer whose decode steps run the Triton op re-sizes that op's scratch for its new batch (eagerly, before a
+    compiled step needs it)."""
+    scratch = getattr(layer.backend, "scratch", None)
+    if scratch is not None:
+        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
+
+        slot_attention.layer_scratch(layer, scratch.key[1])
