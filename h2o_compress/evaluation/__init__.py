@@ -5,17 +5,19 @@
 - :func:`needle_eval`: passkey retrieval per (context length, depth) (``h2o-compress eval needle``).
 - :func:`agreement_eval`: greedy generations vs the uncompressed cache, token match and ROUGE-L
   (``h2o-compress eval agreement``).
+- :func:`reporting_text`: the reporting corpus (:data:`REPORTING_TEXTS`), texts quality figures are reported on and
+  nothing is tuned on (the tuning text is :data:`TUNING_TEXT`, the default corpus).
 (The profile sweep over many settings is :mod:`h2o_compress.profiling`.)
 """
 
 from h2o_compress.evaluation.agreement import AgreementResult, agreement_eval, prefix_match_rate, rouge_l, token_match_rate
-from h2o_compress.evaluation.corpus import default_corpus, load_prompts
+from h2o_compress.evaluation.corpus import REPORTING_TEXTS, TUNING_TEXT, default_corpus, load_prompts, reporting_text
 from h2o_compress.evaluation.needle import NeedleResult, extract_answer, is_correct, needle_eval, plant_needle
 from h2o_compress.evaluation.perplexity import PerplexityResult, reference_perplexity, streaming_perplexity, text_perplexity
 
 __all__ = [
     "AgreementResult", "agreement_eval", "prefix_match_rate", "rouge_l", "token_match_rate",
-    "default_corpus", "load_prompts",
+    "REPORTING_TEXTS", "TUNING_TEXT", "default_corpus", "load_prompts", "reporting_text",
     "NeedleResult", "extract_answer", "is_correct", "needle_eval", "plant_needle",
     "PerplexityResult", "reference_perplexity", "streaming_perplexity", "text_perplexity",
 ]

@@ -1,7 +1,9 @@
 """Texts the evaluations read: the shipped public-domain corpus, user text files, and the agreement prompts.
 
 The default corpus is the first six stories of *The Adventures of Sherlock Holmes* (public domain; provenance
-in ``h2o_compress/data/README.md``).
+in ``h2o_compress/data/README.md``). It is also the tuning text: the only text on which any default, factor, policy
+or threshold is chosen. Quality figures are reported on the reporting corpus (:data:`REPORTING_TEXTS`), texts of
+other kinds that nothing is ever tuned on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from h2o_compress.utils.files import MAX_TEXT_BYTES, parse_json, read_text
 
 CORPUS_FILE = "sherlock_holmes.txt"
 PROMPTS_FILE = "prompts.json"
+TUNING_TEXT = CORPUS_FILE  # the one text defaults, factors, policies and thresholds may be chosen on
+# name -> file in h2o_compress/data/reporting/: each at least 50,000 SmolLM2 tokens, never used for tuning
+REPORTING_TEXTS = {
+    "python_reference": "python_reference.txt",  # technical prose: the Python 3.11 Language Reference (PSF)
+    "persuasion": "persuasion.txt",  # fiction: Jane Austen, *Persuasion* (1818, public domain)
+    "python_code": "python_stdlib_code.txt",  # source code: six CPython 3.11.7 standard-library modules (PSF)
+}
 
 
 def _data_text(name: str) -> str:
@@ -28,6 +37,23 @@ def _data_text(name: str) -> str:
 def default_corpus() -> str:
     """The shipped English corpus (about 274 KB of public-domain prose), as one string."""
     return _data_text(CORPUS_FILE)
+
+
+@lru_cache(maxsize=len(REPORTING_TEXTS))
+def reporting_text(name: str) -> str:
+    """The reporting text ``name`` (a key of :data:`REPORTING_TEXTS`), as one string.
+
+    Reporting texts are for reporting quality figures on text nobody tuned on: never choose a default, factor,
+    policy or threshold with them (the tuning text is :data:`TUNING_TEXT`). Provenance and licences are in
+    ``h2o_compress/data/README.md``.
+
+    Raises:
+        InputError: ``name`` is not a reporting text.
+    """
+    if name not in REPORTING_TEXTS:
+        raise InputError(f"unknown reporting text {short(name)}; allowed: {', '.join(REPORTING_TEXTS)}")
+    file = resources.files("h2o_compress").joinpath("data", "reporting", REPORTING_TEXTS[name])
+    return file.read_text(encoding="utf-8")
 
 
 def read_text_file(path: str | Path) -> str:
