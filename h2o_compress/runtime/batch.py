@@ -224,6 +224,7 @@ class _Batch:
         self.generators: list[torch.Generator | None] = [None] * size
         self.token = torch.zeros(size, 1, dtype=torch.long, device=self.device)
 
+    @torch.inference_mode()
     def run(self, prompts: list[Prepared], refill: bool, on_step) -> Iterator[BatchResult]:
         self.queue = collections.deque(prompts)
         if self.scored and self.config.layer_budgets == "global":

@@ -150,3 +150,24 @@ def test_bad_job_arguments_are_refused_at_the_call(bad, tokenizer):
         generate_batch(model, tokenizer, PROMPTS, **bad)
     with pytest.raises(ConfigError, match="single text"):
         generate_batch(model, tokenizer, "one prompt")
+
+
+def test_rows_join_the_batch_without_autograd_history(tokenizer, monkeypatch):
+    """Prefills run in inference mode even when the caller has gradients on: a row copied into the batch cache with
+    its autograd history would keep every prefill's activations alive (500 MB per SmolLM2 prompt, found by the
+    throughput benchmark)."""
+    from h2o_compress.cache import CompressedCache
+
+    model, moved = TINY_MODELS["llama"](), []
+    original = CompressedCache.take_rows
+
+    def take_rows(self, indices, source, batch):
+        moved.extend(t.requires_grad or not t.is_inference() for layer in source.layers
+                     for t in layer.tensors().values())
+        return original(self, indices, source, batch)
+
+    monkeypatch.setattr(CompressedCache, "take_rows", take_rows)
+    assert torch.is_grad_enabled()
+    list(generate_batch(model, tokenizer, PROMPTS[:3], CompressionConfig(budget=10, kv_bits=4), max_new_tokens=3,
+                        batch_size=2, chat=False))
+    assert moved and not any(moved)
