@@ -14,7 +14,7 @@ from h2o_compress.cli.batch import batch
 from h2o_compress.cli.common import fail, user_errors
 from h2o_compress.cli.evaluate import eval_app
 from h2o_compress.cli.generate import generate
-from h2o_compress.cli.options import parse_budget
+from h2o_compress.cli.options import RayCommand, parse_budget
 from h2o_compress.cli.plan import plan
 from h2o_compress.cli.profile import ProfileCommand, profile_command
 
@@ -28,7 +28,7 @@ def _root() -> None:
 
 app.command("generate")(generate)
 app.command("ask")(ask)
-app.command("batch")(batch)
+app.command("batch", cls=RayCommand)(batch)
 app.command("plan")(plan)
 app.add_typer(eval_app, name="eval")
 app.command("profile", cls=ProfileCommand)(profile_command)

@@ -56,6 +56,10 @@ def batch(
     threads: Optional[int] = ThreadsOpt,
     trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
+    ray: Optional[str] = typer.Option(
+        None, "--ray", metavar="[ADDRESS]", help="Answer on a Ray cluster with Ray Data (pip install "
+        "'h2o-compress\\[ray]'): one actor per GPU, or per --threads CPUs, each loading the model once; --ray alone "
+        "starts a local Ray instance, --ray auto joins the cluster running here. OUTPUT is written here, as without."),
     compression: Compression = None,
     placement: dict = None,
 ):
@@ -66,7 +70,7 @@ def batch(
         input, output, model, config, max_new_tokens=max_new_tokens, batch_size=parse_batch_size(batch_size),
         memory_limit=memory_limit, chat=chat, temperature=temperature, seed=seed, compile=compile_step,
         load=load_options(device, dtype, placement, config.attention_kernel), threads=threads,
-        trust_remote_code=trust_remote_code)
+        trust_remote_code=trust_remote_code, ray=ray)
     with BatchProgress() as progress:
         report = job.run(on_result=progress.answered, on_step=progress.stepped, on_start=progress.begin,
                          on_plan=lambda line: progress.console.print(line, style="dim"))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
 from h2o_compress.formats import FORMATS, GROUP_SIZES
 from h2o_compress.models import load_model
@@ -229,3 +230,21 @@ def placement_options(command):
     wrapper.__signature__ = signature.replace(parameters=own + added)
     wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
     return wrapper
+
+
+RAY_LOCAL = "local"
+
+
+class RayCommand(TyperCommand):
+    """A command whose ``--ray`` takes an optional value (typer cannot declare one: ``profile``, ``batch``): a bare
+    ``--ray`` (last, or followed by another option) means ``--ray local``, a local Ray instance."""
+
+    def parse_args(self, ctx, args):
+        args = list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                args.insert(i + 1, RAY_LOCAL)
+                break
+        return super().parse_args(ctx, args)

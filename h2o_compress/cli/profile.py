@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from typer.core import TyperCommand
 
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.cli.common import load_options, user_errors
 from h2o_compress.cli.evaluate import parse_list
 from h2o_compress.cli.lm_eval_command import split_tasks
+from h2o_compress.cli.options import RayCommand
 from h2o_compress.cli.options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
     given_on_command_line, placement_options,
@@ -21,22 +21,8 @@ from h2o_compress.profiling.sweep import PLACEMENT_DEFAULTS, ProfileSettings, ru
 from h2o_compress.utils.defaults import default_of
 
 
-RAY_LOCAL = "local"
-
-
-class ProfileCommand(TyperCommand):
-    """The ``profile`` command, whose ``--ray`` takes an optional value (typer cannot declare one): a bare
-    ``--ray`` (last, or followed by another option) means ``--ray local``, a local Ray instance."""
-
-    def parse_args(self, ctx, args):
-        args = list(args)
-        for i, arg in enumerate(args):
-            if arg == "--":
-                break
-            if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
-                args.insert(i + 1, RAY_LOCAL)
-                break
-        return super().parse_args(ctx, args)
+#: The ``profile`` command: its ``--ray`` takes an optional value (:class:`~h2o_compress.cli.options.RayCommand`).
+ProfileCommand = RayCommand
 
 
 def options_given(ctx: typer.Context, *besides: str) -> list[str]:

@@ -18,6 +18,8 @@ from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
 from h2o_compress.planner import format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
+from h2o_compress.integrations.ray_batch import run_on_ray
+from h2o_compress.integrations.ray_sweep import check_address, import_ray
 from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.compiled import check_compile
@@ -61,6 +63,10 @@ class BatchJob:
             (:func:`~h2o_compress.planner.plan.fit_batch`).
         memory_limit: bytes or a text such as ``"2GiB"`` (only with ``batch_size="auto"``).
         load, threads, trust_remote_code: as for :class:`~h2o_compress.jobs.generate.GenerateJob`.
+        ray: a Ray address (``"local"``: a local instance, ``"auto"``, ``HOST:PORT``, ``ray://HOST:PORT``): the
+            prompts are answered by Ray Data actors, one per GPU or per ``threads`` CPUs, each loading the model once
+            (:func:`~h2o_compress.integrations.ray_batch.run_on_ray`); this process plans, and writes OUTPUT as
+            answers come back (the same semantics). ``None``: here.
 
     Raises (when made):
         ConfigError: a bad setting, ``memory_limit`` without ``batch_size="auto"``.
@@ -81,6 +87,7 @@ class BatchJob:
     load: dict = field(default_factory=dict)
     threads: int | None = None
     trust_remote_code: bool = False
+    ray: str | None = None
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -98,6 +105,9 @@ class BatchJob:
             parse_memory(self.memory_limit)
         if self.threads is not None:
             check_count("threads", self.threads, unit="threads", maximum=4096)
+        if self.ray is not None:
+            import_ray()
+            check_address(self.ray)
         self.requests = read_requests(self.input)
         AnswerFile.check(self.output, self.input)
 
@@ -140,13 +150,23 @@ class BatchJob:
                 answers.write(result)
                 if on_result is not None:
                     on_result(result, BatchStats(prompts=1, errors=1))
-            run = generate_batch(lm, tokenizer, self._seeded(todo), config, self.max_new_tokens, batch_size,
-                                 self.chat, self.temperature, self.seed, self.compile, on_step=on_step)
+            generation = {"max_new_tokens": self.max_new_tokens, "batch_size": batch_size, "chat": self.chat,
+                          "temperature": self.temperature, "seed": self.seed, "compile": self.compile}
+            if self.ray is None:
+                run = generate_batch(lm, tokenizer, self._seeded(todo), config, on_step=on_step, **generation)
+                stats = run.stats
+            else:
+                run = run_on_ray(self.ray, self._seeded(todo), self.model, config, generation, self.load,
+                                 self.threads, self.trust_remote_code, str(self.load.get("device", "auto")))
+                stats = BatchStats(batch_size=batch_size)
             for result in run:
                 answers.write(result)
+                if self.ray is not None:
+                    stats.prompts, stats.errors = stats.prompts + 1, stats.errors + (result.finish_reason == "error")
+                    stats.prompt_tokens, stats.new_tokens = (stats.prompt_tokens + result.prompt_tokens,
+                                                             stats.new_tokens + result.new_tokens)
                 if on_result is not None:
-                    on_result(result, run.stats)
-            stats = run.stats
+                    on_result(result, stats)
             stats.prompts, stats.errors = stats.prompts + len(refused), stats.errors + len(refused)
             seconds = time.perf_counter() - started
         peak_bytes, peak_kind = peak.measure()

@@ -217,6 +217,7 @@ class _Batch:
         self.eos = _eos_ids(model, tokenizer)
         self.scored = bool(POLICIES[config.policy].scorer)
         self.capacities = None  # layer_budgets="global": one split for every row, from the first prompts' scores
+        self.scores: dict[int, list] = {}  # those scores, by prompt index, until the prompt is prefilled
         self.cache = make_cache(model, config, longest)
         self.compile = compile
         self.rows: list[Prepared | None] = [None] * size
@@ -228,7 +229,9 @@ class _Batch:
     def run(self, prompts: list[Prepared], refill: bool, on_step) -> Iterator[BatchResult]:
         self.queue = collections.deque(prompts)
         if self.scored and self.config.layer_budgets == "global":
+            start = time.perf_counter()
             self._split_layers(prompts[: self.size])
+            self.stats.prefill_s += time.perf_counter() - start
         for row in range(self.size):
             yield from self._fill(row)
         compiled = resolve_compile(self.compile, self.cache, self.device, self.model)
@@ -271,7 +274,8 @@ class _Batch:
             part = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
             ids = prompt.ids[None].to(self.device)
             if self.scored:
-                hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True)
+                hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True,
+                                    scores=self.scores.pop(prompt.index, None))
             logits = self.model(input_ids=ids, past_key_values=part, use_cache=True, logits_to_keep=1).logits[:, -1]
             self.cache.take_rows([row], part, self.size)
             self.rows[row], self.tokens[row] = prompt, []
@@ -297,6 +301,7 @@ class _Batch:
         width = max(p.ids.numel() for p in first)
         scores = [score_context(self.model, self.tokenizer, p.ids[None].to(self.device),
                                 self.config.eviction_policy(), True) for p in first]
+        self.scores = {p.index: s for p, s in zip(first, scores)}
         aligned = [torch.cat([torch.nn.functional.pad(s[layer], (0, width - s[layer].shape[-1])) for s in scores])
                    for layer in range(len(scores[0]))]  # first token first: the sinks are each prompt's first tokens
         self.capacities = global_layer_capacities(aligned, capacity, self.config.min_layer_capacity(capacity),
