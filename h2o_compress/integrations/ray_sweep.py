@@ -32,7 +32,7 @@ def import_ray():
         import ray
     except ImportError:
         raise ConfigError(f"--ray needs Ray, which is not installed; allowed: install the ray extra ({RAY_EXTRA}), "
-                          "or profile without --ray") from None
+                          "or run without --ray") from None
     return ray
 
 
