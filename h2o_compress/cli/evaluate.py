@@ -23,7 +23,7 @@ from h2o_compress.cli.options import (
 )
 from h2o_compress import models
 from h2o_compress.evaluation.agreement import agreement_eval
-from h2o_compress.evaluation.corpus import load_prompts, load_text
+from h2o_compress.evaluation.corpus import TEXT_NAMES, load_prompts, load_text
 from h2o_compress.evaluation.needle import check_needle_args, needle_eval
 from h2o_compress.evaluation.perplexity import text_perplexity
 from h2o_compress.evaluation.stream import check_count
@@ -74,7 +74,8 @@ def _mib(value: int) -> str:
 @placement_options
 def perplexity_command(
     ctx: typer.Context,
-    text_file: Optional[str] = typer.Option(None, "--text-file", help="UTF-8 text (default: the shipped corpus)."),
+    text_file: Optional[str] = typer.Option(None, "--text-file", help="UTF-8 text file, or a shipped text by name: "
+                                            f"{', '.join(TEXT_NAMES)} (default: sherlock, the tuning text)."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Tokens of the text to read (the budget is relative to it)."),
     chunk_size: int = typer.Option(
         1, "--chunk-size", help="Tokens per forward pass: 1 = exact decode semantics; larger is faster but "
@@ -133,7 +134,8 @@ def needle_command(
         "question-in-prompt", "--protocol", help="question-in-prompt (the budget covers prompt + answer) or "
         "compress-then-ask (the document is compressed before the question is read; see 'ask')."),
     text_file: Optional[str] = typer.Option(
-        None, "--text-file", help="UTF-8 prose for the haystack (default: the shipped corpus)."),
+        None, "--text-file", help="UTF-8 prose file for the haystack, or a shipped text by name: "
+        f"{', '.join(TEXT_NAMES)} (default: sherlock, the tuning text)."),
     model: str = ModelOpt,
     device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
     threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,

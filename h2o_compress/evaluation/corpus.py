@@ -68,9 +68,19 @@ def read_text_file(path: str | Path) -> str:
     return text
 
 
+#: The shipped texts ``--text-file`` takes by name: the tuning text, then the reporting texts.
+TEXT_NAMES = ("sherlock", *REPORTING_TEXTS)
+
+
 def load_text(text_file: str | Path | None = None) -> str:
-    """``text_file``'s text, or the shipped corpus when ``None`` (see :func:`read_text_file` for errors)."""
-    return default_corpus() if text_file is None else read_text_file(text_file)
+    """The text of ``text_file``: a shipped text by name (:data:`TEXT_NAMES`: ``sherlock``, the tuning text, or a
+    reporting text; ``./NAME`` reads a file of that name instead), a file path, or the shipped corpus (the tuning
+    text) when ``None`` (see :func:`read_text_file` for errors)."""
+    if text_file is None or text_file == "sherlock":
+        return default_corpus()
+    if isinstance(text_file, str) and text_file in REPORTING_TEXTS:
+        return reporting_text(text_file)
+    return read_text_file(text_file)
 
 
 def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:

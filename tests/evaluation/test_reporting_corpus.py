@@ -63,3 +63,15 @@ def test_provenance_and_licence_ship_beside_the_texts():
 def test_each_reporting_text_has_at_least_50k_smollm2_tokens(smollm2, name):
     _, tokenizer = smollm2
     assert len(tokenizer(reporting_text(name), add_special_tokens=False).input_ids) >= MIN_TOKENS
+
+
+def test_eval_text_file_takes_the_shipped_texts_by_name(tmp_path, monkeypatch):
+    from h2o_compress.evaluation.corpus import TEXT_NAMES, default_corpus, load_text
+
+    assert TEXT_NAMES == ("sherlock", *REPORTING_TEXTS)
+    assert load_text("sherlock") == load_text(None) == default_corpus()
+    for name in REPORTING_TEXTS:
+        assert load_text(name) == reporting_text(name)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "persuasion").write_text("my own file")
+    assert load_text("./persuasion") == "my own file"  # a file of that name, by path
