@@ -133,6 +133,8 @@ def needle_command(
     protocol: str = typer.Option(
         "question-in-prompt", "--protocol", help="question-in-prompt (the budget covers prompt + answer) or "
         "compress-then-ask (the document is compressed before the question is read; see 'ask')."),
+    keys: int = typer.Option(1, "--keys", help="Passkeys per haystack (1 to 10), numbered and spread over it, each "
+                             "asked for in its own question: accuracy per key."),
     text_file: Optional[str] = typer.Option(
         None, "--text-file", help="UTF-8 prose file for the haystack, or a shipped text by name: "
         f"{', '.join(TEXT_NAMES)} (default: sherlock, the tuning text)."),
@@ -146,29 +148,38 @@ def needle_command(
     check_compile(compile_step, config)
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
-    check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol, seed)
+    check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol, seed, keys)
     corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
                              max_new_tokens, True, chat, corpus=corpus, progress=update, compile=compile_step,
-                             protocol=protocol)
+                             protocol=protocol, keys=keys)
     if as_json:
         typer.echo(json.dumps({**result.to_dict(), "model": model}))
         return
+    print_needle(result, length_list, depth_list)
+
+
+def print_needle(result, lengths: list[int], depths: list[float]) -> None:
+    """The accuracy table of ``eval needle`` (per length and depth; per key with several keys) and its overall line."""
     from rich.console import Console
     from rich.table import Table
 
     accuracy = result.accuracy
     table = Table(title="passkey accuracy: compressed / uncompressed")
     table.add_column("length")
-    for depth in depth_list:
+    for depth in depths:
         table.add_column(f"depth {depth:g}", justify="right")
-    for length in length_list:
+    for length in lengths:
         cells = [f"{accuracy['compressed'][length][float(d)]:.2f} / {accuracy['reference'][length][float(d)]:.2f}"
-                 for d in depth_list]
+                 for d in depths]
         table.add_row(str(length), *cells)
     Console().print(table)
+    per_key = result.per_key
+    if len(per_key["compressed"]) > 1:
+        typer.echo("per key: " + ", ".join(f"key {k} {a:.2f} / {per_key['reference'][k]:.2f}"
+                                           for k, a in per_key["compressed"].items()))
     typer.echo(f"overall: compressed {result.overall('compressed'):.2f}, uncompressed {result.overall('reference'):.2f}")
 
 

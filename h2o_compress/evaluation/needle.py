@@ -30,6 +30,11 @@ INSTRUCTION = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
+# several passkeys in one haystack (``keys`` > 1): each numbered, asked for by its number
+NUMBERED_NEEDLE = "Pass key number {n} is {key}. Remember it. {key} is pass key number {n}."
+NUMBERED_QUESTION = "What is pass key number {n}?"
+NUMBERED_ANSWER_PREFIX = "Pass key number {n} is"
+MAX_KEYS = 10
 PROTOCOLS = ("question-in-prompt", "compress-then-ask")
 ANSWER_TOKENS = 8  # new tokens of each answer by default: room for a 5-digit passkey with any common tokenizer
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"']?\s+")
@@ -54,6 +59,7 @@ class NeedleTrial:
     answer: str
     correct: bool
     kv_bytes: int
+    key: int = 0  # with several passkeys in one haystack: which one was asked for (1-based); 0: the only one
 
 
 @dataclass
@@ -76,6 +82,14 @@ class NeedleResult:
         return {setting: {n: {d: sum(c) / len(c) for d, c in row.items()} for n, row in rows.items()}
                 for setting, rows in table.items()}
 
+    @property
+    def per_key(self) -> dict[str, dict[int, float]]:
+        """``{setting: {key: fraction correct}}`` over every length and depth (several passkeys per haystack)."""
+        table: dict = {}
+        for t in self.trials:
+            table.setdefault(t.setting, {}).setdefault(t.key, []).append(t.correct)
+        return {s: {k: sum(c) / len(c) for k, c in sorted(keys.items())} for s, keys in table.items()}
+
     def overall(self, setting: str) -> float:
         """Fraction of correct answers of ``setting`` over every length and depth (``nan`` if none)."""
         marks = [t.correct for t in self.trials if t.setting == setting]
@@ -87,8 +101,11 @@ class NeedleResult:
             for s, rows in self.accuracy.items()
         }
         overall = {s: self.overall(s) for s in accuracy}
-        return {"config": self.config, "accuracy": accuracy, "overall": overall,
-                "trials": [asdict(t) for t in self.trials]}
+        out = {"config": self.config, "accuracy": accuracy, "overall": overall,
+               "trials": [asdict(t) for t in self.trials]}
+        if any(t.key for t in self.trials):
+            out["per_key"] = {s: {str(k): a for k, a in keys.items()} for s, keys in self.per_key.items()}
+        return out
 
 
 def extract_answer(text: str) -> str | None:
@@ -122,16 +139,18 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def build_prompt(tokenizer, haystack: str, chat: bool = True, question: str = QUESTION) -> torch.Tensor:
-    """Token ids ``[1, tokens]``: instruction + haystack + question, then ``"The pass key is"`` as the start
-    of the answer (inside the assistant turn of the chat template when ``chat`` and the tokenizer has one)."""
+def build_prompt(tokenizer, haystack: str, chat: bool = True, question: str = QUESTION,
+                 answer_prefix: str = ANSWER_PREFIX) -> torch.Tensor:
+    """Token ids ``[1, tokens]``: instruction + haystack + question, then ``answer_prefix`` (``"The pass key is"``)
+    as the start of the answer (inside the assistant turn of the chat template when ``chat`` and the tokenizer has
+    one)."""
     user = f"{INSTRUCTION}\n\n{haystack}\n\n{question}"
     if chat and getattr(tokenizer, "chat_template", None):
         ids = apply_chat_template(tokenizer, [{"role": "user", "content": user}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        ids += _encode(tokenizer, ANSWER_PREFIX)
+        ids += _encode(tokenizer, answer_prefix)
     else:
-        ids = _encode(tokenizer, f"{user}\n{ANSWER_PREFIX}")
+        ids = _encode(tokenizer, f"{user}\n{answer_prefix}")
     return torch.tensor([ids])
 
 
@@ -169,6 +188,31 @@ def needle_prompt_parts(tokenizer, length: int, depth: float, passkey: str, corp
     n = min(ids.shape[1], other.shape[1])
     differs = (ids[0, :n] != other[0, :n]).nonzero()
     return ids, int(differs[0, 0]) if differs.numel() else n
+
+
+def numbered_prompts(tokenizer, length: int, depth: float, passkeys: list[str], corpus: str | None = None,
+                     offset: int = 0, chat: bool = True) -> list[tuple[torch.Tensor, int]]:
+    """Several passkeys in one haystack of about ``length`` tokens: key ``n`` (1-based, of ``N``) is planted at depth
+    ``(n - 1 + depth) / N`` (one per ``N``-th of the haystack, ``depth`` into it). Returns one ``(prompt [1, tokens],
+    tokens before the question)`` per key, each asking for its key by number; the part before the question (what
+    compress-then-ask compresses) is the same for all."""
+    corpus, count = corpus or default_corpus(), len(passkeys)
+    needles = [NUMBERED_NEEDLE.format(n=n, key=key) for n, key in enumerate(passkeys, start=1)]
+    overhead = build_prompt(tokenizer, " ".join(needles), chat).shape[1]
+    haystack = make_haystack(tokenizer, corpus, max(length - overhead, 1), offset)
+    cuts = [round((n + depth) / count * len(haystack)) for n in range(count)]
+    pieces, start = [], 0
+    for cut, needle in zip(cuts, needles):
+        pieces += [haystack[start:cut], needle]
+        start = cut
+    haystack = " ".join(p.strip() for p in [*pieces, haystack[start:]] if p.strip())
+    prompts = [build_prompt(tokenizer, haystack, chat, NUMBERED_QUESTION.format(n=n),
+                            NUMBERED_ANSWER_PREFIX.format(n=n)) for n in range(1, count + 1)]
+    other = build_prompt(tokenizer, haystack, chat, question="Which number was given?")  # where the question starts
+    n = min(prompts[0].shape[1], other.shape[1])
+    differs = (prompts[0][0, :n] != other[0, :n]).nonzero()
+    shared = int(differs[0, 0]) if differs.numel() else n
+    return [(p, shared) for p in prompts]
 
 
 @torch.inference_mode()
@@ -209,12 +253,14 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
 
 
 def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = ANSWER_TOKENS,
-                      chunk_size: int | None = None, protocol: str = PROTOCOLS[0], seed: int | None = 0) -> None:
+                      chunk_size: int | None = None, protocol: str = PROTOCOLS[0], seed: int | None = 0,
+                      keys: int = 1) -> None:
     """Validate :func:`needle_eval`'s arguments (those that do not need the model or its tokenizer: see
     :func:`check_answer_room` for ``max_new_tokens`` against the passkey). Raises ConfigError naming the bad one."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={short(protocol)} is not supported; allowed: {', '.join(PROTOCOLS)}")
     check_count("trials", trials, unit="trials per cell")
+    check_count("keys", keys, unit="passkeys per haystack", maximum=MAX_KEYS)
     check_count("max_new_tokens", max_new_tokens)
     check_generation_args(max_new_tokens, 0.0, seed)  # the seed as generate checks it: an integer in [0, 2**64)
     if chunk_size is not None:
@@ -263,6 +309,7 @@ def needle_eval(
     progress: ProgressFn | None = None,
     compile: bool | None = None,
     protocol: str = "question-in-prompt",
+    keys: int = 1,
 ) -> NeedleResult:
     """Passkey accuracy per (context length, depth) for ``config`` and, with ``reference``, the uncompressed cache.
 
@@ -271,6 +318,9 @@ def needle_eval(
     ``protocol``: ``question-in-prompt`` (the budget fraction is relative to ``prompt + max_new_tokens``) or
     ``compress-then-ask`` (instruction + haystack compressed before the question is read, the budget relative to
     them; the question and the answer are added without eviction, as :func:`h2o_compress.runtime.ask` does).
+    ``keys``: passkeys per haystack (1 to :data:`MAX_KEYS`); above 1 they are numbered and spread over the
+    haystack (:func:`numbered_prompts`), each asked for in its own question from the same context, and
+    :attr:`NeedleResult.per_key` gives the accuracy per key.
 
     Raises:
         ConfigError: bad lengths, depths, trials, seed, chunk size or compression setting; ``max_new_tokens`` too
@@ -278,7 +328,7 @@ def needle_eval(
         InputError: a length beyond the model's context.
     """
     config = config or CompressionConfig()
-    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol, seed)
+    check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol, seed, keys)
     limit = context_limit(model)
     for length in lengths:
         if limit and length + max_new_tokens > limit:
@@ -290,21 +340,25 @@ def needle_eval(
     for length in lengths:
         for depth in depths:
             for trial in range(trials):
-                passkey = str(rng.randint(10000, 99999))
-                cells.append((length, depth, trial, passkey, rng.randrange(0, max(1, len(corpus) - 10 * length))))
-    check_answer_room(tokenizer, {cell[3] for cell in cells}, max_new_tokens)
+                passkeys = [str(rng.randint(10000, 99999)) for _ in range(keys)]
+                cells.append((length, depth, trial, passkeys, rng.randrange(0, max(1, len(corpus) - 10 * length))))
+    check_answer_room(tokenizer, {p for cell in cells for p in cell[3]}, max_new_tokens)
     settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
-    result = NeedleResult(config={**config.to_dict(), "protocol": protocol})
-    total, done = len(cells) * len(settings), 0
-    for length, depth, trial, passkey, offset in cells:
-        prompt, split = needle_prompt_parts(tokenizer, length, depth, passkey, corpus, offset, chat)
-        context = split if protocol == "compress-then-ask" else None
-        for name, setting in settings:
-            answer, kv_bytes = answer_prompt(model, tokenizer, prompt, setting, max_new_tokens, chunk_size, compile,
-                                             context)
-            result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
-                                             answer, is_correct(answer, passkey), kv_bytes))
-            done += 1
-            if progress is not None:
-                progress(done, total)
+    result = NeedleResult(config={**config.to_dict(), "protocol": protocol, "keys": keys})
+    total, done = len(cells) * len(settings) * keys, 0
+    for length, depth, trial, passkeys, offset in cells:
+        if keys == 1:
+            prompts = [needle_prompt_parts(tokenizer, length, depth, passkeys[0], corpus, offset, chat)]
+        else:
+            prompts = numbered_prompts(tokenizer, length, depth, passkeys, corpus, offset, chat)
+        for key, (passkey, (prompt, split)) in enumerate(zip(passkeys, prompts), start=1 if keys > 1 else 0):
+            context = split if protocol == "compress-then-ask" else None
+            for name, setting in settings:
+                answer, kv_bytes = answer_prompt(model, tokenizer, prompt, setting, max_new_tokens, chunk_size,
+                                                 compile, context)
+                result.trials.append(NeedleTrial(name, length, float(depth), trial, passkey, prompt.shape[1],
+                                                 answer, is_correct(answer, passkey), kv_bytes, key))
+                done += 1
+                if progress is not None:
+                    progress(done, total)
     return result

@@ -100,3 +100,36 @@ def test_real_model_finds_the_passkey_with_the_full_cache(smollm2):
     result = needle_eval(model, tokenizer, CompressionConfig(policy="full"), lengths=(512,), depths=(0.25, 0.75),
                          reference=False, seed=3)
     assert result.overall("compressed") == 1.0, [t.answer for t in result.trials]
+
+
+def test_several_keys_in_one_haystack_are_scored_per_key(monkeypatch):
+    """``keys=3``: three numbered passkeys in one haystack, in its three thirds, each asked for in its own question
+    from the same context; the accuracy is given per key."""
+    model, tokenizer = tiny_lm()
+    asked = []
+
+    def fake_answer(model, tokenizer, prompt, config, max_new_tokens, chunk_size, compile=None, context_tokens=None):
+        text = tokenizer.decode(prompt[0])
+        number = int(text.rsplit("Pass key number ", 1)[1][0])
+        key = text.split(f"Pass key number {number} is ")[1][:5]
+        asked.append((number, context_tokens, text[: 40]))
+        right = config.policy == "full" or number != 2  # compressed loses the middle key
+        return (f" {key}." if right else " 11111."), 0
+
+    monkeypatch.setattr(needle_module, "answer_prompt", fake_answer)
+    result = needle_eval(model, tokenizer, CompressionConfig(policy="local", budget=0.5), lengths=(300,),
+                         depths=(0.5,), trials=2, keys=3, protocol="compress-then-ask")
+    assert len(result.trials) == 2 * 3 * 2
+    assert result.per_key == {"compressed": {1: 1.0, 2: 0.0, 3: 1.0}, "reference": {1: 1.0, 2: 1.0, 3: 1.0}}
+    assert result.to_dict()["per_key"]["compressed"]["2"] == 0.0
+    assert {n for n, _, _ in asked} == {1, 2, 3}
+    contexts = {context for _, context, _ in asked}
+    assert len(contexts) == 2 and all(c is not None for c in contexts)  # one context per trial, shared by its keys
+    cell = [t for t in result.trials if t.trial == 0 and t.setting == "reference"]
+    assert len({t.passkey for t in cell}) == 3
+    prompt, _ = needle_module.numbered_prompts(tokenizer, 300, 0.5, [t.passkey for t in cell])[0]
+    text = tokenizer.decode(prompt[0])
+    positions = [text.index(f"Pass key number {n} is {t.passkey}") for n, t in enumerate(cell, start=1)]
+    assert positions == sorted(positions) and min(b - a for a, b in zip(positions, positions[1:])) > 60  # spread
+    with pytest.raises(ConfigError, match="keys"):
+        needle_eval(model, tokenizer, keys=11)
