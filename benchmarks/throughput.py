@@ -82,7 +82,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     peak = PeakMemory()
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(device=args.device)
     peak.loaded()
     task = json.loads(args.worker)
     config = make_config(task["setting"])
@@ -113,7 +113,7 @@ def worker(args) -> None:
 
 def run_worker(args, task: dict) -> dict:
     command = [sys.executable, __file__, "--worker", json.dumps(task), "--prompt-tokens", str(args.prompt_tokens),
-               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--device", args.device]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"worker {task} failed:\n{done.stderr[-3000:]}")
@@ -130,7 +130,7 @@ def plan_batches(args) -> tuple[int, dict[str, int]]:
     from h2o_compress.planner import fit_batch
     from h2o_compress.runtime.batch import row_config
 
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(device=args.device)
     prompt_len = max(len(tokenizer(p).input_ids) for p in prompts(tokenizer, 4, args.prompt_tokens))
     full = make_config("uncompressed")
     limit = fit_batch(model, full, 2**50, prompt_len, args.new_tokens, batch=args.full_batch).total_bytes
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--full-batch", type=int, default=4, help="the uncompressed cache's batch at the limit")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (peak memory is then the CUDA peak)")
     parser.add_argument("--curve", default="1,4,16", help="smaller batches run for the plot (each setting)")
     parser.add_argument("--mixed", type=int, default=24, help="prompts of the mixed-length run (0: none)")
     parser.add_argument("--mixed-batch", type=int, default=8)

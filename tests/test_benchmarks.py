@@ -106,3 +106,23 @@ def test_kernel_bandwidth_refuses_bad_options(tmp_path, argv, env_interpret, mes
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.integration
+def test_throughput_smoke_compares_settings_at_one_memory_limit(tmp_path):
+    """benchmarks/throughput.py end to end at tiny sizes on SmolLM2: the uncompressed cache at the batch the limit
+    was set for, ours at a larger one, the mixed-length run both ways, and the three outputs."""
+    out = tmp_path / "throughput.json"
+    command = [sys.executable, "benchmarks/throughput.py", "--prompt-tokens", "64", "--new-tokens", "4", "--curve", "1",
+               "--full-batch", "2", "--mixed", "4", "--mixed-batch", "2", "--threads", "1", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["batches"]["uncompressed"] == 2 and data["batches"]["h2o 0.2 int4"] > 2
+    largest = {r["setting"]: r for r in data["runs"] if r["largest"]}
+    assert set(largest) == {"uncompressed", "h2o 0.2 int4", "ask defaults"}
+    assert all(r["errors"] == 0 and r["new_tokens"] > 0 and r["decode_tokens_per_s"] > 0 for r in data["runs"])
+    assert largest["h2o 0.2 int4"]["planned_bytes"] <= data["memory_limit_bytes"]
+    assert [r["refill"] for r in data["mixed"]] == [True, False]
+    assert out.with_suffix(".md").read_text().startswith("# Batch throughput")
+    assert out.with_suffix(".png").stat().st_size > 0
