@@ -20,7 +20,8 @@ import torch
 from h2o_compress.attention.interface import masked_attention
 from h2o_compress.attention.prefill import attention_with_sums
 from h2o_compress.utils.errors import CacheStateError
-from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN, EvictionPolicy
+from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
+from h2o_compress.policies.base import EvictionPolicy
 from h2o_compress.cache.decode import per_kv_head
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.ring import held_positions
@@ -69,7 +70,8 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
     if new_block is not None and new_block.dtype != torch.bool:
         new_block = new_block > torch.finfo(new_block.dtype).min / 2
-    eye = torch.eye(n, dtype=torch.bool, device=query.device)
+    # n x n: built only where a mask is (a causal chunk with no padding mask and no window needs none)
+    eye = torch.eye(n, dtype=torch.bool, device=query.device) if new_block is not None or layer.span.windowed else None
     real = torch.ones(batch, n, dtype=torch.bool, device=query.device)
     if new_block is not None:
         real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)

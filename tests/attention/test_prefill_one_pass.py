@@ -5,6 +5,8 @@ tokens as one prefilled through the two passes."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,7 +105,7 @@ def test_a_cache_prefilled_in_one_pass_keeps_the_same_tokens(monkeypatch, chunks
         monkeypatch.setattr(chunk_module, "one_pass", lambda *args: used.append(one_pass) or one_pass)
         cache = make_cache(model, config, max_length=40)
         bounds = torch.linspace(0, ids.shape[1], chunks + 1).long().tolist()
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             logits = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b],
                            past_key_values=cache).logits
         return cache, logits
