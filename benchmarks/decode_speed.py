@@ -133,6 +133,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 runs[name].append(run_once(model, prompt, args.new_tokens, SETTINGS[name][0], steps[name]))
+                print(f"{tokens} tokens, {name}: prefill {runs[name][-1]['prefill_s']:.2f} s", flush=True)
         speed = {n: args.new_tokens / statistics.median(r["decode_s"] for r in runs[n]) for n in names}
         best = max((speed[n] for n in BASELINES if n in speed), default=None)
         base = runs.get(args.prefill_baseline)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-# fp32 logits per block: ~16 MiB (blocks of ~60 queries at 8k keys with 9 query heads; fewer, larger matmuls)
-BLOCK_ELEMENTS = 1 << 22
+# fp32 logits per block: ~32 MiB (blocks of ~118 queries at 8k keys with 9 query heads): fewer, larger ops, which
+# matters most when other jobs share the cores (every op of 2 threads waits for both)
+BLOCK_ELEMENTS = 1 << 23
 
 
 def attention_with_sums(
@@ -47,28 +48,30 @@ def attention_with_sums(
         block = min(256, max(16, BLOCK_ELEMENTS // max(1, batch * q_heads * total)))
     block = min(block, n)
     k, v = keys.float().contiguous(), values.float().contiguous()
-    q = query.view(batch, kv_heads, group, n, head_dim)
+    # [batch, kv_heads, n * group, head_dim], scaled once: a block's rows (query, head) are one contiguous slice
+    q = (query.float() * scale).view(batch, kv_heads, group, n, head_dim).transpose(2, 3).contiguous()
+    q = q.view(batch, kv_heads, n * group, head_dim)
     output = torch.empty(batch, n, kv_heads, group, value_dim, dtype=values.dtype, device=query.device)
     sums = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=query.device)
     # one buffer for every block's logits (then probabilities, in place): no allocation per block
     scratch = torch.empty(batch * q_heads * block * total, dtype=torch.float32, device=query.device)
     above = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    hidden = None if visible is None else visible.logical_not()
     for a in range(0, n, block):
         b = min(a + block, n)
         rows = b - a
         cut = held + b  # keys a causal block reads
         if visible is not None and cut < total and visible[..., a:b, cut:].any():
             cut = total  # a mask that is not causal: read every key
-        q_block = (q[:, :, :, a:b].float() * scale).reshape(batch, kv_heads, group * rows, head_dim)
-        logits = scratch[: batch * q_heads * rows * cut].view(batch, kv_heads, group * rows, cut)
-        torch.matmul(q_block, k[:, :, :cut].transpose(-1, -2), out=logits)
-        per_query = logits.view(batch, kv_heads, group, rows, cut)
+        logits = scratch[: batch * q_heads * rows * cut].view(batch, kv_heads, rows * group, cut)
+        torch.matmul(q[:, :, a * group : b * group], k[:, :, :cut].transpose(-1, -2), out=logits)
+        per_query = logits.view(batch, kv_heads, rows, group, cut)
         if visible is not None:
-            per_query.masked_fill_(~visible[..., a:b, :cut].unsqueeze(2), float("-inf"))
+            per_query.masked_fill_(hidden[..., a:b, :cut].unsqueeze(3), float("-inf"))
         elif rows > 1:  # causal: only the last `rows` keys (the block's own diagonal square) hide anything
-            per_query[..., cut - rows :].masked_fill_(above[:rows, :rows], float("-inf"))
+            per_query[..., cut - rows :].masked_fill_(above[:rows, None, :rows], float("-inf"))
         probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
         sums[..., :cut] += probs.sum(dim=2)
         out = torch.matmul(probs, v[:, :, :cut])
-        output[:, a:b] = out.view(batch, kv_heads, group, rows, value_dim).permute(0, 3, 1, 2, 4)
+        output[:, a:b] = out.view(batch, kv_heads, rows, group, value_dim).transpose(1, 2)
     return output.view(batch, n, q_heads, value_dim), sums
