@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-# fp32 logits per block: ~32 MiB (blocks of ~118 queries at 8k keys with 9 query heads): fewer, larger ops, which
+# fp32 logits per block: ~16 MiB (blocks of ~59 queries at 8k keys with 9 query heads; 32-64 measured fastest on an
+# idle 2-core EPYC, 118 slower): large enough for few ops per layer, which
 # matters most when other jobs share the cores (every op of 2 threads waits for both)
-BLOCK_ELEMENTS = 1 << 23
+BLOCK_ELEMENTS = 1 << 22
 
 
 def attention_with_sums(
