@@ -10,6 +10,11 @@ the same number of greedy tokens through the same step function; settings are in
 length (a fresh compile per length), outside the timings (its seconds are reported). "ours eager" is what the CLI
 runs by default on CPU: the decode step of each layer is one call of the CPU kernel (``attention/cpu_decode.c``). Writes ``--out`` (JSON) and the same path with ``.md``
 (a markdown table), and prints the table; ratios are against the best of the three baselines at each length.
+The prefill column "x prefill baseline" is the median over the repeats of each repeat's prefill seconds over the
+``--prefill-baseline`` setting's in the same round (fair when another job loads the machine unevenly):
+
+    python benchmarks/decode_speed.py --prompt-tokens 7900 --new-tokens 2 --repeats 3 --warmup 0 \
+        --settings "StaticCache eager,ours h2o 0.2 int4 eager" --out benchmarks/results/prefill_7900_cpu.json
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -88,8 +94,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of the settings")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs per setting and length before the timed ones (compiled settings need 1)")
+    parser.add_argument("--prefill-baseline", default="StaticCache eager",
+                        help="the setting each prefill is compared with, repeat by repeat")
     parser.add_argument("--out", default="benchmarks/results/decode_speed_cpu.json")
+    parser.add_argument("--note", default="", help="a line for the markdown (e.g. the machine's load during the run)")
     args = parser.parse_args()
+    command = "python benchmarks/decode_speed.py " + " ".join(
+        f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items() if k != "note")
     torch.set_num_threads(args.threads)
     names = [n for n in args.settings.split(",") if n]
     unknown = [n for n in names if n not in SETTINGS]
@@ -113,39 +126,48 @@ def main() -> None:
             # the timed runs' own length: a budget fraction of another length gives another capacity, so other
             # buffer sizes, which would recompile the step inside the first timed run (with dynamic sizes)
             start = time.perf_counter()
-            run_once(model, prompt, args.new_tokens, SETTINGS[name][0], steps[name])
+            for _ in range(args.warmup):
+                run_once(model, prompt, args.new_tokens, SETTINGS[name][0], steps[name])
             warm[name] = time.perf_counter() - start
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for _ in range(args.repeats):
             for name in names:
                 runs[name].append(run_once(model, prompt, args.new_tokens, SETTINGS[name][0], steps[name]))
+                print(f"{tokens} tokens, {name}: prefill {runs[name][-1]['prefill_s']:.2f} s", flush=True)
         speed = {n: args.new_tokens / statistics.median(r["decode_s"] for r in runs[n]) for n in names}
         best = max((speed[n] for n in BASELINES if n in speed), default=None)
+        base = runs.get(args.prefill_baseline)
         for name in names:
+            ratios = None if base is None else [r["prefill_s"] / b["prefill_s"] for r, b in zip(runs[name], base)]
             rows.append({
                 "prompt_tokens": tokens, "setting": name, "decode_tokens_per_s": speed[name],
                 "vs_best_baseline": None if best is None else speed[name] / best,
                 "prefill_s": statistics.median(r["prefill_s"] for r in runs[name]),
+                "prefill_vs_baseline": None if ratios is None else statistics.median(ratios),
+                "prefill_runs_s": [r["prefill_s"] for r in runs[name]], "prefill_ratios": ratios,
                 "warmup_s": warm[name], "kv_bytes": runs[name][-1]["kv_bytes"],
             })
     title = f"Decode speed, {args.model}, {args.new_tokens} new tokens, {args.threads} threads (CPU)"
     table = Table(title=title)
-    columns = ("prompt", "setting", "decode tok/s", "x best baseline", "prefill s", "warm-up s", "KV MiB")
+    columns = ("prompt", "setting", "decode tok/s", "x best baseline", "prefill s", "x prefill baseline",
+               "warm-up s", "KV MiB")
     for column in columns:
         table.add_column(column, justify="left" if column == "setting" else "right")
-    lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [f"# {title}", "", f"`{command}`", ""] + ([args.note, ""] if args.note else [])
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         cells = [str(row["prompt_tokens"]), row["setting"], f"{row['decode_tokens_per_s']:.1f}",
                  "-" if row["vs_best_baseline"] is None else f"{row['vs_best_baseline']:.2f}",
-                 f"{row['prefill_s']:.2f}", f"{row['warmup_s']:.1f}", f"{row['kv_bytes'] / 2**20:.2f}"]
+                 f"{row['prefill_s']:.2f}",
+                 "-" if row["prefill_vs_baseline"] is None else f"{row['prefill_vs_baseline']:.2f}",
+                 f"{row['warmup_s']:.1f}", f"{row['kv_bytes'] / 2**20:.2f}"]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console().print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "command": "python benchmarks/decode_speed.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "settings")),
+        "command": command,
         "args": vars(args), "rows": rows, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.machine(), "processor": platform.processor(), "cpus": __import__("os").cpu_count(),
     }, indent=2))

@@ -4,7 +4,8 @@ saved prompt continued (eager; DESIGN.md §2 and §5).
 :func:`update` returns what the chunk's attention reads: the held tokens (store dequantized, ring oldest first)
 followed by the chunk. :func:`attend` runs SDPA over them with a mask from the slots' validity and the model's own
 causal + padding mask of the chunk, sums the probabilities each held and new token received (the policy's
-:meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores`), and :func:`settle` keeps the top ``capacity`` by the
+:meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores`; for the default plain sum and a plain softmax, output and
+sums come from one pass, :func:`~h2o_compress.attention.prefill.attention_with_sums`), and :func:`settle` keeps the top ``capacity`` by the
 policy's priority, then lays the survivors out: the newest ``residual`` in the ring, the older ones quantized once
 into empty slots (the store's :meth:`~h2o_compress.cache.slots.SlotStore.place_tokens`). The store's methods
 (:class:`~h2o_compress.cache.slots.SlotStore` and the head-adaptive :class:`~h2o_compress.cache.slot_pool.SlotPool`:
@@ -17,8 +18,10 @@ from __future__ import annotations
 import torch
 
 from h2o_compress.attention.interface import masked_attention
+from h2o_compress.attention.prefill import attention_with_sums
 from h2o_compress.utils.errors import CacheStateError
 from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
+from h2o_compress.policies.base import EvictionPolicy
 from h2o_compress.cache.decode import per_kv_head
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.ring import held_positions
@@ -67,7 +70,8 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
     if new_block is not None and new_block.dtype != torch.bool:
         new_block = new_block > torch.finfo(new_block.dtype).min / 2
-    eye = torch.eye(n, dtype=torch.bool, device=query.device)
+    # n x n: built only where a mask is (a causal chunk with no padding mask and no window needs none)
+    eye = torch.eye(n, dtype=torch.bool, device=query.device) if new_block is not None or layer.span.windowed else None
     real = torch.ones(batch, n, dtype=torch.bool, device=query.device)
     if new_block is not None:
         real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)
@@ -87,7 +91,10 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
             held_valid = held_valid & span.visible(held, queries, first_real)
         causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
         mask = torch.cat((held_valid, causal.expand(batch, layer.kv_heads, n, n)), dim=3)
-    if variant is None:
+    sums = None
+    if one_pass(layer, query, keys, values, variant, kwargs):  # output and scores from one softmax
+        output, sums = attention_with_sums(query, keys, values, mask, scaling)
+    elif variant is None:
         group = query.shape[1] // layer.kv_heads
         sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
         kwargs.pop("sliding_window", None)  # the mask holds the window
@@ -96,12 +103,23 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         visible = mask if mask is not None else torch.ones(1, 1, n, n, dtype=torch.bool, device=query.device).tril()
         output = masked_attention(query, keys, values, visible, scaling, variant)
         output = output.transpose(1, 2)
-    sums = None
-    if layer.with_scores:
+    if layer.with_scores and sums is None:
         sums = per_kv_head(layer.policy.chunk_scores(query, keys, mask, scaling, layer.score_chunk_size, variant),
                            layer.kv_heads)
     settle(layer, chunk, real, sums)
     return output.transpose(1, 2)
+
+
+def one_pass(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, variant, kwargs: dict) -> bool:
+    """Whether :func:`attend` takes the output and the scores from one softmax
+    (:func:`~h2o_compress.attention.prefill.attention_with_sums`): a scored layer whose policy keeps the default
+    :meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores` (the plain sum of every query's probabilities), a
+    plain softmax (no ``variant``), one key per KV head (not a latent expanded per query head), no dropout, nothing
+    that autograd tracks (the one pass writes in place)."""
+    if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad):
+        return False
+    return (layer.with_scores and variant is None and not kwargs.get("dropout")
+            and type(layer.policy).chunk_scores is EvictionPolicy.chunk_scores and keys.shape[1] == layer.kv_heads)
 
 
 def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:

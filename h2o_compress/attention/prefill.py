@@ -1,0 +1,78 @@
+"""One pass for a scored multi-token step (prefill, a chunk): the attention output and the H2O column sums from the
+same softmax, instead of SDPA followed by a second q @ k^T + softmax for the scores
+(:func:`~h2o_compress.attention.attention_probability_sums`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# fp32 logits per block: ~16 MiB (blocks of ~59 queries at 8k keys with 9 query heads; 32-64 measured fastest on an
+# idle 2-core EPYC, 118 slower): large enough for few ops per layer, which
+# matters most when other jobs share the cores (every op of 2 threads waits for both)
+BLOCK_ELEMENTS = 1 << 22
+
+
+def attention_with_sums(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+    scaling: float | None, block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``n`` queries over ``held + n`` keys (the held tokens, then the chunk's own) and the sum of the
+    probabilities each key receives, summed over the queries and the query heads of its KV head (H2O, arXiv
+    2306.14048 §4: the accumulated attention score), from one fp32 softmax.
+
+    Query blocks ``[a, b)``: logits against keys ``[0, held + b)`` only (a query never sees a later chunk token, so
+    the upper right of the causal matrix is skipped), masked where ``visible`` says, softmax in fp32, output block
+    ``p @ v``, sums ``+= p`` summed over the block's queries and the group's query heads. GQA without repeating
+    keys: the ``group`` query heads of a KV head are one ``[group * block, head_dim]`` matmul operand. Inference
+    only: the logits and probabilities of a block share one buffer, written in place (no autograd).
+
+    Args:
+        query: ``[batch, q_heads, n, head_dim]``.
+        keys: ``[batch, kv_heads, held + n, head_dim]``; ``q_heads`` a multiple of ``kv_heads``.
+        values: ``[batch, kv_heads, held + n, value_dim]``.
+        visible: bool ``[batch | 1, kv_heads | 1, n, held + n]`` (``True`` = seen; every row sees at least one
+            key), or ``None``: causal, bottom-right aligned (query ``i`` sees keys ``0 .. held + i``). A mask that
+            shows a query a later chunk token is honoured (that block reads every key).
+        scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
+        block: queries per block; ``None``: about :data:`BLOCK_ELEMENTS` fp32 logits per block.
+
+    Returns:
+        ``(output [batch, n, q_heads, value_dim]`` in ``values``' dtype (the layout transformers' attention
+        functions return), ``sums`` fp32 ``[batch, kv_heads, held + n]``).
+    """
+    batch, q_heads, n, head_dim = query.shape
+    kv_heads, total, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
+    group, held = q_heads // kv_heads, total - n
+    scale = head_dim**-0.5 if scaling is None else scaling
+    if block is None:
+        block = min(256, max(16, BLOCK_ELEMENTS // max(1, batch * q_heads * total)))
+    block = min(block, n)
+    k, v = keys.float().contiguous(), values.float().contiguous()
+    # [batch, kv_heads, n * group, head_dim], scaled once: a block's rows (query, head) are one contiguous slice
+    q = (query.float() * scale).view(batch, kv_heads, group, n, head_dim).transpose(2, 3).contiguous()
+    q = q.view(batch, kv_heads, n * group, head_dim)
+    output = torch.empty(batch, n, kv_heads, group, value_dim, dtype=values.dtype, device=query.device)
+    sums = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=query.device)
+    # one buffer for every block's logits (then probabilities, in place): no allocation per block
+    scratch = torch.empty(batch * q_heads * block * total, dtype=torch.float32, device=query.device)
+    above = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    hidden = None if visible is None else visible.logical_not()
+    for a in range(0, n, block):
+        b = min(a + block, n)
+        rows = b - a
+        cut = held + b  # keys a causal block reads
+        if visible is not None and cut < total and visible[..., a:b, cut:].any():
+            cut = total  # a mask that is not causal: read every key
+        logits = scratch[: batch * q_heads * rows * cut].view(batch, kv_heads, rows * group, cut)
+        torch.matmul(q[:, :, a * group : b * group], k[:, :, :cut].transpose(-1, -2), out=logits)
+        per_query = logits.view(batch, kv_heads, rows, group, cut)
+        if visible is not None:
+            per_query.masked_fill_(hidden[..., a:b, :cut].unsqueeze(3), float("-inf"))
+        elif rows > 1:  # causal: only the last `rows` keys (the block's own diagonal square) hide anything
+            per_query[..., cut - rows :].masked_fill_(above[:rows, None, :rows], float("-inf"))
+        probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+        sums[..., :cut] += probs.sum(dim=2)
+        out = torch.matmul(probs, v[:, :, :cut])
+        output[:, a:b] = out.view(batch, kv_heads, rows, group, value_dim).transpose(1, 2)
+    return output.view(batch, n, q_heads, value_dim), sums

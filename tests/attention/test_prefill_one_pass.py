@@ -1,0 +1,124 @@
+"""The one-pass scored prefill (:func:`h2o_compress.attention.prefill.attention_with_sums`) gives what the two-pass
+path gives: SDPA's output and :func:`~h2o_compress.attention.attention_probability_sums`' column sums, on random
+inputs with GQA, a held prefix, left padding and a sliding window; and a cache prefilled with it keeps the same
+tokens as one prefilled through the two passes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama
+
+from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.attention import attention_probability_sums
+from h2o_compress.attention.prefill import attention_with_sums
+from h2o_compress.cache import chunk as chunk_module
+
+BATCH, KV_HEADS, GROUP, HELD, N, HEAD_DIM = 2, 2, 3, 7, 19, 16
+
+
+def visibility(held: int, pad: int, window: int | None, generator) -> torch.Tensor:
+    """bool ``[batch, kv_heads, n, held + n]`` built as :func:`h2o_compress.cache.chunk.attend` builds it: held slots
+    (some empty, per KV head), the chunk's causal block, sequence 1 left-padded by ``pad`` tokens (a padding query
+    sees itself only), and an optional sliding window of ``window`` positions."""
+    queries = torch.arange(held, held + N)
+    held_valid = torch.rand(BATCH, KV_HEADS, 1, held, generator=generator) > 0.3
+    own = torch.ones(N, N, dtype=torch.bool).tril().expand(BATCH, KV_HEADS, N, N).clone()
+    own[1, :, :, :pad] = False  # nobody sees sequence 1's padding...
+    eye = torch.eye(N, dtype=torch.bool)
+    own |= eye  # ...but a padding query sees itself
+    mask = torch.cat((held_valid.expand(-1, -1, N, -1), own), dim=3)
+    if window is not None:
+        keys = torch.arange(held + N)
+        mask &= keys[None, :] > queries[:, None] - window
+        mask[..., held:] |= eye
+    return mask
+
+
+def two_pass(query, keys, values, mask, scaling):
+    """The path the one pass replaces: SDPA (keys repeated per query head) + the chunked column sums."""
+    sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(GROUP, dim=1)
+    n, total = query.shape[2], keys.shape[2]
+    if mask is None and total > n:  # bottom-right causal, as attention_probability_sums reads None
+        sdpa_mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    output = F.scaled_dot_product_attention(query, keys.repeat_interleave(GROUP, 1), values.repeat_interleave(GROUP, 1),
+                                            attn_mask=sdpa_mask, is_causal=sdpa_mask is None, scale=scaling)
+    return output.transpose(1, 2), attention_probability_sums(query, keys, mask, scaling, chunk_size=5)
+
+
+@pytest.mark.parametrize("held, pad, window, masked", [
+    (0, 0, None, False),  # a first prefill, causal, no mask
+    (HELD, 0, None, False),  # a later chunk, causal over the held prefix, no mask
+    (0, 4, None, True),  # left padding
+    (HELD, 4, None, True),  # held prefix (some slots empty) + padding
+    (HELD, 4, 5, True),  # + a sliding window
+])
+@pytest.mark.parametrize("block", [1, 4, 64, None])
+def test_one_pass_matches_sdpa_and_the_probability_sums(held, pad, window, masked, block):
+    generator = torch.Generator().manual_seed(held * 100 + pad * 10 + (window or 0))
+    query = torch.randn(BATCH, KV_HEADS * GROUP, N, HEAD_DIM, generator=generator)
+    keys = torch.randn(BATCH, KV_HEADS, held + N, HEAD_DIM, generator=generator)
+    values = torch.randn(BATCH, KV_HEADS, held + N, HEAD_DIM + 8, generator=generator)  # a value dim of its own
+    mask = visibility(held, pad, window, generator) if masked else None
+    output, sums = attention_with_sums(query, keys, values, mask, 0.3, block=block)
+    expected_output, expected_sums = two_pass(query, keys, values, mask, 0.3)
+    assert output.shape == expected_output.shape and sums.shape == expected_sums.shape == (BATCH, KV_HEADS, held + N)
+    torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums, expected_sums, rtol=1e-5, atol=1e-6)
+    if masked:  # keys no query sees (padding, empty held slots) receive nothing
+        assert (sums[~mask.any(2)] == 0).all()
+
+
+def test_a_mask_that_shows_a_later_token_is_honoured():
+    """Not a causal mask (a query sees a later chunk token): that block reads every key, as the two passes do."""
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, KV_HEADS * GROUP, N, HEAD_DIM, generator=generator)
+    keys = torch.randn(1, KV_HEADS, N, HEAD_DIM, generator=generator)
+    values = torch.randn(1, KV_HEADS, N, HEAD_DIM, generator=generator)
+    mask = torch.ones(N, N, dtype=torch.bool).tril()
+    mask[2, 10] = True
+    mask = mask.expand(1, 1, N, N)
+    output, sums = attention_with_sums(query, keys, values, mask, None, block=4)
+    expected_output, expected_sums = two_pass(query, keys, values, mask, None)
+    torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums, expected_sums, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@torch.inference_mode()
+def test_a_cache_prefilled_in_one_pass_keeps_the_same_tokens(monkeypatch, chunks):
+    """h2o prefill of a left-padded batch (whole, or in 3 chunks: a held prefix), one pass against two passes:
+    same kept positions, scores and logits to float tolerance."""
+    model = tiny_llama(kv_heads=2, heads=6)
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 128, (2, 30), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    config = CompressionConfig(policy="h2o", budget=12, kv_bits=16, residual=2)
+    used = []
+
+    def prefill(one_pass: bool):
+        monkeypatch.setattr(chunk_module, "one_pass", lambda *args: used.append(one_pass) or one_pass)
+        cache = make_cache(model, config, max_length=40)
+        bounds = torch.linspace(0, ids.shape[1], chunks + 1).long().tolist()
+        for a, b in itertools.pairwise(bounds):
+            logits = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b],
+                           past_key_values=cache).logits
+        return cache, logits
+
+    fast, fast_logits = prefill(True)
+    slow, slow_logits = prefill(False)
+    assert set(used) == {True, False}
+    torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fast.layers, slow.layers, strict=True):
+        held_a, held_b = a.tensors(), b.tensors()
+        assert held_a.keys() == held_b.keys()
+        for name in held_a:
+            if "position" in name:
+                assert torch.equal(held_a[name], held_b[name]), name
+            elif held_a[name].is_floating_point():
+                torch.testing.assert_close(held_a[name], held_b[name], rtol=1e-5, atol=1e-6, msg=name)
