@@ -10,9 +10,10 @@ the same memory, so more tokens per second. Here, on the real SmolLM2-135M:
    ``--full-batch`` (4) sequences of ``--prompt-tokens`` + ``--new-tokens`` tokens with the weights as loaded
    (:func:`h2o_compress.planner.fit_batch`, the accounting of ``h2o-compress batch --batch-size auto``).
 2. Each setting runs at the largest batch the planner gives it under that limit (and, for the curve, at smaller
-   batches): :func:`h2o_compress.generate_batch` over the same prompts (consecutive windows of prose that chose
-   no setting: the Python Language Reference), greedy, end-of-sequence ignored by none. Each run is a fresh worker
-   process, so its peak RSS is its own.
+   batches): :func:`h2o_compress.generate_batch` over the same prompts (consecutive windows of the reporting
+   corpus's prose, which chose no setting: the Python Language Reference, then *Persuasion*), greedy, no chat
+   template, a row ending at its end-of-sequence token or its new tokens. Each run is a fresh worker process, so
+   its peak RSS is its own.
 3. A mixed-length run (prompts of 200 to ``--prompt-tokens`` tokens, ``max_new_tokens`` 16 to ``--new-tokens``)
    compares continuous batching with static batches at the same batch size: idle row share and tokens/s.
 
@@ -39,16 +40,11 @@ SETTINGS = {  # name: CompressionConfig keyword arguments ("ask" = h2o_compress.
 
 
 def prose() -> str:
-    """Prose that chose no setting: the reporting corpus's technical prose if shipped, else the Python Language
-    Reference of the standard library (``pydoc_data.topics``)."""
-    try:
-        from h2o_compress.evaluation.corpus import reporting_text
+    """Prose that chose no setting: the reporting corpus's technical prose (the Python Language Reference) then its
+    fiction (Jane Austen's *Persuasion*), about 196k SmolLM2 tokens (``h2o_compress/data/README.md``)."""
+    from h2o_compress.evaluation.corpus import reporting_text
 
-        return reporting_text("python_reference")
-    except (ImportError, KeyError, ValueError):
-        import pydoc_data.topics
-
-        return "\n\n".join(pydoc_data.topics.topics.values())
+    return reporting_text("python_reference") + "\n\n" + reporting_text("persuasion")
 
 
 def make_config(name: str):
@@ -197,7 +193,8 @@ def markdown(report: dict) -> str:
         f"`{report['command']}`", "",
         f"Memory limit {report['memory_limit_bytes'] / 2**20:.1f} MiB: where the uncompressed cache fits a batch of "
         f"{report['batches']['uncompressed']} ({report['prompt_tokens']} + {report['new_tokens']} tokens). Prompts: "
-        "the Python Language Reference (prose that chose no setting). Each row is one worker process.", "",
+        "consecutive windows of the reporting corpus's Python Language Reference then *Persuasion* (prose that chose no "
+        "setting). Each row is one worker process.", "",
         "| setting | batch | decode tok/s | x uncompressed | end-to-end tok/s | x uncompressed | prefill share | "
         "KV per sequence | planned | peak RSS |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
