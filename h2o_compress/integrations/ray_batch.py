@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 
 from h2o_compress.config import CompressionConfig
-from h2o_compress.integrations.ray_sweep import check_address, import_ray, runtime_env
+from h2o_compress.integrations.ray_sweep import check_address, connect, import_ray
 from h2o_compress.models import load_model
 from h2o_compress.runtime.batch import generate_batch
 from h2o_compress.runtime.batch_requests import BatchResult
@@ -65,15 +65,7 @@ def run_on_ray(address: str, requests: list[dict], model: str, config: Compressi
     except ImportError as exc:
         raise ConfigError(f"--ray needs Ray Data ({short(str(exc), 80, repr_=False)}); allowed: install the ray "
                           "extra (pip install 'h2o-compress[ray]')") from None
-    connected_here = False
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     runtime_env=runtime_env())
-        except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
-            raise ConfigError(f"cannot start or reach Ray at address {short(address)}: {short(str(exc), 160, repr_=False)}"
-                              "; allowed: local, auto, HOST:PORT or ray://HOST:PORT of a running cluster") from None
-        connected_here = True
+    connected_here = connect(ray, address)
     try:
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))

@@ -52,6 +52,24 @@ def runtime_env() -> dict:
     return {"py_modules": [str(package)], "excludes": ["__pycache__"]}
 
 
+def connect(ray, address: str) -> bool:
+    """Connect this process to Ray at ``address`` (``ray.init`` shipping this package: :func:`runtime_env`), unless
+    it is connected already; returns whether it connected here (then the caller disconnects at the end).
+
+    Raises:
+        ConfigError: a cluster that cannot be started or reached (the message names the address).
+    """
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=runtime_env())
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
+        raise ConfigError(f"cannot start or reach Ray at address {short(address)}: {short(str(exc), 160, repr_=False)}"
+                          "; allowed: local, auto, HOST:PORT or ray://HOST:PORT of a running cluster") from None
+    return True
+
+
 class RaySweep:
     """Runs ``worker(settings, config, references) -> record`` for many configurations as Ray tasks.
 
@@ -73,15 +91,7 @@ class RaySweep:
 
     def __enter__(self) -> "RaySweep":
         ray = self.ray
-        if not ray.is_initialized():
-            try:
-                ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False, runtime_env=runtime_env())
-            except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
-                raise ConfigError(f"cannot start or reach Ray at address {short(self.address)}: "
-                                  f"{short(str(exc), 160, repr_=False)}; allowed: local, auto, HOST:PORT or "
-                                  "ray://HOST:PORT of a running cluster") from None
-            self._connected_here = True
+        self._connected_here = connect(ray, self.address)
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
         cpus = int(resources.get("CPU", 0))

@@ -23,9 +23,9 @@ from h2o_compress.integrations.ray_sweep import check_address, import_ray
 from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.compiled import check_compile
-from h2o_compress.runtime.generation import check_generation_args, generate
+from h2o_compress.runtime.generation import check_config, check_generation_args, generate
 from h2o_compress.utils.defaults import default_of
-from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.errors import ConfigError
 from h2o_compress.utils.memory import PeakMemory, available_memory
 
 
@@ -90,10 +90,7 @@ class BatchJob:
     ray: str | None = None
 
     def __post_init__(self) -> None:
-        if self.config is None:
-            self.config = CompressionConfig()
-        elif not isinstance(self.config, CompressionConfig):
-            raise ConfigError(f"config={short(self.config)} is invalid; allowed: a CompressionConfig or None")
+        self.config = check_config(self.config)
         check_generation_args(self.max_new_tokens, self.temperature, self.seed)
         check_compile(self.compile, self.config)
         if self.batch_size != "auto":

@@ -18,10 +18,10 @@ from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, pa
 from h2o_compress.planner.plan import PICKED
 from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import (
-    GenerationResult, check_generation_args, check_prompt, encode_prompt, generate,
+    GenerationResult, check_config, check_generation_args, check_prompt, encode_prompt, generate,
 )
 from h2o_compress.utils.defaults import default_of
-from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.errors import ConfigError
 from h2o_compress import models
 from h2o_compress.models.weights import floating_dtype
 from h2o_compress.runtime.prompt_cache import prepare_prompt_cache
@@ -102,10 +102,7 @@ class GenerateJob:
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt)
-        if self.config is None:
-            self.config = CompressionConfig()
-        elif not isinstance(self.config, CompressionConfig):
-            raise ConfigError(f"config={short(self.config)} is invalid; allowed: a CompressionConfig or None")
+        self.config = check_config(self.config)
         check_generation_args(self.max_new_tokens, self.temperature, self.seed)
         check_compile(self.compile, self.config)
         if self.memory_limit is not None and self.load_cache is not None:

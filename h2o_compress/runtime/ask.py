@@ -32,7 +32,7 @@ from h2o_compress.cache import CompressedCache
 from h2o_compress.runtime.chat import check_text_fits
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.errors import CacheStateError, InputError, short
-from h2o_compress.runtime.generation import GenerationResult, _check_config, check_prompt, encode_prompt, generate, make_scored_cache
+from h2o_compress.runtime.generation import GenerationResult, check_config, check_prompt, encode_prompt, generate, make_scored_cache
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.prefill import check_context, prefill
 from h2o_compress.runtime.prompt_cache import shared_prefix_length
@@ -106,7 +106,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
         InputError: empty context, or longer than the model's context window.
         ConfigError: a bad setting, or one that leaves no recent window at this capacity.
     """
-    config = ASK_DEFAULTS if config is None else _check_config(config)
+    config = ASK_DEFAULTS if config is None else check_config(config)
     check_prompt(context)
     check_text_fits(tokenizer, context, getattr(model.config, "max_position_embeddings", None), "the context")
     device = input_device(model)

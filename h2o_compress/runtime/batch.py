@@ -38,7 +38,7 @@ from h2o_compress.runtime.batch_requests import BatchRequest, BatchResult, Prepa
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.generation import (
-    _check_argument_kinds, _check_config, _eos_ids, _sync, check_generation_args, make_cache,
+    _check_argument_kinds, _eos_ids, _sync, check_config, check_generation_args, make_cache,
 )
 from h2o_compress.models.weights import input_device
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
@@ -153,7 +153,7 @@ def generate_batch(
         ConfigError: a bad job-wide argument (checked before anything runs, when this is called).
     """
     _check_argument_kinds(model, tokenizer, None)
-    config = _check_config(config)
+    config = check_config(config)
     check_generation_args(max_new_tokens, temperature, seed)
     check_batch_size(batch_size)
     if on_step is not None and not callable(on_step):

@@ -92,7 +92,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         ConfigError: a bad setting (see :func:`make_cache`).
         ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
     """
-    config = _check_config(config)
+    config = check_config(config)
     if not POLICIES[config.policy].scorer:
         return make_cache(model, config, max_length)
     scores = score_context(model, tokenizer, input_ids, config.eviction_policy(), question_in_prompt)
@@ -137,7 +137,12 @@ def _check_argument_kinds(model, tokenizer, on_text) -> None:
                           "text, or None")
 
 
-def _check_config(config) -> CompressionConfig:
+def check_config(config) -> CompressionConfig:
+    """``config``, or the no-compression default for ``None``.
+
+    Raises:
+        ConfigError: ``config`` is neither a :class:`CompressionConfig` nor ``None``.
+    """
     if config is None:
         return CompressionConfig()
     if not isinstance(config, CompressionConfig):
@@ -325,10 +330,10 @@ def generate(
         raise CacheStateError(f"cache={short(cache)} is not a CompressedCache; allowed: a cache of "
                               "h2o_compress.make_cache(...) or load_cache(...), or None")
     if cache is None:
-        config = _check_config(config)
+        config = check_config(config)
     elif config is None:
         config = cache.config
-    elif _check_config(config) != cache.config:
+    elif check_config(config) != cache.config:
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
     check_generation_args(max_new_tokens, temperature, seed)
     device = input_device(model)
