@@ -16,6 +16,7 @@ from h2o_compress.cli.options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
     given_on_command_line, placement_options,
 )
+from h2o_compress.evaluation.corpus import REPORTING, REPORTING_TEXTS, TEXT_NAMES
 from h2o_compress.profiling.report import load_report, write_report
 from h2o_compress.profiling.sweep import PLACEMENT_DEFAULTS, ProfileSettings, run_profile
 from h2o_compress.utils.defaults import default_of
@@ -67,6 +68,11 @@ NeedleDepthsOpt = typer.Option(
     setting_default("needle_depths"), "--needle-depths", help="Passkey depths in [0, 1].")
 TextFileOpt = typer.Option(
     setting_default("text_file"), "--text-file", help="Text for perplexity/speed (default: shipped corpus).")
+QualityTextsOpt = typer.Option(
+    setting_default("quality_texts"), "--quality-texts", help="More texts, comma-separated, on which every "
+    "configuration's perplexity (and passkey accuracy, with --needle-lengths) is also measured: "
+    f"{', '.join(TEXT_NAMES)}, {REPORTING} (= {', '.join(REPORTING_TEXTS)}) or file paths; the report adds a "
+    "'Quality per corpus' table (empty = skip).")
 IsolateOpt = typer.Option(
     setting_default("isolate"), "--isolate/--no-isolate", help="One fresh worker process per configuration "
     "(default: on CPU, where the peak RSS needs it).")
@@ -92,7 +98,7 @@ RenderOpt = typer.Option(
 
 
 def sweep_lists(policies: str, budgets: str, kv_bits: str, seq_len: str, needle_lengths: str, needle_depths: str,
-                lm_eval_tasks: str) -> dict:
+                lm_eval_tasks: str, quality_texts: str) -> dict:
     """The comma-separated list options, parsed into :class:`ProfileSettings`' tuples. Raises ConfigError."""
     return dict(
         policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
@@ -102,6 +108,8 @@ def sweep_lists(policies: str, budgets: str, kv_bits: str, seq_len: str, needle_
         needle_lengths=tuple(parse_list(needle_lengths, int, "needle-lengths", "integers >= 64, e.g. 1024")),
         needle_depths=tuple(parse_list(needle_depths, float, "needle-depths", "fractions in [0, 1]")),
         lm_eval_tasks=tuple(split_tasks(lm_eval_tasks, "--lm-eval-tasks")) if lm_eval_tasks else (),
+        quality_texts=tuple(parse_list(quality_texts, str, "quality-texts", f"{', '.join(TEXT_NAMES)}, {REPORTING} "
+                                       "or file paths, e.g. reporting")),
     )
 
 
@@ -136,6 +144,7 @@ def profile_command(
     needle_lengths: str = NeedleLengthsOpt,
     needle_depths: str = NeedleDepthsOpt,
     text_file: Optional[str] = TextFileOpt,
+    quality_texts: str = QualityTextsOpt,
     device: str = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     isolate: Optional[bool] = IsolateOpt,
@@ -163,7 +172,8 @@ def profile_command(
         chunk_size=chunk_size, agreement_prompts=agreement_prompts, max_new_tokens=max_new_tokens,
         text_file=text_file, isolate=isolate, threads=threads, trust_remote_code=trust_remote_code,
         compile=compile_step, lm_eval_limit=lm_eval_limit, lm_eval_include_path=lm_eval_include_path,
-        **sweep_lists(policies, budgets, kv_bits, seq_len, needle_lengths, needle_depths, lm_eval_tasks),
+        **sweep_lists(policies, budgets, kv_bits, seq_len, needle_lengths, needle_depths, lm_eval_tasks,
+                      quality_texts),
         **compression.values, placement={k: load[k] for k in PLACEMENT_DEFAULTS},
     )
     report = run_profile(settings, out, ray_address=ray, resume=resume)

@@ -72,6 +72,29 @@ def read_text_file(path: str | Path) -> str:
 TEXT_NAMES = ("sherlock", *REPORTING_TEXTS)
 
 
+#: The word that names every reporting text at once where a list of texts is taken (``--quality-texts reporting``).
+REPORTING = "reporting"
+
+
+def expand_text_names(values) -> tuple[str, ...]:
+    """``values`` (text names or file paths) with :data:`REPORTING` replaced by the names of the reporting texts,
+    duplicates dropped (the first kept). Nothing is read: :func:`load_text` checks each value."""
+    names: list[str] = []
+    for value in values:
+        for name in (REPORTING_TEXTS if value == REPORTING else [value]):
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def text_role(name: str | None) -> str:
+    """``name`` as a report shows it: ``sherlock (tuning)`` for the tuning text (``None`` included),
+    ``persuasion (reporting)`` for a reporting text, a file path as given."""
+    if name is None or name == "sherlock":
+        return "sherlock (tuning)"
+    return f"{name} (reporting)" if name in REPORTING_TEXTS else str(name)
+
+
 def load_text(text_file: str | Path | None = None) -> str:
     """The text of ``text_file``: a shipped text by name (:data:`TEXT_NAMES`: ``sherlock``, the tuning text, or a
     reporting text; ``./NAME`` reads a file of that name instead), a file path, or the shipped corpus (the tuning

@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from h2o_compress.evaluation.corpus import text_role
 from h2o_compress.policies import POLICIES
 from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import read_text
@@ -83,9 +84,10 @@ class Table:
 def finalize(report: dict) -> dict:
     """Add ratios against the reference (the first result: uncompressed, 16-bit) and the policy comparison.
 
-    Adds ``perplexity.ratio``, ``kv_fraction`` (KV bytes / uncompressed fp16 bytes, perplexity stream),
-    ``speed[i].decode_speed_ratio`` and ``metrics`` (``perplexity_ratio``, ``agreement`` = token match,
-    ``passkey_accuracy``: the flat figures ``h2o-compress plan --profile`` reads) to each result, and
+    Adds ``perplexity.ratio``, ``corpora[text].ratio`` (the perplexity of each quality text over the reference's
+    on that text; ``None`` where the reference has none), ``kv_fraction`` (KV bytes / uncompressed fp16 bytes,
+    perplexity stream), ``speed[i].decode_speed_ratio`` and ``metrics`` (``perplexity_ratio``, ``agreement`` =
+    token match, ``passkey_accuracy``: the flat figures ``h2o-compress plan --profile`` reads) to each result, and
     ``report["policy_comparison"]``.
 
     Raises:
@@ -109,6 +111,7 @@ def finalize(report: dict) -> dict:
             "agreement": (record.get("agreement") or {}).get("token_match"),
             "passkey_accuracy": ((record.get("needle") or {}).get("overall") or {}).get("compressed"),
         }
+    corpus_ratios(results)
     ref_scores = (ref.get("lm_eval") or {}).get("scores") or {}
     for record in results:
         if record.get("lm_eval"):
@@ -116,6 +119,16 @@ def finalize(report: dict) -> dict:
     report["reference"] = ref["label"]
     report["policy_comparison"] = policy_comparison(results)
     return report
+
+
+def corpus_ratios(results: list[dict]) -> None:
+    """Set ``ratio`` in each ``record["corpora"][text]``: its perplexity / the reference's (``results[0]``) on the
+    same text, ``None`` where the reference has no figure for that text."""
+    reference = results[0].get("corpora") or {}
+    for record in results:
+        for text, entry in (record.get("corpora") or {}).items():
+            base = (reference.get(text) or {}).get("perplexity")
+            entry["ratio"] = entry["perplexity"] / base if base else None
 
 
 def lm_eval_vs_reference(scores: dict, reference: dict) -> dict:
@@ -175,6 +188,36 @@ def _lm_eval_table(report: dict) -> Table | None:
     )
 
 
+def _corpus_table(report: dict) -> Table | None:
+    """Quality per corpus: per configuration, the perplexity ratio (and, with passkey lengths, the passkey
+    accuracy) on the main text, then on each quality text; ``None`` when no row measured a quality text."""
+    results, settings = report["results"], report["settings"]
+    names: list[str] = []
+    for r in results:
+        names += [name for name in (r.get("corpora") or {}) if name not in names]
+    if not names:
+        return None
+    needles = bool(settings.get("needle_lengths"))
+    headers = ["Configuration"]
+    for text in [settings.get("text_file"), *names]:
+        headers += [f"{text_role(text)} ppl x", *([f"{text_role(text)} needle"] if needles else [])]
+    rows = []
+    for r in results:
+        corpora = r.get("corpora") or {}
+        figures = [(r["perplexity"].get("ratio"), _passkey(r))]
+        figures += [((corpora.get(n) or {}).get("ratio"), (corpora.get(n) or {}).get("needle_accuracy")) for n in names]
+        row = [r["label"]]
+        for ratio, needle in figures:
+            row += [_f(ratio, 3, suffix="x"), *([_f(needle, 2)] if needles else [])]
+        rows.append(row)
+    needle_note = "; needle: passkey accuracy with that text around the passkey" if needles else ""
+    note = (f"Perplexity of the first {settings['ppl_tokens']} tokens (at most) of each text "
+            f"({_reading(settings['chunk_size'], short=True)}) over the reference's on the same text "
+            f"({report.get('reference', results[0]['label'])}){needle_note}. The tuning text is the only one any "
+            "default, factor, policy or threshold is chosen on; reporting texts are never used to choose anything.")
+    return Table("Quality per corpus", headers, rows, note=note)
+
+
 def policy_comparison(results: list[dict]) -> list[dict]:
     """Per (kv bits, budget < 1): perplexity of each policy, the best one, and whether ``h2o`` beats both
     ``local`` and ``sink`` (``None`` when one of the three was not run)."""
@@ -201,9 +244,14 @@ def _f(value, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
     return f"{value / scale:.{digits}f}{suffix}"
 
 
+def _passkey(record: dict):
+    """The row's passkey accuracy on the main text (``None`` without a passkey run)."""
+    return ((record.get("needle") or {}).get("overall") or {}).get("compressed")
+
+
 def tables(report: dict) -> list[Table]:
-    """The report's tables: summary, lm-eval scores (when the sweep scored tasks), policy comparison,
-    speed/memory per length, environment."""
+    """The report's tables: summary, quality per corpus (when the sweep measured quality texts), lm-eval scores
+    (when it scored tasks), policy comparison, speed/memory per length, environment."""
     settings, results = report["settings"], report["results"]
     longest = max(settings["seq_lens"])
     summary = []
@@ -211,7 +259,7 @@ def tables(report: dict) -> list[Table]:
         ppl, speed = r["perplexity"], {s["seq_len"]: s for s in r["speed"]}
         at = speed.get(longest) or r["speed"][-1]
         agree = r.get("agreement") or {}
-        needle = (r.get("needle") or {}).get("overall", {}).get("compressed")
+        needle = _passkey(r)
         summary.append([
             r["label"], str(ppl["capacity"] or "all"), _f(ppl["kv_bytes"], 2, MIB), _f(r["kv_fraction"], 1, 0.01, "%"),
             _f(ppl["perplexity"], 3), _f(ppl["ratio"], 3, suffix="x"), _f(agree.get("token_match"), 2),
@@ -255,8 +303,8 @@ def tables(report: dict) -> list[Table]:
     env_rows = [[k, str(v)] for k, v in env.items() if k != "packages"]
     env_rows += [[name, str(v)] for name, v in env["packages"].items()]
     env_rows += [["created", report["created"]], ["command", report.get("command") or "-"]]
-    lm_eval = _lm_eval_table(report)
-    return [summary_table, *([lm_eval] if lm_eval else []), comparison, speed,
+    extra = [table for table in (_corpus_table(report), _lm_eval_table(report)) if table is not None]
+    return [summary_table, *extra, comparison, speed,
             Table("Environment", ["Key", "Value"], env_rows)]
 
 
@@ -533,6 +581,7 @@ _RECORD_FIELDS = {
 }
 _STEP_FIELDS = {"seq_len": _COUNT, "capacity": _or_none(_COUNT), "prefill_tokens_per_s": _NUMBER,
                 "decode_tokens_per_s": _NUMBER, "kv_bytes": _NUMBER, "peak_memory_bytes": _or_none(_NUMBER)}
+_CORPUS_FIELDS = {"perplexity": _NUMBER, "tokens": _COUNT, "needle_accuracy": _or_none(_NUMBER)}
 _OPTIONAL_FIELDS = {"agreement": ("token_match", "prefix_match", "rouge_l"), "needle": (), "lm_eval": ()}
 _MISSING = object()
 
@@ -585,6 +634,9 @@ def record_problem(record, where: str = "row") -> str | None:
         return _wrong(f"{where}.needle.overall", overall, "an object or null")
     if overall and not (overall.get("compressed") is None or _number(overall["compressed"])):
         return _wrong(f"{where}.needle.overall.compressed", overall["compressed"], "a number or null")
+    problem = _corpora_problem(record.get("corpora"), f"{where}.corpora")
+    if problem:
+        return problem
     scores = (record.get("lm_eval") or {}).get("scores")
     if scores is not None:
         if not isinstance(scores, dict):
@@ -598,6 +650,24 @@ def record_problem(record, where: str = "row") -> str | None:
     return None
 
 
+def _corpora_problem(corpora, where: str) -> str | None:
+    """What makes a row's ``corpora`` (``{text: {perplexity, tokens, needle_accuracy[, ratio]}}``) unusable;
+    ``None`` when it is usable or absent."""
+    if corpora is None:
+        return None
+    if not isinstance(corpora, dict):
+        return _wrong(where, corpora, "an object {text: {perplexity, tokens, needle_accuracy}} or null")
+    for text, entry in corpora.items():
+        if not isinstance(entry, dict):
+            return _wrong(f"{where}.{text}", entry, "an object {perplexity, tokens, needle_accuracy}")
+        fields = {**_CORPUS_FIELDS, **({"ratio": _or_none(_NUMBER)} if "ratio" in entry else {})}
+        for key, (kind, ok) in fields.items():
+            value = entry.get(key, _MISSING)
+            if value is _MISSING or not ok(value):
+                return _wrong(f"{where}.{text}.{key}", value, kind)
+    return None
+
+
 def _refused(name: str, problem: str) -> InputError:
     """The error of :func:`check_report`: ``"<name> is incomplete: ..."`` for a missing field, else ``"<name>: ..."``."""
     lead = f"{name} is incomplete" if " is missing;" in problem else name
@@ -607,7 +677,7 @@ def _refused(name: str, problem: str) -> InputError:
 def check_report(report: dict, name: str = "the report") -> None:
     """Refuse a report that cannot be rendered, field by field: every part the tables and plots read, each of the
     type they need (:func:`record_problem` for each row), and a reference (the first result) with a finite
-    perplexity > 0.
+    perplexity > 0 on the main text and on each quality text it measured.
 
     Raises:
         InputError: naming the first missing or unusable field (``results[1].config.kv_bits``...), its value and
@@ -641,6 +711,10 @@ def check_report(report: dict, name: str = "the report") -> None:
         problem = record_problem(record, f"results[{i}]")
         if problem:
             raise _refused(name, problem)
+    for text, entry in (results[0].get("corpora") or {}).items():
+        if not (math.isfinite(entry["perplexity"]) and entry["perplexity"] > 0):
+            raise InputError(f"{name}: the reference perplexity of quality text {short(text)} is "
+                             f"{short(entry['perplexity'])}; allowed: a finite number > 0")
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:

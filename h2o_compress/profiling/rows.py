@@ -5,7 +5,8 @@ Each configuration that finishes is written at once to ``OUT/rows/<label>.<hash>
 over the target, so a killed sweep never leaves half a row). The hash is that of the row's *key*: the compression
 configuration, the model (its name, and for a local directory the names, sizes and modification times of its
 files and the text of its config.json), every measurement setting of the sweep (lengths, tokens, prompts,
-isolation, threads, device, dtype, compile...; not the grid lists), the SHA-256 of the text read, and the versions
+isolation, threads, device, dtype, compile, quality texts...; not the grid lists), the SHA-256 of each text read
+(the main text and every quality text), and the versions
 of h2o-compress, torch and transformers. A rerun reuses a row only when the key stored in its file equals the key
 of the configuration now asked for, so a changed setting never reuses a stale row: it measures again and writes a
 new file beside the old one (nothing is deleted).
@@ -54,7 +55,11 @@ def model_identity(model: str) -> dict:
     return identity
 
 
-def row_key(settings: dict, config: dict, text: str, isolate: bool) -> dict:
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def row_key(settings: dict, config: dict, text: str, isolate: bool, quality_texts: dict | None = None) -> dict:
     """The key of one row (JSON-normalised, so it compares equal to the key read back from its file).
 
     Args:
@@ -62,6 +67,8 @@ def row_key(settings: dict, config: dict, text: str, isolate: bool) -> dict:
         config: the row's ``CompressionConfig.to_dict()``.
         text: the text the sweep reads (perplexity, speed and passkey runs).
         isolate: whether the row is measured in a fresh worker process (it changes what peak memory means).
+        quality_texts: ``{name: text}`` of the sweep's quality texts (a file's content may change under its name);
+            none (default) adds nothing (their names are in ``settings``).
     """
     key = {
         "format": FORMAT,
@@ -69,9 +76,11 @@ def row_key(settings: dict, config: dict, text: str, isolate: bool) -> dict:
         "model": model_identity(settings["model"]),
         "settings": {k: v for k, v in settings.items() if k not in GRID_FIELDS and k != "isolate"},
         "isolate": bool(isolate),
-        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "text_sha256": _sha256(text),
         "packages": {name: _version(name) for name in ("h2o-compress", "torch", "transformers")},
     }
+    if quality_texts:
+        key["quality_texts_sha256"] = {name: _sha256(value) for name, value in quality_texts.items()}
     return json.loads(json.dumps(key, sort_keys=True, default=str))
 
 

@@ -37,7 +37,9 @@ from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, make_cache
 from h2o_compress.utils.outputs import OutputDir
 from h2o_compress.evaluation.agreement import agreement_eval, reference_generations
-from h2o_compress.evaluation.corpus import load_prompts, load_text, tokenize_text
+from h2o_compress.evaluation.corpus import (
+    REPORTING, TEXT_NAMES, expand_text_names, load_prompts, load_text, tokenize_text,
+)
 from h2o_compress.evaluation.needle import ANSWER_TOKENS, check_needle_args, needle_eval, plant_needle
 from h2o_compress.evaluation.perplexity import streaming_perplexity
 from h2o_compress.runtime.compiled import decode_step, resolve_compile, warmup_steps
@@ -76,6 +78,14 @@ class ProfileSettings:
             the number shipped (``len(load_prompts())``).
         needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
             :data:`~h2o_compress.evaluation.needle.ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
+        text_file: the main text (perplexity, speed and passkey runs): a shipped text's name
+            (:data:`~h2o_compress.evaluation.corpus.TEXT_NAMES`) or a file path; ``None``: ``sherlock``, the tuning
+            text.
+        quality_texts: more texts (names of :data:`~h2o_compress.evaluation.corpus.TEXT_NAMES`, ``reporting`` for
+            the three reporting texts, or file paths) on which each configuration's streaming perplexity
+            (``ppl_tokens``, ``chunk_size``) and, with ``needle_lengths``, passkey accuracy are also measured
+            (``record["corpora"]``); the main text and repeats are dropped. Each is read in the constructor
+            (InputError naming it and what is allowed).
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off); the 16-
             and 8-bit rows are measured without it, and a sweep with no 4-bit row refuses it
@@ -113,6 +123,7 @@ class ProfileSettings:
     needle_lengths: tuple[int, ...] = ()
     needle_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
     text_file: str | None = None
+    quality_texts: tuple[str, ...] = ()
     heavy_ratio: float = _DEFAULTS.heavy_ratio
     quant: str = _DEFAULTS.quant
     group_size: int = _DEFAULTS.group_size
@@ -164,6 +175,8 @@ class ProfileSettings:
         except ConfigError as exc:
             raise ConfigError(f"needle {exc}") from None
         self.check_meaningful(self.configs())  # configs() validates policies, budgets and the fixed options
+        self.quality_texts = self._quality_names()
+        self.read_quality_texts()  # every one readable: before a directory is made or a model loads
 
         check_kernel(self.attention_kernel, device if device is not None else resolve_device(self.device))
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
@@ -196,6 +209,35 @@ class ProfileSettings:
                 except ConfigError as exc:
                     where = f" at the {length}-token length the sweep measures" if length is not None else ""
                     raise ConfigError(f"profile row {label(config)}{where}: {exc}") from None
+
+    def _quality_names(self) -> tuple[str, ...]:
+        """``quality_texts`` expanded (``reporting``), without repeats and the main text. Raises ConfigError for a
+        value that is not a string."""
+        values = (self.quality_texts,) if isinstance(self.quality_texts, (str, os.PathLike)) else self.quality_texts
+        values = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in values]
+        for value in values:
+            if not isinstance(value, str):
+                raise ConfigError(f"quality text {short(value)} is not a name or path; allowed: "
+                                  f"{', '.join(TEXT_NAMES)}, {REPORTING} or a text file path")
+        main = self.text_file if self.text_file is not None else "sherlock"
+        return tuple(name for name in expand_text_names(values) if name != main)
+
+    def read_quality_texts(self) -> dict[str, str]:
+        """``{name: text}`` of each of ``quality_texts``.
+
+        Raises:
+            InputError: a value is neither a shipped text's name nor a readable, non-empty text file (the message
+                names it and what is allowed).
+        """
+        texts = {}
+        for name in self.quality_texts:
+            try:
+                texts[name] = load_text(name)
+            except InputError as exc:
+                problem = str(exc).split("; allowed:")[0]  # one list of what is allowed
+                raise InputError(f"quality text {short(name)}: {problem}; allowed: {', '.join(TEXT_NAMES)}, "
+                                 f"{REPORTING} or a readable text file") from None
+        return texts
 
     def check_lm_eval_tasks(self) -> None:
         """Check every ``lm_eval_tasks`` name against lm-eval's tasks and ``lm_eval_include_path`` (builds lm-eval's
@@ -346,9 +388,7 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     for s in record["speed"]:
         peak = s["peak_memory_bytes"]
         s["peak_memory_delta_bytes"] = None if base is None or peak is None else peak - base
-    ppl = streaming_perplexity(model, corpus_ids[:, : settings.ppl_tokens], config, settings.chunk_size)
-    skip = ("config", "reference_perplexity", "perplexity_ratio")  # the report adds "ratio" against its reference
-    record["perplexity"] = {k: v for k, v in ppl.to_dict().items() if k not in skip}
+    record["perplexity"] = _perplexity(model, corpus_ids, settings, config)
     if settings.agreement_prompts:
         prompts = load_prompts()[: settings.agreement_prompts]
         if references is None:
@@ -358,14 +398,41 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
                                    compile=settings.compile)
         record["agreement"] = {k: v for k, v in agreement.to_dict().items() if k != "config"}
     if settings.needle_lengths:
-        needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
-                             max_new_tokens=ANSWER_TOKENS, reference=False, corpus=text, compile=settings.compile)
-        record["needle"] = {k: v for k, v in needle.to_dict().items() if k != "config"}
+        record["needle"] = _needle(model, tokenizer, settings, config, text)
+    if settings.quality_texts:
+        record["corpora"] = {name: _corpus_quality(model, tokenizer, settings, config, name)
+                             for name in settings.quality_texts}
     if settings.lm_eval_tasks:
         record["lm_eval"] = score_model(model, tokenizer, config, settings.lm_eval_tasks, settings.lm_eval_limit,
                                         settings.lm_eval_include_path)
     record["seconds"] = time.perf_counter() - started
     return record
+
+
+def _perplexity(model, corpus_ids: torch.Tensor, settings: ProfileSettings, config: CompressionConfig) -> dict:
+    """Streaming perplexity of the first ``settings.ppl_tokens`` of ``corpus_ids`` (``chunk_size`` tokens a pass),
+    as a record keeps it (the report adds ``ratio`` against its reference)."""
+    ppl = streaming_perplexity(model, corpus_ids[:, : settings.ppl_tokens], config, settings.chunk_size)
+    skip = ("config", "reference_perplexity", "perplexity_ratio")
+    return {k: v for k, v in ppl.to_dict().items() if k not in skip}
+
+
+def _needle(model, tokenizer, settings: ProfileSettings, config: CompressionConfig, text: str) -> dict:
+    """Passkey retrieval (``settings.needle_lengths`` x ``needle_depths``) with ``text`` as the haystack."""
+    needle = needle_eval(model, tokenizer, config, settings.needle_lengths, settings.needle_depths,
+                         max_new_tokens=ANSWER_TOKENS, reference=False, corpus=text, compile=settings.compile)
+    return {k: v for k, v in needle.to_dict().items() if k != "config"}
+
+
+def _corpus_quality(model, tokenizer, settings: ProfileSettings, config: CompressionConfig, name: str) -> dict:
+    """One entry of ``record["corpora"]``: the perplexity of quality text ``name`` over ``tokens`` tokens read as
+    the main text is, and its passkey accuracy (a fraction; ``None`` without ``needle_lengths``)."""
+    text = load_text(name)
+    ppl = _perplexity(model, tokenize_text(tokenizer, text, settings.ppl_tokens), settings, config)
+    accuracy = None
+    if settings.needle_lengths:
+        accuracy = _needle(model, tokenizer, settings, config, text)["overall"].get("compressed")
+    return {"perplexity": ppl["perplexity"], "tokens": ppl["tokens"], "needle_accuracy": accuracy}
 
 
 def _load(settings: ProfileSettings):
@@ -573,12 +640,13 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
         ConfigError: bad settings (an unknown lm-eval task name included); an empty ``ray_address``; Ray asked for
             but not installed (the message names the ``ray`` extra) or not reachable; ``ray_address`` with
             ``model``. ModelLoadError: the model cannot be loaded.
-        InputError: ``settings.text_file`` cannot be read; ``out_dir`` (or its ``rows``) exists and is not a
-            directory, or holds report files profile did not write; a measurement needs more positions than the
-            model has.
+        InputError: ``settings.text_file`` or one of ``settings.quality_texts`` cannot be read; ``out_dir`` (or its
+            ``rows``) exists and is not a directory, or holds report files profile did not write; a measurement
+            needs more positions than the model has.
     """
     if settings.text_file is not None:
         load_text(settings.text_file)  # readable text: before a directory is made or a model loads
+    settings.read_quality_texts()
     if ray_address is not None:
         check_address(ray_address)
         import_ray()  # the missing extra is named before anything runs
@@ -626,7 +694,8 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
         "complete": False,
     }
     text = load_text(settings.text_file)
-    keys = [row_key(asdict(settings), c.to_dict(), text, isolate) for c in configs]
+    quality = settings.read_quality_texts()
+    keys = [row_key(asdict(settings), c.to_dict(), text, isolate, quality) for c in configs]
     labels = [label(c) for c in configs]
     records: dict[int, dict] = {}
     if store is not None and resume:

@@ -62,9 +62,11 @@ def test_option_defaults_are_read_from_the_library():
     params = {p.name: p.default for p in _profile_params()}
     for option, field in (("policies", "policies"), ("budgets", "budgets"), ("kv_bits", "kv_bits"),
                           ("seq_len", "seq_lens"), ("needle_depths", "needle_depths"),
-                          ("needle_lengths", "needle_lengths"), ("lm_eval_tasks", "lm_eval_tasks")):
+                          ("needle_lengths", "needle_lengths"), ("lm_eval_tasks", "lm_eval_tasks"),
+                          ("quality_texts", "quality_texts")):
         parsed = [float(v) for v in params[option].split(",") if v] if option in ("budgets", "needle_depths") else \
-            [v if option in ("policies", "lm_eval_tasks") else int(v) for v in params[option].split(",") if v]
+            [v if option in ("policies", "lm_eval_tasks", "quality_texts") else int(v)
+             for v in params[option].split(",") if v]
         assert tuple(parsed) == tuple(default_of(ProfileSettings, field)), option
     for name in ("decode_tokens", "ppl_tokens", "chunk_size", "agreement_prompts", "max_new_tokens", "isolate",
                  "lm_eval_limit", "text_file"):
