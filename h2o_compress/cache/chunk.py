@@ -26,6 +26,7 @@ from h2o_compress.cache.decode import per_kv_head
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.ring import held_positions
 from h2o_compress.cache.setting import GROWTH
+from h2o_compress.cache.slots import value_l1_norms
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +154,11 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
     # what the next query (at `seen`) cannot see leaves a sliding or chunked layer, whatever its score
     layer.span.expire(positions, torch.tensor(seen, device=device), layer.first_real)
     if layer.evicts:
-        priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity)
+        norms = None
+        if layer.policy.weighs_values:  # VATP: stored values dequantized, the ring's and the chunk's as they are
+            basis = layer.geometry.value_basis
+            norms = torch.cat((layer.store.head_value_norms(basis), value_l1_norms(tail_values, basis)), dim=2)
+        priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity, norms)
         keep = layer.store.keep(priority, positions, layer.capacity)
     else:
         keep = positions >= 0

@@ -16,6 +16,13 @@ from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies.base import keep_top
 
 
+def value_l1_norms(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[..., tokens]``: the L1 norm of each value ``[..., tokens, head_dim]`` held in the orthonormal, symmetric
+    ``basis`` (``v_held = v @ basis``, so ``v = v_held @ basis``), or in the model's basis where ``basis`` is ``None``."""
+    values = values.float()
+    return (values if basis is None else values @ basis).abs().sum(-1)
+
+
 class SlotStore:
     """Keys, values, positions and (optionally) accumulated scores of ``slots`` token slots per sequence and head.
 
@@ -66,6 +73,16 @@ class SlotStore:
     def head_scores(self) -> torch.Tensor:
         """fp32 ``[batch, kv_heads, slots]``: the scores per KV head (0 where the head holds nothing)."""
         return self.scores
+
+    def value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``[batch, rows, slots]``: the L1 norm of each stored value, dequantized, in the model's basis (values
+        held in the Hadamard ``basis`` are turned back first; empty slots hold garbage: mask them with
+        ``positions >= 0``)."""
+        return value_l1_norms(self.quantizers[1].dequantize(self.values, torch.float32), basis)
+
+    def head_value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``[batch, kv_heads, slots]``: :meth:`value_norms` per KV head."""
+        return self.value_norms(basis)
 
     def score_share(self, sums: torch.Tensor) -> torch.Tensor:
         """What per-head probability sums ``[batch, kv_heads, slots]`` add to :attr:`scores`: themselves."""

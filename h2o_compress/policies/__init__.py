@@ -16,6 +16,7 @@ from h2o_compress.policies.sink import SinkPolicy
 from h2o_compress.policies.snapkv import SnapKVPolicy
 from h2o_compress.policies.strided import StridedPolicy
 from h2o_compress.policies.tova import TOVAPolicy
+from h2o_compress.policies.vatp import VATPPolicy
 from h2o_compress.utils.errors import ConfigError
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
@@ -30,11 +31,12 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "strided": StridedPolicy,
     "kvzip": KVzipPolicy,
     "lookahead": LookaheadPolicy,
+    "vatp": VATPPolicy,
 }
 
 __all__ = [
     "A2SFPolicy", "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
-    "TOVAPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "POLICY_OPTIONS", "make_policy",
+    "TOVAPolicy", "VATPPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "POLICY_OPTIONS", "make_policy",
     "policy_names", "policy_names_taking", "takes_option", "describe_policies",
 ]
 

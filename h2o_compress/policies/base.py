@@ -54,6 +54,9 @@ class EvictionPolicy:
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
     #: kernels leave the eviction to :meth:`priority`). ``tests/policies/test_policies.py`` checks it against :meth:`rank`.
     ranks_by: ClassVar[str] = "nothing"
+    #: Its :meth:`rank` reads the norm of each token's value (``value_norms``), which the cache computes from the
+    #: stored values before each eviction (VATP).
+    weighs_values: ClassVar[bool] = False
     #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
     #: attention replaces them (TOVA ranks by the current query's attention only).
     accumulates: ClassVar[bool] = True
@@ -96,13 +99,18 @@ class EvictionPolicy:
         seen: int | torch.Tensor,
         first_real: torch.Tensor,
         capacity: int,
+        value_norms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Eviction priority, fp32 ``[batch, kv_heads, tokens]``: ``+inf`` for the recent window (positions
         ``>= seen - recent_window(capacity)``) and the sinks (the first ``sink_tokens`` real tokens, from
         ``first_real`` int64 ``[batch]``), ``-inf`` for empty slots and padding (``positions < 0``), else
-        :meth:`rank`. Ties are broken by the caller towards keeping the older token.
+        :meth:`rank`. Ties are broken by the caller towards keeping the older token. ``value_norms``: fp32 L2
+        norms of the tokens' values, shaped like ``positions``, given (and read) only where :attr:`weighs_values`.
         """
-        priority = self.rank(scores, positions, seen)
+        if self.weighs_values:
+            priority = self.rank(scores, positions, seen, value_norms=value_norms)
+        else:
+            priority = self.rank(scores, positions, seen)
         recent, sinks = self.recent_window(capacity), min(self.sink_tokens, capacity)
         protected = positions >= seen - recent
         if sinks:

@@ -229,3 +229,30 @@ def test_a2sf_factor_is_a_setting_of_its_own_policy_only(tmp_path):
                                       "--forgetting-factor", "0.6", "--max-tokens", "40", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"]["forgetting_factor"] == 0.6
+
+
+@pytest.mark.parametrize(("bits", "rotate"), [(16, False), (4, False), (4, True)])
+def test_vatp_weighs_attention_by_the_value_norm(bits, rotate):
+    """The most attended token has a near-zero value: h2o keeps it, vatp keeps the next two instead (prefill),
+    and at a decode step vatp evicts the low-norm token first."""
+    from h2o_compress import CompressionConfig
+    from h2o_compress.cache import build_layers
+    from h2o_compress.policies import VATPPolicy
+
+    assert VATPPolicy.weighs_values and VATPPolicy.ranks_by == "custom" and POLICIES["vatp"] is VATPPolicy
+    keys = torch.eye(32)[:6].view(1, 1, 6, 32) * 4  # token i along axis i
+    values = torch.ones(1, 1, 6, 32)
+    values[..., 0, :] = 0.01  # token 0: attended most, contributes almost nothing
+    query = torch.zeros(1, 1, 6, 32)
+    query[..., 0], query[..., 1], query[..., 2] = 4.0, 3.5, 3.0  # attention: token 0 > 1 > 2 > the rest
+    kept = {}
+    for policy in ("h2o", "vatp"):
+        config = CompressionConfig(policy=policy, budget=4, heavy_ratio=0.5, kv_bits=bits, attention_kernel="torch",
+                                   rotate=rotate)
+        (layer,) = build_layers(config, 1, 32, 4, max_tokens=64)
+        returned_keys, returned_values = layer.update(keys, values)
+        layer.attend(MODULE, query, returned_keys, returned_values, None, None)
+        layer.evict()
+        kept[policy] = sorted(p for p in layer.positions()[0, 0].tolist() if p >= 0)
+    assert kept["h2o"] == [0, 1, 4, 5]
+    assert kept["vatp"] == [1, 2, 4, 5]

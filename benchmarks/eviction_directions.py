@@ -1,0 +1,331 @@
+"""Directions the field has taken for streaming quality per byte, measured rather than assumed (issue 35).
+
+    python benchmarks/eviction_directions.py --phase choose      # the tuning text only: picks each direction's option
+    python benchmarks/eviction_directions.py --phase report      # the reporting corpus, with what `choose` picked
+
+A reference simulation, independent of the library's cache: SmolLM2 reads a text token by token (the exact
+decode semantics of ``eval perplexity --chunk-size 1``) through a plain ``DynamicCache`` that holds every token,
+with an attention function (registered through transformers' ``AttentionInterface``) that hides the evicted
+tokens of each KV head behind a mask and changes the held keys and values in place where a direction says so.
+It is slow and holds the whole cache, but each direction is a few lines, and the ``h2o`` row (the same capacity,
+heavy/recent split and tie rule as :class:`h2o_compress.policies.H2OPolicy`) and the ``token int4`` row (per-token
+groups of 32 with the Hadamard rotation, fp16 scales and zeros, as ``quant="int"``) are checked against the
+library's own figures, printed beside them.
+
+Eviction directions (16-bit, so only the ranking differs), each ranking the tokens outside the recent window:
+
+- ``h2o``: accumulated attention (Zhang et al. 2023, arXiv 2306.14048 §4).
+- ``vatp``: accumulated attention x the L1 norm of the token's value (Guo et al. 2024, "Attention score is not all
+  you need for token importance indicator in KV cache reduction: value also matters", arXiv 2406.12335 §3).
+- ``keydiff``: query-agnostic; keeps the keys least similar (cosine) to the mean of the held normalised keys
+  (Park et al. 2025, arXiv 2504.15364 §3).
+- ``merge``: ``h2o``, and the evicted token's value is merged into the held token whose key is most similar
+  (cosine) when that similarity is at least ``tau``, weighted by the two tokens' accumulated attention
+  (D2O, Wan et al. 2024, arXiv 2406.13035 §3.2, token-level merging; CaM, Zhang et al. ICML 2024, merges values
+  only, as here). ``tau`` is chosen on the tuning text.
+
+Quantization direction (budget 1.0 and with ``h2o``): ``kivi int4``: keys quantized per channel over groups of
+32 tokens, values per token (Liu et al. 2024, KIVI, arXiv 2402.02750 §3), the same bytes as per-token groups of 32
+(one fp16 scale and zero per 32 elements). A group of keys is quantized once its 32 tokens are all at least
+``residual`` tokens old; younger tokens stay in full precision.
+
+Writes ``--out`` (JSON, every row) and the same path with ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from h2o_compress import CompressionConfig, load_model, make_cache
+from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
+from h2o_compress.evaluation.perplexity import streaming_perplexity
+from h2o_compress.formats.integer import hadamard_matrix
+
+GROUP = 32  # elements (or tokens, per channel) sharing one fp16 scale and zero
+RESIDUAL = 4  # newest tokens kept in full precision (the library's window holds 4..7 at residual=3)
+
+
+def fake_quantize(x: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """Asymmetric round-to-nearest over ``dim`` (a group), fp16 scale and zero, dequantized in x's dtype."""
+    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8).half().float()
+    zero = low.half().float()
+    return ((x - zero) / scale).round().clamp(0, 2**bits - 1).mul(scale).add(zero).to(x.dtype)
+
+
+def per_token(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., tokens, head_dim]`` quantized per token in groups of :data:`GROUP` elements (rotated first)."""
+    y = x @ rotation if rotation is not None else x
+    shape = y.shape
+    y = fake_quantize(y.reshape(*shape[:-1], shape[-1] // GROUP, GROUP), -1).reshape(shape)
+    return y @ rotation.T if rotation is not None else y
+
+
+@dataclass
+class Direction:
+    """One setting of the simulation: how tokens are ranked, merged and quantized."""
+
+    name: str
+    rank: str = "h2o"  # h2o | vatp | keydiff | full
+    merge_tau: float | None = None
+    quant: str = "none"  # none | token | kivi
+    options: dict = field(default_factory=dict)
+
+
+class Simulation:
+    """Per-layer state of one streamed text: which tokens each KV head holds and their accumulated attention."""
+
+    def __init__(self, direction: Direction, layers: int, kv_heads: int, tokens: int, capacity: int, recent: int,
+                 head_dim: int):
+        self.d, self.capacity, self.recent = direction, capacity, recent
+        self.held = torch.zeros(layers, kv_heads, tokens, dtype=torch.bool)
+        self.scores = torch.zeros(layers, kv_heads, tokens)
+        self.quantized = torch.zeros(layers, dtype=torch.long)  # tokens (per layer) already quantized
+        self.rotation = hadamard_matrix(head_dim) if direction.quant in ("token", "chan", "shift") else None
+        self.shift, self.spread = None, {}
+        self.value_rotation = hadamard_matrix(head_dim) if direction.quant != "none" else None
+
+    def quantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """In place: the tokens that have left the residual window are replaced by their dequantized form."""
+        n, done = keys.shape[1], int(self.quantized[layer])
+        if self.d.quant == "token":
+            upto = n - RESIDUAL
+            if upto > done:
+                keys[:, done:upto] = per_token(keys[:, done:upto], self.rotation)
+                values[:, done:upto] = per_token(values[:, done:upto], self.value_rotation)
+                self.quantized[layer] = upto
+        elif self.d.quant in ("chan", "shift"):  # per-token groups on keys shifted (and scaled: chan) per channel
+            # by the first GROUP tokens' statistics
+            upto = n - RESIDUAL
+            if upto >= GROUP and upto > done:
+                if self.shift is None or layer not in self.shift:
+                    first = keys[:, 1:GROUP].float()  # not the first token: an attention sink, an outlier
+                    self.shift = self.shift or {}
+                    self.shift[layer] = first.mean(1, keepdim=True)
+                    self.spread[layer] = (first - self.shift[layer]).abs().amax(1, keepdim=True).clamp(min=1e-3)
+                    if self.d.quant == "shift":  # the shift alone: softmax ignores q.mu, so no query change
+                        self.spread[layer] = torch.ones_like(self.spread[layer])
+                mu, s = self.shift[layer], self.spread[layer]
+                normalised = (keys[:, done:upto] - mu) / s
+                keys[:, done:upto] = per_token(normalised, self.rotation) * s + mu
+                values[:, done:upto] = per_token(values[:, done:upto], self.value_rotation)
+                self.quantized[layer] = upto
+        elif self.d.quant == "kivi":
+            while n - RESIDUAL >= done + GROUP:  # a whole group of keys, per channel over its 32 tokens
+                keys[:, done : done + GROUP] = fake_quantize(keys[:, done : done + GROUP], 1)
+                values[:, done : done + GROUP] = per_token(values[:, done : done + GROUP], self.value_rotation)
+                done += GROUP
+            self.quantized[layer] = done
+
+    def priority(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+        """``[kv_heads, n]`` fp32, higher = kept longer."""
+        scores = self.scores[layer, :, :n]
+        if self.d.rank == "vatp":
+            return scores * values.float().abs().sum(-1)
+        if self.d.rank == "vatp-l2":  # the L2 norm: the same in any orthonormal basis (a Hadamard-rotated store)
+            return scores * values.float().norm(dim=-1)
+        if self.d.rank == "keydiff":
+            unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+            held = self.held[layer, :, :n].unsqueeze(-1)
+            anchor = (unit * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
+            return -torch.nn.functional.cosine_similarity(unit, anchor, dim=-1)
+        return scores.clone()
+
+    def evict(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        held = self.held[layer, :, :n]
+        if self.d.rank == "full" or int(held[0].sum()) <= self.capacity:
+            return
+        priority = self.priority(layer, keys, values, n)
+        priority[:, max(0, n - self.recent) :] = float("inf")
+        priority = priority.masked_fill(~held, float("inf"))
+        # lowest priority goes; among ties the newest goes (ties keep the older token, as keep_top)
+        flipped = priority.flip(-1)
+        victim = n - 1 - flipped.argmin(-1)
+        heads = torch.arange(held.shape[0])
+        held[heads, victim] = False
+        if self.d.merge_tau is not None:
+            self.merge(layer, keys, values, n, victim)
+
+    def merge(self, layer: int, keys, values, n: int, victim: torch.Tensor) -> None:
+        heads = torch.arange(keys.shape[0])
+        unit = torch.nn.functional.normalize(keys[:, :n].float(), dim=-1)
+        similarity = (unit * unit[heads, victim].unsqueeze(1)).sum(-1)
+        similarity = similarity.masked_fill(~self.held[layer, :, :n], -2.0)
+        best = similarity.argmax(-1)
+        for h in range(keys.shape[0]):
+            if similarity[h, best[h]] >= self.d.merge_tau:
+                a, b = self.scores[layer, h, best[h]], self.scores[layer, h, victim[h]]
+                weight = b / (a + b).clamp(min=1e-12)
+                values[h, best[h]] = (1 - weight) * values[h, best[h]] + weight * values[h, victim[h]]
+                self.scores[layer, h, best[h]] = a + b
+
+    def attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        """transformers' attention function signature; one query token, batch 1."""
+        layer = module.layer_idx
+        kv_heads, n, head_dim = key.shape[1], key.shape[2], key.shape[3]
+        group = query.shape[1] // kv_heads
+        keys, values = key[0], value[0]  # the DynamicCache's own tensors: in-place edits persist
+        self.held[layer, :, n - 1] = True
+        if self.d.quant != "none":
+            self.quantize(layer, keys, values)
+        q = query[0, :, -1].view(kv_heads, group, head_dim).float()
+        scale = scaling if scaling is not None else head_dim**-0.5
+        logits = torch.einsum("hgd,hnd->hgn", q, keys.float()) * scale
+        logits = logits.masked_fill(~self.held[layer, :, None, :n], float("-inf"))
+        probs = logits.softmax(-1)
+        output = torch.einsum("hgn,hnd->hgd", probs, values.float()).to(query.dtype)
+        self.scores[layer, :, :n] += probs.sum(1)
+        self.evict(layer, keys, values, n)
+        return output.reshape(1, 1, kv_heads * group, head_dim), None
+
+
+@torch.inference_mode()
+def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, recent: int) -> float:
+    """Perplexity of ``ids [1, tokens]`` read token by token through the simulation."""
+    cfg = model.config
+    heads = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    sim = Simulation(direction, cfg.num_hidden_layers, heads, ids.shape[1], capacity, recent, head_dim)
+    AttentionInterface.register("eviction_directions", sim.attend)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eviction_directions")
+    try:
+        cache, nll = DynamicCache(config=cfg), 0.0
+        for t in range(ids.shape[1] - 1):
+            logits = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            nll -= torch.log_softmax(logits.float(), -1)[ids[0, t + 1]].item()
+    finally:
+        model.set_attn_implementation(previous)
+    return math.exp(nll / (ids.shape[1] - 1))
+
+
+def library_perplexity(model, ids: torch.Tensor, config: CompressionConfig) -> tuple[float, int]:
+    result = streaming_perplexity(model, ids, config, 1)
+    return result.perplexity, result.kv_bytes
+
+
+DIRECTIONS = {
+    "h2o": Direction("h2o"),
+    "vatp": Direction("vatp", rank="vatp"),
+    "vatp-l2": Direction("vatp-l2", rank="vatp-l2"),
+    "keydiff": Direction("keydiff", rank="keydiff"),
+    "merge": Direction("merge", merge_tau=0.0),  # tau replaced by the chosen one
+}
+TAUS = (0.5, 0.7, 0.9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phase", choices=("choose", "report"), required=True,
+                        help="choose: the tuning text only; report: the reporting corpus with the chosen options")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--budgets", default="0.2,0.1")
+    parser.add_argument("--rows", default="", help="comma-separated subset of row names (default: all)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--texts", default="", help="report phase: a subset of the reporting texts")
+    parser.add_argument("--chosen", default="benchmarks/results/eviction_directions_choose.json")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out or f"benchmarks/results/eviction_directions_{args.phase}.json")
+    command = "python benchmarks/eviction_directions.py " + shlex.join(sys.argv[1:])
+    if args.phase == "choose":
+        texts, tau = ["sherlock"], None  # the tuning text (TUNING_TEXT) by its name
+    else:
+        texts = [t for t in (args.texts.split(",") if args.texts else REPORTING_TEXTS) if t]
+        unknown = [t for t in texts if t not in REPORTING_TEXTS]
+        if unknown:
+            parser.error(f"--texts {unknown}: the report phase reads only the reporting corpus {REPORTING_TEXTS}")
+        tau = json.loads(Path(args.chosen).read_text())["chosen"]["merge_tau"]
+    model, tokenizer = load_model("smollm2-135m", device="cpu")
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    done = {(r["text"], r["budget"], r["row"]) for r in rows}
+    wanted = set(args.rows.split(",")) - {""}
+    for text in texts:
+        ids = tokenize_text(tokenizer, load_text(text), args.tokens)
+        plan = [(1.0, "library full", None)]
+        plan += [(1.0, "library token int4", CompressionConfig(kv_bits=4)),
+                 (1.0, "token int4", Direction("token int4", rank="full", quant="token")),
+                 (1.0, "kivi int4", Direction("kivi int4", rank="full", quant="kivi")),
+                 (1.0, "channel-normalised int4", Direction("channel-normalised int4", rank="full", quant="chan")),
+                 (1.0, "key-shifted int4", Direction("key-shifted int4", rank="full", quant="shift"))]
+        for budget in (float(b) for b in args.budgets.split(",")):
+            plan.append((budget, "library h2o", CompressionConfig(budget=budget)))
+            plan.append((budget, "library h2o int4", CompressionConfig(budget=budget, kv_bits=4)))
+            for name, direction in DIRECTIONS.items():
+                if name == "merge":
+                    for t in (TAUS if tau is None else (tau,)):
+                        plan.append((budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t)))
+                else:
+                    plan.append((budget, name, direction))
+            plan.append((budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")))
+            plan.append((budget, "h2o token int4", Direction("h2o token int4", quant="token")))
+        reference = None
+        for budget, name, setting in plan:
+            if wanted and name not in wanted and name != "library full":
+                continue
+            started = time.perf_counter()
+            capacity = None
+            if (text, budget, name) in done:
+                match = next(r for r in rows if (r["text"], r["budget"], r["row"]) == (text, budget, name))
+                if name == "library full":
+                    reference = match["perplexity"]
+                continue
+            if setting is None:
+                ppl, _ = library_perplexity(model, ids, CompressionConfig(policy="full"))
+                reference = ppl
+            elif isinstance(setting, CompressionConfig):
+                ppl, _ = library_perplexity(model, ids, setting)
+            else:
+                probe = CompressionConfig(budget=budget)
+                cache = make_cache(model, probe, max_length=ids.shape[1])
+                capacity = cache.capacity or ids.shape[1]
+                policy = cache.layers[0].policy
+                recent = policy.recent_window(capacity)
+                ppl = simulate(model, ids, setting, capacity, recent)
+            row = {"text": text, "budget": budget, "row": name, "perplexity": ppl, "ratio": ppl / reference,
+                   "capacity": capacity, "seconds": round(time.perf_counter() - started, 1), "command": command}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            out.write_text(json.dumps({"rows": rows}, indent=1))
+    result = {"rows": rows, "command": command}
+    if args.phase == "choose":
+        merges = [r for r in rows if r["row"].startswith("merge tau")]
+        best = {}
+        for r in merges:
+            best.setdefault(float(r["row"].split()[-1]), []).append(r["ratio"])
+        result["chosen"] = {"merge_tau": min(best, key=lambda t: sum(best[t]) / len(best[t])) if best else TAUS[-1]}
+    out.write_text(json.dumps(result, indent=1))
+    write_markdown(result, out.with_suffix(".md"), args.phase)
+
+
+def write_markdown(result: dict, path: Path, phase: str) -> None:
+    rows = result["rows"]
+    texts = list(dict.fromkeys(r["text"] for r in rows))
+    keys = list(dict.fromkeys((r["budget"], r["row"]) for r in rows))
+    lines = [f"# Eviction and quantization directions, streaming perplexity x uncompressed ({phase} phase)", "",
+             f"`{result['command']}`", "",
+             "| budget | row | " + " | ".join(texts) + " |", "|---:|---|" + "---:|" * len(texts)]
+    for budget, name in keys:
+        cells = []
+        for text in texts:
+            match = [r for r in rows if (r["text"], r["budget"], r["row"]) == (text, budget, name)]
+            cells.append(f"{match[0]['ratio']:.3f}x" if match else "-")
+        lines.append(f"| {budget} | {name} | " + " | ".join(cells) + " |")
+    if "chosen" in result:
+        lines += ["", f"Chosen on the tuning text: `{json.dumps(result['chosen'])}`"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
