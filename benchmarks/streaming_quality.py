@@ -22,16 +22,9 @@ from pathlib import Path
 import torch
 
 from h2o_compress import CompressionConfig, load_model
-from h2o_compress.evaluation.corpus import (
-    REPORTING_TEXTS,
-    TEXT_NAMES,
-    load_text,
-    tokenize_text,
-)
-from h2o_compress.evaluation.perplexity import (
-    reference_perplexity,
-    streaming_perplexity,
-)
+from h2o_compress.evaluation.corpus import REPORTING_TEXTS, TEXT_NAMES, load_text, tokenize_text
+from h2o_compress.evaluation.perplexity import reference_perplexity, streaming_perplexity
+from h2o_compress.utils.errors import ConfigError
 
 
 def parse_setting(text: str) -> dict:
@@ -62,7 +55,10 @@ def main() -> None:
     unknown = [t for t in texts if t not in TEXT_NAMES]
     if unknown:
         parser.error(f"--texts {unknown}; allowed: {', '.join(TEXT_NAMES)}")
-    configs = {s: CompressionConfig(**parse_setting(s)) for s in args.settings}  # every setting checked first
+    try:  # every setting checked before the model loads
+        configs = {s: CompressionConfig(**parse_setting(s)) for s in args.settings}
+    except (ConfigError, TypeError) as exc:
+        parser.error(f"--settings: {exc}")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []

@@ -67,8 +67,9 @@ class CompressionConfig:
 
     Args:
         policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``h2o-mean`` (heavy hitters
-            ranked by mean instead of summed attention), ``local`` (recent window only),
-            ``sink`` (StreamingLLM attention sinks + recent window) or ``full`` (no eviction).
+            ranked by mean instead of summed attention), ``vatp`` (heavy hitters ranked by accumulated attention x
+            value norm), ``local`` (recent window only), ``sink`` (StreamingLLM attention sinks + recent window),
+            ``full`` (no eviction), or any other name of :data:`h2o_compress.policies.POLICIES`.
         budget: fraction in (0, 1] of the sequence length the cache will see, or an integer >= 1 giving the
             capacity in tokens per layer and KV head. ``1.0`` never evicts.
         heavy_ratio: share of the capacity given to heavy hitters, in [0, 1] (paper: 0.5).

@@ -126,3 +126,18 @@ def test_throughput_smoke_compares_settings_at_one_memory_limit(tmp_path):
     assert [r["refill"] for r in data["mixed"]] == [True, False]
     assert out.with_suffix(".md").read_text().startswith("# Batch throughput")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["benchmarks/eviction_directions.py", "--phase", "report", "--texts", "sherlock"],
+     "reads only the reporting corpus"),
+    (["benchmarks/streaming_quality.py", "--texts", "nope", "--settings", "budget=0.2"], "allowed: sherlock"),
+    (["benchmarks/streaming_quality.py", "--settings", "budget=7.5,kv_bits=4"], "budget"),
+])
+def test_quality_benchmarks_refuse_bad_texts_and_settings_before_loading_a_model(argv, message):
+    """The benchmark that chooses settings reads the tuning text only, the one that reports reads the reporting
+    corpus (the tuning text only as a labelled column); a bad text or setting stops them before any model loads."""
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
