@@ -135,7 +135,7 @@ def test_memory_is_really_freed_and_counted_by_the_planner():
 
 
 @pytest.mark.parametrize("policy,bits,kernel", [("h2o", 4, "torch"), ("tova", 16, "torch"), ("h2o-mean", 8, "torch"),
-                                                ("h2o", 4, "auto"), ("tova", 16, "auto")])
+                                                ("h2o", 4, "auto"), ("tova", 16, "auto"), ("vatp", 4, "auto")])
 def test_compiled_decode_matches_eager(policy, bits, kernel):
     """``torch.compile(fullgraph=True)`` over the decode step (no graph break, no host read), buffers written in
     place, the eager logits, the layer at its budget on every step; the torch form and (``auto`` on the CPU) the
