@@ -54,7 +54,7 @@ class EvictionPolicy:
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
     #: kernels leave the eviction to :meth:`priority`). ``tests/policies/test_policies.py`` checks it against :meth:`rank`.
     ranks_by: ClassVar[str] = "nothing"
-    #: Its :meth:`rank` reads the norm of each token's value (``value_norms``), which the cache computes from the
+    #: Its :meth:`priority` reads the norm of each token's value (``value_norms``), which the cache computes from the
     #: stored values before each eviction (VATP).
     weighs_values: ClassVar[bool] = False
     #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
@@ -104,13 +104,11 @@ class EvictionPolicy:
         """Eviction priority, fp32 ``[batch, kv_heads, tokens]``: ``+inf`` for the recent window (positions
         ``>= seen - recent_window(capacity)``) and the sinks (the first ``sink_tokens`` real tokens, from
         ``first_real`` int64 ``[batch]``), ``-inf`` for empty slots and padding (``positions < 0``), else
-        :meth:`rank`. Ties are broken by the caller towards keeping the older token. ``value_norms``: fp32 L2
-        norms of the tokens' values, shaped like ``positions``, given (and read) only where :attr:`weighs_values`.
+        :meth:`rank`. Ties are broken by the caller towards keeping the older token. ``value_norms``: fp32 L1
+        norms of the tokens' values, shaped like ``positions``, given only where :attr:`weighs_values` (a policy
+        that weighs values reads them; the others ignore them).
         """
-        if self.weighs_values:
-            priority = self.rank(scores, positions, seen, value_norms=value_norms)
-        else:
-            priority = self.rank(scores, positions, seen)
+        priority = self.rank(scores, positions, seen)
         recent, sinks = self.recent_window(capacity), min(self.sink_tokens, capacity)
         protected = positions >= seen - recent
         if sinks:

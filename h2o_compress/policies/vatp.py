@@ -31,7 +31,10 @@ class VATPPolicy(H2OPolicy):
     ranks_by: ClassVar[str] = "custom"
     weighs_values: ClassVar[bool] = True
 
-    def rank(self, scores: torch.Tensor | None, positions: torch.Tensor, seen, value_norms=None) -> torch.Tensor:
-        """``scores x value_norms`` (fp32, shaped like ``positions``); the scores alone where the norms are not
-        given (the mixed-precision refinement's importance)."""
-        return scores if value_norms is None else scores * value_norms
+    def priority(self, scores: torch.Tensor | None, positions: torch.Tensor, seen, first_real: torch.Tensor,
+                 capacity: int, value_norms: torch.Tensor | None = None) -> torch.Tensor:
+        """H2O's eviction priority (:meth:`EvictionPolicy.priority`) of ``scores x value_norms`` (fp32, shaped like
+        ``positions``); of the scores alone where no norms are given (:meth:`rank` stays H2O's: the importance the
+        mixed-precision refinement reads)."""
+        weighed = scores if value_norms is None else scores * value_norms
+        return super().priority(weighed, positions, seen, first_real, capacity)
