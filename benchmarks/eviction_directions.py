@@ -91,8 +91,7 @@ class Simulation:
         self.held = torch.zeros(layers, kv_heads, tokens, dtype=torch.bool)
         self.scores = torch.zeros(layers, kv_heads, tokens)
         self.quantized = torch.zeros(layers, dtype=torch.long)  # tokens (per layer) already quantized
-        self.rotation = hadamard_matrix(head_dim) if direction.quant in ("token", "chan", "shift") else None
-        self.shift, self.spread = None, {}
+        self.rotation = hadamard_matrix(head_dim) if direction.quant == "token" else None
         self.value_rotation = hadamard_matrix(head_dim) if direction.quant != "none" else None
 
     def quantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -102,22 +101,6 @@ class Simulation:
             upto = n - RESIDUAL
             if upto > done:
                 keys[:, done:upto] = per_token(keys[:, done:upto], self.rotation)
-                values[:, done:upto] = per_token(values[:, done:upto], self.value_rotation)
-                self.quantized[layer] = upto
-        elif self.d.quant in ("chan", "shift"):  # per-token groups on keys shifted (and scaled: chan) per channel
-            # by the first GROUP tokens' statistics
-            upto = n - RESIDUAL
-            if upto >= GROUP and upto > done:
-                if self.shift is None or layer not in self.shift:
-                    first = keys[:, 1:GROUP].float()  # not the first token: an attention sink, an outlier
-                    self.shift = self.shift or {}
-                    self.shift[layer] = first.mean(1, keepdim=True)
-                    self.spread[layer] = (first - self.shift[layer]).abs().amax(1, keepdim=True).clamp(min=1e-3)
-                    if self.d.quant == "shift":  # the shift alone: softmax ignores q.mu, so no query change
-                        self.spread[layer] = torch.ones_like(self.spread[layer])
-                mu, s = self.shift[layer], self.spread[layer]
-                normalised = (keys[:, done:upto] - mu) / s
-                keys[:, done:upto] = per_token(normalised, self.rotation) * s + mu
                 values[:, done:upto] = per_token(values[:, done:upto], self.value_rotation)
                 self.quantized[layer] = upto
         elif self.d.quant == "kivi":
@@ -209,18 +192,9 @@ def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, rece
     return math.exp(nll / (ids.shape[1] - 1))
 
 
-def library_perplexity(model, ids: torch.Tensor, config: CompressionConfig) -> tuple[float, int]:
-    result = streaming_perplexity(model, ids, config, 1)
-    return result.perplexity, result.kv_bytes
-
-
-DIRECTIONS = {
-    "h2o": Direction("h2o"),
-    "vatp": Direction("vatp", rank="vatp"),
-    "vatp-l2": Direction("vatp-l2", rank="vatp-l2"),
-    "keydiff": Direction("keydiff", rank="keydiff"),
-    "merge": Direction("merge", merge_tau=0.0),  # tau replaced by the chosen one
-}
+#: The eviction directions without an option; ``merge`` is added once per threshold (:data:`TAUS`, or the chosen one).
+DIRECTIONS = (Direction("h2o"), Direction("vatp", rank="vatp"), Direction("vatp-l2", rank="vatp-l2"),
+              Direction("keydiff", rank="keydiff"))
 TAUS = (0.5, 0.7, 0.9)
 
 
@@ -249,50 +223,37 @@ def main() -> None:
         tau = json.loads(Path(args.chosen).read_text())["chosen"]["merge_tau"]
     model, tokenizer = load_model("smollm2-135m", device="cpu")
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
-    done = {(r["text"], r["budget"], r["row"]) for r in rows}
     wanted = set(args.rows.split(",")) - {""}
     for text in texts:
         ids = tokenize_text(tokenizer, load_text(text), args.tokens)
-        plan = [(1.0, "library full", None)]
-        plan += [(1.0, "library token int4", CompressionConfig(kv_bits=4)),
-                 (1.0, "token int4", Direction("token int4", rank="full", quant="token")),
-                 (1.0, "kivi int4", Direction("kivi int4", rank="full", quant="kivi")),
-                 (1.0, "channel-normalised int4", Direction("channel-normalised int4", rank="full", quant="chan")),
-                 (1.0, "key-shifted int4", Direction("key-shifted int4", rank="full", quant="shift"))]
+        plan = [(1.0, "library full", CompressionConfig(policy="full")),
+                (1.0, "library token int4", CompressionConfig(kv_bits=4)),
+                (1.0, "token int4", Direction("token int4", rank="full", quant="token")),
+                (1.0, "kivi int4", Direction("kivi int4", rank="full", quant="kivi"))]
         for budget in (float(b) for b in args.budgets.split(",")):
-            plan.append((budget, "library h2o", CompressionConfig(budget=budget)))
-            plan.append((budget, "library h2o int4", CompressionConfig(budget=budget, kv_bits=4)))
-            for name, direction in DIRECTIONS.items():
-                if name == "merge":
-                    for t in (TAUS if tau is None else (tau,)):
-                        plan.append((budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t)))
-                else:
-                    plan.append((budget, name, direction))
-            plan.append((budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")))
-            plan.append((budget, "h2o token int4", Direction("h2o token int4", quant="token")))
-        reference = None
+            plan += [(budget, "library h2o", CompressionConfig(budget=budget)),
+                     (budget, "library h2o int4", CompressionConfig(budget=budget, kv_bits=4))]
+            plan += [(budget, d.name, d) for d in DIRECTIONS]
+            plan += [(budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t))
+                     for t in (TAUS if tau is None else (tau,))]
+            plan += [(budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")),
+                     (budget, "h2o token int4", Direction("h2o token int4", quant="token"))]
+        reference = None  # the uncompressed perplexity ("library full", always the first row)
         for budget, name, setting in plan:
             if wanted and name not in wanted and name != "library full":
                 continue
-            started = time.perf_counter()
-            capacity = None
-            if (text, budget, name) in done:
-                match = next(r for r in rows if (r["text"], r["budget"], r["row"]) == (text, budget, name))
-                if name == "library full":
-                    reference = match["perplexity"]
+            previous = next((r for r in rows if (r["text"], r["budget"], r["row"]) == (text, budget, name)), None)
+            if previous is not None:
+                reference = reference or previous["perplexity"]
                 continue
-            if setting is None:
-                ppl, _ = library_perplexity(model, ids, CompressionConfig(policy="full"))
-                reference = ppl
-            elif isinstance(setting, CompressionConfig):
-                ppl, _ = library_perplexity(model, ids, setting)
+            started, capacity = time.perf_counter(), None
+            if isinstance(setting, CompressionConfig):
+                ppl = streaming_perplexity(model, ids, setting, 1).perplexity
             else:
-                probe = CompressionConfig(budget=budget)
-                cache = make_cache(model, probe, max_length=ids.shape[1])
+                cache = make_cache(model, CompressionConfig(budget=budget), max_length=ids.shape[1])
                 capacity = cache.capacity or ids.shape[1]
-                policy = cache.layers[0].policy
-                recent = policy.recent_window(capacity)
-                ppl = simulate(model, ids, setting, capacity, recent)
+                ppl = simulate(model, ids, setting, capacity, cache.layers[0].policy.recent_window(capacity))
+            reference = reference or ppl
             row = {"text": text, "budget": budget, "row": name, "perplexity": ppl, "ratio": ppl / reference,
                    "capacity": capacity, "seconds": round(time.perf_counter() - started, 1), "command": command}
             rows.append(row)
