@@ -32,6 +32,22 @@ def tiny_lm(seed: int = 0):
     return tiny_llama(seed), english_tokenizer()
 
 
+#: The smallest profile sweep on the tiny model (the reference and h2o at 0.5, 16 tokens, a 24-token perplexity
+#: stream read 8 tokens a pass); each test file adds the settings it looks at.
+TINY_PROFILE = {"model": "tiny", "policies": ("h2o",), "budgets": (1.0, 0.5), "seq_lens": (16,), "decode_tokens": 2,
+                "ppl_tokens": 24, "chunk_size": 8}
+
+
+def profile_tiny(settings, out, model=None, tokenizer=None) -> dict:
+    """``run_profile(settings, out)`` on the given ``model``/``tokenizer`` (default: a fresh :func:`tiny_lm`), without
+    a progress bar; the report."""
+    from h2o_compress.profiling import run_profile
+
+    if model is None:
+        model, tokenizer = tiny_lm()
+    return run_profile(settings, out, show_progress=False, model=model, tokenizer=tokenizer)
+
+
 def save_tiny_lm(path) -> str:
     """Save :func:`tiny_lm` as a local model directory that ``load_model(path)`` reads; returns ``str(path)``."""
     model, tokenizer = tiny_lm()

@@ -8,7 +8,7 @@ import math
 import shutil
 
 import pytest
-from helpers.tiny_lm import one_thread, tiny_lm  # noqa: F401 (fixture)
+from helpers.tiny_lm import TINY_PROFILE, one_thread, profile_tiny, tiny_lm  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from h2o_compress.cli import app
@@ -21,19 +21,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_settings(**overrides) -> ProfileSettings:
-    values = {"model": "tiny", "policies": ("h2o",), "budgets": (1.0, 0.5), "kv_bits": (16, 4), "seq_lens": (16,),
-              "decode_tokens": 2, "ppl_tokens": 24, "chunk_size": 8, "agreement_prompts": 0, "needle_lengths": (64,),
-              "needle_depths": (0.5,), "quality_texts": ("python_code",)}
-    values.update(overrides)
-    return ProfileSettings(**values)
+    return ProfileSettings(**{**TINY_PROFILE, "kv_bits": (16, 4), "agreement_prompts": 0, "needle_lengths": (64,),
+                              "needle_depths": (0.5,), "quality_texts": ("python_code",), **overrides})
 
 
 @pytest.fixture(scope="module")
 def corpus_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile-corpora")
     model, tokenizer = tiny_lm()
-    report = run_profile(small_settings(), out, show_progress=False, model=model, tokenizer=tokenizer)
-    return report, out, model, tokenizer
+    return profile_tiny(small_settings(), out, model, tokenizer), out, model, tokenizer
 
 
 def test_every_row_is_measured_on_each_quality_text(corpus_run):
@@ -79,10 +75,9 @@ def test_resume_reuses_rows_only_for_the_same_quality_texts(corpus_run, tmp_path
     _, done, model, tokenizer = corpus_run
     out = tmp_path / "out"
     shutil.copytree(done, out)  # the module's report stays as it is for the other tests
-    again = run_profile(small_settings(), out, show_progress=False, model=model, tokenizer=tokenizer)
+    again = profile_tiny(small_settings(), out, model, tokenizer)
     assert again["rows_reused"] == 4
-    other = run_profile(small_settings(quality_texts=("persuasion",)), out, show_progress=False, model=model,
-                        tokenizer=tokenizer)
+    other = profile_tiny(small_settings(quality_texts=("persuasion",)), out, model, tokenizer)
     assert other["rows_reused"] == 0 and list(other["results"][2]["corpora"]) == ["persuasion"]
 
 

@@ -11,9 +11,9 @@ import json
 import warnings
 
 import pytest
-from helpers.tiny_lm import tiny_lm, one_thread  # noqa: F401 (fixture)
+from helpers.tiny_lm import TINY_PROFILE, one_thread, profile_tiny, tiny_lm  # noqa: F401 (fixture)
 
-from h2o_compress.profiling import ProfileSettings, run_profile
+from h2o_compress.profiling import ProfileSettings
 from h2o_compress.profiling.report import load_report
 from h2o_compress.utils.errors import ConfigError, InputError
 
@@ -21,18 +21,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_settings(**overrides) -> ProfileSettings:
-    values = dict(model="tiny", policies=("h2o",), budgets=(1.0, 0.5), kv_bits=(16,), seq_lens=(16,),
-                  decode_tokens=2, ppl_tokens=24, chunk_size=8, agreement_prompts=1, max_new_tokens=2)
-    values.update(overrides)
-    return ProfileSettings(**values)
+    return ProfileSettings(**{**TINY_PROFILE, "kv_bits": (16,), "agreement_prompts": 1, "max_new_tokens": 2,
+                              **overrides})
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     model, tokenizer = tiny_lm()
-    report = run_profile(small_settings(), out, show_progress=False, model=model, tokenizer=tokenizer)
-    return report, out, model, tokenizer
+    return profile_tiny(small_settings(), out, model, tokenizer), out, model, tokenizer
 
 
 # -- 1. profile --render of a report whose fields have the wrong types -----------------------------------------
@@ -109,7 +106,7 @@ def test_resume_measures_a_bad_row_again_with_a_warning(tiny_run, tmp_path, dama
     target.write_text(json.dumps(stored))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        again = run_profile(small_settings(), work, show_progress=False, model=model, tokenizer=tokenizer)
+        again = profile_tiny(small_settings(), work, model, tokenizer)
     messages = [str(w.message) for w in caught if "does not validate" in str(w.message)]
     assert len(messages) == 1 and target.name in messages[0]
     assert again["rows_reused"] == 1
