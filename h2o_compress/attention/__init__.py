@@ -2,7 +2,8 @@
 
 - :mod:`.interface`: the attention function transformers calls (``AttentionInterface``), the side channel from
   a cache layer to it, the torch form of decode attention over the slots, and the chunked H2O scorer.
-- :mod:`.prefill`: a scored multi-token step in one pass (attention output and H2O column sums from one softmax).
+- :mod:`.prefill`: a scored multi-token step in one pass (attention output and H2O column sums from one softmax);
+  on the CPU one native call (``cpu_prefill.c``, built with the decode kernel by :mod:`.cpu`).
 - :mod:`.cpu` (+ ``cpu_decode.c``): a layer's whole decode step in one native call on the CPU (a custom op under
   ``torch.compile``).
 - :mod:`.slot_attention`: the Triton op ``h2o_compress::slot_decode_attention``, decode attention over the slots

@@ -7,7 +7,10 @@ dequantized slots and the ring with one softmax per query head, H2O score accumu
 folded in) in one call, reading the int4/int8 codes in registers. Eviction stays in torch: it ranks by the
 policy's :meth:`~h2o_compress.policies.EvictionPolicy.priority`, stated once, in Python.
 
-The C file is compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
+The same library holds ``cpu_prefill.c``, the scored multi-token step (prefill, a chunk: output and H2O column
+sums from one softmax, :func:`h2o_compress.attention.prefill.attention_with_sums`).
+
+The C files are compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
 into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: :func:`~h2o_compress.utils.paths.private_dir`)
 and loaded with :mod:`ctypes`, only while its bytes match the SHA-256 recorded when it was built
 (:func:`_verified`). Where no compiler works, or with ``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None``
@@ -32,12 +35,12 @@ from pathlib import Path
 
 import torch
 
+from h2o_compress.formats import IntQuantizer, NoQuantizer
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.utils.paths import check_private_file, private_dir
-from h2o_compress.formats import IntQuantizer, NoQuantizer
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
+SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_prefill.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC", "-pthread")
 ELEMENTS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # storage element codes of cpu_decode.c
 MAX_HEAD_DIM = 512
 
@@ -70,7 +73,7 @@ def _verified(target: Path) -> bool:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build never leaves a half-written file) and
+    """Compile :data:`SOURCES` into ``target`` (atomically: a concurrent build never leaves a half-written file) and
     record its SHA-256 beside it (``<target>.sha256``), which :func:`_verified` checks before every load.
 
     Raises:
@@ -80,7 +83,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial, "-lm"], check=True, capture_output=True, text=True)
         os.chmod(partial, 0o700)
         digest = _digest_file(Path(partial))
         fd, record = tempfile.mkstemp(dir=target.parent, suffix=".sha256.partial")
@@ -95,19 +98,19 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built at the first call of a process on a new machine, then loaded from the cache
-    directory), or ``None`` when it is switched off (``H2O_COMPRESS_NATIVE=0``) or cannot be built (one
-    warning names the compiler's error; decoding then runs the torch form)."""
+    """The compiled kernels (decode step and scored prefill; built at the first call of a process on a new machine,
+    then loaded from the cache directory), or ``None`` when they are switched off (``H2O_COMPRESS_NATIVE=0``) or
+    cannot be built (one warning names the compiler's error; decoding and prefill then run their torch forms)."""
     if os.environ.get("H2O_COMPRESS_NATIVE", "1").strip() == "0":
         return None
     compiler = os.environ.get("CC", "").strip() or "gcc"
     if shutil.which(compiler) is None:
-        warnings.warn(f"no C compiler {compiler!r} on PATH: the CPU decode step runs its slower torch form", stacklevel=2)
+        warnings.warn(f"no C compiler {compiler!r} on PATH: the CPU decode step and scored prefill run their slower torch forms", stacklevel=2)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
         key = hashlib.sha256(
-            "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, _machine_key())).encode()
+            "\0".join((*(source.read_text() for source in SOURCES), " ".join(FLAGS), version, _machine_key())).encode()
         ).hexdigest()[:16]
         try:
             target = private_dir("kernels") / f"cpu_decode-{key}.so"
@@ -125,10 +128,12 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", None) or str(exc)
         warnings.warn(
             f"building the CPU decode kernel with {compiler!r} failed ({detail.strip()[-300:]}); the CPU decode "
-            "step runs its slower torch form", stacklevel=2,
+            "step and scored prefill run their slower torch forms", stacklevel=2,
         )
         return None
     lib.h2o_cpu_decode_layer.restype = ctypes.c_int
+    lib.h2o_cpu_prefill_attention.restype = ctypes.c_int
+    lib.h2o_cpu_prefill_tile.restype = ctypes.c_int
     return lib
 
 

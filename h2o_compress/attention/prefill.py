@@ -1,11 +1,22 @@
 """One pass for a scored multi-token step (prefill, a chunk): the attention output and the H2O column sums from the
 same softmax, instead of SDPA followed by a second q @ k^T + softmax for the scores
 (:func:`~h2o_compress.attention.attention_probability_sums`).
+
+On the CPU the pass is one native call (``cpu_prefill.c``, built with the decode kernel by
+:func:`h2o_compress.attention.cpu.library`): a tiled kernel that keeps each block's logits in cache, faster than
+SDPA's unscored flash attention there (``benchmarks/results/prefill_7900_cpu.md``). Elsewhere (CUDA, no C compiler,
+``H2O_COMPRESS_NATIVE=0``, under ``torch.compile``) the same arithmetic runs as blocked torch ops
+(:func:`blocked_attention_with_sums`).
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+import torch.nn.functional as F
+
+from h2o_compress.attention import cpu
 
 # fp32 logits per block: ~16 MiB (blocks of ~59 queries at 8k keys with 9 query heads; 32-64 measured fastest on an
 # idle 2-core EPYC, 118 slower): large enough for few ops per layer, which
@@ -14,6 +25,62 @@ BLOCK_ELEMENTS = 1 << 22
 
 
 def attention_with_sums(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+    scaling: float | None, block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and H2O column sums from one softmax (see :func:`blocked_attention_with_sums` for the arguments,
+    shapes and semantics): the native CPU kernel (:func:`native_attention_with_sums`) where it runs, else the
+    blocked torch form. Both agree to fp32 rounding."""
+    if query.device.type == "cpu" and not torch.compiler.is_compiling() and cpu.library() is not None:
+        return native_attention_with_sums(query, keys, values, visible, scaling, block)
+    return blocked_attention_with_sums(query, keys, values, visible, scaling, block)
+
+
+def native_attention_with_sums(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+    scaling: float | None, block: int | None = None, threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blocked_attention_with_sums` as one call of ``cpu_prefill.c`` (CPU tensors; the kernel must be built:
+    :func:`h2o_compress.attention.cpu.library`). Work items are (sequence, KV head, ``block`` queries), shared by
+    ``threads`` threads (``None``: ``torch.get_num_threads()``); ``block`` ``None`` means about 48 rows (queries x
+    the group's query heads) per item, whose logits (``48 x keys`` fp32) stay in the core's L2 cache.
+
+    Raises:
+        RuntimeError: the kernel could not allocate its scratch (or refused shapes the caller should not pass).
+    """
+    batch, q_heads, n, head_dim = query.shape
+    kv_heads, total, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
+    group = q_heads // kv_heads
+    scale = head_dim**-0.5 if scaling is None else scaling
+    lib = cpu.library()
+    tile = lib.h2o_cpu_prefill_tile()
+    total_pad, value_pad = -(-total // tile) * tile, -(-value_dim // tile) * tile
+    # [batch, kv_heads, n * group, head_dim] scaled; keys [.., head_dim, total_pad] and values [.., total_pad,
+    # value_pad], zero-padded to whole tiles
+    q = (query.float() * scale).view(batch, kv_heads, group, n, head_dim).transpose(2, 3).contiguous()
+    k = F.pad(keys.float(), (0, 0, 0, total_pad - total)).transpose(-1, -2).contiguous()
+    v = F.pad(values.float(), (0, value_pad - value_dim, 0, total_pad - total)).contiguous()
+    output = torch.empty(batch, n, q_heads, value_dim, dtype=torch.float32)
+    sums = torch.empty(batch, kv_heads, total, dtype=torch.float32)
+    strides = (0, 0, 0)
+    if visible is not None:
+        if visible.dtype != torch.bool or visible.stride(-1) != 1:
+            visible = visible.to(torch.bool).contiguous()
+        strides = tuple(0 if visible.shape[d] == 1 else visible.stride(d) for d in range(3))
+    block = max(1, 48 // group) if block is None else block
+    status = lib.h2o_cpu_prefill_attention(
+        batch, kv_heads, group, n, total, total_pad, head_dim, value_dim, value_pad, min(block, n),
+        threads or torch.get_num_threads(), *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v)),
+        None if visible is None else ctypes.c_void_p(visible.data_ptr()), *map(ctypes.c_int64, strides),
+        ctypes.c_void_p(output.data_ptr()), ctypes.c_void_p(sums.data_ptr()),
+    )
+    if status:
+        reason = "it could not allocate its scratch" if status == 2 else "it refused the shapes"
+        raise RuntimeError(f"cpu_prefill.c failed (status {status}): {reason}")
+    return output.to(values.dtype), sums
+
+
+def blocked_attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
     scaling: float | None, block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

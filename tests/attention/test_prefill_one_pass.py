@@ -1,7 +1,8 @@
-"""The one-pass scored prefill (:func:`h2o_compress.attention.prefill.attention_with_sums`) gives what the two-pass
-path gives: SDPA's output and :func:`~h2o_compress.attention.attention_probability_sums`' column sums, on random
-inputs with GQA, a held prefix, left padding and a sliding window; and a cache prefilled with it keeps the same
-tokens as one prefilled through the two passes."""
+"""The one-pass scored prefill (:func:`h2o_compress.attention.prefill.attention_with_sums`), in both its forms (the
+native CPU kernel ``cpu_prefill.c`` and the blocked torch ops), gives what the two-pass path gives: SDPA's output and
+:func:`~h2o_compress.attention.attention_probability_sums`' column sums, on random inputs with GQA, a held prefix,
+left padding and a sliding window; and a cache prefilled with it keeps the same tokens as one prefilled through the
+two passes."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 
 from h2o_compress import CompressionConfig, make_cache
-from h2o_compress.attention import attention_probability_sums
-from h2o_compress.attention.prefill import attention_with_sums
+from h2o_compress.attention import attention_probability_sums, cpu
+from h2o_compress.attention.prefill import (
+    attention_with_sums,
+    blocked_attention_with_sums,
+    native_attention_with_sums,
+)
 from h2o_compress.cache import chunk as chunk_module
 
 BATCH, KV_HEADS, GROUP, HELD, N, HEAD_DIM = 2, 2, 3, 7, 19, 16
+NATIVE = pytest.mark.skipif(cpu.library() is None, reason="no C compiler: the CPU kernels cannot be built")
+FORMS = [pytest.param(native_attention_with_sums, id="native", marks=NATIVE),
+         pytest.param(blocked_attention_with_sums, id="torch")]
 
 
 def visibility(held: int, pad: int, window: int | None, generator) -> torch.Tensor:
@@ -57,13 +65,14 @@ def two_pass(query, keys, values, mask, scaling):
     (HELD, 4, 5, True),  # + a sliding window
 ])
 @pytest.mark.parametrize("block", [1, 4, 64, None])
-def test_one_pass_matches_sdpa_and_the_probability_sums(held, pad, window, masked, block):
+@pytest.mark.parametrize("form", FORMS)
+def test_one_pass_matches_sdpa_and_the_probability_sums(held, pad, window, masked, block, form):
     generator = torch.Generator().manual_seed(held * 100 + pad * 10 + (window or 0))
     query = torch.randn(BATCH, KV_HEADS * GROUP, N, HEAD_DIM, generator=generator)
     keys = torch.randn(BATCH, KV_HEADS, held + N, HEAD_DIM, generator=generator)
     values = torch.randn(BATCH, KV_HEADS, held + N, HEAD_DIM + 8, generator=generator)  # a value dim of its own
     mask = visibility(held, pad, window, generator) if masked else None
-    output, sums = attention_with_sums(query, keys, values, mask, 0.3, block=block)
+    output, sums = form(query, keys, values, mask, 0.3, block=block)
     expected_output, expected_sums = two_pass(query, keys, values, mask, 0.3)
     assert output.shape == expected_output.shape and sums.shape == expected_sums.shape == (BATCH, KV_HEADS, held + N)
     torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
@@ -72,7 +81,8 @@ def test_one_pass_matches_sdpa_and_the_probability_sums(held, pad, window, maske
         assert (sums[~mask.any(2)] == 0).all()
 
 
-def test_a_mask_that_shows_a_later_token_is_honoured():
+@pytest.mark.parametrize("form", FORMS)
+def test_a_mask_that_shows_a_later_token_is_honoured(form):
     """Not a causal mask (a query sees a later chunk token): that block reads every key, as the two passes do."""
     generator = torch.Generator().manual_seed(5)
     query = torch.randn(1, KV_HEADS * GROUP, N, HEAD_DIM, generator=generator)
@@ -81,10 +91,52 @@ def test_a_mask_that_shows_a_later_token_is_honoured():
     mask = torch.ones(N, N, dtype=torch.bool).tril()
     mask[2, 10] = True
     mask = mask.expand(1, 1, N, N)
-    output, sums = attention_with_sums(query, keys, values, mask, None, block=4)
+    output, sums = form(query, keys, values, mask, None, block=4)
     expected_output, expected_sums = two_pass(query, keys, values, mask, None)
     torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sums, expected_sums, rtol=1e-5, atol=1e-6)
+
+
+@NATIVE
+@pytest.mark.parametrize("group, held, n, value_dim, threads, dtype", [
+    (1, 0, 150, 64, 1, torch.float32),  # MHA; more keys than one tile and one value block
+    (4, 90, 170, 80, 3, torch.float32),  # held prefix; a value width that is not a whole tile; 3 threads
+    (3, 0, 300, 64, 2, torch.bfloat16),  # a bf16 model: fp32 inside, output in bf16
+])
+def test_the_native_kernel_matches_the_torch_form_at_larger_shapes(group, held, n, value_dim, threads, dtype):
+    """Several key tiles, value blocks and work items per thread: the native kernel and the blocked torch ops agree
+    to fp32 rounding (bf16: to the output's rounding), and the sums of every query's probabilities add up to
+    ``queries x query heads``."""
+    generator = torch.Generator().manual_seed(n)
+    query = torch.randn(2, 2 * group, n, 64, generator=generator).to(dtype)
+    keys = torch.randn(2, 2, held + n, 64, generator=generator).to(dtype)
+    values = torch.randn(2, 2, held + n, value_dim, generator=generator).to(dtype)
+    output, sums = native_attention_with_sums(query, keys, values, None, None, threads=threads)
+    expected_output, expected_sums = blocked_attention_with_sums(query, keys, values, None, None)
+    assert output.dtype == dtype and sums.dtype == torch.float32
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(output, expected_output, **tolerance)
+    torch.testing.assert_close(sums, expected_sums, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums.sum(-1), torch.full((2, 2), float(n * group)), rtol=1e-5, atol=1e-3)
+
+
+def test_attention_with_sums_runs_the_native_kernel_on_the_cpu_unless_switched_off(monkeypatch):
+    """The dispatcher: the native kernel where it is built, the blocked torch form with ``H2O_COMPRESS_NATIVE=0``."""
+    calls = []
+    monkeypatch.setattr("h2o_compress.attention.prefill.native_attention_with_sums",
+                        lambda *args: calls.append("native") or blocked_attention_with_sums(*args))
+    query, keys, values = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
+    attention_with_sums(query, keys, values, None, None)
+    assert calls == (["native"] if cpu.library() is not None else [])
+    before = len(calls)
+    cpu.library.cache_clear()
+    try:
+        monkeypatch.setenv("H2O_COMPRESS_NATIVE", "0")
+        attention_with_sums(query, keys, values, None, None)
+        assert len(calls) == before
+    finally:
+        monkeypatch.delenv("H2O_COMPRESS_NATIVE")
+        cpu.library.cache_clear()
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
