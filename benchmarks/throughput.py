@@ -17,6 +17,11 @@ the same memory, so more tokens per second. Here, on the real SmolLM2-135M:
 3. A mixed-length run (prompts of 200 to ``--prompt-tokens`` tokens, ``max_new_tokens`` 16 to ``--new-tokens``)
    compares continuous batching with static batches at the same batch size: idle row share and tokens/s.
 
+GPU (the runbook in benchmarks/README.md): ``--model llama-7b-random --device cuda --memory-limit 80GB`` runs the
+same on a LLaMA-7B-shaped model with random fp16 weights (throughput does not depend on the weight values; the
+prompts are SmolLM2's tokens of the same prose, the vocabulary sized to its tokenizer), every setting at the largest
+batch that fits the limit; ``--model llama-tiny-random`` is the same code path at a toy size (a CPU smoke test).
+
 Reported: decode tokens/s (decode steps only), end-to-end tokens/s (new tokens over prefill + decode seconds), the
 prefill share of the time, batch, peak RSS, planned bytes, and the ratios to the uncompressed run. Writes ``--out``
 (JSON), the same path with ``.md`` (tables) and ``.png`` (tokens/s against batch).
@@ -31,6 +36,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+#: ``--model``: the real SmolLM2 (``None``), or LLaMA shapes with random weights (``LlamaConfig`` fields).
+MODELS = {
+    "smollm2-135m": None,
+    "llama-7b-random": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                            intermediate_size=11008, max_position_embeddings=32768),
+    "llama-tiny-random": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=256, max_position_embeddings=32768),
+}
 
 SETTINGS = {  # name: CompressionConfig keyword arguments ("ask" = h2o_compress.ASK_DEFAULTS)
     "uncompressed": {"policy": "full", "kv_bits": 16},
@@ -55,30 +69,53 @@ def make_config(name: str):
 
 
 def prompts(tokenizer, count: int, tokens: int, lengths: list[int] | None = None) -> list[str]:
-    """``count`` consecutive windows of :func:`prose` of ``tokens`` tokens (or ``lengths[i]`` tokens each)."""
+    """``count`` consecutive windows of :func:`prose` of ``tokens`` tokens (or ``lengths[i]`` tokens each); past the
+    prose's end (about 196k tokens: GPU batches of long prompts) the windows start again from its beginning."""
     ids = tokenizer(prose()).input_ids
     sizes = lengths or [tokens] * count
-    if sum(sizes) > len(ids):
-        raise SystemExit(f"the prose has {len(ids)} tokens, fewer than {sum(sizes)} asked")
+    if max(sizes) > len(ids):
+        raise SystemExit(f"the prose has {len(ids)} tokens, fewer than the {max(sizes)} of one prompt")
     out, start = [], 0
     for size in sizes:
+        start = 0 if start + size > len(ids) else start
         out.append(tokenizer.decode(ids[start : start + size]))
         start += size
     return out
+
+
+def load(args):
+    """``(model, tokenizer)`` of ``--model`` on ``--device``: SmolLM2 as the library loads it, or a LLaMA shape with
+    random weights (fp16 on CUDA, fp32 on CPU, built on the device) and SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from h2o_compress import load_model
+
+    fields = MODELS[args.model]
+    if fields is None:
+        return load_model(device=args.device)
+    _, tokenizer = load_model(device="cpu")
+    config = LlamaConfig(**fields, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval(), tokenizer
 
 
 def worker(args) -> None:
     """One run in this process: print its figures as one JSON line."""
     import torch
 
-    from h2o_compress import generate_batch, load_model
+    from h2o_compress import generate_batch
     from h2o_compress.planner import fit_batch
     from h2o_compress.runtime.batch import row_config
     from h2o_compress.utils.memory import PeakMemory
 
     torch.set_num_threads(args.threads)
     peak = PeakMemory()
-    model, tokenizer = load_model(device=args.device)
+    model, tokenizer = load(args)
     peak.loaded()
     task = json.loads(args.worker)
     config = make_config(task["setting"])
@@ -109,7 +146,8 @@ def worker(args) -> None:
 
 def run_worker(args, task: dict) -> dict:
     command = [sys.executable, __file__, "--worker", json.dumps(task), "--prompt-tokens", str(args.prompt_tokens),
-               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--device", args.device]
+               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--device", args.device,
+               "--model", args.model]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"worker {task} failed:\n{done.stderr[-3000:]}")
@@ -121,17 +159,21 @@ def run_worker(args, task: dict) -> dict:
 
 
 def plan_batches(args) -> tuple[int, dict[str, int]]:
-    """The memory limit (bytes) and each setting's largest batch under it."""
-    from h2o_compress import load_model
+    """The memory limit (bytes: ``--memory-limit``, or where the uncompressed cache fits ``--full-batch``) and each
+    setting's largest batch under it."""
     from h2o_compress.planner import fit_batch
+    from h2o_compress.planner.units import parse_memory
     from h2o_compress.runtime.batch import row_config
 
-    model, tokenizer = load_model(device=args.device)
+    model, tokenizer = load(args)
     prompt_len = max(len(tokenizer(p).input_ids) for p in prompts(tokenizer, 4, args.prompt_tokens))
     full = make_config("uncompressed")
-    limit = fit_batch(model, full, 2**50, prompt_len, args.new_tokens, batch=args.full_batch).total_bytes
+    if args.memory_limit:
+        limit = parse_memory(args.memory_limit)
+    else:
+        limit = fit_batch(model, full, 2**50, prompt_len, args.new_tokens, batch=args.full_batch).total_bytes
     batches = {}
-    for name in SETTINGS:
+    for name in args.settings.split(","):
         config = row_config(make_config(name), prompt_len + args.new_tokens)
         batches[name] = fit_batch(model, config, limit, prompt_len, args.new_tokens).max_batch
     return limit, batches
@@ -144,6 +186,13 @@ def main() -> None:
     parser.add_argument("--full-batch", type=int, default=4, help="the uncompressed cache's batch at the limit")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (peak memory is then the CUDA peak)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m",
+                        help="SmolLM2, or a LLaMA shape with random weights (GPU runbook: llama-7b-random)")
+    parser.add_argument("--memory-limit", default=None,
+                        help="the memory every setting fits (e.g. 80GB); default: where the uncompressed cache fits "
+                             "--full-batch sequences")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"which of {', '.join(SETTINGS)} run (uncompressed always: the ratios' base)")
     parser.add_argument("--curve", default="1,4,16", help="smaller batches run for the plot (each setting)")
     parser.add_argument("--mixed", type=int, default=24, help="prompts of the mixed-length run (0: none)")
     parser.add_argument("--mixed-batch", type=int, default=8)
@@ -152,6 +201,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"--settings {unknown}: allowed {list(SETTINGS)}")
+    args.settings = ",".join(["uncompressed"] + [n for n in names if n != "uncompressed"])
     import torch
     import transformers
 
@@ -174,7 +228,8 @@ def main() -> None:
                                            "lengths": lengths, "new": new, "refill": refill}))
     report = {
         "command": " ".join(["python", *sys.argv]), "memory_limit_bytes": limit, "batches": batches, "runs": runs,
-        "mixed": mixed, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "threads": args.threads,
+        "mixed": mixed, "model": args.model, "device": args.device, "limit_given": bool(args.memory_limit),
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "threads": args.threads,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "machine": platform.processor() or platform.machine(), "python": platform.python_version()},
     }
@@ -189,10 +244,12 @@ def main() -> None:
 def markdown(report: dict) -> str:
     base = next(r for r in report["runs"] if r["setting"] == "uncompressed" and r["largest"])
     lines = [
-        f"# Batch throughput at one memory limit (SmolLM2-135M, CPU, {report['threads']} threads)", "",
+        f"# Batch throughput at one memory limit ({report.get('model', 'smollm2-135m')}, "
+        f"{report.get('device', 'cpu')}, {report['threads']} threads)", "",
         f"`{report['command']}`", "",
-        f"Memory limit {report['memory_limit_bytes'] / 2**20:.1f} MiB: where the uncompressed cache fits a batch of "
-        f"{report['batches']['uncompressed']} ({report['prompt_tokens']} + {report['new_tokens']} tokens). Prompts: "
+        f"Memory limit {report['memory_limit_bytes'] / 2**20:.1f} MiB"
+        + (" (--memory-limit)" if report.get("limit_given") else ": where the uncompressed cache fits a batch of "
+           f"{report['batches']['uncompressed']}") + f" ({report['prompt_tokens']} + {report['new_tokens']} tokens). Prompts: "
         "consecutive windows of the reporting corpus's Python Language Reference then *Persuasion* (prose that chose no "
         "setting). Each row is one worker process.", "",
         "| setting | batch | decode tok/s | x uncompressed | end-to-end tok/s | x uncompressed | prefill share | "

@@ -141,3 +141,24 @@ def test_quality_benchmarks_refuse_bad_texts_and_settings_before_loading_a_model
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.integration
+def test_throughput_runs_the_gpu_runbook_path_at_a_toy_size(tmp_path):
+    """``throughput.py --model llama-tiny-random`` (the code path of the GPU runbook's LLaMA-7B run, random weights
+    and SmolLM2's tokenizer) under a given ``--memory-limit``: both settings answer, ours at a larger planned batch
+    inside the limit, and the tables name the model and the limit."""
+    out = tmp_path / "throughput.json"
+    command = [sys.executable, "benchmarks/throughput.py", "--model", "llama-tiny-random", "--prompt-tokens", "200",
+               "--new-tokens", "4", "--threads", "1", "--curve", "", "--mixed", "0", "--settings", "h2o 0.2 int4",
+               "--memory-limit", "56MiB", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["model"] == "llama-tiny-random" and data["memory_limit_bytes"] == 56 * 2**20
+    runs = {r["setting"]: r for r in data["runs"]}
+    assert set(runs) == {"uncompressed", "h2o 0.2 int4"} and not any(r["errors"] for r in runs.values())
+    assert runs["h2o 0.2 int4"]["batch_size"] > runs["uncompressed"]["batch_size"] > 1
+    assert all(r["planned_bytes"] <= data["memory_limit_bytes"] for r in runs.values())
+    table = out.with_suffix(".md").read_text()
+    assert "llama-tiny-random" in table and "(--memory-limit)" in table
