@@ -27,7 +27,11 @@ Eviction directions (16-bit, so only the ranking differs), each ranking the toke
 Quantization direction (budget 1.0 and with ``h2o``): ``kivi int4``: keys quantized per channel over groups of
 32 tokens, values per token (Liu et al. 2024, KIVI, arXiv 2402.02750 §3), the same bytes as per-token groups of 32
 (one fp16 scale and zero per 32 elements). A group of keys is quantized once its 32 tokens are all at least
-``residual`` tokens old; younger tokens stay in full precision.
+``residual`` tokens old; younger tokens stay in full precision. ``shift int4``: per-token groups as ``token int4``
+(Hadamard-rotated), of the keys minus a per-channel offset (each KV head's mean key over the first
+:data:`CALIBRATION` tokens, fixed from then on; until then the tokens wait in full precision), added back after
+dequantizing: the channel bias that makes KIVI quantize keys per channel, removed with one vector per head.
+``smooth int4``: also divided per channel by those tokens' largest deviation (multiplied back after).
 
 Writes ``--out`` (JSON, every row) and the same path with ``.md``.
 """
@@ -53,6 +57,7 @@ from h2o_compress.formats.integer import hadamard_matrix
 
 GROUP = 32  # elements (or tokens, per channel) sharing one fp16 scale and zero
 RESIDUAL = 4  # newest tokens kept in full precision (the library's window holds 4..7 at residual=3)
+CALIBRATION = 32  # tokens whose keys set the per-channel offset (and scale) of ``shift``/``smooth``
 
 
 def fake_quantize(x: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
@@ -78,7 +83,7 @@ class Direction:
     name: str
     rank: str = "h2o"  # h2o | vatp | keydiff | full
     merge_tau: float | None = None
-    quant: str = "none"  # none | token | kivi
+    quant: str = "none"  # none | token | kivi | shift | smooth
     options: dict = field(default_factory=dict)
 
 
@@ -91,7 +96,8 @@ class Simulation:
         self.held = torch.zeros(layers, kv_heads, tokens, dtype=torch.bool)
         self.scores = torch.zeros(layers, kv_heads, tokens)
         self.quantized = torch.zeros(layers, dtype=torch.long)  # tokens (per layer) already quantized
-        self.rotation = hadamard_matrix(head_dim) if direction.quant == "token" else None
+        self.rotation = hadamard_matrix(head_dim) if direction.quant in ("token", "shift", "smooth") else None
+        self.offsets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (offset, scale) [kv_heads, 1, D]
         self.value_rotation = hadamard_matrix(head_dim) if direction.quant != "none" else None
 
     def quantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -101,6 +107,22 @@ class Simulation:
             upto = n - RESIDUAL
             if upto > done:
                 keys[:, done:upto] = per_token(keys[:, done:upto], self.rotation)
+                values[:, done:upto] = per_token(values[:, done:upto], self.value_rotation)
+                self.quantized[layer] = upto
+        elif self.d.quant in ("shift", "smooth"):
+            upto, calibration = n - RESIDUAL, self.d.options.get("calibration", CALIBRATION)
+            if upto < calibration:
+                return
+            if layer not in self.offsets:
+                first = keys[:, :calibration].float()
+                offset = first.mean(1, keepdim=True)
+                scale = ((first - offset).abs().amax(1, keepdim=True).clamp(min=1e-3) if self.d.quant == "smooth"
+                         else torch.ones_like(offset))
+                self.offsets[layer] = (offset, scale)
+            offset, scale = self.offsets[layer]
+            if upto > done:
+                shifted = (keys[:, done:upto].float() - offset) / scale
+                keys[:, done:upto] = (per_token(shifted, self.rotation) * scale + offset).to(keys.dtype)
                 values[:, done:upto] = per_token(values[:, done:upto], self.value_rotation)
                 self.quantized[layer] = upto
         elif self.d.quant == "kivi":
@@ -229,7 +251,10 @@ def main() -> None:
         plan = [(1.0, "library full", CompressionConfig(policy="full")),
                 (1.0, "library token int4", CompressionConfig(kv_bits=4)),
                 (1.0, "token int4", Direction("token int4", rank="full", quant="token")),
-                (1.0, "kivi int4", Direction("kivi int4", rank="full", quant="kivi"))]
+                (1.0, "kivi int4", Direction("kivi int4", rank="full", quant="kivi")),
+                (1.0, "shift int4", Direction("shift int4", rank="full", quant="shift")),
+                (1.0, "smooth int4", Direction("smooth int4", rank="full", quant="smooth")),
+                (1.0, "shift4 int4", Direction("shift4 int4", rank="full", quant="shift", options={"calibration": 4}))]
         for budget in (float(b) for b in args.budgets.split(",")):
             plan += [(budget, "library h2o", CompressionConfig(budget=budget)),
                      (budget, "library h2o int4", CompressionConfig(budget=budget, kv_bits=4))]
@@ -237,7 +262,10 @@ def main() -> None:
             plan += [(budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t))
                      for t in (TAUS if tau is None else (tau,))]
             plan += [(budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")),
-                     (budget, "h2o token int4", Direction("h2o token int4", quant="token"))]
+                     (budget, "h2o token int4", Direction("h2o token int4", quant="token")),
+                     (budget, "h2o shift int4", Direction("h2o shift int4", quant="shift")),
+                     (budget, "h2o smooth int4", Direction("h2o smooth int4", quant="smooth")),
+                     (budget, "h2o shift4 int4", Direction("h2o shift4 int4", quant="shift", options={"calibration": 4}))]
         reference = None  # the uncompressed perplexity ("library full", always the first row)
         for budget, name, setting in plan:
             if wanted and name not in wanted and name != "library full":

@@ -40,10 +40,10 @@ from pathlib import Path
 #: ``--model``: the real SmolLM2 (``None``), or LLaMA shapes with random weights (``LlamaConfig`` fields).
 MODELS = {
     "smollm2-135m": None,
-    "llama-7b-random": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                            intermediate_size=11008, max_position_embeddings=32768),
-    "llama-tiny-random": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=256, max_position_embeddings=32768),
+    "llama-7b-random": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                        "num_key_value_heads": 32, "intermediate_size": 11008, "max_position_embeddings": 32768},
+    "llama-tiny-random": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 256, "max_position_embeddings": 32768},
 }
 
 SETTINGS = {  # name: CompressionConfig keyword arguments ("ask" = h2o_compress.ASK_DEFAULTS)

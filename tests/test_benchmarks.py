@@ -152,7 +152,7 @@ def test_throughput_runs_the_gpu_runbook_path_at_a_toy_size(tmp_path):
     command = [sys.executable, "benchmarks/throughput.py", "--model", "llama-tiny-random", "--prompt-tokens", "200",
                "--new-tokens", "4", "--threads", "1", "--curve", "", "--mixed", "0", "--settings", "h2o 0.2 int4",
                "--memory-limit", "56MiB", "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["model"] == "llama-tiny-random" and data["memory_limit_bytes"] == 56 * 2**20
