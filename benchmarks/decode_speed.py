@@ -45,6 +45,7 @@ SETTINGS = {  # name: (cache kind or CompressionConfig, compiled)
     "ours h2o 0.2 int4 adaptive heads eager": (CompressionConfig(budget=0.2, kv_bits=4, head_budgets="adaptive"), False),
     "ours h2o 0.2 int4 adaptive heads torch form": (
         CompressionConfig(budget=0.2, kv_bits=4, head_budgets="adaptive", attention_kernel="torch"), False),
+    "ours vatp 0.2 int4 eager": (CompressionConfig(policy="vatp", budget=0.2, kv_bits=4), False),
 }
 
 
