@@ -10,7 +10,8 @@
  *   3. the column sums += p / rowsum (each thread its own, added up at the end: no atomics);
  *   4. output = (p @ V) / rowsum, MR rows x the value width at a time, keys in L1-sized blocks.
  * The rows of a block and the KT-wide key tiles are padded (zero query rows, zero keys and values past `total`),
- * so the microkernels have no remainders. Threads (pthreads) take work items from an atomic counter, the costliest
+ * so the microkernels have no remainders. Vector width from the build (-march=native): 16 floats with AVX-512 (key
+ * tiles of 64), 8 with AVX (16), else 4 (8: SSE, NEON); W, NV and MR may be set with -D to try other shapes. Threads (pthreads) take work items from an atomic counter, the costliest
  * (latest query blocks) first.
  *
  * Layouts (fp32, contiguous): q [B, Hkv, n * G, D] (row = query * G + head of the group, already scaled);
@@ -25,15 +26,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef W
 #if defined(__AVX512F__)
 #define W 16 /* floats per vector */
 #define NV 4 /* vectors per microkernel row */
-#else
+#elif defined(__AVX__)
 #define W 8
 #define NV 2
+#else /* 128-bit vectors (SSE, NEON) */
+#define W 4
+#define NV 2
+#endif
 #endif
 #define KT (W * NV) /* keys per logits tile, value columns per output tile */
+#ifndef MR
 #define MR 6        /* rows per microkernel */
+#endif
 #define VB 128      /* keys per value block of step 4 (L1-sized) */
 
 typedef float vec __attribute__((vector_size(W * 4)));

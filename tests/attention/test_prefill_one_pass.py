@@ -6,7 +6,10 @@ two passes."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import platform
+import subprocess
 
 import pytest
 import torch
@@ -118,6 +121,40 @@ def test_the_native_kernel_matches_the_torch_form_at_larger_shapes(group, held, 
     torch.testing.assert_close(output, expected_output, **tolerance)
     torch.testing.assert_close(sums, expected_sums, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sums.sum(-1), torch.full((2, 2), float(n * group)), rtol=1e-5, atol=1e-3)
+
+
+@NATIVE
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set variants")
+@pytest.mark.parametrize("flags", [["-march=native", "-mno-avx512f"], ["-march=x86-64"]], ids=["avx2", "sse"])
+def test_the_native_kernel_built_for_narrower_vectors_gives_the_same_results(monkeypatch, tmp_path, flags):
+    """``cpu_prefill.c`` picks its tile from the vector width it is built for (AVX-512: 64 keys, AVX: 16, 128-bit:
+    8); the builds this machine does not pick by itself give the blocked torch form's results too."""
+    target = tmp_path / "prefill.so"
+    subprocess.run(["gcc", "-O3", *flags, "-std=gnu11", "-shared", "-fPIC", "-pthread",
+                    str(cpu.SOURCES[0].with_name("cpu_prefill.c")), "-o", str(target), "-lm"], check=True,
+                   capture_output=True)
+    lib = ctypes.CDLL(str(target))
+    lib.h2o_cpu_prefill_attention.restype = lib.h2o_cpu_prefill_tile.restype = ctypes.c_int
+    assert lib.h2o_cpu_prefill_tile() == (16 if "-mno-avx512f" in flags else 8)
+    monkeypatch.setattr(cpu, "library", lambda: lib)
+    generator = torch.Generator().manual_seed(11)
+    query = torch.randn(2, 6, 70, 32, generator=generator)
+    keys, values = torch.randn(2, 2, 90, 32, generator=generator), torch.randn(2, 2, 90, 40, generator=generator)
+    mask = visibility_of(keys.shape[2], query.shape[2], generator)
+    for visible in (None, mask):
+        output, sums = native_attention_with_sums(query, keys, values, visible, None, threads=2)
+        expected_output, expected_sums = blocked_attention_with_sums(query, keys, values, visible, None)
+        torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sums, expected_sums, rtol=1e-5, atol=1e-5)
+
+
+def visibility_of(total: int, n: int, generator) -> torch.Tensor:
+    """bool ``[2, 2, n, total]``: causal over a held prefix of ``total - n`` tokens, some held tokens hidden per
+    sequence and head (every query still sees itself)."""
+    held = total - n
+    causal = torch.ones(n, total, dtype=torch.bool).tril(held)
+    mask = causal & (torch.rand(2, 2, 1, total, generator=generator) > 0.3)
+    return mask | torch.cat((torch.zeros(n, held, dtype=torch.bool), torch.eye(n, dtype=torch.bool)), 1)
 
 
 def test_attention_with_sums_runs_the_native_kernel_on_the_cpu_unless_switched_off(monkeypatch):
