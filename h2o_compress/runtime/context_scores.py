@@ -16,10 +16,7 @@ from h2o_compress.models import model_dims
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
 ATTENTION_FLOATS = 2**25  # attention probabilities held at once by an eager scoring pass (128 MiB of fp32)
-# follow-up tokens per forward of the one-pass reconstruction (nothing materialized): 1024 scored a 2,000-token
-# context in 9.1 s against 12.8 s, but its larger transient buffers raised a batch job's peak RSS with every prompt
-# (16 prompts of the `ask` defaults: 1,879 against 1,622 MiB)
-RECONSTRUCTION_CHUNK = 128
+RECONSTRUCTION_CHUNK = 1024  # follow-up tokens per forward of the one-pass reconstruction (nothing materialized)
 MAX_SCORES = "h2o_compress_max_scores"  # the attention function of the one-pass reconstruction (registered on use)
 
 
