@@ -16,7 +16,7 @@ class KVzipPolicy(ContextScoredPolicy):
     document, whatever the question; decode steps then accumulate attention as ``h2o``.
 
     The reconstruction (:func:`h2o_compress.runtime.context_scores.reconstruction_scores`) costs about one extra prefill
-    of twice the context, its scores from the same softmax as its output, before the context's own prefill (in ``generate``, over the whole
+    of twice the context, with eager attention, before the context's own prefill (in ``generate``, over the whole
     prompt). Where a prompt is read without that pass (streamed in chunks, a prompt continuing a loaded cache),
     the policy ranks as ``h2o``.
     """

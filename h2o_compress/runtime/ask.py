@@ -17,8 +17,8 @@ and values. On this protocol (SmolLM2-135M, keep 0.2 + 4 bits, 3 depths x 3 seed
 it found the passkey 8 of 9 times at 1.5k tokens of the shipped prose, 6 of 9 on licence texts and 4 of 9 at 4k
 (heavy ratio 0.9, the earlier default: 8, 7 and 5; uncompressed 9, 9 and 7), and beside kvpress (``benchmarks/compare_peers.py``,
 ``benchmarks/results/peers_compress_then_ask``) its answer NLL is kvpress KVzip's within 0.015 at keeps 0.5 / 0.25
-and lower at 0.1, in 2-9% of its bytes. Its cost: one pass over about twice the context (scores and output from one
-softmax: :func:`~h2o_compress.runtime.context_scores.max_scores_attention`) before the compressed prefill.
+and lower at 0.1, in 2-9% of its bytes. Its cost: one pass over about twice the context with eager attention before
+the compressed prefill.
 """
 
 from __future__ import annotations
