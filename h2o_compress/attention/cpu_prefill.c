@@ -7,8 +7,7 @@
  *   1. logits against keys [0, cut) (cut: the last key any of the block's queries sees; causal: held + block end),
  *      tile by tile with a register-blocked microkernel (MR rows x KT keys, keys pre-transposed to [D, total]);
  *   2. per row: mask (causal bottom-right, or the bool `visible`), max, exp, sum, in place;
- *   3. the block's column sums of p / rowsum, added to the shared ones under a lock (or, with `reduce_max`, the
- *      column maxima: KVzip's score, arXiv 2505.23416 section 3.2);
+ *   3. the column sums += p / rowsum (each thread its own, added up at the end: no atomics);
  *   4. output = (p @ V) / rowsum, MR rows x the value width at a time, keys in L1-sized blocks.
  * The rows of a block and the KT-wide key tiles are padded (zero query rows, zero keys and values past `total`),
  * so the microkernels have no remainders. Vector width from the build (-march=native): 16 floats with AVX-512 (key
@@ -18,7 +17,7 @@
  * Layouts (fp32, contiguous): q [B, Hkv, n * G, D] (row = query * G + head of the group, already scaled);
  * kt [B, Hkv, D, total_pad]; v [B, Hkv, total_pad, Dv_pad] (Dv_pad a multiple of the vector tile, padding zero);
  * visible (optional) bool bytes, element (b, h, i, j) at b * vb + h * vh + i * vi + j (strides in bytes, 0 for a
- * broadcast dimension); out [B, n, Hkv * G, Dv] fp32; sums [B, Hkv, total] fp32 (overwritten: sums, or maxima).
+ * broadcast dimension); out [B, n, Hkv * G, Dv] fp32; sums [B, Hkv, total] fp32 (overwritten).
  * Returns 0, 1 for a bad argument, 2 when scratch cannot be allocated, 3 when a thread cannot start.
  */
 #include <math.h>
@@ -111,7 +110,7 @@ static inline void values_tile(const float *restrict p, int64_t ldp, int keys, c
 }
 
 typedef struct {
-    int batch, kv_heads, group, n, total, total_pad, D, Dv, Dv_pad, block, items, reduce_max;
+    int batch, kv_heads, group, n, total, total_pad, D, Dv, Dv_pad, block, items;
     const float *q, *kt, *v;
     const uint8_t *visible;
     int64_t vb, vh, vi;
@@ -186,18 +185,12 @@ static void work_item(job_t *job, int item, const scratch_t *buf) {
         for (int c = 0; c < W; c++) l += total[c];
         inv[r] = 1.0f / l;
         const vec w = splat(inv[r]);
-        if (job->reduce_max)
-            for (int j = 0; j < cut_pad; j += W) store(col + j, vmax(load(col + j), load(s + j) * w));
-        else
-            for (int j = 0; j < cut_pad; j += W) store(col + j, load(col + j) + load(s + j) * w);
+        for (int j = 0; j < cut_pad; j += W) store(col + j, load(col + j) + load(s + j) * w);
     }
     for (int r = rows; r < rows_pad; r++) memset(sbuf + r * lds, 0, sizeof(float) * cut_pad);
     pthread_mutex_lock(&job->lock);
     float *restrict sums = job->sums + bh * job->total;
-    if (job->reduce_max)
-        for (int j = 0; j < cut; j++) sums[j] = col[j] > sums[j] ? col[j] : sums[j];
-    else
-        for (int j = 0; j < cut; j++) sums[j] += col[j];
+    for (int j = 0; j < cut; j++) sums[j] += col[j];
     pthread_mutex_unlock(&job->lock);
     /* 4. output = p @ v / row sum */
     memset(obuf, 0, sizeof(float) * rows_pad * Dv_pad);
@@ -243,16 +236,14 @@ static void *worker_main(void *arg) {
 /* The entry point (see the top of this file). A thread that cannot start or allocate leaves its share to the others. */
 int h2o_cpu_prefill_attention(int batch, int kv_heads, int group, int n, int total, int total_pad, int D, int Dv,
                               int Dv_pad, int block, int threads, const float *q, const float *kt, const float *v,
-                              const uint8_t *visible, int64_t vb, int64_t vh, int64_t vi, float *out, float *sums,
-                              int reduce_max) {
+                              const uint8_t *visible, int64_t vb, int64_t vh, int64_t vi, float *out, float *sums) {
     if (batch < 1 || kv_heads < 1 || group < 1 || n < 1 || total < n || total_pad < total || total_pad % KT ||
         D < 1 || Dv < 1 || Dv_pad < Dv || Dv_pad % KT || block < 1 || threads < 1)
         return 1;
     job_t job = {.batch = batch, .kv_heads = kv_heads, .group = group, .n = n, .total = total,
                  .total_pad = total_pad, .D = D, .Dv = Dv, .Dv_pad = Dv_pad, .block = block,
                  .items = batch * kv_heads * ((n + block - 1) / block), .q = q, .kt = kt, .v = v,
-                 .visible = visible, .vb = vb, .vh = vh, .vi = vi, .out = out, .sums = sums,
-                 .reduce_max = reduce_max};
+                 .visible = visible, .vb = vb, .vh = vh, .vi = vi, .out = out, .sums = sums};
     pthread_mutex_init(&job.lock, NULL);
     memset(sums, 0, sizeof(float) * (int64_t)batch * kv_heads * total);
     threads = threads < job.items ? threads : job.items;

@@ -24,24 +24,21 @@ from h2o_compress.attention import cpu
 BLOCK_ELEMENTS = 1 << 22
 
 
-REDUCTIONS = ("sum", "max")
-
-
 def attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-    scaling: float | None, block: int | None = None, reduce: str = "sum",
+    scaling: float | None, block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and H2O column sums from one softmax (see :func:`blocked_attention_with_sums` for the arguments,
     shapes and semantics): the native CPU kernel (:func:`native_attention_with_sums`) where it runs, else the
     blocked torch form. Both agree to fp32 rounding."""
     if query.device.type == "cpu" and not torch.compiler.is_compiling() and cpu.library() is not None:
-        return native_attention_with_sums(query, keys, values, visible, scaling, block, reduce=reduce)
-    return blocked_attention_with_sums(query, keys, values, visible, scaling, block, reduce=reduce)
+        return native_attention_with_sums(query, keys, values, visible, scaling, block)
+    return blocked_attention_with_sums(query, keys, values, visible, scaling, block)
 
 
 def native_attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-    scaling: float | None, block: int | None = None, threads: int | None = None, reduce: str = "sum",
+    scaling: float | None, block: int | None = None, threads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`blocked_attention_with_sums` as one call of ``cpu_prefill.c`` (CPU tensors; the kernel must be built:
     :func:`h2o_compress.attention.cpu.library`). Work items are (sequence, KV head, ``block`` queries), shared by
@@ -50,9 +47,7 @@ def native_attention_with_sums(
 
     Raises:
         RuntimeError: the kernel could not allocate its scratch (or refused shapes the caller should not pass).
-        ValueError: ``reduce`` is neither ``"sum"`` nor ``"max"``.
     """
-    reduce = _reduction(reduce)
     batch, q_heads, n, head_dim = query.shape
     kv_heads, total, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
     group = q_heads // kv_heads
@@ -77,7 +72,7 @@ def native_attention_with_sums(
         batch, kv_heads, group, n, total, total_pad, head_dim, value_dim, value_pad, min(block, n),
         threads or torch.get_num_threads(), *(ctypes.c_void_p(t.data_ptr()) for t in (q, k, v)),
         None if visible is None else ctypes.c_void_p(visible.data_ptr()), *map(ctypes.c_int64, strides),
-        ctypes.c_void_p(output.data_ptr()), ctypes.c_void_p(sums.data_ptr()), int(reduce == "max"),
+        ctypes.c_void_p(output.data_ptr()), ctypes.c_void_p(sums.data_ptr()),
     )
     if status:
         reason = "it could not allocate its scratch" if status == 2 else "it refused the shapes"
@@ -85,15 +80,9 @@ def native_attention_with_sums(
     return output.to(values.dtype), sums
 
 
-def _reduction(reduce: str) -> str:
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce={reduce!r} is not a reduction of the probabilities; allowed: {REDUCTIONS}")
-    return reduce
-
-
 def blocked_attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-    scaling: float | None, block: int | None = None, reduce: str = "sum",
+    scaling: float | None, block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``n`` queries over ``held + n`` keys (the held tokens, then the chunk's own) and the sum of the
     probabilities each key receives, summed over the queries and the query heads of its KV head (H2O, arXiv
@@ -114,17 +103,11 @@ def blocked_attention_with_sums(
             shows a query a later chunk token is honoured (that block reads every key).
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
         block: queries per block; ``None``: about :data:`BLOCK_ELEMENTS` fp32 logits per block.
-        reduce: ``"sum"`` (H2O's accumulated attention) or ``"max"``: the largest probability each key receives
-            over the queries and the group's query heads (KVzip's score, arXiv 2505.23416 §3.2).
 
     Returns:
         ``(output [batch, n, q_heads, value_dim]`` in ``values``' dtype (the layout transformers' attention
-        functions return), ``sums`` fp32 ``[batch, kv_heads, held + n]``; the maxima with ``reduce="max"``).
-
-    Raises:
-        ValueError: ``reduce`` is neither ``"sum"`` nor ``"max"``.
+        functions return), ``sums`` fp32 ``[batch, kv_heads, held + n]``).
     """
-    reduce = _reduction(reduce)
     batch, q_heads, n, head_dim = query.shape
     kv_heads, total, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
     group, held = q_heads // kv_heads, total - n
@@ -156,10 +139,7 @@ def blocked_attention_with_sums(
         elif rows > 1:  # causal: only the last `rows` keys (the block's own diagonal square) hide anything
             per_query[..., cut - rows :].masked_fill_(above[:rows, None, :rows], float("-inf"))
         probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
-        if reduce == "max":
-            torch.maximum(sums[..., :cut], probs.amax(dim=2), out=sums[..., :cut])
-        else:
-            sums[..., :cut] += probs.sum(dim=2)
+        sums[..., :cut] += probs.sum(dim=2)
         out = torch.matmul(probs, v[:, :, :cut])
         output[:, a:b] = out.view(batch, kv_heads, rows, group, value_dim).transpose(1, 2)
     return output.view(batch, n, q_heads, value_dim), sums

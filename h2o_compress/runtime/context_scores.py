@@ -9,15 +9,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from h2o_compress.attention.prefill import attention_with_sums
 from h2o_compress.runtime.chat import apply_chat_template
 from h2o_compress.config import fit_to_total
 from h2o_compress.models import model_dims
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
-ATTENTION_FLOATS = 2**25  # attention probabilities held at once by an eager scoring pass (128 MiB of fp32)
-RECONSTRUCTION_CHUNK = 1024  # follow-up tokens per forward of the one-pass reconstruction (nothing materialized)
-MAX_SCORES = "h2o_compress_max_scores"  # the attention function of the one-pass reconstruction (registered on use)
+ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)
 
 
 @contextmanager
@@ -44,45 +41,6 @@ def _read_context(model, context_ids: torch.Tensor, cache=None):
     return cache
 
 
-class _VariantSoftmax(Exception):
-    """Raised by the one-pass scorer in a layer whose softmax has a soft-cap or sink logits (it runs neither)."""
-
-
-_maxima: dict[int, torch.Tensor] = {}  # layer index -> running maxima, filled by max_scores_attention
-_scored_tokens: list[int] = [0]  # how many leading keys the maxima keep (the context's)
-
-
-def max_scores_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function (transformers' ``AttentionInterface`` signature) of the one-pass reconstruction: the
-    attention output and, per layer (``module.layer_idx``), the running maximum of the probability each of the
-    first context keys receives over the queries and the query heads of its KV group, from the same softmax
-    (:func:`~h2o_compress.attention.prefill.attention_with_sums` with ``reduce="max"``: on the CPU one native call,
-    no ``[queries, keys]`` matrix kept). Shapes: query ``[batch, q_heads, n, head_dim]``, key/value ``[batch,
-    kv_heads, keys, head_dim]``; returns ``([batch, n, q_heads, head_dim], None)``.
-
-    Raises:
-        _VariantSoftmax: the call carries a soft-cap or sink logits (the caller falls back to eager attention).
-    """
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise _VariantSoftmax
-    visible = attention_mask
-    if visible is not None:
-        visible = visible[..., : key.shape[2]]
-        visible = visible if visible.dtype == torch.bool else visible > torch.finfo(visible.dtype).min / 2
-    output, maxima = attention_with_sums(query, key, value, visible, scaling, reduce="max")
-    maxima, layer = maxima[..., : _scored_tokens[0]], module.layer_idx
-    _maxima[layer] = maxima if layer not in _maxima else torch.maximum(_maxima[layer], maxima)
-    return output, None
-
-
-def _register_max_scores() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(MAX_SCORES, max_scores_attention)
-    AttentionMaskInterface.register(MAX_SCORES, sdpa_mask)
-
-
 def _group_attention(attentions, batch: int, kv_heads: int, tokens: int, reduce: str) -> list[torch.Tensor]:
     """Per layer, fp32 ``[batch, kv_heads, tokens]``: the probabilities ``[batch, q_heads, queries, keys]`` the
     queries give the first ``tokens`` keys, reduced (``"max"`` or ``"sum"``) over the queries and the query heads
@@ -102,44 +60,21 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     heads of each KV group).
 
     Costs one pass over about twice the context through an uncompressed ``DynamicCache``: the context read with
-    SDPA (where the model has it), then the request and the repeated context in chunks of
-    :data:`RECONSTRUCTION_CHUNK` tokens through :func:`max_scores_attention` (output and maxima from one softmax,
-    nothing materialized; on the CPU one native call per layer). A model whose softmax has a soft-cap or sink logits
-    runs the second part with its eager attention instead (``output_attentions``, chunks of at most
-    :data:`ATTENTION_FLOATS` probabilities). The model's attention implementation is restored afterwards.
+    SDPA (where the model has it), then the request and the repeated context with eager attention (which returns the probabilities), in
+    chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
+    are held. The model's attention implementation is restored afterwards.
 
     Args:
-        model, tokenizer: the LM (its attention must go through transformers' ``AttentionInterface``) and its
+        model, tokenizer: the LM (its attention must support transformers' ``eager`` implementation) and its
             tokenizer.
         context_ids: int64 ``[batch, tokens]`` on the model's device.
 
     Raises:
-        ValueError: from transformers, for a model without an ``eager`` attention implementation (soft-cap and
-            sink models only).
+        ValueError: from transformers, for a model without an ``eager`` attention implementation.
     """
     batch, tokens = context_ids.shape
     repeat, body = _reconstruction_prompt(tokenizer, context_ids)
     follow = torch.cat((repeat.to(context_ids.device).expand(batch, -1), body), dim=1)
-    _register_max_scores()
-    _maxima.clear()
-    _scored_tokens[0] = tokens
-    try:
-        cache = _read_context(model, context_ids)
-        with _attention(model, MAX_SCORES):
-            for start in range(0, follow.shape[1], RECONSTRUCTION_CHUNK):
-                model(input_ids=follow[:, start : start + RECONSTRUCTION_CHUNK], past_key_values=cache,
-                      use_cache=True, logits_to_keep=1)
-        return [_maxima[layer] for layer in sorted(_maxima)]
-    except _VariantSoftmax:  # soft-cap or sink logits: transformers' eager attention of the model runs them
-        return _eager_reconstruction_scores(model, context_ids, follow)
-    finally:
-        _maxima.clear()
-
-
-def _eager_reconstruction_scores(model, context_ids: torch.Tensor, follow: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`reconstruction_scores` with the model's eager attention (``output_attentions``), in chunks of at most
-    :data:`ATTENTION_FLOATS` probabilities: for softmax variants the one pass does not run."""
-    batch, tokens = context_ids.shape
     dims = model_dims(model.config)
     width = tokens + follow.shape[1]
     chunk = max(1, min(128, ATTENTION_FLOATS // (dims.num_layers * batch * dims.num_heads * width)))
