@@ -240,7 +240,10 @@ def test_signal_ends_every_process_and_keeps_finished_rows(tiny_model_dir, tmp_p
     # 8 rows, each in a fresh worker process: the signal lands mid-sweep even when a loaded machine lets this loop
     # notice the second row late (with 4 rows, CI once saw the sweep finish first and exit 0)
     with open(tmp_path / "log.txt", "wb") as log:
-        process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        # default dispositions in the child: a shell's background job inherits SIGINT ignored (then Python installs
+        # no KeyboardInterrupt handler and the sweep runs to its end, exit 0: what a backgrounded CI run saw)
+        process = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: set[int] = set()
     try:
         parent, started = psutil.Process(process.pid), time.monotonic()
