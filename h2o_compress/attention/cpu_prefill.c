@@ -71,42 +71,24 @@ static inline vec vexp(vec x) {
     return (vec)((ivec)(p * (vec)bits) & keep);
 }
 
-/* s[MR, KT] (row stride lds) = q[MR, D] @ kt[D, KT] (row stride ldk). */
-static inline void logits_tile(const float *restrict q, int D, const float *restrict kt, int64_t ldk,
-                               float *restrict s, int64_t lds) {
+/* c[MR, KT] (row stride ldc) = (accumulate ? c : 0) + a[MR, inner] (row stride lda) @ b[inner, KT] (row stride ldb):
+ * the one register-blocked microkernel, for the logits (q @ k^T, keys pre-transposed) and the output (p @ v). */
+static inline void tile_product(const float *restrict a, int64_t lda, int inner, const float *restrict b, int64_t ldb,
+                                float *restrict c, int64_t ldc, int accumulate) {
     vec acc[MR][NV];
     for (int i = 0; i < MR; i++)
-        for (int c = 0; c < NV; c++) acc[i][c] = splat(0.0f);
-    for (int d = 0; d < D; d++) {
-        const float *krow = kt + d * ldk;
-        vec k[NV];
-        for (int c = 0; c < NV; c++) k[c] = load(krow + c * W);
-        for (int i = 0; i < MR; i++) {
-            const vec b = splat(q[i * D + d]);
-            for (int c = 0; c < NV; c++) acc[i][c] += b * k[c];
-        }
-    }
-    for (int i = 0; i < MR; i++)
-        for (int c = 0; c < NV; c++) store(s + i * lds + c * W, acc[i][c]);
-}
-
-/* o[MR, KT] (row stride ldo) += p[MR, keys] (row stride ldp) @ v[keys, KT] (row stride ldv). */
-static inline void values_tile(const float *restrict p, int64_t ldp, int keys, const float *restrict v, int64_t ldv,
-                               float *restrict o, int64_t ldo) {
-    vec acc[MR][NV];
-    for (int i = 0; i < MR; i++)
-        for (int c = 0; c < NV; c++) acc[i][c] = load(o + i * ldo + c * W);
-    for (int j = 0; j < keys; j++) {
-        const float *vrow = v + j * ldv;
+        for (int n = 0; n < NV; n++) acc[i][n] = accumulate ? load(c + i * ldc + n * W) : splat(0.0f);
+    for (int k = 0; k < inner; k++) {
+        const float *row = b + k * ldb;
         vec x[NV];
-        for (int c = 0; c < NV; c++) x[c] = load(vrow + c * W);
+        for (int n = 0; n < NV; n++) x[n] = load(row + n * W);
         for (int i = 0; i < MR; i++) {
-            const vec b = splat(p[i * ldp + j]);
-            for (int c = 0; c < NV; c++) acc[i][c] += b * x[c];
+            const vec y = splat(a[i * lda + k]);
+            for (int n = 0; n < NV; n++) acc[i][n] += y * x[n];
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int c = 0; c < NV; c++) store(o + i * ldo + c * W, acc[i][c]);
+        for (int n = 0; n < NV; n++) store(c + i * ldc + n * W, acc[i][n]);
 }
 
 typedef struct {
@@ -158,7 +140,7 @@ static void work_item(job_t *job, int item, const scratch_t *buf) {
     const float *kt = job->kt + bh * D * job->total_pad;
     for (int j0 = 0; j0 < cut_pad; j0 += KT)
         for (int r0 = 0; r0 < rows_pad; r0 += MR)
-            logits_tile(buf->q + r0 * D, D, kt + j0, job->total_pad, sbuf + r0 * lds + j0, lds);
+            tile_product(buf->q + r0 * D, D, D, kt + j0, job->total_pad, sbuf + r0 * lds + j0, lds, 0);
     /* 2. mask, softmax numerator, row sums; 3. the block's column sums */
     memset(col, 0, sizeof(float) * cut_pad);
     for (int r = 0; r < rows; r++) {
@@ -199,8 +181,8 @@ static void work_item(job_t *job, int item, const scratch_t *buf) {
         const int keys = cut_pad - j0 < VB ? cut_pad - j0 : VB;
         for (int c0 = 0; c0 < Dv_pad; c0 += KT)
             for (int r0 = 0; r0 < rows_pad; r0 += MR)
-                values_tile(sbuf + r0 * lds + j0, lds, keys, v + (int64_t)j0 * Dv_pad + c0, Dv_pad,
-                            obuf + r0 * Dv_pad + c0, Dv_pad);
+                tile_product(sbuf + r0 * lds + j0, lds, keys, v + (int64_t)j0 * Dv_pad + c0, Dv_pad,
+                             obuf + r0 * Dv_pad + c0, Dv_pad, 1);
     }
     const int q_heads = job->kv_heads * G;
     for (int r = 0; r < rows; r++) {
