@@ -83,7 +83,7 @@ class Direction:
     name: str
     rank: str = "h2o"  # h2o | vatp | keydiff | full
     merge_tau: float | None = None
-    quant: str = "none"  # none | token | kivi | shift | smooth
+    quant: str = "none"  # none | token | kivi | slots | shift | smooth
     options: dict = field(default_factory=dict)
 
 
@@ -99,6 +99,13 @@ class Simulation:
         self.rotation = hadamard_matrix(head_dim) if direction.quant in ("token", "shift", "smooth") else None
         self.offsets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer: (offset, scale) [kv_heads, 1, D]
         self.value_rotation = hadamard_matrix(head_dim) if direction.quant != "none" else None
+        blocks = math.ceil(capacity / GROUP)
+        # ``slots``: where each quantized token sits ([layers, kv_heads, tokens], -1 = none), which token each slot
+        # holds ([layers, kv_heads, blocks * GROUP], -1 = free) and each block's per-channel range [.., blocks, D]
+        self.slot_of = torch.full((layers, kv_heads, tokens), -1, dtype=torch.long)
+        self.token_in = torch.full((layers, kv_heads, blocks * GROUP), -1, dtype=torch.long)
+        self.low = torch.full((layers, kv_heads, blocks, head_dim), float("inf"))
+        self.high = torch.full((layers, kv_heads, blocks, head_dim), float("-inf"))
 
     def quantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """In place: the tokens that have left the residual window are replaced by their dequantized form."""
@@ -131,6 +138,33 @@ class Simulation:
                 values[:, done : done + GROUP] = per_token(values[:, done : done + GROUP], self.value_rotation)
                 done += GROUP
             self.quantized[layer] = done
+        elif self.d.quant == "slots":
+            for t in range(done, n - RESIDUAL):
+                values[:, t : t + 1] = per_token(values[:, t : t + 1], self.value_rotation)
+                for h in range(keys.shape[0]):
+                    if self.held[layer, h, t]:
+                        self.place(layer, h, t, keys[h])
+            self.quantized[layer] = max(done, n - RESIDUAL)
+
+    def place(self, layer: int, head: int, token: int, keys: torch.Tensor) -> None:
+        """``slots``: quantize ``token``'s key into the lowest free slot; its block's per-channel range only grows,
+        and when it grows the block's held keys are re-quantized (from their stored, dequantized form)."""
+        slot = int((self.token_in[layer, head] < 0).nonzero()[0])
+        block = slot // GROUP
+        self.token_in[layer, head, slot], self.slot_of[layer, head, token] = token, slot
+        key = keys[token].float()
+        low, high = self.low[layer, head, block], self.high[layer, head, block]
+        new_low, new_high = torch.minimum(low, key), torch.maximum(high, key)
+        if bool((new_low < low).any() or (new_high > high).any()):
+            members = self.token_in[layer, head, block * GROUP : (block + 1) * GROUP]
+            members = members[members >= 0]
+        else:
+            members = torch.tensor([token])
+        self.low[layer, head, block], self.high[layer, head, block] = new_low, new_high
+        scale = ((new_high - new_low) / 15).clamp(min=1e-6).half().float()
+        zero = new_low.half().float()
+        x = keys[members].float()
+        keys[members] = ((x - zero) / scale).round().clamp(0, 15).mul(scale).add(zero).to(keys.dtype)
 
     def priority(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
         """``[kv_heads, n]`` fp32, higher = kept longer."""
@@ -158,6 +192,11 @@ class Simulation:
         victim = n - 1 - flipped.argmin(-1)
         heads = torch.arange(held.shape[0])
         held[heads, victim] = False
+        if self.d.quant == "slots":
+            for h, t in enumerate(victim.tolist()):
+                slot = int(self.slot_of[layer, h, t])
+                if slot >= 0:
+                    self.token_in[layer, h, slot] = -1
         if self.d.merge_tau is not None:
             self.merge(layer, keys, values, n, victim)
 
@@ -252,6 +291,7 @@ def main() -> None:
                 (1.0, "library token int4", CompressionConfig(kv_bits=4)),
                 (1.0, "token int4", Direction("token int4", rank="full", quant="token")),
                 (1.0, "kivi int4", Direction("kivi int4", rank="full", quant="kivi")),
+                (1.0, "slots int4", Direction("slots int4", rank="full", quant="slots")),
                 (1.0, "shift int4", Direction("shift int4", rank="full", quant="shift")),
                 (1.0, "smooth int4", Direction("smooth int4", rank="full", quant="smooth")),
                 (1.0, "shift4 int4", Direction("shift4 int4", rank="full", quant="shift", options={"calibration": 4}))]
@@ -262,6 +302,7 @@ def main() -> None:
             plan += [(budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t))
                      for t in (TAUS if tau is None else (tau,))]
             plan += [(budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")),
+                     (budget, "h2o slots int4", Direction("h2o slots int4", quant="slots")),
                      (budget, "h2o token int4", Direction("h2o token int4", quant="token")),
                      (budget, "h2o shift int4", Direction("h2o shift int4", quant="shift")),
                      (budget, "h2o smooth int4", Direction("h2o smooth int4", quant="smooth")),
