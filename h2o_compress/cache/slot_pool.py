@@ -26,15 +26,17 @@ class SlotPool(SlotStore):
     Args:
         key_quantizer, value_quantizer: storage formats.
         shape: ``(batch, kv_heads, pool_slots, head_dim)``.
-        dtype, device, with_scores: as :class:`SlotStore`.
+        dtype, device, with_scores, with_norms, value_basis: as :class:`SlotStore`.
     """
 
     def __init__(
         self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
-        dtype: torch.dtype, device: torch.device, with_scores: bool,
+        dtype: torch.dtype, device: torch.device, with_scores: bool, with_norms: bool = False,
+        value_basis: torch.Tensor | None = None,
     ):
         batch, heads, slots, head_dim = shape
-        super().__init__(key_quantizer, value_quantizer, (batch, 1, slots, head_dim), dtype, device, with_scores)
+        super().__init__(key_quantizer, value_quantizer, (batch, 1, slots, head_dim), dtype, device, with_scores,
+                         with_norms, value_basis)
         self.heads = heads
         tag = torch.int8 if heads <= 127 else torch.int16
         self.owner = torch.zeros(batch, 1, slots, dtype=tag, device=device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from h2o_compress.formats import KVQuantizer, StoredTensor
+from h2o_compress.formats.base import gather_tokens
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies.base import keep_top
 
@@ -30,6 +31,8 @@ class SlotStore:
         keys, values: :class:`StoredTensor` ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
         positions: int32 ``[batch, kv_heads, slots]``, the absolute position of each held token, ``-1`` = empty.
         scores: fp32 ``[batch, kv_heads, slots]`` accumulated attention, or ``None`` (policies without scores).
+        norms: fp32 ``[batch, kv_heads, slots]``, the L1 norm of each stored value in the model's basis, set once when
+            the token enters (from its stored form), or ``None`` (policies that do not weigh values, e.g. VATP's).
         quantizers: the key and value formats tokens are stored in.
         refine: the low planes of the top-ranked tokens (:class:`~.refinement.RefinedPlanes`, mixed precision by
             importance), or ``None``; set by the layer once its rows are known.
@@ -40,11 +43,15 @@ class SlotStore:
         dtype: dtype of the tokens the quantizers receive (the store of a 16-bit cache keeps it).
         device: where the buffers live.
         with_scores: keep a score per slot.
+        with_norms: keep each stored value's L1 norm (:attr:`norms`), for policies whose priority weighs values.
+        value_basis: the orthonormal, symmetric basis ``[head_dim, head_dim]`` values are held in (``None``: the
+            model's); the norms are taken in the model's basis.
     """
 
     def __init__(
         self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
-        dtype: torch.dtype, device: torch.device, with_scores: bool,
+        dtype: torch.dtype, device: torch.device, with_scores: bool, with_norms: bool = False,
+        value_basis: torch.Tensor | None = None,
     ):
         batch, heads, slots, head_dim = shape
         probe = torch.zeros(1, 1, 1, head_dim, dtype=dtype)  # on the CPU: learns each format's parts
@@ -52,6 +59,8 @@ class SlotStore:
         self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(probe), batch, heads, slots, device)
         self.positions = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
         self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
+        self.norms = torch.zeros(batch, heads, slots, device=device) if with_norms else None
+        self.value_basis = value_basis
         self.quantizers = (key_quantizer, value_quantizer)
         self.refine = None
 
@@ -77,8 +86,32 @@ class SlotStore:
     def value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
         """fp32 ``[batch, rows, slots]``: the L1 norm of each stored value, dequantized, in the model's basis (values
         held in the Hadamard ``basis`` are turned back first; empty slots hold garbage: mask them with
-        ``positions >= 0``)."""
+        ``positions >= 0``). A store with :attr:`norms` returns them (set when each token entered, so nothing is
+        dequantized here: the decode step's cost stays O(slots)); others compute them from every stored value."""
+        if self.norms is not None:
+            return self.norms
         return value_l1_norms(self.quantizers[1].dequantize(self.values, torch.float32), basis)
+
+    def norms_of(self, values: StoredTensor) -> torch.Tensor:
+        """fp32 ``[batch, rows, n]``: the L1 norms (model basis) of stored-format ``values`` ``[batch, rows, n, ...]``,
+        dequantized: what :attr:`norms` holds for them once they enter."""
+        return value_l1_norms(self.quantizers[1].dequantize(values, torch.float32), self.value_basis)
+
+    def refresh_newest_norms(self) -> None:
+        """Set :attr:`norms` of each KV head's newest stored token (the one a native decode step moved into the
+        store itself, past :meth:`insert`) from its stored value: O(heads), no host sync. Idempotent: a slot's norm is
+        always its stored value's. No-op without norms."""
+        if self.norms is None:
+            return
+        slot = self.as_rows(self.head_positions().argmax(-1, keepdim=True))  # [batch, rows, k]
+        newest = StoredTensor({k: gather_tokens(v, slot) for k, v in self.values.parts.items()})
+        self.norms.scatter_(2, slot, self.norms_of(newest))
+
+    def refresh_norms(self) -> None:
+        """Recompute :attr:`norms` from the stored values (after buffers were loaded from a file; the norms are
+        derived, so a file's own are never trusted). No-op without norms."""
+        if self.norms is not None:
+            self.norms.copy_(self.norms_of(self.values))
 
     def head_value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
         """fp32 ``[batch, kv_heads, slots]``: :meth:`value_norms` per KV head."""
@@ -102,12 +135,14 @@ class SlotStore:
             self.scores.copy_(scores)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every buffer, by name (``keys.<part>``, ``values.<part>``, ``positions``, ``scores``)."""
+        """Every buffer, by name (``keys.<part>``, ``values.<part>``, ``positions``, ``scores``, ``value_norms``)."""
         held = {f"keys.{k}": v for k, v in self.keys.parts.items()}
         held |= {f"values.{k}": v for k, v in self.values.parts.items()}
         held["positions"] = self.positions
         if self.scores is not None:
             held["scores"] = self.scores
+        if self.norms is not None:
+            held["value_norms"] = self.norms
         return held
 
     def first_free(self) -> torch.Tensor:
@@ -127,6 +162,8 @@ class SlotStore:
         self.positions.scatter_(2, slot, position)
         if self.scores is not None:
             self.scores.scatter_(2, slot, score)
+        if self.norms is not None:
+            self.norms.scatter_(2, slot, self.norms_of(values))
 
     def place(self, incoming: torch.Tensor, keys: StoredTensor, values: StoredTensor, positions: torch.Tensor,
               scores: torch.Tensor | None):
@@ -145,6 +182,8 @@ class SlotStore:
         self.positions[b, h, slot] = positions[b, i].to(torch.int32)
         if self.scores is not None and scores is not None:
             self.scores[b, h, slot] = scores[b, h, i]
+        if self.norms is not None:
+            self.norms[b, h, slot] = self.norms_of(values)[b, h, i]
         return b, h, slot, i
 
     def evict_lowest(self, priority: torch.Tensor, over: torch.Tensor) -> None:
@@ -271,6 +310,8 @@ class SlotStore:
         self.positions = fn(self.positions)
         if self.scores is not None:
             self.scores = fn(self.scores)
+        if self.norms is not None:
+            self.norms = fn(self.norms)
         if self.refine is not None:
             self.refine.map_batch(fn)
 
@@ -288,3 +329,5 @@ class SlotStore:
         self.positions = grow(self.positions, -1)
         if self.scores is not None:
             self.scores = grow(self.scores, 0)
+        if self.norms is not None:
+            self.norms = grow(self.norms, 0)

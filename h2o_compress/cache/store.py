@@ -17,7 +17,8 @@ def make_store(setting: LayerSetting, geometry, first_tokens: int) -> SlotStore:
     slots = setting.slots_per_head(first_tokens) * (heads if setting.head_adaptive else 1)
     kind = SlotPool if setting.head_adaptive else SlotStore
     store = kind(setting.key_quantizer, setting.value_quantizer, (geometry.batch, heads, slots, geometry.head_dim),
-                 geometry.residual_dtype, geometry.device, setting.with_scores)
+                 geometry.residual_dtype, geometry.device, setting.with_scores,
+                 with_norms=setting.with_scores and setting.policy.weighs_values, value_basis=geometry.value_basis)
     if setting.high_bits_fraction > 0:
         rows = refined_rows(setting.high_bits_fraction, setting.refined_per_head, store)
         store.refine = RefinedPlanes(rows, geometry.batch, store.positions.shape[1], geometry.head_dim,

@@ -78,11 +78,20 @@ def _check_saveable(cache) -> int:
     return seen.pop()
 
 
+#: Buffers derived from others (VATP's value norms, from the stored values): not saved, recomputed on load.
+DERIVED = frozenset({"store.value_norms"})
+
+
+def _saved_tensors(layer) -> dict[str, torch.Tensor]:
+    """The buffers of ``layer`` a cache file holds: every one but the :data:`DERIVED`."""
+    return {name: t for name, t in layer.tensors().items() if name not in DERIVED}
+
+
 def _cache_contents(cache, tokens: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
-        tensors |= {f"layers.{i}.{name}": t.contiguous() for name, t in layer.tensors().items()}
+        tensors |= {f"layers.{i}.{name}": t.contiguous() for name, t in _saved_tensors(layer).items()}
         layers.append(
             {
                 "seen_tokens": int(layer.seen), "batch": layer.batch, "kv_heads": layer.kv_heads,
@@ -361,7 +370,7 @@ def _check_sizes(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], s
     shape = (state["batch"], state["kv_heads"], 0, state["head_dim"])
     empty = torch.empty(shape, dtype=_dtype(state["dtype"]), device="meta")
     probe.lazy_initialization(empty, empty)
-    expected = probe.tensors()
+    expected = _saved_tensors(probe)
     prefix = f"layers.{i}."
     saved = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
     if set(saved) != set(expected):
@@ -392,7 +401,7 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
         if positions is not None and positions.dim() == 3 and positions.shape[2] > layer.store.slots:
             layer.store.resize(positions.shape[2])
         layer.counters.grown_to = state["seen_tokens"]
-    expected = layer.tensors()
+    expected = _saved_tensors(layer)
     if set(saved) != set(expected):
         raise CacheFileError(f"layer {i}: the file holds tensors {sorted(saved)}, the config implies {sorted(expected)}")
     for name, tensor in saved.items():
@@ -403,6 +412,7 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
             )
     _check_layer_values(saved, i, state["seen_tokens"], layer)
     layer.load_tensors({name: t.to(device) for name, t in saved.items()})
+    layer.store.refresh_norms()
 
 
 def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer) -> None:

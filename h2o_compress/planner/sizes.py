@@ -46,7 +46,8 @@ class CacheBytes:
         packed: bytes of quantized (or 16-bit stored) keys and values, every slot.
         scales: bytes of scales, zero points and absmax values, every slot.
         window: bytes of the ring window's keys and values.
-        scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies).
+        scores: bytes of the fp32 H2O score accumulators (store and ring; bounded caches of scoring policies) and of
+            the fp32 value norms of a policy that weighs values (``vatp``: one per slot).
         positions: bytes of the int32 positions (store and ring), of the 8-bit tokens' slot indices
             (``high_bits_fraction``; their low planes count as ``packed``) and of the int8 head tags of a head-adaptive
             layer's slot pool (``head_budgets="adaptive"``).
@@ -71,7 +72,7 @@ class CacheBytes:
 
 
 _CATEGORIES = (
-    ("scores", ("scores",)), ("positions", ("positions", "refine.slots", "owner")), ("window", ("ring.keys", "ring.values")),
+    ("scores", ("scores", "value_norms")), ("positions", ("positions", "refine.slots", "owner")), ("window", ("ring.keys", "ring.values")),
     ("packed", (".data", ".x")), ("scales", (".scale_zero", ".absmax")), ("counters", ("seen", "first_real", "finite", "consistent")),
 )
 
