@@ -10,7 +10,8 @@ ratio 0.5 and 0.9, kvzip and lookahead at 0.9, h2o 0.9 with pyramid layer budget
 uniform,adaptive`` runs each with both head budgets (Ada-KV), ``--no-reference`` skips the uncompressed run,
 ``--high-bits-fraction F`` keeps that share at 8 bits, ``--protocol question-in-prompt`` asks with the question
 inside the prompt instead (the plain generate path; ``benchmarks/results/passkey_cpu.md``), ``--text-file`` takes
-the haystack from other prose. The JSON keeps every trial, and ``OUT.partial.json`` is rewritten after each setting.
+the haystack from other prose, ``--keys N`` plants N numbered passkeys in each haystack and asks for each in its own
+question from the same compressed context (accuracy per key in the table). The JSON keeps every trial, and ``OUT.partial.json`` is rewritten after each setting.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--protocol", default="compress-then-ask", help="compress-then-ask or question-in-prompt.")
     parser.add_argument("--high-bits-fraction", type=float, default=0.0, help="Share of stored tokens at 8 bits.")
     parser.add_argument("--text-file", default=None, help="Prose for the haystack (default: the shipped corpus).")
+    parser.add_argument("--keys", type=int, default=1, help="Passkeys per haystack, each asked for on its own.")
     parser.add_argument("--out", default="benchmarks/results/ask_defaults.json")
     args = parser.parse_args()
     unknown = [name for name in args.settings.split(",") if name not in SETTINGS]
@@ -92,24 +94,29 @@ def main() -> None:
                                        high_bits_fraction=args.high_bits_fraction, **fields)
             result = needle_eval(model, tokenizer, config, lengths, depths, args.trials, args.seed,
                                  reference=index == 0 and not args.no_reference, protocol=args.protocol,
-                                 corpus=corpus)
+                                 corpus=corpus, keys=args.keys)
+            per_key = result.per_key if args.keys > 1 else {}
             rows.append({"setting": name, "config": config.to_dict(), "right": result.overall("compressed"),
+                         "per_key": per_key.get("compressed"),
                          "kv_bytes": sum(t.kv_bytes for t in result.trials if t.setting == "compressed")
                          / max(1, sum(t.setting == "compressed" for t in result.trials)),
                          "trials": [t for t in result.to_dict()["trials"] if t["setting"] == "compressed"]})
             if index == 0 and not args.no_reference:
                 rows.insert(0, {"setting": "uncompressed", "config": None, "right": result.overall("reference"),
-                                "kv_bytes": None})
+                                "per_key": per_key.get("reference"), "kv_bytes": None})
             progress.advance(task)
             Path(args.out).with_suffix(".partial.json").write_text(json.dumps(rows, indent=2))  # survives a kill
     title = (f"{args.protocol} passkey accuracy, {args.model}, budget {args.budget:g} of the context, "
              f"{args.kv_bits}-bit, lengths {args.lengths}, {len(depths)} depths x {args.trials} trials")
     table = Table(title=title)
-    lines = [f"# {title}", "", "| setting | right | KV MiB answering |", "|---|---:|---:|"]
-    for column in ("setting", "right", "KV MiB answering"):
+    key_columns = [f"key {k}" for k in range(1, args.keys + 1)] if args.keys > 1 else []
+    columns = ("setting", "right", *key_columns, "KV MiB answering")
+    lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
+    for column in columns:
         table.add_column(column)
     for row in rows:
-        cells = [row["setting"], f"{row['right']:.2f}",
+        keyed = [f"{row['per_key'][k]:.2f}" for k in range(1, args.keys + 1)] if key_columns else []
+        cells = [row["setting"], f"{row['right']:.2f}", *keyed,
                  "-" if row["kv_bytes"] is None else f"{row['kv_bytes'] / 2**20:.2f}"]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")

@@ -19,6 +19,9 @@ Eviction directions (16-bit, so only the ranking differs), each ranking the toke
   you need for token importance indicator in KV cache reduction: value also matters", arXiv 2406.12335 §3).
 - ``keydiff``: query-agnostic; keeps the keys least similar (cosine) to the mean of the held normalised keys
   (Park et al. 2025, arXiv 2504.15364 §3).
+- ``oracle`` (a bound, not a policy): ranks by the attention each token will receive from the queries still to come
+  in the uncompressed model (known only afterwards). What no ranking of single tokens at this budget is likely to
+  beat; where it misses a target, no eviction policy is expected to meet it.
 - ``merge``: ``h2o``, and the evicted token's value is merged into the held token whose key is most similar
   (cosine) when that similarity is at least ``tau``, weighted by the two tokens' accumulated attention
   (D2O, Wan et al. 2024, arXiv 2406.13035 §3.2, token-level merging; CaM, Zhang et al. ICML 2024, merges values
@@ -81,7 +84,7 @@ class Direction:
     """One setting of the simulation: how tokens are ranked, merged and quantized."""
 
     name: str
-    rank: str = "h2o"  # h2o | vatp | keydiff | full
+    rank: str = "h2o"  # h2o | vatp | keydiff | oracle | full
     merge_tau: float | None = None
     quant: str = "none"  # none | token | kivi | slots | shift | smooth
     options: dict = field(default_factory=dict)
@@ -169,6 +172,9 @@ class Simulation:
     def priority(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
         """``[kv_heads, n]`` fp32, higher = kept longer."""
         scores = self.scores[layer, :, :n]
+        if self.d.rank == "oracle":  # the attention each token will get from the queries still to come
+            future = self.future[layer]
+            return future[:, n, :n].clone() if n < future.shape[1] else torch.zeros_like(scores)
         if self.d.rank == "vatp":
             return scores * values.float().abs().sum(-1)
         if self.d.rank == "vatp-l2":  # the L2 norm: the same in any orthonormal basis (a Hadamard-rotated store)
@@ -240,6 +246,8 @@ def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, rece
     heads = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     sim = Simulation(direction, cfg.num_hidden_layers, heads, ids.shape[1], capacity, recent, head_dim)
+    if direction.rank == "oracle":
+        sim.future = future_attention(model, ids)
     AttentionInterface.register("eviction_directions", sim.attend)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eviction_directions")
@@ -251,6 +259,26 @@ def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, rece
     finally:
         model.set_attn_implementation(previous)
     return math.exp(nll / (ids.shape[1] - 1))
+
+
+@torch.inference_mode()
+def future_attention(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, fp32 ``[kv_heads, tokens + 1, tokens]``: ``[h, i, j]`` is the attention key ``j`` gets from the
+    queries ``i, i + 1, ...`` of the uncompressed model (probabilities summed over the query heads of KV head ``h``;
+    row ``tokens`` is 0). The ``oracle`` ranking reads it: a bound on what ranking tokens can give, not a policy."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        attentions = model(input_ids=ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    future = []
+    for a in attentions:  # [1, q_heads, tokens, tokens]
+        heads = model.config.num_key_value_heads
+        a = a[0].float().unflatten(0, (heads, -1)).sum(1)  # [kv_heads, tokens, tokens]
+        suffix = a.flip(1).cumsum(1).flip(1)
+        future.append(torch.cat((suffix, torch.zeros_like(suffix[:, :1])), 1))
+    return future
 
 
 #: The eviction directions without an option; ``merge`` is added once per threshold (:data:`TAUS`, or the chosen one).
@@ -299,6 +327,7 @@ def main() -> None:
             plan += [(budget, "library h2o", CompressionConfig(budget=budget)),
                      (budget, "library h2o int4", CompressionConfig(budget=budget, kv_bits=4))]
             plan += [(budget, d.name, d) for d in DIRECTIONS]
+            plan += [(budget, "oracle", Direction("oracle", rank="oracle"))]
             plan += [(budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t))
                      for t in (TAUS if tau is None else (tau,))]
             plan += [(budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")),

@@ -19,7 +19,8 @@ class VATPPolicy(H2OPolicy):
     attention sink's typical shape) is worth less than the probability alone says.
 
     The norm is the paper's L1 norm of the value in the model's basis (values held in the Hadamard basis are turned
-    back first), read from the stored (dequantized) values before each eviction: no extra state per token. Chosen on
+    back first), of the stored (dequantized) value, taken once when the token enters the store and kept per slot
+    (:attr:`~h2o_compress.cache.slots.SlotStore.norms`, one fp32 per slot, like the score). Chosen on
     the tuning text only: in the reference simulation (``benchmarks/eviction_directions.py``, SmolLM2, 512 tokens of
     the tuning text read token by token, budget 0.2, 16 bits) ranking by attention x L1 norm gave 1.017x the
     uncompressed perplexity, x L2 norm 1.021x, ``h2o`` 1.022x. Same budget split, recent window, sinks and tie
