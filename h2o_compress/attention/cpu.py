@@ -163,7 +163,7 @@ def _decode(
     ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
-    replace_scores: bool,
+    replace_scores: bool, value_norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One call of ``cpu_decode.c`` over a layer's buffers (see :func:`decode_layer` for what they are): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
@@ -193,7 +193,7 @@ def _decode(
         _pointer(ring_keys), _pointer(ring_values), _pointer(ring_positions), _pointer(ring_scores),
         _pointer(seen), _pointer(first_real), _pointer(finite),
         capacity, recent, sinks, _pointer(rank), int(evict), _pointer(reference_seen), _pointer(consistent),
-        int(replace_scores), _pointer(owner),
+        int(replace_scores), _pointer(owner), _pointer(value_norms),
     )
     if status:
         raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")
@@ -205,7 +205,7 @@ cpu_decode_layer = torch.library.custom_op(
     "h2o_compress::cpu_decode_layer",
     mutates_args=(
         "k_data", "k_scale_zero", "v_data", "v_scale_zero", "store_positions", "owner", "store_scores", "ring_keys",
-        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent",
+        "ring_values", "ring_positions", "ring_scores", "seen", "first_real", "finite", "consistent", "value_norms",
     ),
     device_types="cpu",
 )(_decode)
@@ -253,7 +253,9 @@ def decode_layer(
     head_dim]`` as the model made them (not rotated); returns the attention output ``[batch, 1, q_heads,
     head_dim]`` in the query's dtype. Updates the store, ring, scores, ``seen``, ``first_real``, ``finite`` and
     ``consistent`` (against ``reference_seen``, layer 0's count) in place, and evicts when the policy ranks by
-    nothing or by the accumulated scores themselves (:attr:`~h2o_compress.policies.EvictionPolicy.ranks_by`);
+    nothing or by the accumulated scores themselves (:attr:`~h2o_compress.policies.EvictionPolicy.ranks_by`),
+    times each stored value's norm for a policy that weighs values (VATP; the store's ``norms``, which the kernel
+    writes for the token it moves in);
     a policy with its own ranking, and a head-adaptive layer's slot pool (int8 ``owner`` tags: each head's
     token takes the lowest free pool slot, attention reads the slots its head owns), are evicted by the caller
     (:func:`evicts`)."""
@@ -272,7 +274,7 @@ def decode_layer(
         None if ring is None else ring.keys, None if ring is None else ring.values,
         None if ring is None else ring.positions, None if ring is None else ring.scores,
         layer.seen, layer.first_real, layer.finite,
-        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates,
+        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates, store.norms,
     )
     # compiled: the custom op; eager: the same function without the op's dispatch (microseconds per layer and step)
     out = cpu_decode_layer(*args) if torch.compiler.is_compiling() else _decode(*args)

@@ -9,7 +9,10 @@
  *   4. the probabilities, summed over the group's query heads, are added to the scores (H2O, arXiv 2306.14048
  *      section 4), or replace them (`replace_scores`: TOVA); the output is rotated back out of the value basis.
  *   5. where the sequence and head hold more than `capacity` tokens, the store slot of lowest priority is
- *      emptied (the shared rules of EvictionPolicy.priority over the policy's own rank, passed in as a tensor).
+ *      emptied (the shared rules of EvictionPolicy.priority over the policy's own rank, passed in as a tensor,
+ *      times `value_norms` where given: VATP, arXiv 2406.12335 section 3).
+ * With `value_norms` ([rows, S] fp32), step 2 also writes the L1 norm of the leaving token's stored value, dequantized
+ * and turned back out of the value basis (the model's basis), into its slot.
  * Then seen += 1, first_real = min(first_real, position), and the flags: finite &= every new key and value is
  * finite; consistent &= this layer now has seen what layer 0 has (`reference_seen`).
  *
@@ -169,8 +172,8 @@ static inline float dot(const float *restrict a, const float *restrict b, int D)
  * more than `capacity` tokens, empty the store slot of lowest priority; priority is +inf for empty slots, the
  * recent window (positions >= recent_start) and the sinks (the first `sinks` positions from first_real), else
  * the policy's rank (`rank`, or all equal when NULL); ties evict the newer token. */
-static void evict_lowest(int32_t *pos, const float *rank, const int32_t *rpos, int S, int R, int capacity,
-                         int64_t recent_start, int64_t first, int sinks) {
+static void evict_lowest(int32_t *pos, const float *rank, const float *weights, const int32_t *rpos, int S, int R,
+                         int capacity, int64_t recent_start, int64_t first, int sinks) {
     int held = 0;
     for (int n = 0; n < S; n++) held += pos[n] >= 0;
     for (int t = 0; t < R; t++) held += rpos[t] >= 0;
@@ -181,6 +184,7 @@ static void evict_lowest(int32_t *pos, const float *rank, const int32_t *rpos, i
     for (int n = 0; n < S; n++) {
         const int64_t p = pos[n];
         float priority = rank ? rank[n] : 0.0f;
+        if (weights) priority *= weights[n];
         if (p < 0 || p >= recent_start || (p >= first && p < first + sinks)) priority = INFINITY;
         if (victim < 0 || priority < lowest || (priority == lowest && p > victim_pos)) {
             lowest = priority;
@@ -200,7 +204,7 @@ int h2o_cpu_decode_layer(
     void *ring_k, void *ring_v, int32_t *ring_pos, float *ring_scores,
     int64_t *seen, int64_t *first_real, uint8_t *finite,
     int capacity, int recent, int sinks, const float *rank, int evict,
-    const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner)
+    const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner, float *value_norms)
 {
     static __thread float *scratch = 0;
     static __thread size_t scratch_size = 0;
@@ -275,6 +279,15 @@ int h2o_cpu_decode_layer(
             if (tags) tags[j] = (int8_t)h;
             float *scores = store_scores ? store_scores + srow * S : 0;
             if (scores) scores[j] = leaving_score;
+            float *norms = value_norms ? value_norms + srow * S : 0;
+            if (norms) { /* the stored value as attention reads it, in the model's basis (acc: free until step 3) */
+                dequantize(&vf, srow * S + j, D, kbuf);
+                for (int i = 0; i < D; i++) row[vorder[i]] = kbuf[i];
+                rotate(row, v_basis, D, acc);
+                float total = 0.0f;
+                for (int i = 0; i < D; i++) total += fabsf(acc[i]);
+                norms[j] = total;
+            }
             for (int i = 0; i < D; i++) { /* the leaving token at full precision, in read order */
                 leaving_kr[i] = leaving_k[korder[i]];
                 leaving_vr[i] = leaving_v[vorder[i]];
@@ -340,8 +353,8 @@ int h2o_cpu_decode_layer(
             }
             if (first_real[b] > position) first_real[b] = position;
             if (evict && !owner)
-                evict_lowest(pos, rank ? rank + bh * S : 0, rpos, S, R, capacity, position + 1 - recent, first_real[b],
-                             sinks);
+                evict_lowest(pos, rank ? rank + bh * S : 0, norms, rpos, S, R, capacity, position + 1 - recent,
+                             first_real[b], sinks);
         }
     }
     if (reference_seen && *reference_seen != position + 1) *consistent = 0;

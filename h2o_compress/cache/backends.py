@@ -65,7 +65,6 @@ class CpuDecode:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         output = cpu_kernel.decode_layer(layer, query, keys, values, scale, self.reference_seen)
         if not cpu_kernel.evicts(layer):  # a policy with its own ranking, or a head-adaptive pool
-            layer.store.refresh_newest_norms()  # the kernel moved the token leaving the ring in itself
             layer.evict()
         return output
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from h2o_compress.formats import KVQuantizer, StoredTensor
-from h2o_compress.formats.base import gather_tokens
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies.base import keep_top
 
@@ -96,16 +95,6 @@ class SlotStore:
         """fp32 ``[batch, rows, n]``: the L1 norms (model basis) of stored-format ``values`` ``[batch, rows, n, ...]``,
         dequantized: what :attr:`norms` holds for them once they enter."""
         return value_l1_norms(self.quantizers[1].dequantize(values, torch.float32), self.value_basis)
-
-    def refresh_newest_norms(self) -> None:
-        """Set :attr:`norms` of each KV head's newest stored token (the one a native decode step moved into the
-        store itself, past :meth:`insert`) from its stored value: O(heads), no host sync. Idempotent: a slot's norm is
-        always its stored value's. No-op without norms."""
-        if self.norms is None:
-            return
-        slot = self.as_rows(self.head_positions().argmax(-1, keepdim=True))  # [batch, rows, k]
-        newest = StoredTensor({k: gather_tokens(v, slot) for k, v in self.values.parts.items()})
-        self.norms.scatter_(2, slot, self.norms_of(newest))
 
     def refresh_norms(self) -> None:
         """Recompute :attr:`norms` from the stored values (after buffers were loaded from a file; the norms are

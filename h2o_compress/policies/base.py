@@ -54,8 +54,8 @@ class EvictionPolicy:
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
     #: kernels leave the eviction to :meth:`priority`). ``tests/policies/test_policies.py`` checks it against :meth:`rank`.
     ranks_by: ClassVar[str] = "nothing"
-    #: Its :meth:`priority` reads the norm of each token's value (``value_norms``), which the cache computes from the
-    #: stored values before each eviction (VATP).
+    #: Its :meth:`priority` is :meth:`rank` times the L1 norm of each token's stored value (``value_norms``), which
+    #: the store keeps per slot from when the token enters (VATP); kernels that evict multiply their rank by them.
     weighs_values: ClassVar[bool] = False
     #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
     #: attention replaces them (TOVA ranks by the current query's attention only).

@@ -29,7 +29,7 @@ class VATPPolicy(H2OPolicy):
 
     summary: ClassVar[str] = "heavy hitters ranked by accumulated attention x value norm (VATP)"
 
-    ranks_by: ClassVar[str] = "custom"
+    ranks_by: ClassVar[str] = "scores"  # H2O's rank; the priority multiplies it by the norms (weighs_values)
     weighs_values: ClassVar[bool] = True
 
     def priority(self, scores: torch.Tensor | None, positions: torch.Tensor, seen, first_real: torch.Tensor,

@@ -239,7 +239,7 @@ def test_vatp_weighs_attention_by_the_value_norm(bits, rotate):
     from h2o_compress.cache import build_layers
     from h2o_compress.policies import VATPPolicy
 
-    assert VATPPolicy.weighs_values and VATPPolicy.ranks_by == "custom" and POLICIES["vatp"] is VATPPolicy
+    assert VATPPolicy.weighs_values and VATPPolicy.ranks_by == "scores" and POLICIES["vatp"] is VATPPolicy
     keys = torch.eye(32)[:6].view(1, 1, 6, 32) * 4  # token i along axis i
     values = torch.ones(1, 1, 6, 32)
     values[..., 0, :] = 0.01  # token 0: attended most, contributes almost nothing
