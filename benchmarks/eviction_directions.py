@@ -22,6 +22,10 @@ Eviction directions (16-bit, so only the ranking differs), each ranking the toke
 - ``oracle`` (a bound, not a policy): ranks by the attention each token will receive from the queries still to come
   in the uncompressed model (known only afterwards). What no ranking of single tokens at this budget is likely to
   beat; where it misses a target, no eviction policy is expected to meet it.
+- ``window W``: the attention a token got from the last W queries (predicting the next queries by the latest; W = 1
+  is TOVA's rule, Oren et al. 2024, arXiv 2401.06104).
+- ``ema-query b``: the attention a forecast query, the running mean of the queries (decay ``b``), would give each
+  held token now: a stand-in for the oracle's future queries.
 - ``merge``: ``h2o``, and the evicted token's value is merged into the held token whose key is most similar
   (cosine) when that similarity is at least ``tau``, weighted by the two tokens' accumulated attention
   (D2O, Wan et al. 2024, arXiv 2406.13035 §3.2, token-level merging; CaM, Zhang et al. ICML 2024, merges values
@@ -172,6 +176,10 @@ class Simulation:
     def priority(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
         """``[kv_heads, n]`` fp32, higher = kept longer."""
         scores = self.scores[layer, :, :n]
+        if self.d.rank == "window":
+            return self.history[layer, :, :, :n].sum(0)
+        if self.d.rank == "ema-query":
+            return self.forecast.clone()
         if self.d.rank == "oracle":  # the attention each token will get from the queries still to come
             future = self.future[layer]
             return future[:, n, :n].clone() if n < future.shape[1] else torch.zeros_like(scores)
@@ -235,6 +243,21 @@ class Simulation:
         probs = logits.softmax(-1)
         output = torch.einsum("hgn,hnd->hgd", probs, values.float()).to(query.dtype)
         self.scores[layer, :, :n] += probs.sum(1)
+        if self.d.rank == "window":  # each query's probabilities, the last ``window`` of them
+            window = self.d.options["window"]
+            if not hasattr(self, "history"):
+                self.history = torch.zeros(len(self.scores), window, kv_heads, self.held.shape[2])
+            self.history[layer, n % window].zero_()
+            self.history[layer, n % window, :, :n] = probs.sum(1)
+        elif self.d.rank == "ema-query":  # a forecast of the next queries: their running mean
+            beta = self.d.options["beta"]
+            if not hasattr(self, "mean_query"):
+                self.mean_query = {}
+            previous = self.mean_query.get(layer)
+            mean = q if previous is None else beta * previous + (1 - beta) * q
+            self.mean_query[layer] = mean
+            forecast = (torch.einsum("hgd,hnd->hgn", mean, keys.float()) * scale)
+            self.forecast = forecast.masked_fill(~self.held[layer, :, None, :n], float("-inf")).softmax(-1).sum(1)
         self.evict(layer, keys, values, n)
         return output.reshape(1, 1, kv_heads * group, head_dim), None
 
@@ -285,6 +308,8 @@ def future_attention(model, ids: torch.Tensor) -> list[torch.Tensor]:
 DIRECTIONS = (Direction("h2o"), Direction("vatp", rank="vatp"), Direction("vatp-l2", rank="vatp-l2"),
               Direction("keydiff", rank="keydiff"))
 TAUS = (0.5, 0.7, 0.9)
+WINDOWS = (1, 8, 32)  # ``window W``: attention from the last W queries (W = 1: TOVA's rule)
+BETAS = (0.9, 0.99)  # ``ema-query b``: the attention a running mean of the queries (decay b) would give
 
 
 def main() -> None:
@@ -328,6 +353,10 @@ def main() -> None:
                      (budget, "library h2o int4", CompressionConfig(budget=budget, kv_bits=4))]
             plan += [(budget, d.name, d) for d in DIRECTIONS]
             plan += [(budget, "oracle", Direction("oracle", rank="oracle"))]
+            plan += [(budget, f"window {w}", Direction(f"window {w}", rank="window", options={"window": w}))
+                     for w in WINDOWS]
+            plan += [(budget, f"ema-query {b}", Direction(f"ema-query {b}", rank="ema-query", options={"beta": b}))
+                     for b in BETAS]
             plan += [(budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t))
                      for t in (TAUS if tau is None else (tau,))]
             plan += [(budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")),
