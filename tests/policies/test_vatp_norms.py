@@ -101,8 +101,18 @@ def test_native_step_evicts_as_the_torch_form(head_budgets):
     torch_cache = make_cache(model, vatp(head_budgets, 4, "torch"), max_length=PROMPT + STEPS + 1)
     native = make_cache(model, vatp(head_budgets, 4, "auto"), max_length=PROMPT + STEPS + 1)
     held = {"torch": [], "native": []}
-    decode(model, torch_cache, check=lambda c: held["torch"].append([l.positions().clone() for l in c.layers]))
-    decode(model, native, check=lambda c: held["native"].append([l.positions().clone() for l in c.layers]))
+
+    def record(name):
+        def check(cache):
+            if not held[name]:  # after the prefill: norms far apart, so they, not the scores, decide each eviction
+                for i, layer in enumerate(cache.layers):
+                    spread = torch.rand(layer.store.norms.shape, generator=torch.Generator().manual_seed(i))
+                    layer.store.norms.copy_(10.0 ** (4 * spread - 2))
+            held[name].append([layer.positions().clone() for layer in cache.layers])
+        return check
+
+    decode(model, torch_cache, check=record("torch"))
+    decode(model, native, check=record("native"))
     assert {layer.decode_kernel for layer in native.layers} == {"cpu"}
     assert len(held["native"]) == STEPS
     for mine, theirs in zip(held["native"], held["torch"]):
