@@ -155,9 +155,9 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
     layer.span.expire(positions, torch.tensor(seen, device=device), layer.first_real)
     if layer.evicts:
         norms = None
-        if layer.policy.weighs_values:  # VATP: stored values dequantized, the ring's and the chunk's as they are
-            basis = layer.geometry.value_basis
-            norms = torch.cat((layer.store.head_value_norms(basis), value_l1_norms(tail_values, basis)), dim=2)
+        if layer.policy.weighs_values:  # VATP: the store's norms, the ring's and the chunk's tokens as they are
+            tail_norms = value_l1_norms(tail_values, layer.geometry.value_basis)
+            norms = torch.cat((layer.store.head_value_norms(), tail_norms), dim=2)
         priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity, norms)
         keep = layer.store.keep(priority, positions, layer.capacity)
     else:

@@ -184,7 +184,7 @@ class CompressedLayer(CacheLayerMixin):
                 self.span.expire(positions, self.seen, self.first_real)
         if not self.evicts:
             return
-        norms = self.store.value_norms(self.geometry.value_basis) if self.policy.weighs_values else None
+        norms = self.store.value_norms() if self.policy.weighs_values else None
         priority = self.policy.priority(self.store.scores, self.store.positions, self.seen, self.first_real,
                                         self.capacity, norms)
         ring_held = 0 if self.ring is None else (self.ring.positions >= 0).sum(-1, keepdim=True)

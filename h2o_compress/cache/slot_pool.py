@@ -64,10 +64,10 @@ class SlotPool(SlotStore):
         """The pool's slots over its heads (a uniform layer's slots per head: the same bytes)."""
         return self.slots // self.heads
 
-    def head_value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
+    def head_value_norms(self) -> torch.Tensor:
         """fp32 ``[batch, kv_heads, pool_slots]``: each slot's value norm under every head (the head positions mask
         the slots a head does not own)."""
-        return self.value_norms(basis).expand(-1, self.heads, -1)
+        return self.value_norms().expand(-1, self.heads, -1)
 
     def head_scores(self) -> torch.Tensor:
         """fp32 ``[batch, kv_heads, pool_slots]``: each slot's score under its owner head, 0 under the others."""

@@ -31,7 +31,7 @@ class SlotStore:
         positions: int32 ``[batch, kv_heads, slots]``, the absolute position of each held token, ``-1`` = empty.
         scores: fp32 ``[batch, kv_heads, slots]`` accumulated attention, or ``None`` (policies without scores).
         norms: fp32 ``[batch, kv_heads, slots]``, the L1 norm of each stored value in the model's basis, set once when
-            the token enters (from its stored form), or ``None`` (policies that do not weigh values, e.g. VATP's).
+            the token enters (from its stored form), or ``None`` (policies that do not weigh values: all but VATP).
         quantizers: the key and value formats tokens are stored in.
         refine: the low planes of the top-ranked tokens (:class:`~.refinement.RefinedPlanes`, mixed precision by
             importance), or ``None``; set by the layer once its rows are known.
@@ -82,14 +82,11 @@ class SlotStore:
         """fp32 ``[batch, kv_heads, slots]``: the scores per KV head (0 where the head holds nothing)."""
         return self.scores
 
-    def value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
-        """fp32 ``[batch, rows, slots]``: the L1 norm of each stored value, dequantized, in the model's basis (values
-        held in the Hadamard ``basis`` are turned back first; empty slots hold garbage: mask them with
-        ``positions >= 0``). A store with :attr:`norms` returns them (set when each token entered, so nothing is
-        dequantized here: the decode step's cost stays O(slots)); others compute them from every stored value."""
-        if self.norms is not None:
-            return self.norms
-        return value_l1_norms(self.quantizers[1].dequantize(self.values, torch.float32), basis)
+    def value_norms(self) -> torch.Tensor:
+        """fp32 ``[batch, rows, slots]``: :attr:`norms`, the L1 norm of each stored value, dequantized, in the model's
+        basis, set when each token entered (empty slots hold garbage: mask them with ``positions >= 0``). Only a
+        store made ``with_norms`` (a policy that weighs values, VATP) has them."""
+        return self.norms
 
     def norms_of(self, values: StoredTensor) -> torch.Tensor:
         """fp32 ``[batch, rows, n]``: the L1 norms (model basis) of stored-format ``values`` ``[batch, rows, n, ...]``,
@@ -102,9 +99,9 @@ class SlotStore:
         if self.norms is not None:
             self.norms.copy_(self.norms_of(self.values))
 
-    def head_value_norms(self, basis: torch.Tensor | None) -> torch.Tensor:
+    def head_value_norms(self) -> torch.Tensor:
         """fp32 ``[batch, kv_heads, slots]``: :meth:`value_norms` per KV head."""
-        return self.value_norms(basis)
+        return self.value_norms()
 
     def score_share(self, sums: torch.Tensor) -> torch.Tensor:
         """What per-head probability sums ``[batch, kv_heads, slots]`` add to :attr:`scores`: themselves."""

@@ -80,8 +80,8 @@ def test_same_logits_as_recomputing_the_norms_at_each_eviction(head_budgets, bit
     config = vatp(head_budgets, bits, kernel)
     stored = decode(model, make_cache(model, config, max_length=PROMPT + STEPS + 1))
     with monkeypatch.context() as patch:
-        patch.setattr(SlotStore, "value_norms", lambda self, basis: value_l1_norms(
-            self.quantizers[1].dequantize(self.values, torch.float32), basis))
+        patch.setattr(SlotStore, "value_norms", lambda self: value_l1_norms(
+            self.quantizers[1].dequantize(self.values, torch.float32), self.value_basis))
         recomputed = decode(model, make_cache(model, config, max_length=PROMPT + STEPS + 1))
     assert torch.equal(stored, recomputed)
     h2o = decode(model, make_cache(model, CompressionConfig(**{**config.to_dict(), "policy": "h2o"}),
