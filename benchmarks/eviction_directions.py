@@ -67,12 +67,18 @@ RESIDUAL = 4  # newest tokens kept in full precision (the library's window holds
 CALIBRATION = 32  # tokens whose keys set the per-channel offset (and scale) of ``shift``/``smooth``
 
 
+def quantize_in_range(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int = 4,
+                      floor: float = 1e-8) -> torch.Tensor:
+    """``x`` rounded to the ``bits``-bit grid from ``low`` to ``high`` (broadcast against it), fp16 scale (at least
+    ``floor`` before the fp16 cast) and zero, dequantized in x's dtype."""
+    scale = ((high - low) / (2**bits - 1)).clamp(min=floor).half().float()
+    zero = low.half().float()
+    return ((x.float() - zero) / scale).round().clamp(0, 2**bits - 1).mul(scale).add(zero).to(x.dtype)
+
+
 def fake_quantize(x: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
     """Asymmetric round-to-nearest over ``dim`` (a group), fp16 scale and zero, dequantized in x's dtype."""
-    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8).half().float()
-    zero = low.half().float()
-    return ((x - zero) / scale).round().clamp(0, 2**bits - 1).mul(scale).add(zero).to(x.dtype)
+    return quantize_in_range(x, x.amin(dim, keepdim=True), x.amax(dim, keepdim=True), bits)
 
 
 def per_token(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
@@ -113,6 +119,13 @@ class Simulation:
         self.token_in = torch.full((layers, kv_heads, blocks * GROUP), -1, dtype=torch.long)
         self.low = torch.full((layers, kv_heads, blocks, head_dim), float("inf"))
         self.high = torch.full((layers, kv_heads, blocks, head_dim), float("-inf"))
+        # ``window``: each layer's last W queries' probabilities (a ring); ``ema-query``: each layer's running mean
+        # query and the attention it gives the held tokens now; ``oracle``: set by :func:`simulate`
+        window = direction.options.get("window", 0)
+        self.history = torch.zeros(layers, window, kv_heads, tokens) if direction.rank == "window" else None
+        self.mean_query: dict[int, torch.Tensor] = {}
+        self.forecast: torch.Tensor | None = None
+        self.future: list[torch.Tensor] = []
 
     def quantize(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """In place: the tokens that have left the residual window are replaced by their dequantized form."""
@@ -168,10 +181,8 @@ class Simulation:
         else:
             members = torch.tensor([token])
         self.low[layer, head, block], self.high[layer, head, block] = new_low, new_high
-        scale = ((new_high - new_low) / 15).clamp(min=1e-6).half().float()
-        zero = new_low.half().float()
-        x = keys[members].float()
-        keys[members] = ((x - zero) / scale).round().clamp(0, 15).mul(scale).add(zero).to(keys.dtype)
+        # floor 1e-6: a block's first key has a zero range, and 1e-8 rounds to an fp16 0 (0 / 0)
+        keys[members] = quantize_in_range(keys[members], new_low, new_high, floor=1e-6)
 
     def priority(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
         """``[kv_heads, n]`` fp32, higher = kept longer."""
@@ -244,15 +255,11 @@ class Simulation:
         output = torch.einsum("hgn,hnd->hgd", probs, values.float()).to(query.dtype)
         self.scores[layer, :, :n] += probs.sum(1)
         if self.d.rank == "window":  # each query's probabilities, the last ``window`` of them
-            window = self.d.options["window"]
-            if not hasattr(self, "history"):
-                self.history = torch.zeros(len(self.scores), window, kv_heads, self.held.shape[2])
-            self.history[layer, n % window].zero_()
-            self.history[layer, n % window, :, :n] = probs.sum(1)
+            ring = n % self.history.shape[1]
+            self.history[layer, ring].zero_()
+            self.history[layer, ring, :, :n] = probs.sum(1)
         elif self.d.rank == "ema-query":  # a forecast of the next queries: their running mean
             beta = self.d.options["beta"]
-            if not hasattr(self, "mean_query"):
-                self.mean_query = {}
             previous = self.mean_query.get(layer)
             mean = q if previous is None else beta * previous + (1 - beta) * q
             self.mean_query[layer] = mean
@@ -295,9 +302,8 @@ def future_attention(model, ids: torch.Tensor) -> list[torch.Tensor]:
         attentions = model(input_ids=ids, output_attentions=True).attentions
     finally:
         model.set_attn_implementation(previous)
-    future = []
+    future, heads = [], model.config.num_key_value_heads
     for a in attentions:  # [1, q_heads, tokens, tokens]
-        heads = model.config.num_key_value_heads
         a = a[0].float().unflatten(0, (heads, -1)).sum(1)  # [kv_heads, tokens, tokens]
         suffix = a.flip(1).cumsum(1).flip(1)
         future.append(torch.cat((suffix, torch.zeros_like(suffix[:, :1])), 1))
