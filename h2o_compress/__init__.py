@@ -1,11 +1,14 @@
 """h2o-compress: H2O eviction + 4/8-bit quantization of the transformers KV cache.
 
-Quick start::
+Quick start:
 
-    from h2o_compress import CompressionConfig, load_model, generate
-    model, tokenizer = load_model()  # the embedded SmolLM2-135M
-    result = generate(model, tokenizer, "Explain what a KV cache is.", CompressionConfig(budget=0.2, kv_bits=4))
-    print(result.text, result.kv_bytes / result.kv_bytes_full_fp16)
+```python
+from h2o_compress import CompressionConfig, load_model, generate
+model, tokenizer = load_model()  # the embedded SmolLM2-135M
+result = generate(model, tokenizer, "Explain what a KV cache is.", CompressionConfig(budget=0.2, kv_bits=4))
+print(result.text, result.kv_bytes / result.kv_bytes_full_fp16)
+```
+
 """
 
 from h2o_compress.runtime.ask import ASK_DEFAULTS, CompressedContext, ask, compress

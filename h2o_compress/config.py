@@ -69,14 +69,15 @@ class CompressionConfig:
         policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``h2o-mean`` (heavy hitters
             ranked by mean instead of summed attention), ``vatp`` (heavy hitters ranked by accumulated attention x
             value norm), ``local`` (recent window only), ``sink`` (StreamingLLM attention sinks + recent window),
-            ``full`` (no eviction), or any other name of :data:`h2o_compress.policies.POLICIES`.
+            ``full`` (no eviction), or any other name of `h2o_compress.policies.POLICIES`.
         budget: fraction in (0, 1] of the sequence length the cache will see, or an integer >= 1 giving the
             capacity in tokens per layer and KV head. ``1.0`` never evicts.
         heavy_ratio: share of the capacity given to heavy hitters, in [0, 1] (paper: 0.5).
         sink_tokens: number of first tokens always kept (attention sinks). ``None`` means 4 for the ``sink``
             policy and 0 otherwise.
         kv_bits: bits of stored keys and values: 16 (no quantization), 8 or 4.
-        k_bits, v_bits: per-tensor overrides of ``kv_bits`` (keys are more sensitive: KIVI, llama.cpp #7412).
+        k_bits: bits of the keys, overriding ``kv_bits`` (keys are more sensitive: KIVI, llama.cpp #7412).
+        v_bits: bits of the values, overriding ``kv_bits``.
         quant: quantization format: ``int`` (group-wise asymmetric integers, ours), ``nf4``/``fp4``
             (bitsandbytes 4-bit; an 8-bit tensor then uses bitsandbytes' blockwise 8-bit) or
             ``int8-blockwise`` (bitsandbytes blockwise 8-bit).
@@ -87,8 +88,8 @@ class CompressionConfig:
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
         attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
-            one call of the native kernel of :mod:`h2o_compress.attention.cpu`, built once with the system C
-            compiler; on CUDA, the Triton op of :mod:`h2o_compress.attention.slot_attention`: attention and H2O
+            one call of the native kernel of `h2o_compress.attention.cpu`, built once with the system C
+            compiler; on CUDA, the Triton op of `h2o_compress.attention.slot_attention`: attention and H2O
             scoring over the slots in two launches, traced by ``torch.compile``; elsewhere, or without a compiler
             or Triton, the torch form), ``torch`` (the torch form: torch code over the slots, which
             ``torch.compile`` fuses) or ``triton`` (the Triton op always: an error where it cannot run; on the CPU
@@ -101,15 +102,15 @@ class CompressionConfig:
             ``global`` (KVzip's allocation, Kim et al. 2025, arXiv 2505.23416 §3.3: with ``kvzip`` or ``lookahead``,
             whose scoring pass runs before the cache is built, the ``num_layers x kv_heads x C`` best-scored
             (layer, head, token) entries over the whole model are counted per layer, and each layer gets its
-            share of the same total: :func:`~h2o_compress.runtime.context_scores.global_layer_capacities`; where a prompt
+            share of the same total: `global_layer_capacities`; where a prompt
             is read without that pass, the layers stay uniform), or per-layer weights: a sequence of
             ``num_layers`` positive numbers, or the path of a JSON file holding one (a list, or ``{"weights":
             [...]}``; read once, here, and kept as the tuple), each layer getting its weight's share of the total
             (at least the capacity that leaves a recent window). Each layer allocates only its own capacity, so the
-            bytes follow (:meth:`layer_capacities`; ``global`` holds uniform's total).
+            bytes follow ([`layer_capacities`][h2o_compress.config.CompressionConfig.layer_capacities]; ``global`` holds uniform's total).
         high_bits_fraction: share in [0, 1] of each layer's stored tokens kept at 8 bits, the rest at 4 (mixed
             precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
-            slots)`` by the policy's rank keep the low plane of their 8-bit code (:mod:`h2o_compress.cache.mixed`).
+            slots)`` by the policy's rank keep the low plane of their 8-bit code (`h2o_compress.cache.mixed`).
             0 (default): off. Needs 4-bit ``int`` keys or values; the decode step is the torch form (not
             ``attention_kernel='triton'``). Composes with ``head_budgets='adaptive'`` (the rows shared over the
             pool) and any ``layer_budgets`` (``global``: each layer's share of the uniform layers' rows).
@@ -117,7 +118,7 @@ class CompressionConfig:
             ``adaptive`` (Ada-KV, Feng et al. 2024, arXiv 2407.11550 §3: ``kv_heads x C`` tokens per layer, each
             head keeping its own recent window and sinks, the heavy-hitter rest going to the highest-ranked tokens
             over all heads together). The layer's tokens live in one slot pool tagged by head
-            (:class:`~h2o_compress.cache.SlotPool`), so evicted tokens really free memory and the bytes
+            ([`SlotPool`][h2o_compress.cache.SlotPool]), so evicted tokens really free memory and the bytes
             are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
             ``C``); needs a policy that ranks across heads (``shares_heads``); decode steps run the torch form
             (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).
@@ -126,10 +127,10 @@ class CompressionConfig:
             ``KVzipPress`` does (it scores only the reconstructed context); ``False`` (default): scored like the
             rest. See docs/guide/compress-then-ask.md for when it helps.
         lookahead_request: with ``policy="lookahead"``, what the model is asked about a context before it is
-            compressed (:class:`~h2o_compress.policies.lookahead.LookaheadPolicy`); ``None`` (default): "List the
+            compressed ([`LookaheadPolicy`][h2o_compress.policies.LookaheadPolicy]); ``None`` (default): "List the
             important facts and numbers in the text above.". 1 to 1,000 characters.
         forgetting_factor: with ``policy="a2sf"``, the factor in (0, 1] by which each query scales the held
-            scores before adding its attention (:class:`~h2o_compress.policies.a2sf.A2SFPolicy`); ``None``
+            scores before adding its attention ([`A2SFPolicy`][h2o_compress.policies.A2SFPolicy]); ``None``
             (default): 0.8.
 
     Raises:
@@ -276,7 +277,7 @@ class CompressionConfig:
 
     @property
     def format(self):
-        """The quantization format family of ``quant`` (a :class:`~h2o_compress.formats.KVQuantizer` class)."""
+        """The quantization format family of ``quant`` (a [`KVQuantizer`][h2o_compress.formats.KVQuantizer] class)."""
         return FORMATS[self.quant]
 
     @property
@@ -321,7 +322,7 @@ class CompressionConfig:
         return int(self.budget)
 
     def eviction_policy(self):
-        """A fresh :class:`~h2o_compress.policies.EvictionPolicy` of this setting (``policy`` with its heavy ratio,
+        """A fresh [`EvictionPolicy`][h2o_compress.policies.EvictionPolicy] of this setting (``policy`` with its heavy ratio,
         sinks, ``lookahead_request`` and ``forgetting_factor``): what each cache layer ranks by."""
         return make_policy(self.policy, self.heavy_ratio, self.sink_tokens,
                            **{option: getattr(self, option) for option in POLICY_OPTIONS})
@@ -337,7 +338,7 @@ class CompressionConfig:
         return next(c for c in range(1, capacity + 1) if policy.recent_window(c) >= 1)
 
     def layer_capacities(self, capacity: int | None, num_layers: int) -> list[int | None]:
-        """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` (:meth:`capacity`), with the same
+        """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` ([`capacity`][h2o_compress.config.CompressionConfig.capacity]), with the same
         total ``num_layers x capacity`` (see ``layer_budgets``; ``global`` before any scores: uniform); ``None``
         (unbounded) stays ``None``."""
         weights = self.layer_budgets if isinstance(self.layer_budgets, tuple) else None
@@ -369,7 +370,7 @@ MAX_LAYER_WEIGHT = 1e100  # a layer weight's bound: the weights, their sum and c
 
 
 def _weight(w) -> bool:
-    """``w`` is a positive number at most :data:`MAX_LAYER_WEIGHT` (compared before any float conversion)."""
+    """``w`` is a positive number at most `MAX_LAYER_WEIGHT` (compared before any float conversion)."""
     if isinstance(w, bool) or not isinstance(w, (int, float)):
         return False
     if isinstance(w, int):
@@ -379,7 +380,7 @@ def _weight(w) -> bool:
 
 def layer_weights(value) -> tuple[float, ...]:
     """``layer_budgets`` given as per-layer weights: a sequence of positive finite numbers (each at most
-    :data:`MAX_LAYER_WEIGHT`), or the path of a JSON file holding one (a list, or an object with a ``weights``
+    `MAX_LAYER_WEIGHT`), or the path of a JSON file holding one (a list, or an object with a ``weights``
     list; read bounded: at most 16 MiB, numbers finite), as a tuple of floats.
 
     Raises:

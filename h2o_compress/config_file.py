@@ -1,8 +1,8 @@
 """Compression settings from a file: JSON (``.json``) or TOML (``.toml``), one object of
-:class:`~h2o_compress.config.CompressionConfig` fields, e.g. ``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``.
+[`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, e.g. ``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``.
 
 Every problem (missing file, syntax error, unknown key, value out of range or of the wrong type) is a
-:class:`~h2o_compress.utils.errors.ConfigError` naming the file, the key and what is allowed.
+[`ConfigError`][h2o_compress.ConfigError] naming the file, the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ SUFFIXES = (".json", ".toml")
 
 
 def config_fields() -> tuple[str, ...]:
-    """Names of the :class:`CompressionConfig` fields a file may set."""
+    """Names of the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields a file may set."""
     return tuple(f.name for f in fields(CompressionConfig))
 
 
 def read_config_values(path) -> dict:
-    """The ``{field: value}`` object in ``path``, keys checked against :func:`config_fields` (values unchecked).
+    """The ``{field: value}`` object in ``path``, keys checked against `config_fields` (values unchecked).
 
     Raises:
         ConfigError: missing file, unsupported suffix, syntax error, not an object, or an unknown key.
@@ -47,11 +47,11 @@ def read_config_values(path) -> dict:
 
 
 def load_config(path, overrides: dict | None = None, defaults: dict | None = None) -> CompressionConfig:
-    """A validated :class:`CompressionConfig` from ``path``, with ``overrides`` (e.g. CLI flags) on top and
+    """A validated [`CompressionConfig`][h2o_compress.config.CompressionConfig] from ``path``, with ``overrides`` (e.g. CLI flags) on top and
     ``defaults`` (e.g. a command's own defaults) beneath: fields none of the three sets keep the class's defaults.
 
     Raises:
-        ConfigError: see :func:`read_config_values`, or a value :class:`CompressionConfig` rejects (the message
+        ConfigError: see `read_config_values`, or a value [`CompressionConfig`][h2o_compress.config.CompressionConfig] rejects (the message
             then names the file).
     """
     values = {**(defaults or {}), **read_config_values(path), **(overrides or {})}

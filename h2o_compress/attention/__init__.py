@@ -1,15 +1,15 @@
 """Attention over the compressed KV cache: the ``h2o_compress`` attention function and its decode kernels.
 
-- :mod:`.interface`: the attention function transformers calls (``AttentionInterface``), the side channel from
+- `h2o_compress.attention.interface`: the attention function transformers calls (``AttentionInterface``), the side channel from
   a cache layer to it, the torch form of decode attention over the slots, and the chunked H2O scorer.
-- :mod:`.prefill`: a scored multi-token step in one pass (attention output and H2O column sums from one softmax);
-  on the CPU one native call (``cpu_prefill.c``, built with the decode kernel by :mod:`.cpu`).
-- :mod:`.cpu` (+ ``cpu_decode.c``): a layer's whole decode step in one native call on the CPU (a custom op under
+- `h2o_compress.attention.prefill`: a scored multi-token step in one pass (attention output and H2O column sums from one softmax);
+  on the CPU one native call (``cpu_prefill.c``, built with the decode kernel by `h2o_compress.attention.cpu`).
+- `h2o_compress.attention.cpu` (+ ``cpu_decode.c``): a layer's whole decode step in one native call on the CPU (a custom op under
   ``torch.compile``).
-- :mod:`.slot_attention`: the Triton op ``h2o_compress::slot_decode_attention``, decode attention over the slots
-  on CUDA with the H2O scores fused; :mod:`.launch`: its split plan and launch options (no Triton import).
-- :mod:`.prefix_attention` (Triton flash-decoding over stored tensors, a benchmark reference) and
-  :mod:`.reference` (its pure-torch specification).
+- `h2o_compress.attention.slot_attention`: the Triton op ``h2o_compress::slot_decode_attention``, decode attention over the slots
+  on CUDA with the H2O scores fused; `h2o_compress.attention.launch`: its split plan and launch options (no Triton import).
+- `h2o_compress.attention.prefix_attention` (Triton flash-decoding over stored tensors, a benchmark reference) and
+  `h2o_compress.attention.reference` (its pure-torch specification).
 
 Importing this package imports neither Triton nor the native kernel: the kernel modules load on first use.
 """

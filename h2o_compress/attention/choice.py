@@ -12,10 +12,10 @@ def decode_kernel(attention_kernel: str, device: torch.device, dtype: torch.dtyp
                   head_dim: int, formats, layer_idx: int = 0) -> str:
     """The decode kernel of a layer on ``device`` with model ``dtype``, window / 16-bit storage ``storage_dtype``,
     ``head_dim`` and key/value quantizers ``formats``, for the ``attention_kernel`` the user asked for (``auto``,
-    ``torch`` or ``triton``; :class:`~h2o_compress.CompressionConfig`):
+    ``torch`` or ``triton``; [`CompressionConfig`][h2o_compress.CompressionConfig]):
 
-    - ``"cpu"``: the whole step in one native call (:mod:`.cpu`), for ``auto`` on a CPU where the kernel builds;
-    - ``"triton"``: the op of :mod:`.slot_attention`, for ``auto`` on CUDA where Triton imports and reads the
+    - ``"cpu"``: the whole step in one native call (`h2o_compress.attention.cpu`), for ``auto`` on a CPU where the kernel builds;
+    - ``"triton"``: the op of `h2o_compress.attention.slot_attention`, for ``auto`` on CUDA where Triton imports and reads the
       formats, and always for ``triton`` (or an error);
     - ``"torch"``: torch code that ``torch.compile`` fuses, otherwise (and on ``meta``, sizing a cache).
 

@@ -5,15 +5,15 @@ compressed layer's step dispatches ~150 small ops, each a few microseconds. ``cp
 step of a layer (ring in, the leaving token quantized once into the first empty slot, attention over the
 dequantized slots and the ring with one softmax per query head, H2O score accumulation, the Hadamard bases
 folded in) in one call, reading the int4/int8 codes in registers. Eviction stays in torch: it ranks by the
-policy's :meth:`~h2o_compress.policies.EvictionPolicy.priority`, stated once, in Python.
+policy's [`priority`][h2o_compress.policies.EvictionPolicy.priority], stated once, in Python.
 
 The same library holds ``cpu_prefill.c``, the scored multi-token step (prefill, a chunk: output and H2O column
-sums from one softmax, :func:`h2o_compress.attention.prefill.attention_with_sums`).
+sums from one softmax, `h2o_compress.attention.prefill.attention_with_sums`).
 
 The C files are compiled once per machine with the system C compiler (``$CC``, default ``gcc``; about a second)
-into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: :func:`~h2o_compress.utils.paths.private_dir`)
-and loaded with :mod:`ctypes`, only while its bytes match the SHA-256 recorded when it was built
-(:func:`_verified`). Where no compiler works, or with ``H2O_COMPRESS_NATIVE=0``, :func:`library` returns ``None``
+into ``$H2O_COMPRESS_CACHE/kernels`` (a directory only this user can write: `private_dir`)
+and loaded with `ctypes`, only while its bytes match the SHA-256 recorded when it was built
+(`_verified`). Where no compiler works, or with ``H2O_COMPRESS_NATIVE=0``, `library` returns ``None``
 (with one warning when compiling failed) and the cache runs its torch form: the same results. Under
 ``torch.compile`` the call is the custom op
 ``h2o_compress::cpu_decode_layer`` (a fake implementation gives Dynamo its output shape), so the compiled and
@@ -61,7 +61,7 @@ def _digest_file(path: Path) -> str:
 
 def _verified(target: Path) -> bool:
     """Whether ``target`` may be loaded: a regular file of this user that only this user can write
-    (:func:`~h2o_compress.utils.paths.check_private_file`) whose bytes match the digest recorded when this user built it
+    (`check_private_file`) whose bytes match the digest recorded when this user built it
     (``<target>.sha256``, same checks). Anything else is rebuilt, never loaded."""
     record = target.with_name(target.name + ".sha256")
     try:
@@ -73,8 +73,8 @@ def _verified(target: Path) -> bool:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Compile :data:`SOURCES` into ``target`` (atomically: a concurrent build never leaves a half-written file) and
-    record its SHA-256 beside it (``<target>.sha256``), which :func:`_verified` checks before every load.
+    """Compile `SOURCES` into ``target`` (atomically: a concurrent build never leaves a half-written file) and
+    record its SHA-256 beside it (``<target>.sha256``), which `_verified` checks before every load.
 
     Raises:
         OSError, subprocess.CalledProcessError: the compiler is missing or failed.
@@ -165,12 +165,12 @@ def _decode(
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
     replace_scores: bool, value_norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One call of ``cpu_decode.c`` over a layer's buffers (see :func:`decode_layer` for what they are): fp32
+    """One call of ``cpu_decode.c`` over a layer's buffers (see `decode_layer` for what they are): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
-    :data:`cpu_decode_layer` (the same function, so both run the same kernel).
+    `cpu_decode_layer` (the same function, so both run the same kernel).
 
     Raises:
-        RuntimeError: the kernel refused a shape (``head_dim`` above :data:`MAX_HEAD_DIM`, query heads not a
+        RuntimeError: the kernel refused a shape (``head_dim`` above `MAX_HEAD_DIM`, query heads not a
             multiple of KV heads) or could not allocate its scratch.
         ValueError: store positions whose rows are not ``[batch, kv_heads]`` (or ``[batch, 1]`` with ``owner``).
     """
@@ -200,7 +200,7 @@ def _decode(
     return out
 
 
-#: The custom op ``h2o_compress::cpu_decode_layer`` around :func:`_decode`, what ``torch.compile`` traces.
+#: The custom op ``h2o_compress::cpu_decode_layer`` around `_decode`, what ``torch.compile`` traces.
 cpu_decode_layer = torch.library.custom_op(
     "h2o_compress::cpu_decode_layer",
     mutates_args=(
@@ -218,7 +218,7 @@ def _(q, *args, **kwargs):
 
 def evicts(layer) -> bool:
     """Whether the kernel evicts for ``layer`` (per-head slots and a policy ranking by nothing or by its scores);
-    else the caller does (:meth:`CompressedLayer.evict`): a policy with its own ranking, or a head-adaptive pool,
+    else the caller does ([`CompressedLayer.evict`][h2o_compress.cache.CompressedLayer.evict]): a policy with its own ranking, or a head-adaptive pool,
     whose eviction ranks over every head of the layer."""
     return layer.capacity is not None and layer.policy.ranks_by != "custom" and _owner(layer) is None
 
@@ -248,17 +248,17 @@ def _format_args(quantizer, stored) -> tuple:
 def decode_layer(
     layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, reference_seen=None
 ) -> torch.Tensor:
-    """One decode step of ``layer`` (a :class:`~h2o_compress.cache.layer.CompressedLayer` on the CPU) in one
+    """One decode step of ``layer`` (a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] on the CPU) in one
     native call: ``query`` ``[batch, q_heads, 1, head_dim]``, the new ``keys``/``values`` ``[batch, kv_heads, 1,
     head_dim]`` as the model made them (not rotated); returns the attention output ``[batch, 1, q_heads,
     head_dim]`` in the query's dtype. Updates the store, ring, scores, ``seen``, ``first_real``, ``finite`` and
     ``consistent`` (against ``reference_seen``, layer 0's count) in place, and evicts when the policy ranks by
-    nothing or by the accumulated scores themselves (:attr:`~h2o_compress.policies.EvictionPolicy.ranks_by`),
+    nothing or by the accumulated scores themselves (`ranks_by`),
     times each stored value's norm for a policy that weighs values (VATP; the store's ``norms``, which the kernel
     writes for the token it moves in);
     a policy with its own ranking, and a head-adaptive layer's slot pool (int8 ``owner`` tags: each head's
     token takes the lowest free pool slot, attention reads the slots its head owns), are evicted by the caller
-    (:func:`evicts`)."""
+    (`evicts`)."""
     store, ring = layer.store, layer.ring
     batch, q_heads, _, head_dim = query.shape
     k_bits, k_group, k_data, k_scale_zero = _format_args(layer.key_quantizer, store.keys)

@@ -4,7 +4,7 @@ the H2O scorer needs (DESIGN.md §1).
 Attention functions do not receive ``past_key_values``, so the cache layer announces itself in a
 thread-local side channel keyed by ``layer_idx`` when ``update`` runs; the attention function of the same
 layer, called next in the same thread, picks it up. Two caches or two threads never see each other's
-entries. Nothing is registered on import: :func:`use_h2o_attention` registers the name and switches one
+entries. Nothing is registered on import: [`use_h2o_attention`][h2o_compress.attention.use_h2o_attention] registers the name and switches one
 model to it.
 """
 
@@ -53,7 +53,7 @@ def attention_probability_sums(
 
     Computed in fp32 in chunks of ``chunk_size`` queries, so at most ``[batch, heads, chunk, keys]`` is
     materialised (never the full ``queries x keys`` matrix for a long prompt). Keys hidden from every query
-    (padding) receive nothing; the cache layer marks them for eviction (:meth:`CompressedLayer.after_attention`).
+    (padding) receive nothing; the cache layer marks them for eviction (`CompressedLayer.after_attention`).
 
     Args:
         query: ``[batch, q_heads, queries, head_dim]``.
@@ -64,7 +64,7 @@ def attention_probability_sums(
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
         decay: query ``i`` of ``n`` weighs ``decay ** (n - 1 - i)`` (1: the plain sum; A2SF's forgetting factor,
             arXiv 2407.20485 §3, applied over the chunk's queries in order).
-        variant: soft-cap / sink logits of the layer's softmax (:mod:`.variant`), or ``None``.
+        variant: soft-cap / sink logits of the layer's softmax (`h2o_compress.attention.variant`), or ``None``.
 
     Returns:
         fp32 ``[batch, kv_heads, keys]`` (H2O, arXiv 2306.14048 §4: the accumulated attention score).
@@ -118,11 +118,12 @@ def decode_attention(
 
     Args:
         query: ``[batch, q_heads, 1, head_dim]``.
-        keys, values: ``[batch, kv_heads, slots, head_dim]``; ``q_heads`` a multiple of ``kv_heads``.
+        keys: ``[batch, kv_heads, slots, head_dim]``; ``q_heads`` a multiple of ``kv_heads``.
+        values: ``[batch, kv_heads, slots, head_dim]``, as ``keys``.
         valid: bool ``[batch, kv_heads, slots]``; at least one True per sequence and head.
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
         with_sums: also return the probabilities summed over each KV head's query heads.
-        variant: soft-cap / sink logits of the layer's softmax (:mod:`.variant`), or ``None``.
+        variant: soft-cap / sink logits of the layer's softmax (`h2o_compress.attention.variant`), or ``None``.
 
     Returns:
         ``(output [batch, q_heads, 1, value_dim], sums fp32 [batch, kv_heads, slots] | None)`` (H2O, arXiv
@@ -158,7 +159,7 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def h2o_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention function registered as ``"h2o_compress"``: hands the step to the compressed cache layer that
-    returned ``key`` (its :meth:`~h2o_compress.cache.layer.CompressedLayer.attend`: attention, scores, eviction),
+    returned ``key`` (its [`attend`][h2o_compress.cache.CompressedLayer.attend]: attention, scores, eviction),
     or runs transformers' SDPA when no compressed cache is involved.
 
     Shapes: query ``[batch, q_heads, queries, head_dim]``, key/value ``[batch, kv_heads, keys, head_dim]``;
@@ -195,7 +196,7 @@ UNSUPPORTED_MODEL_TYPES = {
 def check_attention_backend(model) -> None:
     """Refuse a ``model`` whose attention does not go through transformers' ``AttentionInterface`` (nothing to
     switch to the ``h2o_compress`` function, so nothing to score), or whose attention does more around it than a
-    compressed cache can follow (:data:`UNSUPPORTED_MODEL_TYPES`).
+    compressed cache can follow (`UNSUPPORTED_MODEL_TYPES`).
 
     Raises:
         UnsupportedModelError: naming the model class (or type) and what is supported.

@@ -1,6 +1,6 @@
 """How the decode kernels launch, without importing Triton (the planner sizes their scratch offline): the split
-count of flash-decoding (:func:`split_count`), the launch options per storage width (:data:`LAUNCH`), the bytes of a
-layer's scratch (:func:`decode_scratch_bytes`), and static addresses for buffers a CUDA graph replays.
+count of flash-decoding (`split_count`), the launch options per storage width (`LAUNCH`), the bytes of a
+layer's scratch (`decode_scratch_bytes`), and static addresses for buffers a CUDA graph replays.
 """
 
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ class LaunchOptions:
     """How the split pass runs (Triton's launch options; fixed per layer like the split count): ``block`` tokens
     per loop iteration, ``num_warps`` warps per program, a ``num_stages``-deep software pipeline of the store's loads
     (sm_80+), at most ``max_registers`` registers per thread (0: the compiler's choice; a cap trades spills for
-    more programs per SM). ``benchmarks/kernel_bandwidth.py`` compares them. (Here, not in :mod:`.slot_attention`:
+    more programs per SM). ``benchmarks/kernel_bandwidth.py`` compares them. (Here, not in `h2o_compress.attention.slot_attention`:
     the planner sizes the scratch by the block without importing Triton.)
 
     Raises:
@@ -74,14 +74,14 @@ LAUNCH = {4: LaunchOptions(block=128, num_stages=5), 8: LaunchOptions(num_stages
 
 
 def launch_for(key_bits: int, value_bits: int) -> LaunchOptions:
-    """:data:`LAUNCH`'s options for a layer storing keys and values in ``key_bits`` / ``value_bits`` (4, 8, 16)."""
+    """`LAUNCH`'s options for a layer storing keys and values in ``key_bits`` / ``value_bits`` (4, 8, 16)."""
     return LAUNCH[min(key_bits, value_bits)]
 
 
 def decode_scratch_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, slots: int, ring: int,
                          with_scores: bool, sm_count: int = H100_SMS,
                          block_tokens: int = LaunchOptions.block) -> int:
-    """Bytes of one layer's scratch for the Triton decode op (:class:`.slot_attention.DecodeScratch`): fp32 split
+    """Bytes of one layer's scratch for the Triton decode op (`slot_attention.DecodeScratch`): fp32 split
     partials ``(2 + head_dim) x splits`` and, with scores, logits ``slots + ring`` per query row. No Triton import
     (the planner sizes it offline)."""
     splits = split_count(batch, kv_heads, max(slots, 1), block_tokens, sm_count)[0]

@@ -1,12 +1,12 @@
 """One pass for a scored multi-token step (prefill, a chunk): the attention output and the H2O column sums from the
 same softmax, instead of SDPA followed by a second q @ k^T + softmax for the scores
-(:func:`~h2o_compress.attention.attention_probability_sums`).
+([`attention_probability_sums`][h2o_compress.attention.attention_probability_sums]).
 
 On the CPU the pass is one native call (``cpu_prefill.c``, built with the decode kernel by
-:func:`h2o_compress.attention.cpu.library`): a tiled kernel that keeps each block's logits in cache, faster than
+`h2o_compress.attention.cpu.library`): a tiled kernel that keeps each block's logits in cache, faster than
 SDPA's unscored flash attention there (``benchmarks/results/prefill_7900_cpu.md``). Elsewhere (CUDA, no C compiler,
 ``H2O_COMPRESS_NATIVE=0``, under ``torch.compile``) the same arithmetic runs as blocked torch ops
-(:func:`blocked_attention_with_sums`).
+(`blocked_attention_with_sums`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
     scaling: float | None, block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention and H2O column sums from one softmax (see :func:`blocked_attention_with_sums` for the arguments,
-    shapes and semantics): the native CPU kernel (:func:`native_attention_with_sums`) where it runs, else the
+    """Attention and H2O column sums from one softmax (see `blocked_attention_with_sums` for the arguments,
+    shapes and semantics): the native CPU kernel (`native_attention_with_sums`) where it runs, else the
     blocked torch form. Both agree to fp32 rounding."""
     if query.device.type == "cpu" and not torch.compiler.is_compiling() and cpu.library() is not None:
         return native_attention_with_sums(query, keys, values, visible, scaling, block)
@@ -40,8 +40,8 @@ def native_attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
     scaling: float | None, block: int | None = None, threads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`blocked_attention_with_sums` as one call of ``cpu_prefill.c`` (CPU tensors; the kernel must be built:
-    :func:`h2o_compress.attention.cpu.library`). Work items are (sequence, KV head, ``block`` queries), shared by
+    """`blocked_attention_with_sums` as one call of ``cpu_prefill.c`` (CPU tensors; the kernel must be built:
+    `h2o_compress.attention.cpu.library`). Work items are (sequence, KV head, ``block`` queries), shared by
     ``threads`` threads (``None``: ``torch.get_num_threads()``); ``block`` ``None`` means about 48 rows (queries x
     the group's query heads) per item, whose logits (``48 x keys`` fp32) stay in the core's L2 cache.
 
@@ -102,7 +102,7 @@ def blocked_attention_with_sums(
             key), or ``None``: causal, bottom-right aligned (query ``i`` sees keys ``0 .. held + i``). A mask that
             shows a query a later chunk token is honoured (that block reads every key).
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
-        block: queries per block; ``None``: about :data:`BLOCK_ELEMENTS` fp32 logits per block.
+        block: queries per block; ``None``: about `BLOCK_ELEMENTS` fp32 logits per block.
 
     Returns:
         ``(output [batch, n, q_heads, value_dim]`` in ``values``' dtype (the layout transformers' attention

@@ -1,7 +1,7 @@
 """Fused decode attention over the compressed KV cache (Triton).
 
 One new query token per sequence attends to the *stored* tokens (int4/int8 codes with an fp16 (scale, zero)
-pair per group, as :class:`~h2o_compress.formats.integer.IntQuantizer` packs them, or raw 16-bit
+pair per group, as [`IntQuantizer`][h2o_compress.formats.IntQuantizer] packs them, or raw 16-bit
 ``{"x": ...}`` storage) followed by the full-precision residual *window*, without materialising a
 dequantized copy: each packed byte is read once and dequantized in registers.
 
@@ -162,7 +162,7 @@ def _sm_count(device: torch.device) -> int:
 def choose_splits(
     batch: int, kv_heads: int, tokens: int, block_tokens: int, sm_count: int = H100_SMS
 ) -> tuple[int, int]:
-    """``(num_splits, split_tokens)`` for ``tokens`` tokens (:func:`h2o_compress.attention.launch.split_count`)."""
+    """``(num_splits, split_tokens)`` for ``tokens`` tokens (`h2o_compress.attention.launch.split_count`)."""
     return split_count(batch, kv_heads, tokens, block_tokens, sm_count)
 
 
@@ -226,12 +226,14 @@ def fused_decode_attention(
         query: ``[batch, q_heads, 1, head_dim]`` fp16/bf16/fp32, already in the keys' basis; ``head_dim`` a
             power of two >= 16 and ``q_heads`` a multiple of ``kv_heads`` (query head ``i`` uses KV head
             ``i // (q_heads // kv_heads)``).
-        stored_keys, stored_values: ``IntQuantizer`` parts (``key_bits``/``value_bits`` 4 or 8: uint8 ``data``
+        stored_values: as ``stored_keys``, for the values.
+        stored_keys: ``IntQuantizer`` parts (``key_bits``/``value_bits`` 4 or 8: uint8 ``data``
             ``[batch, kv_heads, seq, head_dim * bits / 8]``, fp16 ``scale_zero``
             ``[batch, kv_heads, seq, head_dim / group_size, 2]``) or raw ``{"x": [batch, kv_heads, seq, head_dim]}``
             (bits 16); ``None`` for no stored tokens. Outer strides are free (slices of larger buffers are fine).
         group_size: quantization group along ``head_dim`` (a power of two dividing it).
-        window_keys, window_values: raw ``[batch, kv_heads, w, head_dim]`` tokens after the stored ones, or ``None``.
+        window_keys: raw ``[batch, kv_heads, w, head_dim]`` tokens after the stored ones, or ``None``.
+        window_values: the values of those tokens, as ``window_keys``.
         scaling: softmax scale applied to ``q . k``.
         need_probability_sums: also return the H2O per-key probability sums.
         block_tokens: tokens per loop iteration (power of two >= 16); splits are multiples of it.

@@ -1,4 +1,4 @@
-"""Pure-torch specification of :func:`h2o_compress.attention.prefix_attention.fused_decode_attention`.
+"""Pure-torch specification of `h2o_compress.attention.prefix_attention.fused_decode_attention`.
 
 Dequantizes the stored tokens with the real quantizer, appends the full-precision window and computes
 ``softmax(q k^T * scaling) v`` in fp32 with GQA, plus the per-key probability sums H2O accumulates (Zhang et
@@ -37,9 +37,11 @@ def reference_decode_attention(
 
     Args:
         query: ``[batch, q_heads, 1, head_dim]`` (in the keys' basis).
-        stored_keys, stored_values: stored tokens (``key_bits``/``value_bits`` 4 or 8: ``IntQuantizer`` parts;
+        stored_values: as ``stored_keys``, for the values.
+        stored_keys: stored tokens (``key_bits``/``value_bits`` 4 or 8: ``IntQuantizer`` parts;
             16: ``{"x": raw}``), or ``None``.
-        window_keys, window_values: raw ``[batch, kv_heads, w, head_dim]`` after the stored tokens, or ``None``.
+        window_keys: raw ``[batch, kv_heads, w, head_dim]`` after the stored tokens, or ``None``.
+        window_values: the values of those tokens, as ``window_keys``.
         block_tokens: ignored (kept for the kernel's signature).
 
     Returns:

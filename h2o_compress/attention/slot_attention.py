@@ -1,14 +1,14 @@
 """The decode attention of one compressed layer over its slot layout, as the PyTorch op
 ``h2o_compress::slot_decode_attention`` (Triton; traced by Dynamo, replayed by CUDA graphs).
 
-A :class:`~h2o_compress.cache.layer.CompressedLayer` holds, per (sequence, KV head), ``slots`` stored tokens
+A [`CompressedLayer`][h2o_compress.cache.CompressedLayer] holds, per (sequence, KV head), ``slots`` stored tokens
 (int4/int8 codes with an fp16 ``(scale, zero)`` pair per group, or raw 16-bit), each valid where its position is
 ``>= 0``, and a full-precision ring of ``residual`` tokens, valid where the ring's position is ``>= 0``
 (docs/DESIGN.md §5, cold-compress's layout). This op is the whole attention + H2O scoring of one decode step over
 those buffers in two kernel launches, with no host sync and no allocation but the output:
 
 ``_slot_partial_kernel``  grid ``(batch * kv_heads, store_splits + ring_splits)``: flash-decoding (Dao et al.
-    2023) over a fixed number of splits chosen once per layer shape (:func:`plan_splits`). Each program runs an
+    2023) over a fixed number of splits chosen once per layer shape (`plan_splits`). Each program runs an
     online softmax of the ``G`` query heads of one KV head over its slots (K/V read once per KV head, GQA),
     dequantizing in registers, skipping invalid slots and every slot at or past the live bound ``min(slots,
     seen)`` read from the device (slots fill lowest first, so no token sits higher). The token that leaves the
@@ -24,7 +24,7 @@ With the layer's Hadamard bases (``key_basis``/``value_basis``) the split pass r
 basis and the combine rotates the output back from the values' basis (fp32 ``tl.dot`` against the ``[D, D]``
 matrix, ``DC`` rows at a time), so neither rotation is a matmul launch of its own (issue 14: kernels per layer).
 
-The scratch (split partials, logits) is owned by the layer (:class:`DecodeScratch`, allocated once) and passed in
+The scratch (split partials, logits) is owned by the layer (`DecodeScratch`, allocated once) and passed in
 as mutated arguments. Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (the tests).
 """
 
@@ -263,7 +263,7 @@ class SplitPlan:
 def plan_splits(batch: int, kv_heads: int, slots: int, ring_size: int, sm_count: int | None = None,
                 device: torch.device | None = None, launch: LaunchOptions = LaunchOptions()) -> SplitPlan:
     """The split counts for ``slots`` store slots and a ring of ``ring_size`` (chosen once per layer shape from the
-    capacity, never per call: :func:`~h2o_compress.attention.prefix_attention.choose_splits`, 2-4 programs per SM),
+    capacity, never per call: `choose_splits`, 2-4 programs per SM),
     in blocks of ``launch.block`` tokens."""
     sms = sm_count if sm_count is not None else _sm_count(device or torch.device("cpu"))
     store_splits, split_tokens = choose_splits(batch, kv_heads, max(slots, 1), launch.block, sms)
@@ -341,28 +341,44 @@ def _slot_decode_attention(
 
     Args:
         query: ``[batch, q_heads, head_dim]`` fp16/bf16/fp32, last dim contiguous, in the keys' basis.
-        k_data, v_data: the store's parts ``[batch, kv_heads, slots, ...]``: uint8 codes (``*_bits`` 4/8) with fp16
+        v_data: as ``k_data``, for the values.
+        k_data: the store's parts ``[batch, kv_heads, slots, ...]``: uint8 codes (``*_bits`` 4/8) with fp16
             ``*_scale_zero`` ``[batch, kv_heads, slots, head_dim / group_size, 2]``, or raw 16-bit (bits 16,
             scale_zero ``None``); last dims dense.
         positions: int32 ``[batch, kv_heads, slots]`` (``-1`` = empty), contiguous.
-        leave_keys, leave_values: ``[batch, kv_heads, head_dim]`` contiguous: this step's token entering the store,
+        leave_values: as ``leave_keys``, for the values.
+        leave_keys: ``[batch, kv_heads, head_dim]`` contiguous: this step's token entering the store,
             at full precision, read instead of its slot ``leave_slot`` (int64 ``[batch, kv_heads]``, contiguous).
-        ring_keys, ring_values: ``[batch, kv_heads, ring, head_dim]`` (last dim dense) with int32
+        ring_values: as ``ring_keys``, for the values.
+        ring_keys: ``[batch, kv_heads, ring, head_dim]`` (last dim dense) with int32
             ``ring_positions`` ``[batch, ring]`` (contiguous), or all ``None``.
         seen: int64 0-dim, tokens seen (this one included): slots at or past ``min(slots, seen)`` are not read.
-        scores, ring_scores: fp32 ``[batch, kv_heads, slots]`` / ``[batch, kv_heads, ring]``, contiguous, updated in
+        ring_scores: fp32 ``[batch, kv_heads, ring]``, the ring's scores, as ``scores``.
+        scores: fp32 ``[batch, kv_heads, slots]``, contiguous, updated in
             place (``accumulate``: ``+=`` this query's probabilities summed over each KV head's query heads; else
             ``=``); ``scores`` ``None`` for no scoring.
-        part_m, part_l, part_acc, logits: the layer's :class:`DecodeScratch` (overwritten).
-        scaling: softmax scale. key_bits, value_bits: 4, 8 or 16. group_size: quantization group (power of two).
-        store_splits, split_tokens, ring_splits, ring_split_tokens: the layer's :class:`SplitPlan`.
-        key_basis, value_basis: the layer's orthonormal, symmetric bases fp32 ``[head_dim, head_dim]``
+        part_m: the layer's `DecodeScratch` (overwritten).
+        part_l: the layer's `DecodeScratch` (overwritten).
+        part_acc: the layer's `DecodeScratch` (overwritten).
+        logits: the layer's `DecodeScratch` (overwritten).
+        scaling: softmax scale.
+        key_bits: 4, 8 or 16.
+        value_bits: 4, 8 or 16.
+        group_size: quantization group (power of two).
+        store_splits: the layer's `SplitPlan`.
+        split_tokens: the layer's `SplitPlan`.
+        ring_splits: the layer's `SplitPlan`.
+        ring_split_tokens: the layer's `SplitPlan`.
+        value_basis: as ``key_basis``, for the values.
+        key_basis: the layer's orthonormal, symmetric bases fp32 ``[head_dim, head_dim]``
             contiguous (the Hadamard rotation of the stored keys / values, ``formats/integer.py``), or ``None``:
             with ``key_basis`` the query is given in the model's basis and rotated in the first launch
             (``(q @ H)`` in fp32, rounded to ``query.dtype``, as the torch form does); with ``value_basis`` the
             output is rotated back (``@ H``, fp32) in the second, so neither costs a launch of its own.
-        block, num_warps, num_stages, max_registers: the split pass's :class:`LaunchOptions` (the split sizes
-            must be multiples of ``block``).
+        block: the split pass's `LaunchOptions` block (the split sizes must be multiples of it).
+        num_warps: the split pass's `LaunchOptions` num_warps.
+        num_stages: the split pass's `LaunchOptions` num_stages.
+        max_registers: the split pass's `LaunchOptions` max_registers.
 
     Returns:
         ``[batch, q_heads, head_dim]`` in ``query.dtype`` (in the values' basis; in the model's with
@@ -416,7 +432,7 @@ def _slot_decode_attention(
     return out
 
 
-#: The op ``h2o_compress::slot_decode_attention`` around :func:`_slot_decode_attention`: what ``torch.compile``
+#: The op ``h2o_compress::slot_decode_attention`` around `_slot_decode_attention`: what ``torch.compile``
 #: traces (a fake implementation gives Dynamo its output; the score buffers and the scratch are declared mutated).
 slot_decode_attention = torch.library.custom_op(
     "h2o_compress::slot_decode_attention",
@@ -430,9 +446,9 @@ def _(query, *args, **kwargs):
 
 
 def layer_scratch(layer, q_heads: int) -> DecodeScratch:
-    """The :class:`DecodeScratch` of ``layer`` (a :class:`~h2o_compress.cache.layer.CompressedLayer` whose decode
+    """The `DecodeScratch` of ``layer`` (a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] whose decode
     steps run this op) for ``q_heads`` query heads, allocated once per shape (batch, slots) with the split plan of
-    that shape and the launch of its storage width (:func:`~h2o_compress.attention.launch.launch_for`), kept as
+    that shape and the launch of its storage width (`launch_for`), kept as
     ``layer.backend.scratch``. Eager steps allocate it (at the prefill, or the first decode step); a compiled step finds
     it."""
     ring = 0 if layer.ring is None else layer.ring.size

@@ -3,10 +3,10 @@
 one extra logit per query head in the softmax's denominator, attending to nothing; Xiao et al., arXiv 2309.17453).
 
 They reach the attention function as keyword arguments (``softcap=``, ``s_aux=``), as transformers' own eager
-attention of those models receives them; :func:`softmax_probabilities` is the one softmax every torch form of the
+attention of those models receives them; `softmax_probabilities` is the one softmax every torch form of the
 ``h2o_compress`` attention uses (decode, chunk and the H2O scorer), so the output and the scores see the same
 probabilities. The native CPU kernel and the Triton op do not implement them: layers of such models decode in
-torch (:func:`h2o_compress.cache.container.build_layers`).
+torch ([`h2o_compress.cache.container.build_layers`][h2o_compress.cache.build_layers]).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class AttentionVariant:
 
         Raises:
             UnsupportedModelError: a variant for a layer whose decode ``kernel`` (``"cpu"``, ``"triton"``) does not
-                run it (:func:`h2o_compress.make_cache` picks the torch form for such models).
+                run it ([`h2o_compress.make_cache`][h2o_compress.make_cache] picks the torch form for such models).
         """
         softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
         if softcap is None and sinks is None:

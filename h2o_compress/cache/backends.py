@@ -1,15 +1,15 @@
-"""The decode backends of a :class:`~.layer.CompressedLayer`: which code runs its one-token steps, chosen once, at
-its first token (:func:`choose`), and the state that code keeps between ``update`` and ``attend``.
+"""The decode backends of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer]: which code runs its one-token steps, chosen once, at
+its first token (`choose`), and the state that code keeps between ``update`` and ``attend``.
 
 Every backend has the same two methods: ``update(layer, keys, values)`` takes the new token (``[batch, kv_heads, 1,
 head_dim]`` as the model made it) and returns what the model's attention call will hand back; ``attend(layer,
 query, key, value, scaling, variant)`` returns the attention output ``[batch, 1, q_heads, head_dim]`` in the model's
 basis, after the scores were added and the layer evicted.
 
-- :class:`TorchDecode`: the torch form (:mod:`.decode`), static shapes, captured by ``torch.compile``; every
+- `TorchDecode`: the torch form (`h2o_compress.cache.decode`), static shapes, captured by ``torch.compile``; every
   variant (soft-cap, sink logits, sliding and chunked spans, head-adaptive pools, mixed precision).
-- :class:`CpuDecode`: the whole step in one native call (:mod:`h2o_compress.attention.cpu`).
-- :class:`TritonDecode`: the Triton op on CUDA (:mod:`h2o_compress.attention.slot_attention`): the layer writes the
+- `CpuDecode`: the whole step in one native call (`h2o_compress.attention.cpu`).
+- `TritonDecode`: the Triton op on CUDA (`h2o_compress.attention.slot_attention`): the layer writes the
   token, the op reads the store in place and adds the scores.
 """
 
@@ -97,7 +97,7 @@ BACKENDS = {backend.name: backend for backend in (TorchDecode, CpuDecode, Triton
 
 
 def choose(layer):
-    """The backend of ``layer`` at its first token (:func:`~h2o_compress.attention.choice.decode_kernel` for its
+    """The backend of ``layer`` at its first token (`decode_kernel` for its
     device, dtypes, head dim and formats; the torch form where a part needs it: mixed precision's low planes, a
     pool whose head tags the CPU kernel cannot read, and any pool on the Triton op, which reads per-head slots)."""
     kernel = decode_kernel(layer.attention_kernel, layer.device, layer.dtype, layer.residual_dtype, layer.head_dim,

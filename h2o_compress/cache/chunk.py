@@ -1,14 +1,14 @@
-"""The multi-token step of a :class:`~h2o_compress.cache.layer.CompressedLayer`: prefill, chunked prefill, and a
+"""The multi-token step of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer]: prefill, chunked prefill, and a
 saved prompt continued (eager; DESIGN.md §2 and §5).
 
-:func:`update` returns what the chunk's attention reads: the held tokens (store dequantized, ring oldest first)
-followed by the chunk. :func:`attend` runs SDPA over them with a mask from the slots' validity and the model's own
+`update` returns what the chunk's attention reads: the held tokens (store dequantized, ring oldest first)
+followed by the chunk. `attend` runs SDPA over them with a mask from the slots' validity and the model's own
 causal + padding mask of the chunk, sums the probabilities each held and new token received (the policy's
-:meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores`; for the default plain sum and a plain softmax, output and
-sums come from one pass, :func:`~h2o_compress.attention.prefill.attention_with_sums`), and :func:`settle` keeps the top ``capacity`` by the
+[`chunk_scores`][h2o_compress.policies.EvictionPolicy.chunk_scores]; for the default plain sum and a plain softmax, output and
+sums come from one pass, `attention_with_sums`), and `settle` keeps the top ``capacity`` by the
 policy's priority, then lays the survivors out: the newest ``residual`` in the ring, the older ones quantized once
-into empty slots (the store's :meth:`~h2o_compress.cache.slots.SlotStore.place_tokens`). The store's methods
-(:class:`~h2o_compress.cache.slots.SlotStore` and the head-adaptive :class:`~h2o_compress.cache.slot_pool.SlotPool`:
+into empty slots (the store's [`place_tokens`][h2o_compress.cache.SlotStore.place_tokens]). The store's methods
+([`SlotStore`][h2o_compress.cache.SlotStore] and the head-adaptive [`SlotPool`][h2o_compress.cache.SlotPool]:
 ``held``, ``head_positions``, ``head_scores``, ``keep``, ``settle``, ``place_tokens``) let head-adaptive and
 mixed-precision stores share this code.
 """
@@ -33,7 +33,7 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     """Take a chunk's ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` (in the layer's bases and residual
     dtype); return what its attention reads, ``[batch, kv_heads, held + n, head_dim]`` in the model dtype: the held
     tokens (store dequantized, ring oldest first) followed by the chunk. A cache that holds nothing yet returns the
-    chunk alone, exactly as DynamicCache would. Keeps the chunk in ``layer.chunk`` for :func:`attend` (one host
+    chunk alone, exactly as DynamicCache would. Keeps the chunk in ``layer.chunk`` for `attend` (one host
     read of ``seen``: eager only)."""
     seen = int(layer.seen)
     layer.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
@@ -53,12 +53,12 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
 
 
 def attend(layer, module, query, keys, values, attention_mask, scaling, variant=None, **kwargs) -> torch.Tensor:
-    """SDPA of ``query`` ``[batch, q_heads, n, head_dim]`` over what :func:`update` returned (``keys``/``values``)
+    """SDPA of ``query`` ``[batch, q_heads, n, head_dim]`` over what `update` returned (``keys``/``values``)
     with a mask built from the slot validity, the layer's span (sliding window or chunk: each query sees only its
-    own, :meth:`~.span.LayerSpan.visible`) and the model's own causal + padding mask for the chunk
+    own, [`visible`][h2o_compress.cache.LayerSpan.visible]) and the model's own causal + padding mask for the chunk
     (``attention_mask`` ``[batch | 1, 1, n, n]`` or ``None``); torch attention instead of SDPA for a softmax
-    ``variant`` (soft-cap, sink logits: :func:`~h2o_compress.attention.masked_attention`); the probability sums
-    for the scores; then the chunk's eviction and layout (:func:`settle`). Returns ``[batch, q_heads, n,
+    ``variant`` (soft-cap, sink logits: `masked_attention`); the probability sums
+    for the scores; then the chunk's eviction and layout (`settle`). Returns ``[batch, q_heads, n,
     head_dim]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -112,9 +112,9 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
 
 
 def one_pass(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, variant, kwargs: dict) -> bool:
-    """Whether :func:`attend` takes the output and the scores from one softmax
-    (:func:`~h2o_compress.attention.prefill.attention_with_sums`): a scored layer whose policy keeps the default
-    :meth:`~h2o_compress.policies.EvictionPolicy.chunk_scores` (the plain sum of every query's probabilities), a
+    """Whether `attend` takes the output and the scores from one softmax
+    (`attention_with_sums`): a scored layer whose policy keeps the default
+    [`chunk_scores`][h2o_compress.policies.EvictionPolicy.chunk_scores] (the plain sum of every query's probabilities), a
     plain softmax (no ``variant``), one key per KV head (not a latent expanded per query head), no dropout, nothing
     that autograd tracks (the one pass writes in place)."""
     if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad):
@@ -179,7 +179,7 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
 
 def first_real_of(real: torch.Tensor, seen: int) -> torch.Tensor:
     """int64 ``[batch]``: the position of each sequence's first real token in a chunk starting at ``seen`` (bool
-    ``real`` ``[batch, n]``: not padding), :data:`NO_REAL_TOKEN` for a chunk of padding only."""
+    ``real`` ``[batch, n]``: not padding), `NO_REAL_TOKEN` for a chunk of padding only."""
     return torch.where(real.any(1), real.to(torch.uint8).argmax(1) + seen, NO_REAL_TOKEN)
 
 

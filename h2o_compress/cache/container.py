@@ -1,4 +1,4 @@
-"""`CompressedCache`: a thin transformers ``Cache`` over one :class:`CompressedLayer` per model layer."""
+"""`CompressedCache`: a thin transformers ``Cache`` over one [`CompressedLayer`][h2o_compress.cache.CompressedLayer] per model layer."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from h2o_compress.cache.span import FULL_SPAN, LayerSpan
 
 
 class CompressedCache(Cache):
-    """A transformers ``Cache`` that evicts and quantizes, one :class:`CompressedLayer` per model layer.
+    """A transformers ``Cache`` that evicts and quantizes, one [`CompressedLayer`][h2o_compress.cache.CompressedLayer] per model layer.
 
     Use with ``model.generate(..., past_key_values=cache)``, a manual forward loop, or a compiled decode step
-    (:attr:`is_compileable`); build it with :func:`h2o_compress.make_cache`, which also switches the model to the
+    ([`is_compileable`][h2o_compress.cache.LayerSetting.is_compileable]); build it with [`h2o_compress.make_cache`][h2o_compress.make_cache], which also switches the model to the
     ``h2o_compress`` attention function. ``get_seq_length()`` counts tokens seen (an int64 0-dim tensor, as
-    transformers' ``StaticCache`` does); :meth:`kept_length` counts tokens held.
+    transformers' ``StaticCache`` does); [`kept_length`][h2o_compress.cache.CompressedCache.kept_length] counts tokens held.
 
     Attributes:
-        max_length: the tokens :func:`~h2o_compress.make_cache` was told the cache will see (prompt + new tokens;
+        max_length: the tokens [`make_cache`][h2o_compress.make_cache] was told the cache will see (prompt + new tokens;
             a budget fraction's capacity is taken of it), or ``None``. A multi-token step (prefill) that would
             take the cache beyond it is refused; decode steps are not checked (that would sync the host).
     """
@@ -42,7 +42,7 @@ class CompressedCache(Cache):
         self._capacity = layers[0].capacity if capacity == -1 else capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Route to :meth:`CompressedLayer.update`. A multi-token step first checks what decode steps only
+        """Route to [`CompressedLayer.update`][h2o_compress.cache.CompressedLayer.update]. A multi-token step first checks what decode steps only
         flagged (finite keys and values) and that the previous forward pass reached every layer.
 
         Raises:
@@ -86,7 +86,7 @@ class CompressedCache(Cache):
     def check(self) -> None:
         """Raise if an earlier step fed non-finite keys or values, or failed half-way (a layer that missed a
         step). Decode steps only set flags (no host sync per layer or step); this reads them all at once:
-        :func:`h2o_compress.generate` calls it once per generation, saving and multi-token steps call it first.
+        [`h2o_compress.generate`][h2o_compress.generate] calls it once per generation, saving and multi-token steps call it first.
 
         Raises:
             InputError: NaN or Inf reached the cache; it is poisoned, so call ``cache.reset()`` or build a new one.
@@ -113,7 +113,7 @@ class CompressedCache(Cache):
     @property
     def capacity(self) -> int | None:
         """Tokens kept per layer, sequence and KV head, on average over the layers (``None``: unbounded); see
-        :attr:`capacities` for each layer's (``layer_budgets="pyramid"`` spreads them)."""
+        [`capacities`][h2o_compress.cache.CompressedCache.capacities] for each layer's (``layer_budgets="pyramid"`` spreads them)."""
         return self._capacity
 
     @property
@@ -128,7 +128,7 @@ class CompressedCache(Cache):
 
     @property
     def decode_kernel(self) -> str:
-        """The kernels the layers' decode steps run (:attr:`CompressedLayer.decode_kernel`), sorted and joined by
+        """The kernels the layers' decode steps run ([`CompressedLayer.decode_kernel`][h2o_compress.cache.CompressedLayer.decode_kernel]), sorted and joined by
         ``+``: ``"cpu"``, or ``"cpu+torch"`` where some layers cannot run the native kernel; ``""`` before the first
         token."""
         return "+".join(sorted({layer.decode_kernel for layer in self.layers if layer.is_initialized}))
@@ -136,8 +136,8 @@ class CompressedCache(Cache):
     def take_rows(self, indices, source: "CompressedCache", batch: int) -> None:
         """Copy every sequence of ``source`` (a cache of the same setting and model, e.g. one prompt prefilled alone)
         into rows ``indices`` (ints, one per ``source`` sequence) of this cache of ``batch`` rows, layer by layer
-        (:meth:`CompressedLayer.take_rows`); the first call makes this cache's buffers. Continuous batching
-        (:func:`h2o_compress.generate_batch`) refills a finished row this way. Eager: reads ``seen`` once per layer.
+        ([`CompressedLayer.take_rows`][h2o_compress.cache.CompressedLayer.take_rows]); the first call makes this cache's buffers. Continuous batching
+        ([`h2o_compress.generate_batch`][h2o_compress.generate_batch]) refills a finished row this way. Eager: reads ``seen`` once per layer.
         ``source`` is left empty.
 
         Raises:
@@ -164,7 +164,7 @@ class CompressedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     def storage_nbytes(self) -> int:
-        """Bytes of the storages behind every tensor held; above :meth:`nbytes` only if a view pins a larger
+        """Bytes of the storages behind every tensor held; above [`nbytes`][h2o_compress.cache.CompressedCache.nbytes] only if a view pins a larger
         buffer (a check that eviction really frees memory)."""
         return sum(t.untyped_storage().nbytes() for layer in self.layers for t in layer.tensors().values())
 
@@ -181,7 +181,7 @@ class CompressedCache(Cache):
         """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
         ``max_length`` seen in all (the compressed context stays compressed, what is added after it is kept whole,
         and only that is allocated on top of the compressed storage). This cache is not changed. Used by
-        :func:`h2o_compress.runtime.ask`.
+        [`h2o_compress.runtime.ask`][h2o_compress.runtime.ask.ask].
 
         Raises:
             CacheStateError: an empty cache, or ``max_length`` below the tokens seen.
@@ -204,12 +204,12 @@ def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
     capacities: list[int] | None = None, spans: tuple[LayerSpan, ...] = (), torch_decode: str | None = None,
 ) -> list[CompressedLayer]:
-    """One :class:`CompressedLayer` per model layer for ``config`` (see :func:`h2o_compress.make_cache`), layer
+    """One [`CompressedLayer`][h2o_compress.cache.CompressedLayer] per model layer for ``config`` (see [`h2o_compress.make_cache`][h2o_compress.make_cache]), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
     per layer on average); its store a head-adaptive pool where ``config.head_budgets == "adaptive"`` and the layer
     evicts (an unbounded layer keeps everything, so the heads have nothing to share), with the low planes of its
-    top-ranked tokens where ``config.high_bits_fraction > 0`` (:mod:`.refinement`).
-    Layer ``i`` attends over ``spans[i]`` (:class:`~.span.LayerSpan`; ``()``: every layer full attention); sliding
+    top-ranked tokens where ``config.high_bits_fraction > 0`` (`h2o_compress.cache.refinement`).
+    Layer ``i`` attends over ``spans[i]`` ([`LayerSpan`][h2o_compress.cache.LayerSpan]; ``()``: every layer full attention); sliding
     and chunked layers, and every layer where ``torch_decode`` gives a reason (a softmax the fast kernels do not
     run: soft-cap, sink logits, values of another head dim), decode in the torch form.
 

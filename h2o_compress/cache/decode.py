@@ -1,15 +1,15 @@
-"""The one-token step of a :class:`~h2o_compress.cache.layer.CompressedLayer` in torch form (DESIGN.md §2 and §5),
-as :mod:`.chunk` is its multi-token step: static shapes, no host sync and no allocation of cache storage, so
+"""The one-token step of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] in torch form (DESIGN.md §2 and §5),
+as `h2o_compress.cache.chunk` is its multi-token step: static shapes, no host sync and no allocation of cache storage, so
 ``torch.compile(fullgraph=True)`` captures it. Read top to bottom, a step is:
 
-1. :func:`update`: the new token into the ring, the ring's oldest token into the store (quantized once, the
-   store's :meth:`~.slots.SlotStore.enter`: the lowest empty slot of its head, or of the head-adaptive pool);
-2. :func:`read`: what attention reads, ``[batch, kv_heads, slots + residual, head_dim]``, and its validity;
-3. :func:`attend`: the attention over it, the probabilities added to the scores (:func:`add_scores`), then the
+1. `update`: the new token into the ring, the ring's oldest token into the store (quantized once, the
+   store's [`enter`][h2o_compress.cache.SlotStore.enter]: the lowest empty slot of its head, or of the head-adaptive pool);
+2. `read`: what attention reads, ``[batch, kv_heads, slots + residual, head_dim]``, and its validity;
+3. `attend`: the attention over it, the probabilities added to the scores (`add_scores`), then the
    layer's eviction (tokens outside a sliding window or chunk first, then the lowest priority over capacity).
 
 The Triton op replaces steps 2 and 3's attention (it reads the store in place), the CPU kernel the whole step
-(:mod:`.backends`).
+(`h2o_compress.cache.backends`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def grow_for_token(layer) -> None:
 
 
 def read(layer, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor):
-    """What attention reads after :func:`update`: ``(keys, values)`` ``[batch, kv_heads, slots + residual,
+    """What attention reads after `update`: ``(keys, values)`` ``[batch, kv_heads, slots + residual,
     head_dim]`` in the model dtype (a 16-bit store is read in place; a quantized one dequantized once, the token
     that just entered it at full precision, then the ring) and their validity, bool ``[batch, kv_heads, slots +
     residual]``."""
@@ -76,8 +76,8 @@ def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
 def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
            scaling: float | None, variant=None):
     """Attention of one query per sequence, ``[batch, q_heads, 1, head_dim]`` (in the key basis), over what
-    :func:`read` returned, masked by ``valid``, with the layer's softmax ``variant``
-    (:class:`~h2o_compress.attention.variant.AttentionVariant` or ``None``); then :func:`add_scores` and the
+    `read` returned, masked by ``valid``, with the layer's softmax ``variant``
+    (`AttentionVariant` or ``None``); then `add_scores` and the
     eviction. Returns ``[batch, q_heads, 1, head_dim]`` (in the value basis)."""
     output, sums = decode_attention(query, keys, values, valid, scaling, layer.with_scores, variant)
     add_scores(layer, sums)

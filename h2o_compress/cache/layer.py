@@ -1,15 +1,15 @@
 """`CompressedLayer`: the compressed KV cache of one attention layer, built from parts (DESIGN.md §2 and §5).
 
-    setting  LayerSetting  capacity, formats, ring size, span, layout: fixed when built (:mod:`.setting`)
+    setting  LayerSetting  capacity, formats, ring size, span, layout: fixed when built (`h2o_compress.cache.setting`)
     store    SlotStore     kept tokens in stored form in fixed slots, per KV head, or SlotPool shared by the heads
-                           (Ada-KV); optional low planes of the top-ranked tokens (mixed precision, :mod:`.refinement`)
+                           (Ada-KV); optional low planes of the top-ranked tokens (mixed precision, `h2o_compress.cache.refinement`)
     ring     RingWindow    the newest ``residual`` tokens in full precision (KIVI's residual), or ``None``
-    span     LayerSpan     which tokens a query sees: full, sliding window or chunk (:mod:`.span`)
-    backend  TorchDecode | CpuDecode | TritonDecode   the code of a one-token step (:mod:`.backends`)
+    span     LayerSpan     which tokens a query sees: full, sliding window or chunk (`h2o_compress.cache.span`)
+    backend  TorchDecode | CpuDecode | TritonDecode   the code of a one-token step (`h2o_compress.cache.backends`)
 
 The parts are made at the first token (their shapes come from it). A one-token step is the backend's (the torch
-form, :mod:`.decode`, reads top to bottom), a multi-token step :mod:`.chunk`'s; after each, the layer evicts
-(:meth:`CompressedLayer.evict`).
+form, `h2o_compress.cache.decode`, reads top to bottom), a multi-token step `h2o_compress.cache.chunk`'s; after each, the layer evicts
+([`CompressedLayer.evict`][h2o_compress.cache.CompressedLayer.evict]).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values,
 
 class CompressedLayer(CacheLayerMixin):
     """The compressed KV cache of model layer ``layer_idx`` (the side-channel key), made of the parts of the module
-    docstring; the other arguments are its :class:`~.setting.LayerSetting`'s (ConfigError: one it cannot run)."""
+    docstring; the other arguments are its [`LayerSetting`][h2o_compress.cache.LayerSetting]'s (ConfigError: one it cannot run)."""
 
     is_croppable = is_sliding = False  # sliding layers forget by their span, not by transformers' sliding mask
 
@@ -86,7 +86,7 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def decode_kernel(self) -> str | None:
-        """``"cpu"``, ``"triton"`` or ``"torch"``, the decode backend's (:mod:`.backends`); ``None`` before the
+        """``"cpu"``, ``"triton"`` or ``"torch"``, the decode backend's (`h2o_compress.cache.backends`); ``None`` before the
         first token."""
         return self.backend.name if self.is_initialized else None
 
@@ -102,7 +102,7 @@ class CompressedLayer(CacheLayerMixin):
         return held | self.counters.tensors()
 
     def nbytes(self) -> int:
-        """Bytes of every buffer held (:meth:`tensors`), empty slots included: the cache's real footprint."""
+        """Bytes of every buffer held ([`tensors`][h2o_compress.cache.CompressedLayer.tensors]), empty slots included: the cache's real footprint."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def kept_length(self) -> int:
@@ -125,7 +125,7 @@ class CompressedLayer(CacheLayerMixin):
         bases, which the ``h2o_compress`` attention function undoes; values narrower than the keys, MLA, are held
         zero-padded). Raises CacheStateError (the previous step's attention did not run through ``h2o_compress``,
         or the shapes changed) or InputError (non-finite keys/values in a multi-token step; decode steps set a
-        flag read once per generation: :meth:`~.container.CompressedCache.check`)."""
+        flag read once per generation: [`check`][h2o_compress.cache.CompressedCache.check])."""
         if value_states.shape[-1] != key_states.shape[-1]:
             keys, values = self.update(key_states, pad_values(value_states, key_states.shape[-1], self.layer_idx))
             return keys, values[..., : value_states.shape[-1]]
@@ -144,7 +144,7 @@ class CompressedLayer(CacheLayerMixin):
         return keys, values
 
     def _check_step(self, key_states: torch.Tensor) -> None:
-        """Refuse a step that does not continue this layer's run (the errors of :meth:`update`)."""
+        """Refuse a step that does not continue this layer's run (the errors of [`update`][h2o_compress.cache.CompressedLayer.update])."""
         if self.awaiting_attention:
             self.awaiting_attention = False
             withdraw(self.layer_idx)
@@ -157,7 +157,7 @@ class CompressedLayer(CacheLayerMixin):
             self.geometry.check(key_states, self.layer_idx)
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        """This step's attention (the ``h2o_compress`` attention function's, over what :meth:`update` returned),
+        """This step's attention (the ``h2o_compress`` attention function's, over what [`update`][h2o_compress.cache.CompressedLayer.update] returned),
         scores and eviction: ``[batch, queries, q_heads, head_dim]``. Raises CacheStateError (the cache was filled
         through another model) or UnsupportedModelError (a soft-cap or sink logits the decode kernel cannot run)."""
         self.awaiting_attention = False
@@ -176,9 +176,8 @@ class CompressedLayer(CacheLayerMixin):
         return self.geometry.from_value_basis(output.transpose(1, 2), query.dtype)
 
     def evict(self) -> None:
-        """After a step: tokens the next query cannot see leave a sliding or chunked layer (:meth:`~.span.LayerSpan
-        .expire`), then where a sequence holds more than the capacity its lowest-priority stored token goes (the
-        store's :meth:`~.slots.SlotStore.evict_over`, on the policy's priority). In place, no host sync."""
+        """After a step: tokens the next query cannot see leave a sliding or chunked layer ([`expire`][h2o_compress.cache.LayerSpan.expire]), then where a sequence holds more than the capacity its lowest-priority stored token goes (the
+        store's [`evict_over`][h2o_compress.cache.SlotStore.evict_over], on the policy's priority). In place, no host sync."""
         for positions in (self.store.positions, None if self.ring is None else self.ring.positions):
             if positions is not None:
                 self.span.expire(positions, self.seen, self.first_real)
@@ -205,7 +204,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy saved buffers (names of :meth:`tensors`, same shapes) into this initialised layer, in place."""
+        """Copy saved buffers (names of [`tensors`][h2o_compress.cache.CompressedLayer.tensors], same shapes) into this initialised layer, in place."""
         held = self.tensors()
         for name, tensor in state.items():
             held[name].copy_(tensor)
@@ -238,7 +237,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def take_rows(self, indices: torch.Tensor, source: "CompressedLayer", batch: int) -> None:
         """Copy every sequence of ``source`` (a layer of the same setting) into rows ``indices`` of this layer of
-        ``batch`` rows, aligning their positions (:func:`.rows.take_rows`: continuous batching). Eager."""
+        ``batch`` rows, aligning their positions (`rows.take_rows`: continuous batching). Eager."""
         rows.take_rows(self, indices, source, batch)
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -1,7 +1,7 @@
 """`RefinedPlanes`: the low 4-bit planes of the top-ranked stored tokens of one layer (mixed precision).
 
 Every stored token of a mixed-precision layer keeps the high plane of its 8-bit code in the slot store (int4
-layout, :class:`~h2o_compress.formats.split.SplitIntQuantizer`); ``rows`` of them also keep the low plane here,
+layout, `SplitIntQuantizer`); ``rows`` of them also keep the low plane here,
 which makes them 8-bit again. Per sequence and KV head, row ``r`` holds the low plane of the token in store slot
 ``slots[b, h, r]`` (``-1``: free). A row is in use only while its slot holds a token (``positions >= 0``) that
 was there when the row was given: evicting a token frees its low plane; a slot reused by a new token drops the
@@ -11,12 +11,12 @@ Fixed buffers, no host sync in a decode step (``torch.compile(fullgraph=True)`` 
 Mixed precision by importance (the store's optional part), as MiKV keeps the important tokens' KV at higher
 precision and the rest at lower
 (Yang et al. 2024, "No Token Left Behind", arXiv 2402.18096), with the importance the eviction policy's own
-:meth:`~h2o_compress.policies.EvictionPolicy.rank` (H2O: accumulated attention; TOVA: the current query's).
+[`rank`][h2o_compress.policies.EvictionPolicy.rank] (H2O: accumulated attention; TOVA: the current query's).
 
 Every token entering the store is quantized once at 8 bits and split into two 4-bit planes
-(:class:`~h2o_compress.formats.split.SplitIntQuantizer`): the high plane goes into the slot store in the int4
+(`SplitIntQuantizer`): the high plane goes into the slot store in the int4
 layout (an int4 token costs exactly what it costs in a plain int4 cache); ``ceil(high_bits_fraction x slots)``
-tokens per sequence and KV head also keep the low plane in a side buffer (:class:`RefinedPlanes`),
+tokens per sequence and KV head also keep the low plane in a side buffer ([`RefinedPlanes`][h2o_compress.cache.RefinedPlanes]),
 which makes them 8-bit. Which ones:
 
 - a multi-token step (prefill, a chunk): the top ``rows`` by rank among the tokens refined before it and the
@@ -29,9 +29,9 @@ which makes them 8-bit. Which ones:
 Without scores (policies that keep none, or a frozen copy for compress-then-ask, which evicts nothing) every rank
 is equal: free rows go to tokens as they arrive. The decode step is the torch form (the CPU kernel and the Triton
 op do not read the side buffer) and still captures with ``torch.compile(fullgraph=True)``. The side buffer is
-reached through the store (:meth:`~.slots.SlotStore.enter`, :meth:`~.slots.SlotStore.place_tokens`,
-:meth:`~.slots.SlotStore.read`), so the same code runs on a head-adaptive pool; global layer budgets get their rows from
-:func:`spread_refined_rows`.
+reached through the store ([`enter`][h2o_compress.cache.SlotStore.enter], [`place_tokens`][h2o_compress.cache.SlotStore.place_tokens],
+[`read`][h2o_compress.cache.SlotStore.read]), so the same code runs on a head-adaptive pool; global layer budgets get their rows from
+`spread_refined_rows`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class RefinedPlanes:
 
     Args:
         rows: refined tokens per sequence and KV head (``ceil(fraction x slots)``).
-        batch, kv_heads, head_dim: the layer's geometry.
+        batch: the layer's batch size.
+        kv_heads: the layer's KV heads.
+        head_dim: the layer's head dim.
         names: which of ``keys``/``values`` are split (4-bit).
         device: where the buffers live.
     """
@@ -92,7 +94,7 @@ class RefinedPlanes:
             buffer.scatter_(2, index, torch.where(take.unsqueeze(-1), low[name], buffer.gather(2, index)))
 
     def admit_many(self, refined: torch.Tensor, placed, low: dict, rank: torch.Tensor, positions: torch.Tensor) -> None:
-        """Multi-token step (eager): of the tokens refined before it (``refined``, :meth:`in_use` taken before the
+        """Multi-token step (eager): of the tokens refined before it (``refined``, [`in_use`][h2o_compress.cache.RefinedPlanes.in_use] taken before the
         new tokens were placed) and the new ones (``placed = (b, h, slot, i)``, 1-D int64 index tensors; their low
         planes ``low[name][b, h, i]``), keep the top ``rows`` by ``rank`` (ties keep the older position)."""
         batch, heads, count = positions.shape

@@ -1,11 +1,11 @@
 """Sequences moved between caches of one setting: a prompt prefilled alone, placed into a row of a running batch
-(continuous batching, :func:`h2o_compress.generate_batch`).
+(continuous batching, [`h2o_compress.generate_batch`][h2o_compress.generate_batch]).
 
 Positions in a layer are only ever compared with each other and with ``seen`` (the recent window, sliding windows,
 chunks counted from ``first_real``, the sinks, the ring's slot ``position % size``), so a layer whose every position,
 ``first_real`` and ``seen`` move by the same ``delta`` (and whose ring turns by ``delta``) holds the same tokens with
-the same futures: :func:`shift`. Two layers that have seen different counts are aligned that way, then rows are
-copied buffer by buffer (:func:`take_rows`). Eager code run once per prompt placed, never in a decode step.
+the same futures: `shift`. Two layers that have seen different counts are aligned that way, then rows are
+copied buffer by buffer (`take_rows`). Eager code run once per prompt placed, never in a decode step.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
     """Copy every sequence of ``source`` (a layer of the same setting: same capacity, formats and ring) into rows
     ``rows`` (int64 ``[source batch]``) of ``layer``, which holds ``batch`` sequences; a layer that holds nothing yet
     is made from ``source`` (its other rows copies of ``source``'s first, to be overwritten). The layer that has seen
-    fewer tokens is first :func:`shift` ed to the other's ``seen``. ``source`` is left empty.
+    fewer tokens is first `shift` ed to the other's ``seen``. ``source`` is left empty.
 
     Raises:
         CacheStateError: ``source`` holds nothing, or its buffers do not match this layer's (another setting).

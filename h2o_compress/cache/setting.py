@@ -1,10 +1,10 @@
 """`LayerSetting`: what one compressed layer is, fixed when it is built (the arguments and what follows from them).
 
-A :class:`~.layer.CompressedLayer` holds one of these next to its parts (store, ring, span, decode backend): the
+A [`CompressedLayer`][h2o_compress.cache.CompressedLayer] holds one of these next to its parts (store, ring, span, decode backend): the
 capacity after the layer type and the known length capped it, the ring size, whether the policy ranks at all, the
 storage formats (split into two 4-bit planes for mixed precision), and the store's layout (per-head slots or the
 head-adaptive pool). Frozen: a probe or a frozen copy is built from the same arguments with another capacity
-(:meth:`LayerSetting.arguments`).
+([`LayerSetting.arguments`][h2o_compress.cache.LayerSetting.arguments]).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _split(quantizer: KVQuantizer) -> KVQuantizer:
 
 @dataclass(frozen=True)
 class LayerSetting:
-    """One layer's setting (see :class:`~.layer.CompressedLayer` for the arguments).
+    """One layer's setting (see [`CompressedLayer`][h2o_compress.cache.CompressedLayer] for the arguments).
 
     Attributes:
         capacity: tokens kept per sequence and KV head (``None``: unbounded), within ``max_tokens`` and the span's
@@ -81,7 +81,7 @@ class LayerSetting:
 
     def _check(self) -> None:
         """Refuse what a layer of unknown length cannot hold (ConfigError). What the setting itself allows (kernels,
-        formats, policies) :class:`~h2o_compress.config.CompressionConfig` checks, once."""
+        formats, policies) [`CompressionConfig`][h2o_compress.config.CompressionConfig] checks, once."""
         if self.head_adaptive and self.growable:
             raise ConfigError("head_budgets='adaptive' needs a capacity or max_length (its slot pool has a fixed size)")
         if self.high_bits_fraction > 0 and self.growable:
@@ -117,7 +117,7 @@ class LayerSetting:
 
     def slots_per_head(self, first_chunk: int = 0) -> int:
         """Store slots per KV head: ``capacity - residual + 1`` (one is free before each step); ``max_tokens -
-        residual`` unbounded (nothing is evicted); else the first chunk plus :data:`GROWTH` (grows later)."""
+        residual`` unbounded (nothing is evicted); else the first chunk plus `GROWTH` (grows later)."""
         if self.capacity is not None:
             return self.capacity - self.residual + 1
         if self.max_tokens is not None:

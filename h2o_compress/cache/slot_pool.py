@@ -1,6 +1,6 @@
 """`SlotPool`: one layer's kept tokens in one pool of slots shared by its KV heads, each slot tagged with its head.
 
-The layout behind head-adaptive budgets (Ada-KV, Feng et al. 2024, arXiv 2407.11550): a :class:`SlotStore` with a
+The layout behind head-adaptive budgets (Ada-KV, Feng et al. 2024, arXiv 2407.11550): a [`SlotStore`][h2o_compress.cache.SlotStore] with a
 single head row, ``[batch, 1, pool_slots, ...]``, plus ``owner`` ``[batch, 1, pool_slots]`` naming the KV head
 whose token a slot holds. A head that keeps more tokens simply holds more slots of the pool, so the bytes are those
 of the layer's total budget, however it is spread over the heads (kvpress's AdaKV masks evicted tokens with a fake
@@ -19,14 +19,19 @@ from h2o_compress.cache.slots import SlotStore
 class SlotPool(SlotStore):
     """Keys, values, positions, scores and owning head of ``pool_slots`` slots per sequence, shared by ``kv_heads``.
 
-    Attributes (beside :class:`SlotStore`'s, all with head dim 1):
+    Attributes (beside [`SlotStore`][h2o_compress.cache.SlotStore]'s, all with head dim 1):
         owner: int8 (int16 above 127 heads) ``[batch, 1, pool_slots]``, the KV head of each held token
             (meaningless where ``positions`` is ``-1``).
 
     Args:
-        key_quantizer, value_quantizer: storage formats.
+        key_quantizer: storage format of the keys.
+        value_quantizer: storage format of the values.
         shape: ``(batch, kv_heads, pool_slots, head_dim)``.
-        dtype, device, with_scores, with_norms, value_basis: as :class:`SlotStore`.
+        dtype: as [`SlotStore`][h2o_compress.cache.SlotStore].
+        device: as [`SlotStore`][h2o_compress.cache.SlotStore].
+        with_scores: as [`SlotStore`][h2o_compress.cache.SlotStore].
+        with_norms: as [`SlotStore`][h2o_compress.cache.SlotStore].
+        value_basis: as [`SlotStore`][h2o_compress.cache.SlotStore].
     """
 
     def __init__(
@@ -42,11 +47,11 @@ class SlotPool(SlotStore):
         self.owner = torch.zeros(batch, 1, slots, dtype=tag, device=device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every buffer, by name (:class:`SlotStore`'s and ``owner``)."""
+        """Every buffer, by name ([`SlotStore`][h2o_compress.cache.SlotStore]'s and ``owner``)."""
         return super().tensors() | {"owner": self.owner}
 
     def map_batch(self, fn) -> None:
-        """:meth:`SlotStore.map_batch`, and the ``owner`` tags."""
+        """[`SlotStore.map_batch`][h2o_compress.cache.SlotStore.map_batch], and the ``owner`` tags."""
         super().map_batch(fn)
         self.owner = fn(self.owner)
 
@@ -87,7 +92,7 @@ class SlotPool(SlotStore):
         return keep.view(batch, heads, tokens)
 
     def settle(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
-        """:meth:`SlotStore.settle` over the pool: a slot stays when its owner head keeps it; its score is the sum
+        """[`SlotStore.settle`][h2o_compress.cache.SlotStore.settle] over the pool: a slot stays when its owner head keeps it; its score is the sum
         over heads (its owner's)."""
         self.positions.masked_fill_(~keep.any(1, keepdim=True), -1)
         if scores is not None:
@@ -107,18 +112,18 @@ class SlotPool(SlotStore):
         return t.transpose(1, 2)
 
     def free_for_heads(self, heads: int) -> torch.Tensor:
-        """int64 ``[batch, 1, heads]``: the ``heads`` lowest empty slots of each sequence (:meth:`free_slots`)."""
+        """int64 ``[batch, 1, heads]``: the ``heads`` lowest empty slots of each sequence ([`free_slots`][h2o_compress.cache.SlotPool.free_slots])."""
         return self.free_slots(heads)
 
     def enter(self, keys, values, position, score, rank) -> torch.Tensor:
-        """:meth:`SlotStore.enter` into the pool's lowest empty slots, each tagged with its head."""
+        """[`SlotStore.enter`][h2o_compress.cache.SlotStore.enter] into the pool's lowest empty slots, each tagged with its head."""
         slot = super().enter(keys, values, position, score, rank)
         heads = torch.arange(self.heads, device=slot.device).view(1, 1, -1).expand(slot.shape[0], 1, -1)
         self.owner.scatter_(2, slot, heads.to(self.owner.dtype))
         return slot
 
     def place_tokens(self, incoming, keys, values, positions, scores, rank, when_full):
-        """:meth:`SlotStore.place_tokens` over the pool seen as one row of ``kv_heads x n`` tokens, lowest free
+        """[`SlotStore.place_tokens`][h2o_compress.cache.SlotStore.place_tokens] over the pool seen as one row of ``kv_heads x n`` tokens, lowest free
         slots first, each tagged with its head."""
         batch, heads, n = incoming.shape
 

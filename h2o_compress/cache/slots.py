@@ -27,22 +27,23 @@ class SlotStore:
     """Keys, values, positions and (optionally) accumulated scores of ``slots`` token slots per sequence and head.
 
     Attributes:
-        keys, values: :class:`StoredTensor` ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
+        keys, values: [`StoredTensor`][h2o_compress.formats.StoredTensor] ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
         positions: int32 ``[batch, kv_heads, slots]``, the absolute position of each held token, ``-1`` = empty.
         scores: fp32 ``[batch, kv_heads, slots]`` accumulated attention, or ``None`` (policies without scores).
         norms: fp32 ``[batch, kv_heads, slots]``, the L1 norm of each stored value in the model's basis, set once when
             the token enters (from its stored form), or ``None`` (policies that do not weigh values: all but VATP).
         quantizers: the key and value formats tokens are stored in.
-        refine: the low planes of the top-ranked tokens (:class:`~.refinement.RefinedPlanes`, mixed precision by
+        refine: the low planes of the top-ranked tokens ([`RefinedPlanes`][h2o_compress.cache.RefinedPlanes], mixed precision by
             importance), or ``None``; set by the layer once its rows are known.
 
     Args:
-        key_quantizer, value_quantizer: storage formats.
+        key_quantizer: storage format of the keys.
+        value_quantizer: storage format of the values.
         shape: ``(batch, kv_heads, slots, head_dim)``.
         dtype: dtype of the tokens the quantizers receive (the store of a 16-bit cache keeps it).
         device: where the buffers live.
         with_scores: keep a score per slot.
-        with_norms: keep each stored value's L1 norm (:attr:`norms`), for policies whose priority weighs values.
+        with_norms: keep each stored value's L1 norm (`norms`), for policies whose priority weighs values.
         value_basis: the orthonormal, symmetric basis ``[head_dim, head_dim]`` values are held in (``None``: the
             model's); the norms are taken in the model's basis.
     """
@@ -83,28 +84,28 @@ class SlotStore:
         return self.scores
 
     def value_norms(self) -> torch.Tensor:
-        """fp32 ``[batch, rows, slots]``: :attr:`norms`, the L1 norm of each stored value, dequantized, in the model's
+        """fp32 ``[batch, rows, slots]``: `norms`, the L1 norm of each stored value, dequantized, in the model's
         basis, set when each token entered (empty slots hold garbage: mask them with ``positions >= 0``). Only a
         store made ``with_norms`` (a policy that weighs values, VATP) has them."""
         return self.norms
 
     def norms_of(self, values: StoredTensor) -> torch.Tensor:
         """fp32 ``[batch, rows, n]``: the L1 norms (model basis) of stored-format ``values`` ``[batch, rows, n, ...]``,
-        dequantized: what :attr:`norms` holds for them once they enter."""
+        dequantized: what `norms` holds for them once they enter."""
         return value_l1_norms(self.quantizers[1].dequantize(values, torch.float32), self.value_basis)
 
     def refresh_norms(self) -> None:
-        """Recompute :attr:`norms` from the stored values (after buffers were loaded from a file; the norms are
+        """Recompute `norms` from the stored values (after buffers were loaded from a file; the norms are
         derived, so a file's own are never trusted). No-op without norms."""
         if self.norms is not None:
             self.norms.copy_(self.norms_of(self.values))
 
     def head_value_norms(self) -> torch.Tensor:
-        """fp32 ``[batch, kv_heads, slots]``: :meth:`value_norms` per KV head."""
+        """fp32 ``[batch, kv_heads, slots]``: [`value_norms`][h2o_compress.cache.SlotStore.value_norms] per KV head."""
         return self.value_norms()
 
     def score_share(self, sums: torch.Tensor) -> torch.Tensor:
-        """What per-head probability sums ``[batch, kv_heads, slots]`` add to :attr:`scores`: themselves."""
+        """What per-head probability sums ``[batch, kv_heads, slots]`` add to `scores`: themselves."""
         return sums
 
     def keep(self, priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -133,7 +134,7 @@ class SlotStore:
 
     def first_free(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads, 1]``: the lowest empty slot of each sequence and head (slot 0 when none is
-        empty: callers guarantee one is, see :class:`~h2o_compress.cache.layer.CompressedLayer`)."""
+        empty: callers guarantee one is, see [`CompressedLayer`][h2o_compress.cache.CompressedLayer])."""
         return (self.positions < 0).to(torch.uint8).argmax(-1, keepdim=True)
 
     def insert(
@@ -184,7 +185,7 @@ class SlotStore:
     def evict_over(self, priority: torch.Tensor, ring_held: torch.Tensor | int, capacity: int) -> None:
         """A decode step's eviction: where a sequence and KV head holds more than ``capacity`` tokens (its slots
         plus ``ring_held``, int ``[batch, 1]`` tokens in the recent window, or 0), evict its lowest-``priority``
-        stored token (fp32 ``[batch, kv_heads, slots]``; :meth:`evict_lowest`). In place, no host sync."""
+        stored token (fp32 ``[batch, kv_heads, slots]``; [`evict_lowest`][h2o_compress.cache.SlotStore.evict_lowest]). In place, no host sync."""
         held = (self.positions >= 0).sum(-1) + ring_held
         self.evict_lowest(priority.masked_fill(self.positions < 0, float("inf")), held > capacity)
 
@@ -199,7 +200,7 @@ class SlotStore:
         return self.first_free()
 
     def quantize(self, keys: torch.Tensor, values: torch.Tensor):
-        """The stored forms of tokens entering the store (``[batch, rows, n, head_dim]``) and, with :attr:`refine`,
+        """The stored forms of tokens entering the store (``[batch, rows, n, head_dim]``) and, with `refine`,
         their low planes ``{name: uint8 [batch, rows, n, head_dim / 2]}`` (else ``{}``)."""
         stored, low = [], {}
         for name, x, quantizer in (("keys", keys, self.quantizers[0]), ("values", values, self.quantizers[1])):
@@ -213,7 +214,7 @@ class SlotStore:
     def enter(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, score, rank) -> torch.Tensor:
         """A decode step's writer: one token per KV head (``keys``/``values`` ``[batch, kv_heads, 1, head_dim]``,
         int32 ``position`` ``[batch, 1]`` (``-1``: nothing enters), fp32 ``score`` ``[batch, kv_heads, 1]`` or
-        ``None``) into the lowest empty slot of its head, quantized once; with :attr:`refine`, each takes a low-plane
+        ``None``) into the lowest empty slot of its head, quantized once; with `refine`, each takes a low-plane
         row by ``rank()`` (the policy's rank of every stored token). Returns the slots, int64 ``[batch, rows,
         k]``. In place, no host sync."""
         heads = keys.shape[1]
@@ -231,9 +232,9 @@ class SlotStore:
     def place_tokens(self, incoming, keys, values, positions, scores, rank, when_full) -> tuple | None:
         """A multi-token step's writer (eager): the kept tokens marked in bool ``incoming`` ``[batch, kv_heads,
         n]`` (``keys``/``values`` ``[batch, kv_heads, n, head_dim]``, int ``positions`` ``[batch, n]``, fp32
-        ``scores`` ``[batch, kv_heads, n]`` or ``None``) quantized once into empty slots (:meth:`place`);
+        ``scores`` ``[batch, kv_heads, n]`` or ``None``) quantized once into empty slots ([`place`][h2o_compress.cache.SlotStore.place]);
         ``when_full(tokens)`` is called first where a row lacks room (it raises, or grows the store). With
-        :attr:`refine`, the top-``rank()`` tokens keep their low planes. Returns :meth:`place`'s ``(b, h, slot,
+        `refine`, the top-``rank()`` tokens keep their low planes. Returns [`place`][h2o_compress.cache.SlotStore.place]'s ``(b, h, slot,
         i)`` or ``None`` when nothing entered."""
         refined = None if self.refine is None else self.refine.in_use(self.positions)
         placed, low = None, {}
@@ -277,7 +278,7 @@ class SlotStore:
         return keys.expand(-1, heads, -1, -1), values.expand(-1, heads, -1, -1)
 
     def refine_read(self, name: str, held: torch.Tensor) -> None:
-        """With :attr:`refine`, the refined tokens of ``held`` (``name`` just dequantized at 4 bits, a fresh
+        """With `refine`, the refined tokens of ``held`` (``name`` just dequantized at 4 bits, a fresh
         tensor ``[batch, rows, slots, head_dim]``) get their low planes back (8-bit values)."""
         quantizer = self.quantizers[name == "values"]
         if self.refine is not None and isinstance(quantizer, SplitIntQuantizer):

@@ -1,15 +1,15 @@
 """`LayerSpan`: which tokens a query of one layer may see (the layer type: full, sliding or chunked attention).
 
 transformers models declare their layer types in ``config.layer_types`` (``full_attention``, ``sliding_attention``,
-``chunked_attention``) or with a model-wide ``sliding_window`` / ``attention_chunk_size``; :func:`layer_spans` reads
+``chunked_attention``) or with a model-wide ``sliding_window`` / ``attention_chunk_size``; `layer_spans` reads
 them as transformers' own ``DynamicCache(config=...)`` does (``cache_utils.get_layer_types_and_kwargs``) and refuses
 layer types that are not softmax attention over this layer's own keys (Mamba, linear, conv, shared KV, indexed).
 
 A sliding layer of window ``W`` lets the query at position ``p`` see positions ``p - W + 1 .. p`` (transformers'
 ``sliding_window_overlay``); a chunked layer of chunk ``C`` the positions of ``p``'s chunk (Llama 4's
 ``chunked_overlay``, chunks counted from each sequence's first real token). A compressed layer of either type
-never holds a token its next query cannot see (:meth:`LayerSpan.expire`, whatever its score), so it holds at most
-``W - 1`` tokens between steps (:meth:`LayerSpan.cap`, as transformers' ``DynamicSlidingWindowLayer``); a budget
+never holds a token its next query cannot see ([`LayerSpan.expire`][h2o_compress.cache.LayerSpan.expire], whatever its score), so it holds at most
+``W - 1`` tokens between steps ([`LayerSpan.cap`][h2o_compress.cache.LayerSpan.cap], as transformers' ``DynamicSlidingWindowLayer``); a budget
 below that applies inside the window.
 """
 
@@ -79,7 +79,7 @@ FULL_SPAN = LayerSpan()  # a full-attention layer's
 
 
 def layer_spans(config, num_layers: int) -> list[LayerSpan]:
-    """One :class:`LayerSpan` per layer of a transformers ``config`` (its text config for a multimodal model).
+    """One [`LayerSpan`][h2o_compress.cache.LayerSpan] per layer of a transformers ``config`` (its text config for a multimodal model).
 
     Raises:
         UnsupportedModelError: a layer type that is not softmax attention over the layer's own keys (Mamba /

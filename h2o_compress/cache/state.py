@@ -1,5 +1,5 @@
-"""What a :class:`~.layer.CompressedLayer` learns at its first token (:class:`Geometry`: shapes, dtypes, the
-storage bases) and the counters it keeps per step (:class:`Counters`), each with the checks that belong to it."""
+"""What a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] learns at its first token (`Geometry`: shapes, dtypes, the
+storage bases) and the counters it keeps per step (`Counters`), each with the checks that belong to it."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def rotate(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate` of one token per (sequence, KV head) as a product and a sum over ``head_dim`` (fp32; equal to
+    """`rotate` of one token per (sequence, KV head) as a product and a sum over ``head_dim`` (fp32; equal to
     the matmul to float reassociation): Inductor fuses it into the step's kernel that writes the ring instead of
     launching a ``[batch * kv_heads, head_dim] @ [head_dim, head_dim]`` matmul of its own (issue 14: kernels per
     layer). Compiled fused (Triton) decode steps only: eagerly it would materialize ``[batch, kv_heads, 1, head_dim,
@@ -52,7 +52,7 @@ class Geometry:
 
     @classmethod
     def of(cls, keys: torch.Tensor, setting) -> "Geometry":
-        """The geometry of a layer of ``setting`` (:class:`~.setting.LayerSetting`) whose first keys are ``keys``
+        """The geometry of a layer of ``setting`` ([`LayerSetting`][h2o_compress.cache.LayerSetting]) whose first keys are ``keys``
         ``[batch, kv_heads, tokens, head_dim]``."""
         quantized, device = setting.quantized, keys.device
         residual_dtype = torch.float16 if quantized and keys.dtype == torch.float32 else keys.dtype
@@ -80,7 +80,7 @@ class Geometry:
 
     def to_storage(self, keys: torch.Tensor, values: torch.Tensor, fused: bool = False):
         """New ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` in the storage bases and the residual dtype
-        (``fused``: a compiled Triton step's one token, rotated as Inductor fuses it: :func:`rotate_token`)."""
+        (``fused``: a compiled Triton step's one token, rotated as Inductor fuses it: `rotate_token`)."""
         turn = rotate_token if fused and keys.shape[2] == 1 and torch.compiler.is_compiling() else rotate
         if self.key_basis is not None:
             keys = turn(keys, self.key_basis)
@@ -124,7 +124,7 @@ class Counters:
                    torch.ones((), dtype=torch.bool, device=device), torch.ones((), dtype=torch.bool, device=device))
 
     def note_finite(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """bool 0-dim: ``keys`` and ``values`` are finite; noted in :attr:`finite` (no host sync)."""
+        """bool 0-dim: ``keys`` and ``values`` are finite; noted in `finite` (no host sync)."""
         finite = torch.isfinite(torch.sum(keys, dtype=torch.float32) + torch.sum(values, dtype=torch.float32))
         self.finite &= finite
         return finite

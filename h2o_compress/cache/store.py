@@ -1,6 +1,6 @@
-"""The store of a :class:`~.layer.CompressedLayer`, made at its first token: per-head slots
-(:class:`~.slots.SlotStore`) or one pool shared by the KV heads (:class:`~.slot_pool.SlotPool`, Ada-KV), with the
-low planes of its top-ranked tokens where the setting keeps some at 8 bits (:class:`~.refinement.RefinedPlanes`)."""
+"""The store of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer], made at its first token: per-head slots
+([`SlotStore`][h2o_compress.cache.SlotStore]) or one pool shared by the KV heads ([`SlotPool`][h2o_compress.cache.SlotPool], Ada-KV), with the
+low planes of its top-ranked tokens where the setting keeps some at 8 bits ([`RefinedPlanes`][h2o_compress.cache.RefinedPlanes])."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from h2o_compress.cache.slots import SlotStore
 
 
 def make_store(setting: LayerSetting, geometry, first_tokens: int) -> SlotStore:
-    """The store for ``setting`` with the layer's ``geometry`` (:class:`~.state.Geometry`), sized for a first step
+    """The store for ``setting`` with the layer's ``geometry`` (`Geometry`), sized for a first step
     of ``first_tokens`` tokens (an unbounded cache of unknown length grows from there)."""
     heads = geometry.kv_heads
     slots = setting.slots_per_head(first_tokens) * (heads if setting.head_adaptive else 1)

@@ -1,8 +1,8 @@
 """Command line: ``h2o-compress generate|batch|ask|plan|eval|profile``, one module per command.
 
-- :mod:`.options`: the options shared by the commands, declared once (a leaf module).
-- :mod:`.common`: one-line errors (``error: ...``, exit code 2, never a traceback), threads, ``--config``.
-- :mod:`.generate`, :mod:`.batch` (a file of prompts), :mod:`.ask` (compress-then-ask), :mod:`.plan`, :mod:`.evaluate` (``eval perplexity|needle|agreement``), :mod:`.profile`.
+- `h2o_compress.cli.options`: the options shared by the commands, declared once (a leaf module).
+- `h2o_compress.cli.common`: one-line errors (``error: ...``, exit code 2, never a traceback), threads, ``--config``.
+- `h2o_compress.cli.generate`, `h2o_compress.cli.batch` (a file of prompts), `h2o_compress.cli.ask` (compress-then-ask), `h2o_compress.cli.plan`, `h2o_compress.cli.evaluate` (``eval perplexity|needle|agreement``), `h2o_compress.cli.profile`.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ SOFT_DEFAULTS = ("layer_budgets", "head_budgets")
 
 
 def fitted_config(compression: Compression, config_file: Optional[str], check_formats: bool = True):
-    """:func:`merged_config` with ``ask``'s defaults; where the setting refuses them, those of
-    :data:`SOFT_DEFAULTS` not given on the command line fall back to ``uniform``. Raises ConfigError (the setting's
+    """`merged_config` with ``ask``'s defaults; where the setting refuses them, those of
+    `SOFT_DEFAULTS` not given on the command line fall back to ``uniform``. Raises ConfigError (the setting's
     own, when even that does not fit)."""
     try:
         return merged_config(compression, config_file, frozen=True, check_formats=check_formats)

@@ -49,9 +49,9 @@ def set_threads(threads: Optional[int]) -> None:
 def merged_config(compression: Compression, config_file: Optional[str], frozen: bool = False,
                   check_formats: bool = True) -> tuple[CompressionConfig, dict]:
     """The compression flags merged over ``--config FILE`` (JSON/TOML), which goes over the command's own defaults
-    (``ask``'s): flags given on the command line win; checked by :func:`~h2o_compress.config.check_usable`
+    (``ask``'s): flags given on the command line win; checked by [`check_usable`][h2o_compress.config.check_usable]
     (``frozen``: for compress-then-ask) and, with ``check_formats`` (not where the planner picks the bits or a
-    loaded cache brings its own), by :func:`~h2o_compress.config.check_format_options`.
+    loaded cache brings its own), by [`check_format_options`][h2o_compress.config.check_format_options].
 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
     file's plus the flags given), which a loaded cache's config must match. Raises ConfigError.
@@ -69,10 +69,10 @@ def merged_config(compression: Compression, config_file: Optional[str], frozen: 
 
 
 def load_options(device: str, dtype: Optional[str], placement: dict, attention_kernel: str = "auto") -> dict:
-    """The keyword arguments of :func:`h2o_compress.load_model` for ``--device``, ``--dtype`` and the placement
-    flags (:func:`~h2o_compress.cli.options.placement_options`), all checked now, before any side effect
+    """The keyword arguments of [`h2o_compress.load_model`][h2o_compress.load_model] for ``--device``, ``--dtype`` and the placement
+    flags (`placement_options`), all checked now, before any side effect
     (``--device-map`` parsed from its name, JSON or file), with ``--kernel`` against the device
-    (:func:`~h2o_compress.attention.choice.check_kernel`). Raises ConfigError or ModelLoadError."""
+    (`check_kernel`). Raises ConfigError or ModelLoadError."""
     options = {"device": device, "dtype": dtype, **placement, "device_map": parse_device_map(placement["device_map"])}
     check_kernel(attention_kernel, placement_options(**options)["_device"])  # where the weights (and cache) go
     return options

@@ -1,6 +1,6 @@
 """``h2o-compress eval perplexity|needle|agreement|lm-eval``: quality under compression against the uncompressed cache.
 
-User errors exit with code 2 and one line (:func:`~h2o_compress.cli.common.user_errors`); every option is
+User errors exit with code 2 and one line (`user_errors`); every option is
 checked before the model loads.
 """
 
@@ -57,7 +57,7 @@ def progress_bar(description: str, enabled: bool = True):
 def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int], trust: bool, placement: dict,
           attention_kernel: str):
     """Load the model as the flags say (``placement``: the weights/placement flags, see
-    :func:`~h2o_compress.cli.options.placement_options`; ``attention_kernel``: ``--kernel``, checked against the
+    `placement_options`; ``attention_kernel``: ``--kernel``, checked against the
     device first)."""
     options = load_options(device, dtype, placement, attention_kernel)
     set_threads(threads)

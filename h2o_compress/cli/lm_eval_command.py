@@ -1,5 +1,5 @@
 """``h2o-compress eval lm-eval``: lm-evaluation-harness tasks through the compressed cache (model type ``h2o-compress``,
-:mod:`h2o_compress.integrations.lm_eval_model`), scores as a rich table, optionally written to a JSON file.
+`h2o_compress.integrations.lm_eval_model`), scores as a rich table, optionally written to a JSON file.
 
 Every option is checked before the model loads: the model_args (keys and compression values), the task names
 (against lm-eval's tasks and those under ``--include-path``), ``--limit`` and ``--output`` (a new file only).

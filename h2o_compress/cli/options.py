@@ -1,7 +1,7 @@
 """The options shared by the commands, declared once (a leaf module: it imports nothing of the CLI).
 
-:func:`compression_options` adds the compression flags (``--policy``, ``--budget``, ... ``--kernel``) to a
-command and hands it one validated :class:`CompressionConfig` built from them, plus the names the user gave on
+`compression_options` adds the compression flags (``--policy``, ``--budget``, ... ``--kernel``) to a
+command and hands it one validated [`CompressionConfig`][h2o_compress.config.CompressionConfig] built from them, plus the names the user gave on
 the command line (so ``--config FILE`` can merge under them). The model-runtime options (``--model``,
 ``--device``, ``--dtype``, ``--threads``) are declared here too.
 """
@@ -91,7 +91,7 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
 
 @dataclass(frozen=True)
 class Compression:
-    """What :func:`compression_options` hands a command: the raw flag values, those given explicitly, and the
+    """What `compression_options` hands a command: the raw flag values, those given explicitly, and the
     command's own defaults (e.g. ``ask``'s), which a ``--config`` file's settings go over."""
 
     values: dict
@@ -99,9 +99,9 @@ class Compression:
     defaults: dict = field(default_factory=dict)
 
     def config(self, check: bool = True, frozen: bool = False) -> CompressionConfig:
-        """A validated :class:`CompressionConfig` of the flags; with ``check``, also refused when the flags make
-        no sense together (:func:`~h2o_compress.config.check_usable`, ``frozen``: for compress-then-ask) or a
-        format flag given would be ignored (:func:`~h2o_compress.config.check_format_options`). Raises
+        """A validated [`CompressionConfig`][h2o_compress.config.CompressionConfig] of the flags; with ``check``, also refused when the flags make
+        no sense together ([`check_usable`][h2o_compress.config.check_usable], ``frozen``: for compress-then-ask) or a
+        format flag given would be ignored ([`check_format_options`][h2o_compress.config.check_format_options]). Raises
         ConfigError."""
         values = dict(self.values)
         if "budget" in values:
@@ -141,9 +141,9 @@ def _with_default(option, default):
 
 def compression_options(fn=None, *, only: tuple[str, ...] | None = None, defaults: dict | None = None):
     """Decorator: add the compression flags (all, or ``only`` these) to a typer command, with the command's own
-    ``defaults`` where given (e.g. ``ask``'s, :data:`h2o_compress.runtime.ask.ASK_DEFAULTS`).
+    ``defaults`` where given (e.g. ``ask``'s, [`h2o_compress.runtime.ask.ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]).
 
-    The command receives them as one keyword argument ``compression`` (a :class:`Compression`) and needs
+    The command receives them as one keyword argument ``compression`` (a `Compression`) and needs
     ``ctx: typer.Context`` as its first parameter (to tell flags given from defaults).
     """
     defaults = defaults or {}
@@ -217,7 +217,7 @@ PLACEMENT_FLAGS: dict[str, _Flag] = {
 def placement_options(command):
     """Decorator: add ``--weights-bits``, ``--device-map``, ``--max-memory`` and ``--offload-folder`` to a typer
     command, handed to it as one keyword argument ``placement`` (a dict of the raw values, keyed like
-    :func:`h2o_compress.load_model`'s arguments; see :func:`h2o_compress.cli.common.load_options`)."""
+    [`h2o_compress.load_model`][h2o_compress.load_model]'s arguments; see `h2o_compress.cli.common.load_options`)."""
     signature = inspect.signature(command, eval_str=True)
     own = [p for p in signature.parameters.values() if p.name != "placement"]
     added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=f.annotation, default=f.option)

@@ -22,7 +22,7 @@ from h2o_compress.profiling.sweep import PLACEMENT_DEFAULTS, ProfileSettings, ru
 from h2o_compress.utils.defaults import default_of
 
 
-#: The ``profile`` command: its ``--ray`` takes an optional value (:class:`~h2o_compress.cli.options.RayCommand`).
+#: The ``profile`` command: its ``--ray`` takes an optional value (`RayCommand`).
 ProfileCommand = RayCommand
 
 
@@ -33,7 +33,7 @@ def options_given(ctx: typer.Context, *besides: str) -> list[str]:
 
 
 def setting_default(name: str):
-    """:class:`ProfileSettings`' default of field ``name``, as its option takes it (a tuple as a comma-separated
+    """[`ProfileSettings`][h2o_compress.profiling.ProfileSettings]' default of field ``name``, as its option takes it (a tuple as a comma-separated
     list): each default is written once, in the dataclass."""
     value = default_of(ProfileSettings, name)
     if isinstance(value, tuple):
@@ -99,7 +99,7 @@ RenderOpt = typer.Option(
 
 def sweep_lists(policies: str, budgets: str, kv_bits: str, seq_len: str, needle_lengths: str, needle_depths: str,
                 lm_eval_tasks: str, quality_texts: str) -> dict:
-    """The comma-separated list options, parsed into :class:`ProfileSettings`' tuples. Raises ConfigError."""
+    """The comma-separated list options, parsed into [`ProfileSettings`][h2o_compress.profiling.ProfileSettings]' tuples. Raises ConfigError."""
     return dict(
         policies=tuple(parse_list(policies, str, "policies", "names such as h2o,local,sink")),
         budgets=tuple(parse_list(budgets, parse_budget, "budgets", "fractions in (0, 1] or integers, e.g. 1,0.5,0.2")),

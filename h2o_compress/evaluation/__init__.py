@@ -1,13 +1,13 @@
 """Quality evaluation: what a compression setting costs, measured against the uncompressed cache.
 
-- :func:`text_perplexity` / :func:`streaming_perplexity`: the text is read through the compressed cache chunk by
+- [`text_perplexity`][h2o_compress.evaluation.text_perplexity] / [`streaming_perplexity`][h2o_compress.evaluation.streaming_perplexity]: the text is read through the compressed cache chunk by
   chunk (``h2o-compress eval perplexity``).
-- :func:`needle_eval`: passkey retrieval per (context length, depth) (``h2o-compress eval needle``).
-- :func:`agreement_eval`: greedy generations vs the uncompressed cache, token match and ROUGE-L
+- [`needle_eval`][h2o_compress.evaluation.needle_eval]: passkey retrieval per (context length, depth) (``h2o-compress eval needle``).
+- [`agreement_eval`][h2o_compress.evaluation.agreement_eval]: greedy generations vs the uncompressed cache, token match and ROUGE-L
   (``h2o-compress eval agreement``).
-- :func:`reporting_text`: the reporting corpus (:data:`REPORTING_TEXTS`), texts quality figures are reported on and
-  nothing is tuned on (the tuning text is :data:`TUNING_TEXT`, the default corpus).
-(The profile sweep over many settings is :mod:`h2o_compress.profiling`.)
+- [`reporting_text`][h2o_compress.evaluation.reporting_text]: the reporting corpus (`REPORTING_TEXTS`), texts quality figures are reported on and
+  nothing is tuned on (the tuning text is `TUNING_TEXT`, the default corpus).
+(The profile sweep over many settings is [`h2o_compress.profiling`][h2o_compress.profiling].)
 """
 
 from h2o_compress.evaluation.agreement import AgreementResult, agreement_eval, prefix_match_rate, rouge_l, token_match_rate

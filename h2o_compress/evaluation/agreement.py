@@ -108,7 +108,7 @@ def compare(prompt: str, reference: GenerationResult, candidate: GenerationResul
 
 def reference_generations(model, tokenizer, prompts: list[str], max_new_tokens: int = 32,
                           progress: ProgressFn | None = None) -> list[GenerationResult]:
-    """Greedy generations of ``prompts`` with the uncompressed cache (the reference of :func:`agreement_eval`)."""
+    """Greedy generations of ``prompts`` with the uncompressed cache (the reference of [`agreement_eval`][h2o_compress.evaluation.agreement_eval])."""
     results = []
     for i, prompt in enumerate(prompts):
         results.append(generate(model, tokenizer, prompt, CompressionConfig(policy="full"), max_new_tokens))
@@ -133,7 +133,7 @@ def agreement_eval(
     Args:
         references: uncompressed generations of the same prompts with the same ``max_new_tokens`` (computed
             when ``None``; pass them to reuse across settings).
-        compile: decode steps through the compiled step (``None``: on with CUDA; see :func:`h2o_compress.generate`).
+        compile: decode steps through the compiled step (``None``: on with CUDA; see [`h2o_compress.generate`][h2o_compress.generate]).
 
     Raises:
         ConfigError: bad ``max_new_tokens`` or compression setting.

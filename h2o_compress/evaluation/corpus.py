@@ -2,7 +2,7 @@
 
 The default corpus is the first six stories of *The Adventures of Sherlock Holmes* (public domain; provenance
 in ``h2o_compress/data/README.md``). It is also the tuning text: the only text on which any default, factor, policy
-or threshold is chosen. Quality figures are reported on the reporting corpus (:data:`REPORTING_TEXTS`), texts of
+or threshold is chosen. Quality figures are reported on the reporting corpus (`REPORTING_TEXTS`), texts of
 other kinds that nothing is ever tuned on.
 """
 
@@ -41,10 +41,10 @@ def default_corpus() -> str:
 
 @lru_cache(maxsize=len(REPORTING_TEXTS))
 def reporting_text(name: str) -> str:
-    """The reporting text ``name`` (a key of :data:`REPORTING_TEXTS`), as one string.
+    """The reporting text ``name`` (a key of `REPORTING_TEXTS`), as one string.
 
     Reporting texts are for reporting quality figures on text nobody tuned on: never choose a default, factor,
-    policy or threshold with them (the tuning text is :data:`TUNING_TEXT`). Provenance and licences are in
+    policy or threshold with them (the tuning text is `TUNING_TEXT`). Provenance and licences are in
     ``h2o_compress/data/README.md``.
 
     Raises:
@@ -77,8 +77,8 @@ REPORTING = "reporting"
 
 
 def expand_text_names(values) -> tuple[str, ...]:
-    """``values`` (text names or file paths) with :data:`REPORTING` replaced by the names of the reporting texts,
-    duplicates dropped (the first kept). Nothing is read: :func:`load_text` checks each value."""
+    """``values`` (text names or file paths) with `REPORTING` replaced by the names of the reporting texts,
+    duplicates dropped (the first kept). Nothing is read: `load_text` checks each value."""
     names: list[str] = []
     for value in values:
         for name in (REPORTING_TEXTS if value == REPORTING else [value]):
@@ -96,9 +96,9 @@ def text_role(name: str | None) -> str:
 
 
 def load_text(text_file: str | Path | None = None) -> str:
-    """The text of ``text_file``: a shipped text by name (:data:`TEXT_NAMES`: ``sherlock``, the tuning text, or a
+    """The text of ``text_file``: a shipped text by name (`TEXT_NAMES`: ``sherlock``, the tuning text, or a
     reporting text; ``./NAME`` reads a file of that name instead), a file path, or the shipped corpus (the tuning
-    text) when ``None`` (see :func:`read_text_file` for errors)."""
+    text) when ``None`` (see `read_text_file` for errors)."""
     if text_file is None or text_file == "sherlock":
         return default_corpus()
     if isinstance(text_file, str) and text_file in REPORTING_TEXTS:

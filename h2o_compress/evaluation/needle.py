@@ -177,7 +177,7 @@ def needle_prompt(tokenizer, length: int, depth: float, passkey: str, corpus: st
 
 def needle_prompt_parts(tokenizer, length: int, depth: float, passkey: str, corpus: str | None = None,
                         offset: int = 0, chat: bool = True) -> tuple[torch.Tensor, int]:
-    """:func:`needle_prompt` and the number of its tokens before the question (instruction + haystack: what the
+    """`needle_prompt` and the number of its tokens before the question (instruction + haystack: what the
     compress-then-ask protocol compresses before the question is known)."""
     corpus = corpus or default_corpus()
     needle = NEEDLE.format(key=passkey)
@@ -224,8 +224,8 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
     Question in the prompt (``context_tokens`` ``None``): one cache built for ``tokens + max_new_tokens``.
     Compress-then-ask (``context_tokens`` = tokens before the question): the context alone goes through a cache
     built for it (the budget applies to the context), then the question and the answer go into its frozen copy
-    (:meth:`~h2o_compress.CompressedCache.frozen_copy`: nothing more is evicted), as :func:`h2o_compress.runtime.ask`
-    does. ``chunk_size`` ``None`` reads the prompt in one pass, as :func:`h2o_compress.generate` does (eviction
+    ([`frozen_copy`][h2o_compress.CompressedCache.frozen_copy]: nothing more is evicted), as [`h2o_compress.runtime.ask`][h2o_compress.runtime.ask.ask]
+    does. ``chunk_size`` ``None`` reads the prompt in one pass, as [`h2o_compress.generate`][h2o_compress.generate] does (eviction
     then acts after the prompt); a number reads it in chunks, so eviction acts while it is read. ``compile``:
     decode steps through the compiled step (``None``: on with CUDA).
 
@@ -255,8 +255,8 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
 def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = ANSWER_TOKENS,
                       chunk_size: int | None = None, protocol: str = PROTOCOLS[0], seed: int | None = 0,
                       keys: int = 1) -> None:
-    """Validate :func:`needle_eval`'s arguments (those that do not need the model or its tokenizer: see
-    :func:`check_answer_room` for ``max_new_tokens`` against the passkey). Raises ConfigError naming the bad one."""
+    """Validate [`needle_eval`][h2o_compress.evaluation.needle_eval]'s arguments (those that do not need the model or its tokenizer: see
+    `check_answer_room` for ``max_new_tokens`` against the passkey). Raises ConfigError naming the bad one."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={short(protocol)} is not supported; allowed: {', '.join(PROTOCOLS)}")
     check_count("trials", trials, unit="trials per cell")
@@ -274,7 +274,7 @@ def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = AN
 
 
 def passkey_tokens(tokenizer, passkey: str) -> int:
-    """Tokens the model writes for ``passkey`` after :data:`ANSWER_PREFIX` (with its leading space), with
+    """Tokens the model writes for ``passkey`` after `ANSWER_PREFIX` (with its leading space), with
     ``tokenizer``: the fewest new tokens in which a right answer fits."""
     prefix = _encode(tokenizer, ANSWER_PREFIX)
     answer = _encode(tokenizer, f"{ANSWER_PREFIX} {passkey}")
@@ -317,14 +317,14 @@ def needle_eval(
     both settings see identical prompts; ``corpus`` is the haystack's prose (default: the shipped corpus).
     ``protocol``: ``question-in-prompt`` (the budget fraction is relative to ``prompt + max_new_tokens``) or
     ``compress-then-ask`` (instruction + haystack compressed before the question is read, the budget relative to
-    them; the question and the answer are added without eviction, as :func:`h2o_compress.runtime.ask` does).
-    ``keys``: passkeys per haystack (1 to :data:`MAX_KEYS`); above 1 they are numbered and spread over the
-    haystack (:func:`numbered_prompts`), each asked for in its own question from the same context, and
-    :attr:`NeedleResult.per_key` gives the accuracy per key.
+    them; the question and the answer are added without eviction, as [`h2o_compress.runtime.ask`][h2o_compress.runtime.ask.ask] does).
+    ``keys``: passkeys per haystack (1 to `MAX_KEYS`); above 1 they are numbered and spread over the
+    haystack (`numbered_prompts`), each asked for in its own question from the same context, and
+    [`NeedleResult.per_key`][h2o_compress.evaluation.NeedleResult.per_key] gives the accuracy per key.
 
     Raises:
         ConfigError: bad lengths, depths, trials, seed, chunk size or compression setting; ``max_new_tokens`` too
-            few for the passkey with this tokenizer (:func:`check_answer_room`).
+            few for the passkey with this tokenizer (`check_answer_room`).
         InputError: a length beyond the model's context.
     """
     config = config or CompressionConfig()

@@ -177,7 +177,7 @@ def text_perplexity(
     progress: ProgressFn | None = None,
     compile: bool | None = None,
 ) -> PerplexityResult:
-    """:func:`streaming_perplexity` of the first ``max_tokens`` tokens of ``text_file`` (default: the shipped
+    """[`streaming_perplexity`][h2o_compress.evaluation.streaming_perplexity] of the first ``max_tokens`` tokens of ``text_file`` (default: the shipped
     corpus). A shorter text is read whole (``result.tokens`` says how many tokens were read).
 
     Raises:

@@ -33,7 +33,7 @@ def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximu
 
 def model_device(model) -> torch.device:
     """Where the model takes its inputs (its input embeddings' execution device; see
-    :func:`h2o_compress.models.weights.input_device`)."""
+    `h2o_compress.models.weights.input_device`)."""
     return input_device(model)
 
 
@@ -69,9 +69,9 @@ def forward_chunk(model, cache, chunk: torch.Tensor, last_only: bool = False) ->
 
 
 def step_function(model, compile: bool):
-    """The decode step to use: :func:`~h2o_compress.runtime.compiled.compiled_decode_step` when ``compile`` (the cache must
-    be compileable: :func:`~h2o_compress.runtime.compiled.resolve_compile` checks), else the eager
-    :func:`~h2o_compress.runtime.compiled.decode_step`."""
+    """The decode step to use: `compiled_decode_step` when ``compile`` (the cache must
+    be compileable: `resolve_compile` checks), else the eager
+    `decode_step`."""
     return compiled_decode_step(model) if compile else decode_step
 
 
@@ -90,8 +90,8 @@ def read_stream(
         chunk_size: tokens per forward pass; ``None`` reads everything in one pass (a prefill).
         on_logits: ``on_logits(start, logits)`` receives each chunk's logits ``[batch, k, vocab]`` (position
             ``start + i`` predicts token ``start + i + 1``); without it only the last position is projected.
-        progress: see :data:`ProgressFn`.
-        decoder: a decode step function (:func:`step_function`) for one-token chunks after the first; ``None``: a
+        progress: see `ProgressFn`.
+        decoder: a decode step function (`step_function`) for one-token chunks after the first; ``None``: a
             plain forward pass.
 
     Returns:
@@ -127,9 +127,9 @@ def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[
     """Greedy tokens from ``logits`` (``[batch=1, vocab]``, after the prompt), ``steps`` tokens at most.
 
     The first token comes from ``logits``; each further one costs one forward pass through ``cache``. Stops
-    after a token in ``stop_ids``. ``step``: the decode step function (:func:`step_function`; default eager).
+    after a token in ``stop_ids``. ``step``: the decode step function (`step_function`; default eager).
     ``untimed``: decode passes left out of the seconds, the first ones (a compiled step's warm-up,
-    :func:`h2o_compress.runtime.compiled.warmup_steps`).
+    `h2o_compress.runtime.compiled.warmup_steps`).
 
     Returns:
         ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes after

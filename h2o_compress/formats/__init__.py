@@ -1,4 +1,4 @@
-"""KV quantization stage: one small class per format, chosen by :func:`make_quantizer`."""
+"""KV quantization stage: one small class per format, chosen by [`make_quantizer`][h2o_compress.formats.make_quantizer]."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ __all__ = [
 
 
 #: The quantization formats by the name ``CompressionConfig.quant`` takes: each class declares the bits it stores
-#: and what it supports (:class:`KVQuantizer`'s class variables). Adding a format: one file and one line here.
+#: and what it supports ([`KVQuantizer`][h2o_compress.formats.KVQuantizer]'s class variables). Adding a format: one file and one line here.
 FORMATS: dict[str, type[KVQuantizer]] = {
     "int": IntQuantizer,
     "nf4": NF4Quantizer,
@@ -39,7 +39,7 @@ FORMATS: dict[str, type[KVQuantizer]] = {
 
 def make_quantizer(bits: int, quant: str, group_size: int, head_dim: int, rotate: bool = True) -> KVQuantizer:
     """The quantizer for one tensor (keys or values) stored in ``bits`` bits with format family ``quant`` (a key of
-    :data:`FORMATS`); 16 bits: no quantization.
+    `FORMATS`); 16 bits: no quantization.
 
     Raises:
         ConfigError: ``group_size`` does not divide ``head_dim``, or bitsandbytes is missing for its formats.

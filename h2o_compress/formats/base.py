@@ -127,14 +127,14 @@ def check_group_size(group_size: int, head_dim: int) -> None:
 
 
 class KVQuantizer(ABC):
-    """Turns ``[batch, kv_heads, seq, head_dim]`` keys or values into a :class:`StoredTensor` and back.
+    """Turns ``[batch, kv_heads, seq, head_dim]`` keys or values into a [`StoredTensor`][h2o_compress.formats.StoredTensor] and back.
 
     Each token is quantized independently (per-token groups along ``head_dim``), so tokens can be evicted
     by gathering their packed data and scales (DESIGN.md §2, Quantization).
 
     A format family declares what it supports in class variables, which the config's checks, the planner and
-    the CLI read (:data:`h2o_compress.formats.FORMATS`), and builds its quantizer for a bit width with
-    :meth:`create`.
+    the CLI read (`h2o_compress.formats.FORMATS`), and builds its quantizer for a bit width with
+    [`create`][h2o_compress.formats.KVQuantizer.create].
     """
 
     bits: int = 16
@@ -142,14 +142,14 @@ class KVQuantizer(ABC):
     supported_bits: ClassVar[tuple[int, ...]] = ()
     #: It quantizes in a Hadamard-rotated basis when the config's ``rotate`` is on.
     rotates: ClassVar[bool] = False
-    #: Some of its 4-bit tokens can keep 8 bits (``high_bits_fraction``, :mod:`h2o_compress.formats.split`).
+    #: Some of its 4-bit tokens can keep 8 bits (``high_bits_fraction``, `h2o_compress.formats.split`).
     mixed_precision: ClassVar[bool] = False
     #: Its decode step can be traced by ``torch.compile`` (the bitsandbytes calls cannot).
     compilable: ClassVar[bool] = True
 
     @classmethod
     def create(cls, bits: int, group_size: int, head_dim: int, rotate: bool = True) -> "KVQuantizer":
-        """The family's quantizer for ``bits``-bit tensors (one of :attr:`supported_bits`)."""
+        """The family's quantizer for ``bits``-bit tensors (one of `supported_bits`)."""
         raise NotImplementedError
 
     @abstractmethod

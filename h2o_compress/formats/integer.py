@@ -40,7 +40,7 @@ class IntQuantizer(KVQuantizer):
     """Asymmetric ``bits``-bit integers, one fp16 (scale, zero) pair per ``group_size`` elements of a token.
 
     Stored parts: ``data`` uint8 ``[batch, kv_heads, seq, head_dim * bits / 8]`` and ``scale_zero`` fp16
-    ``[batch, kv_heads, seq, head_dim / group_size, 2]``. Inputs are expected in :meth:`rotation`'s basis.
+    ``[batch, kv_heads, seq, head_dim / group_size, 2]``. Inputs are expected in [`rotation`][h2o_compress.formats.IntQuantizer.rotation]'s basis.
     Round-trip error per element is at most ``scale / 2`` plus fp16 rounding of the zero point, ``scale = (max - min) / (2**bits - 1)``.
 
     Raises:
@@ -63,11 +63,11 @@ class IntQuantizer(KVQuantizer):
         self.qmax = 2**bits - 1
 
     def rotation(self, device: torch.device) -> torch.Tensor | None:
-        """The Hadamard basis inputs must be in (``x @ H``) when ``rotate``; see :meth:`KVQuantizer.rotation`."""
+        """The Hadamard basis inputs must be in (``x @ H``) when ``rotate``; see [`KVQuantizer.rotation`][h2o_compress.formats.KVQuantizer.rotation]."""
         return hadamard_matrix(self.head_dim, str(device)) if self.rotate else None
 
     def quantize(self, x: torch.Tensor) -> StoredTensor:
-        """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]`` (any float dtype, already in :meth:`rotation`'s
+        """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]`` (any float dtype, already in [`rotation`][h2o_compress.formats.IntQuantizer.rotation]'s
         basis)."""
         x = x.float()
         groups = x.unflatten(-1, (self.head_dim // self.group_size, self.group_size))
@@ -97,7 +97,7 @@ class IntQuantizer(KVQuantizer):
         return out
 
     def dequantize_into(self, stored: StoredTensor, out: torch.Tensor) -> None:
-        """``codes x scale + zero`` written straight into ``out`` (see :meth:`KVQuantizer.dequantize_into`)."""
+        """``codes x scale + zero`` written straight into ``out`` (see [`KVQuantizer.dequantize_into`][h2o_compress.formats.KVQuantizer.dequantize_into])."""
         scale_zero = stored.parts["scale_zero"].float()
         codes = self._codes(stored.parts["data"])
         target = out.unflatten(-1, (self.head_dim // self.group_size, self.group_size))

@@ -1,11 +1,13 @@
 """The lm-evaluation-harness model type ``h2o-compress``: lm-eval's ``HFLM`` evaluated through our compressed cache.
 
-Import this module (or run ``h2o-compress eval lm-eval``) and lm-eval knows the model type::
+Import this module (or run ``h2o-compress eval lm-eval``) and lm-eval knows the model type:
 
-    import lm_eval
-    import h2o_compress.integrations.lm_eval_model  # registers "h2o-compress"
-    results = lm_eval.simple_evaluate(model="h2o-compress", model_args="pretrained=smollm2-135m,budget=0.2,kv_bits=4",
-                                      tasks=["lambada_openai"])
+```python
+import lm_eval
+import h2o_compress.integrations.lm_eval_model  # registers "h2o-compress"
+results = lm_eval.simple_evaluate(model="h2o-compress", model_args="pretrained=smollm2-135m,budget=0.2,kv_bits=4",
+                                  tasks=["lambada_openai"])
+```
 
 lm-eval 0.4.13 (the newest release installable here) finds models only in its registry, so the import is what
 registers the type; ``pyproject.toml`` also declares it as an entry point in the ``lm_eval.models`` group for the
@@ -18,20 +20,20 @@ context + continuation, so a cache that evicts after that pass changes nothing i
 - **loglikelihood** (multiple choice, lambada...): the context is prefilled through a fresh compressed cache whose
   budget fraction is relative to the context's tokens, so the cache is compressed down to its capacity at the end of
   the prefill; the continuation is then scored against that compressed cache as **one chunk appended after it, on a
-  frozen copy** (:meth:`~h2o_compress.cache.CompressedCache.frozen_copy`: nothing more is evicted; the tokens
+  frozen copy** ([`frozen_copy`][h2o_compress.cache.CompressedCache.frozen_copy]: nothing more is evicted; the tokens
   after the context are kept as they come). Why one chunk and not decode steps: it is the compress-then-ask protocol
-  of :func:`h2o_compress.runtime.ask` (kvpress): every choice of a question is scored against the *same* compressed context,
+  of [`h2o_compress.runtime.ask`][h2o_compress.runtime.ask.ask] (kvpress): every choice of a question is scored against the *same* compressed context,
   prefilled and compressed once per context (not once per choice, and not with a capacity that depends on the
   choice's length); a continuation is an answer of a few tokens, so what decode steps could evict during it is at
   most its own length; and it costs one forward pass per continuation. The first continuation token is scored from
   the prefill's last logits, the others from the chunk's.
-- **generate_until**: ``model.generate`` decodes with a :class:`~h2o_compress.cache.CompressedCache` built for
-  context + ``max_gen_toks`` (the budget fraction is relative to that, as in :func:`h2o_compress.generate`), so
+- **generate_until**: ``model.generate`` decodes with a [`CompressedCache`][h2o_compress.cache.CompressedCache] built for
+  context + ``max_gen_toks`` (the budget fraction is relative to that, as in [`h2o_compress.generate`][h2o_compress.generate]), so
   eviction and quantization act at the prefill and at every decode step.
 - **loglikelihood_rolling** (perplexity tasks such as wikitext): each of lm-eval's disjoint windows (at most
   ``max_length`` tokens) streams through its own compressed cache ``chunk_size`` tokens per forward pass (default 1:
   exact decode semantics, every token attends only to the kept, possibly quantized, cache; the budget fraction is
-  relative to the window), as ``h2o-compress eval perplexity`` does (:func:`h2o_compress.evaluation.stream.read_stream`).
+  relative to the window), as ``h2o-compress eval perplexity`` does (`h2o_compress.evaluation.stream.read_stream`).
 
 At ``budget=1.0`` and 16 bits nothing is evicted or quantized, and the scores are lm-eval's ``hf`` model's (the
 log-likelihoods equal to float reassociation: the context and continuation are computed in two passes).
@@ -64,7 +66,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 MODEL_TYPE = "h2o-compress"
 COMPRESSION_ARGS = tuple(field.name for field in dataclasses.fields(CompressionConfig))
-"""model_args that set the compression (the fields of :class:`CompressionConfig`)."""
+"""model_args that set the compression (the fields of [`CompressionConfig`][h2o_compress.config.CompressionConfig])."""
 OWN_ARGS = ("pretrained", "tokenizer", "device", "dtype", "trust_remote_code", "batch_size", "chunk_size")
 """model_args this model type reads itself."""
 HFLM_ARGS = (
@@ -75,9 +77,9 @@ HFLM_ARGS = (
 
 
 def compression_from_args(args: dict) -> CompressionConfig:
-    """The :class:`CompressionConfig` of the compression keys of ``args`` (lm-eval model_args, values already cast
+    """The [`CompressionConfig`][h2o_compress.config.CompressionConfig] of the compression keys of ``args`` (lm-eval model_args, values already cast
     by lm-eval: ``budget=0.2`` is a float, ``kv_bits=4`` an int, ``rotate=false`` a bool), checked as the CLI checks
-    its flags (:func:`~h2o_compress.config.check_usable`).
+    its flags ([`check_usable`][h2o_compress.config.check_usable]).
 
     ``budget`` reads as ``--budget`` does: ``1`` (or ``1.0``) keeps everything, a fraction in (0, 1) is relative to
     the sequence, an integer > 1 is a number of tokens.
@@ -134,7 +136,7 @@ SOFTMAX_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _check_hflm_args(args: dict) -> None:
-    """``max_length`` (an integer from 1 to :data:`~h2o_compress.config.MAX_TOKENS`; lm-eval reads a 5,000-digit
+    """``max_length`` (an integer from 1 to `MAX_TOKENS`; lm-eval reads a 5,000-digit
     one as ``inf``) and ``softmax_dtype`` (a float dtype name), as the CLI checks its own options. Raises ConfigError."""
     length = args.get("max_length")
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_TOKENS):
@@ -151,21 +153,23 @@ def _check_hflm_args(args: dict) -> None:
 @register_model(MODEL_TYPE)
 class H2OCompressLM(HFLM):
     """lm-eval's ``HFLM`` whose loglikelihood, rolling loglikelihood and generation requests run through a
-    :class:`~h2o_compress.cache.CompressedCache` (see the module docstring for what each request type does).
+    [`CompressedCache`][h2o_compress.cache.CompressedCache] (see the module docstring for what each request type does).
 
     Args:
         pretrained: an alias (``smollm2-135m``, the default), a local Hugging Face directory, a hub id (needs a
-            network), all loaded by :func:`h2o_compress.load_model`; or an already-loaded causal LM (Python API), then
+            network), all loaded by [`h2o_compress.load_model`][h2o_compress.load_model]; or an already-loaded causal LM (Python API), then
             with ``tokenizer``.
         tokenizer: the tokenizer of an already-loaded ``pretrained`` model.
-        device, dtype, trust_remote_code: as :func:`h2o_compress.load_model` (``device`` default ``auto``;
-            ``dtype="auto"`` means its default); ignored for an already-loaded model.
+        device: as [`h2o_compress.load_model`][h2o_compress.load_model] (default ``auto``); ignored for an already-loaded model.
+        dtype: as [`h2o_compress.load_model`][h2o_compress.load_model] (``"auto"`` means its default); ignored for an already-loaded
+            model.
+        trust_remote_code: as [`h2o_compress.load_model`][h2o_compress.load_model]; ignored for an already-loaded model.
         batch_size: 1 (requests are scored one at a time).
         chunk_size: tokens per forward pass of rolling loglikelihood (1 = exact decode semantics).
-        **kwargs: the fields of :class:`~h2o_compress.CompressionConfig` (``policy``, ``budget``, ``heavy_ratio``,
+        **kwargs: the fields of [`CompressionConfig`][h2o_compress.CompressionConfig] (``policy``, ``budget``, ``heavy_ratio``,
             ``sink_tokens``, ``kv_bits``, ``k_bits``, ``v_bits``, ``quant``, ``group_size``, ``residual``,
             ``rotate``, ``score_chunk_size``, ``attention_kernel``, ``layer_budgets``, ``head_budgets``,
-            ``high_bits_fraction``) and the HFLM arguments of :data:`HFLM_ARGS` (e.g. ``max_length``, ``add_bos_token``,
+            ``high_bits_fraction``) and the HFLM arguments of `HFLM_ARGS` (e.g. ``max_length``, ``add_bos_token``,
             ``softmax_dtype``).
 
     Raises:
@@ -287,7 +291,7 @@ class H2OCompressLM(HFLM):
 
     # -- generation: model.generate with the compressed cache ---------------------------------------------------
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        """``HFLM._model_generate`` with a fresh :class:`~h2o_compress.cache.CompressedCache` for ``max_length``
+        """``HFLM._model_generate`` with a fresh [`CompressedCache`][h2o_compress.cache.CompressedCache] for ``max_length``
         tokens (context + ``max_gen_toks``) passed to ``model.generate`` as ``past_key_values``."""
         cache = make_cache(self.model, self.compression, max_length=int(max_length))
         return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)

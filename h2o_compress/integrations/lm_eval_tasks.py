@@ -1,5 +1,5 @@
 """lm-evaluation-harness tasks: checking task options before anything runs, and scoring an already-loaded model
-with the ``h2o-compress`` model type (:mod:`h2o_compress.integrations.lm_eval_model`). Shared by ``h2o-compress eval lm-eval``
+with the ``h2o-compress`` model type (`h2o_compress.integrations.lm_eval_model`). Shared by ``h2o-compress eval lm-eval``
 and ``h2o-compress profile --lm-eval-tasks`` (lm-eval: https://github.com/EleutherAI/lm-evaluation-harness).
 
 A leaf module: ``lm_eval`` and the model type are imported only when a function needs them, so importing this module
@@ -68,8 +68,8 @@ def check_task_options(tasks: Sequence[str], limit: int | None = None, include_p
 
 def check_tasks(tasks: Sequence[str], limit: int | None = None, include_path: str | None = None,
                 option: str = "--tasks"):
-    """Check lm-eval task options before anything is loaded (:func:`check_task_options`, then every name against
-    lm-eval's tasks and those under ``include_path``); returns the :func:`task_manager` that knows them.
+    """Check lm-eval task options before anything is loaded (`check_task_options`, then every name against
+    lm-eval's tasks and those under ``include_path``); returns the `task_manager` that knows them.
 
     Raises:
         ConfigError: lm-eval not installed, no task, a bad ``limit``, or an unknown task name (naming each one).
@@ -103,19 +103,22 @@ def flat_scores(results: dict) -> dict[str, dict[str, float]]:
 def score_model(model, tokenizer, config, tasks: Sequence[str], limit: int | None = None,
                 include_path: str | None = None) -> dict:
     """Score an already-loaded model on lm-eval ``tasks`` through the compressed cache of ``config`` (the
-    ``h2o-compress`` model type, :class:`~h2o_compress.integrations.lm_eval_model.H2OCompressLM`; no second model load).
+    ``h2o-compress`` model type, `H2OCompressLM`; no second model load).
 
     Args:
-        model, tokenizer: a loaded causal LM and its tokenizer.
-        config: the :class:`~h2o_compress.CompressionConfig` of every request.
-        tasks, limit, include_path: as ``h2o-compress eval lm-eval --tasks/--limit/--include-path``.
+        model: a loaded causal LM.
+        tokenizer: its tokenizer.
+        config: the [`CompressionConfig`][h2o_compress.CompressionConfig] of every request.
+        tasks: as ``h2o-compress eval lm-eval --tasks``.
+        limit: as ``h2o-compress eval lm-eval --limit``.
+        include_path: as ``h2o-compress eval lm-eval --include-path``.
 
     Returns:
         ``{"tasks": list, "limit": limit, "scores": {task: {"metric,filter": value, "metric_stderr,filter": value}},
         "versions": {task: version}}``.
 
     Raises:
-        ConfigError / InputError: bad task options (:func:`check_tasks`) or a bad compression setting.
+        ConfigError / InputError: bad task options (`check_tasks`) or a bad compression setting.
     """
     lm_eval = import_lm_eval()
     manager = check_tasks(tasks, limit, include_path)

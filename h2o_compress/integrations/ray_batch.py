@@ -1,14 +1,14 @@
 """A batch job on a Ray cluster with Ray Data (``h2o-compress batch --ray [ADDRESS]``; Ray Data's ``map_batches``
 with a class: https://docs.ray.io/en/latest/data/transforming-data.html).
 
-- The prompts become a dataset of JSON rows; ``map_batches`` runs :class:`BatchActor` on them: one actor per GPU of
+- The prompts become a dataset of JSON rows; ``map_batches`` runs `BatchActor` on them: one actor per GPU of
   the cluster, or per ``threads`` CPUs where it has none, each loading the model once and answering its share
-  through :func:`h2o_compress.generate_batch` (continuous batching, ``batch_size`` rows).
+  through [`h2o_compress.generate_batch`][h2o_compress.generate_batch] (continuous batching, ``batch_size`` rows).
 - This process (the driver) writes each answer as it comes back, so OUTPUT has the same semantics as a local run
-  (each prompt once, appended and flushed, resumable): the caller hands :func:`run_on_ray` only the prompts not
+  (each prompt once, appended and flushed, resumable): the caller hands `run_on_ray` only the prompts not
   answered yet and writes what it yields.
 - ``address`` and the shipping of this package to the workers are those of ``profile --ray``
-  (:mod:`h2o_compress.integrations.ray_sweep`).
+  (`h2o_compress.integrations.ray_sweep`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CALL_BATCHES = 4
 
 class BatchActor:
     """A Ray Data actor: loads the model once (``load_model(model, **load)``), then answers each batch of rows
-    (column ``request``: a request as JSON) with :func:`~h2o_compress.runtime.batch.generate_batch`; returns the
+    (column ``request``: a request as JSON) with [`generate_batch`][h2o_compress.runtime.batch.generate_batch]; returns the
     column ``result`` (each answer's line as JSON)."""
 
     def __init__(self, model: str, load: dict, config: CompressionConfig, generation: dict, threads: int | None,

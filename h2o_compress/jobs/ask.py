@@ -1,7 +1,7 @@
-"""``h2o-compress ask`` as Python calls: :class:`AskJob` checks every setting when it is made (nothing is loaded or
-written before all are known to be good); :meth:`AskJob.start` loads the model and compresses (or loads) the
-context once, giving an :class:`AskSession` whose :meth:`~AskSession.answer` answers one question from it;
-:func:`run_ask` does all of it for a list of questions.
+"""``h2o-compress ask`` as Python calls: [`AskJob`][h2o_compress.jobs.AskJob] checks every setting when it is made (nothing is loaded or
+written before all are known to be good); [`AskJob.start`][h2o_compress.jobs.AskJob.start] loads the model and compresses (or loads) the
+context once, giving an [`AskSession`][h2o_compress.jobs.AskSession] whose [`answer`][h2o_compress.jobs.AskSession.answer] answers one question from it;
+[`run_ask`][h2o_compress.jobs.run_ask] does all of it for a list of questions.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ class AskJob:
     Attributes:
         questions: the questions (each answered from the same compressed context); a single str is one question.
         context: the document text; or ``context_file``: a UTF-8 text file holding it (one of the two).
-        model: alias, local model directory or hub id (:func:`h2o_compress.load_model`).
-        config: the compression setting (default :data:`~h2o_compress.runtime.ask.ASK_DEFAULTS`).
-        max_new_tokens: tokens per answer at most; chat, temperature, seed, compile: as for :func:`h2o_compress.ask`.
+        model: alias, local model directory or hub id ([`h2o_compress.load_model`][h2o_compress.load_model]).
+        config: the compression setting (default [`ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]).
+        max_new_tokens: tokens per answer at most; chat, temperature, seed, compile: as for [`h2o_compress.ask`][h2o_compress.ask].
         save_cache: a file to save the compressed context to (an existing file must be a cache file unless
             ``overwrite``); load_cache: a compressed context saved that way (same document), instead of compressing.
         given: the settings asked for explicitly (e.g. the command line's flags): a loaded context's setting must
             match them.
-        load: keyword arguments of :func:`h2o_compress.load_model` (``device``, ``dtype``, ``weights_bits``, ...).
+        load: keyword arguments of [`h2o_compress.load_model`][h2o_compress.load_model] (``device``, ``dtype``, ``weights_bits``, ...).
         threads: torch CPU threads set before loading (``None``: torch's default).
         trust_remote_code: let the model directory run its own code.
 
@@ -96,14 +96,14 @@ class AskJob:
         """Load the model, refuse a question that cannot fit, then compress the context (or load it) and save it.
 
         Returns:
-            An :class:`AskSession` holding the compressed context and its figures.
+            An [`AskSession`][h2o_compress.jobs.AskSession] holding the compressed context and its figures.
 
         Raises:
             ModelLoadError: the model cannot be loaded.
             InputError: context + a question + ``max_new_tokens`` beyond the model's window (before compressing),
                 or a loaded context that is not this document.
-            ConfigError, CacheFileError, CacheStateError: see :func:`h2o_compress.compress` and
-                :meth:`~h2o_compress.runtime.ask.CompressedContext.load` / ``save``.
+            ConfigError, CacheFileError, CacheStateError: see [`h2o_compress.compress`][h2o_compress.compress] and
+                [`load`][h2o_compress.runtime.ask.CompressedContext.load] / ``save``.
         """
         import torch
 
@@ -132,12 +132,12 @@ class AskJob:
 
 @dataclass
 class AskSession:
-    """A loaded model and a compressed context, from :meth:`AskJob.start`.
+    """A loaded model and a compressed context, from [`AskJob.start`][h2o_compress.jobs.AskJob.start].
 
     Attributes:
-        job: the :class:`AskJob` (its generation settings apply to every answer).
+        job: the [`AskJob`][h2o_compress.jobs.AskJob] (its generation settings apply to every answer).
         model, tokenizer: the loaded LM.
-        context: the :class:`~h2o_compress.runtime.ask.CompressedContext` (never changed by :meth:`answer`).
+        context: the [`CompressedContext`][h2o_compress.runtime.ask.CompressedContext] (never changed by [`answer`][h2o_compress.jobs.AskSession.answer]).
         figures: what ``ask --json`` prints before its answers: ``model``, ``config``, ``context_tokens``,
             ``context_kv_bytes``/``context_kv_bytes_full_fp16`` (bytes), ``capacity`` (tokens per layer and KV
             head) and ``compress_s`` or ``cache_load_s`` (seconds).
@@ -152,11 +152,11 @@ class AskSession:
     kv_dtype: str
 
     def answer(self, question: str, on_text: Callable[[str], None] | None = None) -> dict:
-        """Answer ``question`` from the compressed context (:func:`h2o_compress.ask`); ``on_text`` receives each new
+        """Answer ``question`` from the compressed context ([`h2o_compress.ask`][h2o_compress.ask]); ``on_text`` receives each new
         piece of text (streaming).
 
         Returns:
-            The figures of ``ask --json``'s answer: the :class:`GenerationResult` fields but ``token_ids``, and
+            The figures of ``ask --json``'s answer: the [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] fields but ``token_ids``, and
             ``question``.
 
         Raises:
@@ -178,12 +178,12 @@ def _answer_figures(result: GenerationResult, question: str) -> dict:
 
 @dataclass
 class AskReport:
-    """What :func:`run_ask` returns.
+    """What [`run_ask`][h2o_compress.jobs.run_ask] returns.
 
     Attributes:
-        context: the compressed context's figures (:attr:`AskSession.figures`).
-        answers: one figures dict per question (:meth:`AskSession.answer`), ``text`` the answer.
-        results: the :class:`GenerationResult` of each answer (token ids included).
+        context: the compressed context's figures (`AskSession.figures`).
+        answers: one figures dict per question ([`AskSession.answer`][h2o_compress.jobs.AskSession.answer]), ``text`` the answer.
+        results: the [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] of each answer (token ids included).
     """
 
     context: dict
@@ -204,17 +204,17 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
         questions: the questions (a single str is one).
         context: the document text; or context_file: a UTF-8 file holding it (one of the two).
         model: alias, local model directory or hub id.
-        config: the compression setting (default :data:`~h2o_compress.runtime.ask.ASK_DEFAULTS`).
+        config: the compression setting (default [`ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]).
         on_text: receives each new piece of each answer (streaming).
-        settings: the other fields of :class:`AskJob` (``max_new_tokens`` in tokens per answer,
+        settings: the other fields of [`AskJob`][h2o_compress.jobs.AskJob] (``max_new_tokens`` in tokens per answer,
             ``save_cache``/``load_cache`` paths, ``load``, ...).
 
     Returns:
-        An :class:`AskReport` (``.answers[i]["text"]``, ``.to_dict()``).
+        An [`AskReport`][h2o_compress.jobs.AskReport] (``.answers[i]["text"]``, ``.to_dict()``).
 
     Raises:
-        See :class:`AskJob` (every setting, before anything is loaded), :meth:`AskJob.start` and
-        :meth:`AskSession.answer`.
+        See [`AskJob`][h2o_compress.jobs.AskJob] (every setting, before anything is loaded), [`AskJob.start`][h2o_compress.jobs.AskJob.start] and
+        [`AskSession.answer`][h2o_compress.jobs.AskSession.answer].
     """
     session = AskJob(questions, context, context_file, model, config, **settings).start()
     results = [session._generate(question, on_text) for question in session.job.questions]

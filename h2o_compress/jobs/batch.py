@@ -1,7 +1,7 @@
-"""``h2o-compress batch`` as one Python call: :class:`BatchJob` checks every setting and both files when it is made
-(nothing is loaded or written before all are known to be good); :meth:`BatchJob.run` loads the model, sizes the
+"""``h2o-compress batch`` as one Python call: [`BatchJob`][h2o_compress.jobs.BatchJob] checks every setting and both files when it is made
+(nothing is loaded or written before all are known to be good); [`BatchJob.run`][h2o_compress.jobs.BatchJob.run] loads the model, sizes the
 batch (``"auto"``: the planner's largest under the memory limit), answers the prompts not yet in OUTPUT through
-:func:`~h2o_compress.runtime.batch.generate_batch` and appends each answer as it finishes.
+[`generate_batch`][h2o_compress.runtime.batch.generate_batch] and appends each answer as it finishes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from h2o_compress.utils.memory import PeakMemory, available_memory
 
 @dataclass
 class BatchReport:
-    """What :meth:`BatchJob.run` returns: the :class:`~h2o_compress.runtime.batch.BatchStats` of the run, the batch
+    """What [`BatchJob.run`][h2o_compress.jobs.BatchJob.run] returns: the [`BatchStats`][h2o_compress.runtime.batch.BatchStats] of the run, the batch
     size it ran with and why (``batch_reason``), ``skipped`` (prompts already answered in OUTPUT), the seconds end to
     end (model load excluded), the peak memory measured (bytes, and its kind) and ``figures``: the ``--json``
     summary."""
@@ -56,16 +56,16 @@ class BatchJob:
         output: the JSONL answers file, appended to (never replaced): one line per prompt (``id``, ``text``,
             ``prompt_tokens``, ``new_tokens``, ``finish_reason``, and ``error`` for a refused prompt); ids already
             in it are skipped (resume).
-        model, config, max_new_tokens, chat, temperature, seed, compile: as for :func:`h2o_compress.generate`
+        model, config, max_new_tokens, chat, temperature, seed, compile: as for [`h2o_compress.generate`][h2o_compress.generate]
             (``max_new_tokens`` etc. are the defaults a line may override).
         batch_size: sequences per group, or ``"auto"``: the largest that fits ``memory_limit`` (or the device's free
             memory) for the longest prompt plus its new tokens, with the weights as loaded
-            (:func:`~h2o_compress.planner.plan.fit_batch`).
+            ([`fit_batch`][h2o_compress.planner.fit_batch]).
         memory_limit: bytes or a text such as ``"2GiB"`` (only with ``batch_size="auto"``).
-        load, threads, trust_remote_code: as for :class:`~h2o_compress.jobs.generate.GenerateJob`.
+        load, threads, trust_remote_code: as for [`GenerateJob`][h2o_compress.jobs.GenerateJob].
         ray: a Ray address (``"local"``: a local instance, ``"auto"``, ``HOST:PORT``, ``ray://HOST:PORT``): the
             prompts are answered by Ray Data actors, one per GPU or per ``threads`` CPUs, each loading the model once
-            (:func:`~h2o_compress.integrations.ray_batch.run_on_ray`); this process plans, and writes OUTPUT as
+            (`run_on_ray`); this process plans, and writes OUTPUT as
             answers come back (the same semantics). ``None``: here.
 
     Raises (when made):
@@ -120,7 +120,7 @@ class BatchJob:
             on_start: receives ``(prompts to answer, prompts already answered)`` once the files are read.
 
         Returns:
-            A :class:`BatchReport`.
+            A [`BatchReport`][h2o_compress.jobs.BatchReport].
 
         Raises:
             ModelLoadError: the model cannot be loaded.
@@ -233,6 +233,6 @@ def run_batch(input: str, output: str, model: str = DEFAULT_MODEL, config: Compr
     """What ``h2o-compress batch`` runs: ``BatchJob(input, output, model, config, **settings).run()``.
 
     Raises:
-        See :class:`BatchJob` (every setting, before anything is loaded) and :meth:`BatchJob.run`.
+        See [`BatchJob`][h2o_compress.jobs.BatchJob] (every setting, before anything is loaded) and [`BatchJob.run`][h2o_compress.jobs.BatchJob.run].
     """
     return BatchJob(input, output, model, config, **settings).run()

@@ -1,8 +1,8 @@
 """The files of ``h2o-compress batch``: the prompts it reads (JSONL or plain text) and the answers it appends.
 
-- :func:`read_requests`: INPUT as request dicts, a malformed line as an error result naming its line, before
+- `read_requests`: INPUT as request dicts, a malformed line as an error result naming its line, before
   anything runs; a file that is not text at all (binary, not UTF-8, a directory) is refused as a whole.
-- :class:`AnswerFile`: OUTPUT, opened for appending only (never replaced, never truncated beyond a half-written last
+- `AnswerFile`: OUTPUT, opened for appending only (never replaced, never truncated beyond a half-written last
   line), locked against a second run, each answer written as one line and flushed: a killed run loses nothing it
   answered, and a rerun skips the ids already there (resume).
 """
@@ -24,7 +24,7 @@ ANSWER_KEYS = ("id", "text", "prompt_tokens", "new_tokens", "finish_reason")
 
 def read_requests(path) -> list[dict | BatchResult]:
     """The requests of INPUT ``path``, one per line: JSONL (a ``.jsonl`` file, or one whose first line opens with
-    ``{``) gives each line's object (keys :data:`~h2o_compress.runtime.batch_requests.REQUEST_KEYS`; ``id``
+    ``{``) gives each line's object (keys `REQUEST_KEYS`; ``id``
     defaults to the line number); plain text gives each line as a prompt, its id the line number. A line that is
     empty, not a JSON object or repeats an earlier id becomes an error result naming its line.
 
@@ -108,7 +108,7 @@ def answered_ids(data: bytes, path) -> set[str]:
 
 
 class AnswerFile:
-    """OUTPUT, appended to one answer line at a time. Opening it reads the ids already answered (:attr:`done`),
+    """OUTPUT, appended to one answer line at a time. Opening it reads the ids already answered (`done`),
     cuts a half-written last line (a run killed mid-write), and takes an exclusive lock (a second run on the same
     file is refused).
 

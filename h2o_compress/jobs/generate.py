@@ -1,7 +1,7 @@
-"""``h2o-compress generate`` as one Python call: :class:`GenerateJob` checks every setting when it is made (nothing
-is loaded or written before all are known to be good), :meth:`GenerateJob.run` loads the model, lets the planner
+"""``h2o-compress generate`` as one Python call: [`GenerateJob`][h2o_compress.jobs.GenerateJob] checks every setting when it is made (nothing
+is loaded or written before all are known to be good), [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run] loads the model, lets the planner
 pick the setting under a memory limit, loads or saves the prompt cache, generates and gathers the figures the
-command prints. :func:`run_generate` does both.
+command prints. [`run_generate`][h2o_compress.jobs.run_generate] does both.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from h2o_compress.utils.memory import PeakMemory
 
 @dataclass
 class GenerateReport:
-    """What :meth:`GenerateJob.run` returns.
+    """What [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run] returns.
 
     Attributes:
-        result: the :class:`~h2o_compress.runtime.generation.GenerationResult` (text, token counts, bytes, times).
+        result: the [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] (text, token counts, bytes, times).
         config: the setting the cache ran with (the planner's pick under ``memory_limit``, the file's with
             ``load_cache``).
         figures: what ``generate --json`` prints: the result's figures (without ``token_ids``) plus ``config``,
@@ -59,10 +59,10 @@ class GenerateJob:
 
     Attributes:
         prompt: the prompt text.
-        model: alias, local model directory or hub id (:func:`h2o_compress.load_model`).
+        model: alias, local model directory or hub id ([`h2o_compress.load_model`][h2o_compress.load_model]).
         config: the compression setting (default: no compression); with ``memory_limit``, the base the planner
-            keeps all but budget, bits and group size of (:func:`~h2o_compress.planner.choose_for_prompt`).
-        max_new_tokens, chat, temperature, seed, compile: as for :func:`h2o_compress.generate` (``seed`` also seeds
+            keeps all but budget, bits and group size of ([`choose_for_prompt`][h2o_compress.planner.choose_for_prompt]).
+        max_new_tokens, chat, temperature, seed, compile: as for [`h2o_compress.generate`][h2o_compress.generate] (``seed`` also seeds
             torch before the model loads).
         memory_limit: bytes, or a text such as ``"2GiB"``: the planner picks the setting for the model as loaded,
             and the figures give planned against measured peak memory.
@@ -71,7 +71,7 @@ class GenerateJob:
         load_cache: a saved prompt cache to start from (the prompt must extend it).
         given: the settings asked for explicitly (e.g. the command line's flags): a loaded cache's setting must
             match them, and ``memory_limit`` refuses those it picks itself.
-        load: keyword arguments of :func:`h2o_compress.load_model` (``device``, ``dtype``, ``weights_bits``,
+        load: keyword arguments of [`h2o_compress.load_model`][h2o_compress.load_model] (``device``, ``dtype``, ``weights_bits``,
             ``device_map``, ...).
         threads: torch CPU threads set before loading (``None``: torch's default).
         trust_remote_code: let the model directory run its own code.
@@ -130,13 +130,13 @@ class GenerateJob:
             on_plan: with ``memory_limit``, receives the planner's one-line choice before generation starts.
 
         Returns:
-            A :class:`GenerateReport`.
+            A [`GenerateReport`][h2o_compress.jobs.GenerateReport].
 
         Raises:
             ModelLoadError: the model cannot be loaded.
             ConfigError: nothing fits ``memory_limit``, or a setting that leaves no recent window at this capacity.
-            InputError, CacheFileError, CacheStateError: see :func:`h2o_compress.generate` and
-                :func:`~h2o_compress.runtime.prompt_cache.prepare_prompt_cache`.
+            InputError, CacheFileError, CacheStateError: see [`h2o_compress.generate`][h2o_compress.generate] and
+                `prepare_prompt_cache`.
         """
         import torch
 
@@ -197,13 +197,13 @@ def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionCon
         model: alias, local model directory or hub id.
         config: the compression setting (default: none).
         on_text: receives each new piece of text (streaming); on_plan: the planner's choice under ``memory_limit``.
-        settings: the other fields of :class:`GenerateJob` (``max_new_tokens`` in tokens, ``memory_limit`` in
+        settings: the other fields of [`GenerateJob`][h2o_compress.jobs.GenerateJob] (``max_new_tokens`` in tokens, ``memory_limit`` in
             bytes or as ``"2GiB"``, ``save_cache``/``load_cache`` paths, ``load``, ...).
 
     Returns:
-        A :class:`GenerateReport` (``.result.text``, ``.figures``).
+        A [`GenerateReport`][h2o_compress.jobs.GenerateReport] (``.result.text``, ``.figures``).
 
     Raises:
-        See :class:`GenerateJob` (every setting, before anything is loaded) and :meth:`GenerateJob.run`.
+        See [`GenerateJob`][h2o_compress.jobs.GenerateJob] (every setting, before anything is loaded) and [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run].
     """
     return GenerateJob(prompt, model, config, **settings).run(on_text, on_plan)

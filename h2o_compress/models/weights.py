@@ -1,6 +1,6 @@
 """How a model's weights are loaded: bitsandbytes 8/4-bit weights and accelerate's ``device_map`` (a leaf module).
 
-:func:`h2o_compress.load_model` checks every option here before anything is read from disk, then builds the
+[`h2o_compress.load_model`][h2o_compress.load_model] checks every option here before anything is read from disk, then builds the
 transformers ``BitsAndBytesConfig`` (LLM.int8, Dettmers et al. 2022, arXiv 2208.07339; NF4, Dettmers et al. 2023,
 arXiv 2305.14314) and hands ``device_map``/``max_memory``/``offload_folder`` to ``from_pretrained`` (accelerate's
 big-model inference: https://huggingface.co/docs/accelerate/usage_guides/big_modeling).
@@ -43,7 +43,7 @@ def parse_device_map(text: str | None):
     """The CLI's ``--device-map``: ``None``/empty -> ``None``; a strategy name; a JSON object; a ``.json`` file.
 
     Raises:
-        ConfigError: not one of those, or an entry :func:`check_device_map` refuses.
+        ConfigError: not one of those, or an entry `check_device_map` refuses.
     """
     if text is None or not str(text).strip():
         return None
@@ -101,7 +101,7 @@ def _check_target(name: str, target, option: str = "device_map"):
 
 
 def check_device_map(device_map):
-    """``None``, a strategy name (:data:`DEVICE_MAP_STRATEGIES`) or a dict {module name: target}, checked.
+    """``None``, a strategy name (`DEVICE_MAP_STRATEGIES`) or a dict {module name: target}, checked.
 
     Targets: a GPU index or ``cuda:N`` (that GPU must exist), ``cpu``, or ``disk`` (needs ``offload_folder``).
     Module names are checked against the model when it is built (transformers refuses a map missing modules).
@@ -301,7 +301,7 @@ def loaded_weight_bytes(model) -> int:
 def attention_devices(model, num_layers: int) -> list[torch.device]:
     """The device each attention layer runs on (the modules with an integer ``layer_idx``): its accelerate hook's
     execution device, else its weights' device, else the nearest enclosing module's; layers not found run on
-    :func:`input_device`. A cache layer's storage belongs there (e.g. when a saved cache is loaded)."""
+    `input_device`. A cache layer's storage belongs there (e.g. when a saved cache is loaded)."""
     modules = dict(model.named_modules())
     found: dict[int, torch.device] = {}
     for name, module in modules.items():

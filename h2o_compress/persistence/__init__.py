@@ -1,5 +1,5 @@
-"""Saving and loading a compressed cache: :mod:`.file_format` is the file on disk (one safetensors file, header
-checks, checksum, atomic writes); :mod:`.cache_state` is what a cache saves and how it is rebuilt for a model."""
+"""Saving and loading a compressed cache: `h2o_compress.persistence.file_format` is the file on disk (one safetensors file, header
+checks, checksum, atomic writes); `h2o_compress.persistence.cache_state` is what a cache saves and how it is rebuilt for a model."""
 
 from h2o_compress.persistence.cache_state import DERIVED_LAYER_TENSORS, PromptState, load_cache, save_cache
 from h2o_compress.persistence.file_format import (

@@ -1,15 +1,15 @@
-"""The state a saved cache holds: one :class:`~h2o_compress.cache.CompressedCache` in one safetensors file.
+"""The state a saved cache holds: one [`CompressedCache`][h2o_compress.cache.CompressedCache] in one safetensors file.
 
-File format (``format_version`` 3: the slot layout of :mod:`h2o_compress.cache`; older files are refused):
+File format (``format_version`` 3: the slot layout of [`h2o_compress.cache`][h2o_compress.cache]; older files are refused):
 
 - tensors, per layer ``i``: ``layers.{i}.{name}`` for every buffer of
-  :meth:`~h2o_compress.cache.CompressedLayer.tensors` (the slot store: stored keys/values parts, positions,
+  [`tensors`][h2o_compress.cache.CompressedLayer.tensors] (the slot store: stored keys/values parts, positions,
   scores; the ring window: keys, values, positions, scores; ``seen``, ``first_real``, ``finite``); optionally ``prompt.token_ids`` (int64 ``[batch, tokens]``) and
   ``prompt.next_logits`` (``[batch, vocab]``), the prompt the cache holds and the logits of its next token,
   so a loaded cache continues exactly like the live one.
 - metadata (strings): ``format``, ``format_version``, ``library_version``, ``model_fingerprint`` (see
-  :func:`model_fingerprint`), ``model_id``, ``model_dtype`` (the keys' dtype, e.g. ``float16``; named when a
-  model in another dtype loads the file), ``config`` (JSON of :class:`CompressionConfig`), ``capacity``,
+  `model_fingerprint`), ``model_id``, ``model_dtype`` (the keys' dtype, e.g. ``float16``; named when a
+  model in another dtype loads the file), ``config`` (JSON of [`CompressionConfig`][h2o_compress.config.CompressionConfig]), ``capacity``,
   ``tokens`` (tokens seen), ``layers`` (JSON list of per-layer state) and ``checksum``: SHA-256 over every
   other metadata field and every tensor's name, dtype, shape and bytes. The checksum catches truncation and
   accidental damage, not a deliberate edit (anyone can recompute it): every structural field and every invariant
@@ -83,7 +83,7 @@ DERIVED = frozenset({"store.value_norms"})
 
 
 def _saved_tensors(layer) -> dict[str, torch.Tensor]:
-    """The buffers of ``layer`` a cache file holds: every one but the :data:`DERIVED`."""
+    """The buffers of ``layer`` a cache file holds: every one but the `DERIVED`."""
     return {name: t for name, t in layer.tensors().items() if name not in DERIVED}
 
 
@@ -111,12 +111,12 @@ def save_cache(cache, path, model=None, overwrite: bool = False) -> Path:
     """Write ``cache`` to ``path`` (safetensors, atomically: temp file + fsync + rename).
 
     Args:
-        cache: a :class:`CompressedCache` that has seen at least one token (all layers at the same count).
+        cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] that has seen at least one token (all layers at the same count).
         path: target file; its directory must exist. An existing cache file is replaced only once the new one
-            is complete; any other existing file only with ``overwrite`` (see :func:`check_save_target`).
+            is complete; any other existing file only with ``overwrite`` (see [`check_save_target`][h2o_compress.persistence.check_save_target]).
         overwrite: also replace an existing regular file that is not a cache file of this library.
-        model: the model the cache belongs to; its :func:`model_fingerprint` is stored. ``None`` uses the
-            fingerprint recorded on the cache by :func:`load_cache`/:func:`h2o_compress.runtime.prefill.prefill`
+        model: the model the cache belongs to; its `model_fingerprint` is stored. ``None`` uses the
+            fingerprint recorded on the cache by [`load_cache`][h2o_compress.persistence.load_cache]/`h2o_compress.runtime.prefill.prefill`
             (``cache.model_fingerprint``).
 
     Returns:
@@ -205,17 +205,17 @@ def _check_dtype(metadata: dict[str, str], model, source: Path) -> None:
 
 
 def load_cache(path, model, config=None):
-    """Load a cache saved by :func:`save_cache` for ``model``, on the model's device.
+    """Load a cache saved by [`save_cache`][h2o_compress.persistence.save_cache] for ``model``, on the model's device.
 
     Args:
         path: the file.
         model: the model to use the cache with; must be the model that saved it (same
-            :func:`model_fingerprint`). It is switched to the ``h2o_compress`` attention function.
-        config: ``None`` (use the saved config), a :class:`CompressionConfig` that must equal the saved one,
+            `model_fingerprint`). It is switched to the ``h2o_compress`` attention function.
+        config: ``None`` (use the saved config), a [`CompressionConfig`][h2o_compress.config.CompressionConfig] that must equal the saved one,
             or a dict of config fields that must match it.
 
     Returns:
-        A :class:`CompressedCache` in the saved state (tokens, scores, capacity), with ``prompt_state`` set
+        A [`CompressedCache`][h2o_compress.cache.CompressedCache] in the saved state (tokens, scores, capacity), with ``prompt_state`` set
         when the file holds the prompt's token ids.
 
     Raises:

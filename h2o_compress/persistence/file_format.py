@@ -3,7 +3,7 @@
 File format (``format_version`` 3): tensors named ``layers.{i}.{name}`` (and ``prompt.*``) and string metadata
 (``format``, ``format_version``, ``library_version``, ``model_fingerprint``, ``model_id``, ``model_dtype``,
 ``config``, ``capacity``, ``tokens``, ``layers``, ``checksum``); what those hold and how a cache is rebuilt from
-them is :mod:`h2o_compress.persistence.cache_state`. The ``checksum`` is SHA-256 over every other metadata field
+them is `h2o_compress.persistence.cache_state`. The ``checksum`` is SHA-256 over every other metadata field
 and every tensor's name, dtype, shape and bytes: it catches truncation and accidental damage, not a deliberate
 edit (anyone can recompute it), so every structural field is checked on load as well.
 
@@ -82,7 +82,7 @@ def check_save_target(path, overwrite: bool = False) -> Path:
 
     Refuses a missing or unwritable directory, anything at ``path`` that is not a regular file (a directory,
     device node, FIFO, socket or symbolic link), and, unless ``overwrite``, a regular file that is not a cache
-    file written by this library (:func:`is_cache_file`).
+    file written by this library ([`is_cache_file`][h2o_compress.persistence.is_cache_file]).
 
     Raises:
         CacheFileError: naming the path and what is allowed.
@@ -129,7 +129,7 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def _cleanup_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)):
-    """Within the block, SIGTERM/SIGHUP raise :class:`_Terminated` (so ``finally``/``except`` blocks run);
+    """Within the block, SIGTERM/SIGHUP raise `_Terminated` (so ``finally``/``except`` blocks run);
     afterwards the previous handlers are back, and a signal that arrived is delivered to them."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -209,7 +209,7 @@ def _atomic_write(write, target: Path) -> None:
     The new file gets the mode of the file it replaces (or ``0666`` less the umask). On any failure, including
     SIGTERM and SIGHUP (Ctrl-C raises KeyboardInterrupt), the temporary ``.NAME.XXXX.partial`` file is removed;
     one that an earlier save killed outright (SIGKILL) left is removed by the next save to the same target
-    (:func:`remove_orphaned_partials`).
+    (`remove_orphaned_partials`).
     """
     try:
         mode = stat.S_IMODE(os.stat(target).st_mode)
@@ -264,7 +264,7 @@ def check_cache_source(path) -> Path:
 
 
 def check_cache_header(path) -> Path:
-    """:func:`check_cache_source`, then the file's safetensors header: readable, its tensors within the file's
+    """`check_cache_source`, then the file's safetensors header: readable, its tensors within the file's
     size, and an h2o-compress cache of this format version. Reads the header only (the CLI runs it before the model
     loads; the checksum over the tensors is verified when the cache is read).
 
@@ -284,8 +284,8 @@ def check_cache_header(path) -> Path:
 
 def check_cache_paths(save=None, load=None, overwrite: bool = False) -> None:
     """Refuse, before anything is loaded, a ``save`` target that cannot be written (or would replace a file that is
-    not a cache file without ``overwrite``: :func:`check_save_target`) and a ``load`` source that cannot be read or
-    whose header is not a cache file's (truncated, another format or version: :func:`check_cache_header`);
+    not a cache file without ``overwrite``: [`check_save_target`][h2o_compress.persistence.check_save_target]) and a ``load`` source that cannot be read or
+    whose header is not a cache file's (truncated, another format or version: [`check_cache_header`][h2o_compress.persistence.check_cache_header]);
     ``None`` skips either. What ``generate``/``ask`` ``--save-cache``/``--load-cache`` check first.
 
     Raises:
@@ -298,7 +298,7 @@ def check_cache_paths(save=None, load=None, overwrite: bool = False) -> None:
 
 
 def _check_format(metadata: dict[str, str], source: Path) -> None:
-    """Refuse metadata that is not an h2o-compress cache's of :data:`FORMAT_VERSION` (CacheFileError)."""
+    """Refuse metadata that is not an h2o-compress cache's of `FORMAT_VERSION` (CacheFileError)."""
     if metadata.get("format") != FORMAT:
         raise CacheFileError(f"{str(source)!r} is not an h2o-compress cache file (format={metadata.get('format')!r})")
     if metadata.get("format_version") != FORMAT_VERSION:
@@ -331,7 +331,7 @@ def read_cache_file(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
 
 def write_cache_file(target: Path, metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> Path:
     """Write ``tensors`` (CPU, contiguous) and ``metadata`` to ``target`` atomically, adding ``format``,
-    ``format_version``, ``library_version`` and the ``checksum``. ``target`` comes from :func:`check_save_target`.
+    ``format_version``, ``library_version`` and the ``checksum``. ``target`` comes from [`check_save_target`][h2o_compress.persistence.check_save_target].
 
     Raises:
         CacheFileError: the write failed (full disk, file size limit, permission), naming the path and the reason.

@@ -1,13 +1,13 @@
 """Memory-budget planner: a memory limit -> a compression setting, and a setting -> bytes.
 
-- :mod:`.sizes`: bytes of the KV cache (exact: the same layer and quantizer objects the cache is built from,
-  :func:`h2o_compress.cache.build_layers`, at the end state of a :func:`h2o_compress.generate` run; DESIGN.md §2,
+- `h2o_compress.planner.sizes`: bytes of the KV cache (exact: the same layer and quantizer objects the cache is built from,
+  [`h2o_compress.cache.build_layers`][h2o_compress.cache.build_layers], at the end state of a [`h2o_compress.generate`][h2o_compress.generate] run; DESIGN.md §2,
   Memory accounting), of the weights (exact for 16-bit, bitsandbytes' formats for 8/4-bit) and of the workspace
   (an estimate of the largest forward pass, the Triton op's scratch and a compiled step's CUDA-graph pool).
-- :mod:`.settings`: setting names, the candidate grid, quality read from a profile report.
-- :mod:`.plan`: :func:`plan` (every candidate against a limit), :func:`choose` and :func:`choose_for_prompt`.
-- :mod:`.known_models`: model shapes that plan offline (``data/known_models.json``), or a loaded model's.
-- :mod:`.units`: memory amounts, lists, headroom; :mod:`.view`: the ``h2o-compress plan`` table (rich).
+- `h2o_compress.planner.settings`: setting names, the candidate grid, quality read from a profile report.
+- `h2o_compress.planner.plan`: [`plan`][h2o_compress.plan] (every candidate against a limit), [`choose`][h2o_compress.planner.choose] and [`choose_for_prompt`][h2o_compress.planner.choose_for_prompt].
+- `h2o_compress.planner.known_models`: model shapes that plan offline (``data/known_models.json``), or a loaded model's.
+- `h2o_compress.planner.units`: memory amounts, lists, headroom; `h2o_compress.planner.view`: the ``h2o-compress plan`` table (rich).
 """
 
 from h2o_compress.planner.known_models import ModelSpec, resolve_model

@@ -134,7 +134,7 @@ def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
 
     Raises:
         ModelLoadError: an unknown name (the message lists the known ones), an unreadable ``config.json``, a
-            config no real model has (:func:`h2o_compress.models.check_config_values`, checked before anything
+            config no real model has ([`h2o_compress.models.check_config_values`][h2o_compress.models.check_config_values], checked before anything
             is built), custom code (``auto_map``) without ``trust_remote_code``, or a config transformers cannot
             build a causal LM from.
     """

@@ -1,4 +1,4 @@
-"""The memory-budget planner: a memory limit -> the best setting that fits (:func:`plan`, :func:`choose`), with the
+"""The memory-budget planner: a memory limit -> the best setting that fits ([`plan`][h2o_compress.plan], [`choose`][h2o_compress.planner.choose]), with the
 largest batch and context each setting allows."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class PlanReport:
     ``order`` says how the recommendation was ranked: ``bytes`` (least compressed first) or the profile
     report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache at the same tokens (DESIGN.md §2).
     ``compiled``: whether the workspace counts the CUDA-graph pool of the compiled decode step
-    (:func:`graph_pool_bytes`; rows in a bitsandbytes format decode eagerly and count none).
+    ([`graph_pool_bytes`][h2o_compress.planner.graph_pool_bytes]; rows in a bitsandbytes format decode eagerly and count none).
     """
 
     model: str
@@ -125,7 +125,7 @@ def plan(
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
-    For each candidate (:func:`candidates`): exact cache bytes after ``generate`` with a ``prompt_len``-token
+    For each candidate ([`candidates`][h2o_compress.planner.candidates]): exact cache bytes after ``generate`` with a ``prompt_len``-token
     prompt and ``gen_len`` new tokens at ``batch`` (seen = prompt + gen - 1, capacity from prompt + gen),
     weight bytes, an activation/workspace estimate, whether the sum fits, the largest batch and the longest
     context that fit. The recommendation is the fitting setting of best quality in the ``profile`` report, else
@@ -135,28 +135,39 @@ def plan(
         model: a local model directory, a known model name, a transformers config or a loaded model (then its
             exact weight bytes and dtype are used, and ``weights_bits``/``dtype`` are ignored).
         memory: the limit, bytes or a string like ``"24GiB"``.
-        batch, prompt_len, gen_len: sequences, prompt tokens, new tokens.
+        batch: sequences.
+        prompt_len: prompt tokens.
+        gen_len: new tokens.
         weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
         dtype: compute and KV dtype name (default ``float16``).
-        profile: path of a profile report (JSON) giving the quality order (:func:`load_quality`).
-        policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens, high_bits_fraction,
-            head_budgets, layer_budgets: the candidate grid (:func:`candidates`).
+        profile: path of a profile report (JSON) giving the quality order ([`load_quality`][h2o_compress.planner.load_quality]).
+        policies: the candidate grid's policies ([`candidates`][h2o_compress.planner.candidates]).
+        budgets: the candidate grid's budgets ([`candidates`][h2o_compress.planner.candidates]).
+        bits: the candidate grid's bits ([`candidates`][h2o_compress.planner.candidates]).
+        group_sizes: the candidate grid's group_sizes ([`candidates`][h2o_compress.planner.candidates]).
+        residuals: the candidate grid's residuals ([`candidates`][h2o_compress.planner.candidates]).
+        quant: the candidate grid's quant ([`candidates`][h2o_compress.planner.candidates]).
+        heavy_ratio: the candidate grid's heavy_ratio ([`candidates`][h2o_compress.planner.candidates]).
+        sink_tokens: the candidate grid's sink_tokens ([`candidates`][h2o_compress.planner.candidates]).
+        high_bits_fraction: the candidate grid's high_bits_fraction ([`candidates`][h2o_compress.planner.candidates]).
+        head_budgets: the candidate grid's head_budgets ([`candidates`][h2o_compress.planner.candidates]).
+        layer_budgets: the candidate grid's layer_budgets ([`candidates`][h2o_compress.planner.candidates]).
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
         trust_remote_code: let a model directory with an ``auto_map`` be read (off: refused).
         compiled: count the CUDA-graph pool of the compiled decode step in the workspace. ``None``: as
             ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
-            weights (:func:`h2o_compress.runtime.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
+            weights (`h2o_compress.runtime.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
             card: the CUDA default compiles).
 
     Returns:
-        A :class:`PlanReport`, rows ordered by quality (with a profile) or by cache bytes, largest first.
+        A [`PlanReport`][h2o_compress.planner.PlanReport], rows ordered by quality (with a profile) or by cache bytes, largest first.
 
     Raises:
         ModelLoadError: unknown model (the message lists the known ones).
         ConfigError: a bad memory string, headroom, length, batch, bit width, dtype or candidate value (lengths
-            at most :data:`MAX_CONTEXT` tokens, batch at most :data:`MAX_BATCH`).
+            at most `MAX_CONTEXT` tokens, batch at most `MAX_BATCH`).
     """
     if compiled is not None and not isinstance(compiled, bool):
         raise ConfigError(f"compiled={short(compiled)} is invalid; allowed: True, False or None (auto)")
@@ -207,7 +218,7 @@ def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int
          rows_alone: bool = False) -> PlanRow:
     """``config`` evaluated at ``batch`` and the lengths: its bytes, whether it fits ``usable`` bytes, its largest
     batch and longest context. ``rows_alone``: each sequence is prefilled alone into a cache of its own, then moved
-    into the batch (:func:`h2o_compress.generate_batch`): the prefill's workspace is one sequence's, plus that
+    into the batch ([`h2o_compress.generate_batch`][h2o_compress.generate_batch]): the prefill's workspace is one sequence's, plus that
     sequence's cache while it is moved."""
 
     def total(b: int, prompt: int) -> tuple[CacheBytes, int, int]:
@@ -230,10 +241,10 @@ def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int
 
 def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len: int, headroom=0,
               compiled: bool | None = None, batch: int = 1) -> PlanRow:
-    """``config`` as it is (no candidate grid) for a loaded ``model`` under ``memory``: the :class:`PlanRow` whose
+    """``config`` as it is (no candidate grid) for a loaded ``model`` under ``memory``: the [`PlanRow`][h2o_compress.planner.PlanRow] whose
     ``max_batch`` is the largest batch of ``prompt_len + gen_len``-token sequences that fits with the weights as
     loaded (what ``h2o-compress batch --batch-size auto`` runs), 0 when not even one does; its bytes are those of
-    ``batch`` sequences. Same accounting as :func:`plan` but for the prefill, which :func:`h2o_compress.generate_batch`
+    ``batch`` sequences. Same accounting as [`plan`][h2o_compress.plan] but for the prefill, which [`h2o_compress.generate_batch`][h2o_compress.generate_batch]
     runs one sequence at a time (its workspace is one sequence's, plus that sequence's cache until it joins the
     batch); ``headroom`` and ``compiled`` as there.
 
@@ -254,14 +265,14 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
 
 
 def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:
-    """Whether ``generate`` would compile the decode step of ``model`` by default (see :func:`plan`)."""
+    """Whether ``generate`` would compile the decode step of ``model`` by default (see [`plan`][h2o_compress.plan])."""
     if spec.loaded_bytes is None:
         return weights_bits == 16
     return compiles_by_default(next(model.parameters()).device, model)
 
 
 def choose(model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, **options) -> PlanRow:
-    """The setting :func:`plan` recommends (same arguments), or an error saying the smallest memory that fits.
+    """The setting [`plan`][h2o_compress.plan] recommends (same arguments), or an error saying the smallest memory that fits.
 
     Raises:
         ConfigError: nothing fits; the message names the smallest memory any candidate needs and that setting.
@@ -291,10 +302,10 @@ def choose_for_prompt(
     model, tokenizer, prompt: str, memory, max_new_tokens: int = 128, chat: bool = True,
     base: CompressionConfig | None = None, **options,
 ) -> PlanRow:
-    """The setting for one :func:`h2o_compress.generate` call within ``memory`` (the ``--memory-limit`` path).
+    """The setting for one [`h2o_compress.generate`][h2o_compress.generate] call within ``memory`` (the ``--memory-limit`` path).
 
-    Tokenizes ``prompt`` as ``generate`` does, then :func:`choose` at batch 1 for the loaded ``model`` (its exact
-    weight bytes and dtype). ``base`` gives every field but those the planner picks (:data:`PICKED`: budget, bits
+    Tokenizes ``prompt`` as ``generate`` does, then [`choose`][h2o_compress.planner.choose] at batch 1 for the loaded ``model`` (its exact
+    weight bytes and dtype). ``base`` gives every field but those the planner picks (`PICKED`: budget, bits
     and group size): the policy, heavy ratio, sinks, quant format, residual, layer and head budgets and mixed
     precision are sized by the planner as given; the rest (rotation, kernel, policy options) are carried over. Use
     as ``generate(model, tok, prompt, row.config, ...)``.
@@ -316,6 +327,6 @@ def choose_for_prompt(
     return row
 
 
-#: The fields :func:`choose_for_prompt` picks itself (``--memory-limit``): a setting that fixes one of them is
+#: The fields [`choose_for_prompt`][h2o_compress.planner.choose_for_prompt] picks itself (``--memory-limit``): a setting that fixes one of them is
 #: refused there rather than silently replaced.
 PICKED = ("budget", "kv_bits", "k_bits", "v_bits", "group_size")

@@ -1,5 +1,5 @@
-"""The settings the planner weighs: their names (:func:`describe`), the candidate grid (:func:`candidates`), and
-their quality read from a profile report (:func:`load_quality`)."""
+"""The settings the planner weighs: their names ([`describe`][h2o_compress.planner.describe]), the candidate grid ([`candidates`][h2o_compress.planner.candidates]), and
+their quality read from a profile report ([`load_quality`][h2o_compress.planner.load_quality])."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def candidates(
     applies to the 4-bit candidates (mixed precision by importance).
 
     Raises:
-        ConfigError: an invalid value in any list (from :class:`CompressionConfig`).
+        ConfigError: an invalid value in any list (from [`CompressionConfig`][h2o_compress.config.CompressionConfig]).
     """
     for group in group_sizes:
         if isinstance(group, bool) or group not in ALLOWED_GROUP_SIZES:
@@ -109,7 +109,7 @@ def load_quality(path, warnings: list | None = None) -> dict[tuple, float]:
     """Quality per setting from a profile report (JSON), lower is better.
 
     Accepts a list of rows, or an object holding one under ``rows``/``results``/``runs``/``settings``. Each row
-    gives the setting (under ``config`` or at top level, :class:`CompressionConfig` field names) and one metric,
+    gives the setting (under ``config`` or at top level, [`CompressionConfig`][h2o_compress.config.CompressionConfig] field names) and one metric,
     at top level or under ``metrics``: ``ppl_ratio``/``perplexity_ratio``/``ppl``/``perplexity`` (lower is
     better) or ``agreement``/``greedy_agreement``/``accuracy``/``passkey_accuracy``/``retrieval`` (higher is
     better; stored negated).

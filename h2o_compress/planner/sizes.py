@@ -1,5 +1,5 @@
 """Bytes of a setting: the KV cache (exact: the same layer and quantizer objects the cache is built from,
-:func:`h2o_compress.cache.build_layers`, at the end state of a :func:`h2o_compress.generate` run; DESIGN.md §2,
+[`h2o_compress.cache.build_layers`][h2o_compress.cache.build_layers], at the end state of a [`h2o_compress.generate`][h2o_compress.generate] run; DESIGN.md §2,
 Memory accounting), the weights (exact for 16-bit, bitsandbytes' formats for 8/4-bit), and the workspace (an
 estimate of the largest forward pass, plus the Triton op's scratch and a compiled step's CUDA-graph pool)."""
 
@@ -32,9 +32,9 @@ def _element_size(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class CacheBytes:
-    """What a :class:`~h2o_compress.CompressedCache` holds, over all layers (bytes) and per layer/head (tokens).
+    """What a [`CompressedCache`][h2o_compress.CompressedCache] holds, over all layers (bytes) and per layer/head (tokens).
 
-    The cache allocates its buffers once, at the first token (:mod:`h2o_compress.cache`), so these figures hold
+    The cache allocates its buffers once, at the first token ([`h2o_compress.cache`][h2o_compress.cache]), so these figures hold
     from the prefill to the last decode step.
 
     Attributes:
@@ -92,7 +92,8 @@ def cache_bytes(
         dims: KV geometry of the model.
         config: the compression setting.
         batch: sequences.
-        prompt_len, decode_steps: tokens of the prefill step, number of one-token steps after it.
+        prompt_len: tokens of the prefill step.
+        decode_steps: number of one-token steps after it.
         max_length: tokens the cache was built for (default ``prompt_len + decode_steps + 1``).
         kv_dtype: dtype of the keys/values the model produces (its compute dtype).
 
@@ -179,7 +180,7 @@ def graph_pool_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, kep
     A captured step allocates its intermediate buffers (and its logits output) from the graph's private pool, which
     stays reserved while the graph lives, beside the memory the eager prefill uses: so it adds to the prefill's
     peak instead of sharing it. Estimated as one decode forward pass (1 query per sequence): with the Triton op
-    (``fused``) the cache is read in place (its scratch is counted by :func:`workspace_bytes`), without it the step
+    (``fused``) the cache is read in place (its scratch is counted by [`workspace_bytes`][h2o_compress.planner.workspace_bytes]), without it the step
     materialises the ``kept + 1`` keys and values as attention reads them. An estimate: the pool itself is
     measured on a GPU by ``benchmarks/gpu_throughput.py`` (``graph_pool_bytes`` against this figure).
     """
@@ -201,14 +202,14 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     """Estimated activation/workspace bytes: the larger of the prefill pass (``prompt_len`` queries) and a
     decode step (1 query against ``kept + 1`` keys), plus, given the store's ``slots`` and the ring's
     ``residual``, the scratch every layer of a CUDA cache keeps for the Triton decode op
-    (:func:`h2o_compress.attention.launch.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
+    (`h2o_compress.attention.launch.decode_scratch_bytes`, for an H100/H200's 132 SMs; a CPU cache does not
     allocate it; a head-adaptive cache, mixed precision and the bitsandbytes formats neither: they decode in the
     torch form, a head-adaptive one reading ``kv_heads x`` the kept tokens per head),
-    plus, when ``compiled``, the CUDA-graph pool of the compiled decode step (:func:`graph_pool_bytes`; none for
+    plus, when ``compiled``, the CUDA-graph pool of the compiled decode step ([`graph_pool_bytes`][h2o_compress.planner.graph_pool_bytes]; none for
     the bitsandbytes formats, which decode eagerly).
 
     ``prefill_batch``: sequences prefilled together (``None``: the whole ``batch``; a batch job of
-    :func:`h2o_compress.generate_batch` prefills 1 at a time).
+    [`h2o_compress.generate_batch`][h2o_compress.generate_batch] prefills 1 at a time).
 
     Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
     temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes

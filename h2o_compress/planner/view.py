@@ -1,4 +1,4 @@
-"""Rich rendering of a :class:`~h2o_compress.planner.PlanReport` (the ``h2o-compress plan`` table)."""
+"""Rich rendering of a [`PlanReport`][h2o_compress.planner.PlanReport] (the ``h2o-compress plan`` table)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Eviction stage: one small policy class per file, found by name in :data:`POLICIES`."""
+"""Eviction stage: one small policy class per file, found by name in `POLICIES`."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-#: The :class:`~h2o_compress.config.CompressionConfig` fields that set a policy's own option, and the dataclass
+#: The [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields that set a policy's own option, and the dataclass
 #: field of the policy they set. A policy takes an option when it has that field.
 POLICY_OPTIONS = {"lookahead_request": "request", "forgetting_factor": "forgetting_factor",
                   "evict_chat_header": "evict_chat_header"}
@@ -58,7 +58,7 @@ def policy_names(**declared) -> tuple[str, ...]:
 
 
 def takes_option(name: str, option: str) -> bool:
-    """Whether the policy registered as ``name`` takes the config field ``option`` (see :data:`POLICY_OPTIONS`)."""
+    """Whether the policy registered as ``name`` takes the config field ``option`` (see `POLICY_OPTIONS`)."""
     return POLICY_OPTIONS[option] in {f.name for f in dataclasses.fields(POLICIES[name])}
 
 
@@ -68,8 +68,8 @@ def describe_policies() -> str:
 
 
 def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = None, **options) -> EvictionPolicy:
-    """Instantiate the policy registered as ``name`` (see :data:`POLICIES`) with its capacity split and its own
-    ``options``, given by their config names (:data:`POLICY_OPTIONS`; ``None`` or ``False``: the policy's default).
+    """Instantiate the policy registered as ``name`` (see `POLICIES`) with its capacity split and its own
+    ``options``, given by their config names (`POLICY_OPTIONS`; ``None`` or ``False``: the policy's default).
 
     Raises:
         ConfigError: an option the policy does not take, or a value its ``__post_init__`` refuses.

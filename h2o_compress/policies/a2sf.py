@@ -15,7 +15,7 @@ from h2o_compress.attention import attention_probability_sums
 @dataclass
 class A2SFPolicy(H2OPolicy):
     """H2O's accumulated attention with a forgetting factor: each query first scales every held token's score by
-    :attr:`forgetting_factor`, then adds its attention (GQA query heads summed per KV head), so a token's score is
+    `forgetting_factor`, then adds its attention (GQA query heads summed per KV head), so a token's score is
     ``sum_t factor ** (age of query t) x p_t``. Between ``h2o`` (factor 1: every past query counts alike, which
     favours old tokens) and ``tova`` (factor 0: the current query alone). A multi-token step weighs its queries the
     same way, in order. The capacity is split as for ``h2o`` (``heavy_ratio``).

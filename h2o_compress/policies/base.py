@@ -26,13 +26,13 @@ def keep_top(priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> 
 class EvictionPolicy:
     """Ranks the tokens of one layer, per sequence and KV head, for eviction (DESIGN.md §2).
 
-    A policy states its ranking once, in :meth:`rank`; :meth:`priority` adds the rules every policy shares and
+    A policy states its ranking once, in [`rank`][h2o_compress.policies.EvictionPolicy.rank]; [`priority`][h2o_compress.policies.EvictionPolicy.priority] adds the rules every policy shares and
     is the one function prefill eviction (keep the top ``capacity``), decode eviction (evict the lowest) and the
-    planner's window arithmetic (:meth:`recent_window`) read.
+    planner's window arithmetic ([`recent_window`][h2o_compress.policies.EvictionPolicy.recent_window]) read.
 
     Subclasses declare what they support in class variables (``summary``, ``needs_scores``, ``shares_heads``,
     ``scorer``, ``ranks_by``, ``accumulates``) and say how much of the capacity is the recent window
-    (:meth:`recent_window`); their own options are dataclass fields, checked in ``__post_init__``. ``sink_tokens`` first real tokens are always kept
+    ([`recent_window`][h2o_compress.policies.EvictionPolicy.recent_window]); their own options are dataclass fields, checked in ``__post_init__``. ``sink_tokens`` first real tokens are always kept
     (StreamingLLM's attention sinks); padding is never kept.
     """
 
@@ -48,13 +48,13 @@ class EvictionPolicy:
     #: between its heads (``head_budgets="adaptive"``, Ada-KV).
     shares_heads: ClassVar[bool] = False
     #: The scoring pass run over a context before its cache is built (a key of
-    #: :data:`h2o_compress.runtime.context_scores.SCORERS`); ``""``: none.
+    #: `h2o_compress.runtime.context_scores.SCORERS`); ``""``: none.
     scorer: ClassVar[str] = ""
-    #: What :meth:`rank` returns, for kernels that apply :meth:`priority`'s shared rules themselves: ``"nothing"``
+    #: What [`rank`][h2o_compress.policies.EvictionPolicy.rank] returns, for kernels that apply [`priority`][h2o_compress.policies.EvictionPolicy.priority]'s shared rules themselves: ``"nothing"``
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
-    #: kernels leave the eviction to :meth:`priority`). ``tests/policies/test_policies.py`` checks it against :meth:`rank`.
+    #: kernels leave the eviction to [`priority`][h2o_compress.policies.EvictionPolicy.priority]). ``tests/policies/test_policies.py`` checks it against [`rank`][h2o_compress.policies.EvictionPolicy.rank].
     ranks_by: ClassVar[str] = "nothing"
-    #: Its :meth:`priority` is :meth:`rank` times the L1 norm of each token's stored value (``value_norms``), which
+    #: Its [`priority`][h2o_compress.policies.EvictionPolicy.priority] is [`rank`][h2o_compress.policies.EvictionPolicy.rank] times the L1 norm of each token's stored value (``value_norms``), which
     #: the store keeps per slot from when the token enters (VATP); kernels that evict multiply their rank by them.
     weighs_values: ClassVar[bool] = False
     #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
@@ -73,7 +73,7 @@ class EvictionPolicy:
         ``[batch, kv_heads, keys]``. Default: the probabilities every query of the chunk gives each key, GQA query
         heads summed per KV head (H2O, arXiv 2306.14048 §4). ``query`` ``[batch, q_heads, queries, head_dim]``,
         ``keys`` ``[batch, kv_heads, keys, head_dim]``, ``mask`` as
-        :func:`~h2o_compress.attention.attention_probability_sums` takes it."""
+        [`attention_probability_sums`][h2o_compress.attention.attention_probability_sums] takes it."""
         return attention_probability_sums(query, keys, mask, scaling, chunk_size, variant=variant)
 
     def recent_window(self, capacity: int) -> int:
@@ -104,8 +104,8 @@ class EvictionPolicy:
         """Eviction priority, fp32 ``[batch, kv_heads, tokens]``: ``+inf`` for the recent window (positions
         ``>= seen - recent_window(capacity)``) and the sinks (the first ``sink_tokens`` real tokens, from
         ``first_real`` int64 ``[batch]``), ``-inf`` for empty slots and padding (``positions < 0``), else
-        :meth:`rank`. Ties are broken by the caller towards keeping the older token. ``value_norms``: fp32 L1
-        norms of the tokens' values, shaped like ``positions``, given only where :attr:`weighs_values` (a policy
+        [`rank`][h2o_compress.policies.EvictionPolicy.rank]. Ties are broken by the caller towards keeping the older token. ``value_norms``: fp32 L1
+        norms of the tokens' values, shaped like ``positions``, given only where `weighs_values` (a policy
         that weighs values reads them; the others ignore them).
         """
         priority = self.rank(scores, positions, seen)
@@ -128,7 +128,7 @@ class EvictionPolicy:
             capacity: tokens to keep.
             leading_pads: int ``[batch]`` left-padding tokens per sequence (never kept), or ``None``.
 
-        Rows that keep fewer tokens than others (padding) end with :data:`NO_POSITION`.
+        Rows that keep fewer tokens than others (padding) end with `NO_POSITION`.
         """
         batch, heads = (1, 1) if scores is None else scores.shape[:2]
         if leading_pads is not None:

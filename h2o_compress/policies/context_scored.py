@@ -11,7 +11,7 @@ from h2o_compress.policies.h2o import H2OPolicy
 @dataclass
 class ContextScoredPolicy(H2OPolicy):
     """Base of the compress-then-ask policies (``kvzip``, ``lookahead``): before the context's prefill,
-    :func:`h2o_compress.runtime.context_scores.score_context` runs the pass that :attr:`scorer` names and hands each
+    `h2o_compress.runtime.context_scores.score_context` runs the pass that `scorer` names and hands each
     layer its scores; the prefill keeps the top of them (split by ``heavy_ratio`` as ``h2o``), and decode steps
     then accumulate attention as ``h2o``. Without such scores (a prompt streamed in chunks), the policy ranks as
     ``h2o``.

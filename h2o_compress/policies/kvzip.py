@@ -15,7 +15,7 @@ class KVzipPolicy(ContextScoredPolicy):
     queries and over the query heads of each KV group), so what is kept is what the model needs to restate the
     document, whatever the question; decode steps then accumulate attention as ``h2o``.
 
-    The reconstruction (:func:`h2o_compress.runtime.context_scores.reconstruction_scores`) costs about one extra prefill
+    The reconstruction (`h2o_compress.runtime.context_scores.reconstruction_scores`) costs about one extra prefill
     of twice the context, with eager attention, before the context's own prefill (in ``generate``, over the whole
     prompt). Where a prompt is read without that pass (streamed in chunks, a prompt continuing a loaded cache),
     the policy ranks as ``h2o``.

@@ -16,17 +16,17 @@ LOOKAHEAD_REQUEST = "List the important facts and numbers in the text above."
 
 @dataclass
 class LookaheadPolicy(ContextScoredPolicy):
-    """Question-agnostic: before the context is compressed, the model is asked :attr:`request` about it and
-    answers greedily for :attr:`new_tokens` tokens; each context token is scored by the attention it receives
+    """Question-agnostic: before the context is compressed, the model is asked `request` about it and
+    answers greedily for `new_tokens` tokens; each context token is scored by the attention it receives
     from those queries (the request's and the answer's, summed over the query heads of each KV group), max-pooled
-    over :attr:`pool` neighbouring positions so that a kept token comes with its sentence. In a long context the
-    request is asked after every :attr:`segment` tokens read, and a token keeps its largest score. What the model
+    over `pool` neighbouring positions so that a kept token comes with its sentence. In a long context the
+    request is asked after every `segment` tokens read, and a token keeps its largest score. What the model
     itself names as the document's facts (a pass key, a name, a date) is what stays, whatever the later question;
     decode steps then accumulate attention as ``h2o``.
 
     Lookahead Q-Cache (arXiv 2505.20334) generates such pseudo queries from the prompt with the question; here
     the request stands in for the question that is not known yet. Costs one prefill of the context plus
-    ``new_tokens`` decode steps per request, with eager attention (:func:`h2o_compress.runtime.context_scores.lookahead_scores`).
+    ``new_tokens`` decode steps per request, with eager attention (`h2o_compress.runtime.context_scores.lookahead_scores`).
 
     In ``generate`` the prompt holds its question: there the pass answers the prompt itself (its own first
     ``new_tokens`` tokens, one pass at the end: Lookahead Q-Cache's own setting), unless a request was given;
@@ -34,8 +34,8 @@ class LookaheadPolicy(ContextScoredPolicy):
     in chunks, a prompt continuing a loaded cache), the policy ranks as ``h2o``.
 
     Args:
-        request: what the model is asked about the context; ``None`` (default): :data:`LOOKAHEAD_REQUEST` in
-            compress-then-ask, the prompt itself in ``generate`` (:meth:`request_for`).
+        request: what the model is asked about the context; ``None`` (default): `LOOKAHEAD_REQUEST` in
+            compress-then-ask, the prompt itself in ``generate`` ([`request_for`][h2o_compress.policies.LookaheadPolicy.request_for]).
         new_tokens: tokens of the model's answer whose queries vote.
         pool: max-pool width over positions, odd.
         segment: context tokens read between two requests (a last piece under half a segment joins the one
@@ -63,8 +63,8 @@ class LookaheadPolicy(ContextScoredPolicy):
                                   f"at position {exc.start}); allowed: UTF-8 text of 1 to 1000 characters") from None
 
     def request_for(self, question_in_prompt: bool) -> str | None:
-        """The request the scoring pass asks: :attr:`request` if given; else ``None`` (the prompt answers itself)
-        when the question is in the prompt, :data:`LOOKAHEAD_REQUEST` when it comes after compression."""
+        """The request the scoring pass asks: `request` if given; else ``None`` (the prompt answers itself)
+        when the question is in the prompt, `LOOKAHEAD_REQUEST` when it comes after compression."""
         if self.request is not None:
             return self.request
         return None if question_in_prompt else LOOKAHEAD_REQUEST

@@ -20,7 +20,7 @@ class VATPPolicy(H2OPolicy):
 
     The norm is the paper's L1 norm of the value in the model's basis (values held in the Hadamard basis are turned
     back first), of the stored (dequantized) value, taken once when the token enters the store and kept per slot
-    (:attr:`~h2o_compress.cache.slots.SlotStore.norms`, one fp32 per slot, like the score). Chosen on
+    (`norms`, one fp32 per slot, like the score). Chosen on
     the tuning text only: in the reference simulation (``benchmarks/eviction_directions.py``, SmolLM2, 512 tokens of
     the tuning text read token by token, budget 0.2, 16 bits) ranking by attention x L1 norm gave 1.017x the
     uncompressed perplexity, x L2 norm 1.021x, ``h2o`` 1.022x. Same budget split, recent window, sinks and tie
@@ -34,8 +34,8 @@ class VATPPolicy(H2OPolicy):
 
     def priority(self, scores: torch.Tensor | None, positions: torch.Tensor, seen, first_real: torch.Tensor,
                  capacity: int, value_norms: torch.Tensor | None = None) -> torch.Tensor:
-        """H2O's eviction priority (:meth:`EvictionPolicy.priority`) of ``scores x value_norms`` (fp32, shaped like
-        ``positions``); of the scores alone where no norms are given (:meth:`rank` stays H2O's: the importance the
+        """H2O's eviction priority ([`EvictionPolicy.priority`][h2o_compress.policies.EvictionPolicy.priority]) of ``scores x value_norms`` (fp32, shaped like
+        ``positions``); of the scores alone where no norms are given (`rank` stays H2O's: the importance the
         mixed-precision refinement reads)."""
         weighed = scores if value_norms is None else scores * value_norms
         return super().priority(weighed, positions, seen, first_real, capacity)

@@ -1,5 +1,5 @@
 """Profile reports: derived ratios, then report.json, report.md, PNG plots (matplotlib) and a self-contained
-report.html, all from the dict :func:`h2o_compress.profiling.sweep.run_profile` returns."""
+report.html, all from the dict [`h2o_compress.profiling.sweep.run_profile`][h2o_compress.profiling.run_profile] returns."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ BITS_MARKERS = {16: "o", 8: "s", 4: "^"}
 
 
 def policy_color(policy: str) -> str:
-    """The colour of ``policy`` in every plot, from its place in :data:`h2o_compress.policies.POLICIES` (so a new
+    """The colour of ``policy`` in every plot, from its place in `h2o_compress.policies.POLICIES` (so a new
     policy gets its own colour with no edit here); a name not registered gets a stable one from its letters."""
     if policy == "full":
         return "black"
@@ -410,7 +410,7 @@ def _per_bits_lines(report: dict, path: Path, series: list[tuple[str, str, float
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
-    """The three PNG plots of :data:`PLOTS` in ``out_dir``."""
+    """The three PNG plots of `PLOTS` in ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -464,18 +464,18 @@ def html_page(report: dict, out_dir: Path) -> str:
 
 
 REPORT_FILES = ("report.json", *PLOTS, "report.md", "report.html")
-"""The files :func:`write_report` writes in its directory (``run_profile`` also writes a ``rows`` folder)."""
+"""The files [`write_report`][h2o_compress.profiling.write_report] writes in its directory (``run_profile`` also writes a ``rows`` folder)."""
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
     """Refuse ``out_dir`` when writing a report there would replace files profile did not write; creates nothing.
 
-    Allowed: a path that does not exist yet, a directory with none of :data:`REPORT_FILES`, or the output
+    Allowed: a path that does not exist yet, a directory with none of `REPORT_FILES`, or the output
     directory of an earlier profile run (its report.json is a profile report, or it has the ``rows`` folder a
     sweep writes), which a rerun resumes from and ``--render`` may re-render into.
 
     Raises:
-        InputError: ``out_dir`` exists and is not a directory, or holds some of :data:`REPORT_FILES` and is not
+        InputError: ``out_dir`` exists and is not a directory, or holds some of `REPORT_FILES` and is not
             a profile output directory (the message names the files).
     """
     out = check_out_path(out_dir)
@@ -503,7 +503,7 @@ def missing_dirs(out_dir: str | Path) -> list[Path]:
 
 
 def remove_empty_dirs(dirs: list[Path]) -> None:
-    """Remove each of ``dirs`` (deepest first, as :func:`missing_dirs` lists them) while it exists and is empty:
+    """Remove each of ``dirs`` (deepest first, as `missing_dirs` lists them) while it exists and is empty:
     undoes the directories a failed run created and left empty, never anything with a file in it."""
     for path in dirs:
         try:
@@ -531,7 +531,7 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
 
 
 def load_report(path: str | Path) -> dict:
-    """A report dict from a report.json written by :func:`write_report` or by an interrupted sweep.
+    """A report dict from a report.json written by [`write_report`][h2o_compress.profiling.write_report] or by an interrupted sweep.
 
     Raises:
         InputError: unreadable file, not JSON, or no ``results``/``settings``.
@@ -602,7 +602,7 @@ def _wrong(where: str, value, kind: str) -> str:
 
 
 def record_problem(record, where: str = "row") -> str | None:
-    """What makes ``record`` (one row of a report, as :func:`h2o_compress.profiling.sweep.measure_config` returns
+    """What makes ``record`` (one row of a report, as `h2o_compress.profiling.sweep.measure_config` returns
     it) unusable by the report: the first field missing or of the wrong type, as ``"<where>.<field> is ...;
     allowed: ..."``; ``None`` for a usable row."""
     if not isinstance(record, dict):
@@ -669,14 +669,14 @@ def _corpora_problem(corpora, where: str) -> str | None:
 
 
 def _refused(name: str, problem: str) -> InputError:
-    """The error of :func:`check_report`: ``"<name> is incomplete: ..."`` for a missing field, else ``"<name>: ..."``."""
+    """The error of `check_report`: ``"<name> is incomplete: ..."`` for a missing field, else ``"<name>: ..."``."""
     lead = f"{name} is incomplete" if " is missing;" in problem else name
     return InputError(f"{lead}: {problem} (as h2o-compress profile writes it)")
 
 
 def check_report(report: dict, name: str = "the report") -> None:
     """Refuse a report that cannot be rendered, field by field: every part the tables and plots read, each of the
-    type they need (:func:`record_problem` for each row), and a reference (the first result) with a finite
+    type they need (`record_problem` for each row), and a reference (the first result) with a finite
     perplexity > 0 on the main text and on each quality text it measured.
 
     Raises:
@@ -725,7 +725,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
 
     Raises:
         InputError: ``out_dir`` exists and is not a directory, cannot be created, or holds report files that
-            profile did not write (:func:`check_out_dir`).
+            profile did not write (`check_out_dir`).
     """
     check_out_dir(out_dir)
     check_report(report)

@@ -85,7 +85,7 @@ def row_key(settings: dict, config: dict, text: str, isolate: bool, quality_text
 
 
 class RowStore:
-    """The finished rows of a sweep in ``out_dir/rows`` (created on the first :meth:`save`).
+    """The finished rows of a sweep in ``out_dir/rows`` (created on the first `save`).
 
     Raises:
         InputError (from the constructor): ``out_dir/rows`` exists and is not a directory.

@@ -6,9 +6,9 @@ what it saves and what it costs (DESIGN.md §4):
   worker process on CPU (one fresh process per configuration, context lengths run in increasing order, so
   the figure at a length is the process peak up to and including that run);
 - prefill and decode tokens/s per context length;
-- streaming perplexity of the corpus (:mod:`.perplexity`), greedy agreement with the uncompressed output
-  (:mod:`.agreement`) and, optionally, passkey retrieval (:mod:`.needle`) and lm-evaluation-harness task scores
-  (:func:`h2o_compress.integrations.lm_eval_tasks.score_model`: the ``h2o-compress`` model type on the loaded model).
+- streaming perplexity of the corpus (`perplexity`), greedy agreement with the uncompressed output
+  (`h2o_compress.evaluation.agreement`) and, optionally, passkey retrieval (`h2o_compress.evaluation.needle`) and lm-evaluation-harness task scores
+  (`h2o_compress.integrations.lm_eval_tasks.score_model`: the ``h2o-compress`` model type on the loaded model).
 
 The uncompressed configuration (``full``, 16 bits) always runs first: it is the reference of every ratio.
 """
@@ -56,16 +56,16 @@ REFERENCE = CompressionConfig(policy="full", kv_bits=16)
 _DEFAULTS = CompressionConfig()
 
 
-#: ``load_model``'s placement arguments and their defaults (a :class:`ProfileSettings` keeps only those that differ).
+#: ``load_model``'s placement arguments and their defaults (a [`ProfileSettings`][h2o_compress.profiling.ProfileSettings] keeps only those that differ).
 PLACEMENT_DEFAULTS = {"weights_bits": 16, "device_map": None, "max_memory": None, "offload_folder": None}
 
 
 @dataclass
 class ProfileSettings:
-    """What :func:`run_profile` sweeps and how much it reads.
+    """What [`run_profile`][h2o_compress.profiling.run_profile] sweeps and how much it reads.
 
     Attributes:
-        model, device, dtype: as for :func:`h2o_compress.load_model`.
+        model, device, dtype: as for [`h2o_compress.load_model`][h2o_compress.load_model].
         policies: eviction policies tried at every budget below 1.
         budgets: fractions in (0, 1] (or integer token counts); 1.0 means no eviction (policy ``full``).
         kv_bits: storage bits tried (16, 8, 4).
@@ -77,11 +77,11 @@ class ProfileSettings:
         agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips; at most
             the number shipped (``len(load_prompts())``).
         needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
-            :data:`~h2o_compress.evaluation.needle.ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
+            `ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
         text_file: the main text (perplexity, speed and passkey runs): a shipped text's name
-            (:data:`~h2o_compress.evaluation.corpus.TEXT_NAMES`) or a file path; ``None``: ``sherlock``, the tuning
+            (`TEXT_NAMES`) or a file path; ``None``: ``sherlock``, the tuning
             text.
-        quality_texts: more texts (names of :data:`~h2o_compress.evaluation.corpus.TEXT_NAMES`, ``reporting`` for
+        quality_texts: more texts (names of `TEXT_NAMES`, ``reporting`` for
             the three reporting texts, or file paths) on which each configuration's streaming perplexity
             (``ppl_tokens``, ``chunk_size``) and, with ``needle_lengths``, passkey accuracy are also measured
             (``record["corpora"]``); the main text and repeats are dropped. Each is read in the constructor
@@ -89,15 +89,15 @@ class ProfileSettings:
         heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off); the 16-
             and 8-bit rows are measured without it, and a sweep with no 4-bit row refuses it
-            (:meth:`check_meaningful`).
+            ([`check_meaningful`][h2o_compress.profiling.ProfileSettings.check_meaningful]).
         head_budgets: ``uniform`` or ``adaptive`` (Ada-KV) for every evicting configuration.
         attention_kernel: the decode step's attention in every configuration (``auto``, ``torch`` or ``triton``;
-            :class:`~h2o_compress.CompressionConfig`), checked against ``device`` before any work.
+            [`CompressionConfig`][h2o_compress.CompressionConfig]), checked against ``device`` before any work.
         isolate: run each configuration in a fresh worker process (needed for the CPU peak RSS);
             ``None`` = on CPU only.
         threads: torch CPU threads in the worker (``None`` = torch's default).
         compile: run decode steps through the compiled step (``None``: on with CUDA; see
-            :func:`h2o_compress.generate`); compilation runs in the warm-up, outside the timings.
+            [`h2o_compress.generate`][h2o_compress.generate]); compilation runs in the warm-up, outside the timings.
         trust_remote_code: let the model directory run its own code (``load_model``'s flag).
         lm_eval_tasks: lm-evaluation-harness task names scored for every configuration (the reference included)
             with the ``h2o-compress`` model type on the already-loaded model; empty (default) skips. Needs the
@@ -188,7 +188,7 @@ class ProfileSettings:
         - ``high_bits_fraction`` > 0 without 4 in ``kv_bits``: it keeps some 4-bit tokens at 8 bits, so no row of
           the sweep would use it. In a sweep that has 4-bit rows it applies to them only (their label says
           ``hi8``); the 16- and 8-bit rows are measured without it, as the comparison.
-        - a configuration that leaves no recent window (:func:`~h2o_compress.config.check_usable`) at the capacity
+        - a configuration that leaves no recent window ([`check_usable`][h2o_compress.config.check_usable]) at the capacity
           of a length the sweep measures (each ``seq_lens``, ``ppl_tokens`` and ``needle_lengths``; an integer
           budget is its own capacity): e.g. the 4 sink tokens of ``sink`` with ``--budgets 3``, or budget 0.2 of a
           16-token context.
@@ -305,11 +305,11 @@ def measure_speed(
 ) -> dict:
     """Prefill ``seq_len`` corpus tokens in one pass, then ``decode_tokens`` greedy decode steps (compiled: the
     step is compiled on a throwaway cache first, and the timed cache's first
-    :func:`~h2o_compress.runtime.compiled.warmup_steps` steps, which record its CUDA graph on CUDA, are left out of the
+    `warmup_steps` steps, which record its CUDA graph on CUDA, are left out of the
     speed).
 
     Returns a dict: seq_len, capacity, prefill_tokens_per_s, decode_tokens_per_s, kv_bytes, kv_bytes_full_fp16,
-    peak_memory_bytes (see :func:`peak_memory_bytes`), decode_kernel (what the layers' decode attention ran:
+    peak_memory_bytes (see `peak_memory_bytes`), decode_kernel (what the layers' decode attention ran:
     ``cpu``, ``triton`` or ``torch``, joined by ``+`` where layers differ) and compiled (the decode step ran
     compiled).
     """
@@ -508,7 +508,7 @@ class ProfileInterrupted(KeyboardInterrupt):
 
 @contextmanager
 def _interruptible(signals=(signal.SIGTERM, signal.SIGHUP)):
-    """Within the block, SIGTERM/SIGHUP raise :class:`ProfileInterrupted` (SIGINT already raises
+    """Within the block, SIGTERM/SIGHUP raise `ProfileInterrupted` (SIGINT already raises
     KeyboardInterrupt), once: a second signal while the sweep cleans up is ignored. Afterwards the previous handlers
     are back, and the signal that arrived is delivered to them (by default: the process ends by that signal)."""
     if threading.current_thread() is not threading.main_thread():
@@ -572,7 +572,7 @@ def environment(settings: ProfileSettings) -> dict:
 
 
 def _ray_worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
-    """Body of a Ray task: :func:`_worker`, plus the environment the task ran in (its node's device)."""
+    """Body of a Ray task: `_worker`, plus the environment the task ran in (its node's device)."""
     record = _worker(settings, config, references)
     record["environment"] = environment(settings)
     return record
@@ -612,28 +612,29 @@ def _progress(show: bool):
 def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, show_progress: bool = True,
                 model=None, tokenizer=None, ray_address: str | None = None, resume: bool = True) -> dict:
     """Run the sweep and return the report dict; with ``out_dir``, also write report.json, report.md, the PNG
-    plots and report.html there (see :func:`h2o_compress.profiling.report.write_report`). report.json is
+    plots and report.html there (see [`h2o_compress.profiling.report.write_report`][h2o_compress.profiling.write_report]). report.json is
     rewritten after each configuration (``"complete": false``) so an interrupted sweep keeps its figures.
 
     Resume: with ``out_dir``, each configuration is also saved as it finishes in ``out_dir/rows``
-    (:mod:`.rows`), and a rerun of the same sweep into the same directory reuses the rows whose key (the
+    (`h2o_compress.profiling.rows`), and a rerun of the same sweep into the same directory reuses the rows whose key (the
     configuration, the model, every measurement setting, the text and the package versions) is unchanged;
     ``report["rows_reused"]`` says how many. ``resume=False`` measures every row again (replacing its saved row).
 
     Args:
-        model, tokenizer: an already loaded model to measure in this process (then ``settings.model`` only
-            names it in the report; no isolation; not with ``ray_address``).
-        ray_address: run each configuration as a Ray task (:mod:`.ray_sweep`): ``"local"`` starts a local Ray
+        model: an already loaded model to measure in this process (then ``settings.model`` only names it in
+            the report; no isolation; not with ``ray_address``).
+        tokenizer: the tokenizer of ``model``.
+        ray_address: run each configuration as a Ray task (`h2o_compress.integrations.ray_sweep`): ``"local"`` starts a local Ray
             instance, ``"auto"`` joins the cluster running on this machine, ``"ray://HEAD:10001"`` or
             ``"HEAD:6379"`` an existing cluster; ``None`` (default) runs here. The reference runs first (the
             agreement of every other row compares with its generations), then the rest in parallel.
 
     Signals: SIGTERM and SIGHUP (from the main thread; SIGINT as KeyboardInterrupt) end the running worker process
-    (:func:`_end_workers`) or cancel the Ray tasks in flight, keep the rows already finished (never a partial one)
+    (`_end_workers`) or cancel the Ray tasks in flight, keep the rows already finished (never a partial one)
     and are then delivered again, so the process ends by that signal.
 
     ``out_dir`` must be new, empty of report files, or the output directory of an earlier sweep
-    (:func:`~h2o_compress.profiling.report.check_out_dir`), checked before any work; when the run fails, the
+    (`check_out_dir`), checked before any work; when the run fails, the
     directories it created and left empty are removed again.
 
     Raises:
@@ -664,7 +665,7 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
 
 def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model, tokenizer, ray_address,
                  resume: bool) -> dict:
-    """:func:`run_profile` once ``out_dir`` is checked."""
+    """[`run_profile`][h2o_compress.profiling.run_profile] once ``out_dir`` is checked."""
     settings.check_lm_eval_tasks()  # unknown task names: before Ray starts, a model loads or a file is written
     if ray_address is not None:
         if model is not None:

@@ -1,4 +1,4 @@
-"""Running a model with a compressed cache: :mod:`.generation` (``generate``, ``make_cache``), :mod:`.batch` (``generate_batch``: many prompts, batched), :mod:`.prefill`,
-:mod:`.prompt_cache` (saved and resumed prompts), :mod:`.ask` (compress-then-ask), :mod:`.context_scores`
-(KVzip / lookahead scoring of a context), :mod:`.compiled` (the compiled decode step) and :mod:`.chat`
+"""Running a model with a compressed cache: [`h2o_compress.runtime.generation`][h2o_compress.runtime.generation] (``generate``, ``make_cache``), [`h2o_compress.runtime.batch`][h2o_compress.runtime.batch] (``generate_batch``: many prompts, batched), `h2o_compress.runtime.prefill`,
+`h2o_compress.runtime.prompt_cache` (saved and resumed prompts), [`h2o_compress.runtime.ask`][h2o_compress.runtime.ask] (compress-then-ask), `h2o_compress.runtime.context_scores`
+(KVzip / lookahead scoring of a context), `h2o_compress.runtime.compiled` (the compiled decode step) and `h2o_compress.runtime.chat`
 (chat templates, bounded)."""

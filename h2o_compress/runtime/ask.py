@@ -1,14 +1,14 @@
 """Compress-then-ask: a long context compressed once, before any question is known, then asked about any number of
 times (the protocol of kvpress's benchmarks: the context is compressed at prefill, questions come after).
 
-:func:`compress` prefills the context through a compressed cache (the budget applies to the context's tokens) and
-returns a :class:`CompressedContext`. :func:`ask` answers one question from it: the question goes into a copy of the
+[`compress`][h2o_compress.runtime.ask.compress] prefills the context through a compressed cache (the budget applies to the context's tokens) and
+returns a [`CompressedContext`][h2o_compress.runtime.ask.CompressedContext]. [`ask`][h2o_compress.runtime.ask.ask] answers one question from it: the question goes into a copy of the
 compressed cache that keeps every token after the context (nothing more is evicted while answering, as in kvpress),
 so every question starts from the same compressed context, which is never changed. A compressed context can be
-saved and loaded (:meth:`CompressedContext.save`, :meth:`CompressedContext.load`).
+saved and loaded ([`CompressedContext.save`][h2o_compress.runtime.ask.CompressedContext.save], [`CompressedContext.load`][h2o_compress.runtime.ask.CompressedContext.load]).
 
-Defaults (:data:`ASK_DEFAULTS`): KVzip's own setting. ``kvzip`` (before compressing, each context token is scored
-by the attention it gets while the model reconstructs the context: :class:`~h2o_compress.policies.kvzip.KVzipPolicy`)
+Defaults ([`ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]): KVzip's own setting. ``kvzip`` (before compressing, each context token is scored
+by the attention it gets while the model reconstructs the context: [`KVzipPolicy`][h2o_compress.policies.KVzipPolicy])
 with KVzip's allocation: ``layer_budgets="global"`` (each layer sized by its share of the best-scored tokens of the
 whole model) and ``head_budgets="adaptive"`` (each layer's budget ranked over its KV heads together), budget 0.2 of
 the context, all of it for those tokens (``heavy_ratio=1``: no recent window, which a context that never evicts again
@@ -45,10 +45,10 @@ SEPARATOR = "\n\n"  # between the context and a question, in one user turn
 
 @dataclass
 class CompressedContext:
-    """A context prefilled once through a compressed cache, ready for :func:`ask`.
+    """A context prefilled once through a compressed cache, ready for [`ask`][h2o_compress.runtime.ask.ask].
 
     Attributes:
-        cache: the compressed cache holding the context (never changed by :func:`ask`).
+        cache: the compressed cache holding the context (never changed by [`ask`][h2o_compress.runtime.ask.ask]).
         text: the context text (a question is appended to it as ``text + "\\n\\n" + question``).
         chat: whether prompts go through the tokenizer's chat template.
         tokens: context tokens the cache has seen (with the chat template: up to the end of the user's text).
@@ -63,15 +63,15 @@ class CompressedContext:
         return self.cache.seen_tokens()
 
     def save(self, path, overwrite: bool = False):
-        """Write the compressed context to ``path`` (see :func:`h2o_compress.persistence.save_cache`; atomic)."""
+        """Write the compressed context to ``path`` (see [`h2o_compress.persistence.save_cache`][h2o_compress.persistence.save_cache]; atomic)."""
         return save_cache(self.cache, path, overwrite=overwrite)
 
     @classmethod
     def load(cls, path, model, tokenizer, text: str, chat: bool = True, config=None) -> "CompressedContext":
-        """A compressed context saved by :meth:`save`, for ``model`` and the same context ``text``.
+        """A compressed context saved by [`save`][h2o_compress.runtime.ask.CompressedContext.save], for ``model`` and the same context ``text``.
 
         Raises:
-            CacheFileError, CacheStateError: see :func:`h2o_compress.persistence.load_cache`.
+            CacheFileError, CacheStateError: see [`h2o_compress.persistence.load_cache`][h2o_compress.persistence.load_cache].
             InputError: ``text`` is not the context the file holds.
         """
         cache = load_cache(path, model, config=config)
@@ -91,16 +91,17 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     """Prefill ``context`` once through a compressed cache; the budget fraction applies to the context's tokens.
 
     Args:
-        model, tokenizer: a transformers causal LM (see :func:`h2o_compress.make_cache`) and its tokenizer.
+        model: a transformers causal LM (see [`h2o_compress.make_cache`][h2o_compress.make_cache]).
+        tokenizer: its tokenizer.
         context: the document (one user turn with the chat template, up to the end of its text).
-        config: the compression setting; default :data:`ASK_DEFAULTS`. ``policy="kvzip"`` (the default) and
+        config: the compression setting; default [`ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]. ``policy="kvzip"`` (the default) and
             ``policy="lookahead"`` first score the context by their pass
-            (:func:`~h2o_compress.runtime.context_scores.score_context`: about one extra prefill of the context, twice it
+            (`score_context`: about one extra prefill of the context, twice it
             for kvzip).
         chat: apply the tokenizer's chat template.
 
     Returns:
-        A :class:`CompressedContext` (its cache holds ``capacity`` tokens per layer and KV head at most).
+        A [`CompressedContext`][h2o_compress.runtime.ask.CompressedContext] (its cache holds ``capacity`` tokens per layer and KV head at most).
 
     Raises:
         InputError: empty context, or longer than the model's context window.
@@ -121,7 +122,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
 
 def check_questions_fit(model, tokenizer, context: str, questions, max_new_tokens: int, chat: bool = True) -> None:
     """Refuse, before the context is compressed (minutes for a long one), a context + question + ``max_new_tokens``
-    beyond the model's window (:func:`ask` checks the same per question, later). Tokenizes only.
+    beyond the model's window ([`ask`][h2o_compress.runtime.ask.ask] checks the same per question, later). Tokenizes only.
 
     Raises:
         InputError: naming the question, the token counts and the most ``max_new_tokens`` that fits.
@@ -147,10 +148,10 @@ def ask(
     compile: bool | None = None,
 ) -> GenerationResult:
     """Answer ``question`` from a compressed context: the question and the answer go into a copy of its cache that
-    evicts nothing more (:meth:`CompressedCache.frozen_copy`), so ``context`` is unchanged and can be asked again.
+    evicts nothing more ([`CompressedCache.frozen_copy`][h2o_compress.cache.CompressedCache.frozen_copy]), so ``context`` is unchanged and can be asked again.
 
     Returns:
-        A :class:`~h2o_compress.runtime.generation.GenerationResult` (``prompt_tokens`` = context + question;
+        A [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] (``prompt_tokens`` = context + question;
         ``kv_bytes`` = the copy at the end of the answer).
 
     Raises:

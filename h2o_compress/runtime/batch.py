@@ -3,17 +3,17 @@ H2O paper, Zhang et al. 2023, arXiv 2306.14048 §5.3: a smaller cache fits a lar
 
 How a job runs (continuous batching over the cache's fixed buffers):
 
-- Every request is checked and tokenized first (:func:`~h2o_compress.runtime.batch_requests.prepare`); a bad one
+- Every request is checked and tokenized first (`prepare`); a bad one
   gives an error result naming its id and the others go on.
 - Each prompt is prefilled **alone**, exactly as ``generate`` prefills it (its own scoring pass for ``kvzip`` and
   ``lookahead``), into a one-row cache whose sequence is then moved into a free row of the batch cache
-  (:meth:`~h2o_compress.cache.CompressedCache.take_rows`: positions are aligned, nothing is recomputed). So the
+  ([`take_rows`][h2o_compress.cache.CompressedCache.take_rows]: positions are aligned, nothing is recomputed). So the
   prefill needs the workspace of one sequence, whatever the batch, and no padding is ever computed.
 - Decode steps run every row at once. A row whose sequence ends (its end-of-sequence token or its own
   ``max_new_tokens``) is refilled with the next prompt before the next step, so no row waits for another; rows are
   idle only at the end of the job, when no prompt is left (then the batch shrinks by halves). ``refill=False``
   runs static batches instead (the next ``batch_size`` prompts start when all rows have ended), to measure what
-  refilling saves: :attr:`BatchStats.idle_row_steps`.
+  refilling saves: `BatchStats.idle_row_steps`.
 - The budget: an integer is tokens per layer and KV head for every row, as for ``generate`` alone (so each answer
   has the greedy tokens ``generate`` gives that prompt alone). A fraction applies to the job's longest sequence
   (the longest ``prompt + max_new_tokens`` of all requests): every row keeps ``ceil(budget x that)`` tokens, at
@@ -48,7 +48,7 @@ MAX_BATCH_SIZE = 4096
 
 @dataclass
 class BatchStats:
-    """Figures of a :func:`generate_batch` run so far (filled in place while it runs).
+    """Figures of a [`generate_batch`][h2o_compress.runtime.batch.generate_batch] run so far (filled in place while it runs).
 
     Attributes:
         prompts: requests answered (errors included); errors: those that failed.
@@ -90,8 +90,8 @@ class BatchStats:
 
 
 class BatchRun:
-    """The iterator :func:`generate_batch` returns: :class:`BatchResult` objects, each as soon as its prompt finishes
-    (``in_order``: in input order instead), and :attr:`stats` filled as it goes."""
+    """The iterator [`generate_batch`][h2o_compress.runtime.batch.generate_batch] returns: [`BatchResult`][h2o_compress.runtime.batch.BatchResult] objects, each as soon as its prompt finishes
+    (``in_order``: in input order instead), and `stats` filled as it goes."""
 
     def __init__(self, results: Iterator[BatchResult], stats: BatchStats):
         self._results, self.stats = results, stats
@@ -104,7 +104,7 @@ class BatchRun:
 
 
 def check_batch_size(batch_size) -> int:
-    """``batch_size`` if it is an integer in [1, :data:`MAX_BATCH_SIZE`]; raises ConfigError naming it otherwise."""
+    """``batch_size`` if it is an integer in [1, `MAX_BATCH_SIZE`]; raises ConfigError naming it otherwise."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise ConfigError(f"batch_size={short(batch_size)} is invalid; allowed: an integer from 1 to {MAX_BATCH_SIZE}")
     return batch_size
@@ -128,15 +128,19 @@ def generate_batch(
     refilled with the next prompt as soon as its sequence ends (see the module's text).
 
     Args:
-        model, tokenizer: as for :func:`h2o_compress.generate`.
-        requests: texts, dicts with the keys of :data:`~h2o_compress.runtime.batch_requests.REQUEST_KEYS` (``id``,
+        model: as for [`h2o_compress.generate`][h2o_compress.generate].
+        tokenizer: as for [`h2o_compress.generate`][h2o_compress.generate].
+        requests: texts, dicts with the keys of `REQUEST_KEYS` (``id``,
             ``prompt`` or ``messages``, and per-prompt ``max_new_tokens``, ``temperature``, ``seed``) or
-            :class:`~h2o_compress.runtime.batch_requests.BatchRequest` objects; all are read and checked first.
+            [`BatchRequest`][h2o_compress.runtime.batch.BatchRequest] objects; all are read and checked first.
         config: the compression setting for every row (see the module's text for what a budget fraction means).
-        max_new_tokens, chat, temperature, seed, compile: the job's defaults, as for ``generate``; a request's own
-            ``seed`` seeds its sampling as ``generate`` would (the same tokens); without one, the job's ``seed``
-            plus the request's index.
-        batch_size: rows of the batch cache, 1 to :data:`MAX_BATCH_SIZE` (at most the number of prompts are used).
+        max_new_tokens: the job's default, as for ``generate``.
+        chat: the job's default, as for ``generate``.
+        temperature: the job's default, as for ``generate``.
+        seed: the job's default, as for ``generate``; a request's own ``seed`` seeds its sampling as ``generate``
+            would (the same tokens); without one, the job's ``seed`` plus the request's index.
+        compile: the job's default, as for ``generate``.
+        batch_size: rows of the batch cache, 1 to `MAX_BATCH_SIZE` (at most the number of prompts are used).
         in_order: yield results in input order (held back until their turn) instead of as they finish.
         on_step: called after each decode step with ``(rows that produced a token, rows in the batch)`` (for a
             progress bar).
@@ -145,9 +149,9 @@ def generate_batch(
         refill: refill a row as soon as its sequence ends (continuous batching); ``False``: static batches.
 
     Returns:
-        A :class:`BatchRun`: iterate it for :class:`~h2o_compress.runtime.batch_requests.BatchResult` objects (one
+        A `BatchRun`: iterate it for [`BatchResult`][h2o_compress.runtime.batch.BatchResult] objects (one
         per request; a refused request, or one whose batch failed, has ``finish_reason == "error"`` and ``error``);
-        ``.stats`` holds the :class:`BatchStats`.
+        ``.stats`` holds the [`BatchStats`][h2o_compress.runtime.batch.BatchStats].
 
     Raises:
         ConfigError: a bad job-wide argument (checked before anything runs, when this is called).

@@ -1,4 +1,4 @@
-"""The requests of a batch job (:func:`h2o_compress.generate_batch`) and their results: what one prompt asks for,
+"""The requests of a batch job ([`h2o_compress.generate_batch`][h2o_compress.generate_batch]) and their results: what one prompt asks for,
 checked on its own so that a bad one becomes an error result naming its id, never a traceback or a silent skip."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class BatchRequest:
 
     @classmethod
     def of(cls, item, index: int) -> "BatchRequest":
-        """A request from a text, a dict with :data:`REQUEST_KEYS` or a request (``index``: its place in the input,
+        """A request from a text, a dict with `REQUEST_KEYS` or a request (``index``: its place in the input,
         the id when none is given).
 
         Raises:
@@ -64,7 +64,7 @@ class BatchResult:
         id: the request's id; index: its place in the input (0-based).
         text: the generated text (prompt excluded); empty for an error.
         prompt_tokens, new_tokens: token counts.
-        finish_reason: one of :data:`FINISH_REASONS`.
+        finish_reason: one of `FINISH_REASONS`.
         error: why the request failed (``finish_reason == "error"``), else ``None``.
         token_ids: the new token ids.
     """

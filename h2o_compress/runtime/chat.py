@@ -1,9 +1,9 @@
 """Bounded work on text a model directory or a user hands us, before any of it is tokenized.
 
-- :func:`apply_chat_template`: the tokenizer's chat template (Jinja, from the model directory: code of sorts that
+- `apply_chat_template`: the tokenizer's chat template (Jinja, from the model directory: code of sorts that
   runs without ``--trust-remote-code``) rendered under a time limit, so a template with nested loops ends with one
   error line instead of hanging; what it renders is bounded in size too.
-- :func:`check_text_fits`: a text that cannot fit the model's window is refused from its length alone (a token
+- `check_text_fits`: a text that cannot fit the model's window is refused from its length alone (a token
   covers at most the longest token's characters), before a tokenizer spends minutes and gigabytes on it.
 """
 
@@ -27,7 +27,7 @@ class _TemplateTimeout(Exception):
 
 @contextlib.contextmanager
 def _time_limit(seconds: float):
-    """Raise :class:`_TemplateTimeout` in this (main) thread after ``seconds``; no limit off the main thread (a
+    """Raise `_TemplateTimeout` in this (main) thread after ``seconds``; no limit off the main thread (a
     signal can only interrupt the main thread), where the template runs as transformers runs it."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -47,7 +47,7 @@ def _time_limit(seconds: float):
 
 def apply_chat_template(tokenizer, messages: list[dict], seconds: float | None = None, **kwargs):
     """``tokenizer.apply_chat_template(messages, **kwargs)`` rendered within ``seconds`` (default
-    :data:`TEMPLATE_SECONDS`) and within :data:`TEMPLATE_GROWTH` characters per character of the messages (text
+    `TEMPLATE_SECONDS`) and within `TEMPLATE_GROWTH` characters per character of the messages (text
     output).
 
     Raises:

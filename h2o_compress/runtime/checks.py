@@ -1,9 +1,9 @@
 """The one check of a compression setting against where it runs: the model and the device.
 
-Every entry point (``make_cache``, ``generate``, ``ask``, the CLI, the profile sweep) runs :func:`check_setting`
+Every entry point (``make_cache``, ``generate``, ``ask``, the CLI, the profile sweep) runs `check_setting`
 before it allocates or writes anything, so a setting is refused by the same rule, with the same message, wherever
 it comes from. What a setting allows on its own (bits, formats, policies and their options) is
-:class:`~h2o_compress.config.CompressionConfig`'s check, run when it is built.
+[`CompressionConfig`][h2o_compress.config.CompressionConfig]'s check, run when it is built.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def check_setting(config: CompressionConfig | None, *, model=None, device: torch
             ``None``: the checks that need the model are left for when it is loaded.
         device: where the cache lives (default: the model's input device): ``attention_kernel='triton'`` must be
             able to run there (with the model's ``head_dim`` and the setting's formats, when the model is given).
-        capacity: tokens per layer and KV head, when known (for the recent-window rule of :func:`check_usable`).
-        frozen: compress-then-ask (the context never evicts again; see :func:`check_usable`).
+        capacity: tokens per layer and KV head, when known (for the recent-window rule of [`check_usable`][h2o_compress.config.check_usable]).
+        frozen: compress-then-ask (the context never evicts again; see [`check_usable`][h2o_compress.config.check_usable]).
         compile: the ``compile`` argument of the caller (``None``: auto): ``True`` must be traceable.
         usable: also refuse settings that are valid field by field but make no sense together
-            (:func:`check_usable`: what the CLI refuses; the Python API builds them for experiments).
+            ([`check_usable`][h2o_compress.config.check_usable]: what the CLI refuses; the Python API builds them for experiments).
 
     Raises:
         ConfigError: naming the value and what is allowed.

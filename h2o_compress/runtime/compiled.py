@@ -1,7 +1,7 @@
 """The decode step as one function, and its ``torch.compile`` form (DESIGN.md §5).
 
 A decode step feeds one token per sequence through the model with the compressed cache. Every cache layer's
-part of it is static-shape code over fixed buffers (:mod:`h2o_compress.cache`), so
+part of it is static-shape code over fixed buffers ([`h2o_compress.cache`][h2o_compress.cache]), so
 ``torch.compile(fullgraph=True)`` captures the whole step with no graph break. A compressed cache's decode step
 takes no attention mask (which tokens are held comes from the cache's slots), so every step has the same input
 shapes and no size enters the graph as a number: one graph serves every step, and on CUDA one CUDA graph is recorded
@@ -38,9 +38,9 @@ def decode_step(model, input_ids, cache, position_ids, attention_mask=None) -> t
 
 def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tensor:
     """One token ``[batch, 1]`` at position ``seen`` (tokens the cache has seen) through ``step``
-    (:func:`decode_step` or :func:`compiled_decode_step`'s); returns logits ``[batch, vocab]``.
+    (`decode_step` or `compiled_decode_step`'s); returns logits ``[batch, vocab]``.
 
-    A :class:`~h2o_compress.cache.CompressedCache` gets no attention mask (its decode attention reads its slots'
+    A [`CompressedCache`][h2o_compress.cache.CompressedCache] gets no attention mask (its decode attention reads its slots'
     validity, and padding never entered them), so the step's inputs have the same shapes at every ``seen``; any
     other cache gets the all-ones mask ``[batch, seen + 1]``.
     """
@@ -51,10 +51,10 @@ def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tens
 
 
 def compiled_decode_step(model, device: torch.device | str | None = None):
-    """The compiled :func:`decode_step` for ``model``, built once per model and device type and reused.
+    """The compiled `decode_step` for ``model``, built once per model and device type and reused.
 
     ``torch.compile(fullgraph=True)`` with Inductor; on CUDA ``mode="reduce-overhead"`` (CUDA graphs replay the
-    step: the cache's buffers are marked static). The step takes no attention mask (:func:`decode_one` passes
+    step: the cache's buffers are marked static). The step takes no attention mask (`decode_one` passes
     none for a compressed cache), so every step has the same shapes: one graph, one CUDA graph replayed.
     Compilation happens at the first call (about a minute for SmolLM2 on 2 CPU cores).
 
@@ -110,7 +110,7 @@ def check_compile(compile: bool | None, config) -> None:
 def compiles_by_default(device: torch.device | str, model=None) -> bool:
     """Whether ``compile=None`` compiles on ``device`` (for a cache that can compile): on CUDA, unless ``model`` has
     bitsandbytes weights or is dispatched by accelerate over several devices or with offload
-    (:func:`h2o_compress.models.weights.eager_only_reason`); never on CPU."""
+    (`h2o_compress.models.weights.eager_only_reason`); never on CPU."""
     return torch.device(device).type == "cuda" and (model is None or eager_only_reason(model) is None)
 
 
@@ -118,7 +118,7 @@ def resolve_compile(compile: bool | None, cache, device: torch.device, model=Non
     """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
     (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``), and off by default for a
     ``model`` with bitsandbytes weights or dispatched by accelerate over several devices or with offload (as
-    transformers' own auto-compile does; :func:`h2o_compress.models.weights.eager_only_reason`).
+    transformers' own auto-compile does; `h2o_compress.models.weights.eager_only_reason`).
 
     Raises:
         ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a

@@ -1,6 +1,6 @@
 """Question-agnostic context scores for compress-then-ask: a separate pass over the context, before its compressed
 prefill, whose attention ranks the context's tokens (``kvzip``: the model reconstructs the context; ``lookahead``:
-the model answers a fixed request about it). :func:`score_context` runs the pass a policy names."""
+the model answers a fixed request about it). `score_context` runs the pass a policy names."""
 
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
 
     Costs one pass over about twice the context through an uncompressed ``DynamicCache``: the context read with
     SDPA (where the model has it), then the request and the repeated context with eager attention (which returns the probabilities), in
-    chunks sized so that at most :data:`ATTENTION_FLOATS` probabilities
+    chunks sized so that at most `ATTENTION_FLOATS` probabilities
     are held. The model's attention implementation is restored afterwards.
 
     Args:
-        model, tokenizer: the LM (its attention must support transformers' ``eager`` implementation) and its
-            tokenizer.
+        model: the LM (its attention must support transformers' ``eager`` implementation).
+        tokenizer: its tokenizer.
         context_ids: int64 ``[batch, tokens]`` on the model's device.
 
     Raises:
@@ -90,7 +90,7 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
 
 
 def segment_ends(tokens: int, segment: int) -> list[int]:
-    """Where :func:`lookahead_scores` asks its request: after every ``segment`` tokens and at the end, a last
+    """Where `lookahead_scores` asks its request: after every ``segment`` tokens and at the end, a last
     piece shorter than half a segment joined to the one before (``tokens=4096, segment=1024``: ``[1024, 2048,
     3072, 4096]``; ``1500, 1024``: ``[1500]``)."""
     ends = list(range(segment, tokens, segment)) + [tokens]
@@ -107,20 +107,21 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
     ``request`` and answers it greedily for ``new_tokens`` tokens (summed over those queries and the query heads
     of each KV group, max-pooled over ``pool`` neighbouring positions as SnapKV does, arXiv 2404.14469 §4.2).
 
-    The request is asked after every ``segment`` tokens of the context and at its end (:func:`segment_ends`; the
+    The request is asked after every ``segment`` tokens of the context and at its end (`segment_ends`; the
     request and answer are then dropped from the cache and the reading goes on), and a token keeps the largest
     score any request gave it: a small model that overlooks a fact in a long document still names it right after
     reading it (KVzip likewise scores long contexts chunk by chunk, arXiv 2505.23416 §3.2). A context that opens
     with the chat template's user turn gets the request at the end of that turn and the answer as the assistant's,
-    as :func:`reconstruction_scores` asks for the reconstruction.
+    as `reconstruction_scores` asks for the reconstruction.
 
     Costs one prefill of the context (SDPA) plus ``new_tokens`` decode steps with eager attention per request,
     through an uncompressed ``DynamicCache``; the model's attention implementation is restored afterwards.
 
     Args:
-        model, tokenizer: the LM (eager attention) and its tokenizer.
+        model: the LM (eager attention).
+        tokenizer: its tokenizer.
         context_ids: int64 ``[batch, tokens]`` on the model's device.
-        request: the text the model answers (e.g. :data:`h2o_compress.policies.lookahead.LOOKAHEAD_REQUEST`);
+        request: the text the model answers (e.g. `h2o_compress.policies.lookahead.LOOKAHEAD_REQUEST`);
             ``None``: ``context_ids`` is a whole prompt, question included, and the model answers it as it
             stands (its last token gives the first answer query), once, after the whole prompt.
         new_tokens: answer tokens whose queries vote (>= 1).
@@ -177,9 +178,9 @@ SCORERS = {
 
 def score_context(model, tokenizer, context_ids: torch.Tensor, policy,
                   question_in_prompt: bool = False) -> list[torch.Tensor] | None:
-    """The scores of ``policy``'s pass (its ``scorer``, a key of :data:`SCORERS`), per layer ``[batch, kv_heads,
+    """The scores of ``policy``'s pass (its ``scorer``, a key of `SCORERS`), per layer ``[batch, kv_heads,
     tokens]``, or ``None`` for a policy that ranks without one; with ``policy.evict_chat_header``, 0 over the chat
-    template's header (:func:`chat_header_length`). ``question_in_prompt``: ``context_ids`` is a whole
+    template's header (`chat_header_length`). ``question_in_prompt``: ``context_ids`` is a whole
     prompt, question included (``generate``), rather than a document whose questions come later (``ask``)."""
     scorer = SCORERS.get(getattr(policy, "scorer", ""))
     if scorer is None:
@@ -199,7 +200,7 @@ def chat_header_length(tokenizer, context_ids: torch.Tensor) -> int:
 
 
 def _header_length(frame: tuple[torch.Tensor, torch.Tensor] | None, context_ids: torch.Tensor) -> int:
-    """How many tokens of ``context_ids`` ``[batch, tokens]`` are the header of ``frame`` (:func:`_chat_frame`):
+    """How many tokens of ``context_ids`` ``[batch, tokens]`` are the header of ``frame`` (`_chat_frame`):
     its prefix, where every sequence opens with it and something follows; else 0."""
     if frame is None:
         return 0
@@ -213,7 +214,7 @@ def _header_length(frame: tuple[torch.Tensor, torch.Tensor] | None, context_ids:
 def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, question_in_prompt: bool = False,
                         scores: list[torch.Tensor] | None = None) -> None:
     """Before ``context_ids`` ``[batch, tokens]`` is prefilled into the empty compressed ``cache``: run its policy's
-    scoring pass (:func:`score_context`, nothing for a policy without one; ``scores``: already run) and hand each
+    scoring pass (`score_context`, nothing for a policy without one; ``scores``: already run) and hand each
     layer its scores, which that prefill then ranks by."""
     if scores is None:
         policy = getattr(cache.layers[0], "policy", None)
@@ -275,7 +276,7 @@ def _chat_frame(tokenizer) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _request_prompt(tokenizer, context_ids: torch.Tensor, request: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(asked [1, r], body [batch, b])``: ``request`` as read after the context, and the context without the
     chat template's header. A context that opens with the template's user turn (as
-    :func:`h2o_compress.runtime.ask.compress` encodes it) gets the request at the end of that turn, then the end of the
+    [`h2o_compress.runtime.ask.compress`][h2o_compress.runtime.ask.compress] encodes it) gets the request at the end of that turn, then the end of the
     turn and the assistant's header; otherwise the request follows as plain text and the body is the whole
     context."""
     frame = _chat_frame(tokenizer)

@@ -26,7 +26,7 @@ from h2o_compress.models.weights import input_device
 
 def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None,
                layer_capacities: list[int] | None = None) -> CompressedCache:
-    """Build a :class:`CompressedCache` for ``model`` and switch the model to the ``h2o_compress`` attention.
+    """Build a [`CompressedCache`][h2o_compress.cache.CompressedCache] for ``model`` and switch the model to the ``h2o_compress`` attention.
 
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.
@@ -35,13 +35,13 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             fraction below 1 (capacity = ``ceil(budget x max_length)`` tokens per layer and KV head). A prefill
             that would take the cache beyond it raises InputError (decode steps are not checked).
         layer_capacities: with ``config.layer_budgets == "global"``, each layer's capacity (tokens per KV head,
-            one int >= 1 per layer: what :func:`make_scored_cache` computes from the scores); default: the
+            one int >= 1 per layer: what `make_scored_cache` computes from the scores); default: the
             config's own split.
 
     Raises:
         ConfigError: bad ``max_length`` or ``layer_capacities``, a fractional budget without ``max_length``, a
             group size that does not divide the model's ``head_dim``, or ``attention_kernel='triton'`` where the
-            Triton op cannot run (:func:`~h2o_compress.attention.choice.check_kernel`).
+            Triton op cannot run (`check_kernel`).
         UnsupportedModelError: the model's attention cannot be scored.
     """
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
@@ -81,15 +81,15 @@ def _check_layer_capacities(capacities, config: CompressionConfig, num_layers: i
 def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_length: int,
                       question_in_prompt: bool = False) -> CompressedCache:
     """A cache ready for the prefill of ``input_ids`` ``[batch, tokens]``: for ``kvzip`` and ``lookahead`` their
-    scoring pass runs first (:func:`~h2o_compress.runtime.context_scores.score_context`), the cache is built with the layer
+    scoring pass runs first (`score_context`), the cache is built with the layer
     capacities those scores give under ``layer_budgets="global"``
-    (:func:`~h2o_compress.runtime.context_scores.global_layer_capacities`; the config's own split otherwise), and each
+    (`global_layer_capacities`; the config's own split otherwise), and each
     layer gets its scores for the prefill. Other policies: ``make_cache(model, config, max_length)``.
     ``question_in_prompt``: ``input_ids`` is a whole prompt, question included (``generate``), not a document
     asked about later.
 
     Raises:
-        ConfigError: a bad setting (see :func:`make_cache`).
+        ConfigError: a bad setting (see [`make_cache`][h2o_compress.runtime.generation.make_cache]).
         ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
     """
     config = check_config(config)
@@ -108,7 +108,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
 
 def check_cache_room(cache, prompt_tokens: int, max_new_tokens: int) -> None:
     """Refuse, before the first step, a generation that would take ``cache`` beyond the ``max_length`` it was made
-    for (:func:`make_cache`): ``prompt_tokens + max_new_tokens`` tokens, as :func:`generate` sizes its own cache.
+    for ([`make_cache`][h2o_compress.runtime.generation.make_cache]): ``prompt_tokens + max_new_tokens`` tokens, as [`generate`][h2o_compress.runtime.generation.generate] sizes its own cache.
     Decode steps are not checked (that would sync the host per token), so this is the check.
 
     Raises:
@@ -141,7 +141,7 @@ def check_config(config) -> CompressionConfig:
     """``config``, or the no-compression default for ``None``.
 
     Raises:
-        ConfigError: ``config`` is neither a :class:`CompressionConfig` nor ``None``.
+        ConfigError: ``config`` is neither a [`CompressionConfig`][h2o_compress.config.CompressionConfig] nor ``None``.
     """
     if config is None:
         return CompressionConfig()
@@ -152,7 +152,7 @@ def check_config(config) -> CompressionConfig:
 
 @dataclass
 class GenerationResult:
-    """Output and figures of one :func:`generate` call.
+    """Output and figures of one [`generate`][h2o_compress.runtime.generation.generate] call.
 
     Attributes:
         text: the generated text (prompt excluded).
@@ -163,12 +163,12 @@ class GenerationResult:
         prefill_s: seconds of the prompt forward pass (gives the first new token), with the scoring pass of
             ``kvzip`` and ``lookahead`` before it.
         decode_s: seconds of the decode forward passes (with ``compiled``, the first ones, which compile and on
-            CUDA record the CUDA graph (:func:`h2o_compress.runtime.compiled.warmup_steps`), are left out and reported as
+            CUDA record the CUDA graph (`h2o_compress.runtime.compiled.warmup_steps`), are left out and reported as
             ``compile_s``).
         decode_tokens_per_s: decode forward passes per second (of those counted in ``decode_s``).
-        compiled: whether the decode steps ran compiled (:mod:`h2o_compress.runtime.compiled`).
+        compiled: whether the decode steps ran compiled (`h2o_compress.runtime.compiled`).
         compile_s: seconds of the compiled step's warm-up calls (compilation included); 0 when not compiled.
-        decode_kernel: the decode attention the layers ran (:attr:`CompressedCache.decode_kernel`): ``cpu``,
+        decode_kernel: the decode attention the layers ran ([`CompressedCache.decode_kernel`][h2o_compress.cache.CompressedCache.decode_kernel]): ``cpu``,
             ``triton`` or ``torch``, joined by ``+`` where layers differ; empty when nothing was decoded.
     """
 
@@ -195,11 +195,11 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3  # below/above these, softmax(logit
 
 
 def check_generation_args(max_new_tokens, temperature, seed) -> None:
-    """Validate the arguments of :func:`generate` (also run by the CLI before any side effect).
+    """Validate the arguments of [`generate`][h2o_compress.runtime.generation.generate] (also run by the CLI before any side effect).
 
     Raises:
         ConfigError: ``max_new_tokens`` not an integer >= 1, ``temperature`` neither 0 nor in
-            [:data:`MIN_TEMPERATURE`, :data:`MAX_TEMPERATURE`], or ``seed`` not an integer in [0, 2**64).
+            [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`], or ``seed`` not an integer in [0, 2**64).
     """
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
         raise ConfigError(f"seed={short(seed)} is invalid; allowed: an integer in [0, 2**64) or None")
@@ -309,9 +309,9 @@ def generate(
 
     The budget fraction applies to ``prompt tokens + max_new_tokens``. ``on_text`` receives each new piece of
     text as it is generated (streaming). Stops at the tokenizer's end-of-sequence token. ``cache`` continues
-    from an existing cache (e.g. :func:`h2o_compress.load_cache`): only the prompt tokens it does not hold yet
-    are fed (see :func:`h2o_compress.runtime.prefill.prefill`). ``compile`` runs the decode steps through
-    :func:`h2o_compress.runtime.compiled.compiled_decode_step` (``None``: on with CUDA, off on CPU, where eager measured
+    from an existing cache (e.g. [`h2o_compress.load_cache`][h2o_compress.load_cache]): only the prompt tokens it does not hold yet
+    are fed (see `h2o_compress.runtime.prefill.prefill`). ``compile`` runs the decode steps through
+    `h2o_compress.runtime.compiled.compiled_decode_step` (``None``: on with CUDA, off on CPU, where eager measured
     faster); the prefill stays eager. The NaN/Inf flags of the decode steps are read once, at the end.
 
     Raises:
@@ -322,7 +322,7 @@ def generate(
         CacheStateError: ``cache`` and ``config`` both given and different, ``cache`` not a CompressedCache, or
             ``cache`` filled by another model (its ``model_fingerprint``; checked once per generation).
         InputError: NaN or Inf reached the cache during decoding (read once, at the end).
-        ConfigError: ``model`` is not a loaded model (e.g. a name: use :func:`~h2o_compress.load_model`),
+        ConfigError: ``model`` is not a loaded model (e.g. a name: use [`load_model`][h2o_compress.load_model]),
             ``tokenizer`` has no ``encode``/``decode``, or ``on_text`` is not callable.
     """
     _check_argument_kinds(model, tokenizer, on_text)

@@ -25,8 +25,8 @@ def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
 
 def check_cache_model(cache, model) -> None:
     """Refuse ``cache`` when it was filled by (or made for) another model than ``model``: its recorded
-    ``model_fingerprint`` (:func:`~h2o_compress.models.identity.model_fingerprint`, set by ``make_cache``,
-    ``load_cache`` and :func:`prefill`) differs from the model's. Shapes alone do not tell two models of one
+    ``model_fingerprint`` (`model_fingerprint`, set by ``make_cache``,
+    ``load_cache`` and `prefill`) differs from the model's. Shapes alone do not tell two models of one
     architecture apart. Reads a few values per parameter: run once per generation, never per token. A cache with no
     fingerprint recorded passes.
 
@@ -49,7 +49,7 @@ def check_cache_model(cache, model) -> None:
 def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> torch.Tensor:
     """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
 
-    A fresh cache gets the whole prompt in one forward pass (exactly what :func:`h2o_compress.generate` does,
+    A fresh cache gets the whole prompt in one forward pass (exactly what [`h2o_compress.generate`][h2o_compress.generate] does,
     ``logits_to_keep=1``).
     A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold the first ``n``
     tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the recorded
@@ -58,8 +58,8 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
     Args:
         model: the causal LM the cache belongs to.
         input_ids: int64 ``[batch, tokens]`` on the model's device.
-        cache: a :class:`CompressedCache` (batch must match).
-        check_model: check first that ``cache`` belongs to ``model`` (:func:`check_cache_model`); ``False`` where
+        cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] (batch must match).
+        check_model: check first that ``cache`` belongs to ``model`` (`check_cache_model`); ``False`` where
             the caller has just checked it.
 
     Returns:
@@ -68,7 +68,7 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
     Raises:
         InputError: the prompt does not start with the tokens the cache holds.
         CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
-            without its next-token logits, or belongs to another model (:func:`check_cache_model`).
+            without its next-token logits, or belongs to another model (`check_cache_model`).
     """
     if check_model:
         check_cache_model(cache, model)

@@ -1,8 +1,8 @@
-"""Prompt caches: bring a :class:`CompressedCache` up to a prompt, resuming from a saved or live one.
+"""Prompt caches: bring a [`CompressedCache`][h2o_compress.cache.CompressedCache] up to a prompt, resuming from a saved or live one.
 
-:func:`~h2o_compress.runtime.prefill.prefill` feeds only the prompt tokens a cache does not hold yet and records the prompt's token ids and
-next-token logits on the cache (``cache.prompt_state``), so :func:`save_cache` stores them and a
-loaded cache continues exactly like the live one. :func:`prepare_prompt_cache` is what
+`prefill` feeds only the prompt tokens a cache does not hold yet and records the prompt's token ids and
+next-token logits on the cache (``cache.prompt_state``), so [`save_cache`][h2o_compress.persistence.save_cache] stores them and a
+loaded cache continues exactly like the live one. `prepare_prompt_cache` is what
 ``h2o-compress generate --save-cache F / --load-cache F`` runs before generating.
 """
 
@@ -18,7 +18,7 @@ from h2o_compress.models.weights import input_device
 
 
 def shared_prefix_length(tokenizer, prompt: str, chat: bool = True) -> int:
-    """Tokens of ``prompt`` (as :func:`~h2o_compress.runtime.generation.encode_prompt` gives them) that a follow-up
+    """Tokens of ``prompt`` (as `encode_prompt` gives them) that a follow-up
     prompt extending its text will share.
 
     Without the chat template, every token. With it, the tokens before the template's closing part (end of the
@@ -38,7 +38,7 @@ def shared_prefix_length(tokenizer, prompt: str, chat: bool = True) -> int:
 
 
 def _check_generates(cache, source) -> None:
-    """Refuse a loaded cache whose setting cannot keep evicting while it generates (:func:`check_usable`): e.g. a
+    """Refuse a loaded cache whose setting cannot keep evicting while it generates ([`check_usable`][h2o_compress.config.check_usable]): e.g. a
     compressed context saved by ``ask`` with KVzip's setting (no recent window), which only ``ask`` continues
     without eviction. Raises ConfigError naming the file."""
     try:
@@ -58,26 +58,27 @@ def prepare_prompt_cache(
     """Build (or load) the cache for ``prompt``, prefill it, and optionally save it.
 
     Args:
-        model, tokenizer: the LM and its tokenizer.
+        model: the LM.
+        tokenizer: its tokenizer.
         prompt: the prompt text (through the chat template when ``chat``).
-        config: :class:`CompressionConfig` of a new cache (ignored with ``load``: the file's config applies).
+        config: [`CompressionConfig`][h2o_compress.config.CompressionConfig] of a new cache (ignored with ``load``: the file's config applies).
         max_new_tokens: new tokens planned; with a fractional budget, capacity =
             ``ceil(budget x (prompt tokens + max_new_tokens))``.
         load: path of a saved cache to start from (its prompt must be a prefix of this prompt's tokens).
         save: path to write the cache to (atomic), holding the tokens a follow-up prompt will share
-            (:func:`shared_prefix_length`: with the chat template, the context without the assistant header).
+            (`shared_prefix_length`: with the chat template, the context without the assistant header).
         expect: with ``load``, config fields that must match the file's (e.g. the CLI flags given).
         overwrite: let ``save`` replace a file that is not a cache file (see
-            :func:`h2o_compress.persistence.check_save_target`).
+            [`h2o_compress.persistence.check_save_target`][h2o_compress.persistence.check_save_target]).
 
     Returns:
-        The prefilled :class:`CompressedCache` (``cache.prompt_state`` holds the prompt and next logits).
+        The prefilled [`CompressedCache`][h2o_compress.cache.CompressedCache] (``cache.prompt_state`` holds the prompt and next logits).
 
     Raises:
         InputError: empty prompt, prompt + new tokens beyond the model's context, or a prompt that does not
             extend the loaded one.
-        CacheFileError, CacheStateError: see :func:`h2o_compress.persistence.load_cache` / ``save_cache``.
-        ConfigError: a loaded cache whose setting leaves no recent window (:func:`~h2o_compress.config.check_usable`),
+        CacheFileError, CacheStateError: see [`h2o_compress.persistence.load_cache`][h2o_compress.persistence.load_cache] / ``save_cache``.
+        ConfigError: a loaded cache whose setting leaves no recent window ([`check_usable`][h2o_compress.config.check_usable]),
             e.g. one saved by ``ask``.
     """
     if save is not None:

@@ -1,6 +1,6 @@
 """Errors raised by h2o-compress.
 
-Every error a user can cause derives from :class:`H2OCompressError`, itself a ``ValueError``, so callers may
+Every error a user can cause derives from [`H2OCompressError`][h2o_compress.H2OCompressError], itself a ``ValueError``, so callers may
 catch either. The CLI turns these into a one-line message and exit code 2.
 """
 

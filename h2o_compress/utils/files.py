@@ -28,7 +28,7 @@ def read_text(path, what: str, error: type[H2OCompressError], limit: int = MAX_S
     Args:
         path: the file.
         what: how messages name it, e.g. ``"config file"``.
-        error: the :class:`H2OCompressError` subclass to raise.
+        error: the [`H2OCompressError`][h2o_compress.H2OCompressError] subclass to raise.
         limit: the largest size accepted (bytes).
 
     Raises:
@@ -93,7 +93,7 @@ def _constant(text: str):
 
 def check_numbers(value, what: str, error: type[H2OCompressError]):
     """``value`` (parsed JSON/TOML) if every number in it is a finite float or an integer within
-    :data:`MAX_NUMBER`; walked without recursion. Raises ``error`` naming the first other one."""
+    `MAX_NUMBER`; walked without recursion. Raises ``error`` naming the first other one."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -113,7 +113,7 @@ def check_numbers(value, what: str, error: type[H2OCompressError]):
 def parse_json(text: str, what: str, error: type[H2OCompressError], bounded: bool = False):
     """``json.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``.
 
-    ``bounded``: integers of more than :data:`MAX_INT_DIGITS` digits, numbers that overflow a float (``1e400``) and
+    ``bounded``: integers of more than `MAX_INT_DIGITS` digits, numbers that overflow a float (``1e400``) and
     ``NaN``/``Infinity`` are refused as they are read (settings files: config, layer weights, device map).
     """
     hooks = {"parse_int": _bounded_int, "parse_float": _finite_float, "parse_constant": _constant} if bounded else {}
@@ -136,7 +136,7 @@ def _reason(exc: Exception) -> str:
 
 def parse_toml(text: str, what: str, error: type[H2OCompressError], bounded: bool = False):
     """``tomllib.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``; ``bounded``:
-    as :func:`parse_json` (integers beyond :data:`MAX_NUMBER`, ``inf``/``nan`` refused)."""
+    as `parse_json` (integers beyond `MAX_NUMBER`, ``inf``/``nan`` refused)."""
     try:
         value = tomllib.loads(text, parse_float=_finite_float) if bounded else tomllib.loads(text)
     except _NumberRefused as exc:
@@ -150,5 +150,5 @@ def parse_toml(text: str, what: str, error: type[H2OCompressError], bounded: boo
 
 
 def read_json(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES, bounded: bool = False):
-    """The JSON value in the regular file ``path`` (see :func:`read_text` and :func:`parse_json`)."""
+    """The JSON value in the regular file ``path`` (see `read_text` and `parse_json`)."""
     return parse_json(read_text(path, what, error, limit), f"{what} {short(str(Path(path)))}", error, bounded)

@@ -1,8 +1,8 @@
-"""Device memory (a leaf module): the bytes free now (:func:`available_memory`), and the peak while a loaded model
+"""Device memory (a leaf module): the bytes free now (`available_memory`), and the peak while a loaded model
 generates: what ``generate --memory-limit`` sets against the planner's total (weights + KV cache + workspace).
 
 The window opens before the weights load (its baseline excludes what the process held before) and its peak
-restarts once they are loaded (:meth:`PeakMemory.loaded`), so a transient of loading (bitsandbytes quantizing a
+restarts once they are loaded (`PeakMemory.loaded`), so a transient of loading (bitsandbytes quantizing a
 checkpoint read in full precision) is not counted; the resident weights are.
 
 - CUDA: ``torch.cuda.max_memory_allocated`` summed over the GPUs (a model split by ``device_map`` uses several),
@@ -53,10 +53,10 @@ def _restart_rss_peak() -> bool:
 
 
 class PeakMemory:
-    """Opens a peak-memory window at construction (before loading); :meth:`loaded` restarts the peak once the
-    weights are in place; :meth:`measure` gives ``(bytes, kind)``.
+    """Opens a peak-memory window at construction (before loading); `loaded` restarts the peak once the
+    weights are in place; `measure` gives ``(bytes, kind)``.
 
-    ``kind``: ``cuda_max_memory_allocated`` (all GPUs), ``cpu_peak_rss_growth`` (peak since :meth:`loaded`, above
+    ``kind``: ``cuda_max_memory_allocated`` (all GPUs), ``cpu_peak_rss_growth`` (peak since `loaded`, above
     the resident set before loading) or ``cpu_peak_rss_growth_with_load`` (the peak could not be restarted).
     """
 

@@ -1,6 +1,6 @@
 """Writing into a directory a user names (``profile --out``) without ever replacing a file of theirs.
 
-A manifest in the directory (:data:`MANIFEST`) records the name and SHA-256 of every file this package wrote
+A manifest in the directory (`MANIFEST`) records the name and SHA-256 of every file this package wrote
 there. A file may be replaced only while it is still what the manifest says this package wrote; anything else of
 the same name (a user's report.md, or a file edited since) is refused. Writes go to a temporary file in the
 directory, then ``os.replace``: a symlink at the name is replaced, never followed, and a reader never sees half a
@@ -41,7 +41,7 @@ class OutputDir:
     """A directory that reports are written into (see the module docstring).
 
     Args:
-        path: the directory (it need not exist yet: :meth:`write` creates it).
+        path: the directory (it need not exist yet: `write` creates it).
     """
 
     def __init__(self, path) -> None:

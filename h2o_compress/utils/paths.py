@@ -1,7 +1,7 @@
 """Where h2o-compress keeps what it builds once: converted models and compiled kernels (a leaf module).
 
 Everything the package loads from there is trusted only if this user made it: it lives in directories owned by this
-user that nobody else can write (:func:`private_dir`), checked before loading (:func:`check_private_file`).
+user that nobody else can write (`private_dir`), checked before loading (`check_private_file`).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def private_dir(*parts: str) -> Path:
     package's files go into ``cache_root() / "user-<uid>"`` instead, so nobody else can plant or swap them.
 
     Raises:
-        ConfigError: the root is unusable (:func:`check_cache_root`), or an existing directory on the way is not
-            this user's own (:func:`check_private`).
+        ConfigError: the root is unusable (`check_cache_root`), or an existing directory on the way is not
+            this user's own (`check_private`).
     """
     root = check_cache_root(cache_root())
     try:
@@ -87,7 +87,7 @@ def private_dir(*parts: str) -> Path:
 
 
 def _make(path: Path) -> None:
-    """Create ``path`` with mode 0700 if absent, then :func:`check_private` it."""
+    """Create ``path`` with mode 0700 if absent, then `check_private` it."""
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
@@ -100,10 +100,10 @@ def _make(path: Path) -> None:
 
 def check_private_file(path: Path) -> None:
     """Refuse a file to load from a private directory unless it is a regular file (no symlink) of this user that
-    only this user can write (:func:`check_private`).
+    only this user can write (`check_private`).
 
     Raises:
-        ConfigError: as :func:`check_private`.
+        ConfigError: as `check_private`.
     """
     check_private(path, "file")
     if not stat.S_ISREG(os.lstat(path).st_mode):
