@@ -39,7 +39,8 @@ class LayerSetting:
         evicts: the policy ranks (its capacity is below what the span and length bound anyway).
         with_scores: the layer accumulates attention scores (a policy that needs them and ranks).
         growable: unbounded and of unknown length: the store grows (eager only).
-        high_bits_fraction, refined_per_head: mixed precision by importance (``cache/refinement.py``).
+        high_bits_fraction: mixed precision by importance (``cache/refinement.py``).
+        refined_per_head: mixed precision by importance (``cache/refinement.py``).
         head_adaptive: the store is one pool per layer shared by the KV heads (Ada-KV, ``cache/slot_pool.py``).
     """
 

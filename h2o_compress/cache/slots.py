@@ -27,7 +27,8 @@ class SlotStore:
     """Keys, values, positions and (optionally) accumulated scores of ``slots`` token slots per sequence and head.
 
     Attributes:
-        keys, values: [`StoredTensor`][h2o_compress.formats.StoredTensor] ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
+        keys: [`StoredTensor`][h2o_compress.formats.StoredTensor] ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
+        values: [`StoredTensor`][h2o_compress.formats.StoredTensor] ``[batch, kv_heads, slots, ...]`` in the quantizers' formats.
         positions: int32 ``[batch, kv_heads, slots]``, the absolute position of each held token, ``-1`` = empty.
         scores: fp32 ``[batch, kv_heads, slots]`` accumulated attention, or ``None`` (policies without scores).
         norms: fp32 ``[batch, kv_heads, slots]``, the L1 norm of each stored value in the model's basis, set once when

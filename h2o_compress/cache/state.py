@@ -38,7 +38,8 @@ class Geometry:
     Attributes:
         residual_dtype: dtype of the ring and of 16-bit storage (fp16 for an fp32 model's quantized cache: its
             bytes count, DESIGN.md §2).
-        key_basis, value_basis: fp32 ``[head_dim, head_dim]`` Hadamard bases tokens are held in, or ``None``.
+        key_basis: fp32 ``[head_dim, head_dim]`` Hadamard bases tokens are held in, or ``None``.
+        value_basis: fp32 ``[head_dim, head_dim]`` Hadamard bases tokens are held in, or ``None``.
     """
 
     batch: int

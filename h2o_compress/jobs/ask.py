@@ -136,7 +136,8 @@ class AskSession:
 
     Attributes:
         job: the [`AskJob`][h2o_compress.jobs.AskJob] (its generation settings apply to every answer).
-        model, tokenizer: the loaded LM.
+        model: the loaded LM.
+        tokenizer: its tokenizer.
         context: the [`CompressedContext`][h2o_compress.runtime.ask.CompressedContext] (never changed by [`answer`][h2o_compress.jobs.AskSession.answer]).
         figures: what ``ask --json`` prints before its answers: ``model``, ``config``, ``context_tokens``,
             ``context_kv_bytes``/``context_kv_bytes_full_fp16`` (bytes), ``capacity`` (tokens per layer and KV
@@ -202,7 +203,8 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
 
     Args:
         questions: the questions (a single str is one).
-        context: the document text; or context_file: a UTF-8 file holding it (one of the two).
+        context: the document text (or give ``context_file``).
+        context_file: a UTF-8 file holding the document (instead of ``context``).
         model: alias, local model directory or hub id.
         config: the compression setting (default [`ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]).
         on_text: receives each new piece of each answer (streaming).
@@ -213,8 +215,9 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
         An [`AskReport`][h2o_compress.jobs.AskReport] (``.answers[i]["text"]``, ``.to_dict()``).
 
     Raises:
-        See [`AskJob`][h2o_compress.jobs.AskJob] (every setting, before anything is loaded), [`AskJob.start`][h2o_compress.jobs.AskJob.start] and
-        [`AskSession.answer`][h2o_compress.jobs.AskSession.answer].
+        H2OCompressError: the errors of [`AskJob`][h2o_compress.jobs.AskJob] (every setting, before anything is
+            loaded), [`AskJob.start`][h2o_compress.jobs.AskJob.start] and
+            [`AskSession.answer`][h2o_compress.jobs.AskSession.answer].
     """
     session = AskJob(questions, context, context_file, model, config, **settings).start()
     results = [session._generate(question, on_text) for question in session.job.questions]

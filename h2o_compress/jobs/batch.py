@@ -56,13 +56,20 @@ class BatchJob:
         output: the JSONL answers file, appended to (never replaced): one line per prompt (``id``, ``text``,
             ``prompt_tokens``, ``new_tokens``, ``finish_reason``, and ``error`` for a refused prompt); ids already
             in it are skipped (resume).
-        model, config, max_new_tokens, chat, temperature, seed, compile: as for [`h2o_compress.generate`][h2o_compress.generate]
-            (``max_new_tokens`` etc. are the defaults a line may override).
+        model: as for [`h2o_compress.generate`][h2o_compress.generate].
+        config: as for [`h2o_compress.generate`][h2o_compress.generate].
+        max_new_tokens: as for [`h2o_compress.generate`][h2o_compress.generate]; the default a line may override.
+        chat: as for [`h2o_compress.generate`][h2o_compress.generate].
+        temperature: as for [`h2o_compress.generate`][h2o_compress.generate]; the default a line may override.
+        seed: as for [`h2o_compress.generate`][h2o_compress.generate]; the default a line may override.
+        compile: as for [`h2o_compress.generate`][h2o_compress.generate].
         batch_size: sequences per group, or ``"auto"``: the largest that fits ``memory_limit`` (or the device's free
             memory) for the longest prompt plus its new tokens, with the weights as loaded
             ([`fit_batch`][h2o_compress.planner.fit_batch]).
         memory_limit: bytes or a text such as ``"2GiB"`` (only with ``batch_size="auto"``).
-        load, threads, trust_remote_code: as for [`GenerateJob`][h2o_compress.jobs.GenerateJob].
+        load: as for [`GenerateJob`][h2o_compress.jobs.GenerateJob].
+        threads: as for [`GenerateJob`][h2o_compress.jobs.GenerateJob].
+        trust_remote_code: as for [`GenerateJob`][h2o_compress.jobs.GenerateJob].
         ray: a Ray address (``"local"``: a local instance, ``"auto"``, ``HOST:PORT``, ``ray://HOST:PORT``): the
             prompts are answered by Ray Data actors, one per GPU or per ``threads`` CPUs, each loading the model once
             (`run_on_ray`); this process plans, and writes OUTPUT as
@@ -233,6 +240,7 @@ def run_batch(input: str, output: str, model: str = DEFAULT_MODEL, config: Compr
     """What ``h2o-compress batch`` runs: ``BatchJob(input, output, model, config, **settings).run()``.
 
     Raises:
-        See [`BatchJob`][h2o_compress.jobs.BatchJob] (every setting, before anything is loaded) and [`BatchJob.run`][h2o_compress.jobs.BatchJob.run].
+        H2OCompressError: the errors of [`BatchJob`][h2o_compress.jobs.BatchJob] (every setting, before anything is
+            loaded) and [`BatchJob.run`][h2o_compress.jobs.BatchJob.run].
     """
     return BatchJob(input, output, model, config, **settings).run()

@@ -62,8 +62,11 @@ class GenerateJob:
         model: alias, local model directory or hub id ([`h2o_compress.load_model`][h2o_compress.load_model]).
         config: the compression setting (default: no compression); with ``memory_limit``, the base the planner
             keeps all but budget, bits and group size of ([`choose_for_prompt`][h2o_compress.planner.choose_for_prompt]).
-        max_new_tokens, chat, temperature, seed, compile: as for [`h2o_compress.generate`][h2o_compress.generate] (``seed`` also seeds
-            torch before the model loads).
+        max_new_tokens: as for [`h2o_compress.generate`][h2o_compress.generate].
+        chat: as for [`h2o_compress.generate`][h2o_compress.generate].
+        temperature: as for [`h2o_compress.generate`][h2o_compress.generate].
+        seed: as for [`h2o_compress.generate`][h2o_compress.generate]; also seeds torch before the model loads.
+        compile: as for [`h2o_compress.generate`][h2o_compress.generate].
         memory_limit: bytes, or a text such as ``"2GiB"``: the planner picks the setting for the model as loaded,
             and the figures give planned against measured peak memory.
         save_cache: a file to save the prompt cache to (the part a follow-up prompt shares); an existing file must
@@ -196,7 +199,8 @@ def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionCon
         prompt: the prompt text.
         model: alias, local model directory or hub id.
         config: the compression setting (default: none).
-        on_text: receives each new piece of text (streaming); on_plan: the planner's choice under ``memory_limit``.
+        on_text: receives each new piece of text (streaming).
+        on_plan: receives the planner's choice under ``memory_limit``.
         settings: the other fields of [`GenerateJob`][h2o_compress.jobs.GenerateJob] (``max_new_tokens`` in tokens, ``memory_limit`` in
             bytes or as ``"2GiB"``, ``save_cache``/``load_cache`` paths, ``load``, ...).
 
@@ -204,6 +208,7 @@ def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionCon
         A [`GenerateReport`][h2o_compress.jobs.GenerateReport] (``.result.text``, ``.figures``).
 
     Raises:
-        See [`GenerateJob`][h2o_compress.jobs.GenerateJob] (every setting, before anything is loaded) and [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run].
+        H2OCompressError: the errors of [`GenerateJob`][h2o_compress.jobs.GenerateJob] (every setting, before
+            anything is loaded) and [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run].
     """
     return GenerateJob(prompt, model, config, **settings).run(on_text, on_plan)

@@ -29,7 +29,9 @@ class ModelSpec:
     Attributes:
         name: the name it was asked for.
         dims: KV geometry (layers, query heads, KV heads, head_dim).
-        hidden_size, intermediate_size, vocab_size: activation widths (elements).
+        hidden_size: activation widths (elements).
+        intermediate_size: activation widths (elements).
+        vocab_size: activation widths (elements).
         max_context: the model's context window in tokens (``max_position_embeddings``), ``None`` if unknown.
         num_parameters: all parameters, tied weights counted once.
         linear_parameters: parameters of the ``nn.Linear`` layers except the output head (what 8/4-bit weight

@@ -65,7 +65,9 @@ class ProfileSettings:
     """What [`run_profile`][h2o_compress.profiling.run_profile] sweeps and how much it reads.
 
     Attributes:
-        model, device, dtype: as for [`h2o_compress.load_model`][h2o_compress.load_model].
+        model: as for [`h2o_compress.load_model`][h2o_compress.load_model].
+        device: as for [`h2o_compress.load_model`][h2o_compress.load_model].
+        dtype: as for [`h2o_compress.load_model`][h2o_compress.load_model].
         policies: eviction policies tried at every budget below 1.
         budgets: fractions in (0, 1] (or integer token counts); 1.0 means no eviction (policy ``full``).
         kv_bits: storage bits tried (16, 8, 4).
@@ -76,8 +78,9 @@ class ProfileSettings:
             compression's cost, as the tokens of a chunk see each other uncompressed).
         agreement_prompts: how many shipped prompts to generate from (``max_new_tokens`` each); 0 skips; at most
             the number shipped (``len(load_prompts())``).
-        needle_lengths, needle_depths: passkey retrieval cells (as ``eval needle`` checks them; each answer
-            `ANSWER_TOKENS` tokens); empty ``needle_lengths`` skips it.
+        needle_lengths: context lengths of the passkey retrieval cells (as ``eval needle`` checks them; each
+            answer `ANSWER_TOKENS` tokens); empty: no passkey runs.
+        needle_depths: depths of the passkey retrieval cells.
         text_file: the main text (perplexity, speed and passkey runs): a shipped text's name
             (`TEXT_NAMES`) or a file path; ``None``: ``sherlock``, the tuning
             text.
@@ -86,7 +89,10 @@ class ProfileSettings:
             (``ppl_tokens``, ``chunk_size``) and, with ``needle_lengths``, passkey accuracy are also measured
             (``record["corpora"]``); the main text and repeats are dropped. Each is read in the constructor
             (InputError naming it and what is allowed).
-        heavy_ratio, quant, group_size, residual: fixed compression options of every configuration.
+        heavy_ratio: fixed compression options of every configuration.
+        quant: fixed compression options of every configuration.
+        group_size: fixed compression options of every configuration.
+        residual: fixed compression options of every configuration.
         high_bits_fraction: share of the stored tokens kept at 8 bits in the 4-bit configurations (0: off); the 16-
             and 8-bit rows are measured without it, and a sweep with no 4-bit row refuses it
             ([`check_meaningful`][h2o_compress.profiling.ProfileSettings.check_meaningful]).

@@ -51,12 +51,15 @@ class BatchStats:
     """Figures of a [`generate_batch`][h2o_compress.runtime.batch.generate_batch] run so far (filled in place while it runs).
 
     Attributes:
-        prompts: requests answered (errors included); errors: those that failed.
-        prompt_tokens, new_tokens: tokens read and generated (answered requests).
+        prompts: requests answered (errors included).
+        errors: the requests that failed.
+        prompt_tokens: tokens read (answered requests).
+        new_tokens: tokens generated (answered requests).
         batch_size: rows of the batch cache (at most the number of prompts).
-        prefill_s, decode_s: seconds of the prefills (scoring passes and the move into the batch included) and of
-            the decode steps.
-        row_steps: decode row-steps run (rows x steps); idle_row_steps: those spent on rows holding no running
+        prefill_s: seconds of the prefills (scoring passes and the move into the batch included).
+        decode_s: seconds of the decode steps.
+        row_steps: decode row-steps run (rows x steps).
+        idle_row_steps: the row-steps spent on rows holding no running
             sequence (the end of the job; static batches: rows whose sequence ended before their batch's last).
         kv_bytes_per_sequence: ``cache.nbytes()`` per row (bytes).
         capacity: tokens kept per layer and KV head for every row (``None``: unbounded).

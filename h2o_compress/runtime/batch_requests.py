@@ -61,9 +61,11 @@ class BatchResult:
     """What one prompt of a batch job gave.
 
     Attributes:
-        id: the request's id; index: its place in the input (0-based).
+        id: the request's id.
+        index: its place in the input (0-based).
         text: the generated text (prompt excluded); empty for an error.
-        prompt_tokens, new_tokens: token counts.
+        prompt_tokens: tokens of the prompt.
+        new_tokens: tokens generated.
         finish_reason: one of `FINISH_REASONS`.
         error: why the request failed (``finish_reason == "error"``), else ``None``.
         token_ids: the new token ids.

@@ -156,7 +156,8 @@ class GenerationResult:
 
     Attributes:
         text: the generated text (prompt excluded).
-        prompt_tokens, new_tokens: token counts.
+        prompt_tokens: tokens of the prompt.
+        new_tokens: tokens generated.
         kv_bytes: ``cache.nbytes()`` at the end (bytes).
         kv_bytes_full_fp16: bytes of the uncompressed fp16 cache for the same tokens.
         capacity: tokens kept per layer and KV head (``None``: unbounded).
