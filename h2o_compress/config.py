@@ -1,8 +1,9 @@
 """`CompressionConfig`: the one object that says how the KV cache is compressed.
 
 Semantics follow ``DESIGN.md`` §2: ``budget`` is a fraction of the sequence length the cache will see
-(``capacity = ceil(budget * length)`` tokens per layer and KV head) or, when an integer >= 1, an absolute
-capacity in tokens. ``heavy_ratio`` of the capacity goes to heavy hitters, the rest to the recent window
+(``capacity = max(ceil(budget * length), min_capacity)`` tokens per layer and KV head, and no eviction at all
+for a sequence of at most ``min_capacity`` tokens) or, when an integer >= 1, an absolute capacity in tokens.
+``heavy_ratio`` of the capacity goes to heavy hitters, the rest to the recent window
 (H2O, Zhang et al. 2023, arXiv 2306.14048, §4).
 """
 
@@ -24,6 +25,10 @@ LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "adaptive")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
+#: Tokens a layer holds before a fractional budget starts evicting (``CompressionConfig.min_capacity``). Chosen on
+#: the tuning prompts only (``h2o_compress/data/prompts.json``, ``benchmarks/min_capacity.py``): the smallest floor
+#: at which h2o 0.2 + 4 bits gave the same greedy answers as 4 bits alone at ``generate``'s defaults.
+DEFAULT_MIN_CAPACITY = 128
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
@@ -72,6 +77,12 @@ class CompressionConfig:
             ``full`` (no eviction), or any other name of `h2o_compress.policies.POLICIES`.
         budget: fraction in (0, 1] of the sequence length the cache will see, or an integer >= 1 giving the
             capacity in tokens per layer and KV head. ``1.0`` never evicts.
+        min_capacity: the floor of a fractional budget, in tokens per layer and KV head: a sequence of at most
+            ``min_capacity`` tokens (prompt + new tokens) is never evicted, and a longer one keeps
+            ``max(ceil(budget x length), min_capacity)`` tokens, so a short prompt never loses its own words to
+            save a few kilobytes (as kvpress's ``DecodingPress`` compresses only past a target size). ``0``: off
+            (``budget x length`` alone). A budget in tokens is unaffected. ``None`` (default): 128
+            (``DEFAULT_MIN_CAPACITY``, chosen on the tuning prompts: docs/DESIGN.md §2).
         heavy_ratio: share of the capacity given to heavy hitters, in [0, 1] (paper: 0.5).
         sink_tokens: number of first tokens always kept (attention sinks). ``None`` means 4 for the ``sink``
             policy and 0 otherwise.
@@ -139,6 +150,7 @@ class CompressionConfig:
 
     policy: str = "h2o"
     budget: float = 1.0
+    min_capacity: int | None = None
     heavy_ratio: float = 0.5
     sink_tokens: int | None = None
     kv_bits: int = 16
@@ -167,6 +179,12 @@ class CompressionConfig:
             raise ConfigError(
                 f"budget={short(self.budget)} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
             )
+        if self.min_capacity is None:
+            self.min_capacity = DEFAULT_MIN_CAPACITY
+        if (isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int)
+                or not 0 <= self.min_capacity <= MAX_TOKENS):
+            raise ConfigError(f"min_capacity={short(self.min_capacity)} is invalid; allowed: an integer from 0 to "
+                              f"{MAX_TOKENS} (tokens)")
         ratio = _number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
         if not 0 <= ratio <= 1:
             raise ConfigError(f"heavy_ratio={short(self.heavy_ratio)} is out of range; allowed: [0, 1]")
@@ -305,6 +323,9 @@ class CompressionConfig:
     def capacity(self, length: int | None) -> int | None:
         """Tokens kept per layer and KV head for a sequence of ``length`` tokens; ``None`` means unbounded.
 
+        A fractional budget keeps ``max(ceil(budget x length), min_capacity)`` tokens, and nothing is evicted
+        (``None``) when ``length`` is at most ``min_capacity``; a budget in tokens is that number.
+
         Raises:
             ConfigError: a fractional budget below 1 with no known length.
         """
@@ -318,7 +339,9 @@ class CompressionConfig:
                     f"budget={self.budget} is a fraction, so the cache needs the sequence length it will see: "
                     "pass max_length= (prompt + new tokens) or give the budget as a number of tokens"
                 )
-            return max(1, math.ceil(self.budget * length))
+            if length <= self.min_capacity:
+                return None  # a sequence this short is kept whole
+            return max(1, self.min_capacity, math.ceil(self.budget * length))
         return int(self.budget)
 
     def eviction_policy(self):

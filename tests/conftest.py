@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
+from h2o_compress.config import DEFAULT_MIN_CAPACITY as REAL_DEFAULT_FLOOR
+
 
 def tiny_llama(seed: int = 0, kv_heads: int = 2, heads: int = 4, head_dim: int = 32, layers: int = 2):
     torch.manual_seed(seed)
@@ -132,3 +134,25 @@ def pytest_collection_modifyitems(config, items):
 def device() -> str:
     """``cuda`` where a GPU is present, else ``cpu`` (Triton kernels then run under its interpreter)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_default_floor():
+    """The tests exercise eviction on sequences of tens of tokens, below the default floor of a fractional budget
+    (``CompressionConfig.min_capacity``: nothing is evicted from a sequence of at most 128 tokens), so in this
+    process a config that does not set ``min_capacity`` gets 0 (the budget alone). The floor's own tests
+    (tests/runtime/test_min_capacity.py) set it back, and commands run in a subprocess keep the real default."""
+    import h2o_compress.config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(h2o_compress.config, "DEFAULT_MIN_CAPACITY", 0)
+        yield
+
+
+@pytest.fixture
+def default_floor(monkeypatch):
+    """The real default floor of a fractional budget in this test (see :func:`no_default_floor`)."""
+    import h2o_compress.config
+
+    monkeypatch.setattr(h2o_compress.config, "DEFAULT_MIN_CAPACITY", REAL_DEFAULT_FLOOR)
+    return REAL_DEFAULT_FLOOR

@@ -87,10 +87,8 @@ def peak_line(figures: dict) -> str:
 
 
 def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> str:
-    """The stderr summary of one generation: tokens, capacity, KV bytes with the dtype they are stored in and their
-    share of an fp16 cache (an fp32 model's 16-bit setting holds twice the fp16 bytes), prompt time, speed."""
-    full = figures["kv_bytes_full_fp16"]
-    ratio = figures["kv_bytes"] / full if full else 0.0
+    """The stderr summary of one generation: tokens, capacity (or why nothing was evicted), KV bytes and their share
+    of the uncompressed cache, prompt time, speed."""
     if loaded:
         prompt_time = f"cache load + prompt {figures['prefill_s']:.2f} s"
     elif saved:
@@ -98,11 +96,36 @@ def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> st
     else:
         prompt_time = f"prefill {figures['prefill_s']:.2f} s"
     return (
-        f"[{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | capacity "
-        f"{figures['capacity'] or 'all'} | KV {figures['kv_bytes'] / 2**20:.2f} MiB ({figures['kv_dtype']} storage) = "
-        f"{ratio:.1%} of an fp16 cache | "
-        f"{prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s"
+        f"[{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | {capacity_text(figures)} | "
+        f"{kv_share_text(figures)} | {prompt_time} | decode {figures['decode_tokens_per_s']:.1f} tokens/s"
         + (f" compiled (compile {figures['compile_s']:.1f} s)" if figures.get("compiled") else " eager")
         + (f", {figures['decode_kernel']} attention" if figures.get("decode_kernel") else "")
         + "]"
     )
+
+
+def capacity_text(figures: dict) -> str:
+    """``capacity N``, or, where a fractional budget evicted nothing because the sequence is no longer than the
+    floor, ``capacity all (N tokens <= --min-capacity M: nothing evicted)``."""
+    if figures["capacity"] is not None:
+        return f"capacity {figures['capacity']}"
+    config = figures.get("config") or {}
+    budget, floor = config.get("budget", 1.0), config.get("min_capacity", 0)
+    if config.get("policy") != "full" and isinstance(budget, float) and budget < 1 and floor:
+        return (f"capacity all ({figures['prompt_tokens'] + figures['new_tokens']} tokens <= --min-capacity {floor}: "
+                "nothing evicted)")
+    return "capacity all"
+
+
+def kv_share_text(figures: dict) -> str:
+    """The KV bytes and their share of an uncompressed cache in the model's own dtype (and, for a 32-bit model,
+    of an fp16 cache too)."""
+    full_fp16, dtype = figures["kv_bytes_full_fp16"], figures["kv_dtype"]
+    mib = f"KV {figures['kv_bytes'] / 2**20:.2f} MiB"
+    if not full_fp16:
+        return mib
+    share = figures["kv_bytes"] / full_fp16
+    if dtype in ("float16", "bfloat16"):
+        return f"{mib} = {share:.1%} of an uncompressed {dtype} cache"
+    width = {"float32": 2, "float64": 4}.get(dtype, 1)
+    return f"{mib} = {share / width:.1%} of an uncompressed {dtype} cache ({share:.1%} of an fp16 one)"

@@ -22,7 +22,7 @@ from h2o_compress.formats import FORMATS, GROUP_SIZES
 from h2o_compress.models import load_model
 from h2o_compress.runtime.generation import generate
 from h2o_compress.utils.defaults import default_of
-from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from h2o_compress.config import ALLOWED_BITS, DEFAULT_MIN_CAPACITY, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
 from h2o_compress.policies import describe_policies
 from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
 
@@ -47,6 +47,10 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         DEFAULT["policy"], "--policy", help=f"Eviction policy: {describe_policies()}.")),
     "budget": _Flag(str, typer.Option(
         str(DEFAULT["budget"]), "--budget", help="Fraction in (0, 1] of the sequence, or an integer number of tokens.")),
+    "min_capacity": _Flag(Optional[int], typer.Option(
+        DEFAULT["min_capacity"], "--min-capacity", help="With a fractional --budget: tokens a layer holds before it "
+        f"evicts (nothing is evicted from a sequence this short; a longer one keeps max(budget x length, this)); "
+        f"0 = off; when not given: {DEFAULT_MIN_CAPACITY}. A budget in tokens is unaffected.")),
     "heavy_ratio": _Flag(float, typer.Option(
         DEFAULT["heavy_ratio"], "--heavy-ratio", help="Share of the budget for heavy hitters, in [0, 1]; below 1 with eviction while generating (at "
         "least one recent token), 1 only for a context compressed once (ask).")),

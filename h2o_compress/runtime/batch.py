@@ -115,10 +115,12 @@ def check_batch_size(batch_size) -> int:
 
 def row_config(config: CompressionConfig, longest: int) -> CompressionConfig:
     """``config`` with a fractional budget below 1 turned into the tokens it keeps of the job's ``longest`` sequence
-    (prompt + new tokens): the capacity every row of every group gets. Other budgets unchanged."""
+    (prompt + new tokens): the capacity every row of every group gets (budget 1.0 where the longest sequence is
+    within ``min_capacity``: nothing is evicted). Other budgets unchanged."""
     if config.policy == "full" or not config.budget_is_fraction or config.budget >= 1:
         return config
-    return dataclasses.replace(config, budget=config.capacity(longest))
+    capacity = config.capacity(longest)
+    return dataclasses.replace(config, budget=1.0 if capacity is None else capacity)
 
 
 def generate_batch(
