@@ -63,8 +63,9 @@ def batch(
     compression: Compression = None,
     placement: dict = None,
 ):
-    """Answer every prompt of INPUT into OUTPUT, --batch-size at a time, each group through one compressed KV cache
-    (prompts grouped by length; a finished row waits for its group: the summary gives that idle share)."""
+    """Answer every prompt of INPUT into OUTPUT, --batch-size sequences decoded at once through one compressed KV
+    cache (continuous batching: each prompt is prefilled alone and a finished row takes the next prompt at once, so
+    rows are idle only at the end of the job: the summary gives that idle share)."""
     config, _ = merged_config(compression, config_file)
     job = BatchJob(  # checks every option and both files: nothing is loaded or written before all are good
         input, output, model, config, max_new_tokens=max_new_tokens, batch_size=parse_batch_size(batch_size),
