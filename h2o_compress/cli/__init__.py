@@ -14,7 +14,7 @@ from h2o_compress.cli.batch import batch
 from h2o_compress.cli.common import fail, user_errors
 from h2o_compress.cli.evaluate import eval_app
 from h2o_compress.cli.generate import generate
-from h2o_compress.cli.options import RayCommand, parse_budget
+from h2o_compress.cli.options import Command, RayCommand, parse_budget
 from h2o_compress.cli.plan import plan
 from h2o_compress.cli.profile import ProfileCommand, profile_command
 
@@ -26,10 +26,10 @@ def _root() -> None:
     """h2o-compress: H2O eviction + 4/8-bit quantization of the KV cache."""
 
 
-app.command("generate")(generate)
-app.command("ask")(ask)
+app.command("generate", cls=Command)(generate)  # usage lines as click writes them (PROMPT, not {prompt})
+app.command("ask", cls=Command)(ask)
 app.command("batch", cls=RayCommand)(batch)
-app.command("plan")(plan)
+app.command("plan", cls=Command)(plan)
 app.add_typer(eval_app, name="eval")
 app.command("profile", cls=ProfileCommand)(profile_command)
 click_app = typer.main.get_command(app)  # the click command behind `app`: the docs' CLI reference (mkdocs-click)

@@ -15,6 +15,7 @@ from h2o_compress.runtime.ask import ASK_DEFAULTS
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.generate import summary_line, write_piece
+from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
     TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
@@ -85,7 +86,8 @@ def ask(
         temperature=temperature, seed=seed, compile=compile_step, save_cache=save_cache, load_cache=load_cache,
         overwrite=overwrite, given=given, load=load_options(device, dtype, placement, config.attention_kernel),
         threads=threads, trust_remote_code=trust_remote_code)
-    session = job.start()
+    with stage_progress(enabled=not as_json) as bar:  # converting the model (first run), scoring, prefill
+        session = job.start(bar)
     if not as_json:
         typer.echo(context_line(session.figures, loaded=load_cache is not None), err=True)
     answers = []

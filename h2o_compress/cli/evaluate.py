@@ -17,6 +17,7 @@ from h2o_compress.config import check_usable
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.cli.common import load_options, set_threads, user_errors
 from h2o_compress.cli.lm_eval_command import lm_eval_command
+from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
     CompileOpt,
     Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
@@ -55,13 +56,14 @@ def progress_bar(description: str, enabled: bool = True):
 
 
 def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int], trust: bool, placement: dict,
-          attention_kernel: str):
+          attention_kernel: str, show_progress: bool = True):
     """Load the model as the flags say (``placement``: the weights/placement flags, see
     `placement_options`; ``attention_kernel``: ``--kernel``, checked against the
-    device first)."""
+    device first); ``show_progress``: a bar on stderr while a first run converts the model."""
     options = load_options(device, dtype, placement, attention_kernel)
     set_threads(threads)
-    return models.load_model(model, trust_remote_code=trust, **options)
+    with stage_progress(show_progress):  # a first-run conversion of the model
+        return models.load_model(model, trust_remote_code=trust, **options)
 
 
 def _mib(value: int) -> str:
@@ -96,7 +98,8 @@ def perplexity_command(
     check_count("chunk_size", chunk_size)
     if text_file is not None:
         load_text(text_file)  # fail on a bad file before loading the model
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel,
+                          not as_json)
     with progress_bar("reading", enabled=not as_json) as update:
         result = text_perplexity(lm, tokenizer, text_file, max_tokens, config, chunk_size, reference, update,
                                  compile=compile_step)
@@ -150,7 +153,8 @@ def needle_command(
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol, seed, keys)
     corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel,
+                          not as_json)
     with progress_bar("needle", enabled=not as_json) as update:
         result = needle_eval(lm, tokenizer, config, tuple(length_list), tuple(depth_list), trials, seed, chunk_size,
                              max_new_tokens, True, chat, corpus=corpus, progress=update, compile=compile_step,
@@ -205,7 +209,8 @@ def agreement_command(
     prompts = load_prompts(prompts_file)
     if limit is not None:  # more than there are would be ignored silently: refused, naming how many there are
         prompts = prompts[: check_count("limit", limit, unit="prompts", maximum=len(prompts))]
-    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel)
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel,
+                          not as_json)
     with progress_bar("generating", enabled=not as_json) as update:
         result = agreement_eval(lm, tokenizer, config, prompts, max_new_tokens, progress=update, compile=compile_step)
     if as_json:

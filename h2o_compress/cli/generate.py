@@ -17,6 +17,7 @@ from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
     TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
+from h2o_compress.cli.progress import stage_progress
 from h2o_compress.jobs.generate import GenerateJob
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.planner import format_bytes
@@ -68,7 +69,8 @@ def generate(
         compile=compile_step, memory_limit=memory_limit, save_cache=save_cache, load_cache=load_cache,
         overwrite=overwrite, given=given, load=load_options(device, dtype, placement, config.attention_kernel),
         threads=threads, trust_remote_code=trust_remote_code)
-    report = job.run(on_text=None if as_json else write_piece, on_plan=lambda line: typer.echo(line, err=True))
+    with stage_progress(enabled=not as_json):  # converting the model (first run), a scoring pass (kvzip)
+        report = job.run(on_text=None if as_json else write_piece, on_plan=lambda line: typer.echo(line, err=True))
     if as_json:
         typer.echo(json.dumps(report.figures))
         return

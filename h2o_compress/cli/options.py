@@ -239,7 +239,22 @@ def placement_options(command):
 RAY_LOCAL = "local"
 
 
-class RayCommand(TyperCommand):
+class Command(TyperCommand):
+    """A command whose usage line names its arguments as click does (``PROMPT``, ``[NAME]``, ``FILES...``):
+    typer writes a required one as ``{prompt}``, which reads like a placeholder left unfilled."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                pieces += param.get_usage_pieces(ctx)
+                continue
+            name = param.metavar or param.name.upper()
+            pieces.append((name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else ""))
+        return pieces
+
+
+class RayCommand(Command):
     """A command whose ``--ray`` takes an optional value (typer cannot declare one: ``profile``, ``batch``): a bare
     ``--ray`` (last, or followed by another option) means ``--ray local``, a local Ray instance."""
 

@@ -12,6 +12,7 @@ from h2o_compress.cli.common import load_options, user_errors
 from h2o_compress.cli.evaluate import parse_list
 from h2o_compress.cli.lm_eval_command import split_tasks
 from h2o_compress.cli.options import RayCommand
+from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
     given_on_command_line, placement_options,
@@ -164,7 +165,7 @@ def profile_command(
     lm-eval scores, as a report."""
     if render is not None:
         written = write_report(load_report(render_only(ctx, render)), out)
-        typer.echo(f"wrote {', '.join(sorted(written))} in {out}")
+        typer.echo(f"wrote {', '.join(sorted(written))} in {Path(out)}")
         return
     load = load_options(device, dtype, placement)  # --kernel is checked against the device by ProfileSettings
     settings = ProfileSettings(  # checks every setting; run_profile checks --text-file, --ray and --out
@@ -176,7 +177,8 @@ def profile_command(
                       quality_texts),
         **compression.values, placement={k: load[k] for k in PLACEMENT_DEFAULTS},
     )
-    report = run_profile(settings, out, ray_address=ray, resume=resume)
+    with stage_progress():  # a first run converts the model before the sweep's own bar
+        report = run_profile(settings, out, ray_address=ray, resume=resume)
     reused = f", {report['rows_reused']} reused from {Path(out) / 'rows'}" if report["rows_reused"] else ""
-    typer.echo(f"wrote {out}/report.json, report.md, report.html and 3 PNG plots ({len(report['results'])} "
-               f"configurations{reused})")
+    typer.echo(f"wrote {Path(out) / 'report.json'}, report.md, report.html and 3 PNG plots "
+               f"({len(report['results'])} configurations{reused})")

@@ -7,6 +7,7 @@ context once, giving an [`AskSession`][h2o_compress.jobs.AskSession] whose [`ans
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -23,6 +24,7 @@ from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
 from h2o_compress import models
 from h2o_compress.models.weights import floating_dtype
+from h2o_compress.utils.progress import ProgressFn, report_progress
 
 
 @dataclass
@@ -92,8 +94,14 @@ class AskJob:
         if self.threads is not None:
             check_count("threads", self.threads, unit="threads", maximum=4096)
 
-    def start(self) -> "AskSession":
+    def start(self, on_progress: ProgressFn | None = None) -> "AskSession":
         """Load the model, refuse a question that cannot fit, then compress the context (or load it) and save it.
+
+        Args:
+            on_progress: receives ``(stage, done, total)`` while the model is converted on its first use, the
+                context is scored and its compressed prefill runs
+                ([`compress`][h2o_compress.runtime.ask.compress]); ``None``: the callback of an enclosing
+                `report_progress` (`h2o_compress.utils.progress`), if any. Nothing is printed.
 
         Returns:
             An [`AskSession`][h2o_compress.jobs.AskSession] holding the compressed context and its figures.
@@ -107,18 +115,18 @@ class AskJob:
         """
         import torch
 
-
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
-        asking.check_questions_fit(lm, tokenizer, self.context, self.questions, self.max_new_tokens, self.chat)
-        started = time.perf_counter()  # before minutes of compressing, above
-        if self.load_cache is not None:
-            compressed = asking.CompressedContext.load(self.load_cache, lm, tokenizer, self.context, self.chat,
-                                                       config=self.given)
-        else:
-            compressed = asking.compress(lm, tokenizer, self.context, self.config, chat=self.chat)
-        context_s = time.perf_counter() - started
+        with nullcontext() if on_progress is None else report_progress(on_progress):
+            lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+            asking.check_questions_fit(lm, tokenizer, self.context, self.questions, self.max_new_tokens, self.chat)
+            started = time.perf_counter()  # before minutes of compressing, above
+            if self.load_cache is not None:
+                compressed = asking.CompressedContext.load(self.load_cache, lm, tokenizer, self.context, self.chat,
+                                                           config=self.given)
+            else:
+                compressed = asking.compress(lm, tokenizer, self.context, self.config, chat=self.chat)
+            context_s = time.perf_counter() - started
         if self.save_cache is not None:
             compressed.save(self.save_cache, overwrite=self.overwrite)
         cache = compressed.cache
@@ -198,7 +206,8 @@ class AskReport:
 
 def run_ask(questions: Sequence[str] | str, context: str | None = None, context_file: str | Path | None = None,
             model: str = DEFAULT_MODEL, config: CompressionConfig | None = None,
-            on_text: Callable[[str], None] | None = None, **settings) -> AskReport:
+            on_text: Callable[[str], None] | None = None, on_progress: ProgressFn | None = None,
+            **settings) -> AskReport:
     """What ``h2o-compress ask`` runs: the document compressed once (or loaded), then each question answered from it.
 
     Args:
@@ -208,6 +217,8 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
         model: alias, local model directory or hub id.
         config: the compression setting (default [`ASK_DEFAULTS`][h2o_compress.runtime.ask.ASK_DEFAULTS]).
         on_text: receives each new piece of each answer (streaming).
+        on_progress: receives the progress of the model's conversion and of the compression
+            ([`AskJob.start`][h2o_compress.jobs.AskJob.start]).
         settings: the other fields of [`AskJob`][h2o_compress.jobs.AskJob] (``max_new_tokens`` in tokens per answer,
             ``save_cache``/``load_cache`` paths, ``load``, ...).
 
@@ -219,7 +230,7 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
             loaded), [`AskJob.start`][h2o_compress.jobs.AskJob.start] and
             [`AskSession.answer`][h2o_compress.jobs.AskSession.answer].
     """
-    session = AskJob(questions, context, context_file, model, config, **settings).start()
+    session = AskJob(questions, context, context_file, model, config, **settings).start(on_progress)
     results = [session._generate(question, on_text) for question in session.job.questions]
     answers = [_answer_figures(result, question) for result, question in zip(results, session.job.questions)]
     return AskReport(session.figures, answers, results)

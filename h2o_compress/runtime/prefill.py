@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from h2o_compress.models import model_dims
 from h2o_compress.models.identity import model_fingerprint
 from h2o_compress.persistence import PromptState
 from h2o_compress.utils.errors import CacheStateError, InputError
+from h2o_compress.utils.progress import report, reporting
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -101,3 +105,37 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
     if getattr(cache, "model_fingerprint", None) is None:
         cache.model_fingerprint = model_fingerprint(model)
     return logits
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers in order: its first ``ModuleList`` with one entry per hidden layer (LLaMA's
+    ``model.layers``, OPT's ``model.decoder.layers``, GPT-NeoX's ``gpt_neox.layers``); empty if none is found."""
+    count = model_dims(model.config).num_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return list(module)
+    return []
+
+
+@contextmanager
+def layer_progress(model, stage: str):
+    """Report ``stage`` as decoder layers done (of all) while the forward pass inside the block runs, for a
+    progress callback installed with `report_progress` (`h2o_compress.utils.progress`); without one nothing is
+    hooked. Meant for one long forward pass (a prefill), not for decode steps.
+
+    Args:
+        model: the causal LM whose forward pass runs inside the block.
+        stage: the name the callback receives.
+    """
+    layers = decoder_layers(model) if reporting() else []
+    total = len(layers) or None
+    hooks = [layer.register_forward_hook(lambda *_, done=i + 1: report(stage, done, total))
+             for i, layer in enumerate(layers)]
+    report(stage, 0, total)
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if total is None:  # else the last layer reported the end
+        report(stage, 1, 1)
