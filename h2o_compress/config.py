@@ -26,9 +26,10 @@ HEAD_BUDGETS = ("uniform", "adaptive")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
 #: Tokens a layer holds before a fractional budget starts evicting (``CompressionConfig.min_capacity``). Chosen on
-#: the tuning prompts only (``h2o_compress/data/prompts.json``, ``benchmarks/min_capacity.py``): the smallest floor
-#: at which h2o 0.2 + 4 bits gave the same greedy answers as 4 bits alone at ``generate``'s defaults.
-DEFAULT_MIN_CAPACITY = 128
+#: the 8 tuning prompts only (``h2o_compress/data/prompts.json``; ``benchmarks/short_prompts.py --phase choose``,
+#: floors 0 to 256): the smallest floor at which h2o 0.2 + 4 bits gave every whole greedy answer of 4 bits alone at
+#: ``generate``'s defaults (128 new tokens); 128 still changed 7 of 8 answers, one within its first 16 tokens.
+DEFAULT_MIN_CAPACITY = 192
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
@@ -81,7 +82,7 @@ class CompressionConfig:
             ``min_capacity`` tokens (prompt + new tokens) is never evicted, and a longer one keeps
             ``max(ceil(budget x length), min_capacity)`` tokens, so a short prompt never loses its own words to
             save a few kilobytes (as kvpress's ``DecodingPress`` compresses only past a target size). ``0``: off
-            (``budget x length`` alone). A budget in tokens is unaffected. ``None`` (default): 128
+            (``budget x length`` alone). A budget in tokens is unaffected. ``None`` (default): 192
             (``DEFAULT_MIN_CAPACITY``, chosen on the tuning prompts: docs/DESIGN.md §2).
         heavy_ratio: share of the capacity given to heavy hitters, in [0, 1] (paper: 0.5).
         sink_tokens: number of first tokens always kept (attention sinks). ``None`` means 4 for the ``sink``
@@ -179,9 +180,7 @@ class CompressionConfig:
             raise ConfigError(
                 f"budget={short(self.budget)} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
             )
-        if self.min_capacity is None:
-            self.min_capacity = DEFAULT_MIN_CAPACITY
-        if (isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int)
+        if self.min_capacity is not None and (isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int)
                 or not 0 <= self.min_capacity <= MAX_TOKENS):
             raise ConfigError(f"min_capacity={short(self.min_capacity)} is invalid; allowed: an integer from 0 to "
                               f"{MAX_TOKENS} (tokens)")
@@ -316,6 +315,12 @@ class CompressionConfig:
         return 4 if self.policy == "sink" else 0
 
     @property
+    def floor(self) -> int:
+        """The floor of a fractional budget in tokens: ``min_capacity``, or ``DEFAULT_MIN_CAPACITY`` where it is
+        ``None``."""
+        return DEFAULT_MIN_CAPACITY if self.min_capacity is None else self.min_capacity
+
+    @property
     def budget_is_fraction(self) -> bool:
         """True when ``budget`` is relative to the sequence length (a float <= 1)."""
         return isinstance(self.budget, float) and self.budget <= 1
@@ -339,9 +344,9 @@ class CompressionConfig:
                     f"budget={self.budget} is a fraction, so the cache needs the sequence length it will see: "
                     "pass max_length= (prompt + new tokens) or give the budget as a number of tokens"
                 )
-            if length <= self.min_capacity:
+            if length <= self.floor:
                 return None  # a sequence this short is kept whole
-            return max(1, self.min_capacity, math.ceil(self.budget * length))
+            return max(1, self.floor, math.ceil(self.budget * length))
         return int(self.budget)
 
     def eviction_policy(self):

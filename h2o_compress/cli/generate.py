@@ -112,7 +112,7 @@ def capacity_text(figures: dict) -> str:
     if figures["capacity"] is not None:
         return f"capacity {figures['capacity']}"
     config = figures.get("config") or {}
-    budget, floor = config.get("budget", 1.0), config.get("min_capacity", 0)
+    budget, floor = config.get("budget", 1.0), figures.get("min_capacity", 0)
     if config.get("policy") != "full" and isinstance(budget, float) and budget < 1 and floor:
         return (f"capacity all ({figures['prompt_tokens'] + figures['new_tokens']} tokens <= --min-capacity {floor}: "
                 "nothing evicted)")

@@ -178,6 +178,7 @@ class GenerateJob:
         )
         figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
         figures["config"] = config.to_dict()
+        figures["min_capacity"] = config.floor  # the floor in force (the config's None: the default)
         figures["model"] = self.model
         figures["kv_dtype"] = str(floating_dtype(lm)).removeprefix("torch.")
         figures["weights_bits"] = self.load.get("weights_bits", 16)

@@ -16,10 +16,10 @@ TEXT = ("It was a bright cold day in April, and the clocks were striking thirtee
         "into his breast in an effort to escape the vile wind, slipped quickly through the glass doors. ") * 6
 
 
-def test_the_default_floor_is_128_tokens(default_floor):
-    assert default_floor == 128
-    assert CompressionConfig(budget=0.2).min_capacity == 128
-    assert CompressionConfig(budget=0.2, min_capacity=0).min_capacity == 0
+def test_the_default_floor_is_192_tokens(default_floor):
+    assert default_floor == 192
+    assert CompressionConfig(budget=0.2).floor == 192 and CompressionConfig(budget=0.2).capacity(192) is None
+    assert CompressionConfig(budget=0.2, min_capacity=0).floor == 0
 
 
 @pytest.mark.parametrize(("budget", "floor", "length", "capacity"), [
@@ -86,8 +86,8 @@ def test_batch_rows_are_not_evicted_within_the_floor(default_floor):
 
 
 def test_summary_says_why_nothing_was_evicted():
-    figures = {"capacity": None, "prompt_tokens": 38, "new_tokens": 32,
-               "config": {"policy": "h2o", "budget": 0.2, "min_capacity": 128}}
+    figures = {"capacity": None, "prompt_tokens": 38, "new_tokens": 32, "min_capacity": 128,
+               "config": {"policy": "h2o", "budget": 0.2, "min_capacity": None}}
     assert capacity_text(figures) == "capacity all (70 tokens <= --min-capacity 128: nothing evicted)"
     assert capacity_text({**figures, "capacity": 14}) == "capacity 14"
     assert capacity_text({**figures, "config": {"policy": "full", "budget": 1.0}}) == "capacity all"
