@@ -32,7 +32,7 @@ from h2o_compress.models.weights import attention_devices, floating_dtype, input
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, CompressedLayer, build_layers
 from h2o_compress.config import LAYER_BUDGETS, CompressionConfig
-from h2o_compress.models import model_dims
+from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.policies.base import NO_POSITION
 from h2o_compress.persistence.file_format import (
     check_cache_source, check_save_target, read_cache_file, write_cache_file,
@@ -242,16 +242,10 @@ def load_cache(path, model, config=None):
     use_h2o_attention(model)
     device = input_device(model)
     devices = attention_devices(model, dims.num_layers)  # each layer's storage where its attention runs
-    capacities = None
-    if saved.layer_budgets == "global" and capacity is not None:  # sized by the scores: the file says how
-        capacities = [state["capacity"] for state in layer_states]
-        if sum(capacities) != capacity * dims.num_layers:
-            raise CacheFileError(
-                f"cache file {str(source)!r}: its layers' capacities sum to {sum(capacities)}, not the "
-                f"{dims.num_layers} x {capacity} that global layer budgets of {capacity} hold"
-            )
+    capacities = _global_capacities(saved, layer_states, capacity, dims, source)
+    # the layers make_cache builds for this model: its spans (sliding, chunked) and decode form (soft-cap, sinks, MLA)
     layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens,
-                          capacities=capacities)
+                          capacities=capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims))
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         if layer.capacity != state["capacity"]:
             raise CacheFileError(
@@ -267,6 +261,28 @@ def load_cache(path, model, config=None):
         logits = tensors.get("prompt.next_logits")
         cache.prompt_state = PromptState(tensors["prompt.token_ids"], None if logits is None else logits.to(device))
     return cache
+
+
+def _global_capacities(saved, layer_states: list[dict], capacity: int | None, dims, source: Path) -> list[int] | None:
+    """The layers' capacities of a file saved with global layer budgets (sized by the scores: the file says how), or
+    ``None`` for any other split (the config gives them). They sum to ``num_layers x capacity``, or less where a
+    sliding or chunked layer holds its whole window (its share beyond ``window - 1`` is not held).
+
+    Raises:
+        CacheFileError: capacities that global layer budgets of ``capacity`` cannot give.
+    """
+    if saved.layer_budgets != "global" or capacity is None:
+        return None
+    capacities = [state["capacity"] for state in layer_states]
+    total = sum(capacities)
+    capped = any(cap == span.cap(None) for cap, span in zip(capacities, dims.spans) if span.windowed)
+    if total > capacity * dims.num_layers or (total < capacity * dims.num_layers and not capped):
+        raise CacheFileError(
+            f"cache file {str(source)!r}: its layers' capacities sum to {total}, not the {dims.num_layers} x "
+            f"{capacity} that global layer budgets of {capacity} hold (less only where a sliding or chunked layer "
+            "holds its whole window)"
+        )
+    return capacities
 
 
 _LAYER_KEYS = {"seen_tokens": int, "batch": int, "kv_heads": int, "head_dim": int, "dtype": str,
@@ -307,9 +323,9 @@ def _check_structure(metadata: dict, dims, source: Path) -> tuple[list[dict], in
         max_tokens = state.get("max_tokens")
         if max_tokens is not None and not _is_count(max_tokens, 1):
             raise CacheFileError(f"{where}: layer {i} max_tokens={short(max_tokens)}; allowed: null or an integer >= 1")
-        layer_capacity = state.get("capacity")
-        if (layer_capacity is not None and not _is_count(layer_capacity, 1)) or (layer_capacity is None) != (
-            capacity is None
+        layer_capacity = state.get("capacity")  # a sliding layer of an unbounded cache holds its window at most
+        if (layer_capacity is not None and not _is_count(layer_capacity, 1)) or (
+            layer_capacity is None and capacity is not None
         ) or max_tokens != first.get("max_tokens"):
             raise CacheFileError(f"{where}: layer {i} capacity/max_tokens differ from the cache's")
         if not _is_count(state["seen_tokens"]) or state["seen_tokens"] != tokens:

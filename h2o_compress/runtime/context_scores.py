@@ -33,12 +33,20 @@ def _attention(model, implementation: str):
         model.set_attn_implementation(previous)
 
 
-def _read_context(model, context_ids: torch.Tensor, cache=None):
-    """``cache`` (default: a new ``DynamicCache``) after reading ``context_ids`` ``[batch, tokens]`` into it, with
-    SDPA where the model has it (no probabilities materialized), else eager attention."""
+def _full_cache():
+    """An uncompressed ``DynamicCache`` whose every layer keeps every token (``DynamicLayer``), also where the model
+    has sliding or chunked layers: the model masks each layer to its span itself, so outputs are those of
+    ``DynamicCache(config=...)``, and the probabilities a pass returns cover every context token, one column per
+    position (a sliding layer's ``DynamicSlidingWindowLayer`` would return only its window's, and cannot crop)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    return DynamicCache()
+
+
+def _read_context(model, context_ids: torch.Tensor, cache=None):
+    """``cache`` (default: a new `_full_cache`) after reading ``context_ids`` ``[batch, tokens]`` into it, with
+    SDPA where the model has it (no probabilities materialized), else eager attention."""
+    cache = _full_cache() if cache is None else cache
     with _attention(model, "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"):
         model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
@@ -157,9 +165,7 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
         if read_to > start:
             cache = _read_context(model, context_ids[:, start:read_to], cache)
         elif cache is None:  # a one-token prompt
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=model.config)
+            cache = _full_cache()
         votes, step = None, asked if asked is not None else context_ids[:, read_to:end]
         with _attention(model, "eager"):
             for _ in range(new_tokens):
