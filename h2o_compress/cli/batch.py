@@ -18,7 +18,7 @@ from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, Compression, ConfigFileOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SamplingSeedOpt,
     TemperatureOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
 )
-from h2o_compress.jobs.batch import BatchJob
+from h2o_compress.jobs.batch import BatchInterrupted, BatchJob, counted
 from h2o_compress.planner import format_bytes
 from h2o_compress.utils.defaults import default_of
 
@@ -59,7 +59,11 @@ def batch(
     ray: Optional[str] = typer.Option(
         None, "--ray", metavar="[ADDRESS]", help="Answer on a Ray cluster with Ray Data (pip install "
         "'h2o-compress\\[ray]'): one actor per GPU, or per --threads CPUs, each loading the model once; --ray alone "
-        "starts a local Ray instance, --ray auto joins the cluster running here. OUTPUT is written here, as without."),
+        "starts a local Ray instance for this run, --ray auto joins the cluster already running here (ray start "
+        "--head), --ray HOST:PORT or ray://HOST:PORT another one. OUTPUT is written here, as without."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="With --ray: show Ray's own messages (log records, progress bars, the workers' "
+        "output); without it, only Ray's errors reach stderr."),
     compression: Compression = None,
     placement: dict = None,
 ):
@@ -71,10 +75,14 @@ def batch(
         input, output, model, config, max_new_tokens=max_new_tokens, batch_size=parse_batch_size(batch_size),
         memory_limit=memory_limit, chat=chat, temperature=temperature, seed=seed, compile=compile_step,
         load=load_options(device, dtype, placement, config.attention_kernel), threads=threads,
-        trust_remote_code=trust_remote_code, ray=ray)
-    with BatchProgress() as progress:
-        report = job.run(on_result=progress.answered, on_step=progress.stepped, on_start=progress.begin,
-                         on_plan=lambda line: progress.console.print(line, style="dim"))
+        trust_remote_code=trust_remote_code, ray=ray, verbose=verbose)
+    try:
+        with BatchProgress() as progress:
+            report = job.run(on_result=progress.answered, on_step=progress.stepped, on_start=progress.begin,
+                             on_plan=lambda line: progress.console.print(line, style="dim"))
+    except BatchInterrupted as stopped:  # Ctrl-C: say what is kept and how to go on; the exit code stays 130
+        typer.echo(stopped.message, err=True)
+        raise typer.Exit(130) from None
     typer.echo(json.dumps(report.figures) if as_json else summary_line(report.figures), err=not as_json)
 
 
@@ -88,7 +96,7 @@ class BatchProgress(Progress):
 
     def begin(self, todo: int, skipped: int) -> None:
         if skipped:
-            self.console.print(f"resuming: {skipped} prompts already answered in the output", style="dim")
+            self.console.print(f"resuming: {counted(skipped, 'prompt')} already answered in the output", style="dim")
         self.task = self.add_task("batch", total=todo, rate="")
 
     def stepped(self, produced: int, rows: int) -> None:
@@ -99,14 +107,20 @@ class BatchProgress(Progress):
 
     def answered(self, result, stats) -> None:
         self.advance(self.task)
+        elapsed = self.tasks[self.task].elapsed or 0.0
+        if not self.tokens and elapsed:  # no decode steps seen here (--ray): the rate of the answers received
+            self.update(self.task, rate=f"{stats.new_tokens / elapsed:.1f} tok/s")
 
 
 def summary_line(figures: dict) -> str:
     """The stderr summary of a batch run."""
+    actors = figures.get("ray_actors")
+    on_actors = f" on {counted(actors, 'Ray actor')}" if actors else ""
     return (
-        f"[{figures['prompts']} prompts ({figures['errors']} errors, {figures['skipped']} already answered) | "
-        f"{figures['prompt_tokens']} prompt + {figures['new_tokens']} new tokens | batch {figures['batch_size']} | "
-        f"decode {figures['decode_tokens_per_s']:.1f} tok/s, end to end {figures['end_to_end_tokens_per_s']:.1f} "
-        f"tok/s | idle rows {figures['idle_share']:.0%} | KV {format_bytes(figures['kv_bytes_per_sequence'])} per "
-        f"sequence | peak {format_bytes(figures['peak_bytes'])}]"
+        f"[{counted(figures['prompts'], 'prompt')} ({counted(figures['errors'], 'error')}, {figures['skipped']} "
+        f"already answered) | {figures['prompt_tokens']} prompt + {counted(figures['new_tokens'], 'new token')} | "
+        f"batch {figures['batch_size']}{on_actors} | decode "
+        f"{figures['decode_tokens_per_s']:.1f} tok/s, end to end {figures['end_to_end_tokens_per_s']:.1f} tok/s | "
+        f"idle rows {figures['idle_share']:.0%} | KV {format_bytes(figures['kv_bytes_per_sequence'])} per sequence | "
+        f"peak {format_bytes(figures['peak_bytes'])}{' per actor' if actors else ''}]"
     )

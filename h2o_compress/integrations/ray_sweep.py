@@ -18,6 +18,8 @@ https://docs.ray.io/en/latest/ray-core/tasks.html). A leaf module: the function 
 
 from __future__ import annotations
 
+import logging
+import socket
 from pathlib import Path
 from typing import Callable
 
@@ -52,9 +54,12 @@ def runtime_env() -> dict:
     return {"py_modules": [str(package)], "excludes": ["__pycache__"]}
 
 
-def connect(ray, address: str) -> bool:
+def connect(ray, address: str, verbose: bool = False) -> bool:
     """Connect this process to Ray at ``address`` (``ray.init`` shipping this package: `runtime_env`), unless
     it is connected already; returns whether it connected here (then the caller disconnects at the end).
+
+    Ray's own messages (its log records, the workers' output) are shown only with ``verbose``: otherwise only its
+    errors reach stderr.
 
     Raises:
         ConfigError: a cluster that cannot be started or reached (the message names the address).
@@ -62,12 +67,64 @@ def connect(ray, address: str) -> bool:
     if ray.is_initialized():
         return False
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env=runtime_env())
+        ray.init(address=address, include_dashboard=False, log_to_driver=verbose, configure_logging=True,
+                 logging_level=logging.INFO if verbose else logging.ERROR, runtime_env=runtime_env())
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
         raise ConfigError(f"cannot start or reach Ray at address {short(address)}: {short(str(exc), 160, repr_=False)}"
                           "; allowed: local, auto, HOST:PORT or ray://HOST:PORT of a running cluster") from None
     return True
+
+
+NO_CLUSTER = ("--ray auto joins a Ray cluster already running on this machine, and none is; allowed: start one "
+              "(ray start --head) and rerun, --ray alone (or --ray local) for a local Ray instance that lasts this "
+              "run, or --ray HOST:PORT / ray://HOST:PORT of a running cluster")
+
+
+def check_reachable(address: str) -> str:
+    """``address`` checked without connecting to it (before anything loads): ``local`` as it is; ``auto``: the
+    cluster Ray would join (``RAY_ADDRESS``, the last ``ray start`` here, or a running Ray instance here) must exist
+    and answer; ``HOST:PORT`` and ``ray://HOST:PORT``: something must listen there. Returns ``address`` stripped.
+
+    Raises:
+        ConfigError: an empty or malformed address, no cluster for ``auto``, or nothing answering (naming the
+            address and what is allowed).
+    """
+    address = check_address(address)
+    if address == "local":
+        return address
+    target = _auto_target() if address == "auto" else address
+    if target is None:  # Ray's lookup is not available: ray.init decides
+        return address
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"Ray address {short(target)} is not HOST:PORT; allowed: local (a local Ray instance), auto, "
+                          "HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"--ray {address}: no Ray cluster answers at {host}:{port} ({reason}); allowed: the address "
+                          "of a running cluster (ray status prints it), auto, or local (a local Ray instance for "
+                          "this run)") from None
+    return address
+
+
+def _auto_target() -> str | None:
+    """The address ``ray.init(address="auto")`` would join (Ray's own lookup), or ``None`` where that lookup is
+    not available in this Ray version. Raises ConfigError (`NO_CLUSTER`) when there is none."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+    except ImportError:
+        return None
+    try:
+        found = get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        found = None
+    except (TypeError, AttributeError):  # another signature in this Ray version: ray.init decides
+        return None
+    if not found or found == "auto":
+        raise ConfigError(NO_CLUSTER)
+    return found
 
 
 class RaySweep:

@@ -6,7 +6,10 @@ batch (``"auto"``: the planner's largest under the memory limit), answers the pr
 
 from __future__ import annotations
 
+import gc
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,8 +21,8 @@ from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
 from h2o_compress.planner import format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
-from h2o_compress.integrations.ray_batch import run_on_ray
-from h2o_compress.integrations.ray_sweep import check_address, import_ray
+from h2o_compress.integrations.ray_batch import import_ray_data, ray_session, run_on_ray
+from h2o_compress.integrations.ray_sweep import check_reachable
 from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.compiled import check_compile
@@ -27,6 +30,46 @@ from h2o_compress.runtime.generation import check_config, check_generation_args,
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.utils.memory import PeakMemory, available_memory
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun`` in the number it takes: ``"1 prompt"``, ``"2 prompts"`` (``plural``: when not
+    ``noun`` + ``"s"``)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def _ident(request) -> str:
+    """The id of a line of INPUT (a request dict, or the error result of a line that is not one)."""
+    return str(request.id if isinstance(request, BatchResult) else request["id"])
+
+
+def _release_memory() -> None:
+    """Give back the memory of what was just dropped (the planning copy of the model) before the actors load."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class BatchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during `BatchJob.run`: a ``KeyboardInterrupt`` that says what OUTPUT keeps.
+
+    Attributes:
+        output: the OUTPUT path.
+        kept: the answers in OUTPUT (each complete line; a line cut by the signal is removed by the next run).
+        left: the prompts of INPUT not answered yet (the same command answers them: it resumes).
+    """
+
+    def __init__(self, output: str, kept: int, left: int):
+        self.output, self.kept, self.left = output, kept, left
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        """The line the CLI prints."""
+        return (f"interrupted: {self.output} keeps {counted(self.kept, 'answer')}; rerun the same command to resume "
+                f"({counted(self.left, 'prompt')} left)")
 
 
 @dataclass
@@ -76,7 +119,8 @@ class BatchJob:
             answers come back (the same semantics). ``None``: here.
 
     Raises (when made):
-        ConfigError: a bad setting, ``memory_limit`` without ``batch_size="auto"``.
+        ConfigError: a bad setting, ``memory_limit`` without ``batch_size="auto"``; with ``ray``: Ray not installed,
+            no cluster for ``auto``, nothing answering at an address.
         InputError: INPUT missing, not text, or empty; OUTPUT a directory, the input, or a file that is not answers.
     """
 
@@ -95,6 +139,7 @@ class BatchJob:
     threads: int | None = None
     trust_remote_code: bool = False
     ray: str | None = None
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         self.config = check_config(self.config)
@@ -110,19 +155,20 @@ class BatchJob:
         if self.threads is not None:
             check_count("threads", self.threads, unit="threads", maximum=4096)
         if self.ray is not None:
-            import_ray()
-            check_address(self.ray)
+            import_ray_data()
+            self.ray = check_reachable(self.ray)
         self.requests = read_requests(self.input)
-        AnswerFile.check(self.output, self.input)
+        self.done = AnswerFile.check(self.output, self.input)
 
     def run(self, on_result: Callable[[BatchResult, BatchStats], None] | None = None,
             on_step: Callable[[int, int], None] | None = None, on_plan: Callable[[str], None] | None = None,
             on_start: Callable[[int, int], None] | None = None) -> BatchReport:
-        """Load the model and answer the prompts OUTPUT does not hold yet.
+        """Load the model and answer the prompts OUTPUT does not hold yet (with ``ray``: connect first, then load).
 
         Args:
             on_result: receives each answer (after it is written) and the stats so far.
-            on_step: receives ``(rows that produced a token, rows in the group)`` per step (a progress bar).
+            on_step: receives ``(rows that produced a token, rows in the group)`` per step (a progress bar; not
+                called with ``ray``).
             on_plan: receives the line saying which batch size runs and why.
             on_start: receives ``(prompts to answer, prompts already answered)`` once the files are read.
 
@@ -131,52 +177,76 @@ class BatchJob:
 
         Raises:
             ModelLoadError: the model cannot be loaded.
-            ConfigError: with ``batch_size="auto"``, not even one sequence fits the memory.
+            ConfigError: with ``batch_size="auto"``, not even one sequence fits the memory; with ``ray``, a cluster
+                that cannot be started or reached.
             InputError: OUTPUT is being written by another run.
+            BatchInterrupted: Ctrl-C (a ``KeyboardInterrupt``): OUTPUT keeps every answer written.
         """
         import torch
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        with AnswerFile(self.output, self.input) as answers:
-            todo = [r for r in self.requests if str(r.id if isinstance(r, BatchResult) else r["id"]) not in answers.done]
-            if on_start is not None:
-                on_start(len(todo), len(self.requests) - len(todo))
-            peak = PeakMemory()
-            lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
-            peak.loaded()
-            config, batch_size, reason = self._setting(lm, tokenizer)
-            if on_plan is not None:
-                on_plan(reason)
-            started = time.perf_counter()
-            refused = [r for r in todo if isinstance(r, BatchResult)]
-            for result in refused:  # lines that are not a request: answered with their error first
-                answers.write(result)
-                if on_result is not None:
-                    on_result(result, BatchStats(prompts=1, errors=1))
-            generation = {"max_new_tokens": self.max_new_tokens, "batch_size": batch_size, "chat": self.chat,
-                          "temperature": self.temperature, "seed": self.seed, "compile": self.compile}
-            if self.ray is None:
-                run = generate_batch(lm, tokenizer, self._seeded(todo), config, on_step=on_step, **generation)
-                stats = run.stats
-            else:
-                run = run_on_ray(self.ray, self._seeded(todo), self.model, config, generation, self.load,
-                                 self.threads, self.trust_remote_code, str(self.load.get("device", "auto")))
-                stats = BatchStats(batch_size=batch_size)
-            for result in run:
-                answers.write(result)
-                if self.ray is not None:
-                    stats.prompts, stats.errors = stats.prompts + 1, stats.errors + (result.finish_reason == "error")
-                    stats.prompt_tokens, stats.new_tokens = (stats.prompt_tokens + result.prompt_tokens,
-                                                             stats.new_tokens + result.new_tokens)
-                if on_result is not None:
-                    on_result(result, stats)
-            stats.prompts, stats.errors = stats.prompts + len(refused), stats.errors + len(refused)
-            seconds = time.perf_counter() - started
-        peak_bytes, peak_kind = peak.measure()
+        kept = set(self.done)
+        remote = self.ray is not None and any(isinstance(r, dict) and r["id"] not in kept for r in self.requests)
+        try:
+            with ray_session(self.ray, self.verbose) if remote else nullcontext(), \
+                    AnswerFile(self.output, self.input) as answers:
+                kept = answers.done
+                return self._answer(answers, on_result, on_step, on_plan, on_start)
+        except KeyboardInterrupt:
+            raise BatchInterrupted(self.output, len(kept), self._left(kept)) from None
+
+    def _answer(self, answers: AnswerFile, on_result, on_step, on_plan, on_start) -> BatchReport:
+        """`run` with OUTPUT open (and Ray connected)."""
+        todo = [r for r in self.requests if _ident(r) not in answers.done]
+        if on_start is not None:
+            on_start(len(todo), len(self.requests) - len(todo))
+        peak = PeakMemory()
+        lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+        peak.loaded()
+        config, batch_size, reason = self._setting(lm, tokenizer)
+        if on_plan is not None:
+            on_plan(reason)
+        started = time.perf_counter()
+        refused = [r for r in todo if isinstance(r, BatchResult)]
+        for result in refused:  # lines that are not a request: answered with their error first
+            answers.write(result)
+            if on_result is not None:
+                on_result(result, BatchStats(prompts=1, errors=1))
+        generation = {"max_new_tokens": self.max_new_tokens, "batch_size": batch_size, "chat": self.chat,
+                      "temperature": self.temperature, "seed": self.seed, "compile": self.compile}
+        requests = self._seeded(todo)
+        if self.ray is not None and requests:
+            del lm, tokenizer  # the actors load their own: no second copy held here while they run
+            _release_memory()
+            run = run_on_ray(requests, self._model_for_workers(), config, generation, self.load, self.threads,
+                             self.trust_remote_code, str(self.load.get("device", "auto")))
+        else:
+            run = generate_batch(lm, tokenizer, requests, config, on_step=on_step, **generation)
+        for result in run:
+            answers.write(result)
+            if on_result is not None:
+                on_result(result, run.stats)
+        stats = run.stats
+        stats.prompts, stats.errors = stats.prompts + len(refused), stats.errors + len(refused)
+        seconds = time.perf_counter() - started
+        peak_bytes, peak_kind = (run.peak_bytes, run.peak_kind) if hasattr(run, "peak_bytes") else peak.measure()
         report = BatchReport(stats, batch_size, reason, len(self.requests) - len(todo), seconds, peak_bytes, peak_kind)
         report.figures = summary(report, self.config)
+        if hasattr(run, "actors"):
+            report.figures["ray_actors"] = run.actors
         return report
+
+    def _left(self, answered: set[str]) -> int:
+        """The prompts of INPUT whose answer is not in ``answered`` (ids)."""
+        return sum(_ident(r) not in answered for r in self.requests)
+
+    def _model_for_workers(self) -> str:
+        """The model as Ray's workers are to load it: a relative directory made absolute (their working
+        directory may differ); an alias or hub id as it is."""
+        if os.path.isdir(self.model) and not os.path.isabs(self.model):
+            return os.path.abspath(self.model)
+        return self.model
 
     def _seeded(self, todo: list) -> list[dict]:
         """The requests of ``todo`` to run; with a job ``seed``, a line without its own gets ``seed`` plus its line
@@ -219,9 +289,9 @@ class BatchJob:
         size = min(row.max_batch, len(prepared))
         return config, size, (
             f"batch size {size} (auto): the largest that fits {source} {format_bytes(parse_memory(limit))} is "
-            f"{row.max_batch} sequences of {prompt_len} + {gen_len} tokens with {row.label} (weights "
+            f"{counted(row.max_batch, 'sequence')} of {prompt_len} + {gen_len} tokens with {row.label} (weights "
             f"{format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)} per sequence)"
-            + (f"; {len(prepared)} prompts in the input" if size < row.max_batch else ""))
+            + (f"; {counted(len(prepared), 'prompt')} in the input" if size < row.max_batch else ""))
 
 
 def summary(report: BatchReport, config: CompressionConfig) -> dict:

@@ -108,9 +108,9 @@ def answered_ids(data: bytes, path) -> set[str]:
 
 
 class AnswerFile:
-    """OUTPUT, appended to one answer line at a time. Opening it reads the ids already answered (`done`),
-    cuts a half-written last line (a run killed mid-write), and takes an exclusive lock (a second run on the same
-    file is refused).
+    """OUTPUT, appended to one answer line at a time. Opening it reads the ids already answered (`done`, which
+    then grows with each answer written), cuts a half-written last line (a run killed mid-write), and takes an
+    exclusive lock (a second run on the same file is refused).
 
     Raises (when opened):
         InputError: OUTPUT is a directory, or the INPUT file itself, or holds a line that is not an answer (it is
@@ -157,9 +157,11 @@ class AnswerFile:
         return answered_ids(path.read_bytes(), path)
 
     def write(self, result: BatchResult) -> None:
-        """Append ``result`` as one JSON line and flush it to the OS (it survives the process being killed)."""
+        """Append ``result`` as one JSON line and flush it to the OS (it survives the process being killed); its id
+        joins `done`."""
         self.handle.write((json.dumps(result.to_dict(), ensure_ascii=False) + "\n").encode("utf-8"))
         self.handle.flush()
+        self.done.add(str(result.id))
 
     def close(self) -> None:
         """Sync the file to disk and release the lock."""

@@ -168,3 +168,40 @@ def test_auto_batch_size_takes_the_planners_largest(tiny_model_dir, tmp_path):
     too_small = runner.invoke(app, ["batch", str(source), "-o", str(tmp_path / "o2.jsonl"), "--model",
                                     tiny_model_dir, *SETTING, "--batch-size", "auto", "--memory-limit", "1KiB"])
     assert too_small.exit_code == 2 and "not even one sequence" in too_small.output
+
+
+def test_ctrl_c_says_what_the_output_keeps_and_that_rerunning_resumes(tiny_model_dir, tmp_path):
+    source = write_input(tmp_path / "in.jsonl", 400)
+    output = tmp_path / "out.jsonl"
+    # the default SIGINT disposition in the child: a background shell job inherits SIGINT ignored
+    process = subprocess.Popen(command(tiny_model_dir, source, output), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 3):
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    kept = output.read_text().count("\n")
+    assert process.returncode == 130, err[-2000:]
+    assert 3 <= kept < 400, "interrupt it mid-way"
+    assert err.strip().splitlines()[-1] == (f"interrupted: {output} keeps {kept} answers; rerun the same command to "
+                                            f"resume ({400 - kept} prompts left)")
+    assert "Traceback" not in err
+    again = subprocess.run(command(tiny_model_dir, source, output, "--max-new-tokens", "2", "--json"),
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout)["skipped"] == kept and len(answers(output)) == 400
+
+
+def test_messages_say_one_prompt_not_one_prompts(tiny_model_dir, tmp_path):
+    source = write_input(tmp_path / "in.jsonl", 1)
+    output = tmp_path / "out.jsonl"
+    setting = [*SETTING, "--max-new-tokens", "1"]
+    first = runner.invoke(app, ["batch", str(source), "-o", str(output), "--model", tiny_model_dir, *setting])
+    assert first.exit_code == 0, first.output
+    assert "[1 prompt (0 errors, 0 already answered) |" in first.output and "+ 1 new token |" in first.output
+    again = runner.invoke(app, ["batch", str(source), "-o", str(output), "--model", tiny_model_dir, *setting])
+    assert "resuming: 1 prompt already answered in the output" in again.output
+    assert "[0 prompts (0 errors, 1 already answered) |" in again.output
