@@ -193,7 +193,7 @@ class CompressedCache(Cache):
         copy = CompressedCache(
             [frozen_layer(layer, extra) for layer in self.layers], self.config, self.model_id, capacity=None
         )
-        for name in ("model_fingerprint", "prompt_state"):
+        for name in ("model_fingerprint", "model_ref", "prompt_state"):
             if hasattr(self, name):
                 setattr(copy, name, getattr(self, name))
         copy.max_length = max_length  # its storage has room for no more: a longer generation is refused up front

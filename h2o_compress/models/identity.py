@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 
 import torch
 
@@ -17,16 +18,43 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
+#: Values of each parameter a fingerprint reads besides its first and last 4: evenly spaced over all of it.
+SPREAD_SAMPLES = 256
+
+
+def _ends(flat: torch.Tensor) -> torch.Tensor:
+    return torch.cat((flat[:4], flat[-4:]))
+
+
+def _spread(flat: torch.Tensor) -> torch.Tensor:
+    step = max(1, -(-flat.numel() // SPREAD_SAMPLES))
+    return torch.cat((flat[:4], flat[::step], flat[-4:]))
+
+
 def model_fingerprint(model) -> str:
     """A 32-hex-digit SHA-256 of ``model``'s config, parameter names, shapes and dtypes, and a sample of values.
 
-    Cheap (a few elements per parameter are read), stable across devices and processes, and different for two
-    models that differ in architecture, dtype or weights (the first and last 4 values of every parameter).
+    Cheap (about 264 elements per parameter are read: the first and last 4 and `SPREAD_SAMPLES` evenly spaced over
+    the whole of it), stable across devices and processes, and different for two models that differ in
+    architecture, dtype or weights (two trainings or fine-tunes of one architecture differ nearly everywhere, so at
+    the sampled values; the first and last 4 alone, as before issue 47, missed weights that differ elsewhere).
     Checkpoint names, the transformers version and the attention implementation are left out; parameters
     offloaded by accelerate (on the ``meta`` device here) are read from the offload (disk or CPU) through their
     module's hook, so a model split by ``device_map`` has the fingerprint of the same model in one piece.
     Raises CacheStateError when ``model`` is not a transformers model (e.g. ``None``).
     """
+    return _fingerprint(model, _spread)
+
+
+def legacy_fingerprint(model) -> str:
+    """The fingerprint cache files saved before issue 47 hold (the first and last 4 values of each parameter only):
+    `load_cache` still takes such a file for a model it matches. A file saved now holds
+    `model_fingerprint`, which equals this one only by chance (2**-128)."""
+    return _fingerprint(model, _ends)
+
+
+def _fingerprint(model, sample) -> str:
+    """SHA-256 (32 hex digits) of the config, parameter names, shapes and dtypes, and ``sample(flat parameter)``."""
     if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "to_dict"):
         raise CacheStateError(
             f"model={short(model)} is not a transformers model; allowed: the model the cache belongs to"
@@ -42,10 +70,32 @@ def model_fingerprint(model) -> str:
                 param = _offloaded_value(model, name)
                 if param is None:  # nowhere to read it from: name, shape and dtype only
                     continue
-            flat = param.detach().reshape(-1)
-            sample = torch.cat((flat[:4], flat[-4:])).to("cpu", copy=True).contiguous()
-            digest.update(sample.view(torch.uint8).numpy().tobytes())
+            values = sample(param.detach().reshape(-1)).to("cpu", copy=True).contiguous()
+            digest.update(values.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def record_model(cache, model, fingerprint: str | None = None) -> None:
+    """Record on ``cache`` the model it belongs to: ``cache.model_fingerprint`` (``fingerprint``, or computed) and
+    ``cache.model_ref``, a weak reference that `filled_elsewhere` checks the cache's layers against."""
+    cache.model_fingerprint = model_fingerprint(model) if fingerprint is None else fingerprint
+    cache.model_ref = weakref.ref(model)
+
+
+def filled_elsewhere(cache, model=None) -> int | None:
+    """The first layer of ``cache`` whose keys came from an attention module that is not ``model``'s (default: the
+    model recorded by `record_model`), or ``None``: a cache made for one model and filled by another of the same
+    shapes holds the other's keys under the first one's fingerprint. ``None`` too when no model is known."""
+    if model is None:
+        model = getattr(cache, "model_ref", lambda: None)()
+    if model is None:
+        return None
+    modules = {id(module) for module in model.modules()}
+    for layer in cache.layers:
+        ref = getattr(layer, "bound_module", None)
+        if ref is not None and (ref() is None or id(ref()) not in modules):  # a dead module is no module of model
+            return layer.layer_idx
+    return None
 
 
 def _offloaded_value(model, name: str):

@@ -23,11 +23,15 @@ renamed over the target, so an interrupted save leaves either the old file or th
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 import torch
 from h2o_compress.utils.errors import CacheFileError, CacheStateError, ConfigError, short
-from h2o_compress.models.identity import model_fingerprint, model_identity
+from h2o_compress.utils.files import parse_json
+from h2o_compress.models.identity import (
+    filled_elsewhere, legacy_fingerprint, model_fingerprint, model_identity, record_model,
+)
 from h2o_compress.models.weights import attention_devices, floating_dtype, input_device
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, CompressedLayer, build_layers
@@ -136,6 +140,13 @@ def save_cache(cache, path, model=None, overwrite: bool = False) -> Path:
         raise CacheStateError("cannot save: pass model= so the file records which model the cache belongs to")
     if recorded is not None and fingerprint != recorded:
         raise CacheStateError("cannot save: model= is not the model this cache was filled with")
+    layer = filled_elsewhere(cache, model)
+    if layer is not None:
+        raise CacheStateError(
+            f"cannot save: layer {layer} of this cache was filled by another model than the one it was made for "
+            f"({cache.model_id}, fingerprint {fingerprint[:12]}), so the file would name a model whose keys it does "
+            "not hold; allowed: a cache made and filled by one model (make_cache(model, ...), then that model)"
+        )
     tensors, layers = _cache_contents(cache, tokens)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     metadata = {
@@ -149,8 +160,8 @@ def save_cache(cache, path, model=None, overwrite: bool = False) -> Path:
 
 
 def _saved_config(metadata: dict[str, str], source: Path):
+    fields = _metadata_json(metadata, "config", source)
     try:
-        fields = json.loads(metadata["config"])
         budgets = fields.get("layer_budgets") if isinstance(fields, dict) else None
         if isinstance(budgets, str) and budgets not in LAYER_BUDGETS:  # a path: a crafted file names no other file
             raise CacheFileError(f"cache file {str(source)!r} names layer_budgets {short(budgets)}; allowed in a cache "
@@ -226,18 +237,12 @@ def load_cache(path, model, config=None):
 
     source = check_cache_source(path)
     metadata, tensors = read_cache_file(source)
-    fingerprint = model_fingerprint(model)
-    if metadata.get("model_fingerprint") != fingerprint:
-        _check_dtype(metadata, model, source)
-        raise CacheStateError(
-            f"cache file {str(source)!r} was saved for model {metadata.get('model_id')!r} (fingerprint "
-            f"{metadata.get('model_fingerprint', '')[:12]}), not this one ({model_identity(model)}, fingerprint "
-            f"{fingerprint[:12]}); allowed: the model that saved it"
-        )
+    fingerprint = _check_model(metadata, model, source)
     saved = _saved_config(metadata, source)
     _check_config(saved, config, source)
     dims = model_dims(model.config)
     layer_states, capacity, max_tokens = _check_structure(metadata, dims, source)
+    _check_capacity(saved, capacity, max_tokens, source)
     _check_prompt(tensors, layer_states[0], model, source)
     use_h2o_attention(model)
     device = input_device(model)
@@ -256,11 +261,83 @@ def load_cache(path, model, config=None):
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         _restore_layer(layer, i, state, tensors, devices[i])
     cache = CompressedCache(layers, saved, model_id=model_identity(model), capacity=capacity)
-    cache.model_fingerprint = fingerprint
+    record_model(cache, model, fingerprint)
     if "prompt.token_ids" in tensors:
         logits = tensors.get("prompt.next_logits")
         cache.prompt_state = PromptState(tensors["prompt.token_ids"], None if logits is None else logits.to(device))
     return cache
+
+
+def _check_model(metadata: dict[str, str], model, source: Path) -> str:
+    """The model's fingerprint, when the file was saved for this model: its `model_fingerprint`, or for a file
+    saved before issue 47 its `legacy_fingerprint` (which sampled fewer values).
+
+    Raises:
+        CacheStateError: another model (naming both), or this one in another dtype (`_check_dtype`).
+    """
+    fingerprint, saved = model_fingerprint(model), metadata.get("model_fingerprint")
+    if saved != fingerprint and saved != legacy_fingerprint(model):
+        _check_dtype(metadata, model, source)
+        raise CacheStateError(
+            f"cache file {str(source)!r} was saved for model {metadata.get('model_id')!r} (fingerprint "
+            f"{str(saved)[:12]}), not this one ({model_identity(model)}, fingerprint {fingerprint[:12]}); "
+            "allowed: the model that saved it"
+        )
+    return fingerprint
+
+
+def _metadata_json(metadata: dict[str, str], field: str, source: Path):
+    """The JSON value of metadata ``field``: nested too deeply, ``NaN``/``Infinity``, numbers beyond a float and
+    integers of more than 18 digits are refused as they are read.
+
+    Raises:
+        CacheFileError: the field is missing or not such JSON, naming it.
+    """
+    if not isinstance(metadata.get(field), str):
+        raise CacheFileError(f"cache file {str(source)!r} has no metadata {field!r}; allowed: a file written by "
+                             "save_cache()")
+    return parse_json(metadata[field], f"cache file {str(source)!r}: metadata {field!r}", CacheFileError, bounded=True)
+
+
+def _tokens(metadata: dict[str, str], source: Path) -> int:
+    """Metadata ``tokens``: 1 to 10 ASCII digits (``int()`` would also take ``'٨٠'``, ``' 80 '`` or ``'8_0'``).
+
+    Raises:
+        CacheFileError: naming the value.
+    """
+    text = metadata.get("tokens")
+    if not (isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 10):
+        raise CacheFileError(f"cache file {str(source)!r}: metadata tokens={short(text)}; allowed: a count of tokens "
+                             "in ASCII digits (at most 10)")
+    return int(text)
+
+
+def _check_capacity(saved, capacity: int | None, max_tokens: int | None, source: Path) -> None:
+    """Refuse a capacity or ``max_tokens`` the file's config cannot give (as `make_cache` takes them): a
+    fractional budget below 1 needs the length the cache was made for (``max_tokens``) and keeps
+    ``max(ceil(budget x length), floor)`` tokens, at most ``length``, or everything (``null``) under the floor; a
+    budget in tokens keeps that many, at most ``max_tokens``; budget 1.0 and ``policy="full"`` keep everything.
+
+    Raises:
+        CacheFileError: naming the value and what the config allows.
+    """
+    where = f"cache file {str(source)!r}"
+    if saved.policy == "full" or (saved.budget_is_fraction and saved.budget >= 1):
+        expected = None
+    elif saved.budget_is_fraction:
+        if max_tokens is None:
+            raise CacheFileError(f"{where}: max_tokens=null with the fractional budget {saved.budget}, which needs "
+                                 "the length the cache was made for; allowed: an integer >= 1")
+        lowest = min(max(1, math.ceil(saved.budget * max_tokens)), max_tokens)
+        if capacity is not None and not lowest <= capacity <= max_tokens:
+            raise CacheFileError(f"{where}: capacity={capacity} but budget {saved.budget} of max_tokens={max_tokens} "
+                                 f"keeps more; allowed: {lowest} to {max_tokens} (with the floor), or null")
+        return
+    else:
+        expected = int(saved.budget) if max_tokens is None else min(int(saved.budget), max_tokens)
+    if capacity != expected:
+        raise CacheFileError(f"{where}: capacity={capacity} but budget {saved.budget} (policy {saved.policy}) of "
+                             f"max_tokens={max_tokens} keeps {expected}; allowed: the capacity the config gives")
 
 
 def _global_capacities(saved, layer_states: list[dict], capacity: int | None, dims, source: Path) -> list[int] | None:
@@ -289,6 +366,9 @@ _LAYER_KEYS = {"seen_tokens": int, "batch": int, "kv_heads": int, "head_dim": in
                "residual_dtype": str, "residual": int}
 
 
+_LAYER_FIELDS = set(_LAYER_KEYS) | {"capacity", "max_tokens"}  # what save_cache writes per layer
+
+
 _MAX_COUNT = 2**31 - 1
 
 
@@ -303,14 +383,16 @@ def _check_structure(metadata: dict, dims, source: Path) -> tuple[list[dict], in
         CacheFileError: missing or mistyped fields, counts out of range, or a geometry that is not the model's.
     """
     where = f"cache file {str(source)!r}"
-    try:
-        layer_states = json.loads(metadata["layers"])
-        capacity = json.loads(metadata["capacity"])
-        tokens = int(metadata["tokens"])
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CacheFileError(f"{where} has unreadable metadata ({short(str(exc))})") from None
+    layer_states = _metadata_json(metadata, "layers", source)
+    capacity = _metadata_json(metadata, "capacity", source)
+    tokens = _tokens(metadata, source)
     if not isinstance(layer_states, list) or not all(isinstance(state, dict) for state in layer_states):
         raise CacheFileError(f"{where}: metadata 'layers' must be a list of objects")
+    for i, state in enumerate(layer_states):
+        unknown = sorted(set(state) - _LAYER_FIELDS)
+        if unknown:
+            raise CacheFileError(f"{where}: layer {i} has field(s) {short(', '.join(unknown))}; allowed: "
+                                 f"{', '.join(sorted(_LAYER_FIELDS))}")
     if len(layer_states) != dims.num_layers:
         raise CacheStateError(f"cache file has {len(layer_states)} layers, the model {dims.num_layers}")
     if capacity is not None and not _is_count(capacity, 1):
@@ -428,7 +510,27 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
             )
     _check_layer_values(saved, i, state["seen_tokens"], layer)
     layer.load_tensors({name: t.to(device) for name, t in saved.items()})
+    _check_dequantized(layer, i)
     layer.store.refresh_norms()
+
+
+def _check_dequantized(layer, i: int) -> None:
+    """Every held token of the store dequantizes to finite keys and values in the layer's dtype: a finite scale or
+    zero point can still overflow it (an fp16 scale of 65504 on a 4-bit code), which no live cache holds (its
+    scales come from finite keys).
+
+    Raises:
+        CacheFileError: naming the layer and the part.
+    """
+    store = layer.store
+    keys, values = store.held(layer.dtype, store.positions.shape[1])
+    held = store.positions >= 0
+    for name, tensor in (("keys", keys), ("values", values)):
+        if not bool(torch.isfinite(tensor[held]).all()):
+            raise CacheFileError(
+                f"layer {i}: its stored {name} dequantize to NaN or Inf in {str(layer.dtype).removeprefix('torch.')} "
+                "(a scale or zero point beyond that dtype); allowed: scales of a cache save_cache wrote"
+            )
 
 
 def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer) -> None:

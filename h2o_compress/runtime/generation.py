@@ -18,7 +18,7 @@ from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
-from h2o_compress.models.identity import model_fingerprint, model_identity
+from h2o_compress.models.identity import model_identity, record_model
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.prefill import check_cache_model, check_context, prefill
 from h2o_compress.models.weights import input_device
@@ -60,7 +60,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)
-    cache.model_fingerprint = model_fingerprint(model)  # lets save_cache() check the model at load time
+    record_model(cache, model)  # lets save_cache() check the model (the file's fingerprint, the filling modules)
     return cache
 
 

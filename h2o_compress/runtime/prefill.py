@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from h2o_compress.models import model_dims
-from h2o_compress.models.identity import model_fingerprint
+from h2o_compress.models.identity import model_fingerprint, record_model
 from h2o_compress.persistence import PromptState
 from h2o_compress.utils.errors import CacheStateError, InputError
 from h2o_compress.utils.progress import report, reporting
@@ -103,7 +103,7 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
         )
     cache.prompt_state = PromptState(input_ids.detach().to("cpu", copy=True), logits.detach().clone())
     if getattr(cache, "model_fingerprint", None) is None:
-        cache.model_fingerprint = model_fingerprint(model)
+        record_model(cache, model)
     return logits
 
 
