@@ -12,7 +12,7 @@ from pathlib import Path
 
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import ConfigError, short
-from h2o_compress.utils.files import parse_json, parse_toml, read_text
+from h2o_compress.utils.files import check_path, parse_json, parse_toml, read_text
 
 SUFFIXES = (".json", ".toml")
 
@@ -26,9 +26,9 @@ def read_config_values(path) -> dict:
     """The ``{field: value}`` object in ``path``, keys checked against `config_fields` (values unchecked).
 
     Raises:
-        ConfigError: missing file, unsupported suffix, syntax error, not an object, or an unknown key.
+        ConfigError: not a path, missing file, unsupported suffix, syntax error, not an object, or an unknown key.
     """
-    source = Path(path)
+    source = Path(check_path(path, "config file", ConfigError))
     name = short(str(source))
     if source.suffix.lower() not in SUFFIXES:
         raise ConfigError(f"config file {name} has an unsupported type; allowed: {', '.join(SUFFIXES)}")
@@ -52,8 +52,11 @@ def load_config(path, overrides: dict | None = None, defaults: dict | None = Non
 
     Raises:
         ConfigError: see `read_config_values`, or a value [`CompressionConfig`][h2o_compress.config.CompressionConfig] rejects (the message
-            then names the file).
+            then names the file); ``overrides`` or ``defaults`` that are not dicts of field names.
     """
+    for name, given in (("overrides", overrides), ("defaults", defaults)):
+        if given is not None and not (isinstance(given, dict) and all(isinstance(key, str) for key in given)):
+            raise ConfigError(f"{name}={short(given)} is invalid; allowed: a dict of CompressionConfig fields, or None")
     values = {**(defaults or {}), **read_config_values(path), **(overrides or {})}
     try:
         return CompressionConfig(**values)

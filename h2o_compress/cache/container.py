@@ -8,12 +8,28 @@ import torch
 from transformers.cache_utils import Cache
 
 from h2o_compress.config import CompressionConfig
-from h2o_compress.utils.errors import CacheStateError, InputError
+from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.formats import make_quantizer
 from h2o_compress.cache.layer import CompressedLayer
 from h2o_compress.cache.refinement import spread_refined_rows
 from h2o_compress.cache.setting import LayerSetting
 from h2o_compress.cache.span import FULL_SPAN, LayerSpan
+
+
+def _check_parts(layers, config, model_id, capacity) -> None:
+    """The arguments of a hand-built [`CompressedCache`][h2o_compress.cache.CompressedCache]: a non-empty list of layers, a config, a text id and a
+    capacity (-1: the first layer's), each refused with a ConfigError naming it."""
+    if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(x, CompressedLayer) for x in layers):
+        raise ConfigError(f"layers={short(layers)} is invalid; allowed: a non-empty list of CompressedLayer (build a "
+                          "cache with h2o_compress.make_cache)")
+    if not isinstance(config, CompressionConfig):
+        raise ConfigError(f"config={short(config)} is invalid; allowed: a CompressionConfig")
+    if not isinstance(model_id, str):
+        raise ConfigError(f"model_id={short(model_id)} is invalid; allowed: a text")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or not (capacity == -1 or capacity >= 1)):
+        raise ConfigError(f"capacity={short(capacity)} is invalid; allowed: an integer >= 1, None (unbounded) or -1 "
+                          "(the first layer's)")
 
 
 class CompressedCache(Cache):
@@ -35,6 +51,7 @@ class CompressedCache(Cache):
     def __init__(
         self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = "", capacity: int | None = -1
     ):
+        _check_parts(layers, config, model_id, capacity)
         super().__init__(layers=layers)
         self.config = config
         self.model_id = model_id

@@ -22,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 from h2o_compress.attention import announce, withdraw
 from h2o_compress.attention.launch import mark_static_address
 from h2o_compress.attention.variant import AttentionVariant
-from h2o_compress.utils.errors import CacheStateError, InputError
+from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.cache import backends, chunk, decode, rows
 from h2o_compress.cache.ring import RingWindow, held_positions
 from h2o_compress.cache.setting import LayerSetting
@@ -30,6 +30,10 @@ from h2o_compress.cache.slots import SlotStore
 from h2o_compress.cache.span import FULL_SPAN, LayerSpan
 from h2o_compress.cache.store import make_store
 from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values, part_view
+
+
+#: The keyword arguments of a layer's store layout (the rest of `LayerSetting`'s fields are named arguments).
+LAYOUT = {"head_adaptive", "high_bits_fraction", "refined_per_head"}
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -42,6 +46,11 @@ class CompressedLayer(CacheLayerMixin):
                  score_chunk_size: int = 64, attention_kernel: str = "auto", max_tokens: int | None = None,
                  span: LayerSpan = FULL_SPAN, **layout):
         super().__init__()
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ConfigError(f"layer_idx={short(layer_idx)} is invalid; allowed: an integer >= 0 (the model layer)")
+        unknown = sorted(set(layout) - LAYOUT)
+        if unknown:
+            raise ConfigError(f"unknown layer argument {', '.join(map(short, unknown))}; allowed: {', '.join(sorted(LAYOUT))}")
         self.layer_idx, self.num_layers = layer_idx, 1  # num_layers: set by build_layers (the memory check)
         self.setting = LayerSetting(policy, capacity, key_quantizer, value_quantizer, residual, score_chunk_size,
                                     attention_kernel, max_tokens, span, **layout)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from h2o_compress.utils.errors import ConfigError
+from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.config import ATTENTION_KERNELS
 from h2o_compress.formats import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies import EvictionPolicy
@@ -60,6 +61,7 @@ class LayerSetting:
     with_scores: bool = dataclasses.field(init=False)
 
     def __post_init__(self):
+        self._check_kinds()
         capacity = self.capacity
         if capacity is not None and self.max_tokens is not None:
             capacity = min(capacity, self.max_tokens)  # storage never exceeds what the cache can see
@@ -79,6 +81,31 @@ class LayerSetting:
             set_(self, "key_quantizer", _split(self.key_quantizer))
             set_(self, "value_quantizer", _split(self.value_quantizer))
         self._check()
+
+    def _check_kinds(self) -> None:
+        """Refuse arguments of the wrong type (ConfigError naming the argument), before anything is derived from
+        them: a layer built by hand (``CompressedLayer(...)``) gets the message, not an AttributeError later."""
+        kinds = (("policy", EvictionPolicy), ("key_quantizer", KVQuantizer), ("value_quantizer", KVQuantizer),
+                 ("span", LayerSpan))
+        for name, kind in kinds:
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name}={short(getattr(self, name))} is invalid; allowed: a {kind.__name__}")
+        for name, least, optional in (("capacity", 1, True), ("max_tokens", 1, True), ("residual", 0, False),
+                                      ("score_chunk_size", 1, False), ("refined_per_head", 0, True)):
+            value = getattr(self, name)
+            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)
+                                                and value >= least):
+                continue  # no upper bound here: storage a device cannot hold is refused before it is allocated
+            raise ConfigError(f"{name}={short(value)} is invalid; allowed: an integer >= {least}"
+                              + (" or None" if optional else ""))
+        if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: auto, torch, "
+                              "triton")
+        if not isinstance(self.head_adaptive, bool):
+            raise ConfigError(f"head_adaptive={short(self.head_adaptive)} is invalid; allowed: True or False")
+        fraction = self.high_bits_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ConfigError(f"high_bits_fraction={short(fraction)} is invalid; allowed: a number in [0, 1]")
 
     def _check(self) -> None:
         """Refuse what a layer of unknown length cannot hold (ConfigError). What the setting itself allows (kernels,

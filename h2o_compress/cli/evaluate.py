@@ -7,6 +7,7 @@ checked before the model loads.
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Optional
 
@@ -24,7 +25,7 @@ from h2o_compress.cli.options import (
 )
 from h2o_compress import models
 from h2o_compress.evaluation.agreement import agreement_eval
-from h2o_compress.evaluation.corpus import TEXT_NAMES, load_prompts, load_text
+from h2o_compress.evaluation.corpus import TEXT_NAMES, TextNameWarning, load_prompts, load_text
 from h2o_compress.evaluation.needle import check_needle_args, needle_eval
 from h2o_compress.evaluation.perplexity import text_perplexity
 from h2o_compress.evaluation.stream import check_count
@@ -66,6 +67,22 @@ def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int],
         return models.load_model(model, trust_remote_code=trust, **options)
 
 
+def checked_text(text_file: str) -> str:
+    """The text of ``--text-file`` (`load_text`), read before the model loads so a bad file fails first; when a
+    shipped text's name is also a file in the current folder, one ``warning:`` line on stderr says which is read
+    (and later reads say nothing more)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = load_text(text_file)
+    for warning in caught:
+        if issubclass(warning.category, TextNameWarning):
+            typer.echo(f"warning: {warning.message}", err=True)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    warnings.filterwarnings("ignore", category=TextNameWarning)  # said once
+    return text
+
+
 def _mib(value: int) -> str:
     return f"{value / 2**20:.2f} MiB"
 
@@ -97,7 +114,7 @@ def perplexity_command(
     check_usable(config, config.capacity(max_tokens))
     check_count("chunk_size", chunk_size)
     if text_file is not None:
-        load_text(text_file)  # fail on a bad file before loading the model
+        checked_text(text_file)  # fail on a bad file before loading the model
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel,
                           not as_json)
     with progress_bar("reading", enabled=not as_json) as update:
@@ -152,7 +169,7 @@ def needle_command(
     length_list = parse_list(lengths, int, "lengths", "integers >= 64, e.g. 512,1024")
     depth_list = parse_list(depths, float, "depths", "fractions in [0, 1], e.g. 0,0.5,1")
     check_needle_args(length_list, depth_list, trials, max_new_tokens, chunk_size, protocol, seed, keys)
-    corpus = None if text_file is None else load_text(text_file)  # a bad file fails before loading the model
+    corpus = None if text_file is None else checked_text(text_file)  # a bad file fails before loading the model
     lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, config.attention_kernel,
                           not as_json)
     with progress_bar("needle", enabled=not as_json) as update:

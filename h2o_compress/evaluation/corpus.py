@@ -9,6 +9,7 @@ other kinds that nothing is ever tuned on.
 from __future__ import annotations
 
 import json
+import warnings
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -95,10 +96,28 @@ def text_role(name: str | None) -> str:
     return f"{name} (reporting)" if name in REPORTING_TEXTS else str(name)
 
 
+class TextNameWarning(UserWarning):
+    """A shipped text's name was given while a file of that name is in the current folder: the shipped text is read
+    (`text_name_clash` says so)."""
+
+
+def text_name_clash(text_file) -> str | None:
+    """What to say when ``text_file`` names a shipped text (`TEXT_NAMES`) and a file of that name is in the current
+    folder too: the shipped text is read, ``./NAME`` reads the file. ``None`` when there is no such clash."""
+    if not isinstance(text_file, str) or text_file not in TEXT_NAMES or not Path(text_file).exists():
+        return None
+    return (f"text {text_file!r} is the shipped text of that name; the file {text_file!r} in the current folder is "
+            f"not read (give ./{text_file} to read it)")
+
+
 def load_text(text_file: str | Path | None = None) -> str:
     """The text of ``text_file``: a shipped text by name (`TEXT_NAMES`: ``sherlock``, the tuning text, or a
-    reporting text; ``./NAME`` reads a file of that name instead), a file path, or the shipped corpus (the tuning
-    text) when ``None`` (see `read_text_file` for errors)."""
+    reporting text; ``./NAME`` reads a file of that name instead: a file of a shipped text's name in the current
+    folder gets a `TextNameWarning` saying which is read), a file path, or the shipped corpus (the tuning text) when
+    ``None`` (see `read_text_file` for errors)."""
+    clash = text_name_clash(text_file)
+    if clash is not None:
+        warnings.warn(clash, TextNameWarning, stacklevel=2)
     if text_file is None or text_file == "sherlock":
         return default_corpus()
     if isinstance(text_file, str) and text_file in REPORTING_TEXTS:

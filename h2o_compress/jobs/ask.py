@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import h2o_compress.runtime.ask as asking
 from h2o_compress.config import CompressionConfig
 from h2o_compress.evaluation.stream import check_count
+from h2o_compress.jobs.checks import check_callbacks, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.runtime.compiled import check_compile
@@ -46,9 +47,12 @@ class AskJob:
         trust_remote_code: let the model directory run its own code.
 
     Raises (when made):
-        InputError: a context file that cannot be read, an empty context or question, or one that is not UTF-8.
+        InputError: a context file that cannot be read, an empty context or question, or one that is not UTF-8;
+            no question at all, or questions that are not a text or a list of texts.
+        ModelLoadError: ``model`` is not a non-empty text.
         ConfigError: bad ``max_new_tokens``/``temperature``/``seed``/``compile``/``threads``, both ``context`` and
-            ``context_file`` (or neither), ``save_cache`` with ``load_cache``.
+            ``context_file`` (or neither), ``save_cache`` with ``load_cache``; a switch (``chat``, ``overwrite``,
+            ``trust_remote_code``) that is not a bool; a ``load`` that ``load_model`` would refuse.
         CacheFileError: a ``save_cache`` that cannot be written, or a ``load_cache`` that is not a cache file.
     """
 
@@ -79,9 +83,8 @@ class AskJob:
                 raise InputError(f"context file {short(str(self.context_file))} is empty (or whitespace only); "
                                  "allowed: a document to ask about")
         check_prompt(self.context)
-        self.questions = [self.questions] if isinstance(self.questions, str) else list(self.questions)
-        for text in self.questions:
-            check_prompt(text)
+        self.questions = question_list(self.questions)
+        check_job(self)
         if self.config is None:
             self.config = asking.ASK_DEFAULTS
         elif not isinstance(self.config, CompressionConfig):
@@ -179,6 +182,25 @@ class AskSession:
                           temperature=job.temperature, seed=job.seed, on_text=on_text, compile=job.compile)
 
 
+def question_list(questions) -> list[str]:
+    """``questions`` as a list of checked texts: a single text is one question.
+
+    Raises:
+        InputError: not a text or a list (or tuple) of texts, an empty list, or a question that is empty or not
+            UTF-8.
+    """
+    if isinstance(questions, str):
+        questions = [questions]
+    if not isinstance(questions, (list, tuple)):
+        raise InputError(f"questions={short(questions)} is a {type(questions).__name__}; allowed: a question (a str) "
+                         "or a list of them")
+    if not questions:
+        raise InputError("questions is empty: there is nothing to answer; allowed: at least one question")
+    for text in questions:
+        check_prompt(text)
+    return list(questions)
+
+
 def _answer_figures(result: GenerationResult, question: str) -> dict:
     figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
     figures["question"] = question
@@ -228,8 +250,11 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
     Raises:
         H2OCompressError: the errors of [`AskJob`][h2o_compress.jobs.AskJob] (every setting, before anything is
             loaded), [`AskJob.start`][h2o_compress.jobs.AskJob.start] and
-            [`AskSession.answer`][h2o_compress.jobs.AskSession.answer].
+            [`AskSession.answer`][h2o_compress.jobs.AskSession.answer]; a ConfigError for an unknown setting or an
+            ``on_text``/``on_progress`` that is not callable.
     """
+    check_settings(AskJob, settings, ("questions", "context", "context_file", "model", "config"))
+    check_callbacks(on_text=on_text, on_progress=on_progress)
     session = AskJob(questions, context, context_file, model, config, **settings).start(on_progress)
     results = [session._generate(question, on_text) for question in session.job.questions]
     answers = [_answer_figures(result, question) for result, question in zip(results, session.job.questions)]

@@ -17,6 +17,7 @@ from h2o_compress import models
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.evaluation.stream import check_count
 from h2o_compress.jobs.batch_files import AnswerFile, read_requests
+from h2o_compress.jobs.checks import check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
 from h2o_compress.planner import format_bytes, parse_memory
@@ -142,6 +143,7 @@ class BatchJob:
     verbose: bool = False
 
     def __post_init__(self) -> None:
+        check_job(self)
         self.config = check_config(self.config)
         check_generation_args(self.max_new_tokens, self.temperature, self.seed)
         check_compile(self.compile, self.config)
@@ -204,7 +206,8 @@ class BatchJob:
         peak = PeakMemory()
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
         peak.loaded()
-        config, batch_size, reason = self._setting(lm, tokenizer)
+        held = peak.held(lm) if self.batch_size == "auto" else None  # what loading took: auto counts it
+        config, batch_size, reason = self._setting(lm, tokenizer, held)
         if on_plan is not None:
             on_plan(reason)
         started = time.perf_counter()
@@ -257,10 +260,10 @@ class BatchJob:
             return requests
         return [r if "seed" in r else {**r, "seed": (self.seed + index[id(r)]) % 2**64} for r in requests]
 
-    def _setting(self, lm, tokenizer) -> tuple[CompressionConfig, int, str]:
+    def _setting(self, lm, tokenizer, held: int | None = None) -> tuple[CompressionConfig, int, str]:
         """The setting every row runs with (a budget fraction taken of the longest sequence of the whole INPUT,
         answered lines included, so a resumed run keeps what the first one kept), the batch size and a line saying
-        why."""
+        why. ``held``: the bytes loading the model took (`PeakMemory.held`), which ``--batch-size auto`` counts."""
         prepared = [prepare(lm, tokenizer, r, i, self.chat, self.max_new_tokens, self.temperature, self.seed)
                     for i, r in enumerate(self.requests) if isinstance(r, dict)]
         prepared = [p for p in prepared if not isinstance(p, BatchResult)]
@@ -279,7 +282,7 @@ class BatchJob:
             if limit is None:
                 raise ConfigError("--batch-size auto cannot read this device's free memory; allowed: --memory-limit "
                                   "SIZE, or --batch-size N")
-        row = fit_batch(lm, config, limit, prompt_len, gen_len)
+        row = fit_batch(lm, config, limit, prompt_len, gen_len, held=held)
         if row.max_batch < 1:
             raise ConfigError(
                 f"--batch-size auto: not even one sequence of {prompt_len} + {gen_len} tokens fits {source} "
@@ -313,4 +316,5 @@ def run_batch(input: str, output: str, model: str = DEFAULT_MODEL, config: Compr
         H2OCompressError: the errors of [`BatchJob`][h2o_compress.jobs.BatchJob] (every setting, before anything is
             loaded) and [`BatchJob.run`][h2o_compress.jobs.BatchJob.run].
     """
+    check_settings(BatchJob, settings, ("input", "output", "model", "config"))
     return BatchJob(input, output, model, config, **settings).run()

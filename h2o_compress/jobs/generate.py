@@ -12,6 +12,7 @@ from typing import Callable
 
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.evaluation.stream import check_count
+from h2o_compress.jobs.checks import check_callbacks, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, parse_memory
@@ -81,8 +82,10 @@ class GenerateJob:
 
     Raises (when made):
         InputError: empty prompt, or one that is not UTF-8.
+        ModelLoadError: ``model`` is not a non-empty text.
         ConfigError: bad ``max_new_tokens``/``temperature``/``seed``/``compile``/``threads``/``memory_limit``,
-            ``memory_limit`` with ``load_cache``, or with a setting it picks in ``given``.
+            ``memory_limit`` with ``load_cache``, or with a setting it picks in ``given``; a switch (``chat``,
+            ``overwrite``, ``trust_remote_code``) that is not a bool; a ``load`` that ``load_model`` would refuse.
         CacheFileError: a ``save_cache`` that cannot be written, or a ``load_cache`` that is not a cache file.
     """
 
@@ -105,6 +108,7 @@ class GenerateJob:
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt)
+        check_job(self)
         self.config = check_config(self.config)
         check_generation_args(self.max_new_tokens, self.temperature, self.seed)
         check_compile(self.compile, self.config)
@@ -210,6 +214,9 @@ def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionCon
 
     Raises:
         H2OCompressError: the errors of [`GenerateJob`][h2o_compress.jobs.GenerateJob] (every setting, before
-            anything is loaded) and [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run].
+            anything is loaded) and [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run]; a ConfigError for an
+            unknown setting or an ``on_text``/``on_plan`` that is not callable.
     """
+    check_settings(GenerateJob, settings, ("prompt", "model", "config"))
+    check_callbacks(on_text=on_text, on_plan=on_plan)
     return GenerateJob(prompt, model, config, **settings).run(on_text, on_plan)

@@ -36,10 +36,15 @@ def model_dims(config) -> ModelDims:
     """KV geometry of a transformers config (LLaMA-like, OPT, GPT-NeoX and others using the usual names).
 
     Raises:
-        ModelLoadError: a geometry value out of range (see [`check_config_values`][h2o_compress.models.check_config_values]).
+        ModelLoadError: not a transformers config (e.g. ``None``, a model name: pass ``model.config``), or a geometry
+            value out of range (see [`check_config_values`][h2o_compress.models.check_config_values]).
     """
+    from transformers import PretrainedConfig
 
-    config = getattr(config, "get_text_config", lambda: config)()
+    if not isinstance(config, PretrainedConfig):
+        raise ModelLoadError(f"config={short(config)} is not a transformers config; allowed: a PretrainedConfig, e.g. "
+                             "model.config of a loaded model")
+    config = config.get_text_config()
     spans = tuple(layer_spans(config, config.num_hidden_layers))  # refuses non-attention and shared-KV layers first
     check_config_values(config.to_dict() if hasattr(config, "to_dict") else vars(config), "the model's config")
     try:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from h2o_compress.models.weights import (
-    avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_offload_folder, check_weights_bits,
-    parse_max_memory, quantization_config,
+    avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
+    check_weights_bits, parse_max_memory, quantization_config,
 )
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, short, write_failure
 from h2o_compress.models.dims import check_config_values
@@ -476,6 +476,7 @@ def load_model(
         fix = f"delete the converted copy {short(source)} so that it is converted again"
     try:
         try:  # a local directory, or a hub id already in the local Hugging Face cache
+            _check_map_against(source, placement.get("device_map"), local_files_only=True, **trust)
             tokenizer = _load_tokenizer(source, name_or_path, local_files_only=True, **trust)
             model, info = AutoModelForCausalLM.from_pretrained(
                 source, dtype=torch_dtype, local_files_only=True, output_loading_info=True, **placement, **trust)
@@ -483,6 +484,7 @@ def load_model(
             if Path(source).is_dir():
                 raise
             _require_hub(name_or_path)
+            _check_map_against(source, placement.get("device_map"), **trust)
             tokenizer = _load_tokenizer(source, name_or_path, **trust)
             model, info = AutoModelForCausalLM.from_pretrained(
                 source, dtype=torch_dtype, output_loading_info=True, **placement, **trust)
@@ -508,6 +510,26 @@ def load_model(
     model.eval()
     model.name_or_path_for_cache = name_or_path
     return model, tokenizer
+
+
+def _check_map_against(source: str, device_map, **kwargs) -> None:
+    """A dict ``device_map`` checked against the modules of the model at ``source`` (`check_map_modules`), built
+    from its config on the meta device: nothing is read but ``config.json``, nothing allocated. ``kwargs``: of
+    ``AutoConfig.from_pretrained`` (``local_files_only``, ``trust_remote_code``).
+
+    Raises:
+        ConfigError: a key the model does not have, or weights no key covers.
+        OSError: the config is not there (a hub id not cached yet: the caller fetches it).
+    """
+    if not isinstance(device_map, dict):
+        return
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
+    check_map_modules(device_map, skeleton)
 
 
 def _load_tokenizer(source: str, name: str, **kwargs):

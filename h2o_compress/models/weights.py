@@ -29,6 +29,7 @@ DEVICE_MAP_ALLOWED = (
 MAX_DEVICE_MAP_BYTES = 2**20  # a map of every module of a 1,000-layer model is far smaller
 MAX_INDEX_DIGITS = 6  # a GPU index (or a byte count's digits: see MAX_AMOUNT_DIGITS)
 MAX_AMOUNT_DIGITS = 18
+MAX_MEMORY_BYTES = 2**80  # far beyond any machine; as the planner's memory amounts
 MAX_MEMORY_ALLOWED = "entries DEVICE=AMOUNT separated by commas, DEVICE a GPU index, cpu or disk, e.g. 0=20GiB,cpu=64GiB"
 
 
@@ -125,6 +126,36 @@ def check_device_map(device_map):
     return checked
 
 
+def check_map_modules(device_map, model) -> None:
+    """Check a dict ``device_map`` against ``model`` (a skeleton on the meta device is enough): every key must be
+    ``""`` (the whole model) or one of its modules or parameters, and every parameter must fall under a key (the
+    map places all of the model or transformers places the rest as it likes). Strategies and ``None`` pass.
+
+    Raises:
+        ConfigError: naming the first unknown key or the first parameter no key covers, and what is allowed.
+    """
+    if not isinstance(device_map, dict):
+        return
+    modules = [name for name, _ in model.named_modules()]
+    params = [name for name, _ in model.named_parameters()]
+    known = set(modules) | set(params)
+    unknown = [name for name in device_map if name != "" and name not in known]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        examples = [name for name in modules if name and name.count(".") <= 1][:8]
+        raise ConfigError(f"device_map names {short(unknown[0])}{more}, which this model does not have; allowed: its "
+                          f"module names, e.g. {', '.join(map(repr, examples))} (or '' for the whole model)")
+    if "" in device_map:
+        return
+    missing = [name for name in params if not any(".".join(name.split(".")[:i]) in device_map
+                                                  for i in range(1, name.count(".") + 2))]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"device_map places only part of the model: {short(missing[0])}{more} fall under no entry; "
+                          "allowed: a map covering every module (add entries for them, or '' for the rest), or a "
+                          "strategy such as 'auto'")
+
+
 def parse_max_memory(value) -> dict | None:
     """``max_memory`` for accelerate: ``None``, a dict {device: amount} or the CLI's ``"0=20GiB,cpu=64GiB"``.
 
@@ -158,14 +189,30 @@ def parse_max_memory(value) -> dict | None:
     for device, amount in value.items():
         if device not in ("cpu", "disk"):
             _check_target("max_memory", device, option="max_memory")
-        try:
-            size = amount if isinstance(amount, int) and not isinstance(amount, bool) else convert_file_size_to_int(amount)
-        except (ValueError, TypeError, AttributeError):
-            size = -1
-        if not isinstance(size, int) or size <= 0:
-            raise ConfigError(f"max_memory[{short(device)}]={short(amount)} is invalid; allowed: {MAX_MEMORY_ALLOWED}")
-        out[device] = size
+        out[device] = _memory_amount(device, amount, convert_file_size_to_int)
     return out
+
+
+def _memory_amount(device, amount, convert) -> int:
+    """Bytes of one ``max_memory`` entry: an integer, or a size accelerate's ``convert`` reads (``"20GiB"``), from 1
+    to `MAX_MEMORY_BYTES`.
+
+    Raises:
+        ConfigError: a bool, another type, an unreadable size, 0 or less, or beyond `MAX_MEMORY_BYTES` (``1e400GiB``
+            overflows accelerate's float arithmetic: refused here, not an ``OverflowError``).
+    """
+    size = -1
+    if isinstance(amount, int) and not isinstance(amount, bool):
+        size = amount
+    elif isinstance(amount, str):
+        try:
+            size = convert(amount)
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            size = -1
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_MEMORY_BYTES:
+        raise ConfigError(f"max_memory[{short(device)}]={short(amount)} is invalid; allowed: {MAX_MEMORY_ALLOWED} "
+                          "(from 1 byte to 2**80 bytes)")
+    return size
 
 
 def check_offload_folder(device_map, offload_folder) -> str | None:

@@ -240,7 +240,7 @@ def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int
 
 
 def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len: int, headroom=0,
-              compiled: bool | None = None, batch: int = 1) -> PlanRow:
+              compiled: bool | None = None, batch: int = 1, held: int | None = None) -> PlanRow:
     """``config`` as it is (no candidate grid) for a loaded ``model`` under ``memory``: the [`PlanRow`][h2o_compress.planner.PlanRow] whose
     ``max_batch`` is the largest batch of ``prompt_len + gen_len``-token sequences that fits with the weights as
     loaded (what ``h2o-compress batch --batch-size auto`` runs), 0 when not even one does; its bytes are those of
@@ -248,8 +248,13 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     runs one sequence at a time (its workspace is one sequence's, plus that sequence's cache until it joins the
     batch); ``headroom`` and ``compiled`` as there.
 
+    ``held``: the bytes loading the model made this process hold, measured
+    ([`PeakMemory.held`][h2o_compress.utils.memory.PeakMemory.held]): on a CPU that is the weights plus the libraries
+    transformers imports for them and the tokenizer (about 280 MiB beside SmolLM2's 257 MiB of bf16 weights), which
+    the measured peak counts too. The row's ``weight_bytes`` is the larger of the weights' own bytes and ``held``.
+
     Raises:
-        ConfigError: a bad memory amount, headroom or length.
+        ConfigError: a bad memory amount, headroom, length or ``held``.
     """
     limit = parse_memory(memory)
     usable = limit - parse_headroom(headroom, limit)
@@ -259,6 +264,10 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     spec = resolve_model(model)
     kv_dtype = spec.dtype or resolve_dtype("float16", torch.device("cpu"))
     weights = weight_bytes(spec, 16, kv_dtype)
+    if held is not None:
+        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+            raise ConfigError(f"held={short(held)} is invalid; allowed: bytes (an integer >= 0) or None")
+        weights = max(weights, held)
     if compiled is None:
         compiled = _compiled_by_default(model, spec, 16)
     return _row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, usable, compiled, rows_alone=True)

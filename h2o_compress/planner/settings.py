@@ -62,8 +62,12 @@ def candidates(
     applies to the 4-bit candidates (mixed precision by importance).
 
     Raises:
-        ConfigError: an invalid value in any list (from [`CompressionConfig`][h2o_compress.config.CompressionConfig]).
+        ConfigError: a list that is not a list (or tuple) of at most `MAX_VALUES` values, a grid of more than
+            `MAX_CANDIDATES` settings (checked before any is built), or an invalid value in any list (from
+            [`CompressionConfig`][h2o_compress.config.CompressionConfig]).
     """
+    policies, budgets, bits, group_sizes, residuals = check_grid(
+        policies=policies, budgets=budgets, bits=bits, group_sizes=group_sizes, residuals=residuals)
     for group in group_sizes:
         if isinstance(group, bool) or group not in ALLOWED_GROUP_SIZES:
             raise ConfigError(f"group size {short(group)} is not supported; allowed: 32, 64, 128")
@@ -89,6 +93,37 @@ def candidates(
                         if key not in seen:
                             seen.add(key)
                             out.append(config)
+    return out
+
+
+MAX_VALUES = 256
+"""Values one list of the candidate grid may hold (``--budgets``, ``--bits``, ...)."""
+MAX_CANDIDATES = 2048
+"""Settings the candidate grid may have (the product of its lists' lengths): each is sized by bisection, a few
+milliseconds apiece, so 2,048 plan in seconds (20,000 budgets ran for minutes)."""
+
+
+def check_grid(**lists) -> list[tuple]:
+    """Each of ``lists`` (policies, budgets, ...) as a tuple of 1 to `MAX_VALUES` values (a single text or number
+    is one value), and their product at most `MAX_CANDIDATES`; returned in the order given.
+
+    Raises:
+        ConfigError: naming the list, its size or type, and what is allowed.
+    """
+    out = []
+    for name, values in lists.items():
+        if isinstance(values, (str, int, float)):
+            values = (values,)
+        if not isinstance(values, (list, tuple)):
+            raise ConfigError(f"{name}={short(values)} is invalid; allowed: a list (or tuple) of 1 to {MAX_VALUES} values")
+        if not 1 <= len(values) <= MAX_VALUES:
+            raise ConfigError(f"{name} has {len(values)} values; allowed: 1 to {MAX_VALUES}")
+        out.append(tuple(values))
+    size = math.prod(len(values) for values in out)
+    if size > MAX_CANDIDATES:
+        sizes = " x ".join(f"{name} {len(values)}" for name, values in zip(lists, out))
+        raise ConfigError(f"the candidate grid would have {size} settings ({sizes}); allowed: at most {MAX_CANDIDATES} "
+                          "(fewer values in the lists)")
     return out
 
 

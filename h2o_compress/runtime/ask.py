@@ -36,7 +36,7 @@ from h2o_compress.utils.errors import CacheStateError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, check_config, check_prompt, encode_prompt, generate, make_scored_cache
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
-from h2o_compress.runtime.prefill import check_context, layer_progress, prefill
+from h2o_compress.runtime.prefill import check_context, context_window, layer_progress, prefill
 from h2o_compress.runtime.prompt_cache import shared_prefix_length
 from h2o_compress.models.weights import input_device
 from h2o_compress.utils.progress import ProgressFn, report_progress
@@ -118,7 +118,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     """
     config = ASK_DEFAULTS if config is None else check_config(config)
     check_prompt(context)
-    check_text_fits(tokenizer, context, getattr(model.config, "max_position_embeddings", None), "the context")
+    check_text_fits(tokenizer, context, context_window(model), "the context")
     device = input_device(model)
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
     check_context(model, ids.shape[1], 0)
@@ -136,10 +136,15 @@ def check_questions_fit(model, tokenizer, context: str, questions, max_new_token
     beyond the model's window ([`ask`][h2o_compress.runtime.ask.ask] checks the same per question, later). Tokenizes only.
 
     Raises:
-        InputError: naming the question, the token counts and the most ``max_new_tokens`` that fits.
+        InputError: naming the question, the token counts and the most ``max_new_tokens`` that fits; a context or a
+            question too long for the window whatever the tokenization (from its length, before tokenizing:
+            `check_text_fits`).
     """
+    window = context_window(model)
+    check_text_fits(tokenizer, context, window, "the context")
     for question in questions:
-        total = encode_prompt(tokenizer, context + SEPARATOR + question, chat).shape[1]
+        check_text_fits(tokenizer, question, window, f"question {short(question, 60)}")
+        total = encode_prompt(tokenizer, context + SEPARATOR + question, chat, window).shape[1]
         try:
             check_context(model, total, max_new_tokens)
         except InputError as exc:
@@ -180,7 +185,7 @@ def ask(
                               f"context.cache={short(context.cache)} holds no compressed context; allowed: a "
                               "CompressedCache holding at least one token")
     prompt = context.text + SEPARATOR + question
-    total = encode_prompt(tokenizer, prompt, context.chat).shape[1]
+    total = encode_prompt(tokenizer, prompt, context.chat, context_window(model)).shape[1]
     check_context(model, total, max_new_tokens)
     answering = context.cache.frozen_copy(total + max_new_tokens)
     return generate(

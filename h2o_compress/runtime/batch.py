@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -159,7 +160,9 @@ def generate_batch(
         ``.stats`` holds the [`BatchStats`][h2o_compress.runtime.batch.BatchStats].
 
     Raises:
-        ConfigError: a bad job-wide argument (checked before anything runs, when this is called).
+        ConfigError: a bad job-wide argument (checked before anything runs, when this is called): ``requests``
+            not an iterable of requests (a text, a dict), a switch (``chat``, ``in_order``, ``longest_first``,
+            ``refill``) that is not a bool.
     """
     _check_argument_kinds(model, tokenizer, None)
     config = check_config(config)
@@ -167,13 +170,40 @@ def generate_batch(
     check_batch_size(batch_size)
     if on_step is not None and not callable(on_step):
         raise ConfigError(f"on_step={short(on_step)} is not callable; allowed: a function or None")
-    items = list(requests) if not isinstance(requests, (str, bytes)) else None
-    if items is None:
-        raise ConfigError("requests is a single text; allowed: a list of texts or request objects")
+    for name, value in (("chat", chat), ("in_order", in_order), ("longest_first", longest_first), ("refill", refill)):
+        check_switch(name, value)
+    items = _request_list(requests)
     stats = BatchStats()
     results = _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile,
-                   on_step, stats, bool(longest_first), bool(refill))
+                   on_step, stats, longest_first, refill)
     return BatchRun(_in_order(results) if in_order else results, stats)
+
+
+def check_switch(name: str, value) -> bool:
+    """``value`` if it is ``True`` or ``False``; raises ConfigError naming ``name`` otherwise (``"no"``, ``0`` and
+    ``None`` are not switches: ``bool("no")`` is true)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={short(value)} is invalid; allowed: True or False")
+    return value
+
+
+def _request_list(requests) -> list:
+    """``requests`` read into a list: any iterable of requests but a text, bytes or a mapping (whose keys would be
+    taken for prompts).
+
+    Raises:
+        ConfigError: naming what was given and what is allowed.
+    """
+    allowed = "a list (or other iterable) of texts, request dicts or BatchRequest objects"
+    if isinstance(requests, (str, bytes, bytearray)):
+        raise ConfigError(f"requests is a single text ({type(requests).__name__}); allowed: {allowed}")
+    if isinstance(requests, Mapping):
+        raise ConfigError(f"requests is a {type(requests).__name__} ({short(requests)}), whose keys would be taken for "
+                          f"prompts; allowed: {allowed} (a single request dict goes in a list: [{{...}}])")
+    try:
+        return list(requests)
+    except TypeError:
+        raise ConfigError(f"requests={short(requests)} is not iterable; allowed: {allowed}") from None
 
 
 def _in_order(results: Iterator[BatchResult]) -> Iterator[BatchResult]:
@@ -373,4 +403,4 @@ def _generator(prompt: Prepared, device) -> torch.Generator | None:
     return generator
 
 
-__all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "generate_batch", "row_config"]
+__all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "check_switch", "generate_batch", "row_config"]

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h2o_compress.runtime.chat import apply_chat_template
+from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
 from h2o_compress.runtime.generation import check_generation_args, encode_prompt
-from h2o_compress.runtime.prefill import check_context
+from h2o_compress.runtime.prefill import check_context, context_window
 from h2o_compress.utils.errors import H2OCompressError, InputError, short
 
 #: The keys a request may carry (a JSONL line, or a dict given to ``generate_batch``).
@@ -50,10 +50,30 @@ class BatchRequest:
         unknown = sorted(set(item) - set(REQUEST_KEYS))
         if unknown:
             raise InputError(f"unknown key {', '.join(map(repr, unknown))}; allowed: {', '.join(REQUEST_KEYS)}")
-        ident = item.get("id", index)
-        if isinstance(ident, bool) or not isinstance(ident, (str, int)):
-            raise InputError(f"id {short(ident)} is invalid; allowed: a text or an integer")
-        return cls(id=str(ident), **{k: item[k] for k in REQUEST_KEYS[1:] if k in item})
+        return cls(id=_id_text(item.get("id", index)), **{k: item[k] for k in REQUEST_KEYS[1:] if k in item})
+
+
+def _id_text(ident) -> str:
+    """An id as the text the answers carry.
+
+    Raises:
+        InputError: not a text or an integer, or an integer too long to write out (more than 4300 digits).
+    """
+    if isinstance(ident, bool) or not isinstance(ident, (str, int)):
+        raise InputError(f"id {short(ident)} is invalid; allowed: a text or an integer")
+    try:
+        return str(ident)
+    except ValueError:  # Python writes out integers of at most 4300 digits
+        raise InputError(f"id {short(ident)} is invalid; allowed: a text or an integer of at most 4300 digits") from None
+
+
+def _given_id(item, index: int) -> str:
+    """The id an error result of ``item`` carries: its own when it can be written out, else its place."""
+    ident = item.get("id", index) if isinstance(item, dict) else getattr(item, "id", index)
+    try:
+        return _id_text(ident)
+    except InputError:
+        return str(index)
 
 
 @dataclass
@@ -105,7 +125,7 @@ def prepare(model, tokenizer, item, index: int, chat: bool, max_new_tokens: int,
             seed: int | None) -> Prepared | BatchResult:
     """Check and tokenize one request (``generate``'s checks: a non-empty UTF-8 prompt, valid ``max_new_tokens``,
     ``temperature`` and ``seed``, prompt + new tokens within the model's context), or its error result."""
-    ident = str(item.get("id", index)) if isinstance(item, dict) else getattr(item, "id", str(index))
+    ident = _given_id(item, index)
     try:
         request = BatchRequest.of(item, index)
         ident = request.id
@@ -113,27 +133,47 @@ def prepare(model, tokenizer, item, index: int, chat: bool, max_new_tokens: int,
         temp = temperature if request.temperature is None else request.temperature
         row_seed = request.seed if request.seed is not None else None if seed is None else (seed + index) % 2**64
         check_generation_args(new, temp, row_seed)
-        ids = _encode(tokenizer, request, chat)
+        ids = _encode(tokenizer, request, chat, context_window(model))
         check_context(model, ids.numel(), new)
         return Prepared(request, index, ids, new, float(temp), row_seed)
     except H2OCompressError as exc:
         return BatchResult(id=str(ident), index=index, finish_reason="error", error=str(exc))
 
 
-def _encode(tokenizer, request: BatchRequest, chat: bool) -> torch.Tensor:
+def _encode(tokenizer, request: BatchRequest, chat: bool, window: int | None) -> torch.Tensor:
+    """The token ids of ``request`` (``[tokens]``), its length checked against the model's ``window`` first
+    (`check_text_fits`: a 50 MB prompt is refused in milliseconds, never tokenized).
+
+    Raises:
+        InputError: both or neither of ``prompt`` and ``messages``, malformed or empty messages, text that is not
+            UTF-8 (a lone surrogate), text too long for ``window``, or ``messages`` without a chat template.
+    """
     if (request.prompt is None) == (request.messages is None):
         raise InputError("give exactly one of 'prompt' (a text) and 'messages' (a chat)")
     if request.prompt is not None:
-        return encode_prompt(tokenizer, request.prompt, chat)[0]
+        return encode_prompt(tokenizer, request.prompt, chat, window)[0]
     messages = request.messages
     if (not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
         raise InputError(f"messages {short(messages)} is invalid; allowed: a non-empty list of objects with a 'role' "
                          "and a 'content' text")
+    for number, message in enumerate(messages):
+        for key in ("role", "content"):
+            _check_utf8(message[key], f"messages[{number}].{key}")
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("'messages' needs a chat template, and this tokenizer has none; allowed: 'prompt'")
     if not any(m["content"].strip() for m in messages):
         raise InputError("messages are all empty; allowed: at least one message with text")
+    check_text_fits(tokenizer, "".join(m["content"] for m in messages), window, "the messages")
     encoded = apply_chat_template(tokenizer, messages, add_generation_prompt=True, return_dict=True,
                                   return_tensors="pt")
     return encoded["input_ids"][0]
+
+
+def _check_utf8(text: str, where: str) -> None:
+    """Refuse ``text`` holding a lone surrogate (what invalid UTF-8 bytes become), which a tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{where} holds a character that is not valid UTF-8 at position {exc.start}; allowed: UTF-8 "
+                         "text") from None

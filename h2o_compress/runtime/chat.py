@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import signal
 import threading
 
@@ -19,6 +20,7 @@ from h2o_compress.utils.errors import InputError, ModelLoadError
 TEMPLATE_SECONDS = 10.0  # a real chat template renders in milliseconds
 TEMPLATE_GROWTH = 64  # rendered characters per character of the messages, at most (plus TEMPLATE_FIXED)
 TEMPLATE_FIXED = 1 << 20
+_WHITESPACE = re.compile(r"\s+")  # what str.split() splits on (str.isspace characters)
 
 
 class _TemplateTimeout(Exception):
@@ -91,7 +93,9 @@ def check_text_fits(tokenizer, text: str, window: int | None, what: str = "the t
         longest = _longest_token(tokenizer)
     except (AttributeError, TypeError, NotImplementedError):  # a tokenizer without a vocabulary to read
         return
-    visible = len("".join(text.split()))  # whitespace may be dropped by a pre-tokenizer; anything else is covered
+    if len(text) // longest <= window:  # fits whatever its whitespace: nothing to count
+        return
+    visible = len(_WHITESPACE.sub("", text))  # a pre-tokenizer may drop whitespace; anything else is covered
     least = visible // longest
     if least > window:
         raise InputError(

@@ -11,7 +11,7 @@ import torch
 
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, build_layers
-from h2o_compress.runtime.chat import apply_chat_template
+from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
 from h2o_compress.config import CompressionConfig
 from h2o_compress.runtime.checks import check_setting
 from h2o_compress.policies import POLICIES
@@ -20,7 +20,7 @@ from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, 
 from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_identity, record_model
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
-from h2o_compress.runtime.prefill import check_cache_model, check_context, prefill
+from h2o_compress.runtime.prefill import check_cache_model, check_context, context_window, prefill
 from h2o_compress.models.weights import input_device
 
 
@@ -39,13 +39,13 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             config's own split.
 
     Raises:
-        ConfigError: bad ``max_length`` or ``layer_capacities``, a fractional budget without ``max_length``, a
-            group size that does not divide the model's ``head_dim``, or ``attention_kernel='triton'`` where the
-            Triton op cannot run (`check_kernel`).
+        ConfigError: ``model`` not a loaded model, bad ``max_length`` (beyond the model's context window too) or
+            ``layer_capacities``, a fractional budget without ``max_length``, a group size that does not divide the
+            model's ``head_dim``, or ``attention_kernel='triton'`` where the Triton op cannot run (`check_kernel`).
         UnsupportedModelError: the model's attention cannot be scored.
     """
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens)")
+    check_model(model, config=False)
+    check_max_length(max_length, context_window(model))
     config = check_setting(config, model=model, usable=False)
     dims = model_dims(model.config)
     if dims.expands_cache and config.rotate:  # the module expands the cached latents itself: no basis to undo
@@ -123,11 +123,37 @@ def check_cache_room(cache, prompt_tokens: int, max_new_tokens: int) -> None:
         )
 
 
-def _check_argument_kinds(model, tokenizer, on_text) -> None:
-    """Refuse arguments of the wrong kind with one clear ConfigError (not an AttributeError from deep inside)."""
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+MAX_LENGTH = 2**31 - 1
+"""The most tokens a cache may be made for when the model declares no context window."""
+
+
+def check_max_length(max_length, window: int | None) -> None:
+    """Refuse a ``max_length`` (tokens a cache will see) that is not an integer from 1 to the model's context
+    ``window`` (`MAX_LENGTH` when it declares none): no prompt plus new tokens can go beyond it.
+
+    Raises:
+        ConfigError: naming the value and the range allowed.
+    """
+    most = window or MAX_LENGTH
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                   or not 1 <= max_length <= most):
+        where = "the model's context window" if window else "tokens"
+        raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens), at most "
+                          f"{most} ({where})")
+
+
+def check_model(model, config: bool = True) -> None:
+    """Refuse a ``model`` that is not a loaded transformers model (a name, ``None``) with one clear ConfigError,
+    not an AttributeError from deep inside; ``config``: a torch module without a transformers ``config`` is refused
+    too (``False``: it is left to `check_setting`, which names what its attention lacks)."""
+    if not isinstance(model, torch.nn.Module) or (config and not hasattr(model, "config")):
         raise ConfigError(f"model={short(model)} is not a loaded transformers model; allowed: the model of "
                           "h2o_compress.load_model(...) (or any transformers causal LM)")
+
+
+def _check_argument_kinds(model, tokenizer, on_text) -> None:
+    """Refuse arguments of the wrong kind with one clear ConfigError (not an AttributeError from deep inside)."""
+    check_model(model)
     if not (callable(getattr(tokenizer, "decode", None)) and (callable(getattr(tokenizer, "encode", None))
                                                               or callable(tokenizer))):
         raise ConfigError(f"tokenizer={short(tokenizer)} is not a tokenizer; allowed: the tokenizer of "
@@ -238,13 +264,23 @@ def check_prompt(prompt) -> str:
     return prompt
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> torch.Tensor:
+def encode_prompt(tokenizer, prompt: str, chat: bool = True, window: int | None = None) -> torch.Tensor:
     """Token ids ``[1, tokens]`` of ``prompt``, through the tokenizer's chat template when ``chat``.
 
+    Args:
+        tokenizer: the model's tokenizer.
+        prompt: the text.
+        chat: apply the tokenizer's chat template (when it has one).
+        window: the model's context window (tokens; `context_window`): a prompt too long to fit it whatever the
+            tokenization is refused from its length, before the tokenizer spends minutes and gigabytes on it
+            (`check_text_fits`). ``None``: no such check.
+
     Raises:
-        InputError: empty or whitespace-only prompt, or one that is not valid UTF-8.
+        InputError: empty or whitespace-only prompt, one that is not valid UTF-8, or one longer than ``window``
+            could hold.
     """
     check_prompt(prompt)
+    check_text_fits(tokenizer, prompt, window, "the prompt")
     if chat and getattr(tokenizer, "chat_template", None):
         encoded = apply_chat_template(
             tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True,
@@ -338,7 +374,7 @@ def generate(
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
     check_generation_args(max_new_tokens, temperature, seed)
     device = input_device(model)
-    input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
+    input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
     if cache is not None:  # once per generation, before any forward pass: no check in the decode steps

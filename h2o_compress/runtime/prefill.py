@@ -14,9 +14,15 @@ from h2o_compress.utils.errors import CacheStateError, InputError
 from h2o_compress.utils.progress import report, reporting
 
 
+def context_window(model) -> int | None:
+    """The model's context window in tokens (``config.max_position_embeddings``), ``None`` when it declares none."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:
     """Raise InputError when ``prompt_tokens + max_new_tokens`` exceeds the model's ``max_position_embeddings``."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = context_window(model)
     if limit and prompt_tokens > limit:
         raise InputError(f"prompt of {prompt_tokens} tokens exceeds the model's context of {limit} tokens; allowed: a "
                          "shorter text")

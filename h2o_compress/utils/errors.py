@@ -38,8 +38,20 @@ MAX_ECHO = 200
 
 
 def short(value, limit: int = MAX_ECHO, repr_: bool = True) -> str:
-    """``repr(value)`` (or ``str`` when ``repr_`` is false) cut to ``limit`` characters, saying how long it was."""
-    text = repr(value) if repr_ else str(value)
+    """``repr(value)`` (or ``str`` when ``repr_`` is false) cut to ``limit`` characters, saying how long it was.
+
+    Never raises: an integer too long for Python to write out (more than 4300 digits) is named by its size, and a
+    value whose ``repr`` fails by its type.
+    """
+    try:
+        text = repr(value) if repr_ else str(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits(): say its size, never lift the limit
+        if not isinstance(value, int):
+            return f"<{type(value).__name__} object>"
+        digits = int(abs(value).bit_length() * 0.30103) + 1
+        return f"<an integer of about {digits} digits>"
+    except Exception:  # noqa: BLE001 - a broken __repr__ of a user object: name its type
+        return f"<{type(value).__name__} object>"
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"

@@ -22,6 +22,19 @@ MAX_SETTINGS_BYTES = 16 * 2**20  # config files, reports, model config.json
 MAX_TEXT_BYTES = 256 * 2**20  # text files read by the evaluations
 
 
+def check_path(path, what: str, error: type[H2OCompressError]):
+    """``path`` if it is a str or an ``os.PathLike`` (never an int, which ``os.stat``/``open`` would take for an
+    open file descriptor, nor ``None`` or bytes).
+
+    Raises:
+        error: naming the value, its type and what is allowed.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise error(f"{what} {short(path)} is of type {type(path).__name__}; allowed: a file path (str or "
+                    "pathlib.Path)")
+    return path
+
+
 def read_text(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES) -> str:
     """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes.
 
@@ -32,8 +45,10 @@ def read_text(path, what: str, error: type[H2OCompressError], limit: int = MAX_S
         limit: the largest size accepted (bytes).
 
     Raises:
-        error: missing, not a regular file, larger than ``limit``, unreadable or not UTF-8.
+        error: ``path`` not a path (a str or ``os.PathLike``: an integer would be read as an open file
+            descriptor), missing, not a regular file, larger than ``limit``, unreadable or not UTF-8.
     """
+    check_path(path, what, error)
     name = short(str(path))
     try:
         info = os.stat(path)

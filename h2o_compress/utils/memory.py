@@ -79,6 +79,20 @@ class PeakMemory:
         else:
             self.restarted = _restart_rss_peak()
 
+    def held(self, model=None) -> int | None:
+        """Bytes the process holds now above the baseline taken before loading: on a CPU its resident set growth
+        (the weights, and what loading them brought: transformers' modules, the tokenizer, allocator slack), with
+        ``model``'s CPU weights paged in first, so that weights mapped from their file (read lazily, by the first
+        forward pass) are counted as the measured peak will count them. ``None`` on CUDA, where the measure counts
+        the tensors the planner counts.
+        """
+        if self.cuda:
+            return None
+        if model is not None:
+            page_in(model)
+        now = _status_kib("VmRSS")
+        return None if now is None else max(now - self.start, 0)
+
     def measure(self) -> tuple[int, str]:
         """Peak bytes above the baseline taken before loading, and how they were measured."""
         if self.cuda:
@@ -88,6 +102,18 @@ class PeakMemory:
             return max(peak - self.start, 0), "cuda_max_memory_allocated"
         kind = "cpu_peak_rss_growth" if self.restarted else "cpu_peak_rss_growth_with_load"
         return max(_rss_peak() - self.start, 0), kind
+
+
+@torch.no_grad()
+def page_in(model) -> None:
+    """Read one element per memory page of each CPU parameter and buffer of ``model`` (a tensor mapped from its
+    checkpoint is not resident until read; the first forward pass reads every page anyway)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type != "cpu" or not tensor.numel() or not tensor.is_contiguous():
+            continue
+        flat = tensor.detach().reshape(-1)
+        step = max(1, 4096 // flat.element_size())
+        flat[::step].to(torch.float32 if flat.is_floating_point() else torch.int64).sum()
 
 
 def available_memory(device: torch.device) -> int | None:

@@ -1,0 +1,97 @@
+"""The checks every job shares, run when a job is made (before anything is loaded or written): the settings a
+``run_*`` call passes on, the model name, the switches, the load options and the paths, each refused with one
+[`H2OCompressError`][h2o_compress.H2OCompressError] naming the value and what is allowed, never a ``TypeError`` from a
+dataclass or ``load_model`` minutes later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError, short
+from h2o_compress.utils.files import check_path
+
+#: Fields of a job that are switches: each must be ``True`` or ``False``.
+SWITCHES = ("chat", "overwrite", "trust_remote_code", "verbose")
+#: Fields of a job that name a file it reads or writes (``None`` where optional).
+PATHS = {"input": ("input file", InputError), "output": ("output", InputError),
+         "context_file": ("context file", InputError)}
+
+
+def check_settings(job_class, settings: dict, taken: tuple[str, ...]) -> None:
+    """Refuse a key of ``settings`` (the ``**settings`` of a ``run_*`` call) that is not a field of ``job_class``,
+    or one of ``taken`` (the call's own arguments, given again).
+
+    Raises:
+        ConfigError: naming the key and the settings allowed.
+    """
+    fields = [f.name for f in dataclasses.fields(job_class) if f.init and f.name not in taken]
+    unknown = sorted(str(key) for key in settings if key not in fields)
+    if unknown:
+        raise ConfigError(f"unknown setting {', '.join(map(short, unknown))} for {job_class.__name__}; allowed: "
+                          f"{', '.join(fields)}")
+
+
+def check_callbacks(**callbacks) -> None:
+    """Refuse a callback (``on_text=...``) that is neither callable nor ``None``, before anything runs.
+
+    Raises:
+        ConfigError: naming the argument and its value.
+    """
+    for name, value in callbacks.items():
+        if value is not None and not callable(value):
+            raise ConfigError(f"{name}={short(value)} is not callable; allowed: a function or None")
+
+
+def load_keys() -> list[str]:
+    """The keyword arguments of [`load_model`][h2o_compress.load_model] a job's ``load`` may carry (the model and
+    ``trust_remote_code`` are fields of the job itself)."""
+    from h2o_compress.models import load_model
+
+    return [name for name in inspect.signature(load_model).parameters if name not in ("name_or_path", "trust_remote_code")]
+
+
+def check_load(load) -> dict:
+    """``load`` (keyword arguments of ``load_model``) checked as ``load_model`` would check them, before it runs.
+
+    Raises:
+        ConfigError: not a dict, an unknown key, or a value ``load_model`` refuses (device, dtype, weights bits,
+            device map, max memory, offload folder).
+        ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
+    """
+    from h2o_compress.models import placement_options
+
+    allowed = load_keys()
+    if not isinstance(load, dict):
+        raise ConfigError(f"load={short(load)} is invalid; allowed: a dict of load_model arguments ({', '.join(allowed)})")
+    unknown = sorted(str(key) for key in load if key not in allowed)
+    if unknown:
+        raise ConfigError(f"load has the unknown key {', '.join(map(short, unknown))}; allowed: {', '.join(allowed)}")
+    placement_options(**load)
+    return load
+
+
+def check_job(job) -> None:
+    """The fields every job (generate, ask, batch) shares: ``model`` a non-empty text, the `SWITCHES` booleans,
+    ``given`` a dict, ``load`` as [`check_load`][h2o_compress.jobs.checks.check_load] says, the `PATHS` paths.
+
+    Raises:
+        ModelLoadError: ``model`` not a non-empty text.
+        ConfigError: a switch that is not a bool, ``given`` not a dict, a bad ``load``.
+        InputError: a path that is not a str or ``os.PathLike``.
+    """
+    if not isinstance(job.model, str) or not job.model.strip():
+        raise ModelLoadError(f"model name {short(job.model)} is empty or not a text; allowed: an alias, a local model "
+                             "directory or a hub id (a str)")
+    for name in SWITCHES:
+        value = getattr(job, name, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={short(value)} is invalid; allowed: True or False")
+    if not isinstance(getattr(job, "given", {}), dict):
+        raise ConfigError(f"given={short(job.given)} is invalid; allowed: a dict of the settings given explicitly")
+    check_load(job.load)
+    for name, (what, error) in PATHS.items():
+        value = getattr(job, name, None)
+        if value is not None:
+            check_path(value, what, error)
