@@ -126,7 +126,7 @@ def render_only(ctx: typer.Context, render: str) -> str:
 
 
 @user_errors
-@compression_options(only=("heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets",
+@compression_options(only=("min_capacity", "heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets",
                            "attention_kernel"))
 @placement_options
 def profile_command(

@@ -91,6 +91,8 @@ class ProfileSettings:
             (``ppl_tokens``, ``chunk_size``) and, with ``needle_lengths``, passkey accuracy are also measured
             (``record["corpora"]``); the main text and repeats are dropped. Each is read in the constructor
             (InputError naming it and what is allowed).
+        min_capacity: the floor of the fractional budgets in tokens (``None``: the library default; 0: the budget
+            alone, for sweeps over sequences shorter than the floor).
         heavy_ratio: fixed compression options of every configuration.
         quant: fixed compression options of every configuration.
         group_size: fixed compression options of every configuration.
@@ -132,6 +134,7 @@ class ProfileSettings:
     needle_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
     text_file: str | None = None
     quality_texts: tuple[str, ...] = ()
+    min_capacity: int | None = None
     heavy_ratio: float = _DEFAULTS.heavy_ratio
     quant: str = _DEFAULTS.quant
     group_size: int = _DEFAULTS.group_size
@@ -260,8 +263,8 @@ class ProfileSettings:
     def configs(self) -> list[CompressionConfig]:
         """The sweep: the reference first, then every (kv bits, budget, policy); a budget of 1 runs once per
         bit width as ``full``. Raises ConfigError for a bad policy, budget or option."""
-        fixed = dict(heavy_ratio=self.heavy_ratio, quant=self.quant, group_size=self.group_size, residual=self.residual,
-                     attention_kernel=self.attention_kernel)
+        fixed = dict(min_capacity=self.min_capacity, heavy_ratio=self.heavy_ratio, quant=self.quant,
+                     group_size=self.group_size, residual=self.residual, attention_kernel=self.attention_kernel)
         configs = [CompressionConfig(**{**asdict(REFERENCE), **fixed, "kv_bits": 16})]
         for bits in self.kv_bits:
             for budget in self.budgets:

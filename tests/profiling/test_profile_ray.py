@@ -38,7 +38,8 @@ def stable(value):
 def two_configs(model: str, **overrides) -> ProfileSettings:
     """A 2-configuration grid (the reference ``full 16-bit`` and ``h2o 0.5 16-bit``), a few tokens each."""
     values = dict(model=model, policies=("h2o",), budgets=(0.5,), kv_bits=(16,), seq_lens=(16,), decode_tokens=2,
-                  ppl_tokens=24, chunk_size=4, agreement_prompts=1, max_new_tokens=3, threads=1)
+                  ppl_tokens=24, chunk_size=4, agreement_prompts=1, max_new_tokens=3, threads=1,
+                  min_capacity=0)  # 16-token sequences: the floor off in the Ray workers too, so h2o evicts
     values.update(overrides)
     return ProfileSettings(**values)
 
