@@ -215,7 +215,7 @@ class CompressionConfig:
             raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
         if self.residual > MAX_RESIDUAL:
             raise ConfigError(
-                f"residual={self.residual} is too large: the window stays in full precision, so nothing would be "
+                f"residual={short(self.residual)} is too large: the window stays in full precision, so nothing would be "
                 f"quantized; allowed: an integer from 0 to {MAX_RESIDUAL} (tokens)"
             )
         if not isinstance(self.rotate, bool):

@@ -14,9 +14,8 @@ from h2o_compress.utils.files import check_path
 
 #: Fields of a job that are switches: each must be ``True`` or ``False``.
 SWITCHES = ("chat", "overwrite", "trust_remote_code", "verbose")
-#: Fields of a job that name a file it reads or writes (``None`` where optional).
-PATHS = {"input": ("input file", InputError), "output": ("output", InputError),
-         "context_file": ("context file", InputError)}
+#: Fields of a job that name a file it reads or writes: how messages name each, and whether ``None`` is allowed.
+PATHS = {"input": ("input file", False), "output": ("output", False), "context_file": ("context file", True)}
 
 
 def check_settings(job_class, settings: dict, taken: tuple[str, ...]) -> None:
@@ -91,7 +90,6 @@ def check_job(job) -> None:
     if not isinstance(getattr(job, "given", {}), dict):
         raise ConfigError(f"given={short(job.given)} is invalid; allowed: a dict of the settings given explicitly")
     check_load(job.load)
-    for name, (what, error) in PATHS.items():
-        value = getattr(job, name, None)
-        if value is not None:
-            check_path(value, what, error)
+    for name, (what, optional) in PATHS.items():
+        if hasattr(job, name) and not (optional and getattr(job, name) is None):
+            check_path(getattr(job, name), what, InputError)

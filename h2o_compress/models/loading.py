@@ -112,11 +112,13 @@ def _check_model_files(directory: Path, trust_remote_code: bool, weights: bool) 
 
 def resolve_device(device: str | None) -> torch.device:
     """``auto`` -> CUDA when available, else CPU. Raises ConfigError for an unknown or unavailable device."""
-    if device in (None, "auto"):
+    if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        if not isinstance(device, (str, torch.device)):  # bytes, numbers: torch reads them as it likes
+            raise TypeError
         resolved = torch.device(device)
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, ValueError):  # ValueError: a text torch cannot decode (a lone surrogate)
         raise ConfigError(f"unknown device {short(device)}; allowed: auto, cpu, cuda, cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {short(device)} requested but CUDA is not available; allowed here: auto, cpu")
@@ -131,7 +133,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype | None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a dict or list is not even hashable
         raise ConfigError(f"unknown dtype {short(dtype)}; allowed: {', '.join(DTYPES)}")
     return DTYPES[dtype]
 

@@ -16,7 +16,8 @@ from h2o_compress.planner.known_models import ModelSpec, resolve_model
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
 from h2o_compress.planner.sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
 from h2o_compress.planner.units import format_bytes, parse_headroom, parse_memory
-from h2o_compress.runtime.generation import encode_prompt
+from h2o_compress.runtime.generation import _check_argument_kinds, check_switch, encode_prompt
+from h2o_compress.runtime.prefill import context_window
 
 MAX_BATCH = 2**20
 MAX_CONTEXT = 2**24
@@ -320,11 +321,17 @@ def choose_for_prompt(
     as ``generate(model, tok, prompt, row.config, ...)``.
 
     Raises:
-        InputError: empty prompt.
-        ConfigError: nothing fits (the message names the smallest memory that would).
+        InputError: empty prompt, or one longer than the model's window could hold.
+        ConfigError: nothing fits (the message names the smallest memory that would); ``model``, ``tokenizer``,
+            ``base``, ``chat`` or ``max_new_tokens`` of the wrong kind.
     """
+    _check_argument_kinds(model, tokenizer, None)
+    if base is not None and not isinstance(base, CompressionConfig):
+        raise ConfigError(f"base={short(base)} is invalid; allowed: a CompressionConfig or None")
     base = base or CompressionConfig()
-    prompt_len = encode_prompt(tokenizer, prompt, chat).shape[1]
+    check_switch("chat", chat)
+    _positive("max_new_tokens", max_new_tokens, MAX_CONTEXT)
+    prompt_len = encode_prompt(tokenizer, prompt, chat, context_window(model)).shape[1]
     options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),
                "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, "layer_budgets": base.layer_budgets,
                "head_budgets": base.head_budgets, "high_bits_fraction": base.high_bits_fraction, **options}

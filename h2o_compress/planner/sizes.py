@@ -140,7 +140,7 @@ def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:
     Raises:
         ConfigError: ``weights_bits`` not 16, 8 or 4.
     """
-    if weights_bits not in WEIGHT_BITS or isinstance(weights_bits, bool):
+    if isinstance(weights_bits, bool) or not isinstance(weights_bits, int) or weights_bits not in WEIGHT_BITS:
         raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: 16, 8, 4")
     if spec.loaded_bytes is not None:
         return spec.loaded_bytes

@@ -32,8 +32,11 @@ import torch
 from h2o_compress.cache import CompressedCache
 from h2o_compress.runtime.chat import check_text_fits
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.utils.errors import CacheStateError, InputError, short
-from h2o_compress.runtime.generation import GenerationResult, check_config, check_prompt, encode_prompt, generate, make_scored_cache
+from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
+from h2o_compress.runtime.generation import (
+    GenerationResult, _check_argument_kinds, check_config, check_generation_args, check_prompt, check_switch,
+    encode_prompt, generate, make_scored_cache,
+)
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
 from h2o_compress.runtime.prefill import check_context, context_window, layer_progress, prefill
@@ -114,10 +117,15 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
 
     Raises:
         InputError: empty context, or longer than the model's context window.
-        ConfigError: a bad setting, or one that leaves no recent window at this capacity.
+        ConfigError: a bad setting, or one that leaves no recent window at this capacity; ``model`` or
+            ``tokenizer`` of the wrong kind, ``chat`` not a bool, ``on_progress`` not callable.
     """
+    _check_argument_kinds(model, tokenizer, None)
     config = ASK_DEFAULTS if config is None else check_config(config)
     check_prompt(context)
+    check_switch("chat", chat)
+    if on_progress is not None and not callable(on_progress):
+        raise ConfigError(f"on_progress={short(on_progress)} is not callable; allowed: a function or None")
     check_text_fits(tokenizer, context, context_window(model), "the context")
     device = input_device(model)
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
@@ -172,11 +180,14 @@ def ask(
 
     Raises:
         InputError: empty question, or context + question + new tokens beyond the model's window.
-        ConfigError: bad ``max_new_tokens``/``temperature``/``seed``.
+        ConfigError: bad ``max_new_tokens``/``temperature``/``seed`` (checked before anything runs), ``model`` or
+            ``tokenizer`` of the wrong kind.
         CacheStateError: ``context`` is not a CompressedContext, or its ``cache`` is not a CompressedCache (e.g.
             ``None``) or holds no tokens.
     """
+    _check_argument_kinds(model, tokenizer, on_text)
     check_prompt(question)
+    check_generation_args(max_new_tokens, temperature, seed)
     if not isinstance(context, CompressedContext):
         raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()), not "
                               f"context={short(context)} (a {type(context).__name__})")

@@ -39,7 +39,7 @@ from h2o_compress.runtime.batch_requests import BatchRequest, BatchResult, Prepa
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.generation import (
-    _check_argument_kinds, _eos_ids, _sync, check_config, check_generation_args, make_cache,
+    _check_argument_kinds, _eos_ids, _sync, check_config, check_generation_args, check_switch, make_cache,
 )
 from h2o_compress.models.weights import input_device
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
@@ -177,14 +177,6 @@ def generate_batch(
     results = _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile,
                    on_step, stats, longest_first, refill)
     return BatchRun(_in_order(results) if in_order else results, stats)
-
-
-def check_switch(name: str, value) -> bool:
-    """``value`` if it is ``True`` or ``False``; raises ConfigError naming ``name`` otherwise (``"no"``, ``0`` and
-    ``None`` are not switches: ``bool("no")`` is true)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={short(value)} is invalid; allowed: True or False")
-    return value
 
 
 def _request_list(requests) -> list:

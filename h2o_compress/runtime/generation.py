@@ -142,6 +142,14 @@ def check_max_length(max_length, window: int | None) -> None:
                           f"{most} ({where})")
 
 
+def check_switch(name: str, value) -> bool:
+    """``value`` if it is ``True`` or ``False``; raises ConfigError naming ``name`` otherwise (``"no"``, ``0`` and
+    ``None`` are not switches: ``bool("no")`` is true)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={short(value)} is invalid; allowed: True or False")
+    return value
+
+
 def check_model(model, config: bool = True) -> None:
     """Refuse a ``model`` that is not a loaded transformers model (a name, ``None``) with one clear ConfigError,
     not an AttributeError from deep inside; ``config``: a torch module without a transformers ``config`` is refused
@@ -360,7 +368,7 @@ def generate(
             ``cache`` filled by another model (its ``model_fingerprint``; checked once per generation).
         InputError: NaN or Inf reached the cache during decoding (read once, at the end).
         ConfigError: ``model`` is not a loaded model (e.g. a name: use [`load_model`][h2o_compress.load_model]),
-            ``tokenizer`` has no ``encode``/``decode``, or ``on_text`` is not callable.
+            ``tokenizer`` has no ``encode``/``decode``, ``on_text`` is not callable, or ``chat`` is not a bool.
     """
     _check_argument_kinds(model, tokenizer, on_text)
     if cache is not None and not isinstance(cache, CompressedCache):
@@ -373,6 +381,7 @@ def generate(
     elif check_config(config) != cache.config:
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
     check_generation_args(max_new_tokens, temperature, seed)
+    check_switch("chat", chat)
     device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]

@@ -23,8 +23,8 @@ MAX_TEXT_BYTES = 256 * 2**20  # text files read by the evaluations
 
 
 def check_path(path, what: str, error: type[H2OCompressError]):
-    """``path`` if it is a str or an ``os.PathLike`` (never an int, which ``os.stat``/``open`` would take for an
-    open file descriptor, nor ``None`` or bytes).
+    """``path`` if it is a str or an ``os.PathLike`` that the file system can encode (never an int, which
+    ``os.stat``/``open`` would take for an open file descriptor, nor ``None``, bytes or a lone surrogate).
 
     Raises:
         error: naming the value, its type and what is allowed.
@@ -32,6 +32,11 @@ def check_path(path, what: str, error: type[H2OCompressError]):
     if not isinstance(path, (str, os.PathLike)):
         raise error(f"{what} {short(path)} is of type {type(path).__name__}; allowed: a file path (str or "
                     "pathlib.Path)")
+    try:
+        os.fsencode(path)
+    except (UnicodeEncodeError, TypeError) as exc:  # a lone surrogate; a PathLike that gives no path
+        raise error(f"{what} {short(path)} is not a file name this system can hold ({type(exc).__name__}); allowed: "
+                    "a path of valid text") from None
     return path
 
 

@@ -53,3 +53,27 @@ def cached_llama(seed, kv_heads, group, head_dim, layers):
 def llama_shapes(head_dim: int):
     """``(seed, kv_heads, GQA group, head_dim, layers)`` of a tiny LLaMA."""
     return st.tuples(st.integers(0, 1), st.integers(1, 3), st.integers(1, 3), st.just(head_dim), st.integers(1, 2))
+
+
+def _no_hub(text: str) -> bool:
+    """A text that no ``load_model`` takes for a hub id (``org/name``: a network look-up) or a path elsewhere."""
+    return "/" not in text and "\\" not in text and "\x00" not in text
+
+
+#: Texts of every kind (no lone surrogates: see `wrong_values` for one), none a hub id or a path outside the folder.
+texts = st.text(max_size=12).filter(_no_hub)
+
+
+def wrong_values(extremes: bool = True):
+    """Arguments of the wrong type (or of the right type and a bad value) for any parameter of the public API:
+    ``None``, bools, integers from negative to 10**5000 (beyond Python's 4300-digit str limit), floats with NaN and
+    Inf, texts (a lone surrogate among them), bytes, lists, dicts, tuples, sets, a tensor and a bare object. No
+    callables: a callback that raises is the caller's error and propagates. ``extremes=False``: without the
+    5,000-digit integer and the lone surrogate."""
+    extreme = [st.just(10**5000), st.just("a \ud800")] if extremes else []
+    return st.one_of(
+        st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True), texts,
+        st.binary(max_size=6), st.lists(st.integers(-3, 3), max_size=3),
+        st.dictionaries(texts, st.integers(-3, 3), max_size=2), st.sampled_from([(1, "x"), frozenset({2}), object()]),
+        st.builds(lambda: __import__("torch").zeros(2)), *extreme,
+    )
