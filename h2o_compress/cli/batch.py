@@ -21,6 +21,7 @@ from h2o_compress.cli.options import (
 from h2o_compress.jobs.batch import BatchInterrupted, BatchJob, counted
 from h2o_compress.planner import format_bytes
 from h2o_compress.utils.defaults import default_of
+from h2o_compress.utils.progress import report_progress
 
 
 def parse_batch_size(value: str) -> int | str:
@@ -77,7 +78,7 @@ def batch(
         load=load_options(device, dtype, placement, config.attention_kernel), threads=threads,
         trust_remote_code=trust_remote_code, ray=ray, verbose=verbose)
     try:
-        with BatchProgress() as progress:
+        with BatchProgress() as progress, report_progress(progress.stage):
             report = job.run(on_result=progress.answered, on_step=progress.stepped, on_start=progress.begin,
                              on_plan=lambda line: progress.console.print(line, style="dim"))
     except BatchInterrupted as stopped:  # Ctrl-C: say what is kept and how to go on; the exit code stays 130
@@ -90,9 +91,23 @@ class BatchProgress(Progress):
     """The bar of a batch run on stderr: prompts done of all, tokens/s, the rows in use."""
 
     def __init__(self):
-        super().__init__(TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+        super().__init__(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                          TimeElapsedColumn(), console=Console(stderr=True))
         self.task, self.tokens, self.elapsed = None, 0, None
+        self.stages: dict[str, int | None] = {}
+
+    def stage(self, stage: str, done: int, total: int | None) -> None:
+        """A long step of the library before the answers (the first run's model conversion, a scoring pass) as a
+        line of its own above the batch bar, removed once done: the ``ProgressFn`` of ``report_progress``."""
+        if stage not in self.stages:
+            self.stages[stage] = self.add_task(stage, total=total, rate="")
+        task = self.stages[stage]
+        if task is None:  # done already
+            return
+        self.update(task, completed=done, total=total)
+        if total is not None and done >= total:
+            self.remove_task(task)
+            self.stages[stage] = None
 
     def begin(self, todo: int, skipped: int) -> None:
         if skipped:

@@ -137,3 +137,27 @@ def test_profile_prints_its_report_paths_without_a_doubled_slash(tmp_path, monke
     rendered = CliRunner().invoke(app, ["profile", "--out", "prof//", "--render", "prof/report.json"])
     assert rendered.exit_code == 0, rendered.output
     assert rendered.stdout.strip() == "wrote report.md in prof"
+
+
+def test_batch_shows_the_library_steps_above_its_bar_and_removes_them_when_done(monkeypatch, tmp_path):
+    from h2o_compress.cli.batch import BatchProgress
+    from h2o_compress.jobs.batch import BatchJob
+
+    seen = []
+
+    def fake_run(self, on_result=None, on_step=None, on_start=None, on_plan=None):
+        report("converting tiny: weights", 0, 2)  # what a first run's conversion reports from inside the job
+        seen.append([t.description for t in progress_of[0].tasks])
+        report("converting tiny: weights", 2, 2)
+        seen.append([t.description for t in progress_of[0].tasks])
+        report("converting tiny: weights", 2, 2)  # a late report of a finished step is ignored
+        raise SystemExit(0)
+
+    progress_of = []
+    original_enter = BatchProgress.__enter__
+    monkeypatch.setattr(BatchProgress, "__enter__", lambda self: progress_of.append(self) or original_enter(self))
+    monkeypatch.setattr(BatchJob, "run", fake_run)
+    (tmp_path / "in.txt").write_text("hello\n")
+    CliRunner().invoke(app, ["batch", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.jsonl"),
+                             "--model", save_tiny_lm(tmp_path / "m")])
+    assert seen == [["converting tiny: weights"], []]
