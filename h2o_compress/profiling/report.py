@@ -16,7 +16,7 @@ from h2o_compress.evaluation.corpus import text_role
 from h2o_compress.policies import POLICIES
 from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import read_text
-from h2o_compress.utils.outputs import OutputDir, check_out_path
+from h2o_compress.utils.outputs import OutputDir, check_out_path, manifest_key
 
 MIB = 2**20
 PLOTS = {
@@ -468,28 +468,35 @@ REPORT_FILES = ("report.json", *PLOTS, "report.md", "report.html")
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
-    """Refuse ``out_dir`` when writing a report there would replace files profile did not write; creates nothing.
+    """Refuse ``out_dir`` when writing a report there would replace files profile did not write; creates nothing
+    there (this user's manifest key is made once in the cache directory: `manifest_key`).
 
-    Allowed: a path that does not exist yet, a directory with none of `REPORT_FILES`, or the output
-    directory of an earlier profile run (its report.json is a profile report, or it has the ``rows`` folder a
-    sweep writes), which a rerun resumes from and ``--render`` may re-render into.
+    Allowed: a path that does not exist yet, a directory with none of `REPORT_FILES`, or the output directory of an
+    earlier profile run whose report files are still what its manifest, signed with this user's key, says profile
+    wrote; a rerun resumes from it and ``--render`` may re-render into it.
 
     Raises:
-        InputError: ``out_dir`` exists and is not a directory, or holds some of `REPORT_FILES` and is not
-            a profile output directory (the message names the files).
+        InputError: ``out_dir`` exists and is not a directory, its manifest path holds anything but a manifest
+            (a directory, a symlink, a user's file), or it holds some of `REPORT_FILES` that profile did not write
+            as this user (or that changed since; the message names the files).
+        ConfigError: this user's manifest key cannot be had (an unusable cache directory).
     """
     out = check_out_path(out_dir)
     if os.path.lexists(out) and not out.is_dir():
         raise InputError(f"output path {short(str(out))} exists and is not a directory; allowed: a directory "
                          "(new, empty or written by h2o-compress profile)")
     if not out.is_dir():
+        manifest_key()  # made or read before any work, not first when the report is written
         return out
-    clashes = OutputDir(out).foreign(REPORT_FILES)
+    target = OutputDir(out)
+    target.check()
+    clashes = target.foreign(REPORT_FILES)
     if clashes:
         raise InputError(
             f"output directory {short(str(out))} already holds {', '.join(clashes)}, not written by h2o-compress "
-            "profile (or changed since; its manifest says what it wrote): the report would replace them; allowed: a "
-            "new or empty directory, or the output directory of an earlier profile run (choose another --out)")
+            "profile as this user (or changed since; its manifest, signed with this user's key, says what profile "
+            "wrote): the report would replace them; allowed: a new or empty directory, or the output directory of an "
+            "earlier profile run (choose another --out)")
     return out
 
 

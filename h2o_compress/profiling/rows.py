@@ -19,6 +19,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 
@@ -85,17 +86,33 @@ def row_key(settings: dict, config: dict, text: str, isolate: bool, quality_text
 
 
 class RowStore:
-    """The finished rows of a sweep in ``out_dir/rows`` (created on the first `save`).
+    """The finished rows of a sweep in ``out_dir/rows`` (created on the first `save`). ``rows`` is never followed
+    when it is a symbolic link (rows would be written into, and read from, the directory it names).
 
     Raises:
-        InputError (from the constructor): ``out_dir/rows`` exists and is not a directory.
+        InputError (from the constructor): ``out_dir/rows`` exists and is not a directory (`check`).
     """
 
     def __init__(self, out_dir: str | Path):
-        self.dir = Path(out_dir) / ROWS_DIR
-        if self.dir.exists() and not self.dir.is_dir():
-            raise InputError(f"{short(str(self.dir))} exists and is not a directory; allowed: a directory that "
+        self.dir = self.check(out_dir)
+
+    @staticmethod
+    def check(out_dir: str | Path) -> Path:
+        """``out_dir/rows``, refused unless it is absent or a directory (not a symbolic link, even to one); creates
+        nothing (run before the sweep does any work).
+
+        Raises:
+            InputError: naming the path and what it is.
+        """
+        rows = Path(out_dir) / ROWS_DIR
+        if rows.is_symlink():
+            raise InputError(f"{short(str(rows))} is a symbolic link (to {short(os.readlink(rows))}): the finished rows "
+                             "would be written into what it names; allowed: a directory that holds the finished rows "
+                             "of the sweep (or no such path)")
+        if os.path.lexists(rows) and not rows.is_dir():
+            raise InputError(f"{short(str(rows))} exists and is not a directory; allowed: a directory that "
                              "holds the finished rows of the sweep (or no such path)")
+        return rows
 
     def path(self, key: dict, label: str) -> Path:
         """``rows/<label>.<first 20 hex digits of the key's SHA-256>.json``."""
@@ -107,6 +124,8 @@ class RowStore:
         """The record finished earlier under exactly ``key``, or ``None`` (no file, unreadable, another key)."""
         path = self.path(key, label)
         try:
+            if self.dir.is_symlink() or not stat.S_ISREG(os.lstat(path).st_mode):  # never read through a link
+                return None
             stored = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError):
             return None
@@ -126,6 +145,7 @@ class RowStore:
         tmp = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self.check(self.dir.parent)  # a symbolic link put there since the sweep began: not followed
             handle, tmp = tempfile.mkstemp(prefix=".row-", suffix=".tmp", dir=self.dir)
             with os.fdopen(handle, "wb") as out:
                 out.write(data)

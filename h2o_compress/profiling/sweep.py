@@ -655,8 +655,8 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
             but not installed (the message names the ``ray`` extra) or not reachable; ``ray_address`` with
             ``model``. ModelLoadError: the model cannot be loaded.
         InputError: ``settings.text_file`` or one of ``settings.quality_texts`` cannot be read; ``out_dir`` (or its
-            ``rows``) exists and is not a directory, or holds report files profile did not write; a measurement
-            needs more positions than the model has.
+            ``rows``) exists and is not a directory (or is a symbolic link), or holds report files profile did not
+            write; a measurement needs more positions than the model has.
     """
     if settings.text_file is not None:
         load_text(settings.text_file)  # readable text: before a directory is made or a model loads
@@ -667,6 +667,7 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
     created: list[Path] = []
     if out_dir is not None:
         check_out_dir(out_dir)
+        RowStore.check(out_dir)  # rows/ a symbolic link (or a file): refused before anything is written
         created = missing_dirs(out_dir)
     try:
         with _interruptible():  # SIGTERM/SIGHUP end the workers and leave only complete rows
