@@ -213,6 +213,6 @@ def test_render_into_a_directory_whose_manifest_is_not_one_writes_nothing(profil
         (mine / MANIFEST).write_text("my notes\n")
     before = tree(mine)
     one_error_line(runner.invoke(app, ["profile", "--render", str(report), "--out", str(mine)]), MANIFEST)
-    with pytest.raises(InputError, match="it would be replaced"):
+    with pytest.raises(InputError, match="nothing is written there"):
         write_report(json.loads(report.read_text()), mine)
     assert tree(mine) == before

@@ -118,8 +118,9 @@ class OutputDir:
         return entries
 
     def _refused(self, why: str) -> InputError:
-        return InputError(f"{short(str(self.path / MANIFEST))} {why}: it would be replaced; allowed: a new or empty "
-                          "directory, or the output directory of an earlier profile run (choose another --out)")
+        return InputError(f"the manifest path {short(str(self.path / MANIFEST))} {why}; nothing is written there; "
+                          "allowed: a new or empty directory, or the output directory of an earlier profile run "
+                          "(choose another --out)")
 
     def check(self) -> None:
         """Refuse this directory before anything is written when its manifest path holds anything but a manifest,
