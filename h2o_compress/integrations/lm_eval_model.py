@@ -50,8 +50,8 @@ import torch.nn.functional as F
 
 from h2o_compress.config import MAX_TOKENS, CompressionConfig, check_usable, parse_budget
 from h2o_compress.utils.errors import ConfigError, short
-from h2o_compress.runtime.generation import make_cache, make_scored_cache
-from h2o_compress.runtime.prefill import prefill
+from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
+from h2o_compress.runtime.prefill import context_window, prefill
 from h2o_compress.models import DEFAULT_MODEL, load_model
 from h2o_compress.evaluation.stream import check_count, read_stream
 
@@ -173,7 +173,8 @@ class H2OCompressLM(HFLM):
             ``softmax_dtype``).
 
     Raises:
-        ConfigError: a bad or unknown model_arg (checked before the model is loaded).
+        ConfigError: a bad or unknown model_arg (checked before the model is loaded), or a ``max_length`` beyond the
+            loaded model's context window (checked before any request).
         ModelLoadError: the model cannot be loaded.
     """
 
@@ -193,6 +194,7 @@ class H2OCompressLM(HFLM):
                 raise ConfigError("an already-loaded model passed as pretrained= needs its tokenizer=; allowed: both")
             model = pretrained
             self.model_name = getattr(model, "name_or_path", type(model).__name__)
+        check_max_length(hflm_kwargs.get("max_length"), context_window(model))  # each request's cache is made for it
         self.chunk_size = chunk_size
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **hflm_kwargs)
 

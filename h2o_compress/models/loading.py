@@ -447,7 +447,6 @@ def load_model(
             ``H2O_COMPRESS_CACHE``.
     """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
@@ -477,19 +476,7 @@ def load_model(
     if name_or_path in ALIASES:
         fix = f"delete the converted copy {short(source)} so that it is converted again"
     try:
-        try:  # a local directory, or a hub id already in the local Hugging Face cache
-            _check_map_against(source, placement.get("device_map"), local_files_only=True, **trust)
-            tokenizer = _load_tokenizer(source, name_or_path, local_files_only=True, **trust)
-            model, info = AutoModelForCausalLM.from_pretrained(
-                source, dtype=torch_dtype, local_files_only=True, output_loading_info=True, **placement, **trust)
-        except OSError:
-            if Path(source).is_dir():
-                raise
-            _require_hub(name_or_path)
-            _check_map_against(source, placement.get("device_map"), **trust)
-            tokenizer = _load_tokenizer(source, name_or_path, **trust)
-            model, info = AutoModelForCausalLM.from_pretrained(
-                source, dtype=torch_dtype, output_loading_info=True, **placement, **trust)
+        model, tokenizer, info = _from_source(source, name_or_path, torch_dtype, placement, trust)
         check_loading_info(info, name_or_path, fix)
     except H2OCompressError:
         raise
@@ -512,6 +499,35 @@ def load_model(
     model.eval()
     model.name_or_path_for_cache = name_or_path
     return model, tokenizer
+
+
+def _from_source(source: str, name: str, torch_dtype, placement: dict, trust: dict):
+    """``(model, tokenizer, loading info)`` from ``source``: a local directory or a hub id already in the local
+    Hugging Face cache, else the hub (when it can be reached); a dict device map is checked against the model's
+    modules first (`_check_map_against`).
+
+    Raises:
+        OSError, ValueError, ...: from transformers (`load_model` turns them into ModelLoadError).
+        ConfigError: a device map the model's modules refuse.
+        ModelLoadError: a hub id while the hub cannot be reached.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device_map = placement.get("device_map")
+    try:
+        _check_map_against(source, device_map, local_files_only=True, **trust)
+        tokenizer = _load_tokenizer(source, name, local_files_only=True, **trust)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, local_files_only=True, output_loading_info=True, **placement, **trust)
+    except OSError:
+        if Path(source).is_dir():
+            raise
+        _require_hub(name)
+        _check_map_against(source, device_map, **trust)
+        tokenizer = _load_tokenizer(source, name, **trust)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, output_loading_info=True, **placement, **trust)
+    return model, tokenizer, info
 
 
 def _check_map_against(source: str, device_map, **kwargs) -> None:

@@ -370,18 +370,7 @@ def generate(
         ConfigError: ``model`` is not a loaded model (e.g. a name: use [`load_model`][h2o_compress.load_model]),
             ``tokenizer`` has no ``encode``/``decode``, ``on_text`` is not callable, or ``chat`` is not a bool.
     """
-    _check_argument_kinds(model, tokenizer, on_text)
-    if cache is not None and not isinstance(cache, CompressedCache):
-        raise CacheStateError(f"cache={short(cache)} is not a CompressedCache; allowed: a cache of "
-                              "h2o_compress.make_cache(...) or load_cache(...), or None")
-    if cache is None:
-        config = check_config(config)
-    elif config is None:
-        config = cache.config
-    elif check_config(config) != cache.config:
-        raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
-    check_generation_args(max_new_tokens, temperature, seed)
-    check_switch("chat", chat)
+    config = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text, chat)
     device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]
@@ -434,6 +423,36 @@ def generate(
             decode_s += time.perf_counter() - start
     steps = max(len(generated) - 1 - untimed, 0)
     cache.check()
+    return _result(tokenizer, cache, generated, prompt_tokens, prefill_s, decode_s, steps, compiled, compile_s)
+
+
+def _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text,
+                        chat) -> CompressionConfig:
+    """`generate`'s arguments checked before anything runs; returns the setting it runs with (``config``, or
+    the given cache's).
+
+    Raises:
+        ConfigError, CacheStateError: as `generate` says.
+    """
+    _check_argument_kinds(model, tokenizer, on_text)
+    if cache is not None and not isinstance(cache, CompressedCache):
+        raise CacheStateError(f"cache={short(cache)} is not a CompressedCache; allowed: a cache of "
+                              "h2o_compress.make_cache(...) or load_cache(...), or None")
+    if cache is None:
+        config = check_config(config)
+    elif config is None:
+        config = cache.config
+    elif check_config(config) != cache.config:
+        raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
+    check_generation_args(max_new_tokens, temperature, seed)
+    check_switch("chat", chat)
+    return config
+
+
+def _result(tokenizer, cache, generated: list[int], prompt_tokens: int, prefill_s: float, decode_s: float,
+            steps: int, compiled: bool, compile_s: float) -> GenerationResult:
+    """The [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] of a finished `generate`
+    (``steps``: the timed decode steps)."""
     return GenerationResult(
         text=tokenizer.decode(generated, skip_special_tokens=True),
         prompt_tokens=prompt_tokens,
