@@ -25,6 +25,7 @@ from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress import models
 from h2o_compress.models.weights import floating_dtype
+from h2o_compress.runtime.prefill import context_window
 from h2o_compress.runtime.prompt_cache import prepare_prompt_cache
 from h2o_compress.utils.memory import PeakMemory
 
@@ -165,8 +166,8 @@ class GenerateJob:
             if on_plan is not None:
                 on_plan(describe_choice(row, self.memory_limit))
         if self.load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
-            check_usable(config, config.capacity(encode_prompt(tokenizer, self.prompt, self.chat).shape[1]
-                                                 + self.max_new_tokens))
+            tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
+            check_usable(config, config.capacity(tokens + self.max_new_tokens))
         extra, load_s = {}, None
         if self.save_cache is not None or self.load_cache is not None:
             started = time.perf_counter()

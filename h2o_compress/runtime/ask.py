@@ -83,7 +83,7 @@ class CompressedContext:
             InputError: ``text`` is not the context the file holds.
         """
         cache = load_cache(path, model, config=config)
-        ids = encode_prompt(tokenizer, check_prompt(text), chat)
+        ids = encode_prompt(tokenizer, check_prompt(text), chat, context_window(model))
         held = cache.seen_tokens()
         saved = cache.prompt_state.token_ids
         if ids.shape[1] < held or not torch.equal(ids[:, :held], saved.to(ids.device)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.config import check_usable
 from h2o_compress.runtime.generation import encode_prompt, make_cache
-from h2o_compress.runtime.prefill import check_context, prefill
+from h2o_compress.runtime.prefill import check_context, context_window, prefill
 from h2o_compress.persistence import check_save_target, load_cache, save_cache
 from h2o_compress.models.weights import input_device
 
@@ -84,7 +84,7 @@ def prepare_prompt_cache(
     if save is not None:
         check_save_target(save, overwrite)
     device = input_device(model)
-    input_ids = encode_prompt(tokenizer, prompt, chat).to(device)
+    input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     check_context(model, input_ids.shape[1], max_new_tokens)
     if load is not None:
         cache = load_cache(load, model, config=expect)
