@@ -190,8 +190,9 @@ def test_a_hand_edited_manifest_does_not_let_render_replace_a_users_file(profile
     for entry in (digest, "hmac-sha256:" + digest):
         (mine / MANIFEST).write_text(json.dumps({"report.md": entry}))
         before = tree(mine)
-        with pytest.raises(InputError, match="already holds report.md"):
+        with pytest.raises(InputError, match="already holds report.md") as refused:
             check_out_dir(mine)
+        assert ("entries for them are unsigned" in str(refused.value)) == (entry == digest)
         one_error_line(runner.invoke(app, ["profile", "--render", str(report), "--out", str(mine)]),
                        "already holds report.md")
         assert tree(mine) == before

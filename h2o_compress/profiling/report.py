@@ -16,7 +16,7 @@ from h2o_compress.evaluation.corpus import text_role
 from h2o_compress.policies import POLICIES
 from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import read_text
-from h2o_compress.utils.outputs import OutputDir, check_out_path, manifest_key
+from h2o_compress.utils.outputs import SIGNED, OutputDir, check_out_path, manifest_key
 
 MIB = 2**20
 PLOTS = {
@@ -492,10 +492,13 @@ def check_out_dir(out_dir: str | Path) -> Path:
     target.check()
     clashes = target.foreign(REPORT_FILES)
     if clashes:
+        unsigned = any(not entry.startswith(SIGNED) for name, entry in target.manifest().items() if name in clashes)
         raise InputError(
             f"output directory {short(str(out))} already holds {', '.join(clashes)}, not written by h2o-compress "
             "profile as this user (or changed since; its manifest, signed with this user's key, says what profile "
-            "wrote): the report would replace them; allowed: a new or empty directory, or the output directory of an "
+            "wrote" + ("; its entries for them are unsigned: written by hand, or before entries were signed" if unsigned
+                       else "")
+            + "): the report would replace them; allowed: a new or empty directory, or the output directory of an "
             "earlier profile run (choose another --out)")
     return out
 

@@ -106,9 +106,9 @@ class RowStore:
         """
         rows = Path(out_dir) / ROWS_DIR
         if rows.is_symlink():
-            raise InputError(f"{short(str(rows))} is a symbolic link (to {short(os.readlink(rows))}): the finished rows "
-                             "would be written into what it names; allowed: a directory that holds the finished rows "
-                             "of the sweep (or no such path)")
+            raise InputError(f"{short(str(rows))} is a symbolic link (to {short(os.readlink(rows))}): the finished "
+                             "rows would be written into what it names; allowed: a directory that holds the finished "
+                             "rows of the sweep (or no such path)")
         if os.path.lexists(rows) and not rows.is_dir():
             raise InputError(f"{short(str(rows))} exists and is not a directory; allowed: a directory that "
                              "holds the finished rows of the sweep (or no such path)")

@@ -27,7 +27,8 @@ from h2o_compress.utils.paths import check_private_file, private_dir
 MANIFEST = ".h2o-compress-manifest.json"
 KEY_FILE = "manifest.key"
 KEY_BYTES = 32
-_SIGNED = "hmac-sha256:"
+SIGNED = "hmac-sha256:"
+"""How a signed manifest entry starts (then the HMAC-SHA-256 in hex); an entry without it vouches for nothing."""
 
 
 def manifest_key() -> bytes:
@@ -138,7 +139,7 @@ class OutputDir:
         """The manifest entry of ``data`` written as ``name``: its HMAC-SHA-256 under `manifest_key`."""
         if self._key is None:
             self._key = manifest_key()
-        return _SIGNED + hmac.new(self._key, name.encode("utf-8") + b"\0" + data, hashlib.sha256).hexdigest()
+        return SIGNED + hmac.new(self._key, name.encode("utf-8") + b"\0" + data, hashlib.sha256).hexdigest()
 
     def ours(self, name: str) -> bool:
         """Whether ``name`` is absent, or a regular file (no symlink) still holding what this package wrote (its
