@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from h2o_compress.models import placement_options
 from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError, short
 from h2o_compress.utils.files import check_path
 
@@ -44,11 +45,9 @@ def check_callbacks(**callbacks) -> None:
 
 
 def load_keys() -> list[str]:
-    """The keyword arguments of [`load_model`][h2o_compress.load_model] a job's ``load`` may carry (the model and
-    ``trust_remote_code`` are fields of the job itself)."""
-    from h2o_compress.models import load_model
-
-    return [name for name in inspect.signature(load_model).parameters if name not in ("name_or_path", "trust_remote_code")]
+    """The keyword arguments of [`load_model`][h2o_compress.load_model] a job's ``load`` may carry: its placement
+    options (the model and ``trust_remote_code`` are fields of the job itself)."""
+    return list(inspect.signature(placement_options).parameters)
 
 
 def check_load(load) -> dict:
@@ -59,8 +58,6 @@ def check_load(load) -> dict:
             device map, max memory, offload folder).
         ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
     """
-    from h2o_compress.models import placement_options
-
     allowed = load_keys()
     if not isinstance(load, dict):
         raise ConfigError(f"load={short(load)} is invalid; allowed: a dict of load_model arguments ({', '.join(allowed)})")
