@@ -232,6 +232,11 @@ def test_a_shipped_text_name_that_is_also_a_file_here_is_said(tmp_path, monkeypa
 
 
 def test_batch_job_checks_its_load_options_and_switches_before_loading(tmp_path):
+    import inspect
+
+    from h2o_compress.jobs.checks import LOAD_KEYS
+
+    assert set(inspect.signature(load_model).parameters) == {"name_or_path", "trust_remote_code", *LOAD_KEYS}
     prompts = tmp_path / "in.txt"
     prompts.write_text("hello\n")
     for settings, fragment in (({"load": {"colour": 1}}, "load has the unknown key 'colour'"),

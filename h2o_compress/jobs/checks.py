@@ -7,7 +7,6 @@ dataclass or ``load_model`` minutes later.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 from h2o_compress.models import placement_options
 from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError, short
@@ -44,10 +43,9 @@ def check_callbacks(**callbacks) -> None:
             raise ConfigError(f"{name}={short(value)} is not callable; allowed: a function or None")
 
 
-def load_keys() -> list[str]:
-    """The keyword arguments of [`load_model`][h2o_compress.load_model] a job's ``load`` may carry: its placement
-    options (the model and ``trust_remote_code`` are fields of the job itself)."""
-    return list(inspect.signature(placement_options).parameters)
+#: The keyword arguments of [`load_model`][h2o_compress.load_model] a job's ``load`` may carry (the model and
+#: ``trust_remote_code`` are fields of the job itself).
+LOAD_KEYS = ("device", "dtype", "weights_bits", "device_map", "max_memory", "offload_folder")
 
 
 def check_load(load) -> dict:
@@ -58,7 +56,7 @@ def check_load(load) -> dict:
             device map, max memory, offload folder).
         ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
     """
-    allowed = load_keys()
+    allowed = LOAD_KEYS
     if not isinstance(load, dict):
         raise ConfigError(f"load={short(load)} is invalid; allowed: a dict of load_model arguments ({', '.join(allowed)})")
     unknown = sorted(str(key) for key in load if key not in allowed)
