@@ -250,7 +250,7 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     batch); ``headroom`` and ``compiled`` as there.
 
     ``held``: the bytes loading the model made this process hold, measured
-    ([`PeakMemory.held`][h2o_compress.utils.memory.PeakMemory.held]): on a CPU that is the weights plus the libraries
+    (`PeakMemory.held`): on a CPU that is the weights plus the libraries
     transformers imports for them and the tokenizer (about 280 MiB beside SmolLM2's 257 MiB of bf16 weights), which
     the measured peak counts too. The row's ``weight_bytes`` is the larger of the weights' own bytes and ``held``.
 
