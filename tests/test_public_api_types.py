@@ -47,11 +47,9 @@ def _slow(name: str, value) -> bool:
             or (name == "weights_bits" and integer and value in (4, 8)))
 
 
-#: Callables of h2o_compress/persistence (another owner) that still let a lone surrogate in a path (UnicodeEncodeError
-#: from os.lstat/open) or a 5,000-digit integer (its ``!r`` in a message: ValueError) escape: those two kinds of value
-#: are not drawn for them until persistence checks its paths as utils.files.check_path does and writes values with
-#: utils.errors.short (issue 47, left to that owner).
-KNOWN_GAPS = {"save_cache", "load_cache"}
+#: Callables for which the extreme values (a lone surrogate, a 5,000-digit integer) are not drawn: none left
+#: (save_cache/load_cache check their paths as utils.files.check_path does and name values with short()).
+KNOWN_GAPS: set[str] = set()
 
 
 def _calls(api) -> dict:

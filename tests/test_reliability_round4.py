@@ -247,3 +247,18 @@ def test_batch_job_checks_its_load_options_and_switches_before_loading(tmp_path)
             h2o_compress.BatchJob(str(prompts), str(tmp_path / "out.jsonl"), **settings)
         assert fragment in str(caught.value)
         assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_cache_files_refuse_a_non_bool_overwrite_and_unencodable_paths(call, tmp_path):
+    import h2o_compress
+
+    if call == "save":
+        with pytest.raises(h2o_compress.H2OCompressError, match=r"overwrite='yes' is invalid; allowed: True or False"):
+            h2o_compress.save_cache(None, tmp_path / "c.safetensors", overwrite="yes")
+    for path in ("\ud800", 10**5000):  # a lone surrogate the file system cannot encode; an int (a file descriptor)
+        with pytest.raises(h2o_compress.H2OCompressError, match=r"cache path"):
+            if call == "save":
+                h2o_compress.save_cache(None, path)
+            else:
+                h2o_compress.load_cache(path, None)

@@ -180,7 +180,7 @@ def _check_config(saved, expected, source: Path) -> None:
     if isinstance(expected, CompressionConfig):
         expected = expected.to_dict()
     if not isinstance(expected, dict):
-        raise ConfigError(f"config={expected!r} is invalid; allowed: None, a CompressionConfig or a dict of fields")
+        raise ConfigError(f"config={short(expected)} is invalid; allowed: None, a CompressionConfig or a dict of fields")
     saved_values = saved.to_dict()
     unknown = sorted(set(expected) - set(saved_values))
     if unknown:

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from h2o_compress.utils.errors import CacheFileError, one_line, short
+from h2o_compress.utils.files import check_path
 from h2o_compress.utils.version import __version__
 
 try:
@@ -58,8 +59,10 @@ def _checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str
 
 
 def _as_path(path) -> Path:
-    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)) or not str(path).strip():
-        raise CacheFileError(f"cache path {path!r} is invalid; allowed: a file path (str or os.PathLike)")
+    """``path`` as a Path: a str or os.PathLike the file system can encode (no lone surrogate), not blank."""
+    check_path(path, "cache path", CacheFileError)
+    if not str(path).strip():
+        raise CacheFileError(f"cache path {short(path)} is blank; allowed: a file path (str or os.PathLike)")
     return Path(path)
 
 
@@ -87,6 +90,8 @@ def check_save_target(path, overwrite: bool = False) -> Path:
     Raises:
         CacheFileError: naming the path and what is allowed.
     """
+    if not isinstance(overwrite, bool):
+        raise CacheFileError(f"overwrite={short(overwrite)} is invalid; allowed: True or False")
     target = _as_path(path)
     name = short(str(target))
     if not target.parent.is_dir():

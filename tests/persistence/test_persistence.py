@@ -394,7 +394,7 @@ def test_unsaveable_caches_are_refused(model, tmp_path):
         save_cache(cache, tmp_path / "a")  # no fingerprint recorded and no model given
     with pytest.raises(CacheFileError, match="does not exist; allowed: a path in an existing directory"):
         save_cache(cache, tmp_path / "missing-dir" / "a", model=model)
-    with pytest.raises(CacheFileError, match="cache path 3 is invalid"):
+    with pytest.raises(CacheFileError, match="cache path 3 is of type int; allowed: a file path"):
         save_cache(cache, 3, model=model)
     cache.model_fingerprint = model_fingerprint(model)
     with pytest.raises(CacheStateError, match="model= is not the model this cache was filled with"):
