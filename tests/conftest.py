@@ -156,3 +156,13 @@ def default_floor(monkeypatch):
 
     monkeypatch.setattr(h2o_compress.config, "DEFAULT_MIN_CAPACITY", REAL_DEFAULT_FLOOR)
     return REAL_DEFAULT_FLOOR
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A whole test module on one torch thread (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): tiny
+    models gain nothing from more, and two oversubscribed shared cores lose a lot (4 s against 30+)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -34,13 +34,7 @@ SETTINGS = {"budget-1.0-16bit": CompressionConfig(budget=1.0, kv_bits=16),
 CONTEXT = default_corpus()[:160]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: tiny models gain nothing from more, and a busy 2-core machine loses a lot (4 s against 30+)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,13 +25,7 @@ from h2o_compress.planner import (
 GiB, KiB = 2**30, 2**10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run ~100x faster on one thread than on two oversubscribed shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- measured == predicted on tiny random models ------------------------------------------------------------------

@@ -38,13 +38,7 @@ TRITON_STEPS = 2  # the Triton interpreter takes about a second a step on the CP
 EVERY_POLICY = sorted(POLICIES)  # the registry itself: a new policy is tested without touching this file
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one thread than on two oversubscribed shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class CharTokenizer:
