@@ -21,7 +21,8 @@ from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import check_generation_args, make_cache, make_scored_cache
 from h2o_compress.evaluation.corpus import default_corpus
 from h2o_compress.runtime.compiled import resolve_compile
-from h2o_compress.evaluation.stream import ProgressFn, check_count, context_limit, greedy_decode, model_device, read_stream, step_function
+from h2o_compress.evaluation.stream import ProgressFn, check_count, greedy_decode, model_device, read_stream, step_function
+from h2o_compress.runtime.prefill import context_window
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -329,7 +330,7 @@ def needle_eval(
     """
     config = config or CompressionConfig()
     check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol, seed, keys)
-    limit = context_limit(model)
+    limit = context_window(model)
     for length in lengths:
         if limit and length + max_new_tokens > limit:
             raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}; "

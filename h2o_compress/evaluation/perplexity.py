@@ -19,7 +19,8 @@ from h2o_compress.utils.errors import InputError
 from h2o_compress.runtime.generation import make_cache
 from h2o_compress.evaluation.corpus import load_text, tokenize_text
 from h2o_compress.runtime.compiled import resolve_compile
-from h2o_compress.evaluation.stream import ProgressFn, check_count, context_limit, model_device, read_stream, step_function
+from h2o_compress.evaluation.stream import ProgressFn, check_count, model_device, read_stream, step_function
+from h2o_compress.runtime.prefill import context_window
 
 
 @dataclass
@@ -128,7 +129,7 @@ def streaming_perplexity(
     tokens = input_ids.shape[1]
     if tokens < 2:
         raise InputError(f"a stream of {tokens} token(s); allowed: at least 2 tokens")
-    limit = context_limit(model)
+    limit = context_window(model)
     if limit and tokens > limit:
         raise InputError(f"a stream of {tokens} tokens exceeds the model's context of {limit} tokens; allowed: at "
                          f"most {limit} tokens")
@@ -186,7 +187,7 @@ def text_perplexity(
     """
     check_count("max_tokens", max_tokens, minimum=2)
     input_ids = tokenize_text(tokenizer, load_text(text_file), max_tokens)
-    limit = context_limit(model)
+    limit = context_window(model)
     if limit and input_ids.shape[1] > limit:
         raise InputError(f"max_tokens={max_tokens} reads {input_ids.shape[1]} tokens of the text, more than the model's "
                          f"context of {limit} tokens; allowed: max_tokens at most {limit}")

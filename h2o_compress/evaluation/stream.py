@@ -43,11 +43,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def context_limit(model) -> int | None:
-    """The model's maximum number of positions, if it declares one."""
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 def _accepts_logits_to_keep(model) -> bool:
     try:
         return "logits_to_keep" in inspect.signature(model.forward).parameters

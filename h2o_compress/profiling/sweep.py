@@ -45,7 +45,8 @@ from h2o_compress.evaluation.needle import ANSWER_TOKENS, check_needle_args, nee
 from h2o_compress.evaluation.perplexity import streaming_perplexity
 from h2o_compress.runtime.compiled import decode_step, resolve_compile, warmup_steps
 from h2o_compress.models.weights import floating_dtype
-from h2o_compress.evaluation.stream import check_count, context_limit, greedy_decode, model_device, read_stream, step_function, sync
+from h2o_compress.evaluation.stream import check_count, greedy_decode, model_device, read_stream, step_function, sync
+from h2o_compress.runtime.prefill import context_window
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
 from h2o_compress.integrations.ray_sweep import RaySweep, check_address, import_ray
@@ -361,7 +362,7 @@ def check_model_context(model, settings: ProfileSettings, text_tokens: int) -> N
     Raises:
         InputError: naming the setting and the largest value the model allows.
     """
-    limit = context_limit(model)
+    limit = context_window(model)
     if not limit:
         return
     stream = min(settings.ppl_tokens, text_tokens)
