@@ -171,6 +171,31 @@ class CompressionConfig:
     evict_chat_header: bool = False
 
     def __post_init__(self) -> None:
+        """Check every field (eviction, storage, runtime, then the options of the policy and the spreads over heads,
+        precisions and layers) and read ``layer_budgets`` weights into a tuple.
+
+        Raises:
+            ConfigError: the first value out of range, naming it and what is allowed.
+        """
+        self._check_eviction()
+        self._check_storage()
+        self._check_runtime()
+        self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
+        self._check_head_budgets()
+        self._check_high_bits()
+        if self.layer_budgets == "global" and not POLICIES[self.policy].scorer:
+            raise ConfigError(
+                f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
+                f"pass run before the cache is built; allowed policies: {', '.join(policy_names(scorer=True))}"
+            )
+
+    def _check_eviction(self) -> None:
+        """The eviction fields: ``policy``, ``evict_chat_header``, ``budget``, ``min_capacity``, ``heavy_ratio`` and
+        ``sink_tokens``.
+
+        Raises:
+            ConfigError: the first value out of range, naming it and what is allowed.
+        """
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
         if not isinstance(self.evict_chat_header, bool):
@@ -194,6 +219,14 @@ class CompressionConfig:
         if self.sink_tokens is not None and self.sink_tokens > MAX_TOKENS:
             raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is too large; allowed: an integer from 0 to "
                               f"{MAX_TOKENS}")
+
+    def _check_storage(self) -> None:
+        """The storage fields: ``kv_bits`` / ``k_bits`` / ``v_bits`` (and the bits ``quant``'s format stores),
+        ``quant``, ``group_size``, ``residual`` and ``rotate``.
+
+        Raises:
+            ConfigError: the first value out of range, naming it and what is allowed.
+        """
         for name in ("kv_bits", "k_bits", "v_bits"):
             value = getattr(self, name)
             if value is None and name != "kv_bits":
@@ -220,6 +253,14 @@ class CompressionConfig:
             )
         if not isinstance(self.rotate, bool):
             raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
+
+    def _check_runtime(self) -> None:
+        """``score_chunk_size`` and ``attention_kernel``; ``layer_budgets`` other than a named spread is read into
+        its per-layer weights (`layer_weights`).
+
+        Raises:
+            ConfigError: the first value out of range, naming it and what is allowed.
+        """
         if (
             isinstance(self.score_chunk_size, bool)
             or not isinstance(self.score_chunk_size, int)
@@ -234,14 +275,6 @@ class CompressionConfig:
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
-            )
-        self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
-        self._check_head_budgets()
-        self._check_high_bits()
-        if self.layer_budgets == "global" and not POLICIES[self.policy].scorer:
-            raise ConfigError(
-                f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
-                f"pass run before the cache is built; allowed policies: {', '.join(policy_names(scorer=True))}"
             )
 
     def _check_high_bits(self) -> None:
