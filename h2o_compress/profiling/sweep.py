@@ -682,58 +682,19 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
                  resume: bool) -> dict:
     """[`run_profile`][h2o_compress.profiling.run_profile] once ``out_dir`` is checked."""
     settings.check_lm_eval_tasks()  # unknown task names: before Ray starts, a model loads or a file is written
-    if ray_address is not None:
-        if model is not None:
-            raise ConfigError("a loaded model cannot be sent to Ray tasks; allowed: ray_address=None with model=, "
-                              "or settings.model naming a model every Ray worker can load")
-        sweep = RaySweep(ray_address, _ray_worker, settings.threads, settings.device)  # fails early without Ray
-        isolate = True  # every task runs in a fresh worker process (max_calls=1)
-    else:
-        device = resolve_device(settings.device)
-        isolate = (device.type == "cpu") if settings.isolate is None else settings.isolate
-        if model is not None:
-            isolate = False
-        sweep = None
+    sweep, isolate = _executor(settings, model, ray_address)
     store = None
     if out_dir is not None:
         prepare_out_dir(out_dir)  # fail before the sweep, not after it
         store = RowStore(out_dir)
     configs = settings.configs()
-    report = {
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["h2o-compress"] + sys.argv[1:]) if Path(sys.argv[0]).name == "h2o-compress" else None,
-        "settings": {**asdict(settings), "isolate": isolate},
-        # on Ray, the driver's (it may have no GPU): replaced by the reference task's own at the end
-        "environment": environment(settings if sweep is None else replace(settings, device="cpu")),
-        "executor": {"kind": "ray", "address": ray_address} if sweep is not None else {"kind": "local"},
-        "results": [],
-        "complete": False,
-    }
+    report = _report_head(settings, isolate, sweep, ray_address)
     text = load_text(settings.text_file)
     quality = settings.read_quality_texts()
     keys = [row_key(asdict(settings), c.to_dict(), text, isolate, quality) for c in configs]
     labels = [label(c) for c in configs]
-    records: dict[int, dict] = {}
-    if store is not None and resume:
-        for i in range(len(configs)):
-            found = store.load(keys[i], labels[i])
-            if found is None:
-                continue
-            problem = record_problem(found, "record")
-            if problem is None and i == 0:
-                problem = _references_problem(found, settings.agreement_prompts)
-            if problem is not None:  # measured again (and its file replaced), never trusted
-                warnings.warn(f"profile: the row file {store.path(keys[i], labels[i])} does not validate ({problem}); "
-                              "measuring that configuration again", stacklevel=2)
-                continue
-            records[i] = found
+    records = _reused_rows(store, keys, labels, settings.agreement_prompts) if store is not None and resume else {}
     report["rows_reused"] = len(records)
-    references = _references(records.get(0))
-
-    def write_partial() -> None:
-        report["results"] = [_public(records[i]) for i in sorted(records)]
-        if out_dir is not None:  # a sweep that dies half-way still leaves its figures
-            OutputDir(out_dir).write("report.json", json.dumps(report, indent=2, default=str))
 
     to_run = len(records) < len(configs)  # else nothing to run: no model loaded, no Ray started
     if to_run and sweep is None:
@@ -744,37 +705,21 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
         if records:
             bar.console.print(f"profile: reusing {len(records)} of {len(configs)} rows finished earlier in "
                               f"{store.dir}")
-        running: set[int] = set()
-        task = bar.add_task("profile", total=len(configs), completed=len(records), running=0,
-                            left=len(configs) - len(records))
-
-        def show(advance: int = 0) -> None:
-            names = ", ".join(labels[i] for i in sorted(running))
-            bar.update(task, advance=advance, description=f"profile: {short(names, 60, repr_=False)}" if names
-                       else "profile", running=len(running), left=len(configs) - len(records) - len(running))
-
-        def on_start(index: int) -> None:
-            running.add(index)
-            show()
+        rows = _RowsBar(bar, labels, records)
 
         def on_done(index: int, record: dict) -> None:
-            if record.get("generations"):  # the reference's GenerationResults, as plain dicts in the row file
-                record["generations"] = [asdict(g) if is_dataclass(g) else g for g in record["generations"]]
-            record = json.loads(json.dumps(record, default=str))  # as a reused row reads back
+            record = _as_saved(record)
             if store is not None:
                 store.save(keys[index], labels[index], record)
             records[index] = record
-            running.discard(index)
-            show(advance=1)
-            write_partial()
+            rows.done(index)
+            report["results"] = [_public(records[i]) for i in sorted(records)]
+            if out_dir is not None:  # a sweep that dies half-way still leaves its figures
+                OutputDir(out_dir).write("report.json", json.dumps(report, indent=2, default=str))
 
         if to_run:
             report["executor"] = sweep.describe()
-            if 0 not in records:  # the reference first: every other row's agreement compares with it
-                sweep.run(settings, [(0, configs[0])], None, on_start, on_done)
-                references = _references(records[0])
-            pending = [(i, c) for i, c in enumerate(configs) if i not in records]
-            sweep.run(settings, pending, references, on_start, on_done)
+            _run_rows(sweep, settings, configs, records, rows.start, on_done)
     report["environment"] = records[0].get("environment") or report["environment"]
     report["results"] = [_public(records[i]) for i in range(len(configs))]
     report["complete"] = True
@@ -782,6 +727,131 @@ def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model,
     if out_dir is not None:
         write_report(report, out_dir)
     return report
+
+
+def _executor(settings: ProfileSettings, model, ray_address: str | None) -> tuple:
+    """Where the sweep's rows run: a [`RaySweep`][h2o_compress.integrations.ray_sweep.RaySweep] with
+    ``ray_address``, else ``None`` (a local sweep, made once there is a row to run), and whether each row runs
+    in a fresh worker process (Ray: always; locally: ``settings.isolate``, by default on CPU only; never with a
+    loaded ``model``).
+
+    Returns:
+        ``(sweep, isolate)``.
+
+    Raises:
+        ConfigError: ``ray_address`` with ``model``; Ray not installed or not reachable.
+    """
+    if ray_address is not None:
+        if model is not None:
+            raise ConfigError("a loaded model cannot be sent to Ray tasks; allowed: ray_address=None with model=, "
+                              "or settings.model naming a model every Ray worker can load")
+        sweep = RaySweep(ray_address, _ray_worker, settings.threads, settings.device)  # fails early without Ray
+        return sweep, True  # every task runs in a fresh worker process (max_calls=1)
+    device = resolve_device(settings.device)
+    if model is not None:
+        return None, False  # a loaded model is measured in this process
+    isolate = (device.type == "cpu") if settings.isolate is None else settings.isolate
+    return None, isolate
+
+
+def _report_head(settings: ProfileSettings, isolate: bool, sweep, ray_address: str | None) -> dict:
+    """The report before any row is measured: when and how it was made, the settings, the environment and the
+    executor, no results yet (``"complete": false``)."""
+    return {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["h2o-compress"] + sys.argv[1:]) if Path(sys.argv[0]).name == "h2o-compress" else None,
+        "settings": {**asdict(settings), "isolate": isolate},
+        # on Ray, the driver's (it may have no GPU): replaced by the reference task's own at the end
+        "environment": environment(settings if sweep is None else replace(settings, device="cpu")),
+        "executor": {"kind": "ray", "address": ray_address} if sweep is not None else {"kind": "local"},
+        "results": [],
+        "complete": False,
+    }
+
+
+def _reused_rows(store: RowStore, keys: list, labels: list[str], agreement_prompts: int) -> dict[int, dict]:
+    """The rows an earlier run of the same sweep saved in ``store`` and that validate, by configuration index; a
+    row file that does not validate is warned about and measured again (its file replaced), never trusted.
+
+    Args:
+        store: the sweep's row files.
+        keys: each configuration's row key (`row_key`), in sweep order (the reference first).
+        labels: each configuration's label, in the same order.
+        agreement_prompts: how many generations the reference row must hold.
+    """
+    records: dict[int, dict] = {}
+    for i in range(len(keys)):
+        found = store.load(keys[i], labels[i])
+        if found is None:
+            continue
+        problem = record_problem(found, "record")
+        if problem is None and i == 0:
+            problem = _references_problem(found, agreement_prompts)
+        if problem is not None:
+            warnings.warn(f"profile: the row file {store.path(keys[i], labels[i])} does not validate ({problem}); "
+                          "measuring that configuration again", stacklevel=3)
+            continue
+        records[i] = found
+    return records
+
+
+def _as_saved(record: dict) -> dict:
+    """A finished row as it reads back from its row file: the reference's GenerationResults as plain dicts, every
+    value through JSON (``default=str``)."""
+    if record.get("generations"):
+        record["generations"] = [asdict(g) if is_dataclass(g) else g for g in record["generations"]]
+    return json.loads(json.dumps(record, default=str))
+
+
+def _run_rows(sweep, settings: ProfileSettings, configs: list[CompressionConfig], records: dict[int, dict],
+              on_start, on_done) -> None:
+    """Measure every configuration not in ``records`` on ``sweep``: the reference (index 0) first, as the
+    agreement of every other row compares with its generations, then the rest.
+
+    Args:
+        sweep: a started executor (`_LocalSweep` or `RaySweep`).
+        configs: the sweep's configurations, the reference first.
+        records: the rows done so far, by index; ``on_done`` adds each finished one.
+        on_start: called with a row's index as it starts.
+        on_done: called with a row's index and record as it finishes.
+    """
+    references = _references(records.get(0))
+    if 0 not in records:
+        sweep.run(settings, [(0, configs[0])], None, on_start, on_done)
+        references = _references(records[0])
+    pending = [(i, c) for i, c in enumerate(configs) if i not in records]
+    sweep.run(settings, pending, references, on_start, on_done)
+
+
+class _RowsBar:
+    """The sweep's task on a progress bar: rows done, the labels of those running, and how many are left.
+
+    Args:
+        bar: a started rich ``Progress``.
+        labels: every configuration's label, by index.
+        records: the rows done so far, by index (read as they grow).
+    """
+
+    def __init__(self, bar, labels: list[str], records: dict[int, dict]) -> None:
+        self.bar, self.labels, self.records, self.running = bar, labels, records, set()
+        self.task = bar.add_task("profile", total=len(labels), completed=len(records), running=0,
+                                 left=len(labels) - len(records))
+
+    def start(self, index: int) -> None:
+        """Row ``index`` has started."""
+        self.running.add(index)
+        self._show()
+
+    def done(self, index: int) -> None:
+        """Row ``index`` has finished (and is in ``records``)."""
+        self.running.discard(index)
+        self._show(advance=1)
+
+    def _show(self, advance: int = 0) -> None:
+        names = ", ".join(self.labels[i] for i in sorted(self.running))
+        self.bar.update(self.task, advance=advance, description=f"profile: {short(names, 60, repr_=False)}" if names
+                        else "profile", running=len(self.running),
+                        left=len(self.labels) - len(self.records) - len(self.running))
 
 
 def _references(record: dict | None) -> list | None:
