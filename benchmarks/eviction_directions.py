@@ -270,12 +270,14 @@ class Simulation:
 
 
 @torch.inference_mode()
-def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, recent: int) -> float:
-    """Perplexity of ``ids [1, tokens]`` read token by token through the simulation."""
+def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, recent: int,
+             simulation: type = Simulation) -> float:
+    """Perplexity of ``ids [1, tokens]`` read token by token through ``simulation`` (a :class:`Simulation` or a
+    subclass taking the same arguments)."""
     cfg = model.config
     heads = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    sim = Simulation(direction, cfg.num_hidden_layers, heads, ids.shape[1], capacity, recent, head_dim)
+    sim = simulation(direction, cfg.num_hidden_layers, heads, ids.shape[1], capacity, recent, head_dim)
     if direction.rank == "oracle":
         sim.future = future_attention(model, ids)
     AttentionInterface.register("eviction_directions", sim.attend)
