@@ -130,7 +130,9 @@ def plan(
     prompt and ``gen_len`` new tokens at ``batch`` (seen = prompt + gen - 1, capacity from prompt + gen),
     weight bytes, an activation/workspace estimate, whether the sum fits, the largest batch and the longest
     context that fit. The recommendation is the fitting setting of best quality in the ``profile`` report, else
-    the least compressed (most cache bytes) that fits.
+    the least compressed (most cache bytes) that fits. ``policies``, ``budgets``, ``bits``, ``group_sizes``,
+    ``residuals``, ``quant``, ``heavy_ratio``, ``sink_tokens``, ``high_bits_fraction``, ``head_budgets`` and
+    ``layer_budgets`` span the candidate grid, as [`candidates`][h2o_compress.planner.candidates] takes them.
 
     Args:
         model: a local model directory, a known model name, a transformers config or a loaded model (then its
@@ -142,17 +144,6 @@ def plan(
         weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
         dtype: compute and KV dtype name (default ``float16``).
         profile: path of a profile report (JSON) giving the quality order ([`load_quality`][h2o_compress.planner.load_quality]).
-        policies: the candidate grid's policies ([`candidates`][h2o_compress.planner.candidates]).
-        budgets: the candidate grid's budgets ([`candidates`][h2o_compress.planner.candidates]).
-        bits: the candidate grid's bits ([`candidates`][h2o_compress.planner.candidates]).
-        group_sizes: the candidate grid's group_sizes ([`candidates`][h2o_compress.planner.candidates]).
-        residuals: the candidate grid's residuals ([`candidates`][h2o_compress.planner.candidates]).
-        quant: the candidate grid's quant ([`candidates`][h2o_compress.planner.candidates]).
-        heavy_ratio: the candidate grid's heavy_ratio ([`candidates`][h2o_compress.planner.candidates]).
-        sink_tokens: the candidate grid's sink_tokens ([`candidates`][h2o_compress.planner.candidates]).
-        high_bits_fraction: the candidate grid's high_bits_fraction ([`candidates`][h2o_compress.planner.candidates]).
-        head_budgets: the candidate grid's head_budgets ([`candidates`][h2o_compress.planner.candidates]).
-        layer_budgets: the candidate grid's layer_budgets ([`candidates`][h2o_compress.planner.candidates]).
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
@@ -170,48 +161,114 @@ def plan(
         ConfigError: a bad memory string, headroom, length, batch, bit width, dtype or candidate value (lengths
             at most `MAX_CONTEXT` tokens, batch at most `MAX_BATCH`).
     """
+    limit, reserve = _check_request(memory, headroom, compiled, batch=batch, prompt_len=prompt_len, gen_len=gen_len)
+    spec, kv_dtype, weights, compiled = _counted_model(model, dtype, weights_bits, compiled, trust_remote_code)
+    warnings: list[str] = []
+    quality = load_quality(profile, warnings) if profile is not None else {}
+    grid = _grid(spec, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens,
+                 high_bits_fraction, head_budgets, layer_budgets)
+    rows = sorted((_row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, limit - reserve, compiled,
+                        quality.get(_setting_key(config))) for config in grid), key=_quality_order)
+    return PlanReport(
+        model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+        weights_bits=weights_bits if spec.loaded_bytes is None else loaded_weights_bits(model), compiled=compiled,
+        dtype=str(kv_dtype).removeprefix("torch."), weight_bytes=weights, model_context=spec.max_context, rows=rows,
+        fp16_cache_bytes=spec.dims.fp16_bytes_per_token * batch * (prompt_len + gen_len - 1), warnings=warnings,
+        recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes",
+        notes=_notes(spec, prompt_len, gen_len, bits, group_sizes), headroom_bytes=reserve)
+
+
+def _check_request(memory, headroom, compiled, **sizes: int) -> tuple[int, int]:
+    """[`plan`][h2o_compress.plan]'s memory, headroom, ``compiled`` and sizes, checked in that order.
+
+    Args:
+        memory: the limit, bytes or a string like ``"24GiB"``.
+        headroom: ``"10%"``, an amount or 0 (`parse_headroom`).
+        compiled: ``True``, ``False`` or ``None``.
+        **sizes: ``batch``, ``prompt_len`` and ``gen_len`` (each checked by `_check_sizes`).
+
+    Returns:
+        ``(limit, reserve)``: the memory limit and the headroom under it, in bytes.
+
+    Raises:
+        ConfigError: the first value out of range.
+    """
     if compiled is not None and not isinstance(compiled, bool):
         raise ConfigError(f"compiled={short(compiled)} is invalid; allowed: True, False or None (auto)")
     limit = parse_memory(memory)
     reserve = parse_headroom(headroom, limit)
-    usable = limit - reserve
-    for name, value, maximum in (("batch", batch, MAX_BATCH), ("prompt_len", prompt_len, MAX_CONTEXT),
-                                 ("gen_len", gen_len, MAX_CONTEXT)):
-        _positive(name, value, maximum)
+    _check_sizes(**sizes)
+    return limit, reserve
+
+
+#: The largest value of each size a plan takes.
+_SIZE_LIMITS = {"batch": MAX_BATCH, "prompt_len": MAX_CONTEXT, "gen_len": MAX_CONTEXT}
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Each of ``sizes`` (``batch``, ``prompt_len``, ``gen_len``), in the order given: an integer from 1 to its
+    limit (`MAX_BATCH` sequences, `MAX_CONTEXT` tokens).
+
+    Raises:
+        ConfigError: the first that is not, naming it and its limit.
+    """
+    for name, value in sizes.items():
+        _positive(name, value, _SIZE_LIMITS[name])
+
+
+def _counted_model(model, dtype, weights_bits: int, compiled: bool | None,
+                   trust_remote_code: bool) -> tuple[ModelSpec, torch.dtype, int, bool]:
+    """``model`` as [`plan`][h2o_compress.plan] counts it (the arguments as there).
+
+    Returns:
+        ``(spec, kv_dtype, weights, compiled)``: its [`ModelSpec`][h2o_compress.planner.ModelSpec], the dtype of
+        its KV cache (a loaded model's own, else ``dtype``, default ``float16``), its weight bytes, and whether
+        its decode step compiles (``compiled``, or as ``generate`` decides by default where ``None``).
+
+    Raises:
+        ModelLoadError: unknown model. ConfigError: a bad ``dtype`` or ``weights_bits``, or a loaded model in
+            another dtype than float16, bfloat16 or float32.
+    """
     spec = resolve_model(model, trust_remote_code=trust_remote_code)
     kv_dtype = spec.dtype or resolve_dtype(dtype or "float16", torch.device("cpu"))
     if spec.dtype is not None and spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ConfigError(f"loaded model dtype {spec.dtype} is not supported; allowed: float16, bfloat16, float32")
     weights = weight_bytes(spec, weights_bits, kv_dtype)
-    if compiled is None:
-        compiled = _compiled_by_default(model, spec, weights_bits)
-    warnings: list[str] = []
-    quality = load_quality(profile, warnings) if profile is not None else {}
-    grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio,
-                      sink_tokens, high_bits_fraction, head_budgets, layer_budgets)
+    return spec, kv_dtype, weights, _compiled_by_default(model, spec, weights_bits) if compiled is None else compiled
+
+
+def _grid(spec: ModelSpec, policies, budgets, bits, group_sizes, *options) -> list[CompressionConfig]:
+    """[`candidates`][h2o_compress.planner.candidates] for ``spec``'s head size (``options``: ``residuals`` to
+    ``layer_budgets``, in its order).
+
+    Raises:
+        ConfigError: a bad grid value, or no candidate at all (no group size divides the head size and 16 bits is
+            not among ``bits``).
+    """
+    grid = candidates(spec.dims.head_dim, policies, budgets, bits, group_sizes, *options)
     if not grid:
         raise ConfigError(
             f"no candidate setting: group sizes {list(group_sizes)} do not divide head_dim={spec.dims.head_dim} "
             "and 16 bits was not among the bit widths"
         )
+    return grid
 
-    rows = [_row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, usable, compiled,
-                 quality.get(_setting_key(config))) for config in grid]
-    rows.sort(key=lambda r: (r.quality is None, r.quality or 0.0, -r.cache.total))
+
+def _quality_order(row: PlanRow) -> tuple:
+    """The order of a plan's rows: those with a quality figure first, best first (the lower the better), then by
+    cache bytes, largest first."""
+    return row.quality is None, row.quality or 0.0, -row.cache.total
+
+
+def _notes(spec: ModelSpec, prompt_len: int, gen_len: int, bits, group_sizes) -> list[str]:
+    """What a reader of the plan should know: the lengths exceed the model's context; no group size divides the
+    head size, so only 16-bit settings are candidates."""
     notes = []
     if spec.max_context and prompt_len + gen_len > spec.max_context:
         notes.append(f"prompt + gen = {prompt_len + gen_len} tokens exceeds the model's context of {spec.max_context}")
     if any(b < 16 for b in bits) and all(spec.dims.head_dim % g for g in group_sizes):
         notes.append(f"no group size in {list(group_sizes)} divides head_dim={spec.dims.head_dim}: 16-bit settings only")
-    fp16 = spec.dims.fp16_bytes_per_token * batch * (prompt_len + gen_len - 1)
-    return PlanReport(
-        model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
-        weights_bits=weights_bits if spec.loaded_bytes is None else loaded_weights_bits(model),
-        dtype=str(kv_dtype).removeprefix("torch."),
-        weight_bytes=weights, fp16_cache_bytes=fp16, model_context=spec.max_context, rows=rows,
-        recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes", notes=notes,
-        headroom_bytes=reserve, warnings=warnings, compiled=compiled,
-    )
+    return notes
 
 
 def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, gen_len: int, weights: int,
@@ -259,9 +316,7 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     """
     limit = parse_memory(memory)
     usable = limit - parse_headroom(headroom, limit)
-    for name, value, maximum in (("prompt_len", prompt_len, MAX_CONTEXT), ("gen_len", gen_len, MAX_CONTEXT),
-                                 ("batch", batch, MAX_BATCH)):
-        _positive(name, value, maximum)
+    _check_sizes(prompt_len=prompt_len, gen_len=gen_len, batch=batch)
     spec = resolve_model(model)
     kv_dtype = spec.dtype or resolve_dtype("float16", torch.device("cpu"))
     weights = weight_bytes(spec, 16, kv_dtype)
