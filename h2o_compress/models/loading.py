@@ -446,7 +446,6 @@ def load_model(
         ConfigError: bad device, dtype, weights_bits, device_map, max_memory or offload_folder, or an unusable
             ``H2O_COMPRESS_CACHE``.
     """
-    from safetensors import SafetensorError
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
@@ -457,27 +456,80 @@ def load_model(
         raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
     placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder)
     resolved_device, torch_dtype = placement.pop("_device"), placement.pop("_dtype")
-    source = name_or_path
+    source = _model_source(name_or_path, trust_remote_code)
+    model, tokenizer = _load_checked(source, name_or_path, torch_dtype, placement, trust)
+    if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
+        model.to(resolved_device)
+    if weights_bits == 4:
+        avoid_cpu_4bit_repack(model)
+    model.eval()
+    model.name_or_path_for_cache = name_or_path
+    return model, tokenizer
+
+
+def _model_source(name_or_path: str, trust_remote_code: bool) -> str:
+    """Where `load_model` reads ``name_or_path`` from: a local model directory (checked first,
+    `check_model_dir`), an alias's converted copy (`converted_dir`, made on first use), or a hub id.
+
+    Raises:
+        ModelLoadError: a directory a model cannot be loaded from (what it lacks, or custom code without
+            ``trust_remote_code``), a failed conversion, or a name that is none of the three.
+    """
     if Path(name_or_path).is_dir():
         check_model_dir(name_or_path, trust_remote_code)
     if name_or_path in ALIASES:
-        source = str(converted_dir(name_or_path))
-    elif not Path(name_or_path).is_dir() and (name_or_path.count("/") != 1 or Path(name_or_path).exists()):
+        return str(converted_dir(name_or_path))
+    if not Path(name_or_path).is_dir() and (name_or_path.count("/") != 1 or Path(name_or_path).exists()):
         raise ModelLoadError(
             f"unknown model {short(name_or_path)}; allowed: an alias ({', '.join(ALIASES)}), a local model directory, "
             "or a hub id like org/name"
         )
+    return name_or_path
+
+
+@contextmanager
+def _quiet_loading():
+    """While loading: transformers' load reports (e.g. of mismatched weights) and accelerate's offload warnings
+    are silenced (the first become `load_model`'s one-line error; offloading is what the device map asked for);
+    their levels are restored after."""
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # load reports (e.g. of mismatched weights) become our one-line error
+    hf_logging.set_verbosity_error()
     offload_log = logging.getLogger("accelerate.big_modeling")  # "Some parameters are on the meta device..."
     offload_level = offload_log.level
-    offload_log.setLevel(logging.ERROR)  # offloading is what the device_map asked for: not worth a warning
+    offload_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        offload_log.setLevel(offload_level)
+
+
+def _load_checked(source: str, name_or_path: str, torch_dtype, placement: dict, trust: dict):
+    """``(model, tokenizer)`` from `_from_source`, loaded quietly (`_quiet_loading`) and checked
+    (`check_loading_info`).
+
+    Args:
+        source: the directory or hub id to read (`_model_source`).
+        name_or_path: the name the caller gave, for messages.
+        torch_dtype: the dtype of the weights.
+        placement: the keyword arguments of ``from_pretrained`` that place the weights (`placement_options`).
+        trust: ``{"trust_remote_code": ...}``.
+
+    Raises:
+        ModelLoadError: any failure to load, in one line (the first of transformers' message, with the fix where
+            one is known).
+    """
+    from safetensors import SafetensorError
+
     fix = None
     if name_or_path in ALIASES:
         fix = f"delete the converted copy {short(source)} so that it is converted again"
     try:
-        model, tokenizer, info = _from_source(source, name_or_path, torch_dtype, placement, trust)
-        check_loading_info(info, name_or_path, fix)
+        with _quiet_loading():
+            model, tokenizer, info = _from_source(source, name_or_path, torch_dtype, placement, trust)
+            check_loading_info(info, name_or_path, fix)
     except H2OCompressError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, SafetensorError,
@@ -489,15 +541,6 @@ def load_model(
         if "ignore_mismatched_sizes" in str(exc):
             first_line = "its weights do not have the shapes its config.json gives"
         raise ModelLoadError(f"cannot load model {short(name_or_path)}: {first_line[:300]}{hint}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        offload_log.setLevel(offload_level)
-    if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
-        model.to(resolved_device)
-    if weights_bits == 4:
-        avoid_cpu_4bit_repack(model)
-    model.eval()
-    model.name_or_path_for_cache = name_or_path
     return model, tokenizer
 
 
