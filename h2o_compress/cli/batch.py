@@ -22,6 +22,7 @@ from h2o_compress.jobs.batch import BatchInterrupted, BatchJob, counted
 from h2o_compress.planner import format_bytes
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.progress import report_progress
+from h2o_compress.utils.signals import Terminated, end_by_signal, interrupting
 
 
 def parse_batch_size(value: str) -> int | str:
@@ -77,13 +78,17 @@ def batch(
         memory_limit=memory_limit, chat=chat, temperature=temperature, seed=seed, compile=compile_step,
         load=load_options(device, dtype, placement, config.attention_kernel), threads=threads,
         trust_remote_code=trust_remote_code, ray=ray, verbose=verbose)
-    try:
-        with BatchProgress() as progress, report_progress(progress.stage):
+    try:  # SIGTERM/SIGHUP as Ctrl-C: OUTPUT closed and Ray shut down (with --ray) before the process ends
+        with interrupting() as arrived, BatchProgress() as progress, report_progress(progress.stage):
             report = job.run(on_result=progress.answered, on_step=progress.stepped, on_start=progress.begin,
                              on_plan=lambda line: progress.console.print(line, style="dim"))
-    except BatchInterrupted as stopped:  # Ctrl-C: say what is kept and how to go on; the exit code stays 130
+    except BatchInterrupted as stopped:  # say what is kept and how to go on; Ctrl-C exits 130, a signal by itself
         typer.echo(stopped.message, err=True)
+        if arrived:
+            end_by_signal(arrived[0])
         raise typer.Exit(130) from None
+    except Terminated as stopped:  # after the answers (the summary): nothing to say, the process ends by it
+        end_by_signal(stopped.signum)
     typer.echo(json.dumps(report.figures) if as_json else summary_line(report.figures), err=not as_json)
 
 

@@ -14,18 +14,30 @@ https://docs.ray.io/en/latest/ray-core/tasks.html). A leaf module: the function 
   transformers (and the model: an alias whose wheel is installed there, or a directory at the same path on every
   node), not this package. A connection opened before (your own ``ray.init``) is used as it is: pass
   ``runtime_env=runtime_env()`` to it, or have h2o-compress installed on the cluster.
+- Connecting (`connect`) leaves this process's SIGTERM handler as it was (``ray.init`` installs handlers that abort
+  the process), and Ray's core quiet on stderr unless ``verbose``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import signal
 import socket
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
 
 RAY_EXTRA = "pip install 'h2o-compress[ray]'"
+
+#: The environment variable that sets the log level of Ray's core (C++).
+CORE_LEVEL = "RAY_BACKEND_LOG_LEVEL"
 
 
 def import_ray():
@@ -59,7 +71,9 @@ def connect(ray, address: str, verbose: bool = False) -> bool:
     it is connected already; returns whether it connected here (then the caller disconnects at the end).
 
     Ray's own messages (its log records, the workers' output) are shown only with ``verbose``: otherwise only its
-    errors reach stderr.
+    errors reach stderr, and Ray's core (C++) in this process logs nothing but fatal errors there (`_quiet_core`).
+    The SIGTERM handler of before is back once connected (`_keeping_sigterm`), so SIGTERM ends a run as its
+    caller has it end (``h2o-compress``: as Ctrl-C, then by the signal), not by Ray's handlers.
 
     Raises:
         ConfigError: a cluster that cannot be started or reached (the message names the address).
@@ -67,12 +81,63 @@ def connect(ray, address: str, verbose: bool = False) -> bool:
     if ray.is_initialized():
         return False
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=verbose, configure_logging=True,
-                 logging_level=logging.INFO if verbose else logging.ERROR, runtime_env=runtime_env())
+        with _keeping_sigterm(), _quiet_core(verbose):
+            ray.init(address=address, include_dashboard=False, log_to_driver=verbose, configure_logging=True,
+                     logging_level=logging.INFO if verbose else logging.ERROR, runtime_env=runtime_env())
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
         raise ConfigError(f"cannot start or reach Ray at address {short(address)}: {short(str(exc), 160, repr_=False)}"
                           "; allowed: local, auto, HOST:PORT or ray://HOST:PORT of a running cluster") from None
     return True
+
+
+#: A log line of Ray's core (C++): ``[2026-01-02 10:11:12,345 E 123 456] core_worker.cc:2465: ...``.
+CORE_LOG_LINE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [DIWEF] \d+ \d+\] ")
+
+
+@contextmanager
+def _quiet_core(verbose: bool):
+    """Within the block (``ray.init``), unless ``verbose`` or ``RAY_BACKEND_LOG_LEVEL`` is set: the core worker
+    this process starts logs fatal errors only, on stderr and in its log file (otherwise it printed an error-level
+    line in every ``batch --ray`` run: its actors' arguments are in the object store). The level is set for this
+    process only (``os.putenv``: the Ray processes ``ray.init`` starts copy ``os.environ``, so their logs keep
+    Ray's level), and the line saying so, written while connecting, is held back: what else reached stderr in
+    the block is written there after it."""
+    if verbose or os.environ.get(CORE_LEVEL):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        os.putenv(CORE_LEVEL, "fatal")
+        try:
+            yield
+        finally:
+            os.unsetenv(CORE_LEVEL)
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode("utf-8", "replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not CORE_LOG_LINE.match(line)))
+            sys.stderr.flush()
+
+
+@contextmanager
+def _keeping_sigterm():
+    """The SIGTERM handler of before the block back after it (main thread only). ``ray.init`` installs two: a
+    Python one (``sys.exit(15)``) and, in C, its core worker's failure handler, which prints a stack dump and aborts
+    the process (exit status -6, a core file): SIGTERM then skipped the caller's clean-up (the ``finally`` that
+    shuts Ray down, `h2o_compress.utils.signals.interrupting`). Setting the handler again from Python replaces
+    both."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)  # None: set outside Python
 
 
 NO_CLUSTER = ("--ray auto joins a Ray cluster already running on this machine, and none is; allowed: start one "

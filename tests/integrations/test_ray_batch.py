@@ -82,9 +82,10 @@ def test_a_ray_instance_started_for_the_run_is_quiet_and_measures(tiny_model_dir
     assert figures["prompts"] == 9 and figures["errors"] == 1 and figures["ray_actors"] >= 1
     assert figures["decode_tokens_per_s"] > 0 and figures["decode_s"] > 0 and figures["row_steps"] > 0
     assert figures["kv_bytes_per_sequence"] > 0 and figures["peak_bytes"] > 0
-    # Ray's log records, progress and warnings stay off stderr (its core may still print an error-level line)
+    # Ray's log records, progress and warnings stay off stderr, and so do its core's lines (issue 47: an
+    # error-level core_worker.cc line in every run)
     noise = [line for line in done.stderr.splitlines()
-             if re.search(r"\bINFO\b|\bWARNING\b|Running Dataset|Token authentication|Warning", line)]
+             if re.search(r"\bINFO\b|\bWARNING\b|Running Dataset|Token authentication|Warning|\.cc:\d+:", line)]
     assert noise == [], "\n".join(noise[:5])
     assert len(answers(output)) == 9
 
