@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +49,9 @@ from eviction_directions import (GROUP, RESIDUAL, Direction, Simulation, fake_qu
 from h2o_compress import CompressionConfig, load_model, make_cache  # noqa: E402
 from h2o_compress.calibration.key_channels import key_channel_statistics  # noqa: E402
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text  # noqa: E402
-from h2o_compress.evaluation.perplexity import streaming_perplexity  # noqa: E402
+from h2o_compress.calibration.key_channels import use_key_calibration  # noqa: E402
+from h2o_compress.evaluation.perplexity import NLLAccumulator, streaming_perplexity  # noqa: E402
+from h2o_compress.evaluation.stream import read_stream  # noqa: E402
 from h2o_compress.formats.integer import hadamard_matrix  # noqa: E402
 
 CALIBRATION_SLICE = (1024, 3072)  # tuning-text tokens the statistics are fitted on
@@ -142,13 +146,37 @@ def baseline(name: str, budget: float) -> Direction:
     return d if budget >= 1.0 else Direction(f"h2o {name}", quant=d.quant)
 
 
+@dataclass
+class Library:
+    """A library row: ``config``'s cache, its keys stored around the calibration (``use_key_calibration``)."""
+
+    config: CompressionConfig
+
+
+@torch.inference_mode()
+def library_perplexity(model, ids: torch.Tensor, config: CompressionConfig, calib: dict) -> float:
+    """Perplexity of ``ids`` read token by token through the library's cache with the key calibration."""
+    cache = make_cache(model, config, max_length=ids.shape[1])
+    use_key_calibration(cache, model, calib)
+    scorer = NLLAccumulator(ids)
+    read_stream(model, cache, ids, 1, on_logits=scorer)
+    return math.exp(scorer.mean)
+
+
+def library_rows(budget: float) -> list[tuple]:
+    """The library's ``calib-auto int4`` at budget 1.0 and ``budget`` (``h2o``, no capacity floor, as the
+    simulated rows)."""
+    return [(b, f"library {'' if b >= 1.0 else 'h2o '}calib-auto int4",
+             Library(CompressionConfig(budget=b, kv_bits=4, min_capacity=0))) for b in (1.0, budget)]
+
+
 def plan(budget: float, names: list[str], calib: dict) -> list[tuple]:
     """``(budget, row, setting)``: the two baselines and the :data:`VARIANTS` ``names`` at ``budget``."""
     settings = [baseline(b, budget) for b in BASELINES] + [variant(n, budget, calib) for n in names]
     return [(budget, d.name, d) for d in settings]
 
 
-def run(model, ids, text: str, todo: list[tuple], rows: list[dict], out: Path, command: str) -> None:
+def run(model, ids, text: str, todo: list[tuple], rows: list[dict], out: Path, command: str, calib: dict) -> None:
     """Each ``(budget, row, setting)`` of ``todo`` not yet in ``rows`` (matched by text, budget and row), measured
     and appended; ``out`` rewritten after each. The uncompressed model (``library full``) is measured first."""
     todo = [(1.0, "library full", CompressionConfig(policy="full")), *todo]
@@ -159,6 +187,8 @@ def run(model, ids, text: str, todo: list[tuple], rows: list[dict], out: Path, c
         started, capacity = time.perf_counter(), None
         if isinstance(setting, CompressionConfig):
             ppl = streaming_perplexity(model, ids, setting, 1).perplexity
+        elif isinstance(setting, Library):
+            ppl = library_perplexity(model, ids, setting.config, calib)
         else:
             cache = make_cache(model, CompressionConfig(budget=budget, min_capacity=0), max_length=ids.shape[1])
             capacity = cache.capacity or ids.shape[1]
@@ -186,6 +216,9 @@ def main() -> None:
     parser.add_argument("--texts", default="", help="report phase: a subset of the reporting texts")
     parser.add_argument("--chosen", default="benchmarks/results/key_calibration_choose.json")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--library", action="store_true",
+                        help="also the library's cache with the calibration (use_key_calibration; calib-auto int4)")
+    parser.add_argument("--only-library", action="store_true", help="the library rows alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     default = ("benchmarks/results/key_calibration_choose.json" if args.phase == "choose" else
@@ -197,10 +230,10 @@ def main() -> None:
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     if args.phase == "choose":
         ids = tokenize_text(tokenizer, load_text(None), args.tokens)  # the tuning text (TUNING_TEXT)
-        run(model, ids, "sherlock", plan(1.0, list(VARIANTS), calib), rows, out, command)
+        run(model, ids, "sherlock", plan(1.0, list(VARIANTS), calib), rows, out, command, calib)
         chosen = choose(rows)
         names = list(dict.fromkeys(["calib int4", chosen]))
-        run(model, ids, "sherlock", plan(args.budget, names, calib), rows, out, command)
+        run(model, ids, "sherlock", plan(args.budget, names, calib), rows, out, command, calib)
     else:
         chosen = json.loads(Path(args.chosen).read_text())["chosen"]
         texts = [t for t in (args.texts.split(",") if args.texts else REPORTING_TEXTS) if t]
@@ -208,8 +241,9 @@ def main() -> None:
             parser.error(f"--texts {texts}: the report phase reads only the reporting corpus {list(REPORTING_TEXTS)}")
         for text in texts:
             ids = tokenize_text(tokenizer, load_text(text), args.tokens)
-            todo = plan(1.0, [chosen], calib) + plan(args.budget, [chosen], calib)
-            run(model, ids, text, todo, rows, out, command)
+            todo = [] if args.only_library else plan(1.0, [chosen], calib) + plan(args.budget, [chosen], calib)
+            todo += library_rows(args.budget) if args.library or args.only_library else []
+            run(model, ids, text, todo, rows, out, command, calib)
     result = {"rows": rows, "chosen": chosen, "calibration": f"sherlock tokens {CALIBRATION_SLICE}"}
     out.write_text(json.dumps(result, indent=1))
     write_markdown(result, out.with_suffix(".md"), args.phase)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from h2o_compress.formats import KVQuantizer, StoredTensor
+from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies.base import keep_top
 
@@ -200,13 +201,16 @@ class SlotStore:
         """int64 ``[batch, rows, k]``: where one token per KV head goes (each head's lowest empty slot)."""
         return self.first_free()
 
-    def quantize(self, keys: torch.Tensor, values: torch.Tensor):
-        """The stored forms of tokens entering the store (``[batch, rows, n, head_dim]``) and, with `refine`,
-        their low planes ``{name: uint8 [batch, rows, n, head_dim / 2]}`` (else ``{}``)."""
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None):
+        """The stored forms of tokens entering the store (``[batch, rows, n, head_dim]``, at int ``positions``
+        ``[batch, rows, n]``, which a positional key format needs) and, with `refine`, their low planes
+        ``{name: uint8 [batch, rows, n, head_dim / 2]}`` (else ``{}``)."""
         stored, low = [], {}
         for name, x, quantizer in (("keys", keys, self.quantizers[0]), ("values", values, self.quantizers[1])):
             if self.refine is not None and isinstance(quantizer, SplitIntQuantizer):
                 part, low[name] = quantizer.quantize_split(x)
+            elif isinstance(quantizer, CalibratedKeyQuantizer):
+                part = quantizer.quantize_at(x, positions)
             else:
                 part = quantizer.quantize(x)
             stored.append(part)
@@ -220,8 +224,8 @@ class SlotStore:
         k]``. In place, no host sync."""
         heads = keys.shape[1]
         slot = self.free_for_heads(heads)
-        stored_keys, stored_values, low = self.quantize(self.as_rows(keys), self.as_rows(values))
         positions = self.as_rows(position.unsqueeze(1).expand(-1, heads, -1))
+        stored_keys, stored_values, low = self.quantize(self.as_rows(keys), self.as_rows(values), positions)
         self.insert(slot, stored_keys, stored_values, positions, None if score is None else self.as_rows(score))
         if self.refine is not None:
             ranked = rank()
@@ -242,7 +246,8 @@ class SlotStore:
         if bool(incoming.any()):
             if bool((incoming.sum(-1) > (self.positions < 0).sum(-1)).any()):
                 when_full(int(incoming.sum(-1).max()))
-            stored_keys, stored_values, low = self.quantize(keys, values)
+            at = positions.unsqueeze(1).expand(-1, keys.shape[1], -1)
+            stored_keys, stored_values, low = self.quantize(keys, values, at)
             placed = self.place(incoming, stored_keys, stored_values, positions, scores)
         if self.refine is not None:
             self.refine.admit_many(refined, placed, low, rank(), self.positions)
@@ -260,7 +265,10 @@ class SlotStore:
         out = torch.empty(batch, heads if rows == heads else rows, slots + (size if rows == heads else 0), head_dim,
                           dtype=dtype, device=self.positions.device)
         held = out[:, :, :slots]
-        quantizer.dequantize_into(stored, held)
+        if isinstance(quantizer, CalibratedKeyQuantizer):
+            quantizer.dequantize_at(stored, held, self.positions)
+        else:
+            quantizer.dequantize_into(stored, held)
         self.refine_read(name, held)
         held.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, head_dim), leaving.to(dtype))
         if rows != heads:
@@ -289,7 +297,12 @@ class SlotStore:
     def dequantize(self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, dtype: torch.dtype):
         """Keys and values ``[batch, kv_heads, slots, head_dim]`` in ``dtype`` (empty slots hold garbage: mask
         them with ``positions >= 0``). A 16-bit store returns its own buffers (no copy)."""
-        return key_quantizer.dequantize(self.keys, dtype), value_quantizer.dequantize(self.values, dtype)
+        if isinstance(key_quantizer, CalibratedKeyQuantizer):
+            keys = torch.empty(*self.positions.shape, key_quantizer.head_dim, dtype=dtype, device=self.positions.device)
+            key_quantizer.dequantize_at(self.keys, keys, self.positions)
+        else:
+            keys = key_quantizer.dequantize(self.keys, dtype)
+        return keys, value_quantizer.dequantize(self.values, dtype)
 
     def map_batch(self, fn) -> None:
         """Replace every buffer by ``fn`` of it (a function of one tensor acting on the batch dim 0: beam search

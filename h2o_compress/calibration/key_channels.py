@@ -11,9 +11,13 @@ after, removing the channel bias that would otherwise widen every token's range.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from h2o_compress.utils.errors import UnsupportedModelError
+from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
+from h2o_compress.formats.integer import IntQuantizer
+from h2o_compress.utils.errors import ConfigError, UnsupportedModelError
 
 #: The tensors :func:`key_channel_statistics` returns (names and shapes are the calibration file's format).
 KEY_CHANNEL_TENSORS = ("key_channel_mean", "key_channel_scale")
@@ -90,3 +94,55 @@ def key_channel_statistics(model, input_ids: torch.Tensor, skip: int = 1) -> dic
     mean = stacked.mean(1)
     scale = stacked.std(1).clamp(min=1e-6)
     return {"key_channel_mean": mean.contiguous(), "key_channel_scale": scale.contiguous()}
+
+
+def rope_frequencies(model) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` of the model's rotary embedding: fp32 ``[head_dim / 2]`` radians per
+    position, and the factor its ``cos``/``sin`` are multiplied by.
+
+    Raises:
+        UnsupportedModelError: no module with a fixed ``inv_freq`` (no RoPE), or one whose frequencies change with
+            the length (dynamic scaling).
+    """
+    rotary = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)), None)
+    if rotary is None or "dynamic" in str(getattr(rotary, "rope_type", "")):
+        raise UnsupportedModelError(f"key calibration needs a fixed rotary embedding; {type(model).__name__} has "
+                                    f"{'none' if rotary is None else 'a dynamic one'}")
+    return rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> None:
+    """Store ``cache``'s integer keys around the calibrated mean (``key_channel_mean`` of
+    :func:`key_channel_statistics`, rotated to each token's position; [`CalibratedKeyQuantizer`][h2o_compress.formats.calibrated.CalibratedKeyQuantizer]).
+
+    Call it on a fresh cache (``make_cache``), before its first token. The bytes per token do not change; the
+    layers decode in the torch form (the fused kernels do not read the format), and the cache cannot be saved.
+
+    Args:
+        cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] with 4- or 8-bit ``int`` keys, no tokens yet.
+        model: the model the statistics were taken of (its RoPE frequencies are read).
+        statistics: ``{"key_channel_mean": fp32 [layers, kv_heads, head_dim], ...}``.
+
+    Raises:
+        ConfigError: keys not stored as ``int`` (16 bits, another format, mixed precision), a head-adaptive
+            store, a cache that holds tokens, or statistics that do not fit the model.
+        UnsupportedModelError: no fixed RoPE (see :func:`rope_frequencies`).
+    """
+    mean = statistics.get("key_channel_mean") if isinstance(statistics, dict) else None
+    layers = list(getattr(cache, "layers", []))
+    if not isinstance(mean, torch.Tensor) or mean.dim() != 3 or mean.shape[0] != len(layers):
+        raise ConfigError(f"key_channel_mean must be a [layers={len(layers)}, kv_heads, head_dim] tensor; got "
+                          f"{tuple(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__}")
+    inv_freq, scaling = rope_frequencies(model)
+    settings = []
+    for layer, layer_mean in zip(layers, mean):
+        quantizer, setting = layer.setting.key_quantizer, layer.setting
+        if type(quantizer) is not IntQuantizer or setting.head_adaptive or setting.high_bits_fraction > 0 \
+                or layer.is_initialized:
+            raise ConfigError(f"layer {layer.layer_idx} cannot take a key calibration; allowed: a fresh cache with "
+                              "4- or 8-bit int keys, head_budgets='uniform', high_bits_fraction=0")
+        calibrated = CalibratedKeyQuantizer(quantizer.bits, quantizer.group_size, quantizer.head_dim, layer_mean,
+                                            inv_freq, quantizer.rotate, scaling)
+        settings.append(dataclasses.replace(setting, key_quantizer=calibrated))
+    for layer, setting in zip(layers, settings):  # every layer checked first: all or none change
+        layer.setting = setting

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 import torch
+from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
 from h2o_compress.utils.errors import CacheFileError, CacheStateError, ConfigError, short
 from h2o_compress.utils.files import parse_json
 from h2o_compress.models.identity import (
@@ -79,6 +80,9 @@ def _check_saveable(cache) -> int:
     seen = {int(layer.seen) for layer in cache.layers}
     if len(seen) != 1:
         raise CacheStateError(f"cannot save: layers have seen different token counts {sorted(seen)} (a failed step?)")
+    if any(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers):
+        raise CacheStateError("cannot save a cache whose keys are stored around a key calibration (the file format "
+                              "does not record it yet); allowed: a cache made without use_key_calibration")
     return seen.pop()
 
 

@@ -1,0 +1,159 @@
+"""Keys stored around a calibrated pre-RoPE mean (formats/calibrated.py, calibration/key_channels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import rotate_half
+
+from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.calibration.key_channels import key_channel_statistics, use_key_calibration
+from h2o_compress.formats import IntQuantizer
+from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
+from h2o_compress.persistence.cache_state import save_cache
+from h2o_compress.utils.errors import CacheStateError, ConfigError, UnsupportedModelError
+from tests.conftest import tiny_llama, tiny_neox, tiny_opt
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+D, HEADS = 64, 3
+INV_FREQ = 1 / (1e4 ** (torch.arange(0, D, 2) / D))
+
+
+def post_rope(pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``pre [b, h, n, D]`` rotated by the half-split RoPE at ``positions [b, h, n]`` (transformers' Llama form)."""
+    angles = positions.unsqueeze(-1).float() * INV_FREQ
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    return pre * cos + rotate_half(pre) * sin
+
+
+def biased_keys(mean: torch.Tensor, tokens: int = 40, seed: int = 0):
+    """Post-RoPE keys with a per-channel bias ``mean [HEADS, D]`` pre-RoPE, in the Hadamard basis, and positions."""
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.arange(tokens).view(1, 1, -1).expand(2, HEADS, -1)
+    pre = torch.randn(2, HEADS, tokens, D, generator=generator) + mean[None, :, None]
+    basis = IntQuantizer(4, 32, D).rotation(torch.device("cpu"))
+    return post_rope(pre, positions) @ basis, positions
+
+
+def round_trip(quantizer: CalibratedKeyQuantizer, x: torch.Tensor, positions: torch.Tensor):
+    stored = quantizer.quantize_at(x, positions)
+    out = torch.empty_like(x)
+    quantizer.dequantize_at(stored, out, positions)
+    return stored, out
+
+
+def test_offset_is_the_mean_rotated_to_each_position():
+    mean = torch.randn(HEADS, D, generator=torch.Generator().manual_seed(1))
+    quantizer = CalibratedKeyQuantizer(4, 32, D, mean, INV_FREQ)
+    positions = torch.tensor([0, 1, 7, 300, 4000]).view(1, 1, -1).expand(2, HEADS, -1)
+    expected = post_rope(mean[None, :, None].expand(2, HEADS, 5, D), positions) @ quantizer.rotation(torch.device("cpu"))
+    assert torch.allclose(quantizer.offset(positions), expected, atol=1e-4)
+
+
+def test_a_zero_mean_stores_and_reads_exactly_the_int_format():
+    x, positions = biased_keys(torch.zeros(HEADS, D))
+    quantizer = CalibratedKeyQuantizer(4, 32, D, torch.zeros(HEADS, D), INV_FREQ)
+    plain = IntQuantizer(4, 32, D)
+    stored, out = round_trip(quantizer, x, positions)
+    reference = plain.quantize(x)
+    for name in ("data", "scale_zero"):
+        assert torch.equal(stored.parts[name], reference.parts[name])
+    assert torch.equal(out, plain.dequantize(reference, torch.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_channel_bias_error_is_bounded_and_smaller_than_without(bits):
+    mean = torch.zeros(HEADS, D)
+    mean[:, [3, 20, 40, 60]] = torch.tensor([8.0, -6.0, 5.0, 9.0])  # outlier channels, as keys have
+    x, positions = biased_keys(mean)
+    quantizer = CalibratedKeyQuantizer(bits, 32, D, mean, INV_FREQ)
+    stored, out = round_trip(quantizer, x, positions)
+    shifted = stored.parts["scale_zero"][..., 0, 0] < 0
+    assert shifted.float().mean() > 0.9  # the biased keys take the offset
+    difference = torch.where(shifted.unsqueeze(-1), x - quantizer.offset(positions), x).unflatten(-1, (2, 32))
+    step = (difference.amax(-1) - difference.amin(-1)) / (2**bits - 1)
+    bound = step / 2 * 1.01 + difference.abs().amax(-1) * 2**-10  # half a step + fp16 rounding of scale/zero
+    assert ((out - x).abs().unflatten(-1, (2, 32)).amax(-1) <= bound).all()
+    plain = IntQuantizer(bits, 32, D)
+    plain_error = (plain.dequantize(plain.quantize(x), torch.float32) - x).norm()
+    assert (out - x).norm() < 0.6 * plain_error
+
+
+def test_a_key_far_from_the_mean_is_stored_as_without_calibration():
+    mean = torch.full((HEADS, D), 4.0)
+    x, positions = biased_keys(mean)
+    x[:, :, 0] = -x[:, :, 0]  # a sink-like key: subtracting the mean would widen it
+    quantizer = CalibratedKeyQuantizer(4, 32, D, mean, INV_FREQ)
+    stored, out = round_trip(quantizer, x, positions)
+    assert not (stored.parts["scale_zero"][:, :, 0, :, 0] < 0).any()
+    plain = IntQuantizer(4, 32, D)
+    assert torch.equal(out[:, :, 0], plain.dequantize(plain.quantize(x[:, :, :1]), torch.float32)[:, :, 0])
+
+
+def test_wrong_shapes_are_refused():
+    with pytest.raises(ConfigError, match="does not fit head_dim"):
+        CalibratedKeyQuantizer(4, 32, D, torch.zeros(HEADS, D + 2), INV_FREQ)
+
+
+def biased_llama():
+    """A tiny Llama whose keys have a channel bias (a k_proj bias), as real models' keys do."""
+    model = tiny_llama(seed=0)
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.k_proj.bias = torch.nn.Parameter(torch.zeros(attention.k_proj.out_features))
+        attention.k_proj.bias.data[::7] = 6.0
+    return model
+
+
+@torch.inference_mode()
+def stream_error(model, statistics, ids) -> tuple[float, "torch.nn.Module"]:
+    """Largest logit error of ``ids`` read token by token through a cache of 4-bit keys and 16-bit values (the
+    keys' error alone; with ``statistics``, or not)."""
+    reference = model(input_ids=ids).logits[0]
+    cache = make_cache(model, CompressionConfig(k_bits=4, v_bits=16), max_length=ids.shape[1])
+    if statistics is not None:
+        use_key_calibration(cache, model, statistics)
+    logits = torch.cat([model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0]
+                        for t in range(ids.shape[1])])
+    return float((logits - reference).abs().max()), cache
+
+
+def test_statistics_shapes_and_the_cache_reads_closer_with_them():
+    model = biased_llama()
+    calibration_ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    statistics = key_channel_statistics(model, calibration_ids)
+    assert statistics["key_channel_mean"].shape == statistics["key_channel_scale"].shape == (2, 2, 32)
+    assert statistics["key_channel_mean"].dtype == torch.float32
+    assert (statistics["key_channel_mean"].reshape(2, -1)[:, ::7] > 5).all()  # the bias, pre-RoPE
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    plain, plain_cache = stream_error(model, None, ids)
+    calibrated, cache = stream_error(model, statistics, ids)
+    assert type(plain_cache.layers[0].key_quantizer) is IntQuantizer  # no calibration: the format as it was
+    assert isinstance(cache.layers[0].key_quantizer, CalibratedKeyQuantizer)
+    assert cache.layers[0].decode_kernel == "torch"
+    assert calibrated < 0.3 * plain  # 0.0017 against 0.018 when written
+
+
+def test_models_and_caches_it_cannot_take_are_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="k_proj"):
+        key_channel_statistics(tiny_neox(), torch.zeros(1, 8, dtype=torch.long))
+    opt = tiny_opt()
+    statistics = key_channel_statistics(opt, torch.randint(0, 128, (1, 16)))
+    with pytest.raises(UnsupportedModelError, match="rotary"):
+        use_key_calibration(make_cache(opt, CompressionConfig(kv_bits=4), max_length=16), opt, statistics)
+    model = tiny_llama()
+    statistics = key_channel_statistics(model, torch.randint(0, 128, (1, 16)))
+    with pytest.raises(ConfigError, match="int keys"):
+        use_key_calibration(make_cache(model, CompressionConfig(), max_length=16), model, statistics)
+    with pytest.raises(ConfigError, match="key_channel_mean"):
+        use_key_calibration(make_cache(model, CompressionConfig(kv_bits=4), max_length=16), model,
+                            {"key_channel_mean": statistics["key_channel_mean"][:1]})
+    cache = make_cache(model, CompressionConfig(kv_bits=4), max_length=16)
+    use_key_calibration(cache, model, statistics)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache, use_cache=True)
+    with pytest.raises(ConfigError, match="fresh cache"):
+        use_key_calibration(cache, model, statistics)
+    with pytest.raises(CacheStateError, match="key calibration"):
+        save_cache(cache, tmp_path / "cache.safetensors", model=model)
