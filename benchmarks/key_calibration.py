@@ -22,6 +22,10 @@ fake-quantized in place once they leave the residual window of :data:`RESIDUAL` 
 - ``kKvV``: keys at K bits and values at V bits (per-token groups of 32, Hadamard, fp16 scale and zero) with
   K + V = 8: the same bytes as 4 + 4. ``calib kKvV``: the same with the calibrated offset on the keys.
 
+``--library`` adds the library's own cache with the chosen variant (``library calib-auto int4``: ``make_cache`` then
+``h2o_compress.calibration.key_channels.use_key_calibration``, read by ``read_stream`` one token at a time; budget
+1.0 and ``--budget`` with ``h2o``), ``--only-library`` those rows alone.
+
 The calibration text is the tuning text (``sherlock``), tokens :data:`CALIBRATION_SLICE`: outside the 1,024 tokens
 scored in the choose phase, so the tuning figure is not fitted on the tokens it scores. Every choice (variant,
 exponent, bits) is made in the choose phase on the tuning text; the report phase only reports, with it.

@@ -101,19 +101,22 @@ def rope_frequencies(model) -> tuple[torch.Tensor, float]:
     position, and the factor its ``cos``/``sin`` are multiplied by.
 
     Raises:
-        UnsupportedModelError: no module with a fixed ``inv_freq`` (no RoPE), or one whose frequencies change with
-            the length (dynamic scaling).
+        UnsupportedModelError: no module with a fixed ``inv_freq`` (no RoPE), one whose frequencies change with
+            the length (dynamic scaling), or layers with different frequencies (local and global layers).
     """
-    rotary = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)), None)
-    if rotary is None or "dynamic" in str(getattr(rotary, "rope_type", "")):
-        raise UnsupportedModelError(f"key calibration needs a fixed rotary embedding; {type(model).__name__} has "
-                                    f"{'none' if rotary is None else 'a dynamic one'}")
+    rotaries = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    rotary = rotaries[0] if rotaries else None
+    if rotary is None or "dynamic" in str(getattr(rotary, "rope_type", "")) or any(
+            not torch.equal(r.inv_freq, rotary.inv_freq) for r in rotaries[1:]):
+        raise UnsupportedModelError(f"key calibration needs one fixed rotary embedding for every layer; "
+                                    f"{type(model).__name__} has {'none' if rotary is None else 'another'}")
     return rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0))
 
 
 def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> None:
     """Store ``cache``'s integer keys around the calibrated mean (``key_channel_mean`` of
-    :func:`key_channel_statistics`, rotated to each token's position; [`CalibratedKeyQuantizer`][h2o_compress.formats.calibrated.CalibratedKeyQuantizer]).
+    :func:`key_channel_statistics`, rotated to each token's position;
+    ``h2o_compress.formats.calibrated.CalibratedKeyQuantizer``).
 
     Call it on a fresh cache (``make_cache``), before its first token. The bytes per token do not change; the
     layers decode in the torch form (the fused kernels do not read the format), and the cache cannot be saved.
@@ -130,8 +133,10 @@ def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> No
     """
     mean = statistics.get("key_channel_mean") if isinstance(statistics, dict) else None
     layers = list(getattr(cache, "layers", []))
-    if not isinstance(mean, torch.Tensor) or mean.dim() != 3 or mean.shape[0] != len(layers):
-        raise ConfigError(f"key_channel_mean must be a [layers={len(layers)}, kv_heads, head_dim] tensor; got "
+    heads, head_dim = _key_shape(model)
+    if not isinstance(mean, torch.Tensor) or tuple(mean.shape) != (len(layers), heads, head_dim):
+        raise ConfigError(f"key_channel_mean must be a [{len(layers)}, {heads}, {head_dim}] tensor (layers, KV heads, "
+                          "head_dim of the model); got "
                           f"{tuple(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__}")
     inv_freq, scaling = rope_frequencies(model)
     settings = []

@@ -140,7 +140,7 @@ def test_models_and_caches_it_cannot_take_are_refused(tmp_path):
         key_channel_statistics(tiny_neox(), torch.zeros(1, 8, dtype=torch.long))
     opt = tiny_opt()
     statistics = key_channel_statistics(opt, torch.randint(0, 128, (1, 16)))
-    with pytest.raises(UnsupportedModelError, match="rotary"):
+    with pytest.raises(UnsupportedModelError, match="rotary embedding"):
         use_key_calibration(make_cache(opt, CompressionConfig(kv_bits=4), max_length=16), opt, statistics)
     model = tiny_llama()
     statistics = key_channel_statistics(model, torch.randint(0, 128, (1, 16)))
@@ -157,3 +157,30 @@ def test_models_and_caches_it_cannot_take_are_refused(tmp_path):
         use_key_calibration(cache, model, statistics)
     with pytest.raises(CacheStateError, match="key calibration"):
         save_cache(cache, tmp_path / "cache.safetensors", model=model)
+
+
+def test_compiled_decode_matches_eager_and_keeps_its_buffers():
+    """The torch decode step with calibrated keys traces whole (fullgraph), allocates no new buffers, and gives the
+    eager step's logits, on a left-padded batch with evictions (h2o, capacity 12 of 44 tokens)."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    from h2o_compress.runtime.compiled import decode_step
+    from tests.helpers.decode_steps import PROMPT, STEPS, run, setting
+
+    model = biased_llama()
+    statistics = key_channel_statistics(model, torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0)))
+    caches = []
+    for _ in range(2):
+        caches.append(make_cache(model, setting("h2o", 4), max_length=PROMPT + STEPS))
+        use_key_calibration(caches[-1], model, statistics)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
+    with torch.inference_mode(), torch._dynamo.config.patch(capture_scalar_outputs=False):
+        eager, _, _, _ = run(model, None, decode_step, cache=caches[0])
+        ours, cache, before, after = run(model, None, compiled, cache=caches[1])
+    assert counter.frame_count <= 2
+    assert before == after
+    assert {layer.decode_kernel for layer in cache.layers} == {"torch"}
+    torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
