@@ -144,6 +144,11 @@ class CompressionConfig:
         forgetting_factor: with ``policy="a2sf"``, the factor in (0, 1] by which each query scales the held
             scores before adding its attention ([`A2SFPolicy`][h2o_compress.policies.A2SFPolicy]); ``None``
             (default): 0.8.
+        calibration: the path of a calibration file written by ``h2o-compress calibrate`` for the model
+            (`h2o_compress.calibration.calibrate`), holding ``policy="calibrated"``'s weights
+            ([`CalibratedPolicy`][h2o_compress.policies.CalibratedPolicy]). ``None`` (default): the model's own
+            file in the cache root, where ``calibrate`` writes it without ``--out``. Read when the cache is made,
+            and refused there for a model it was not fitted on.
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -169,6 +174,7 @@ class CompressionConfig:
     lookahead_request: str | None = None
     forgetting_factor: float | None = None
     evict_chat_header: bool = False
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         """Check every field (eviction, storage, runtime, then the options of the policy and the spreads over heads,
@@ -183,6 +189,7 @@ class CompressionConfig:
         self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
         self._check_head_budgets()
         self._check_high_bits()
+        self._check_calibration()
         if self.layer_budgets == "global" and not POLICIES[self.policy].scorer:
             raise ConfigError(
                 f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
@@ -314,6 +321,20 @@ class CompressionConfig:
                 "head_budgets='adaptive' with attention_kernel='triton': the Triton op reads per-head slots and an "
                 "adaptive layer pools them; allowed: attention_kernel='auto' or 'torch'"
             )
+
+    def _check_calibration(self) -> None:
+        """``calibration``: a path (str). Whether the model has a calibration is
+        checked when its cache is made (`h2o_compress.persistence.calibration_file.calibration_for`). Raises
+        ConfigError."""
+        if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration.strip()
+                                             or "\x00" in self.calibration):
+            raise ConfigError(f"calibration={short(self.calibration)} is invalid; allowed: the path of a file written "
+                              "by h2o-compress calibrate")
+
+    @property
+    def evicts_any(self) -> bool:
+        """Whether this setting can evict at all (a policy other than ``full`` and a budget below everything)."""
+        return self.policy != "full" and not (self.budget_is_fraction and self.budget >= 1)
 
     @property
     def key_bits(self) -> int:

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from h2o_compress.config import DEFAULT_MIN_CAPACITY as REAL_DEFAULT_FLOOR
+from h2o_compress.persistence.calibration_file import default_calibration_path as REAL_DEFAULT_CALIBRATION_PATH
 
 
 def tiny_llama(seed: int = 0, kv_heads: int = 2, heads: int = 4, head_dim: int = 32, layers: int = 2):
@@ -166,3 +167,44 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fitted_calibrations(tmp_path_factory):
+    """Every model a test makes a cache of with ``policy="calibrated"`` and no ``calibration`` finds one: in this
+    process the model's default calibration file lives in a private temporary directory, fitted the first time it is
+    looked up (the real fit, `h2o_compress.calibration.fit_eviction`, on random token ids: a tiny model has no
+    text to calibrate on). The registry-wide tests (policy contract, CPU kernel, compiled step) run the calibrated
+    policy through it; `real_calibration_lookup` restores the real lookup (no file: a one-line error)."""
+    import h2o_compress.persistence.calibration_file as calibration_file
+    from h2o_compress.calibration import fit_eviction
+    from h2o_compress.models.identity import model_fingerprint, model_identity
+
+    folder = tmp_path_factory.mktemp("calibration")
+    folder.chmod(0o700)
+
+    def fitted_path(model):
+        path = folder / f"{model_fingerprint(model)}.safetensors"
+        if not path.exists():
+            vocab = min(int(model.config.vocab_size), 128)
+            generator = torch.Generator().manual_seed(0)
+            device = next(model.parameters()).device
+            pieces = [torch.randint(0, vocab, (1, 64), generator=generator).to(device) for _ in range(2)]
+            weights, details = fit_eviction(model, pieces)
+            calibration = calibration_file.Calibration({calibration_file.EVICTION_WEIGHTS: weights},
+                                                       model_fingerprint(model), model_identity(model), details)
+            calibration_file.save_calibration(path, calibration)
+        return path
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration_file, "default_calibration_path", fitted_path)
+        yield folder
+
+
+@pytest.fixture
+def real_calibration_lookup(monkeypatch, tmp_path):
+    """The real default-calibration lookup (see :func:`fitted_calibrations`), over an empty cache root."""
+    import h2o_compress.persistence.calibration_file as calibration_file
+
+    monkeypatch.setenv("H2O_COMPRESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration_file, "default_calibration_path", REAL_DEFAULT_CALIBRATION_PATH)

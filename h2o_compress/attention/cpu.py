@@ -163,7 +163,7 @@ def _decode(
     ring_values: torch.Tensor | None, ring_positions: torch.Tensor | None, ring_scores: torch.Tensor | None,
     seen: torch.Tensor, first_real: torch.Tensor, finite: torch.Tensor, capacity: int, recent: int, sinks: int,
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
-    replace_scores: bool, value_norms: torch.Tensor | None = None,
+    replace_scores: bool, value_norms: torch.Tensor | None = None, prior_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One call of ``cpu_decode.c`` over a layer's buffers (see `decode_layer` for what they are): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
@@ -193,7 +193,7 @@ def _decode(
         _pointer(ring_keys), _pointer(ring_values), _pointer(ring_positions), _pointer(ring_scores),
         _pointer(seen), _pointer(first_real), _pointer(finite),
         capacity, recent, sinks, _pointer(rank), int(evict), _pointer(reference_seen), _pointer(consistent),
-        int(replace_scores), _pointer(owner), _pointer(value_norms),
+        int(replace_scores), _pointer(owner), _pointer(value_norms), _pointer(prior_weights),
     )
     if status:
         raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")
@@ -234,8 +234,16 @@ def _eviction_args(layer) -> tuple:
     if not evicts(layer):
         return 0, 0, 0, None, False
     sinks = min(policy.sink_tokens, capacity)
-    rank = layer.store.scores if policy.ranks_by == "scores" else None
+    rank = layer.store.scores if policy.ranks_by in ("scores", "predicted") else None
     return capacity, policy.recent_window(capacity), sinks, rank, True
+
+
+def _prior_weights(layer) -> torch.Tensor | None:
+    """fp32 ``[kv_heads, head_dim + 4]``: a calibrated policy's weights (``ranks_by == "predicted"``), which the
+    kernel ranks by and writes each entering token's prior with; ``None`` for every other policy."""
+    if layer.policy.ranks_by != "predicted" or layer.store.norms is None:
+        return None
+    return layer.policy.weights_on(layer.store.norms.device)
 
 
 def _format_args(quantizer, stored) -> tuple:
@@ -275,6 +283,7 @@ def decode_layer(
         None if ring is None else ring.positions, None if ring is None else ring.scores,
         layer.seen, layer.first_real, layer.finite,
         *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates, store.norms,
+        _prior_weights(layer),
     )
     # compiled: the custom op; eager: the same function without the op's dispatch (microseconds per layer and step)
     out = cpu_decode_layer(*args) if torch.compiler.is_compiling() else _decode(*args)

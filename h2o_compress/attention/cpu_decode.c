@@ -12,7 +12,9 @@
  *      emptied (the shared rules of EvictionPolicy.priority over the policy's own rank, passed in as a tensor,
  *      times `value_norms` where given: VATP, arXiv 2406.12335 section 3).
  * With `value_norms` ([rows, S] fp32), step 2 also writes the L1 norm of the leaving token's stored value, dequantized
- * and turned back out of the value basis (the model's basis), into its slot.
+ * and turned back out of the value basis (the model's basis), into its slot; with `prior_weights` ([Hkv, D + 4]
+ * fp32: CalibratedPolicy, KVzap-style arXiv 2601.07891) it writes the token's prior instead (w . v + w_norm
+ * log(|v|_2 + 1e-6) + bias), and step 5 ranks by w_score log(score + 1e-4) + w_age log(age) + that prior.
  * Then seen += 1, first_real = min(first_real, position), and the flags: finite &= every new key and value is
  * finite; consistent &= this layer now has seen what layer 0 has (`reference_seen`).
  *
@@ -172,7 +174,8 @@ static inline float dot(const float *restrict a, const float *restrict b, int D)
  * more than `capacity` tokens, empty the store slot of lowest priority; priority is +inf for empty slots, the
  * recent window (positions >= recent_start) and the sinks (the first `sinks` positions from first_real), else
  * the policy's rank (`rank`, or all equal when NULL); ties evict the newer token. */
-static void evict_lowest(int32_t *pos, const float *rank, const float *weights, const int32_t *rpos, int S, int R,
+static void evict_lowest(int32_t *pos, const float *rank, const float *weights, const float *predict,
+                         int64_t now, const int32_t *rpos, int S, int R,
                          int capacity, int64_t recent_start, int64_t first, int sinks) {
     int held = 0;
     for (int n = 0; n < S; n++) held += pos[n] >= 0;
@@ -184,7 +187,10 @@ static void evict_lowest(int32_t *pos, const float *rank, const float *weights, 
     for (int n = 0; n < S; n++) {
         const int64_t p = pos[n];
         float priority = rank ? rank[n] : 0.0f;
-        if (weights) priority *= weights[n];
+        if (predict) { /* CalibratedPolicy: w_score log(score + floor) + w_age log(age) + the slot's prior */
+            const float age = p >= 0 && now - p > 1 ? (float)(now - p) : 1.0f;
+            priority = predict[0] * logf(priority + 1e-4f) + predict[1] * logf(age) + weights[n];
+        } else if (weights) priority *= weights[n];
         if (p < 0 || p >= recent_start || (p >= first && p < first + sinks)) priority = INFINITY;
         if (victim < 0 || priority < lowest || (priority == lowest && p > victim_pos)) {
             lowest = priority;
@@ -204,7 +210,8 @@ int h2o_cpu_decode_layer(
     void *ring_k, void *ring_v, int32_t *ring_pos, float *ring_scores,
     int64_t *seen, int64_t *first_real, uint8_t *finite,
     int capacity, int recent, int sinks, const float *rank, int evict,
-    const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner, float *value_norms)
+    const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner, float *value_norms,
+    const float *prior_weights)
 {
     static __thread float *scratch = 0;
     static __thread size_t scratch_size = 0;
@@ -285,7 +292,14 @@ int h2o_cpu_decode_layer(
                 for (int i = 0; i < D; i++) row[vorder[i]] = kbuf[i];
                 rotate(row, v_basis, D, acc);
                 float total = 0.0f;
-                for (int i = 0; i < D; i++) total += fabsf(acc[i]);
+                if (prior_weights) { /* CalibratedPolicy's token prior: w . v + w_norm log(|v|_2 + 1e-6) + bias */
+                    const float *w = prior_weights + (int64_t)h * (D + 4);
+                    float square = 0.0f;
+                    for (int i = 0; i < D; i++) { total += w[2 + i] * acc[i]; square += acc[i] * acc[i]; }
+                    total += w[2 + D] * logf(sqrtf(square) + 1e-6f) + w[3 + D];
+                } else {
+                    for (int i = 0; i < D; i++) total += fabsf(acc[i]);
+                }
                 norms[j] = total;
             }
             for (int i = 0; i < D; i++) { /* the leaving token at full precision, in read order */
@@ -353,8 +367,9 @@ int h2o_cpu_decode_layer(
             }
             if (first_real[b] > position) first_real[b] = position;
             if (evict && !owner)
-                evict_lowest(pos, rank ? rank + bh * S : 0, norms, rpos, S, R, capacity, position + 1 - recent,
-                             first_real[b], sinks);
+                evict_lowest(pos, rank ? rank + bh * S : 0, norms,
+                             prior_weights ? prior_weights + (int64_t)h * (D + 4) : 0, position + 1, rpos, S, R,
+                             capacity, position + 1 - recent, first_real[b], sinks);
         }
     }
     if (reference_seen && *reference_seen != position + 1) *consistent = 0;

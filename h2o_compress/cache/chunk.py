@@ -26,7 +26,7 @@ from h2o_compress.cache.decode import per_kv_head
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.ring import held_positions
 from h2o_compress.cache.setting import GROWTH
-from h2o_compress.cache.slots import value_l1_norms
+from h2o_compress.cache.slots import in_model_basis
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +156,7 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
     if layer.evicts:
         norms = None
         if layer.policy.weighs_values:  # VATP: the store's norms, the ring's and the chunk's tokens as they are
-            tail_norms = value_l1_norms(tail_values, layer.geometry.value_basis)
+            tail_norms = layer.policy.value_weight(in_model_basis(tail_values, layer.geometry.value_basis))
             norms = torch.cat((layer.store.head_value_norms(), tail_norms), dim=2)
         priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity, norms)
         keep = layer.store.keep(priority, positions, layer.capacity)

@@ -217,9 +217,19 @@ class CompressedCache(Cache):
         return copy
 
 
+def _layer_policy(config: CompressionConfig, calibration, idx: int):
+    """A fresh policy of ``config`` for model layer ``idx``, with that layer's calibrated weights where the policy
+    takes them (``for_layer``) and ``calibration`` has some."""
+    policy = config.eviction_policy()
+    if hasattr(policy, "for_layer") and calibration is not None:
+        policy = policy.for_layer(calibration.eviction_weights(idx))
+    return policy
+
+
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
     capacities: list[int] | None = None, spans: tuple[LayerSpan, ...] = (), torch_decode: str | None = None,
+    calibration=None,
 ) -> list[CompressedLayer]:
     """One [`CompressedLayer`][h2o_compress.cache.CompressedLayer] per model layer for ``config`` (see [`h2o_compress.make_cache`][h2o_compress.make_cache]), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
@@ -228,7 +238,8 @@ def build_layers(
     top-ranked tokens where ``config.high_bits_fraction > 0`` (`h2o_compress.cache.refinement`).
     Layer ``i`` attends over ``spans[i]`` ([`LayerSpan`][h2o_compress.cache.LayerSpan]; ``()``: every layer full attention); sliding
     and chunked layers, and every layer where ``torch_decode`` gives a reason (a softmax the fast kernels do not
-    run: soft-cap, sink logits, values of another head dim), decode in the torch form.
+    run: soft-cap, sink logits, values of another head dim), decode in the torch form. A policy fitted per model
+    gets layer ``i``'s weights from ``calibration`` (a [`Calibration`][h2o_compress.persistence.Calibration]).
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
@@ -243,7 +254,7 @@ def build_layers(
         layers.append(
             CompressedLayer(
                 idx,
-                config.eviction_policy(),
+                _layer_policy(config, calibration, idx),
                 capacities[idx],
                 make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
                 make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),

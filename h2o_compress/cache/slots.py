@@ -17,11 +17,17 @@ from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies.base import keep_top
 
 
-def value_l1_norms(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``[..., tokens]``: the L1 norm of each value ``[..., tokens, head_dim]`` held in the orthonormal, symmetric
-    ``basis`` (``v_held = v @ basis``, so ``v = v_held @ basis``), or in the model's basis where ``basis`` is ``None``."""
+def in_model_basis(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[..., tokens, head_dim]``: values held in the orthonormal, symmetric ``basis`` (``v_held = v @ basis``,
+    so ``v = v_held @ basis``) turned back into the model's basis (as they are where ``basis`` is ``None``)."""
     values = values.float()
-    return (values if basis is None else values @ basis).abs().sum(-1)
+    return values if basis is None else values @ basis
+
+
+def value_l1_norms(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[..., tokens]``: the L1 norm of each value ``[..., tokens, head_dim]`` held in ``basis``, in the model's
+    basis (`in_model_basis`)."""
+    return in_model_basis(values, basis).abs().sum(-1)
 
 
 class SlotStore:
@@ -48,12 +54,15 @@ class SlotStore:
         with_norms: keep each stored value's L1 norm (`norms`), for policies whose priority weighs values.
         value_basis: the orthonormal, symmetric basis ``[head_dim, head_dim]`` values are held in (``None``: the
             model's); the norms are taken in the model's basis.
+        value_weight: what `norms` holds for values ``[batch, rows, n, head_dim]`` in the model's basis (fp32
+            ``[batch, rows, n]``; the policy's
+            [`value_weight`][h2o_compress.policies.EvictionPolicy.value_weight]); ``None``: their L1 norms.
     """
 
     def __init__(
         self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
         dtype: torch.dtype, device: torch.device, with_scores: bool, with_norms: bool = False,
-        value_basis: torch.Tensor | None = None,
+        value_basis: torch.Tensor | None = None, value_weight=None,
     ):
         batch, heads, slots, head_dim = shape
         probe = torch.zeros(1, 1, 1, head_dim, dtype=dtype)  # on the CPU: learns each format's parts
@@ -63,6 +72,7 @@ class SlotStore:
         self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
         self.norms = torch.zeros(batch, heads, slots, device=device) if with_norms else None
         self.value_basis = value_basis
+        self.value_weight = value_weight
         self.quantizers = (key_quantizer, value_quantizer)
         self.refine = None
 
@@ -94,7 +104,10 @@ class SlotStore:
     def norms_of(self, values: StoredTensor) -> torch.Tensor:
         """fp32 ``[batch, rows, n]``: the L1 norms (model basis) of stored-format ``values`` ``[batch, rows, n, ...]``,
         dequantized: what `norms` holds for them once they enter."""
-        return value_l1_norms(self.quantizers[1].dequantize(values, torch.float32), self.value_basis)
+        held = self.quantizers[1].dequantize(values, torch.float32)
+        if self.value_weight is None:
+            return value_l1_norms(held, self.value_basis)
+        return self.value_weight(in_model_basis(held, self.value_basis))
 
     def refresh_norms(self) -> None:
         """Recompute `norms` from the stored values (after buffers were loaded from a file; the norms are

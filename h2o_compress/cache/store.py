@@ -18,7 +18,8 @@ def make_store(setting: LayerSetting, geometry, first_tokens: int) -> SlotStore:
     kind = SlotPool if setting.head_adaptive else SlotStore
     store = kind(setting.key_quantizer, setting.value_quantizer, (geometry.batch, heads, slots, geometry.head_dim),
                  geometry.residual_dtype, geometry.device, setting.with_scores,
-                 with_norms=setting.with_scores and setting.policy.weighs_values, value_basis=geometry.value_basis)
+                 with_norms=setting.with_scores and setting.policy.weighs_values, value_basis=geometry.value_basis,
+                 value_weight=setting.policy.value_weight)
     if setting.high_bits_fraction > 0:
         rows = refined_rows(setting.high_bits_fraction, setting.refined_per_head, store)
         store.refine = RefinedPlanes(rows, geometry.batch, store.positions.shape[1], geometry.head_dim,

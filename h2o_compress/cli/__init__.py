@@ -1,4 +1,4 @@
-"""Command line: ``h2o-compress generate|batch|ask|plan|eval|profile``, one module per command.
+"""Command line: ``h2o-compress generate|batch|ask|plan|eval|profile|calibrate``, one module per command.
 
 - `h2o_compress.cli.options`: the options shared by the commands, declared once (a leaf module).
 - `h2o_compress.cli.common`: one-line errors (``error: ...``, exit code 2, never a traceback), threads, ``--config``.
@@ -11,6 +11,7 @@ import typer
 
 from h2o_compress.cli.ask import ask
 from h2o_compress.cli.batch import batch
+from h2o_compress.cli.calibrate import calibrate_command
 from h2o_compress.cli.common import fail, user_errors
 from h2o_compress.cli.evaluate import eval_app
 from h2o_compress.cli.generate import generate
@@ -32,6 +33,7 @@ app.command("batch", cls=RayCommand)(batch)
 app.command("plan", cls=Command)(plan)
 app.add_typer(eval_app, name="eval")
 app.command("profile", cls=ProfileCommand)(profile_command)
+app.command("calibrate", cls=Command)(calibrate_command)
 click_app = typer.main.get_command(app)  # the click command behind `app`: the docs' CLI reference (mkdocs-click)
 
 

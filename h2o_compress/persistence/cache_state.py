@@ -30,6 +30,7 @@ import torch
 from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
 from h2o_compress.utils.errors import CacheFileError, CacheStateError, ConfigError, short
 from h2o_compress.utils.files import parse_json
+from h2o_compress.persistence.calibration_file import calibration_for
 from h2o_compress.models.identity import (
     filled_elsewhere, legacy_fingerprint, model_fingerprint, model_identity, record_model,
 )
@@ -253,8 +254,10 @@ def load_cache(path, model, config=None):
     devices = attention_devices(model, dims.num_layers)  # each layer's storage where its attention runs
     capacities = _global_capacities(saved, layer_states, capacity, dims, source)
     # the layers make_cache builds for this model: its spans (sliding, chunked) and decode form (soft-cap, sinks, MLA)
+    calibration = calibration_for(saved, model)
     layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens,
-                          capacities=capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims))
+                          capacities=capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims),
+                          calibration=calibration)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         if layer.capacity != state["capacity"]:
             raise CacheFileError(

@@ -6,6 +6,7 @@ import dataclasses
 
 from h2o_compress.policies.a2sf import A2SFPolicy
 from h2o_compress.policies.base import EvictionPolicy
+from h2o_compress.policies.calibrated import CalibratedPolicy
 from h2o_compress.policies.full import FullPolicy
 from h2o_compress.policies.h2o import H2OPolicy
 from h2o_compress.policies.h2o_mean import H2OMeanPolicy
@@ -32,10 +33,11 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "kvzip": KVzipPolicy,
     "lookahead": LookaheadPolicy,
     "vatp": VATPPolicy,
+    "calibrated": CalibratedPolicy,
 }
 
 __all__ = [
-    "A2SFPolicy", "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
+    "A2SFPolicy", "CalibratedPolicy", "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
     "TOVAPolicy", "VATPPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "POLICY_OPTIONS", "make_policy",
     "policy_names", "policy_names_taking", "takes_option", "describe_policies",
 ]

@@ -52,7 +52,9 @@ class EvictionPolicy:
     scorer: ClassVar[str] = ""
     #: What [`rank`][h2o_compress.policies.EvictionPolicy.rank] returns, for kernels that apply [`priority`][h2o_compress.policies.EvictionPolicy.priority]'s shared rules themselves: ``"nothing"``
     #: (all equal, the default), ``"scores"`` (the accumulated scores themselves) or ``"custom"`` (anything else:
-    #: kernels leave the eviction to [`priority`][h2o_compress.policies.EvictionPolicy.priority]). ``tests/policies/test_policies.py`` checks it against [`rank`][h2o_compress.policies.EvictionPolicy.rank].
+    #: kernels leave the eviction to [`priority`][h2o_compress.policies.EvictionPolicy.priority]) or
+    #: ``"predicted"`` (a calibrated linear predictor: ``w_score log(score) + w_age log(age)`` plus a per-slot
+    #: prior, [`CalibratedPolicy`][h2o_compress.policies.CalibratedPolicy], which the CPU kernel computes itself). ``tests/policies/test_policies.py`` checks it against [`rank`][h2o_compress.policies.EvictionPolicy.rank].
     ranks_by: ClassVar[str] = "nothing"
     #: Its [`priority`][h2o_compress.policies.EvictionPolicy.priority] is [`rank`][h2o_compress.policies.EvictionPolicy.rank] times the L1 norm of each token's stored value (``value_norms``), which
     #: the store keeps per slot from when the token enters (VATP); kernels that evict multiply their rank by them.
@@ -75,6 +77,12 @@ class EvictionPolicy:
         ``keys`` ``[batch, kv_heads, keys, head_dim]``, ``mask`` as
         [`attention_probability_sums`][h2o_compress.attention.attention_probability_sums] takes it."""
         return attention_probability_sums(query, keys, mask, scaling, chunk_size, variant=variant)
+
+    def value_weight(self, values: torch.Tensor) -> torch.Tensor:
+        """What the store keeps per slot for a policy that `weighs_values`, fp32 ``[batch, rows, tokens]``, of
+        ``values`` ``[batch, rows, tokens, head_dim]`` in the model's basis, set once when a token enters: the L1
+        norm (VATP, arXiv 2406.12335 §3). A policy with a per-token prior of its own overrides it."""
+        return values.float().abs().sum(-1)
 
     def recent_window(self, capacity: int) -> int:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""
@@ -108,7 +116,13 @@ class EvictionPolicy:
         norms of the tokens' values, shaped like ``positions``, given only where `weighs_values` (a policy
         that weighs values reads them; the others ignore them).
         """
-        priority = self.rank(scores, positions, seen)
+        return self.protect(self.rank(scores, positions, seen), positions, seen, first_real, capacity)
+
+    def protect(self, priority: torch.Tensor, positions: torch.Tensor, seen: int | torch.Tensor,
+                first_real: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The rules every policy shares, over its fp32 ``priority`` ``[batch, kv_heads, tokens]``: ``+inf`` for the
+        recent window and the sinks, ``-inf`` for empty slots and padding (see
+        [`priority`][h2o_compress.policies.EvictionPolicy.priority])."""
         recent, sinks = self.recent_window(capacity), min(self.sink_tokens, capacity)
         protected = positions >= seen - recent
         if sinks:

@@ -1,0 +1,122 @@
+"""Calibration fitted once per model on calibration text: the calibrated eviction policy's weights
+(`h2o_compress.calibration.eviction_fit`), written to one file tied to the model
+(`h2o_compress.persistence.calibration_file`).
+
+Example:
+    >>> from h2o_compress import CompressionConfig, load_model, generate
+    >>> from h2o_compress.calibration import calibrate
+    >>> model, tokenizer = load_model("smollm2-135m")  # doctest: +SKIP
+    >>> calibrate(model, tokenizer, out="scorer.safetensors")  # doctest: +SKIP
+    >>> config = CompressionConfig(policy="calibrated", budget=0.2, calibration="scorer.safetensors")
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from h2o_compress.calibration.eviction_fit import (
+    HEAVY_FRACTION, RECENT_FRACTION, fit_ridge, kept_share, read_segment, training_rows,
+)
+from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
+from h2o_compress.models.identity import model_fingerprint, model_identity
+from h2o_compress.persistence.calibration_file import (
+    EVICTION_WEIGHTS, Calibration, check_calibration_target, default_calibration_path, save_calibration,
+)
+from h2o_compress.utils.errors import InputError, short
+from h2o_compress.utils.progress import report
+
+__all__ = ["calibrate", "check_request", "fit_eviction", "CALIBRATION_TOKENS", "CALIBRATION_SEGMENTS"]
+
+#: Tokens of each calibration segment.
+CALIBRATION_TOKENS = 1024
+#: Segments read from the calibration text: the first is held back (the printed check), the others fitted.
+CALIBRATION_SEGMENTS = 4
+
+
+def check_request(text_file, tokens, segments) -> None:
+    """Refuse a reporting text as calibration text and bad counts (``tokens`` 64 to 65,536, ``segments`` 2 to
+    65,536), before the model loads.
+
+    Raises:
+        InputError: naming the value and what is allowed.
+    """
+    if isinstance(text_file, str) and text_file in REPORTING_TEXTS:
+        raise InputError(f"calibration text {text_file!r} is a reporting text, which nothing may be tuned on; "
+                         "allowed: the tuning text (default) or a text file of your own")
+    for name, value, low in (("tokens", tokens, 64), ("segments", segments, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 65_536:
+            raise InputError(f"{name}={short(value)} is invalid; allowed: an integer from {low} to 65536")
+
+
+def _segments(tokenizer, text_file, tokens: int, segments: int) -> list[torch.Tensor]:
+    """``segments`` consecutive pieces of ``tokens`` token ids ``[1, tokens]`` from the start of the text."""
+    ids = tokenize_text(tokenizer, load_text(text_file), tokens * segments)
+    if ids.shape[1] < tokens * segments:
+        raise InputError(f"the calibration text gives {ids.shape[1]} tokens; allowed: a text of at least "
+                         f"{tokens * segments} tokens (--tokens {tokens} x --segments {segments})")
+    return [ids[:, i * tokens : (i + 1) * tokens] for i in range(segments)]
+
+
+def fit_eviction(model, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """The calibrated policy's weights fp32 ``[layers, kv_heads, head_dim + 4]`` fitted on ``pieces[1:]``, and the
+    held-back check on ``pieces[0]``: the share of the oracle's future attention the fitted ranking keeps, beside
+    H2O's (`kept_share`), averaged over layers and heads."""
+    device = next(model.parameters()).device
+    tokens = pieces[0].shape[1]
+    recent, heavy = math.ceil(RECENT_FRACTION * tokens), math.ceil(HEAVY_FRACTION * tokens)
+    read = []
+    for i, piece in enumerate(pieces):
+        read.append(read_segment(model, piece.to(device)))
+        report("reading the calibration text", i + 1, len(pieces) + 1)
+    weights, fitted, h2o = [], 0.0, 0.0
+    for layer in range(len(read[0])):
+        rows = [training_rows(segment[layer], recent) for segment in read[1:]]
+        layer_weights = fit_ridge(torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1))
+        weights.append(layer_weights)
+        fitted += kept_share(read[0][layer], layer_weights, recent, heavy) / len(read[0])
+        h2o += kept_share(read[0][layer], None, recent, heavy) / len(read[0])
+    report("reading the calibration text", len(pieces) + 1, len(pieces) + 1)
+    return torch.stack(weights), {"held_back_kept_share": round(fitted, 4), "held_back_kept_share_h2o": round(h2o, 4)}
+
+
+def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS,
+              segments: int = CALIBRATION_SEGMENTS, out=None, overwrite: bool = False) -> Calibration:
+    """Fit the calibrated eviction policy's weights for ``model`` on calibration text, and write them to ``out``.
+
+    The uncompressed model reads ``segments`` consecutive segments of ``tokens`` tokens from the start of the text;
+    the first is held back to check the fit, the others are fitted (`h2o_compress.calibration.eviction_fit`: the
+    label is the log of the mean attention each token receives from every later query of its segment, the inputs
+    what the cache holds when it evicts). About a minute per segment of 1,024 tokens on a CPU for SmolLM2-135M.
+
+    Args:
+        model: a loaded transformers causal LM (`h2o_compress.load_model`).
+        tokenizer: its tokenizer.
+        text_file: the calibration text: ``None`` or ``"sherlock"`` (the tuning text), or a text file's path; never
+            a reporting text.
+        tokens: tokens per segment (64 to 65,536).
+        segments: segments read (at least 2).
+        out: where to write the calibration file (``None``: the model's default file,
+            `h2o_compress.persistence.calibration_file.default_calibration_path`, which a cache of policy
+            ``calibrated`` reads when no ``calibration`` is set).
+        overwrite: replace an existing ``out``.
+
+    Returns:
+        The [`Calibration`][h2o_compress.persistence.Calibration]; ``details`` holds the held-back shares.
+
+    Raises:
+        InputError: a reporting text, bad counts, or a text too short.
+        UnsupportedModelError: a model whose attention probabilities or per-head values cannot be read.
+        CacheFileError: ``out`` cannot be written (or exists without ``overwrite``).
+    """
+    check_request(text_file, tokens, segments)
+    out = default_calibration_path(model) if out is None else out
+    check_calibration_target(out, overwrite)
+    pieces = _segments(tokenizer, text_file, tokens, segments)
+    weights, check = fit_eviction(model, pieces)
+    details = {"text": "sherlock" if text_file is None else str(text_file), "tokens": tokens, "segments": segments,
+               "label": "log mean future attention, horizon: rest of the segment", **check}
+    calibration = Calibration({EVICTION_WEIGHTS: weights}, model_fingerprint(model), model_identity(model), details)
+    calibration.details["path"] = str(save_calibration(out, calibration, overwrite=overwrite))
+    return calibration

@@ -1,0 +1,133 @@
+"""Fitting the calibrated eviction policy's weights on the uncompressed model's attention (KVzap-style,
+arXiv 2601.07891 §3, with H2O's accumulated attention and the token's age among the inputs).
+
+For a calibration segment of ``T`` tokens, the uncompressed model's attention ``A[h, i, j]`` (query ``i``, key
+``j``, the query heads of KV head ``h`` summed) gives, at each decision time ``n`` (``n`` tokens seen):
+
+- the **label** of token ``j``: ``log(mean_{i >= n} A[h, i, j] + SCORE_FLOOR)``, the mean attention it receives
+  from every later query of the segment (the horizon is the rest of the segment; the oracle ranks by the sum over
+  the same queries, which orders tokens alike);
+- its **inputs** (`h2o_compress.policies.calibrated.feature_matrix`): ``log`` of the attention accumulated so far
+  (``sum_{i < n} A[h, i, j]``, H2O's score), ``log`` of its age ``n - j``, its value and the log of the value's norm.
+
+Only tokens outside the recent window at a budget of `RECENT_FRACTION` are rows (those the policy ranks), at every
+`STRIDE`-th decision time. The weights are a ridge regression per (layer, KV head), on standardised inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from h2o_compress.policies.calibrated import SCORE_FLOOR, feature_matrix
+from h2o_compress.utils.errors import UnsupportedModelError
+
+#: The recent window the rows leave out, as a share of the segment (the default budget 0.2 splits into 0.1 heavy
+#: hitters and 0.1 recent window).
+RECENT_FRACTION = 0.1
+#: Decision times between two that give rows.
+STRIDE = 8
+#: Ridge penalty per row on standardised inputs.
+RIDGE = 1e-2
+#: Share of the held-back segment's tokens a held-back check keeps as heavy hitters.
+HEAVY_FRACTION = 0.1
+
+
+@dataclass
+class LayerAttention:
+    """One layer of one calibration segment read by the uncompressed model.
+
+    Attributes:
+        attention: fp32 ``[kv_heads, tokens, tokens]``, ``[h, i, j]`` the attention query ``i`` gives key ``j``,
+            the query heads of KV head ``h`` summed.
+        values: fp32 ``[kv_heads, tokens, head_dim]`` the values as the model made them.
+    """
+
+    attention: torch.Tensor
+    values: torch.Tensor
+
+
+@torch.inference_mode()
+def read_segment(model, input_ids: torch.Tensor) -> list[LayerAttention]:
+    """Every layer's attention and values of ``input_ids`` ``[1, tokens]`` in one uncompressed forward pass (eager
+    attention, for its probabilities; the model's own setting is restored after).
+
+    Raises:
+        UnsupportedModelError: a model whose layers give no attention probabilities or no ``[batch, kv_heads,
+            tokens, head_dim]`` values (latent caches).
+    """
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        cache = DynamicCache(config=model.config)
+        output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_attentions=True)
+    finally:
+        model.set_attn_implementation(previous)
+    layers = []
+    for probabilities, layer in zip(output.attentions or (), cache.layers):
+        values = getattr(layer, "values", None)
+        if probabilities is None or values is None or values.dim() != 4:
+            raise UnsupportedModelError(f"{type(model).__name__}: a layer gives no attention probabilities or per-head "
+                                        "values; allowed: models with a key/value cache per KV head")
+        kv_heads = values.shape[1]
+        attention = probabilities[0].float().unflatten(0, (kv_heads, -1)).sum(1)
+        layers.append(LayerAttention(attention, values[0].float()))
+    if len(layers) != len(cache.layers) or not layers:
+        raise UnsupportedModelError(f"{type(model).__name__}: not every layer gives its attention; allowed: models "
+                                    "whose eager attention returns its probabilities")
+    return layers
+
+
+def training_rows(layer: LayerAttention, recent: int, stride: int = STRIDE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs fp32 ``[kv_heads, rows, head_dim + 3]`` and labels fp32 ``[kv_heads, rows]`` of one layer of one
+    segment (see the module's text), for a recent window of ``recent`` tokens."""
+    attention, values = layer.attention, layer.values
+    tokens = attention.shape[1]
+    seen_sums = attention.cumsum(1)  # [h, i, j]: attention from queries 0..i
+    to_come = attention.flip(1).cumsum(1).flip(1)  # [h, i, j]: attention from queries i..end
+    inputs, labels = [], []
+    for n in range(recent + 8, tokens - 1, stride):
+        ranked = n - recent
+        ages = torch.arange(n, n - ranked, -1).expand(attention.shape[0], ranked)
+        inputs.append(feature_matrix(seen_sums[:, n - 1, :ranked], ages, values[:, :ranked]))
+        labels.append(torch.log(to_come[:, n, :ranked] / (tokens - n) + SCORE_FLOOR))
+    return torch.cat(inputs, 1), torch.cat(labels, 1)
+
+
+def fit_ridge(inputs: torch.Tensor, labels: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
+    """Per KV head, the least-squares weights with an L2 penalty on standardised inputs, returned for the raw
+    inputs with the bias last: fp32 ``[kv_heads, features + 1]`` from ``inputs`` ``[kv_heads, rows, features]``
+    and ``labels`` ``[kv_heads, rows]``."""
+    x = inputs.double()
+    mean, std = x.mean(1, keepdim=True), x.std(1, keepdim=True).clamp(min=1e-6)
+    z = (x - mean) / std
+    y = labels.double()
+    y_mean = y.mean(1, keepdim=True)
+    gram = z.transpose(1, 2) @ z + ridge * z.shape[1] * torch.eye(z.shape[-1], dtype=torch.float64)
+    solved = torch.linalg.solve(gram, z.transpose(1, 2) @ (y - y_mean).unsqueeze(-1))[..., 0]
+    weights = solved / std[:, 0]
+    bias = y_mean[:, 0] - (weights * mean[:, 0]).sum(-1)
+    return torch.cat((weights, bias[:, None]), -1).float()
+
+
+def kept_share(layer: LayerAttention, weights: torch.Tensor | None, recent: int, heavy: int,
+               stride: int = 4 * STRIDE) -> float:
+    """Of the future attention the oracle's ``heavy`` best tokens outside the recent window receive, the share the
+    ``heavy`` tokens ranked best by ``weights`` (``None``: by H2O's accumulated attention) receive, averaged over
+    decision times: a held-back check of a fit, 1.0 for the oracle's own ranking."""
+    attention = layer.attention
+    seen_sums, to_come = attention.cumsum(1), attention.flip(1).cumsum(1).flip(1)
+    kept = best = 0.0
+    for n in range(recent + heavy + 8, attention.shape[1] - 1, stride):
+        ranked = n - recent
+        future = to_come[:, n, :ranked]
+        scores = seen_sums[:, n - 1, :ranked]
+        if weights is not None:
+            ages = torch.arange(n, n - ranked, -1).expand(attention.shape[0], ranked)
+            scores = feature_matrix(scores, ages, layer.values[:, :ranked]) @ weights[:, :-1, None]
+            scores = scores[..., 0]
+        kept += float(future.gather(-1, scores.topk(heavy, -1).indices).sum())
+        best += float(future.topk(heavy, -1).values.sum())
+    return kept / best if best else 1.0

@@ -1,0 +1,171 @@
+"""The calibration file: what `h2o-compress calibrate` fits once per model, in one safetensors file.
+
+Tensors (fp32): ``eviction.weights`` ``[layers, kv_heads, head_dim + 4]``, the calibrated policy's weights per
+layer and KV head (`h2o_compress.policies.CalibratedPolicy`); other tensors a calibration adds (per-channel key
+statistics) are kept as they are. Metadata (strings): ``format`` (`FORMAT`), ``format_version``,
+``library_version``, ``model_fingerprint`` (the model it was fitted on:
+`h2o_compress.models.identity.model_fingerprint`), ``model_id``, ``details`` (JSON: the calibration text, tokens,
+label, held-back figures) and ``checksum`` (as a cache file's). The file is written atomically, like a cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from h2o_compress.models.identity import model_fingerprint, model_identity
+from h2o_compress.persistence.file_format import _atomic_write, _checksum
+from h2o_compress.utils.errors import CacheFileError, ConfigError, one_line, short
+from h2o_compress.utils.files import check_path
+from h2o_compress.utils.paths import check_private_file, private_dir
+from h2o_compress.utils.version import __version__
+
+FORMAT = "h2o-compress-calibration"
+FORMAT_VERSION = "1"
+#: The tensor holding the calibrated eviction policy's weights.
+EVICTION_WEIGHTS = "eviction.weights"
+MAKE_ONE = "make one with: h2o-compress calibrate --model MODEL"
+
+
+@dataclass
+class Calibration:
+    """A calibration file's contents.
+
+    Attributes:
+        tensors: name -> fp32 CPU tensor (`EVICTION_WEIGHTS` ``[layers, kv_heads, head_dim + 4]``, ...).
+        model_fingerprint: the fingerprint of the model it was fitted on.
+        model_id: that model's name.
+        details: what the fit used and measured (calibration text, tokens, label, held-back figures).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    model_fingerprint: str
+    model_id: str
+    details: dict = field(default_factory=dict)
+
+    def eviction_weights(self, layer: int) -> torch.Tensor | None:
+        """fp32 ``[kv_heads, head_dim + 4]`` of model layer ``layer``, or ``None`` where the file has none."""
+        weights = self.tensors.get(EVICTION_WEIGHTS)
+        return None if weights is None or layer >= weights.shape[0] else weights[layer]
+
+
+def check_calibration_target(path, overwrite: bool = False) -> Path:
+    """The path a calibration file will be written to, checked before anything is computed.
+
+    Raises:
+        CacheFileError: not a path, a missing directory, something that is not a regular file, or an existing file
+            without ``overwrite``.
+    """
+    if not isinstance(overwrite, bool):
+        raise CacheFileError(f"overwrite={short(overwrite)} is invalid; allowed: True or False")
+    target = Path(check_path(path, "calibration file", CacheFileError))
+    if not target.parent.is_dir():
+        raise CacheFileError(f"directory {short(str(target.parent))} does not exist; allowed: a path in an existing "
+                             "directory")
+    if target.exists() and (not target.is_file() or target.is_symlink()):
+        raise CacheFileError(f"{short(str(target))} is not a regular file; allowed: a new path or a file")
+    if target.exists() and not overwrite:
+        raise CacheFileError(f"{short(str(target))} exists; allowed: a new path, or --overwrite to replace it")
+    return target
+
+
+def save_calibration(path, calibration: Calibration, overwrite: bool = False) -> Path:
+    """Write ``calibration`` to ``path`` atomically.
+
+    Raises:
+        CacheFileError: ``path`` exists and ``overwrite`` is not True, its directory is missing, or the write failed.
+    """
+    target = check_calibration_target(path, overwrite)
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in calibration.tensors.items()}
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
+                "model_fingerprint": calibration.model_fingerprint, "model_id": calibration.model_id,
+                "details": json.dumps(calibration.details, sort_keys=True)}
+    metadata["checksum"] = _checksum(metadata, tensors)
+    try:
+        _atomic_write(lambda tmp: save_file(tensors, tmp, metadata=metadata), target)
+    except (OSError, SafetensorError) as exc:
+        reason = getattr(exc, "strerror", None) or one_line(str(exc), 200)
+        raise CacheFileError(f"cannot write calibration file {short(str(target))}: {reason}") from None
+    return target
+
+
+def read_calibration(path) -> Calibration:
+    """Read and verify a calibration file (format, version, checksum), for any model.
+
+    Raises:
+        CacheFileError: a missing or unreadable file, another format or version, or a failed checksum.
+    """
+    source = Path(check_path(path, "calibration file", CacheFileError))
+    if not source.is_file():
+        raise CacheFileError(f"calibration file {short(str(source))} does not exist; {MAKE_ONE}")
+    try:
+        with safe_open(str(source), framework="pt", device="cpu") as handle:
+            metadata = dict(handle.metadata() or {})
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CacheFileError(f"calibration file {short(str(source))} is truncated or not a safetensors file "
+                             f"({one_line(str(exc), 200)})") from None
+    if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
+        raise CacheFileError(f"{short(str(source))} is not an h2o-compress calibration file of version "
+                             f"{FORMAT_VERSION}; {MAKE_ONE}")
+    if metadata.get("checksum") != _checksum(metadata, tensors):
+        raise CacheFileError(f"calibration file {short(str(source))} fails its checksum: it was truncated or modified")
+    try:
+        details = json.loads(metadata.get("details", "{}"))
+    except ValueError:
+        details = {}
+    return Calibration({k: v.float() for k, v in tensors.items()}, metadata.get("model_fingerprint", ""),
+                       metadata.get("model_id", ""), details if isinstance(details, dict) else {})
+
+
+def default_calibration_path(model) -> Path:
+    """Where `h2o-compress calibrate` writes ``model``'s calibration when no ``--out`` is given, and where a cache
+    looks for it when no ``calibration`` is set: ``<cache root>/calibration/<model fingerprint>.safetensors`` (a
+    directory only this user can write, `h2o_compress.utils.paths.private_dir`).
+
+    Raises:
+        ConfigError: the cache root is unusable.
+    """
+    return private_dir("calibration") / f"{model_fingerprint(model)}.safetensors"
+
+
+def calibration_for(config, model) -> Calibration | None:
+    """The calibration a cache of ``config`` for ``model`` uses: the file ``config.calibration`` names, else the
+    model's default one (`default_calibration_path`) where the policy needs one and it exists, else ``None``.
+
+    Raises:
+        ConfigError: the policy needs a calibration (``needs_calibration``) and would evict, and none is given or
+            found (naming the command that makes one).
+        CacheFileError: as `load_calibration`.
+    """
+    if config.calibration is not None:
+        return load_calibration(config.calibration, model)
+    needs = getattr(config.eviction_policy(), "needs_calibration", False)
+    if not needs or not config.evicts_any:
+        return None
+    path = default_calibration_path(model)
+    if not path.is_file():
+        raise ConfigError(f"policy={config.policy!r} needs a calibration of this model ({model_identity(model)}) and "
+                          f"none was found at {short(str(path))}; allowed: run h2o-compress calibrate --model MODEL "
+                          "once (minutes), or give --calibration FILE")
+    check_private_file(path)
+    return load_calibration(path, model)
+
+
+def load_calibration(path, model) -> Calibration:
+    """`read_calibration`, refused unless it was fitted on ``model`` (the same fingerprint, as a saved cache is).
+
+    Raises:
+        CacheFileError: as `read_calibration`, or a file fitted on another model.
+    """
+    calibration = read_calibration(path)
+    if calibration.model_fingerprint != model_fingerprint(model):
+        raise CacheFileError(
+            f"calibration file {short(str(path))} was fitted on {calibration.model_id or 'another model'}, not "
+            f"{model_identity(model)}; allowed: a file calibrated on this model ({MAKE_ONE})")
+    return calibration
