@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -135,8 +136,9 @@ def default_calibration_path(model) -> Path:
 
 
 def calibration_for(config, model) -> Calibration | None:
-    """The calibration a cache of ``config`` for ``model`` uses: the file ``config.calibration`` names, else the
-    model's default one (`default_calibration_path`) where the policy needs one and it exists, else ``None``.
+    """The calibration a cache of ``config`` for ``model`` uses: the file ``config.calibration`` names; else, where
+    the policy needs one, the model's own file (`default_calibration_path`, what ``calibrate`` writes) or the one
+    shipped for it (`shipped_calibration_path`); else ``None``.
 
     Raises:
         ConfigError: the policy needs a calibration (``needs_calibration``) and would evict, and none is given or
@@ -149,12 +151,23 @@ def calibration_for(config, model) -> Calibration | None:
     if not needs or not config.evicts_any:
         return None
     path = default_calibration_path(model)
-    if not path.is_file():
-        raise ConfigError(f"policy={config.policy!r} needs a calibration of this model ({model_identity(model)}) and "
-                          f"none was found at {short(str(path))}; allowed: run h2o-compress calibrate --model MODEL "
-                          "once (minutes), or give --calibration FILE")
-    check_private_file(path)
-    return load_calibration(path, model)
+    if path.is_file():
+        check_private_file(path)
+        return load_calibration(path, model)
+    shipped = shipped_calibration_path(model)
+    if shipped is not None:
+        return load_calibration(shipped, model)
+    raise ConfigError(f"policy={config.policy!r} needs a calibration of this model ({model_identity(model)}) and "
+                      f"none was found at {short(str(path))}; allowed: run h2o-compress calibrate --model MODEL "
+                      "once (minutes), or give --calibration FILE")
+
+
+def shipped_calibration_path(model) -> Path | None:
+    """The calibration shipped with the package for ``model`` (``h2o_compress/data/calibration/<fingerprint>
+    .safetensors``: the embedded SmolLM2-135M's, fitted on the tuning text), or ``None``."""
+    path = Path(str(resources.files("h2o_compress").joinpath("data", "calibration",
+                                                             f"{model_fingerprint(model)}.safetensors")))
+    return path if path.is_file() else None
 
 
 def load_calibration(path, model) -> Calibration:

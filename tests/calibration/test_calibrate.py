@@ -1,0 +1,135 @@
+"""Calibration fitted once per model (issue 46): the fit, the file tied to the model, the lookup a cache makes,
+and the refusals, on a tiny random LLaMA."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_llama
+from typer.testing import CliRunner
+
+from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.calibration import calibrate
+from h2o_compress.calibration.eviction_fit import fit_ridge, kept_share, read_segment, training_rows
+from h2o_compress.cli import app
+from h2o_compress.persistence.calibration_file import EVICTION_WEIGHTS, load_calibration, read_calibration
+from h2o_compress.policies.calibrated import CalibratedPolicy, feature_matrix, predicted_score, token_prior
+from h2o_compress.utils.errors import CacheFileError, ConfigError, InputError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class CharTokenizer:
+    """One token per character (ids below the tiny model's vocabulary)."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 100 for c in text]]))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "calibration.txt"
+    path.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 8)
+    return str(path)
+
+
+def test_calibrate_writes_a_file_tied_to_the_model(model, text_file, tmp_path):
+    out = tmp_path / "scorer.safetensors"
+    calibration = calibrate(model, CharTokenizer(), text_file, tokens=128, segments=3, out=out)
+    weights = calibration.tensors[EVICTION_WEIGHTS]
+    assert weights.shape == (2, 2, 32 + 4) and bool(torch.isfinite(weights).all())
+    assert 0 < calibration.details["held_back_kept_share"] <= 1.0 + 1e-6
+    loaded = load_calibration(out, model)
+    assert torch.equal(loaded.tensors[EVICTION_WEIGHTS], weights)
+    with pytest.raises(CacheFileError, match="was fitted on .*allowed: a file calibrated on this model"):
+        load_calibration(out, tiny_llama(seed=1))
+
+
+def test_a_cache_takes_each_layer_s_weights_from_the_file(model, text_file, tmp_path):
+    out = tmp_path / "scorer.safetensors"
+    calibration = calibrate(model, CharTokenizer(), text_file, tokens=128, segments=2, out=out)
+    cache = make_cache(model, CompressionConfig(policy="calibrated", budget=8, calibration=str(out)), max_length=40)
+    for i, layer in enumerate(cache.layers):
+        assert torch.equal(layer.policy.weights, calibration.tensors[EVICTION_WEIGHTS][i])
+
+
+def test_refusals_come_before_any_reading(model, text_file, tmp_path):
+    taken = tmp_path / "taken.safetensors"
+    taken.write_text("mine")
+    with pytest.raises(InputError, match="reporting text"):
+        calibrate(model, CharTokenizer(), "persuasion", out=tmp_path / "x.safetensors")
+    with pytest.raises(CacheFileError, match="exists; allowed"):
+        calibrate(model, CharTokenizer(), text_file, tokens=128, segments=2, out=taken)
+    assert taken.read_text() == "mine"
+    with pytest.raises(InputError, match="tokens=8 is invalid"):
+        calibrate(model, CharTokenizer(), text_file, tokens=8)
+    with pytest.raises(InputError, match="at least 1536 tokens"):
+        calibrate(model, CharTokenizer(), text_file, tokens=512, segments=3, out=tmp_path / "y.safetensors")
+
+
+def test_a_modified_file_is_refused(model, text_file, tmp_path):
+    out = tmp_path / "scorer.safetensors"
+    calibrate(model, CharTokenizer(), text_file, tokens=128, segments=2, out=out)
+    data = bytearray(out.read_bytes())
+    data[-3] ^= 0xFF  # a weight's bytes
+    out.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="fails its checksum"):
+        read_calibration(out)
+
+
+def test_a_model_without_a_calibration_is_refused_in_one_line(model, real_calibration_lookup):
+    with pytest.raises(ConfigError, match="needs a calibration .* run h2o-compress calibrate --model MODEL"):
+        make_cache(model, CompressionConfig(policy="calibrated", budget=8), max_length=40)
+    make_cache(model, CompressionConfig(policy="calibrated", budget=1.0), max_length=40)  # nothing to evict: no file
+
+
+def test_the_cli_refuses_a_reporting_text_before_loading():
+    result = CliRunner().invoke(app, ["calibrate", "--text-file", "python_code"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: calibration text 'python_code' is a reporting text, which nothing may be tuned on; allowed: the "
+        "tuning text (default) or a text file of your own"]
+
+
+def test_the_ridge_fit_recovers_a_linear_law():
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(2, 500, 3, generator=generator)
+    truth = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, 1.0, -1.0]])
+    labels = (inputs @ truth[:, :3, None])[..., 0] + truth[:, 3:]
+    assert torch.allclose(fit_ridge(inputs, labels, ridge=0.0), truth, atol=1e-4)
+
+
+def test_the_predicted_score_is_the_fitted_linear_form():
+    generator = torch.Generator().manual_seed(1)
+    weights = torch.randn(2, 8 + 4, generator=generator)
+    scores, ages = torch.rand(1, 2, 5, generator=generator), torch.arange(1, 6).expand(1, 2, 5)
+    values = torch.randn(1, 2, 5, 8, generator=generator)
+    features = feature_matrix(scores, ages, values)  # [1, 2, 5, 8 + 3]
+    expected = (features @ weights[:, :-1, None].unsqueeze(0))[..., 0] + weights[None, :, -1:]
+    got = predicted_score(scores, ages, token_prior(values, weights), weights)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_labels_are_the_mean_attention_to_come(model):
+    read = read_segment(model, torch.randint(0, 100, (1, 48), generator=torch.Generator().manual_seed(2)))
+    layer = read[0]
+    inputs, labels = training_rows(layer, recent=4, stride=8)
+    n = 4 + 8  # the first decision time: tokens 0 .. n - recent - 1 are ranked
+    expected = torch.log(layer.attention[:, n:, : n - 4].mean(1) + 1e-4)
+    assert torch.allclose(labels[:, : n - 4], expected, atol=1e-5)
+    assert kept_share(layer, None, recent=4, heavy=4) <= 1.0 + 1e-6
+
+
+def test_weights_without_a_calibration_refuse_to_rank():
+    policy = CalibratedPolicy()
+    with pytest.raises(ConfigError, match="no weights"):
+        policy.rank(torch.zeros(1, 1, 3), torch.arange(3).view(1, 1, 3), 3)
+    with pytest.raises(ConfigError, match="NaN or Inf"):
+        CalibratedPolicy(weights=torch.full((1, 8), float("nan")))
