@@ -15,7 +15,7 @@ from pathlib import Path
 from h2o_compress.evaluation.corpus import text_role
 from h2o_compress.policies import POLICIES
 from h2o_compress.utils.errors import InputError, short, write_failure
-from h2o_compress.utils.files import read_text
+from h2o_compress.utils.files import make_dir, read_text
 from h2o_compress.utils.outputs import SIGNED, OutputDir, check_out_path, manifest_key
 
 MIB = 2**20
@@ -531,13 +531,9 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
         InputError: it exists and is not a directory, or cannot be created.
     """
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise InputError(f"output path {str(out)!r} exists and is not a directory") from None
-    except OSError as exc:
-        raise InputError(f"cannot create output directory {str(out)!r}: {exc.strerror or exc}") from None
-    return out
+    return make_dir(out, lambda exc: InputError(
+        f"output path {str(out)!r} exists and is not a directory" if exc is None
+        else f"cannot create output directory {str(out)!r}: {exc.strerror or exc}"))
 
 
 def load_report(path: str | Path) -> dict:

@@ -40,6 +40,30 @@ def check_path(path, what: str, error: type[H2OCompressError]):
     return path
 
 
+def make_dir(path: Path, refuse) -> Path:
+    """Create the directory ``path`` and its parents where missing (an existing directory is fine).
+
+    Args:
+        path: the directory.
+        refuse: ``refuse(None)`` gives the error for a path where something that is not a directory stands (or
+            stands above it), ``refuse(exc)`` the error for any other ``OSError`` ``exc`` (no permission, no
+            room, ...): an [`H2OCompressError`][h2o_compress.H2OCompressError] naming the path.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        H2OCompressError: the error ``refuse`` gives.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise refuse(None) from None
+    except OSError as exc:
+        raise refuse(exc) from None
+    return path
+
+
 def read_text(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES) -> str:
     """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes.
 

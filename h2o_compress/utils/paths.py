@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.files import make_dir
 
 
 def cache_root() -> Path:
@@ -26,12 +27,9 @@ def check_cache_root(root: Path) -> Path:
         ConfigError: it exists and is not a directory, cannot be created, or is not writable.
     """
     name = f"H2O_COMPRESS_CACHE directory {short(str(root))}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"{name} is not a directory; allowed: a writable directory, or unset") from None
-    except OSError as exc:
-        raise ConfigError(f"{name} cannot be created ({exc.strerror}); allowed: a writable directory") from None
+    make_dir(root, lambda exc: ConfigError(
+        f"{name} is not a directory; allowed: a writable directory, or unset" if exc is None
+        else f"{name} cannot be created ({exc.strerror}); allowed: a writable directory"))
     if not root.is_dir():
         raise ConfigError(f"{name} is not a directory; allowed: a writable directory, or unset")
     if not os.access(root, os.W_OK | os.X_OK):
