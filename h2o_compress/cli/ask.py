@@ -14,11 +14,10 @@ import typer
 from h2o_compress.runtime.ask import ASK_DEFAULTS
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.cli.common import load_options, merged_config, user_errors
-from h2o_compress.cli.generate import summary_line, write_piece
+from h2o_compress.cli.generate import Generation, generation_options, summary_line, write_piece
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
-    ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
-    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
+    CompileOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
 )
 from h2o_compress.jobs.ask import AskJob
 from h2o_compress.utils.defaults import default_of
@@ -52,6 +51,10 @@ def fitted_config(compression: Compression, config_file: Optional[str], check_fo
 @user_errors
 @compression_options(defaults=DEFAULTS)
 @placement_options
+@generation_options(
+    save_help="Save the compressed context to this safetensors file (an existing file must be a cache file unless "
+    "--overwrite).",
+    load_help="Start from a compressed context saved with --save-cache (same document).")
 def ask(
     ctx: typer.Context,
     context_file: str = typer.Option(..., "--context-file", help="The document (UTF-8 text), compressed once."),
@@ -59,19 +62,7 @@ def ask(
     model: str = ModelOpt,
     max_new_tokens: int = typer.Option(
         default_of(AskJob, "max_new_tokens"), "--max-new-tokens", help="Tokens per answer at most."),
-    device: str = DeviceOpt,
-    dtype: Optional[str] = DtypeOpt,
-    chat: bool = ChatOpt,
-    temperature: float = TemperatureOpt,
-    seed: Optional[int] = SamplingSeedOpt,
-    as_json: bool = StreamJsonOpt,
-    config_file: Optional[str] = ConfigFileOpt,
-    save_cache: Optional[str] = typer.Option(
-        None, "--save-cache", help="Save the compressed context to this safetensors file (an existing file must be "
-        "a cache file unless --overwrite)."),
-    load_cache: Optional[str] = typer.Option(
-        None, "--load-cache", help="Start from a compressed context saved with --save-cache (same document)."),
-    overwrite: bool = OverwriteOpt,
+    options: Generation = None,
     threads: Optional[int] = ThreadsOpt,
     trust_remote_code: bool = TrustOpt,
     compile_step: Optional[bool] = CompileOpt,
@@ -80,16 +71,17 @@ def ask(
 ):
     """Compress a document once (defaults: kvzip with global layer budgets and adaptive heads, budget 0.2 of the
     document, heavy ratio 1 with 4 sinks, 4 bits), then answer each --question from the same compressed context."""
-    config, given = fitted_config(compression, config_file, check_formats=load_cache is None)
+    as_json = options.as_json
+    config, given = fitted_config(compression, options.config_file, check_formats=options.load_cache is None)
     job = AskJob(  # checks every option: nothing is loaded or written before all are known to be good
-        question, context_file=context_file, model=model, config=config, max_new_tokens=max_new_tokens, chat=chat,
-        temperature=temperature, seed=seed, compile=compile_step, save_cache=save_cache, load_cache=load_cache,
-        overwrite=overwrite, given=given, load=load_options(device, dtype, placement, config.attention_kernel),
-        threads=threads, trust_remote_code=trust_remote_code)
+        question, context_file=context_file, model=model, config=config, max_new_tokens=max_new_tokens,
+        compile=compile_step, given=given, load=load_options(options.device, options.dtype, placement,
+                                                             config.attention_kernel),
+        threads=threads, trust_remote_code=trust_remote_code, **options.job_settings())
     with stage_progress(enabled=not as_json) as bar:  # converting the model (first run), scoring, prefill
         session = job.start(bar)
     if not as_json:
-        typer.echo(context_line(session.figures, loaded=load_cache is not None), err=True)
+        typer.echo(context_line(session.figures, loaded=options.load_cache is not None), err=True)
     answers = []
     for text in job.questions:
         if not as_json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import typer
@@ -15,7 +16,7 @@ import typer
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
-    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
+    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, Flag, compression_options, option_group, placement_options,
 )
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.jobs.generate import GenerateJob
@@ -29,28 +30,61 @@ def write_piece(piece: str) -> None:
     sys.stdout.flush()
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What `generation_options` hands a command: the values of the options ``generate`` and ``ask`` share."""
+
+    device: str
+    dtype: Optional[str]
+    chat: bool
+    temperature: float
+    seed: Optional[int]
+    as_json: bool
+    config_file: Optional[str]
+    save_cache: Optional[str]
+    load_cache: Optional[str]
+    overwrite: bool
+
+    def job_settings(self) -> dict:
+        """The fields a job takes as they are (``chat``, ``temperature``, ``seed``, the cache files, ``overwrite``)."""
+        return {name: getattr(self, name) for name in ("chat", "temperature", "seed", "save_cache", "load_cache",
+                                                       "overwrite")}
+
+
+def generation_options(save_help: str, load_help: str):
+    """Decorator: the options ``generate`` and ``ask`` share (``--device``, ``--dtype``, ``--chat``,
+    ``--temperature``, ``--seed``, ``--json``, ``--config``, ``--save-cache``, ``--load-cache``, ``--overwrite``),
+    put where the command's parameter ``options`` stands (`option_group`) and handed to it as that one keyword
+    argument, a `Generation`.
+
+    Args:
+        save_help: the help of ``--save-cache`` (what the command saves).
+        load_help: the help of ``--load-cache`` (what it starts from).
+    """
+    return option_group("options", {
+        "device": Flag(str, DeviceOpt), "dtype": Flag(Optional[str], DtypeOpt), "chat": Flag(bool, ChatOpt),
+        "temperature": Flag(float, TemperatureOpt), "seed": Flag(Optional[int], SamplingSeedOpt),
+        "as_json": Flag(bool, StreamJsonOpt), "config_file": Flag(Optional[str], ConfigFileOpt),
+        "save_cache": Flag(Optional[str], typer.Option(None, "--save-cache", help=save_help)),
+        "load_cache": Flag(Optional[str], typer.Option(None, "--load-cache", help=load_help)),
+        "overwrite": Flag(bool, OverwriteOpt),
+    }, Generation)
+
+
 @user_errors
 @compression_options
 @placement_options
+@generation_options(
+    save_help="Save the compressed prompt cache (the part a follow-up prompt shares) to this safetensors file; an "
+    "existing file must be a cache file unless --overwrite.",
+    load_help="Start from a saved prompt cache (the prompt must extend it).")
 def generate(
     ctx: typer.Context,
     prompt: str = typer.Argument(..., help="The prompt."),
     model: str = ModelOpt,
     max_new_tokens: int = typer.Option(
         default_of(GenerateJob, "max_new_tokens"), "--max-new-tokens", help="Tokens to generate at most."),
-    device: str = DeviceOpt,
-    dtype: Optional[str] = DtypeOpt,
-    chat: bool = ChatOpt,
-    temperature: float = TemperatureOpt,
-    seed: Optional[int] = SamplingSeedOpt,
-    as_json: bool = StreamJsonOpt,
-    config_file: Optional[str] = ConfigFileOpt,
-    save_cache: Optional[str] = typer.Option(
-        None, "--save-cache", help="Save the compressed prompt cache (the part a follow-up prompt shares) to this "
-        "safetensors file; an existing file must be a cache file unless --overwrite."),
-    load_cache: Optional[str] = typer.Option(
-        None, "--load-cache", help="Start from a saved prompt cache (the prompt must extend it)."),
-    overwrite: bool = OverwriteOpt,
+    options: Generation = None,
     memory_limit: Optional[str] = typer.Option(
         None, "--memory-limit", help="Let the planner pick budget, bits and group size to fit in this memory "
         "(e.g. 2GiB)."),
@@ -63,19 +97,21 @@ def generate(
     """Generate text with a compressed KV cache, streaming tokens as they come. With --memory-limit the planner
     picks the setting for the weights as loaded (--weights-bits) and the summary gives planned vs measured peak
     memory."""
-    config, given = merged_config(compression, config_file, check_formats=memory_limit is None and load_cache is None)
+    config, given = merged_config(compression, options.config_file,
+                                  check_formats=memory_limit is None and options.load_cache is None)
     job = GenerateJob(  # checks every option: nothing is loaded or written before all are known to be good
-        prompt, model, config, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, seed=seed,
-        compile=compile_step, memory_limit=memory_limit, save_cache=save_cache, load_cache=load_cache,
-        overwrite=overwrite, given=given, load=load_options(device, dtype, placement, config.attention_kernel),
-        threads=threads, trust_remote_code=trust_remote_code)
-    with stage_progress(enabled=not as_json):  # converting the model (first run), a scoring pass (kvzip)
-        report = job.run(on_text=None if as_json else write_piece, on_plan=lambda line: typer.echo(line, err=True))
-    if as_json:
+        prompt, model, config, max_new_tokens=max_new_tokens, compile=compile_step, memory_limit=memory_limit,
+        given=given, load=load_options(options.device, options.dtype, placement, config.attention_kernel),
+        threads=threads, trust_remote_code=trust_remote_code, **options.job_settings())
+    with stage_progress(enabled=not options.as_json):  # converting the model (first run), a scoring pass (kvzip)
+        report = job.run(on_text=None if options.as_json else write_piece,
+                         on_plan=lambda line: typer.echo(line, err=True))
+    if options.as_json:
         typer.echo(json.dumps(report.figures))
         return
     sys.stdout.write("\n")
-    typer.echo(summary_line(report.figures, loaded=load_cache is not None, saved=save_cache is not None), err=True)
+    typer.echo(summary_line(report.figures, loaded=options.load_cache is not None,
+                            saved=options.save_cache is not None), err=True)
     if report.plan is not None:
         typer.echo(peak_line(report.figures), err=True)
 

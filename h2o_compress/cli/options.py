@@ -33,6 +33,10 @@ class _Flag:
     option: object
 
 
+#: An option declared once: its parameter's annotation and its typer option (the entries of `option_group`).
+Flag = _Flag
+
+
 def _or(values) -> str:
     """``a, b or c``: the allowed values in a help text."""
     values = [str(v) for v in values]
@@ -234,6 +238,34 @@ def placement_options(command):
     wrapper.__signature__ = signature.replace(parameters=own + added)
     wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
     return wrapper
+
+
+def option_group(name: str, flags: dict[str, _Flag], gather=dict):
+    """Decorator: one option per flag of ``flags``, put where the command's parameter ``name`` stands (so
+    ``--help`` lists them there, in the order of ``flags``), handed to the command as that one keyword argument.
+
+    Args:
+        name: the command's placeholder parameter (e.g. ``options: Generation = None``).
+        flags: the options, by parameter name.
+        gather: what the command gets: ``gather(**values)`` of the values by parameter name (default: a dict).
+    """
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        params = []
+        for param in signature.parameters.values():
+            params += [param] if param.name != name else [
+                inspect.Parameter(n, param.kind, annotation=f.annotation, default=f.option) for n, f in flags.items()]
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            return command(*args, **{name: gather(**{n: kwargs.pop(n) for n in flags})}, **kwargs)
+
+        wrapper.__signature__ = signature.replace(parameters=params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate
 
 
 RAY_LOCAL = "local"

@@ -14,8 +14,8 @@ from h2o_compress.cli.lm_eval_command import split_tasks
 from h2o_compress.cli.options import RayCommand
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
-    CompileOpt, Compression, DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, parse_budget,
-    given_on_command_line, placement_options,
+    CompileOpt, Compression, DeviceOpt, DtypeOpt, Flag, ModelOpt, ThreadsOpt, TrustOpt, compression_options,
+    given_on_command_line, option_group, parse_budget, placement_options,
 )
 from h2o_compress.evaluation.corpus import REPORTING, REPORTING_TEXTS, TEXT_NAMES
 from h2o_compress.profiling.report import load_report, write_report
@@ -42,41 +42,41 @@ def setting_default(name: str):
     return value
 
 
+def sweep_option(name: str, help: str, flag: str | None = None):
+    """The option of [`ProfileSettings`][h2o_compress.profiling.ProfileSettings]' field ``name``: its default the
+    field's (`setting_default`), its flag ``--`` and the name with dashes unless ``flag`` says otherwise."""
+    return typer.Option(setting_default(name), flag or "--" + name.replace("_", "-"), help=help)
+
+
 # -- the sweep's options, their defaults those of ProfileSettings ------------------------------------------------------
 OutOpt = typer.Option(
     ..., "--out", help="Directory for report.json, report.md, PNG plots, report.html and rows/: new, empty, or "
     "one an earlier profile wrote (a rerun resumes from its rows/); other report files there are not replaced.")
-PoliciesOpt = typer.Option(setting_default("policies"), "--policies", help="Eviction policies, comma-separated.")
-BudgetsOpt = typer.Option(
-    setting_default("budgets"), "--budgets", help="Budgets, comma-separated (1 = no eviction).")
-KvBitsOpt = typer.Option(setting_default("kv_bits"), "--kv-bits", help="KV bits, comma-separated.")
-SeqLenOpt = typer.Option(
-    setting_default("seq_lens"), "--seq-len", help="Context lengths of the speed/memory runs.")
-DecodeTokensOpt = typer.Option(
-    setting_default("decode_tokens"), "--decode-tokens", help="Decode steps timed after each prefill.")
-PplTokensOpt = typer.Option(
-    setting_default("ppl_tokens"), "--ppl-tokens", help="Tokens of the streaming-perplexity run.")
-ChunkSizeOpt = typer.Option(
-    setting_default("chunk_size"), "--chunk-size", help="Tokens per forward pass in the perplexity run: 1 (default) = "
-    "token by token, the exact decode semantics; larger is faster but optimistic, and the report labels it chunked.")
-AgreementPromptsOpt = typer.Option(
-    setting_default("agreement_prompts"), "--agreement-prompts", help="Shipped prompts for agreement (0 = skip).")
-MaxNewTokensOpt = typer.Option(
-    setting_default("max_new_tokens"), "--max-new-tokens", help="Tokens generated per agreement prompt.")
-NeedleLengthsOpt = typer.Option(
-    setting_default("needle_lengths"), "--needle-lengths", help="Passkey context lengths (empty = skip).")
-NeedleDepthsOpt = typer.Option(
-    setting_default("needle_depths"), "--needle-depths", help="Passkey depths in [0, 1].")
-TextFileOpt = typer.Option(
-    setting_default("text_file"), "--text-file", help="Text for perplexity/speed (default: shipped corpus).")
-QualityTextsOpt = typer.Option(
-    setting_default("quality_texts"), "--quality-texts", help="More texts, comma-separated, on which every "
-    "configuration's perplexity (and passkey accuracy, with --needle-lengths) is also measured: "
-    f"{', '.join(TEXT_NAMES)}, {REPORTING} (= {', '.join(REPORTING_TEXTS)}) or file paths; the report adds a "
-    "'Quality per corpus' table (empty = skip).")
-IsolateOpt = typer.Option(
-    setting_default("isolate"), "--isolate/--no-isolate", help="One fresh worker process per configuration "
-    "(default: on CPU, where the peak RSS needs it).")
+PoliciesOpt = sweep_option("policies", "Eviction policies, comma-separated.")
+BudgetsOpt = sweep_option("budgets", "Budgets, comma-separated (1 = no eviction).")
+KvBitsOpt = sweep_option("kv_bits", "KV bits, comma-separated.")
+SeqLenOpt = sweep_option("seq_lens", "Context lengths of the speed/memory runs.", "--seq-len")
+DecodeTokensOpt = sweep_option("decode_tokens", "Decode steps timed after each prefill.")
+PplTokensOpt = sweep_option("ppl_tokens", "Tokens of the streaming-perplexity run.")
+ChunkSizeOpt = sweep_option("chunk_size", "Tokens per forward pass in the perplexity run: 1 (default) = token by "
+                            "token, the exact decode semantics; larger is faster but optimistic, and the report "
+                            "labels it chunked.")
+AgreementPromptsOpt = sweep_option("agreement_prompts", "Shipped prompts for agreement (0 = skip).")
+MaxNewTokensOpt = sweep_option("max_new_tokens", "Tokens generated per agreement prompt.")
+NeedleLengthsOpt = sweep_option("needle_lengths", "Passkey context lengths (empty = skip).")
+NeedleDepthsOpt = sweep_option("needle_depths", "Passkey depths in [0, 1].")
+TextFileOpt = sweep_option("text_file", "Text for perplexity/speed (default: shipped corpus).")
+QualityTextsOpt = sweep_option(
+    "quality_texts", "More texts, comma-separated, on which every configuration's perplexity (and passkey "
+    f"accuracy, with --needle-lengths) is also measured: {', '.join(TEXT_NAMES)}, {REPORTING} (= "
+    f"{', '.join(REPORTING_TEXTS)}) or file paths; the report adds a 'Quality per corpus' table (empty = skip).")
+IsolateOpt = sweep_option("isolate", "One fresh worker process per configuration (default: on CPU, where the peak "
+                          "RSS needs it).", "--isolate/--no-isolate")
+LmEvalTasksOpt = sweep_option("lm_eval_tasks", "lm-evaluation-harness tasks scored for every configuration, "
+                              "comma-separated (e.g. lambada_openai,hellaswag; empty = skip; needs the lm-eval "
+                              "extra).")
+LmEvalLimitOpt = sweep_option("lm_eval_limit", "At most N documents per lm-eval task.")
+LmEvalIncludePathOpt = sweep_option("lm_eval_include_path", "A folder of extra lm-eval task YAML files.")
 RayOpt = typer.Option(
     None, "--ray", metavar="[ADDRESS]",
     help="Run each configuration as a Ray task (pip install 'h2o-compress\\[ray]'): --ray alone starts a local "
@@ -85,17 +85,25 @@ RayOpt = typer.Option(
 ResumeOpt = typer.Option(
     default_of(run_profile, "resume"), "--resume/--no-resume", help="Reuse the rows a previous run of the same sweep "
     "finished in OUT/rows (default); --no-resume measures every row again.")
-LmEvalTasksOpt = typer.Option(
-    setting_default("lm_eval_tasks"), "--lm-eval-tasks", help="lm-evaluation-harness tasks scored for every "
-    "configuration, comma-separated (e.g. lambada_openai,hellaswag; empty = skip; needs the lm-eval extra).")
-LmEvalLimitOpt = typer.Option(
-    setting_default("lm_eval_limit"), "--lm-eval-limit", help="At most N documents per lm-eval task.")
-LmEvalIncludePathOpt = typer.Option(
-    setting_default("lm_eval_include_path"), "--lm-eval-include-path", help="A folder of extra lm-eval task YAML "
-    "files.")
 RenderOpt = typer.Option(
     None, "--render", help="Only re-render the report files from this report.json (e.g. of an interrupted sweep) "
     "into --out; takes no sweep option.")
+
+
+#: The sweep's grid and measurement options, in their ``--help`` order (`option_group` ``sweep``).
+SWEEP_FLAGS = {
+    "policies": Flag(str, PoliciesOpt), "budgets": Flag(str, BudgetsOpt), "kv_bits": Flag(str, KvBitsOpt),
+    "seq_len": Flag(str, SeqLenOpt), "decode_tokens": Flag(int, DecodeTokensOpt), "ppl_tokens": Flag(int, PplTokensOpt),
+    "chunk_size": Flag(int, ChunkSizeOpt), "agreement_prompts": Flag(int, AgreementPromptsOpt),
+    "max_new_tokens": Flag(int, MaxNewTokensOpt), "needle_lengths": Flag(str, NeedleLengthsOpt),
+    "needle_depths": Flag(str, NeedleDepthsOpt), "text_file": Flag(Optional[str], TextFileOpt),
+    "quality_texts": Flag(str, QualityTextsOpt),
+}
+#: The lm-evaluation-harness options (`option_group` ``lm_eval``).
+LM_EVAL_FLAGS = {
+    "lm_eval_tasks": Flag(str, LmEvalTasksOpt), "lm_eval_limit": Flag(Optional[int], LmEvalLimitOpt),
+    "lm_eval_include_path": Flag(Optional[str], LmEvalIncludePathOpt),
+}
 
 
 def sweep_lists(policies: str, budgets: str, kv_bits: str, seq_len: str, needle_lengths: str, needle_depths: str,
@@ -114,6 +122,18 @@ def sweep_lists(policies: str, budgets: str, kv_bits: str, seq_len: str, needle_
     )
 
 
+def sweep_settings(sweep: dict, lm_eval: dict) -> dict:
+    """[`ProfileSettings`][h2o_compress.profiling.ProfileSettings]' fields from the values of the `SWEEP_FLAGS`
+    and `LM_EVAL_FLAGS` options: the lists parsed (`sweep_lists`), the rest as given. Raises ConfigError."""
+    scalars = ("decode_tokens", "ppl_tokens", "chunk_size", "agreement_prompts", "max_new_tokens", "text_file")
+    return dict(
+        **{name: sweep[name] for name in scalars},
+        lm_eval_limit=lm_eval["lm_eval_limit"], lm_eval_include_path=lm_eval["lm_eval_include_path"],
+        **sweep_lists(sweep["policies"], sweep["budgets"], sweep["kv_bits"], sweep["seq_len"], sweep["needle_lengths"],
+                      sweep["needle_depths"], lm_eval["lm_eval_tasks"], sweep["quality_texts"]),
+    )
+
+
 def render_only(ctx: typer.Context, render: str) -> str:
     """``render``, once no sweep option was given beside ``--render`` (which only re-renders the report files of an
     existing report.json). Raises ConfigError naming the options given."""
@@ -129,23 +149,13 @@ def render_only(ctx: typer.Context, render: str) -> str:
 @compression_options(only=("min_capacity", "heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets",
                            "attention_kernel"))
 @placement_options
+@option_group("sweep", SWEEP_FLAGS)
+@option_group("lm_eval", LM_EVAL_FLAGS)
 def profile_command(
     ctx: typer.Context,
     out: str = OutOpt,
     model: str = ModelOpt,
-    policies: str = PoliciesOpt,
-    budgets: str = BudgetsOpt,
-    kv_bits: str = KvBitsOpt,
-    seq_len: str = SeqLenOpt,
-    decode_tokens: int = DecodeTokensOpt,
-    ppl_tokens: int = PplTokensOpt,
-    chunk_size: int = ChunkSizeOpt,
-    agreement_prompts: int = AgreementPromptsOpt,
-    max_new_tokens: int = MaxNewTokensOpt,
-    needle_lengths: str = NeedleLengthsOpt,
-    needle_depths: str = NeedleDepthsOpt,
-    text_file: Optional[str] = TextFileOpt,
-    quality_texts: str = QualityTextsOpt,
+    sweep: dict = None,
     device: str = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     isolate: Optional[bool] = IsolateOpt,
@@ -154,9 +164,7 @@ def profile_command(
     compile_step: Optional[bool] = CompileOpt,
     ray: Optional[str] = RayOpt,
     resume: bool = ResumeOpt,
-    lm_eval_tasks: str = LmEvalTasksOpt,
-    lm_eval_limit: Optional[int] = LmEvalLimitOpt,
-    lm_eval_include_path: Optional[str] = LmEvalIncludePathOpt,
+    lm_eval: dict = None,
     render: Optional[str] = RenderOpt,
     compression: Compression = None,
     placement: dict = None,
@@ -169,12 +177,8 @@ def profile_command(
         return
     load = load_options(device, dtype, placement)  # --kernel is checked against the device by ProfileSettings
     settings = ProfileSettings(  # checks every setting; run_profile checks --text-file, --ray and --out
-        model=model, device=device, dtype=dtype, decode_tokens=decode_tokens, ppl_tokens=ppl_tokens,
-        chunk_size=chunk_size, agreement_prompts=agreement_prompts, max_new_tokens=max_new_tokens,
-        text_file=text_file, isolate=isolate, threads=threads, trust_remote_code=trust_remote_code,
-        compile=compile_step, lm_eval_limit=lm_eval_limit, lm_eval_include_path=lm_eval_include_path,
-        **sweep_lists(policies, budgets, kv_bits, seq_len, needle_lengths, needle_depths, lm_eval_tasks,
-                      quality_texts),
+        model=model, device=device, dtype=dtype, isolate=isolate, threads=threads,
+        trust_remote_code=trust_remote_code, compile=compile_step, **sweep_settings(sweep, lm_eval),
         **compression.values, placement={k: load[k] for k in PLACEMENT_DEFAULTS},
     )
     with stage_progress():  # a first run converts the model before the sweep's own bar
