@@ -148,23 +148,15 @@ class GenerateJob:
         """
         import torch
 
-
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        config = self.config
         peak = PeakMemory() if self.memory_limit is not None else None  # before the weights: the planner counts them
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
         if peak is not None:
             peak.loaded()  # the weights are resident: count them, not the transient of loading them
-        row = None
-        if self.memory_limit is not None:
-            row = choose_for_prompt(lm, tokenizer, self.prompt, self.memory_limit, self.max_new_tokens, chat=self.chat,
-                                    base=config, compiled=self.compile)
-            config = row.config
-            if on_plan is not None:
-                on_plan(describe_choice(row, self.memory_limit))
+        config, row = self._planned(lm, tokenizer, on_plan)
         if self.load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
             tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
             check_usable(config, config.capacity(tokens + self.max_new_tokens))
@@ -181,11 +173,44 @@ class GenerateJob:
             lm, tokenizer, self.prompt, config, max_new_tokens=self.max_new_tokens, chat=self.chat,
             temperature=self.temperature, seed=self.seed, on_text=on_text, compile=self.compile, **extra,
         )
+        figures = self._figures(result, config, floating_dtype(lm), row, peak, load_s)
+        return GenerateReport(result, config, figures, row)
+
+    def _planned(self, lm, tokenizer,
+                 on_plan: Callable[[str], None] | None) -> tuple[CompressionConfig, PlanRow | None]:
+        """The setting to generate with: the job's ``config``, or, with ``memory_limit``, the planner's pick for
+        the loaded ``lm`` (told to ``on_plan`` in one line).
+
+        Returns:
+            ``(config, row)``: the setting and the planner's row (``None`` without ``memory_limit``).
+
+        Raises:
+            ConfigError: nothing fits ``memory_limit``.
+        """
+        if self.memory_limit is None:
+            return self.config, None
+        row = choose_for_prompt(lm, tokenizer, self.prompt, self.memory_limit, self.max_new_tokens, chat=self.chat,
+                                base=self.config, compiled=self.compile)
+        if on_plan is not None:
+            on_plan(describe_choice(row, self.memory_limit))
+        return row.config, row
+
+    def _figures(self, result: GenerationResult, config: CompressionConfig, dtype, row: PlanRow | None,
+                 peak: PeakMemory | None, load_s: float | None) -> dict:
+        """What ``generate --json`` prints (`GenerateReport.figures`).
+
+        Args:
+            result: the generation.
+            config: the setting it ran with.
+            dtype: the model's floating dtype (the KV cache's).
+            row: the planner's row under ``memory_limit`` (then ``peak`` measures the peak memory), or ``None``.
+            load_s: seconds the prompt cache took to load or save (then the prefill's), or ``None``.
+        """
         figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
         figures["config"] = config.to_dict()
         figures["min_capacity"] = config.floor  # the floor in force (the config's None: the default)
         figures["model"] = self.model
-        figures["kv_dtype"] = str(floating_dtype(lm)).removeprefix("torch.")
+        figures["kv_dtype"] = str(dtype).removeprefix("torch.")
         figures["weights_bits"] = self.load.get("weights_bits", 16)
         if row is not None:
             figures["planned_peak_bytes"] = row.total_bytes
@@ -193,7 +218,7 @@ class GenerateJob:
         if load_s is not None:  # the prompt went through the cache before generate: that time is not "prefill"
             figures["prefill_s"] = load_s
             figures["cache_load_s" if self.load_cache is not None else "cache_save_s"] = load_s
-        return GenerateReport(result, config, figures, row)
+        return figures
 
 
 def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionConfig | None = None,
