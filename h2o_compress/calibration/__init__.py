@@ -17,7 +17,7 @@ import math
 import torch
 
 from h2o_compress.calibration.eviction_fit import (
-    HEAVY_FRACTION, RECENT_FRACTION, fit_ridge, kept_share, read_segment, training_rows,
+    HEAVY_FRACTION, INPUT_SETS, RECENT_FRACTION, fit_columns, input_columns, kept_share, read_segment, training_rows,
 )
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
 from h2o_compress.models.identity import model_fingerprint, model_identity
@@ -27,17 +27,19 @@ from h2o_compress.persistence.calibration_file import (
 from h2o_compress.utils.errors import InputError, short
 from h2o_compress.utils.progress import report
 
-__all__ = ["calibrate", "check_request", "fit_eviction", "CALIBRATION_TOKENS", "CALIBRATION_SEGMENTS"]
+__all__ = ["calibrate", "check_request", "fit_eviction", "DEFAULT_INPUTS", "INPUT_SETS", "CALIBRATION_TOKENS", "CALIBRATION_SEGMENTS"]
 
 #: Tokens of each calibration segment.
 CALIBRATION_TOKENS = 1024
 #: Segments read from the calibration text: the first is held back (the printed check), the others fitted.
 CALIBRATION_SEGMENTS = 4
+#: The inputs the fit uses (`INPUT_SETS`), chosen on the tuning text (benchmarks/calibrated_eviction.py).
+DEFAULT_INPUTS = "score,age"
 
 
-def check_request(text_file, tokens, segments) -> None:
-    """Refuse a reporting text as calibration text and bad counts (``tokens`` 64 to 65,536, ``segments`` 2 to
-    65,536), before the model loads.
+def check_request(text_file, tokens, segments, inputs: str = DEFAULT_INPUTS) -> None:
+    """Refuse a reporting text as calibration text, an unknown input set and bad counts (``tokens`` 64 to 65,536,
+    ``segments`` 2 to 65,536), before the model loads.
 
     Raises:
         InputError: naming the value and what is allowed.
@@ -45,6 +47,8 @@ def check_request(text_file, tokens, segments) -> None:
     if isinstance(text_file, str) and text_file in REPORTING_TEXTS:
         raise InputError(f"calibration text {text_file!r} is a reporting text, which nothing may be tuned on; "
                          "allowed: the tuning text (default) or a text file of your own")
+    if inputs not in INPUT_SETS:
+        raise InputError(f"inputs={short(inputs)} is not an input set; allowed: {', '.join(INPUT_SETS)}")
     for name, value, low in (("tokens", tokens, 64), ("segments", segments, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 65_536:
             raise InputError(f"{name}={short(value)} is invalid; allowed: an integer from {low} to 65536")
@@ -59,7 +63,7 @@ def _segments(tokenizer, text_file, tokens: int, segments: int) -> list[torch.Te
     return [ids[:, i * tokens : (i + 1) * tokens] for i in range(segments)]
 
 
-def fit_eviction(model, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS) -> tuple[torch.Tensor, dict]:
     """The calibrated policy's weights fp32 ``[layers, kv_heads, head_dim + 4]`` fitted on ``pieces[1:]``, and the
     held-back check on ``pieces[0]``: the share of the oracle's future attention the fitted ranking keeps, beside
     H2O's (`kept_share`), averaged over layers and heads."""
@@ -71,9 +75,10 @@ def fit_eviction(model, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, dict]
         read.append(read_segment(model, piece.to(device)))
         report("reading the calibration text", i + 1, len(pieces) + 1)
     weights, fitted, h2o = [], 0.0, 0.0
+    columns = input_columns(inputs, read[0][0].values.shape[-1])
     for layer in range(len(read[0])):
         rows = [training_rows(segment[layer], recent) for segment in read[1:]]
-        layer_weights = fit_ridge(torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1))
+        layer_weights = fit_columns(torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1), columns)
         weights.append(layer_weights)
         fitted += kept_share(read[0][layer], layer_weights, recent, heavy) / len(read[0])
         h2o += kept_share(read[0][layer], None, recent, heavy) / len(read[0])
@@ -82,7 +87,8 @@ def fit_eviction(model, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, dict]
 
 
 def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS,
-              segments: int = CALIBRATION_SEGMENTS, out=None, overwrite: bool = False) -> Calibration:
+              segments: int = CALIBRATION_SEGMENTS, out=None, overwrite: bool = False,
+              inputs: str = DEFAULT_INPUTS) -> Calibration:
     """Fit the calibrated eviction policy's weights for ``model`` on calibration text, and write them to ``out``.
 
     The uncompressed model reads ``segments`` consecutive segments of ``tokens`` tokens from the start of the text;
@@ -101,6 +107,8 @@ def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS
             `h2o_compress.persistence.calibration_file.default_calibration_path`, which a cache of policy
             ``calibrated`` reads when no ``calibration`` is set).
         overwrite: replace an existing ``out``.
+        inputs: what the predictor reads (`INPUT_SETS`): the default `DEFAULT_INPUTS` was chosen on the tuning
+            text.
 
     Returns:
         The [`Calibration`][h2o_compress.persistence.Calibration]; ``details`` holds the held-back shares.
@@ -110,12 +118,13 @@ def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS
         UnsupportedModelError: a model whose attention probabilities or per-head values cannot be read.
         CacheFileError: ``out`` cannot be written (or exists without ``overwrite``).
     """
-    check_request(text_file, tokens, segments)
+    check_request(text_file, tokens, segments, inputs)
     out = default_calibration_path(model) if out is None else out
     check_calibration_target(out, overwrite)
     pieces = _segments(tokenizer, text_file, tokens, segments)
-    weights, check = fit_eviction(model, pieces)
+    weights, check = fit_eviction(model, pieces, inputs)
     details = {"text": "sherlock" if text_file is None else str(text_file), "tokens": tokens, "segments": segments,
+               "inputs": inputs,
                "label": "log mean future attention, horizon: rest of the segment", **check}
     calibration = Calibration({EVICTION_WEIGHTS: weights}, model_fingerprint(model), model_identity(model), details)
     calibration.details["path"] = str(save_calibration(out, calibration, overwrite=overwrite))

@@ -96,6 +96,26 @@ def training_rows(layer: LayerAttention, recent: int, stride: int = STRIDE) -> t
     return torch.cat(inputs, 1), torch.cat(labels, 1)
 
 
+#: The inputs a fit may use, by name: each is a set of columns of
+#: `h2o_compress.policies.calibrated.feature_matrix` (``head_dim`` known at fit time).
+INPUT_SETS = ("score,age", "score,age,norm", "score,age,norm,value")
+
+
+def input_columns(inputs: str, head_dim: int) -> list[int]:
+    """The `feature_matrix` columns of the input set ``inputs`` (one of `INPUT_SETS`)."""
+    columns = {"score": [0], "age": [1], "value": list(range(2, 2 + head_dim)), "norm": [2 + head_dim]}
+    return sorted(c for name in inputs.split(",") for c in columns[name])
+
+
+def fit_columns(inputs: torch.Tensor, labels: torch.Tensor, columns: list[int], ridge: float = RIDGE) -> torch.Tensor:
+    """`fit_ridge` on the ``columns`` of ``inputs`` only, the other weights 0: fp32 ``[kv_heads, features + 1]``."""
+    fitted = fit_ridge(inputs[..., columns], labels, ridge)
+    weights = torch.zeros(inputs.shape[0], inputs.shape[-1] + 1)
+    weights[:, columns] = fitted[:, :-1]
+    weights[:, -1] = fitted[:, -1]
+    return weights
+
+
 def fit_ridge(inputs: torch.Tensor, labels: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
     """Per KV head, the least-squares weights with an L2 penalty on standardised inputs, returned for the raw
     inputs with the bias last: fp32 ``[kv_heads, features + 1]`` from ``inputs`` ``[kv_heads, rows, features]``

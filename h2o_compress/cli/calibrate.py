@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from h2o_compress.calibration import CALIBRATION_SEGMENTS, CALIBRATION_TOKENS, calibrate, check_request
+from h2o_compress.calibration import (
+    CALIBRATION_SEGMENTS, CALIBRATION_TOKENS, DEFAULT_INPUTS, INPUT_SETS, calibrate, check_request,
+)
 from h2o_compress.cli.common import load_options, set_threads, user_errors
 from h2o_compress.cli.evaluate import checked_text
 from h2o_compress.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, placement_options
@@ -27,6 +29,8 @@ def calibrate_command(
     tokens: int = typer.Option(CALIBRATION_TOKENS, "--tokens", help="Tokens per calibration segment."),
     segments: int = typer.Option(CALIBRATION_SEGMENTS, "--segments",
                                  help="Segments read (the first is held back to check the fit)."),
+    inputs: str = typer.Option(DEFAULT_INPUTS, "--inputs", help="What the predictor reads: "
+                               f"{', '.join(INPUT_SETS)} (the default was chosen on the tuning text)."),
     out: Optional[str] = typer.Option(
         None, "--out", help="Calibration file to write (default: the model's own file in the cache root, which "
         "--policy calibrated reads when no --calibration is given)."),
@@ -37,7 +41,7 @@ def calibrate_command(
     """Fit the calibrated eviction policy for a model (once; minutes on a CPU): the uncompressed model reads the
     calibration text, each token is labelled with the attention later queries give it, and a predictor per layer
     and KV head is fitted (KVzap-style, arXiv 2601.07891). Use it with --policy calibrated."""
-    check_request(text_file, tokens, segments)
+    check_request(text_file, tokens, segments, inputs)
     if text_file is not None:
         checked_text(text_file)
     if out is not None:
@@ -46,7 +50,7 @@ def calibrate_command(
     set_threads(threads)
     with stage_progress(not as_json):
         lm, tokenizer = load_model(model, trust_remote_code=trust_remote_code, **options)
-        calibration = calibrate(lm, tokenizer, text_file, tokens, segments, out, overwrite)
+        calibration = calibrate(lm, tokenizer, text_file, tokens, segments, out, overwrite, inputs)
     details = calibration.details
     if as_json:
         typer.echo(json.dumps({"model": calibration.model_id, **details}))
