@@ -90,6 +90,10 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         DEFAULT["evict_chat_header"], "--evict-chat-header", help="With --policy kvzip or lookahead: score the chat template's header "
         "(system prompt, user-turn opening) 0, so that beyond the sinks it is evicted first (as kvpress's "
         "KVzipPress).")),
+    "calibration": _Flag(Optional[str], typer.Option(
+        DEFAULT["calibration"], "--calibration",
+        help="With --policy calibrated: the calibration file h2o-compress calibrate wrote (default: the model's own "
+             "file in the cache root).")),
     "lookahead_request": _Flag(Optional[str], typer.Option(
         DEFAULT["lookahead_request"], "--lookahead-request",
         help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "
