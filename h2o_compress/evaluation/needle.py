@@ -330,28 +330,15 @@ def needle_eval(
     """
     config = config or CompressionConfig()
     check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol, seed, keys)
-    limit = context_window(model)
-    for length in lengths:
-        if limit and length + max_new_tokens > limit:
-            raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}; "
-                             f"allowed: lengths at most {limit - max_new_tokens} with max_new_tokens={max_new_tokens}")
+    _check_lengths_fit(model, lengths, max_new_tokens)
     corpus = corpus or default_corpus()
-    rng = random.Random(seed)
-    cells = []  # (length, depth, trial, passkey, haystack offset), all drawn first: the passkeys are checked below
-    for length in lengths:
-        for depth in depths:
-            for trial in range(trials):
-                passkeys = [str(rng.randint(10000, 99999)) for _ in range(keys)]
-                cells.append((length, depth, trial, passkeys, rng.randrange(0, max(1, len(corpus) - 10 * length))))
+    cells = _draw_cells(lengths, depths, trials, keys, seed, len(corpus))
     check_answer_room(tokenizer, {p for cell in cells for p in cell[3]}, max_new_tokens)
     settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
     result = NeedleResult(config={**config.to_dict(), "protocol": protocol, "keys": keys})
     total, done = len(cells) * len(settings) * keys, 0
     for length, depth, trial, passkeys, offset in cells:
-        if keys == 1:
-            prompts = [needle_prompt_parts(tokenizer, length, depth, passkeys[0], corpus, offset, chat)]
-        else:
-            prompts = numbered_prompts(tokenizer, length, depth, passkeys, corpus, offset, chat)
+        prompts = _cell_prompts(tokenizer, length, depth, passkeys, corpus, offset, chat)
         for key, (passkey, (prompt, split)) in enumerate(zip(passkeys, prompts), start=1 if keys > 1 else 0):
             context = split if protocol == "compress-then-ask" else None
             for name, setting in settings:
@@ -363,3 +350,48 @@ def needle_eval(
                 if progress is not None:
                     progress(done, total)
     return result
+
+
+def _check_lengths_fit(model, lengths, max_new_tokens: int) -> None:
+    """Refuse a context length that, with ``max_new_tokens`` new tokens, exceeds ``model``'s context window
+    (`context_window`; none: no limit).
+
+    Raises:
+        InputError: naming the longest length allowed.
+    """
+    limit = context_window(model)
+    for length in lengths:
+        if limit and length + max_new_tokens > limit:
+            raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}; "
+                             f"allowed: lengths at most {limit - max_new_tokens} with max_new_tokens={max_new_tokens}")
+
+
+def _draw_cells(lengths, depths, trials: int, keys: int, seed: int, corpus_chars: int) -> list[tuple]:
+    """Every (length, depth, trial) of the grid with its random passkeys and haystack offset, all drawn first
+    (from ``seed``, in grid order) so that the passkeys can be checked before anything runs.
+
+    Args:
+        keys: passkeys per haystack (5-digit texts).
+        corpus_chars: the haystack corpus's length in characters (an offset leaves ``10 x length`` after it).
+
+    Returns:
+        ``(length, depth, trial, passkeys, offset)`` tuples.
+    """
+    rng = random.Random(seed)
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            for trial in range(trials):
+                passkeys = [str(rng.randint(10000, 99999)) for _ in range(keys)]
+                cells.append((length, depth, trial, passkeys, rng.randrange(0, max(1, corpus_chars - 10 * length))))
+    return cells
+
+
+def _cell_prompts(tokenizer, length: int, depth: float, passkeys: list[str], corpus: str, offset: int,
+                  chat: bool) -> list[tuple]:
+    """One cell's prompts, one per passkey: `needle_prompt_parts` for a single key, `numbered_prompts` for
+    several (numbered and spread over the haystack). Each is ``(prompt ids, split)``, ``split`` where the
+    context ends."""
+    if len(passkeys) == 1:
+        return [needle_prompt_parts(tokenizer, length, depth, passkeys[0], corpus, offset, chat)]
+    return numbered_prompts(tokenizer, length, depth, passkeys, corpus, offset, chat)

@@ -167,17 +167,9 @@ def reference_perplexity(model, input_ids: torch.Tensor) -> float:
     return math.exp(scorer.mean)
 
 
-def text_perplexity(
-    model,
-    tokenizer,
-    text_file: str | None = None,
-    max_tokens: int = 512,
-    config: CompressionConfig | None = None,
-    chunk_size: int = 1,
-    reference: bool = True,
-    progress: ProgressFn | None = None,
-    compile: bool | None = None,
-) -> PerplexityResult:
+def text_perplexity(model, tokenizer, text_file: str | None = None, max_tokens: int = 512,
+                    config: CompressionConfig | None = None, chunk_size: int = 1, reference: bool = True,
+                    progress: ProgressFn | None = None, compile: bool | None = None) -> PerplexityResult:
     """[`streaming_perplexity`][h2o_compress.evaluation.streaming_perplexity] of the first ``max_tokens`` tokens of ``text_file`` (default: the shipped
     corpus). A shorter text is read whole (``result.tokens`` says how many tokens were read).
 

@@ -375,9 +375,48 @@ def generate(
     input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
+    cache, scoring_s = _scored_cache(model, tokenizer, input_ids, config, cache, max_new_tokens)
+    compiled = resolve_compile(compile, cache, device, model)
+    step = compiled_decode_step(model, device) if compiled else decode_step
+    pick = _sampler(temperature, seed, device)
+    eos = _eos_ids(model, tokenizer)
+    _sync(device)
+    start = time.perf_counter()
+    token = pick(prefill(model, input_ids, cache, check_model=False))  # checked above
+    _sync(device)
+    prefill_s = time.perf_counter() - start + scoring_s
+    stream = None if on_text is None else TextStream(tokenizer, on_text)
+    untimed = warmup_steps(device) if compiled else 0  # decode steps that compile / record: not a decode speed
+    generated, decode_s, compile_s = _decode(step, model, cache, token, pick, prompt_tokens, max_new_tokens, eos,
+                                             stream, untimed)
+    steps = max(len(generated) - 1 - untimed, 0)
+    cache.check()
+    return _result(tokenizer, cache, generated, prompt_tokens, prefill_s, decode_s, steps, compiled, compile_s)
+
+
+def _scored_cache(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig,
+                  cache: CompressedCache | None, max_new_tokens: int) -> tuple[CompressedCache, float]:
+    """The cache `generate` fills: ``cache`` (checked once, before any forward pass: room for the prompt and the
+    new tokens, the same model) or a new one for ``config``; a policy that scores the prompt before the cache is
+    built (kvzip, lookahead) runs its pass here.
+
+    Args:
+        input_ids: the prompt, ``[1, prompt_tokens]`` on the model's input device.
+        cache: a cache to continue, or ``None``.
+        max_new_tokens: the new tokens the cache must have room for.
+
+    Returns:
+        ``(cache, seconds)``: the seconds of the scoring pass (0 without one), counted in the prefill's time.
+
+    Raises:
+        InputError: ``cache`` has no room for the prompt and the new tokens. CacheStateError: ``cache`` was
+            filled by another model.
+    """
+    prompt_tokens = input_ids.shape[1]
     if cache is not None:  # once per generation, before any forward pass: no check in the decode steps
         check_cache_room(cache, prompt_tokens, max_new_tokens)
         check_cache_model(cache, model)
+    device = input_ids.device
     _sync(device)
     start = time.perf_counter()
     if cache is None:
@@ -386,11 +425,14 @@ def generate(
     elif cache.seen_tokens() == 0:  # a fresh cache given: kvzip and lookahead score the prompt first
         hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
     _sync(device)
-    scoring_s = time.perf_counter() - start  # counted in the prefill's time (kvzip, lookahead: their pass)
-    compiled = resolve_compile(compile, cache, device, model)
-    step = compiled_decode_step(model, device) if compiled else decode_step
+    return cache, time.perf_counter() - start
+
+
+def _sampler(temperature: float, seed: int | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The next-token choice from ``[1, vocab]`` logits to a ``[1, 1]`` token id: the argmax at ``temperature``
+    0, else a draw from ``softmax(logits / temperature)`` (float32), from a generator on ``device`` seeded with
+    ``seed`` (``None``: torch's global one)."""
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    eos = _eos_ids(model, tokenizer)
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
         if temperature == 0:
@@ -398,16 +440,29 @@ def generate(
         probs = torch.softmax(logits.float() / temperature, -1)
         return torch.multinomial(probs, 1, generator=generator)
 
-    _sync(device)
-    start = time.perf_counter()
-    logits = prefill(model, input_ids, cache, check_model=False)  # checked above
-    token = pick(logits)
-    _sync(device)
-    prefill_s = time.perf_counter() - start + scoring_s
+    return pick
+
+
+def _decode(step, model, cache: CompressedCache, token: torch.Tensor, pick, prompt_tokens: int, max_new_tokens: int,
+            eos: set[int], stream: TextStream | None, untimed: int) -> tuple[list[int], float, float]:
+    """The decode loop of `generate`: one step per token after the prefill's, until an end-of-sequence id or
+    ``max_new_tokens`` tokens; the text streamed as it grows.
+
+    Args:
+        step: the decode step (`decode_step`, or its compiled form).
+        token: the prefill's token, ``[1, 1]``.
+        pick: the next-token choice (`_sampler`).
+        prompt_tokens: the prompt's length (the position of the first new token).
+        eos: the end-of-sequence ids.
+        stream: where the text goes, or ``None``.
+        untimed: how many first steps compile or record (their time is compile time, not decode time).
+
+    Returns:
+        ``(generated, decode_s, compile_s)``: the new token ids (the prefill's first), the seconds of the timed
+        steps and those of the untimed ones.
+    """
     generated: list[int] = [token.item()]
-    stream = None if on_text is None else TextStream(tokenizer, on_text)
     decode_s = compile_s = 0.0
-    untimed = warmup_steps(device) if compiled else 0  # decode steps that compile / record: not a decode speed
     while True:
         if stream is not None:
             stream.update(generated)
@@ -421,9 +476,7 @@ def generate(
             compile_s += time.perf_counter() - start
         else:
             decode_s += time.perf_counter() - start
-    steps = max(len(generated) - 1 - untimed, 0)
-    cache.check()
-    return _result(tokenizer, cache, generated, prompt_tokens, prefill_s, decode_s, steps, compiled, compile_s)
+    return generated, decode_s, compile_s
 
 
 def _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text,
