@@ -168,10 +168,13 @@ def library_perplexity(model, ids: torch.Tensor, config: CompressionConfig, cali
 
 
 def library_rows(budget: float) -> list[tuple]:
-    """The library's ``calib-auto int4`` at budget 1.0 and ``budget`` (``h2o``, no capacity floor, as the
-    simulated rows)."""
-    return [(b, f"library {'' if b >= 1.0 else 'h2o '}calib-auto int4",
-             Library(CompressionConfig(budget=b, kv_bits=4, min_capacity=0))) for b in (1.0, budget)]
+    """The library's ``calib-auto int4`` and its plain int4 (no calibration) at budget 1.0 and ``budget`` (``h2o``,
+    no capacity floor, as the simulated rows)."""
+    rows = []
+    for b in (1.0, budget):
+        config, name = CompressionConfig(budget=b, kv_bits=4, min_capacity=0), "library " + ("" if b >= 1.0 else "h2o ")
+        rows += [(b, name + "calib-auto int4", Library(config)), (b, name + "int4", config)]
+    return rows
 
 
 def plan(budget: float, names: list[str], calib: dict) -> list[tuple]:
