@@ -22,6 +22,7 @@ from h2o_compress.models.identity import model_identity, record_model
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.prefill import check_cache_model, check_context, context_window, prefill
 from h2o_compress.models.weights import input_device
+from h2o_compress.persistence.calibration_file import calibration_for
 
 
 def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None,
@@ -55,8 +56,10 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
         capacity = min(capacity, max_length)  # storage never exceeds what the cache can see
     if layer_capacities is not None:
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
+    calibration = calibration_for(config, model)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
-                          capacities=layer_capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims))
+                          capacities=layer_capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims),
+                          calibration=calibration)
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)
