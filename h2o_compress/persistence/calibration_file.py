@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from h2o_compress.models.identity import model_fingerprint, model_identity
-from h2o_compress.persistence.file_format import _atomic_write, _checksum
+from h2o_compress.persistence.file_format import _checksum, write_checksummed
 from h2o_compress.utils.errors import CacheFileError, ConfigError, one_line, short
 from h2o_compress.utils.files import check_path
 from h2o_compress.utils.paths import check_private_file, private_dir
@@ -86,13 +85,7 @@ def save_calibration(path, calibration: Calibration, overwrite: bool = False) ->
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
                 "model_fingerprint": calibration.model_fingerprint, "model_id": calibration.model_id,
                 "details": json.dumps(calibration.details, sort_keys=True)}
-    metadata["checksum"] = _checksum(metadata, tensors)
-    try:
-        _atomic_write(lambda tmp: save_file(tensors, tmp, metadata=metadata), target)
-    except (OSError, SafetensorError) as exc:
-        reason = getattr(exc, "strerror", None) or one_line(str(exc), 200)
-        raise CacheFileError(f"cannot write calibration file {short(str(target))}: {reason}") from None
-    return target
+    return write_checksummed(target, metadata, tensors, "calibration file")
 
 
 def read_calibration(path) -> Calibration:

@@ -342,10 +342,20 @@ def write_cache_file(target: Path, metadata: dict[str, str], tensors: dict[str, 
         CacheFileError: the write failed (full disk, file size limit, permission), naming the path and the reason.
     """
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__, **metadata}
-    metadata["checksum"] = _checksum(metadata, tensors)
+    return write_checksummed(target, metadata, tensors, "cache file")
+
+
+def write_checksummed(target: Path, metadata: dict[str, str], tensors: dict[str, torch.Tensor], what: str) -> Path:
+    """Write ``tensors`` (CPU, contiguous) and ``metadata`` plus its ``checksum`` to ``target`` atomically
+    (a cache file, a calibration file: ``what`` names it in the error).
+
+    Raises:
+        CacheFileError: the write failed (full disk, file size limit, permission), naming the path and the reason.
+    """
+    metadata = {**metadata, "checksum": _checksum(metadata, tensors)}
     try:
         _atomic_write(lambda tmp: save_file(tensors, tmp, metadata=metadata), target)
     except (OSError, SafetensorError) as exc:
         reason = getattr(exc, "strerror", None) or one_line(str(exc), 200)
-        raise CacheFileError(f"cannot write cache file {short(str(target))}: {reason}") from None
+        raise CacheFileError(f"cannot write {what} {short(str(target))}: {reason}") from None
     return target

@@ -30,7 +30,7 @@ def tiny_dir(tmp_path_factory):
         (["--kv-bits", "3"], "kv_bits=3 is not supported; allowed: 4, 8, 16"),
         (["--k-bits", "2"], "k_bits=2 is not supported"),
         (["--group-size", "48"], "group_size=48 is not supported; allowed: 32, 64, 128"),
-        (["--policy", "random"], "unknown policy 'random'; allowed: a2sf, full, h2o, h2o-mean, kvzip, local, lookahead, sink, snapkv, strided, tova"),
+        (["--policy", "random"], "unknown policy 'random'; allowed: a2sf, calibrated, full, h2o, h2o-mean, kvzip, local, lookahead, sink, snapkv, strided, tova"),
         (["--quant", "int3"], "unknown quant backend 'int3'"),
         (["--residual", "-1"], "residual=-1 is invalid"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
