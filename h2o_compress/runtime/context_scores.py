@@ -116,6 +116,31 @@ def segment_ends(tokens: int, segment: int) -> list[int]:
 
 
 @torch.inference_mode()
+def _answer_votes(model, cache, step: torch.Tensor, new_tokens: int, kv_heads: int, end: int) -> list[torch.Tensor]:
+    """Per layer, fp32 ``[batch, kv_heads, end]``: the attention the first ``end`` cached tokens receive from the
+    queries of ``new_tokens`` greedy steps (eager attention) that start by feeding ``step`` ``[batch, n]``, summed
+    over the steps and each KV group's query heads. The steps stay in ``cache`` (the caller crops them)."""
+    votes = None
+    with _attention(model, "eager"):
+        for _ in range(new_tokens):
+            out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
+                        logits_to_keep=1)
+            parts = _group_attention(out.attentions, step.shape[0], kv_heads, end, "sum")
+            votes = parts if votes is None else [a + b for a, b in zip(votes, parts)]
+            step = out.logits[:, -1:].argmax(-1)
+    return votes
+
+
+def _keep_best(scores: list[torch.Tensor], votes: list[torch.Tensor], pool: int, end: int) -> None:
+    """In place: each layer's ``scores`` ``[batch, kv_heads, tokens]`` keep, over their first ``end`` tokens, the
+    larger of themselves and that layer's ``votes`` ``[batch, kv_heads, end]`` max-pooled over ``pool`` positions."""
+    for layer_scores, layer_votes in zip(scores, votes):
+        if pool > 1:
+            layer_votes = F.max_pool1d(layer_votes.reshape(-1, 1, end), pool, stride=1, padding=pool // 2)
+        layer_votes = layer_votes.view(*layer_scores.shape[:2], end)
+        layer_scores[..., :end] = torch.maximum(layer_scores[..., :end], layer_votes)
+
+
 def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str | None, new_tokens: int = 32,
                      pool: int = 7, segment: int = 1024) -> list[torch.Tensor]:
     """Pseudo lookahead queries (Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334 §3): per layer, fp32
@@ -166,19 +191,10 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
             cache = _read_context(model, context_ids[:, start:read_to], cache)
         elif cache is None:  # a one-token prompt
             cache = _full_cache()
-        votes, step = None, asked if asked is not None else context_ids[:, read_to:end]
-        with _attention(model, "eager"):
-            for _ in range(new_tokens):
-                out = model(input_ids=step, past_key_values=cache, use_cache=True, output_attentions=True,
-                            logits_to_keep=1)
-                parts = _group_attention(out.attentions, batch, dims.kv_heads, end, "sum")
-                votes = parts if votes is None else [a + b for a, b in zip(votes, parts)]
-                step = out.logits[:, -1:].argmax(-1)
+        first = asked if asked is not None else context_ids[:, read_to:end]
+        votes = _answer_votes(model, cache, first, new_tokens, dims.kv_heads, end)
         cache.crop(end - cache.get_seq_length())  # drop the request and the answer (a negative count)
-        for layer_scores, layer_votes in zip(scores, votes):
-            if pool > 1:
-                layer_votes = F.max_pool1d(layer_votes.reshape(-1, 1, end), pool, stride=1, padding=pool // 2)
-            layer_scores[..., :end] = torch.maximum(layer_scores[..., :end], layer_votes.view(batch, dims.kv_heads, end))
+        _keep_best(scores, votes, pool, end)
         start = end
     report(LOOKAHEAD_STAGE, tokens, tokens)
     return scores
