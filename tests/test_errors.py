@@ -70,7 +70,7 @@ CONFIG_CASES = [
     ("sink-tokens", dict(sink_tokens=-1), "sink_tokens=-1 is invalid; allowed: an integer >= 0"),
     ("score-chunk-size", dict(score_chunk_size=0), "score_chunk_size=0 is invalid; allowed: an integer >= 1"),
     ("attention-kernel", dict(attention_kernel="cuda"), "attention_kernel='cuda' is not supported; allowed: auto, torch, triton"),
-    ("policy-unknown", dict(policy="lru"), "unknown policy 'lru'; allowed: a2sf, full, h2o, h2o-mean, kvzip, local, lookahead, sink, snapkv, strided, tova"),
+    ("policy-unknown", dict(policy="lru"), "unknown policy 'lru'; allowed: a2sf, calibrated, full, h2o, h2o-mean, kvzip, local, lookahead, sink, snapkv, strided, tova"),
     ("policy-none", dict(policy=None), "unknown policy None"),
     ("lookahead-request-policy", dict(policy="h2o", lookahead_request="Names?"),
      "lookahead_request is set but policy='h2o'; allowed: lookahead_request with policy 'lookahead' only"),
