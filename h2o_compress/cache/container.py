@@ -219,9 +219,9 @@ class CompressedCache(Cache):
 
 def _layer_policy(config: CompressionConfig, calibration, idx: int):
     """A fresh policy of ``config`` for model layer ``idx``, with that layer's calibrated weights where the policy
-    takes them (``for_layer``) and ``calibration`` has some."""
+    needs them (``needs_calibration``) and ``calibration`` has some."""
     policy = config.eviction_policy()
-    if hasattr(policy, "for_layer") and calibration is not None:
+    if policy.needs_calibration and calibration is not None:
         policy = policy.for_layer(calibration.eviction_weights(idx))
     return policy
 

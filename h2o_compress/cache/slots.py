@@ -14,7 +14,7 @@ import torch
 from h2o_compress.formats import KVQuantizer, StoredTensor
 from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
 from h2o_compress.formats.split import SplitIntQuantizer
-from h2o_compress.policies.base import keep_top
+from h2o_compress.policies.base import keep_top, value_l1_norm
 
 
 def in_model_basis(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
@@ -27,7 +27,7 @@ def in_model_basis(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Te
 def value_l1_norms(values: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     """fp32 ``[..., tokens]``: the L1 norm of each value ``[..., tokens, head_dim]`` held in ``basis``, in the model's
     basis (`in_model_basis`)."""
-    return in_model_basis(values, basis).abs().sum(-1)
+    return value_l1_norm(in_model_basis(values, basis))
 
 
 class SlotStore:
@@ -56,7 +56,8 @@ class SlotStore:
             model's); the norms are taken in the model's basis.
         value_weight: what `norms` holds for values ``[batch, rows, n, head_dim]`` in the model's basis (fp32
             ``[batch, rows, n]``; the policy's
-            [`value_weight`][h2o_compress.policies.EvictionPolicy.value_weight]); ``None``: their L1 norms.
+            [`value_weight`][h2o_compress.policies.EvictionPolicy.value_weight]); ``None``: their L1 norms
+            (`h2o_compress.policies.base.value_l1_norm`).
     """
 
     def __init__(
@@ -72,7 +73,7 @@ class SlotStore:
         self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
         self.norms = torch.zeros(batch, heads, slots, device=device) if with_norms else None
         self.value_basis = value_basis
-        self.value_weight = value_weight
+        self.value_weight = value_l1_norm if value_weight is None else value_weight
         self.quantizers = (key_quantizer, value_quantizer)
         self.refine = None
 
@@ -102,11 +103,9 @@ class SlotStore:
         return self.norms
 
     def norms_of(self, values: StoredTensor) -> torch.Tensor:
-        """fp32 ``[batch, rows, n]``: the L1 norms (model basis) of stored-format ``values`` ``[batch, rows, n, ...]``,
-        dequantized: what `norms` holds for them once they enter."""
+        """fp32 ``[batch, rows, n]``: the `value_weight` (by default the L1 norms) of stored-format ``values``
+        ``[batch, rows, n, ...]``, dequantized, in the model's basis: what `norms` holds for them once they enter."""
         held = self.quantizers[1].dequantize(values, torch.float32)
-        if self.value_weight is None:
-            return value_l1_norms(held, self.value_basis)
         return self.value_weight(in_model_basis(held, self.value_basis))
 
     def refresh_norms(self) -> None:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from h2o_compress.calibration.eviction_fit import (
-    HEAVY_FRACTION, INPUT_SETS, RECENT_FRACTION, fit_columns, input_columns, kept_share, read_segment, training_rows,
+    HEAVY_FRACTION, INPUT_SETS, RECENT_FRACTION, fit_columns, input_columns, kept_shares, read_segment, training_rows,
 )
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
 from h2o_compress.models.identity import model_fingerprint, model_identity
@@ -66,7 +66,7 @@ def _segments(tokenizer, text_file, tokens: int, segments: int) -> list[torch.Te
 def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS) -> tuple[torch.Tensor, dict]:
     """The calibrated policy's weights fp32 ``[layers, kv_heads, head_dim + 4]`` fitted on ``pieces[1:]``, and the
     held-back check on ``pieces[0]``: the share of the oracle's future attention the fitted ranking keeps, beside
-    H2O's (`kept_share`), averaged over layers and heads."""
+    H2O's (`kept_shares`), averaged over layers and heads."""
     device = next(model.parameters()).device
     tokens = pieces[0].shape[1]
     recent, heavy = math.ceil(RECENT_FRACTION * tokens), math.ceil(HEAVY_FRACTION * tokens)
@@ -80,8 +80,9 @@ def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS
         rows = [training_rows(segment[layer], recent) for segment in read[1:]]
         layer_weights = fit_columns(torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1), columns)
         weights.append(layer_weights)
-        fitted += kept_share(read[0][layer], layer_weights, recent, heavy) / len(read[0])
-        h2o += kept_share(read[0][layer], None, recent, heavy) / len(read[0])
+        shares = kept_shares(read[0][layer], layer_weights, recent, heavy)
+        fitted += shares[0] / len(read[0])
+        h2o += shares[1] / len(read[0])
     report("reading the calibration text", len(pieces) + 1, len(pieces) + 1)
     return torch.stack(weights), {"held_back_kept_share": round(fitted, 4), "held_back_kept_share_h2o": round(h2o, 4)}
 

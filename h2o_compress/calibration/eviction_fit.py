@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from h2o_compress.policies.calibrated import SCORE_FLOOR, feature_matrix
+from h2o_compress.policies.calibrated import SCORE_FLOOR, feature_matrix, predicted_score, token_prior
 from h2o_compress.utils.errors import UnsupportedModelError
 
 #: The recent window the rows leave out, as a share of the segment (the default budget 0.2 splits into 0.1 heavy
@@ -80,17 +80,28 @@ def read_segment(model, input_ids: torch.Tensor) -> list[LayerAttention]:
     return layers
 
 
+def _attention_sums(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seen, to_come)``, both fp32 ``[kv_heads, tokens, tokens]`` from ``attention`` ``[kv_heads, tokens, tokens]``:
+    ``seen[h, i, j]`` the attention key ``j`` got from queries ``0..i``, ``to_come[h, i, j]`` from queries
+    ``i..end``."""
+    return attention.cumsum(1), attention.flip(1).cumsum(1).flip(1)
+
+
+def _ages(seen: int, ranked: int, kv_heads: int) -> torch.Tensor:
+    """int64 ``[kv_heads, ranked]``: the ages ``seen - j`` of tokens ``j = 0 .. ranked - 1`` after ``seen`` tokens."""
+    return torch.arange(seen, seen - ranked, -1).expand(kv_heads, ranked)
+
+
 def training_rows(layer: LayerAttention, recent: int, stride: int = STRIDE) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs fp32 ``[kv_heads, rows, head_dim + 3]`` and labels fp32 ``[kv_heads, rows]`` of one layer of one
     segment (see the module's text), for a recent window of ``recent`` tokens."""
     attention, values = layer.attention, layer.values
     tokens = attention.shape[1]
-    seen_sums = attention.cumsum(1)  # [h, i, j]: attention from queries 0..i
-    to_come = attention.flip(1).cumsum(1).flip(1)  # [h, i, j]: attention from queries i..end
+    seen_sums, to_come = _attention_sums(attention)
     inputs, labels = [], []
     for n in range(recent + 8, tokens - 1, stride):
         ranked = n - recent
-        ages = torch.arange(n, n - ranked, -1).expand(attention.shape[0], ranked)
+        ages = _ages(n, ranked, attention.shape[0])
         inputs.append(feature_matrix(seen_sums[:, n - 1, :ranked], ages, values[:, :ranked]))
         labels.append(torch.log(to_come[:, n, :ranked] / (tokens - n) + SCORE_FLOOR))
     return torch.cat(inputs, 1), torch.cat(labels, 1)
@@ -132,22 +143,22 @@ def fit_ridge(inputs: torch.Tensor, labels: torch.Tensor, ridge: float = RIDGE) 
     return torch.cat((weights, bias[:, None]), -1).float()
 
 
-def kept_share(layer: LayerAttention, weights: torch.Tensor | None, recent: int, heavy: int,
-               stride: int = 4 * STRIDE) -> float:
+def kept_shares(layer: LayerAttention, weights: torch.Tensor, recent: int, heavy: int,
+                stride: int = 4 * STRIDE) -> tuple[float, float]:
     """Of the future attention the oracle's ``heavy`` best tokens outside the recent window receive, the share the
-    ``heavy`` tokens ranked best by ``weights`` (``None``: by H2O's accumulated attention) receive, averaged over
-    decision times: a held-back check of a fit, 1.0 for the oracle's own ranking."""
+    ``heavy`` tokens ranked best by the fitted ``weights`` (fp32 ``[kv_heads, head_dim + 4]``, ranked as the policy
+    ranks: `h2o_compress.policies.calibrated.predicted_score`) receive, and the share H2O's accumulated attention
+    keeps, averaged over decision times: ``(fitted, h2o)``, a held-back check of a fit (1.0: the oracle's ranking)."""
     attention = layer.attention
-    seen_sums, to_come = attention.cumsum(1), attention.flip(1).cumsum(1).flip(1)
-    kept = best = 0.0
+    seen_sums, to_come = _attention_sums(attention)
+    prior = token_prior(layer.values[None], weights)[0]  # [kv_heads, tokens]
+    fitted = h2o = best = 0.0
     for n in range(recent + heavy + 8, attention.shape[1] - 1, stride):
         ranked = n - recent
         future = to_come[:, n, :ranked]
         scores = seen_sums[:, n - 1, :ranked]
-        if weights is not None:
-            ages = torch.arange(n, n - ranked, -1).expand(attention.shape[0], ranked)
-            scores = feature_matrix(scores, ages, layer.values[:, :ranked]) @ weights[:, :-1, None]
-            scores = scores[..., 0]
-        kept += float(future.gather(-1, scores.topk(heavy, -1).indices).sum())
+        predicted = predicted_score(scores, _ages(n, ranked, attention.shape[0]), prior[:, :ranked], weights)
+        fitted += float(future.gather(-1, predicted.topk(heavy, -1).indices).sum())
+        h2o += float(future.gather(-1, scores.topk(heavy, -1).indices).sum())
         best += float(future.topk(heavy, -1).values.sum())
-    return kept / best if best else 1.0
+    return (fitted / best, h2o / best) if best else (1.0, 1.0)

@@ -140,8 +140,7 @@ def calibration_for(config, model) -> Calibration | None:
     """
     if config.calibration is not None:
         return load_calibration(config.calibration, model)
-    needs = getattr(config.eviction_policy(), "needs_calibration", False)
-    if not needs or not config.evicts_any:
+    if not config.eviction_policy().needs_calibration or not config.evicts_any:
         return None
     path = default_calibration_path(model)
     if path.is_file():

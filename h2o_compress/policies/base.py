@@ -12,6 +12,12 @@ from h2o_compress.attention import attention_probability_sums
 NO_POSITION = 2**40  # sorts after every real position
 
 
+def value_l1_norm(values: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., tokens]``: the L1 norm of each value ``[..., tokens, head_dim]`` (VATP's weight, arXiv 2406.12335
+    §3)."""
+    return values.float().abs().sum(-1)
+
+
 def keep_top(priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
     """bool ``[batch, kv_heads, tokens]``: the ``capacity`` tokens of highest ``priority`` (fp32, same shape),
     ties keeping the older position, never an empty slot or padding (``positions < 0``)."""
@@ -62,6 +68,15 @@ class EvictionPolicy:
     #: Scores add up over the queries that see a token (H2O's accumulated attention). ``False``: each step's
     #: attention replaces them (TOVA ranks by the current query's attention only).
     accumulates: ClassVar[bool] = True
+    #: Its ranking has weights fitted once per model (a calibration file): each layer gets its own
+    #: ([`for_layer`][h2o_compress.policies.EvictionPolicy.for_layer]), and a cache that would evict needs them.
+    needs_calibration: ClassVar[bool] = False
+
+    def for_layer(self, weights: torch.Tensor | None) -> EvictionPolicy:
+        """This policy for one model layer, given that layer's calibrated ``weights`` (fp32; ``None``: the
+        calibration has none for it). Policies without calibration (`needs_calibration` False) are the same for
+        every layer: themselves."""
+        return self
 
     @property
     def score_decay(self) -> float:
@@ -82,7 +97,7 @@ class EvictionPolicy:
         """What the store keeps per slot for a policy that `weighs_values`, fp32 ``[batch, rows, tokens]``, of
         ``values`` ``[batch, rows, tokens, head_dim]`` in the model's basis, set once when a token enters: the L1
         norm (VATP, arXiv 2406.12335 §3). A policy with a per-token prior of its own overrides it."""
-        return values.float().abs().sum(-1)
+        return value_l1_norm(values)
 
     def recent_window(self, capacity: int) -> int:
         """Tokens of the recent window at ``capacity``: the newest tokens, never evicted."""

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.calibration import calibrate
-from h2o_compress.calibration.eviction_fit import fit_ridge, kept_share, read_segment, training_rows
+from h2o_compress.calibration.eviction_fit import fit_ridge, kept_shares, read_segment, training_rows
 from h2o_compress.cli import app
 from h2o_compress.persistence.calibration_file import EVICTION_WEIGHTS, load_calibration, read_calibration
 from h2o_compress.policies.calibrated import CalibratedPolicy, feature_matrix, predicted_score, token_prior
@@ -128,7 +128,8 @@ def test_labels_are_the_mean_attention_to_come(model):
     n = 4 + 8  # the first decision time: tokens 0 .. n - recent - 1 are ranked
     expected = torch.log(layer.attention[:, n:, : n - 4].mean(1) + 1e-4)
     assert torch.allclose(labels[:, : n - 4], expected, atol=1e-5)
-    assert kept_share(layer, None, recent=4, heavy=4) <= 1.0 + 1e-6
+    fitted, h2o = kept_shares(layer, torch.zeros(2, 32 + 4), recent=4, heavy=4)
+    assert fitted <= 1.0 + 1e-6 and h2o <= 1.0 + 1e-6
 
 
 def test_weights_without_a_calibration_refuse_to_rank():
