@@ -30,6 +30,9 @@ from h2o_compress.calibration import INPUT_SETS, calibrate
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
 from h2o_compress.evaluation.perplexity import reference_perplexity, streaming_perplexity
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eviction_directions import ratio_table  # noqa: E402
+
 RESULTS = Path("benchmarks/results")
 CALIBRATIONS = RESULTS / "calibration"
 TUNING_HELD_OUT = (4096, 5120)  # tokens of the tuning text no calibration segment covers
@@ -91,18 +94,9 @@ def oracle_rows() -> list[dict]:
 
 def write_markdown(result: dict, path: Path) -> None:
     rows = result["rows"]
-    texts = list(dict.fromkeys(r["text"] for r in rows))
     keys = sorted(dict.fromkeys((r["budget"], r["row"]) for r in rows), key=lambda k: (-k[0], k[1]))
     title = f"# Calibrated eviction, streaming perplexity x uncompressed ({result['phase']} phase; 16 bits unless a row says)"
-    lines = [title, "",
-             "\n".join(f"`{c}`" for c in result["commands"]), "",
-             "| budget | row | " + " | ".join(texts) + " |", "|---:|---|" + "---:|" * len(texts)]
-    for budget, name in keys:
-        cells = []
-        for text in texts:
-            match = [r for r in rows if (r["text"], r["budget"], r["row"]) == (text, budget, name)]
-            cells.append(f"{match[0]['ratio']:.3f}x" if match else "-")
-        lines.append(f"| {budget} | {name} | " + " | ".join(cells) + " |")
+    lines = [title, "", "\n".join(f"`{c}`" for c in result["commands"]), "", *ratio_table(rows, keys)]
     if "chosen" in result:
         lines += ["", f"Chosen on the tuning text (lowest mean ratio): `{result['chosen']}`"]
     path.write_text("\n".join(lines) + "\n")

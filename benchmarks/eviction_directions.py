@@ -406,19 +406,22 @@ def main() -> None:
     write_markdown(result, out.with_suffix(".md"), args.phase)
 
 
-def write_markdown(result: dict, path: Path, phase: str) -> None:
-    rows = result["rows"]
+def ratio_table(rows: list[dict], keys: list[tuple] | None = None) -> list[str]:
+    """Markdown lines of a table of perplexity ratios: one line per ``(budget, row)`` of ``keys`` (default: in the
+    order the rows came), one column per text, ``-`` where a text has no such row."""
     texts = list(dict.fromkeys(r["text"] for r in rows))
-    keys = list(dict.fromkeys((r["budget"], r["row"]) for r in rows))
-    lines = [f"# Eviction and quantization directions, streaming perplexity x uncompressed ({phase} phase)", "",
-             f"`{result['command']}`", "",
-             "| budget | row | " + " | ".join(texts) + " |", "|---:|---|" + "---:|" * len(texts)]
+    keys = keys if keys is not None else list(dict.fromkeys((r["budget"], r["row"]) for r in rows))
+    ratios = {(r["text"], r["budget"], r["row"]): r["ratio"] for r in reversed(rows)}  # the first row of a key wins
+    lines = ["| budget | row | " + " | ".join(texts) + " |", "|---:|---|" + "---:|" * len(texts)]
     for budget, name in keys:
-        cells = []
-        for text in texts:
-            match = [r for r in rows if (r["text"], r["budget"], r["row"]) == (text, budget, name)]
-            cells.append(f"{match[0]['ratio']:.3f}x" if match else "-")
+        cells = [f"{ratios[(t, budget, name)]:.3f}x" if (t, budget, name) in ratios else "-" for t in texts]
         lines.append(f"| {budget} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_markdown(result: dict, path: Path, phase: str) -> None:
+    lines = [f"# Eviction and quantization directions, streaming perplexity x uncompressed ({phase} phase)", "",
+             f"`{result['command']}`", "", *ratio_table(result["rows"])]
     if "chosen" in result:
         lines += ["", f"Chosen on the tuning text: `{json.dumps(result['chosen'])}`"]
     path.write_text("\n".join(lines) + "\n")

@@ -47,7 +47,7 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eviction_directions import (GROUP, RESIDUAL, Direction, Simulation, fake_quantize,  # noqa: E402
+from eviction_directions import (GROUP, RESIDUAL, Direction, Simulation, fake_quantize, ratio_table,  # noqa: E402
                                  simulate)
 
 from h2o_compress import CompressionConfig, load_model, make_cache  # noqa: E402
@@ -276,16 +276,10 @@ LIBRARY_NOTE = (
 def write_markdown(result: dict, path: Path, phase: str) -> None:
     """One row per (budget, row), one column per text; each row's command below the table."""
     rows = result["rows"]
-    texts = list(dict.fromkeys(r["text"] for r in rows))
-    keys = list(dict.fromkeys((r["budget"], r["row"]) for r in rows))
     lines = [f"# Calibrated key offsets and mixed K/V bits, streaming perplexity x uncompressed ({phase} phase)", "",
              "SmolLM2-135M, token by token, the simulation of `benchmarks/key_calibration.py`. Calibration: the "
              f"tuning text ({result['calibration']}); every choice is made on the tuning text (choose phase) only.",
-             "", "| budget | row | " + " | ".join(texts) + " |", "|---:|---|" + "---:|" * len(texts)]
-    for budget, name in keys:
-        cells = [next((f"{r['ratio']:.3f}x" for r in rows if (r["text"], r["budget"], r["row"]) == (t, budget, name)),
-                      "-") for t in texts]
-        lines.append(f"| {budget} | {name} | " + " | ".join(cells) + " |")
+             "", *ratio_table(rows)]
     lines += ["", f"Chosen on the tuning text (lowest ratio at budget 1.0): `{result['chosen']}`"]
     if phase == "report":
         lines += ["", LIBRARY_NOTE]
