@@ -12,7 +12,7 @@ from h2o_compress.utils.errors import H2OCompressError, one_line
 from h2o_compress.cli.options import Compression
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.config_file import load_config, read_config_values
-from h2o_compress.evaluation.stream import check_count
+from h2o_compress.utils.checks import check_count
 from h2o_compress.models import placement_options
 from h2o_compress.models.weights import parse_device_map
 

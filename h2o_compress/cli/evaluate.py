@@ -28,7 +28,7 @@ from h2o_compress.evaluation.agreement import agreement_eval
 from h2o_compress.evaluation.corpus import TEXT_NAMES, TextNameWarning, load_prompts, load_text
 from h2o_compress.evaluation.needle import check_needle_args, needle_eval
 from h2o_compress.evaluation.perplexity import text_perplexity
-from h2o_compress.evaluation.stream import check_count
+from h2o_compress.utils.checks import check_count
 
 eval_app = typer.Typer(
     add_completion=False, no_args_is_help=True,

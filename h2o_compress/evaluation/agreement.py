@@ -12,7 +12,8 @@ from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import InputError
 from h2o_compress.runtime.generation import GenerationResult, generate
 from h2o_compress.evaluation.corpus import load_prompts
-from h2o_compress.evaluation.stream import ProgressFn, check_count
+from h2o_compress.evaluation.stream import ProgressFn
+from h2o_compress.utils.checks import check_count
 
 
 def token_match_rate(reference: list[int], candidate: list[int]) -> float:

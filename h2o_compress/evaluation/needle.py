@@ -21,7 +21,8 @@ from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import check_generation_args, make_cache, make_scored_cache
 from h2o_compress.evaluation.corpus import default_corpus
 from h2o_compress.runtime.compiled import resolve_compile
-from h2o_compress.evaluation.stream import ProgressFn, check_count, greedy_decode, model_device, read_stream, step_function
+from h2o_compress.evaluation.stream import ProgressFn, greedy_decode, model_device, read_stream, step_function
+from h2o_compress.utils.checks import check_count
 from h2o_compress.runtime.prefill import context_window
 
 INSTRUCTION = (

@@ -19,7 +19,8 @@ from h2o_compress.utils.errors import InputError
 from h2o_compress.runtime.generation import make_cache
 from h2o_compress.evaluation.corpus import load_text, tokenize_text
 from h2o_compress.runtime.compiled import resolve_compile
-from h2o_compress.evaluation.stream import ProgressFn, check_count, model_device, read_stream, step_function
+from h2o_compress.evaluation.stream import ProgressFn, model_device, read_stream, step_function
+from h2o_compress.utils.checks import check_count
 from h2o_compress.runtime.prefill import context_window
 
 

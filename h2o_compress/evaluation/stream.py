@@ -15,20 +15,11 @@ from typing import Callable
 import torch
 
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step
-from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.checks import check_count
 from h2o_compress.models.weights import input_device
 
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``: called after each chunk with tokens read so far and tokens to read."""
-
-
-def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int = 2**31 - 1) -> int:
-    """``value`` if it is an integer in [``minimum``, ``maximum``]. Raises ConfigError naming the option otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ConfigError(
-            f"{name}={short(value)} is invalid; allowed: an integer >= {minimum} ({unit}), at most {maximum}"
-        )
-    return value
 
 
 def model_device(model) -> torch.device:

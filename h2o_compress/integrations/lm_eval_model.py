@@ -53,7 +53,8 @@ from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
 from h2o_compress.runtime.prefill import context_window, prefill
 from h2o_compress.models import DEFAULT_MODEL, load_model
-from h2o_compress.evaluation.stream import check_count, read_stream
+from h2o_compress.evaluation.stream import read_stream
+from h2o_compress.utils.checks import check_count
 
 try:
     from lm_eval.api.registry import register_model

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from h2o_compress.utils.errors import ConfigError, InputError, short
-from h2o_compress.evaluation.stream import check_count
+from h2o_compress.utils.checks import check_count
 
 LM_EVAL_EXTRA = "pip install -e '.[lm-eval]' (lm_eval>=0.4.13)"
 SKIPPED_KEYS = ("name", "alias", "sample_len")

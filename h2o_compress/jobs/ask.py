@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import h2o_compress.runtime.ask as asking
 from h2o_compress.config import CompressionConfig
-from h2o_compress.evaluation.stream import check_count
+from h2o_compress.utils.checks import check_count
 from h2o_compress.jobs.checks import check_callbacks, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths

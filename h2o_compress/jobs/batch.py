@@ -15,7 +15,7 @@ from typing import Callable
 
 from h2o_compress import models
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.evaluation.stream import check_count
+from h2o_compress.utils.checks import check_count
 from h2o_compress.jobs.batch_files import AnswerFile, read_requests
 from h2o_compress.jobs.checks import check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.evaluation.stream import check_count
+from h2o_compress.utils.checks import check_count
 from h2o_compress.jobs.checks import check_callbacks, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths

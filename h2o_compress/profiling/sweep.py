@@ -45,7 +45,8 @@ from h2o_compress.evaluation.needle import ANSWER_TOKENS, check_needle_args, nee
 from h2o_compress.evaluation.perplexity import streaming_perplexity
 from h2o_compress.runtime.compiled import decode_step, resolve_compile, warmup_steps
 from h2o_compress.models.weights import floating_dtype
-from h2o_compress.evaluation.stream import check_count, greedy_decode, model_device, read_stream, step_function, sync
+from h2o_compress.evaluation.stream import greedy_decode, model_device, read_stream, step_function, sync
+from h2o_compress.utils.checks import check_count
 from h2o_compress.runtime.prefill import context_window
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
