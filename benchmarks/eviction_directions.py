@@ -26,6 +26,18 @@ Eviction directions (16-bit, so only the ranking differs), each ranking the toke
   is TOVA's rule, Oren et al. 2024, arXiv 2401.06104).
 - ``ema-query b``: the attention a forecast query, the running mean of the queries (decay ``b``), would give each
   held token now: a stand-in for the oracle's future queries.
+- ``expected-attention n F`` (training-free): the attention the future queries are expected to give each held
+  token, the queries of each query head modelled as a Gaussian (mean and covariance of the pre-RoPE queries of the
+  last ``n`` tokens, the first :data:`EA_SINK` excluded, recomputed at each eviction), the RoPE rotation averaged over
+  the next ``F`` positions, in closed form ``exp(mu.k / sqrt(d) + k^T Sigma k / 2d)`` normalised over the held keys
+  (a softmax), averaged over the query heads of the KV head and multiplied by the value's L2 norm (``no-vnorm``:
+  not); the first :data:`EA_SINK` tokens are never evicted (Devoto et al. 2025, arXiv 2510.00636; kvpress's
+  ``ExpectedAttentionPress`` with its defaults ``n_sink=4``, ``n_future_positions=512``, ``use_covariance``,
+  ``use_vnorm``, ``epsilon=0``, but the future positions counted from the current one, where the decoding press
+  counts them from the length of its buffer). ``expected-attention calibrated F``: the mean and covariance measured
+  once, per layer and query head, over the first :data:`EA_CALIBRATION` tokens of the tuning text (kvpress's
+  ``ExpectedAttentionStatsPress``, which measures them on booksum), not over the recent queries. Their choose run
+  reads the tuning text from ``--start 4096`` on, past those tokens; ``chosen`` records the lowest mean ratio of each.
 - ``merge``: ``h2o``, and the evicted token's value is merged into the held token whose key is most similar
   (cosine) when that similarity is at least ``tau``, weighted by the two tokens' accumulated attention
   (D2O, Wan et al. 2024, arXiv 2406.13035 §3.2, token-level merging; CaM, Zhang et al. ICML 2024, merges values
@@ -106,6 +118,12 @@ class Simulation:
     def __init__(self, direction: Direction, layers: int, kv_heads: int, tokens: int, capacity: int, recent: int,
                  head_dim: int):
         self.d, self.capacity, self.recent = direction, capacity, recent
+        # ``expected-attention``: each layer's pre-RoPE queries of the last n tokens (a ring [n, q_heads, D]); the
+        # model's rotary embedding, and (``calibrated``) fixed statistics, are set by :func:`simulate`
+        self.recent_queries: dict[int, torch.Tensor] = {}
+        self.rotary = None
+        self.statistics: tuple[torch.Tensor, torch.Tensor] | None = None  # mean [layers, q_heads, D], cov [.., D, D]
+        self.future_rotation: tuple[int, torch.Tensor] | None = None  # (n, the averaged rotation [D, D])
         self.held = torch.zeros(layers, kv_heads, tokens, dtype=torch.bool)
         self.scores = torch.zeros(layers, kv_heads, tokens)
         self.quantized = torch.zeros(layers, dtype=torch.long)  # tokens (per layer) already quantized
@@ -191,6 +209,8 @@ class Simulation:
             return self.history[layer, :, :, :n].sum(0)
         if self.d.rank == "ema-query":
             return self.forecast.clone()
+        if self.d.rank == "expected-attention":
+            return self.expected_attention(layer, keys, values, n)
         if self.d.rank == "oracle":  # the attention each token will get from the queries still to come
             future = self.future[layer]
             return future[:, n, :n].clone() if n < future.shape[1] else torch.zeros_like(scores)
@@ -204,6 +224,47 @@ class Simulation:
             anchor = (unit * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
             return -torch.nn.functional.cosine_similarity(unit, anchor, dim=-1)
         return scores.clone()
+
+    def rope_rotation(self, position: int, count: int = 1) -> torch.Tensor:
+        """The RoPE rotation matrix ``[D, D]`` of ``position``, averaged over ``count`` positions from it
+        (kvpress's ``apply_avg_rope``: ``R = cos I + sin P``, ``P`` the matrix of ``rotate_half``)."""
+        positions = torch.arange(position, position + count).unsqueeze(0)
+        inv = self.rotary.inv_freq
+        cos, sin = self.rotary(inv.new_zeros(1), positions)
+        cos, sin = cos[0].float().mean(0), sin[0].float().mean(0)
+        half = cos.shape[0] // 2
+        turn = torch.zeros(2 * half, 2 * half)
+        turn[half:, :half], turn[:half, half:] = torch.eye(half), -torch.eye(half)
+        return torch.diag(cos) + sin.unsqueeze(1) * turn
+
+    def expected_attention(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+        """``expected-attention``: the priority ``[kv_heads, n]`` (the held tokens' entries; sinks infinite)."""
+        kv_heads, head_dim = keys.shape[0], keys.shape[-1]
+        if self.statistics is not None:
+            mean, cov = self.statistics[0][layer], self.statistics[1][layer]
+        else:  # the last n queries (the first EA_SINK tokens' excluded), kvpress's biased covariance
+            ring, window = self.recent_queries[layer], self.d.options["window"]
+            recent = ring[torch.arange(max(EA_SINK, n - window), n) % window]  # [m, q_heads, D]
+            mean = recent.mean(0)
+            centred = recent - mean
+            cov = torch.einsum("mhi,mhj->hij", centred, centred) / recent.shape[0]
+        if self.future_rotation is None or self.future_rotation[0] != n:  # the same for every layer of a step
+            self.future_rotation = (n, self.rope_rotation(n, self.d.options["future"]))
+        rotation = self.future_rotation[1]
+        mean = (mean @ rotation.T).view(kv_heads, -1, head_dim)
+        cov = (rotation @ cov @ rotation.T).view(kv_heads, -1, head_dim, head_dim)
+        held = self.held[layer, :, :n]
+        index = held.nonzero()[:, 1].view(kv_heads, -1)  # every KV head holds as many tokens
+        k = keys.float().gather(1, index.unsqueeze(-1).expand(-1, -1, head_dim))
+        logits = (torch.einsum("hgd,hmd->hgm", mean, k) / math.sqrt(head_dim)
+                  + torch.einsum("hmi,hgij,hmj->hgm", k, cov, k) / head_dim / 2)
+        scores = logits.softmax(-1).mean(1)
+        if self.d.options.get("vnorm", True):
+            v = values.float().gather(1, index.unsqueeze(-1).expand(-1, -1, head_dim))
+            scores = (scores + self.d.options.get("epsilon", 0.0)) * v.norm(dim=-1)
+        priority = torch.zeros(kv_heads, n).scatter(1, index, scores)
+        priority[:, :EA_SINK] = float("inf")
+        return priority
 
     def evict(self, layer: int, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
         held = self.held[layer, :, :n]
@@ -265,6 +326,10 @@ class Simulation:
             self.mean_query[layer] = mean
             forecast = (torch.einsum("hgd,hnd->hgn", mean, keys.float()) * scale)
             self.forecast = forecast.masked_fill(~self.held[layer, :, None, :n], float("-inf")).softmax(-1).sum(1)
+        elif self.d.rank == "expected-attention" and self.statistics is None:  # the pre-RoPE query, kept
+            window = self.d.options["window"]
+            ring = self.recent_queries.setdefault(layer, torch.zeros(window, kv_heads * group, head_dim))
+            ring[(n - 1) % window] = q.reshape(-1, head_dim) @ self.rope_rotation(n - 1)  # R^T: the inverse rotation
         self.evict(layer, keys, values, n)
         return output.reshape(1, 1, kv_heads * group, head_dim), None
 
@@ -280,6 +345,9 @@ def simulate(model, ids: torch.Tensor, direction: Direction, capacity: int, rece
     sim = simulation(direction, cfg.num_hidden_layers, heads, ids.shape[1], capacity, recent, head_dim)
     if direction.rank == "oracle":
         sim.future = future_attention(model, ids)
+    if direction.rank == "expected-attention":
+        sim.rotary = model.model.rotary_emb
+        sim.statistics = direction.options.get("statistics")
     AttentionInterface.register("eviction_directions", sim.attend)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eviction_directions")
@@ -312,12 +380,49 @@ def future_attention(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return future
 
 
+@torch.inference_mode()
+def query_statistics(model, ids: torch.Tensor, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expected-attention calibrated``: per layer, the mean ``[q_heads, D]`` and covariance ``[q_heads, D, D]``
+    (over tokens, ``N - 1``, as kvpress's ``collect_queries``) of the pre-RoPE queries (``q_proj``'s output) of
+    the uncompressed model reading ``ids`` at once, the first ``sink`` tokens' excluded."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    captured: list[torch.Tensor] = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: captured.append(o[0, sink:].float()))
+             for layer in model.model.layers]
+    try:
+        model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    means, covs = [], []
+    for q in captured:  # [tokens, q_heads * D]
+        q = q.view(q.shape[0], -1, head_dim).transpose(0, 1)  # [q_heads, tokens, D]
+        mean = q.mean(1)
+        centred = q - mean.unsqueeze(1)
+        means.append(mean)
+        covs.append(centred.transpose(1, 2) @ centred / (q.shape[1] - 1))
+    return torch.stack(means), torch.stack(covs)
+
+
 #: The eviction directions without an option; ``merge`` is added once per threshold (:data:`TAUS`, or the chosen one).
 DIRECTIONS = (Direction("h2o"), Direction("vatp", rank="vatp"), Direction("vatp-l2", rank="vatp-l2"),
               Direction("keydiff", rank="keydiff"))
 TAUS = (0.5, 0.7, 0.9)
 WINDOWS = (1, 8, 32)  # ``window W``: attention from the last W queries (W = 1: TOVA's rule)
 BETAS = (0.9, 0.99)  # ``ema-query b``: the attention a running mean of the queries (decay b) would give
+EA_SINK = 4  # kvpress's n_sink: never evicted, and their queries left out of the statistics
+EA_CALIBRATION = 4096  # ``expected-attention calibrated``: tokens of the tuning text the statistics are measured on
+#: ``expected-attention``: (recent queries n, future positions F, value norm), kvpress's default (F 512, the value
+#: norm) and one change at a time; ``calibrated``: (None, F, value norm)
+EA_VARIANTS = ((128, 512, True), (64, 512, True), (128, 256, True), (128, 512, False), (None, 512, True),
+               (None, 256, True))
+
+
+def expected_attention_direction(window: int | None, future: int, vnorm: bool) -> Direction:
+    name = f"expected-attention {window if window else 'calibrated'} {future}" + ("" if vnorm else " no-vnorm")
+    return Direction(name, rank="expected-attention",
+                     options={"window": window, "future": future, "vnorm": vnorm, "calibrated": window is None})
 
 
 def main() -> None:
@@ -329,6 +434,9 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="comma-separated subset of row names (default: all)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--texts", default="", help="report phase: a subset of the reporting texts")
+    parser.add_argument("--start", type=int, default=0,
+                        help="choose phase: the first token of the tuning text read (4096: past the tokens "
+                             "``expected-attention calibrated`` measures its statistics on)")
     parser.add_argument("--chosen", default="benchmarks/results/eviction_directions_choose.json")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -337,6 +445,8 @@ def main() -> None:
     command = "python benchmarks/eviction_directions.py " + shlex.join(sys.argv[1:])
     if args.phase == "choose":
         texts, tau = ["sherlock"], None  # the tuning text (TUNING_TEXT) by its name
+        if args.start:
+            texts = [f"sherlock {args.start}-{args.start + args.tokens - 1}"]
     else:
         texts = [t for t in (args.texts.split(",") if args.texts else REPORTING_TEXTS) if t]
         unknown = [t for t in texts if t not in REPORTING_TEXTS]
@@ -346,8 +456,12 @@ def main() -> None:
     model, tokenizer = load_model("smollm2-135m", device="cpu")
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     wanted = set(args.rows.split(",")) - {""}
+    statistics = None  # ``expected-attention calibrated``'s, measured when a row first needs them
     for text in texts:
-        ids = tokenize_text(tokenizer, load_text(text), args.tokens)
+        if text.startswith("sherlock "):  # tokens start.. of the tuning text
+            ids = tokenize_text(tokenizer, load_text("sherlock"), args.start + args.tokens)[:, args.start :]
+        else:
+            ids = tokenize_text(tokenizer, load_text(text), args.tokens)
         plan = [(1.0, "library full", CompressionConfig(policy="full")),
                 (1.0, "library token int4", CompressionConfig(kv_bits=4)),
                 (1.0, "token int4", Direction("token int4", rank="full", quant="token")),
@@ -366,6 +480,7 @@ def main() -> None:
                      for w in WINDOWS]
             plan += [(budget, f"ema-query {b}", Direction(f"ema-query {b}", rank="ema-query", options={"beta": b}))
                      for b in BETAS]
+            plan += [(budget, d.name, d) for d in (expected_attention_direction(*v) for v in EA_VARIANTS)]
             plan += [(budget, f"merge tau {t}", Direction(f"merge tau {t}", merge_tau=t))
                      for t in (TAUS if tau is None else (tau,))]
             plan += [(budget, "h2o kivi int4", Direction("h2o kivi int4", quant="kivi")),
@@ -386,6 +501,11 @@ def main() -> None:
             if isinstance(setting, CompressionConfig):
                 ppl = streaming_perplexity(model, ids, setting, 1).perplexity
             else:
+                if setting.options.get("calibrated"):
+                    if statistics is None:
+                        tuning = tokenize_text(tokenizer, load_text("sherlock"), EA_CALIBRATION)
+                        statistics = query_statistics(model, tuning, EA_SINK)
+                    setting.options["statistics"] = statistics
                 cache = make_cache(model, CompressionConfig(budget=budget, min_capacity=0), max_length=ids.shape[1])
                 capacity = cache.capacity or ids.shape[1]
                 ppl = simulate(model, ids, setting, capacity, cache.layers[0].policy.recent_window(capacity))
@@ -402,6 +522,15 @@ def main() -> None:
         for r in merges:
             best.setdefault(float(r["row"].split()[-1]), []).append(r["ratio"])
         result["chosen"] = {"merge_tau": min(best, key=lambda t: sum(best[t]) / len(best[t])) if best else TAUS[-1]}
+        expected = {}
+        for r in rows:
+            if r["row"].startswith("expected-attention"):
+                expected.setdefault(r["row"], []).append(r["ratio"])
+        if expected:  # the lowest mean ratio of each kind (recent queries, calibrated)
+            for kind, names in (("expected_attention", [k for k in expected if "calibrated" not in k]),
+                                ("expected_attention_calibrated", [k for k in expected if "calibrated" in k])):
+                if names:
+                    result["chosen"][kind] = min(names, key=lambda k: sum(expected[k]) / len(expected[k]))
     out.write_text(json.dumps(result, indent=1))
     write_markdown(result, out.with_suffix(".md"), args.phase)
 
