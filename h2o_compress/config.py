@@ -23,6 +23,7 @@ ALLOWED_GROUP_SIZES = GROUP_SIZES
 ATTENTION_KERNELS = ("auto", "torch", "triton")
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "adaptive")
+KEY_OFFSETS = ("none", "calibrated")
 PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
 #: Tokens a layer holds before a fractional budget starts evicting (``CompressionConfig.min_capacity``). Chosen on
@@ -149,6 +150,14 @@ class CompressionConfig:
             ([`CalibratedPolicy`][h2o_compress.policies.CalibratedPolicy]). ``None`` (default): the model's own
             file in the cache root, where ``calibrate`` writes it without ``--out``. Read when the cache is made,
             and refused there for a model it was not fitted on.
+        key_offsets: ``none`` (default) or ``calibrated``: 4- or 8-bit ``int`` keys are stored around the mean
+            pre-RoPE key of each layer and KV head that ``h2o-compress calibrate`` measured on the calibration text
+            (KVQuant, arXiv 2401.18079 §3.1; `h2o_compress.formats.calibrated.CalibratedKeyQuantizer`), rotated to
+            each token's position: the same bytes, about half the 4-bit key error. Read from the calibration file
+            (``calibration``, else the model's own file or the one shipped for it) when the cache is made; needs
+            ``int`` keys of 4 or 8 bits, ``head_budgets='uniform'``, ``high_bits_fraction=0`` and a decode step
+            other than ``attention_kernel='triton'`` (its layers decode in the torch form). A cache with it cannot
+            be saved.
 
     Raises:
         ConfigError: any value out of range, naming the value and what is allowed.
@@ -175,6 +184,7 @@ class CompressionConfig:
     forgetting_factor: float | None = None
     evict_chat_header: bool = False
     calibration: str | None = None
+    key_offsets: str = "none"
 
     def __post_init__(self) -> None:
         """Check every field (eviction, storage, runtime, then the options of the policy and the spreads over heads,
@@ -190,6 +200,7 @@ class CompressionConfig:
         self._check_head_budgets()
         self._check_high_bits()
         self._check_calibration()
+        self._check_key_offsets()
         if self.layer_budgets == "global" and not POLICIES[self.policy].scorer:
             raise ConfigError(
                 f"layer_budgets='global' with policy={short(self.policy)}: the layers are sized from the scores of a "
@@ -330,6 +341,29 @@ class CompressionConfig:
                                              or "\x00" in self.calibration):
             raise ConfigError(f"calibration={short(self.calibration)} is invalid; allowed: the path of a file written "
                               "by h2o-compress calibrate")
+
+    def _check_key_offsets(self) -> None:
+        """``key_offsets``: ``none`` or ``calibrated``; ``calibrated`` only where the keys are stored in the format
+        it changes (4- or 8-bit ``int``, one slot per head, no 8-bit planes) and decoded by the torch form or the
+        fallback to it. Whether the model's calibration holds key statistics is checked when its cache is made.
+        Raises ConfigError."""
+        if not isinstance(self.key_offsets, str) or self.key_offsets not in KEY_OFFSETS:
+            raise ConfigError(f"key_offsets={short(self.key_offsets)} is not supported; allowed: "
+                              f"{', '.join(KEY_OFFSETS)}")
+        if self.key_offsets == "none":
+            return
+        conflicts = [
+            (self.key_bits == 16 or self.quant != "int", f"keys are {self.key_bits}-bit with quant={self.quant!r}",
+             "kv_bits (or k_bits) 4 or 8 with quant 'int'"),
+            (self.head_budgets != "uniform", f"head_budgets={self.head_budgets!r}", "head_budgets 'uniform'"),
+            (self.high_bits_fraction > 0, f"high_bits_fraction={self.high_bits_fraction!r}", "high_bits_fraction 0"),
+            (self.attention_kernel == "triton", "attention_kernel='triton' (the op does not read the offsets)",
+             "attention_kernel 'auto' or 'torch'"),
+        ]
+        for conflict, what, allowed in conflicts:
+            if conflict:
+                raise ConfigError(f"key_offsets='calibrated' stores 4- or 8-bit int keys around a calibrated mean, "
+                                  f"but {what}; allowed: {allowed}, or key_offsets 'none'")
 
     @property
     def evicts_any(self) -> bool:

@@ -171,13 +171,15 @@ def one_torch_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def fitted_calibrations(tmp_path_factory):
-    """Every model a test makes a cache of with ``policy="calibrated"`` and no ``calibration`` finds one: in this
-    process the model's default calibration file lives in a private temporary directory, fitted the first time it is
-    looked up (the real fit, `h2o_compress.calibration.fit_eviction`, on random token ids: a tiny model has no
-    text to calibrate on). The registry-wide tests (policy contract, CPU kernel, compiled step) run the calibrated
+    """Every model a test makes a cache of with ``policy="calibrated"`` or ``key_offsets="calibrated"`` and no
+    ``calibration`` finds one: in this process the model's default calibration file lives in a private temporary
+    directory, fitted the first time it is looked up (the real fit, `h2o_compress.calibration.fit_eviction`, and the
+    mean pre-RoPE keys, `key_statistics_of`, where the model has a fixed RoPE, on random token ids: a tiny model has
+    no text to calibrate on). The registry-wide tests (policy contract, CPU kernel, compiled step) run the calibrated
     policy through it; `real_calibration_lookup` restores the real lookup (no file: a one-line error)."""
     import h2o_compress.persistence.calibration_file as calibration_file
     from h2o_compress.calibration import fit_eviction
+    from h2o_compress.calibration.key_channels import key_statistics_of
     from h2o_compress.models.identity import model_fingerprint, model_identity
 
     folder = tmp_path_factory.mktemp("calibration")
@@ -191,8 +193,12 @@ def fitted_calibrations(tmp_path_factory):
             device = next(model.parameters()).device
             pieces = [torch.randint(0, vocab, (1, 64), generator=generator).to(device) for _ in range(2)]
             weights, details = fit_eviction(model, pieces)
-            calibration = calibration_file.Calibration({calibration_file.EVICTION_WEIGHTS: weights},
-                                                       model_fingerprint(model), model_identity(model), details)
+            tensors = {calibration_file.EVICTION_WEIGHTS: weights}
+            key_mean, _ = key_statistics_of(model, pieces[1:])  # None for a model without a fixed RoPE
+            if key_mean is not None:
+                tensors[calibration_file.KEY_CHANNEL_MEAN] = key_mean
+            calibration = calibration_file.Calibration(tensors, model_fingerprint(model), model_identity(model),
+                                                       details)
             calibration_file.save_calibration(path, calibration)
         return path
 

@@ -1,6 +1,6 @@
 """Calibration fitted once per model on calibration text: the calibrated eviction policy's weights
-(`h2o_compress.calibration.eviction_fit`), written to one file tied to the model
-(`h2o_compress.persistence.calibration_file`).
+(`h2o_compress.calibration.eviction_fit`) and the mean pre-RoPE keys (`h2o_compress.calibration.key_channels`),
+written to one file tied to the model (`h2o_compress.persistence.calibration_file`).
 
 Example:
     >>> from h2o_compress import CompressionConfig, load_model, generate
@@ -19,10 +19,12 @@ import torch
 from h2o_compress.calibration.eviction_fit import (
     HEAVY_FRACTION, INPUT_SETS, RECENT_FRACTION, fit_columns, input_columns, kept_shares, read_segment, training_rows,
 )
+from h2o_compress.calibration.key_channels import key_statistics_of
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
 from h2o_compress.models.identity import model_fingerprint, model_identity
 from h2o_compress.persistence.calibration_file import (
-    EVICTION_WEIGHTS, Calibration, check_calibration_target, default_calibration_path, save_calibration,
+    EVICTION_WEIGHTS, KEY_CHANNEL_MEAN, Calibration, check_calibration_target, default_calibration_path,
+    save_calibration,
 )
 from h2o_compress.utils.errors import InputError, short
 from h2o_compress.utils.progress import report
@@ -90,12 +92,16 @@ def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS
 def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS,
               segments: int = CALIBRATION_SEGMENTS, out=None, overwrite: bool = False,
               inputs: str = DEFAULT_INPUTS) -> Calibration:
-    """Fit the calibrated eviction policy's weights for ``model`` on calibration text, and write them to ``out``.
+    """Fit the calibrated eviction policy's weights for ``model`` on calibration text, measure its mean pre-RoPE
+    keys, and write both to ``out``.
 
     The uncompressed model reads ``segments`` consecutive segments of ``tokens`` tokens from the start of the text;
     the first is held back to check the fit, the others are fitted (`h2o_compress.calibration.eviction_fit`: the
     label is the log of the mean attention each token receives from every later query of its segment, the inputs
-    what the cache holds when it evicts). About a minute per segment of 1,024 tokens on a CPU for SmolLM2-135M.
+    what the cache holds when it evicts). Over the same fitted segments the mean pre-RoPE key of each layer and KV
+    head is measured (`h2o_compress.calibration.key_channels.key_statistics_of`: what ``key_offsets="calibrated"``
+    reads); a model without a fixed rotary embedding still calibrates, its file without them (``details
+    ["key_statistics"]`` says why). About a minute per segment of 1,024 tokens on a CPU for SmolLM2-135M.
 
     Args:
         model: a loaded transformers causal LM (`h2o_compress.load_model`).
@@ -112,7 +118,8 @@ def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS
             text.
 
     Returns:
-        The [`Calibration`][h2o_compress.persistence.Calibration]; ``details`` holds the held-back shares.
+        The [`Calibration`][h2o_compress.persistence.Calibration]; ``details`` holds the held-back shares and
+        whether the key statistics were measured (``key_statistics``).
 
     Raises:
         InputError: a reporting text, bad counts, or a text too short.
@@ -124,9 +131,15 @@ def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS
     check_calibration_target(out, overwrite)
     pieces = _segments(tokenizer, text_file, tokens, segments)
     weights, check = fit_eviction(model, pieces, inputs)
+    tensors = {EVICTION_WEIGHTS: weights}
+    key_mean, why_not = key_statistics_of(model, pieces[1:])
+    if key_mean is not None:
+        tensors[KEY_CHANNEL_MEAN] = key_mean
     details = {"text": "sherlock" if text_file is None else str(text_file), "tokens": tokens, "segments": segments,
                "inputs": inputs,
-               "label": "log mean future attention, horizon: rest of the segment", **check}
-    calibration = Calibration({EVICTION_WEIGHTS: weights}, model_fingerprint(model), model_identity(model), details)
+               "label": "log mean future attention, horizon: rest of the segment", **check,
+               "key_statistics": "mean pre-RoPE key over the fitted segments" if key_mean is not None
+               else f"none: {why_not}"}
+    calibration = Calibration(tensors, model_fingerprint(model), model_identity(model), details)
     calibration.details["path"] = str(save_calibration(out, calibration, overwrite=overwrite))
     return calibration

@@ -11,13 +11,11 @@ after, removing the channel bias that would otherwise widen every token's range.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
-from h2o_compress.formats.integer import IntQuantizer
-from h2o_compress.utils.errors import ConfigError, UnsupportedModelError
+from h2o_compress.formats.calibrated import key_shape as _key_shape, rope_frequencies
+from h2o_compress.persistence.calibration_file import calibrate_key_layers, use_key_offsets  # noqa: F401 (here too)
+from h2o_compress.utils.errors import UnsupportedModelError
 
 #: The tensors :func:`key_channel_statistics` returns (names and shapes are the calibration file's format).
 KEY_CHANNEL_TENSORS = ("key_channel_mean", "key_channel_scale")
@@ -37,14 +35,6 @@ def attention_modules(model) -> list[torch.nn.Module]:
             f"key calibration needs one attention module with a k_proj per layer; {type(model).__name__} has "
             f"{len(found)} for {layers} layers")
     return found
-
-
-def _key_shape(model) -> tuple[int, int]:
-    """``(kv_heads, head_dim)`` from the model's config."""
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return heads, head_dim
 
 
 @torch.inference_mode()
@@ -96,21 +86,38 @@ def key_channel_statistics(model, input_ids: torch.Tensor, skip: int = 1) -> dic
     return {"key_channel_mean": mean.contiguous(), "key_channel_scale": scale.contiguous()}
 
 
-def rope_frequencies(model) -> tuple[torch.Tensor, float]:
-    """``(inv_freq, attention_scaling)`` of the model's rotary embedding: fp32 ``[head_dim / 2]`` radians per
-    position, and the factor its ``cos``/``sin`` are multiplied by.
+def key_statistics_of(model, pieces: list[torch.Tensor]) -> tuple[torch.Tensor | None, str]:
+    """The mean pre-RoPE key over calibration segments, for the calibration file, or why there is none.
 
-    Raises:
-        UnsupportedModelError: no module with a fixed ``inv_freq`` (no RoPE), one whose frequencies change with
-            the length (dynamic scaling), or layers with different frequencies (local and global layers).
+    Each segment is read on its own (`key_channel_statistics`, its first token left out); the mean is that of
+    every counted token (the segments' means averaged, each weighed by its tokens).
+
+    Args:
+        model: the model being calibrated.
+        pieces: ``[1, tokens]`` calibration ids, each at least 3 tokens.
+
+    Returns:
+        ``(mean, "")``, ``mean`` fp32 ``[layers, kv_heads, head_dim]`` on the CPU; or ``(None, reason)`` for a
+        model whose keys cannot take the offsets (no fixed rotary embedding, no ``k_proj`` per layer, or one of
+        another width than ``kv_heads x head_dim``: `rope_frequencies`, `attention_modules`), ``reason`` one line.
     """
-    rotaries = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
-    rotary = rotaries[0] if rotaries else None
-    if rotary is None or "dynamic" in str(getattr(rotary, "rope_type", "")) or any(
-            not torch.equal(r.inv_freq, rotary.inv_freq) for r in rotaries[1:]):
-        raise UnsupportedModelError(f"key calibration needs one fixed rotary embedding for every layer; "
-                                    f"{type(model).__name__} has {'none' if rotary is None else 'another'}")
-    return rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0))
+    try:
+        rope_frequencies(model)
+        modules = attention_modules(model)
+    except UnsupportedModelError as exc:
+        return None, str(exc)
+    heads, head_dim = _key_shape(model)
+    widths = {getattr(m.k_proj, "out_features", heads * head_dim) for m in modules}
+    if widths != {heads * head_dim}:
+        return None, (f"key calibration needs keys of {heads} KV heads x {head_dim}; {type(model).__name__}'s k_proj "
+                      f"gives {sorted(widths)} features")
+    total, counted = None, 0
+    for piece in pieces:
+        mean = key_channel_statistics(model, piece)["key_channel_mean"]
+        tokens = piece.shape[-1] - 1
+        total = mean * tokens if total is None else total + mean * tokens
+        counted += tokens
+    return (total / counted).contiguous(), ""
 
 
 def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> None:
@@ -120,6 +127,7 @@ def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> No
 
     Call it on a fresh cache (``make_cache``), before its first token. The bytes per token do not change; the
     layers decode in the torch form (the fused kernels do not read the format), and the cache cannot be saved.
+    ``CompressionConfig(key_offsets="calibrated")`` does the same from the model's calibration file.
 
     Args:
         cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] with 4- or 8-bit ``int`` keys, no tokens yet.
@@ -132,22 +140,4 @@ def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> No
         UnsupportedModelError: no fixed RoPE (see :func:`rope_frequencies`).
     """
     mean = statistics.get("key_channel_mean") if isinstance(statistics, dict) else None
-    layers = list(getattr(cache, "layers", []))
-    heads, head_dim = _key_shape(model)
-    if not isinstance(mean, torch.Tensor) or tuple(mean.shape) != (len(layers), heads, head_dim):
-        raise ConfigError(f"key_channel_mean must be a [{len(layers)}, {heads}, {head_dim}] tensor (layers, KV heads, "
-                          "head_dim of the model); got "
-                          f"{tuple(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__}")
-    inv_freq, scaling = rope_frequencies(model)
-    settings = []
-    for layer, layer_mean in zip(layers, mean):
-        quantizer, setting = layer.setting.key_quantizer, layer.setting
-        if type(quantizer) is not IntQuantizer or setting.head_adaptive or setting.high_bits_fraction > 0 \
-                or layer.is_initialized:
-            raise ConfigError(f"layer {layer.layer_idx} cannot take a key calibration; allowed: a fresh cache with "
-                              "4- or 8-bit int keys, head_budgets='uniform', high_bits_fraction=0")
-        calibrated = CalibratedKeyQuantizer(quantizer.bits, quantizer.group_size, quantizer.head_dim, layer_mean,
-                                            inv_freq, quantizer.rotate, scaling)
-        settings.append(dataclasses.replace(setting, key_quantizer=calibrated))
-    for layer, setting in zip(layers, settings):  # every layer checked first: all or none change
-        layer.setting = setting
+    calibrate_key_layers(getattr(cache, "layers", []), model, mean)

@@ -1,4 +1,5 @@
-"""``h2o-compress calibrate``: fit the calibrated eviction policy once per model (`h2o_compress.calibration`)."""
+"""``h2o-compress calibrate``: fit the calibrated eviction policy and measure the key statistics once per model
+(`h2o_compress.calibration`)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def calibrate_command(
 ):
     """Fit the calibrated eviction policy for a model (once; minutes on a CPU): the uncompressed model reads the
     calibration text, each token is labelled with the attention later queries give it, and a predictor per layer
-    and KV head is fitted (KVzap-style, arXiv 2601.07891). Use it with --policy calibrated."""
+    and KV head is fitted (KVzap-style, arXiv 2601.07891); the mean pre-RoPE key of each layer and KV head is
+    measured on the same text (KVQuant, arXiv 2401.18079; not for a model without a fixed RoPE). Use it with
+    --policy calibrated, and --key-offsets calibrated for 4- or 8-bit keys."""
     check_request(text_file, tokens, segments, inputs)
     if text_file is not None:
         checked_text(text_file)
@@ -59,4 +62,11 @@ def calibrate_command(
     typer.echo(f"held back ({tokens} tokens of {details['text']}): the fitted ranking keeps "
                f"{details['held_back_kept_share']:.1%} of the future attention the oracle keeps (h2o: "
                f"{details['held_back_kept_share_h2o']:.1%})")
-    typer.echo("use it with: --policy calibrated" + ("" if out is None else f" --calibration {out}"))
+    measured = not details.get("key_statistics", "").startswith("none")
+    typer.echo("key statistics (mean pre-RoPE keys, for --key-offsets calibrated): "
+               + ("measured over the fitted segments" if measured else
+                  f"not written ({details['key_statistics'].removeprefix('none: ')})"))
+    file = "" if out is None else f" --calibration {out}"
+    typer.echo("use it with: --policy calibrated" + file)
+    if measured:
+        typer.echo("and with 4- or 8-bit keys: --key-offsets calibrated" + file)

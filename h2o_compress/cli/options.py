@@ -92,8 +92,13 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         "KVzipPress).")),
     "calibration": _Flag(Optional[str], typer.Option(
         DEFAULT["calibration"], "--calibration",
-        help="With --policy calibrated: the calibration file h2o-compress calibrate wrote (default: the model's own "
-             "file in the cache root).")),
+        help="With --policy calibrated or --key-offsets calibrated: the calibration file h2o-compress calibrate "
+             "wrote (default: the model's own file in the cache root).")),
+    "key_offsets": _Flag(str, typer.Option(
+        DEFAULT["key_offsets"], "--key-offsets",
+        help="none, or calibrated: store 4- or 8-bit int keys around the mean pre-RoPE key h2o-compress calibrate "
+             "measured for the model (KVQuant; same bytes, less key error; read from --calibration, else the model's "
+             "own or shipped file; not with --head-budgets adaptive, --high-bits-fraction or --kernel triton).")),
     "lookahead_request": _Flag(Optional[str], typer.Option(
         DEFAULT["lookahead_request"], "--lookahead-request",
         help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "

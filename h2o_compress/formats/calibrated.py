@@ -24,7 +24,7 @@ import torch
 
 from h2o_compress.formats.base import StoredTensor
 from h2o_compress.formats.integer import IntQuantizer
-from h2o_compress.utils.errors import ConfigError
+from h2o_compress.utils.errors import ConfigError, UnsupportedModelError
 
 
 def offset_basis(mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
@@ -120,3 +120,28 @@ class CalibratedKeyQuantizer(IntQuantizer):
         codes = self._codes(stored.parts["data"])
         target = out.unflatten(-1, (self.head_dim // self.group_size, self.group_size))
         target.copy_(torch.addcmul(scale_zero[..., 1:], codes, scale_zero[..., :1].abs()))
+
+
+def key_shape(model) -> tuple[int, int]:
+    """``(kv_heads, head_dim)`` from the model's config."""
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return heads, head_dim
+
+
+def rope_frequencies(model) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` of the model's rotary embedding: fp32 ``[head_dim / 2]`` radians per
+    position, and the factor its ``cos``/``sin`` are multiplied by.
+
+    Raises:
+        UnsupportedModelError: no module with a fixed ``inv_freq`` (no RoPE), one whose frequencies change with
+            the length (dynamic scaling), or layers with different frequencies (local and global layers).
+    """
+    rotaries = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    rotary = rotaries[0] if rotaries else None
+    if rotary is None or "dynamic" in str(getattr(rotary, "rope_type", "")) or any(
+            not torch.equal(r.inv_freq, rotary.inv_freq) for r in rotaries[1:]):
+        raise UnsupportedModelError(f"key calibration needs one fixed rotary embedding for every layer; "
+                                    f"{type(model).__name__} has {'none' if rotary is None else 'another'}")
+    return rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0))

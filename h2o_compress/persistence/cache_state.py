@@ -83,7 +83,8 @@ def _check_saveable(cache) -> int:
         raise CacheStateError(f"cannot save: layers have seen different token counts {sorted(seen)} (a failed step?)")
     if any(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers):
         raise CacheStateError("cannot save a cache whose keys are stored around a key calibration (the file format "
-                              "does not record it yet); allowed: a cache made without use_key_calibration")
+                              "does not record the offsets); allowed: a cache made with key_offsets='none' (and "
+                              "without use_key_calibration)")
     return seen.pop()
 
 
@@ -171,6 +172,9 @@ def _saved_config(metadata: dict[str, str], source: Path):
         if isinstance(budgets, str) and budgets not in LAYER_BUDGETS:  # a path: a crafted file names no other file
             raise CacheFileError(f"cache file {str(source)!r} names layer_budgets {short(budgets)}; allowed in a cache "
                                  f"file: {', '.join(LAYER_BUDGETS)} or the per-layer weights themselves (numbers)")
+        if isinstance(fields, dict) and fields.get("key_offsets", "none") != "none":  # save_cache refuses them
+            raise CacheFileError(f"cache file {str(source)!r} names key_offsets {short(fields['key_offsets'])}, which "
+                                 "no cache file holds; allowed in a cache file: key_offsets 'none'")
         return CompressionConfig(**fields)
     except CacheFileError:
         raise

@@ -1,15 +1,21 @@
 """The calibration file: what `h2o-compress calibrate` fits once per model, in one safetensors file.
 
 Tensors (fp32): ``eviction.weights`` ``[layers, kv_heads, head_dim + 4]``, the calibrated policy's weights per
-layer and KV head (`h2o_compress.policies.CalibratedPolicy`); other tensors a calibration adds (per-channel key
-statistics) are kept as they are. Metadata (strings): ``format`` (`FORMAT`), ``format_version``,
+layer and KV head (`h2o_compress.policies.CalibratedPolicy`); ``keys.channel_mean`` ``[layers, kv_heads, head_dim]``,
+the mean pre-RoPE key per layer and KV head (`h2o_compress.calibration.key_channels.key_channel_statistics`), which
+``key_offsets="calibrated"`` subtracts before 4- or 8-bit keys are quantized; absent where the model has no fixed
+rotary embedding (a file written before it existed has none either). Other tensors are kept as they are. Metadata (strings): ``format`` (`FORMAT`), ``format_version``,
 ``library_version``, ``model_fingerprint`` (the model it was fitted on:
 `h2o_compress.models.identity.model_fingerprint`), ``model_id``, ``details`` (JSON: the calibration text, tokens,
 label, held-back figures) and ``checksum`` (as a cache file's). The file is written atomically, like a cache.
+
+A cache reads it when it is made (`calibration_for`): the policy's weights per layer, and with
+``key_offsets="calibrated"`` the mean keys its layers store their keys around (`use_key_offsets`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -18,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from h2o_compress.formats.calibrated import CalibratedKeyQuantizer, key_shape, rope_frequencies
+from h2o_compress.formats.integer import IntQuantizer
 from h2o_compress.models.identity import model_fingerprint, model_identity
 from h2o_compress.persistence.file_format import _checksum, write_checksummed
 from h2o_compress.utils.errors import CacheFileError, ConfigError, one_line, short
@@ -29,6 +37,8 @@ FORMAT = "h2o-compress-calibration"
 FORMAT_VERSION = "1"
 #: The tensor holding the calibrated eviction policy's weights.
 EVICTION_WEIGHTS = "eviction.weights"
+#: The tensor holding the mean pre-RoPE key per layer and KV head (``key_offsets="calibrated"``).
+KEY_CHANNEL_MEAN = "keys.channel_mean"
 MAKE_ONE = "make one with: h2o-compress calibrate --model MODEL"
 
 
@@ -37,7 +47,8 @@ class Calibration:
     """A calibration file's contents.
 
     Attributes:
-        tensors: name -> fp32 CPU tensor (`EVICTION_WEIGHTS` ``[layers, kv_heads, head_dim + 4]``, ...).
+        tensors: name -> fp32 CPU tensor (`EVICTION_WEIGHTS` ``[layers, kv_heads, head_dim + 4]``,
+            `KEY_CHANNEL_MEAN` ``[layers, kv_heads, head_dim]``, ...).
         model_fingerprint: the fingerprint of the model it was fitted on.
         model_id: that model's name.
         details: what the fit used and measured (calibration text, tokens, label, held-back figures).
@@ -52,6 +63,11 @@ class Calibration:
         """fp32 ``[kv_heads, head_dim + 4]`` of model layer ``layer``, or ``None`` where the file has none."""
         weights = self.tensors.get(EVICTION_WEIGHTS)
         return None if weights is None or layer >= weights.shape[0] else weights[layer]
+
+    def key_channel_mean(self) -> torch.Tensor | None:
+        """fp32 ``[layers, kv_heads, head_dim]``: the mean pre-RoPE key per layer and KV head (`KEY_CHANNEL_MEAN`),
+        or ``None`` where the file has none (a model without a fixed rotary embedding, or an older file)."""
+        return self.tensors.get(KEY_CHANNEL_MEAN)
 
 
 def check_calibration_target(path, overwrite: bool = False) -> Path:
@@ -130,17 +146,19 @@ def default_calibration_path(model) -> Path:
 
 def calibration_for(config, model) -> Calibration | None:
     """The calibration a cache of ``config`` for ``model`` uses: the file ``config.calibration`` names; else, where
-    the policy needs one, the model's own file (`default_calibration_path`, what ``calibrate`` writes) or the one
-    shipped for it (`shipped_calibration_path`); else ``None``.
+    the policy needs one or ``config.key_offsets`` is ``"calibrated"``, the model's own file
+    (`default_calibration_path`, what ``calibrate`` writes) or the one shipped for it (`shipped_calibration_path`);
+    else ``None``.
 
     Raises:
-        ConfigError: the policy needs a calibration (``needs_calibration``) and would evict, and none is given or
-            found (naming the command that makes one).
+        ConfigError: the policy needs a calibration (``needs_calibration``) and would evict, or the keys are
+            calibrated, and none is given or found (naming the command that makes one).
         CacheFileError: as `load_calibration`.
     """
     if config.calibration is not None:
         return load_calibration(config.calibration, model)
-    if not config.eviction_policy().needs_calibration or not config.evicts_any:
+    keys = getattr(config, "key_offsets", "none") == "calibrated"
+    if not keys and (not config.eviction_policy().needs_calibration or not config.evicts_any):
         return None
     path = default_calibration_path(model)
     if path.is_file():
@@ -149,7 +167,8 @@ def calibration_for(config, model) -> Calibration | None:
     shipped = shipped_calibration_path(model)
     if shipped is not None:
         return load_calibration(shipped, model)
-    raise ConfigError(f"policy={config.policy!r} needs a calibration of this model ({model_identity(model)}) and "
+    needs = "key_offsets='calibrated'" if keys else f"policy={config.policy!r}"
+    raise ConfigError(f"{needs} needs a calibration of this model ({model_identity(model)}) and "
                       f"none was found at {short(str(path))}; allowed: run h2o-compress calibrate --model MODEL "
                       "once (minutes), or give --calibration FILE")
 
@@ -174,3 +193,54 @@ def load_calibration(path, model) -> Calibration:
             f"calibration file {short(str(path))} was fitted on {calibration.model_id or 'another model'}, not "
             f"{model_identity(model)}; allowed: a file calibrated on this model ({MAKE_ONE})")
     return calibration
+
+
+def calibrate_key_layers(layers, model, mean: torch.Tensor) -> None:
+    """Switch fresh cache ``layers`` (one per model layer, in order) to keys stored around ``mean`` (fp32
+    ``[layers, kv_heads, head_dim]``, rotated to each token's position: `CalibratedKeyQuantizer`). Every layer is
+    checked before any changes.
+
+    Raises:
+        ConfigError: ``mean`` of another shape than the model's layers, KV heads and head_dim; a layer whose keys
+            are not 4- or 8-bit ``int``, that pools its heads, keeps 8-bit planes, or holds tokens.
+        UnsupportedModelError: no fixed RoPE (`h2o_compress.formats.calibrated.rope_frequencies`).
+    """
+    layers = list(layers)
+    heads, head_dim = key_shape(model)
+    if not isinstance(mean, torch.Tensor) or tuple(mean.shape) != (len(layers), heads, head_dim):
+        raise ConfigError(f"key_channel_mean must be a [{len(layers)}, {heads}, {head_dim}] tensor (layers, KV heads, "
+                          "head_dim of the model); got "
+                          f"{tuple(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__}")
+    inv_freq, scaling = rope_frequencies(model)
+    settings = []
+    for layer, layer_mean in zip(layers, mean):
+        quantizer, setting = layer.setting.key_quantizer, layer.setting
+        if type(quantizer) is not IntQuantizer or setting.head_adaptive or setting.high_bits_fraction > 0 \
+                or layer.is_initialized:
+            raise ConfigError(f"layer {layer.layer_idx} cannot take a key calibration; allowed: a fresh cache with "
+                              "4- or 8-bit int keys, head_budgets='uniform', high_bits_fraction=0")
+        calibrated = CalibratedKeyQuantizer(quantizer.bits, quantizer.group_size, quantizer.head_dim, layer_mean,
+                                            inv_freq, quantizer.rotate, scaling)
+        settings.append(dataclasses.replace(setting, key_quantizer=calibrated))
+    for layer, setting in zip(layers, settings):  # every layer checked first: all or none change
+        layer.setting = setting
+
+
+def use_key_offsets(layers, config, model, calibration) -> None:
+    """What ``make_cache`` does with ``config.key_offsets``: with ``"calibrated"``, ``layers`` store their keys
+    around ``calibration``'s mean pre-RoPE keys (`calibrate_key_layers`); with ``"none"``, nothing.
+
+    Raises:
+        ConfigError: the calibration (a [`Calibration`][h2o_compress.persistence.Calibration], or ``None``) holds no
+            key statistics (naming the command that writes them), or as `calibrate_key_layers`.
+        UnsupportedModelError: as `calibrate_key_layers`.
+    """
+    if getattr(config, "key_offsets", "none") != "calibrated":
+        return
+    mean = None if calibration is None else calibration.key_channel_mean()
+    if mean is None:
+        name = getattr(calibration, "model_id", "") or "this model"
+        raise ConfigError(f"key_offsets='calibrated' needs the mean pre-RoPE keys of {name} and its calibration file "
+                          "has none (written before they were measured, or a model without a fixed rotary embedding); "
+                          "allowed: rerun h2o-compress calibrate --model MODEL, or key_offsets 'none'")
+    calibrate_key_layers(layers, model, mean)

@@ -22,7 +22,7 @@ from h2o_compress.models.identity import model_identity, record_model
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.prefill import check_cache_model, check_context, context_window, prefill
 from h2o_compress.models.weights import input_device
-from h2o_compress.persistence.calibration_file import calibration_for
+from h2o_compress.persistence.calibration_file import calibration_for, use_key_offsets
 
 
 def make_cache(model, config: CompressionConfig | None = None, max_length: int | None = None,
@@ -60,6 +60,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
                           capacities=layer_capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims),
                           calibration=calibration)
+    use_key_offsets(layers, config, model, calibration)  # key_offsets="calibrated": keys around the calibrated mean
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)

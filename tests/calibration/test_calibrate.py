@@ -7,14 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import save_tiny_model_dir, tiny_llama, tiny_opt
 from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, make_cache
 from h2o_compress.calibration import calibrate
+from h2o_compress.calibration.key_channels import key_channel_statistics
 from h2o_compress.calibration.eviction_fit import fit_ridge, kept_shares, read_segment, training_rows
 from h2o_compress.cli import app
-from h2o_compress.persistence.calibration_file import EVICTION_WEIGHTS, load_calibration, read_calibration
+from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
+from h2o_compress.persistence.calibration_file import (
+    EVICTION_WEIGHTS, KEY_CHANNEL_MEAN, Calibration, load_calibration, read_calibration, save_calibration,
+)
 from h2o_compress.policies.calibrated import CalibratedPolicy, feature_matrix, predicted_score, token_prior
 from h2o_compress.utils.errors import CacheFileError, ConfigError, InputError
 
@@ -138,3 +142,75 @@ def test_weights_without_a_calibration_refuse_to_rank():
         policy.rank(torch.zeros(1, 1, 3), torch.arange(3).view(1, 1, 3), 3)
     with pytest.raises(ConfigError, match="NaN or Inf"):
         CalibratedPolicy(weights=torch.full((1, 8), float("nan")))
+
+
+def test_calibrate_writes_the_mean_pre_rope_keys_of_the_fitted_segments(model, text_file, tmp_path):
+    out = tmp_path / "scorer.safetensors"
+    calibration = calibrate(model, CharTokenizer(), text_file, tokens=128, segments=3, out=out)
+    mean = calibration.key_channel_mean()
+    assert mean.shape == (2, 2, 32) and mean.dtype == torch.float32 and bool(torch.isfinite(mean).all())
+    ids = CharTokenizer()(open(text_file).read()).input_ids[:, : 3 * 128]
+    fitted = [key_channel_statistics(model, ids[:, i * 128 : (i + 1) * 128])["key_channel_mean"] for i in (1, 2)]
+    assert torch.allclose(mean, (fitted[0] + fitted[1]) / 2, atol=1e-6)  # the held-back segment not counted
+    held_back = key_channel_statistics(model, ids[:, :128])["key_channel_mean"]
+    assert not torch.allclose(mean, (held_back + fitted[0]) / 2, atol=1e-6)
+    assert calibration.details["key_statistics"].startswith("mean pre-RoPE key")
+    loaded = load_calibration(out, model)
+    assert torch.equal(loaded.key_channel_mean(), mean) and loaded.tensors[KEY_CHANNEL_MEAN].dtype == torch.float32
+    assert torch.equal(loaded.tensors[EVICTION_WEIGHTS], calibration.tensors[EVICTION_WEIGHTS])
+
+
+def test_a_model_without_a_fixed_rope_calibrates_without_key_statistics(tmp_path):
+    opt = tiny_opt()
+    out = tmp_path / "opt.safetensors"
+    calibration = calibrate(opt, CharTokenizer(), None, tokens=64, segments=2, out=out)
+    assert calibration.key_channel_mean() is None and set(read_calibration(out).tensors) == {EVICTION_WEIGHTS}
+    assert calibration.details["key_statistics"].startswith("none: key calibration needs one fixed rotary embedding")
+    with pytest.raises(ConfigError, match="^key_offsets='calibrated' needs the mean pre-RoPE keys .* and its "
+                                          "calibration file has none .*rerun h2o-compress calibrate --model MODEL"):
+        make_cache(opt, CompressionConfig(kv_bits=4, key_offsets="calibrated", calibration=str(out)), max_length=16)
+
+
+def test_a_file_without_key_statistics_is_refused_in_one_line(model, tmp_path):
+    old = tmp_path / "old.safetensors"  # a file written before the keys were measured
+    weights = torch.zeros(2, 2, 32 + 4)
+    from h2o_compress.models.identity import model_fingerprint, model_identity
+
+    save_calibration(old, Calibration({EVICTION_WEIGHTS: weights}, model_fingerprint(model), model_identity(model)))
+    make_cache(model, CompressionConfig(kv_bits=4, calibration=str(old)), max_length=16)  # not asked for: fine
+    with pytest.raises(ConfigError) as error:
+        make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated", calibration=str(old)), max_length=16)
+    assert "\n" not in str(error.value) and "h2o-compress calibrate --model MODEL" in str(error.value)
+
+
+def test_key_offsets_without_any_calibration_name_the_command(model, real_calibration_lookup):
+    with pytest.raises(ConfigError, match="^key_offsets='calibrated' needs a calibration .* run h2o-compress "
+                                          "calibrate --model MODEL"):
+        make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=40)
+
+
+def test_the_cli_calibrates_and_generates_with_calibrated_keys(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 120}" for i in range(200)))
+    out = tmp_path / "tiny.safetensors"
+    runner = CliRunner()
+    result = runner.invoke(app, ["calibrate", "--model", model_dir, "--text-file", str(text), "--tokens", "64",
+                                 "--segments", "2", "--out", str(out), "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "key statistics (mean pre-RoPE keys, for --key-offsets calibrated): measured" in result.output
+    assert f"and with 4- or 8-bit keys: --key-offsets calibrated --calibration {out}" in result.output
+    assert read_calibration(out).key_channel_mean().shape == (2, 2, 32)
+    base = ["generate", "--model", model_dir, "--kv-bits", "4", "--max-new-tokens", "4", "--threads", "1",
+            "--calibration", str(out), "--json", "w1 w2 w3 w4 w5 w6 w7 w8"]
+    result = runner.invoke(app, [*base, "--key-offsets", "calibrated"])
+    assert result.exit_code == 0, result.output
+    assert '"key_offsets": "calibrated"' in result.output and '"decode_kernel": "torch"' in result.output
+    missing = str(tmp_path / "no-such-model")
+    for flags, message in (
+            (["--key-offsets", "maybe"], "error: key_offsets='maybe' is not supported; allowed: none, calibrated"),
+            (["--key-offsets", "calibrated", "--kv-bits", "16"], "error: key_offsets='calibrated' stores 4- or 8-bit "
+             "int keys around a calibrated mean, but keys are 16-bit with quant='int'; allowed: kv_bits (or k_bits) "
+             "4 or 8 with quant 'int', or key_offsets 'none'")):
+        result = runner.invoke(app, ["generate", "--model", missing, "--kv-bits", "4", *flags, "w1"])
+        assert result.exit_code == 2 and result.output.strip().splitlines() == [message]  # before the model loads

@@ -184,3 +184,80 @@ def test_compiled_decode_matches_eager_and_keeps_its_buffers():
     assert before == after
     assert {layer.decode_kernel for layer in cache.layers} == {"torch"}
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
+
+
+# -- key_offsets="calibrated": the setting reads the model's calibration file (conftest's fitted_calibrations) ------
+
+@torch.inference_mode()
+def streamed(model, config, ids) -> tuple[torch.Tensor, "torch.nn.Module"]:
+    """Logits of ``ids`` read token by token through ``make_cache(model, config)``, and the cache."""
+    cache = make_cache(model, config, max_length=ids.shape[1])
+    logits = torch.cat([model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0]
+                        for t in range(ids.shape[1])])
+    return logits, cache
+
+
+def test_the_setting_stores_keys_around_the_calibrated_mean_with_bounded_error():
+    model = biased_llama()
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits[0]
+    plain_logits, plain = streamed(model, CompressionConfig(budget=1.0, kv_bits=4), ids)
+    ours_logits, ours = streamed(model, CompressionConfig(budget=1.0, kv_bits=4, key_offsets="calibrated"), ids)
+    assert type(plain.layers[0].key_quantizer) is IntQuantizer
+    assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in ours.layers)
+    assert ours.layers[0].decode_kernel == "torch"
+    stored = [(a.store.keys.parts["data"], b.store.keys.parts["data"]) for a, b in zip(plain.layers, ours.layers)]
+    assert any(not torch.equal(a, b) for a, b in stored)  # the keys are stored otherwise
+    assert torch.equal(plain.layers[0].store.values.parts["data"], ours.layers[0].store.values.parts["data"])
+    plain_error = float((plain_logits - reference).abs().max())
+    ours_error = float((ours_logits - reference).abs().max())
+    assert ours_error < plain_error and ours_error < 0.05 * float(reference.abs().max())  # 0.041, 0.047 written
+    keys_only = [float((streamed(model, CompressionConfig(k_bits=4, v_bits=16, key_offsets=offsets), ids)[0]
+                        - reference).abs().max()) for offsets in ("none", "calibrated")]
+    assert keys_only[1] < 0.3 * keys_only[0]  # the keys' own error
+
+
+def test_sixteen_bits_refuse_the_setting_and_stay_bit_exact(tmp_path):
+    with pytest.raises(ConfigError, match="^key_offsets='calibrated' .* keys are 16-bit"):
+        CompressionConfig(key_offsets="calibrated")
+    model = biased_llama()
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = model(input_ids=ids).logits
+        cache = make_cache(model, CompressionConfig(policy="calibrated"), max_length=24)  # the file read, keys 16-bit
+        ours = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    assert torch.equal(ours, full)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"key_offsets": "yes"}, "key_offsets='yes' is not supported; allowed: none, calibrated"),
+    ({"key_offsets": True}, "key_offsets=True is not supported; allowed: none, calibrated"),
+    ({"key_offsets": "calibrated", "kv_bits": 4, "quant": "nf4"}, "keys are 4-bit with quant='nf4'"),
+    ({"key_offsets": "calibrated", "k_bits": 16, "v_bits": 4}, "keys are 16-bit"),
+    ({"key_offsets": "calibrated", "kv_bits": 4, "head_budgets": "adaptive"}, "head_budgets='adaptive'; allowed: "
+     "head_budgets 'uniform'"),
+    ({"key_offsets": "calibrated", "kv_bits": 4, "high_bits_fraction": 0.1}, "high_bits_fraction=0.1; allowed: "
+     "high_bits_fraction 0"),
+    ({"key_offsets": "calibrated", "kv_bits": 4, "attention_kernel": "triton"}, "attention_kernel='triton'"),
+])
+def test_bad_values_and_conflicts_are_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError) as error:
+        CompressionConfig(**fields)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_eight_bit_keys_and_four_bit_values_take_the_setting():
+    config = CompressionConfig(k_bits=8, v_bits=4, key_offsets="calibrated")
+    cache = make_cache(biased_llama(), config, max_length=16)
+    assert {layer.key_quantizer.bits for layer in cache.layers} == {8}
+    assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
+
+
+def test_a_cache_with_the_setting_is_not_saved(tmp_path):
+    model = biased_llama()
+    cache = make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=16)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache, use_cache=True)
+    with pytest.raises(CacheStateError, match="key_offsets='none'"):
+        save_cache(cache, tmp_path / "cache.safetensors", model=model)
