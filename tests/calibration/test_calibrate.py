@@ -214,3 +214,24 @@ def test_the_cli_calibrates_and_generates_with_calibrated_keys(tmp_path):
              "4 or 8 with quant 'int', or key_offsets 'none'")):
         result = runner.invoke(app, ["generate", "--model", missing, "--kv-bits", "4", *flags, "w1"])
         assert result.exit_code == 2 and result.output.strip().splitlines() == [message]  # before the model loads
+
+
+SHIPPED = "h2o_compress/data/calibration/e3677f1f504b020f7e23e978be3ee473.safetensors"  # SmolLM2-135M's
+
+
+def test_the_shipped_smollm2_calibration_holds_the_key_statistics():
+    from pathlib import Path
+
+    shipped = read_calibration(Path(__file__).resolve().parents[2] / SHIPPED)
+    assert shipped.tensors[EVICTION_WEIGHTS].shape == (30, 3, 64 + 4)
+    mean = shipped.key_channel_mean()
+    assert mean.shape == (30, 3, 64) and bool(torch.isfinite(mean).all())
+    assert shipped.details["key_statistics"] == "mean pre-RoPE key over the fitted segments"
+    assert (shipped.details["text"], shipped.details["tokens"], shipped.details["segments"]) == ("sherlock", 1024, 4)
+
+
+@pytest.mark.integration
+def test_smollm2_takes_the_shipped_key_statistics(smollm2, real_calibration_lookup):
+    model, _ = smollm2
+    cache = make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
+    assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
