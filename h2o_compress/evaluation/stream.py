@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step
+from h2o_compress.runtime.decode_loop import decode, sampler, sync
 from h2o_compress.utils.checks import check_count
 from h2o_compress.models.weights import input_device
 
@@ -26,12 +27,6 @@ def model_device(model) -> torch.device:
     """Where the model takes its inputs (its input embeddings' execution device; see
     `h2o_compress.models.weights.input_device`)."""
     return input_device(model)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued CUDA work so wall-clock timings are real (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -121,20 +116,8 @@ def greedy_decode(model, cache, logits: torch.Tensor, steps: int, stop_ids: set[
         ``(token_ids, decode_seconds)``: the new ids and the seconds of the ``len(ids) - 1`` decode passes after
         the first ``untimed``.
     """
-    token = logits.argmax(-1, keepdim=True)
-    ids = [token.item()]
-    seconds = 0.0
-    device = logits.device
     step = decode_step if step is None else step
-    seen = int(cache.get_seq_length())
-    while len(ids) < steps and ids[-1] not in stop_ids:
-        sync(device)
-        began = time.perf_counter()
-        logits = decode_one(step, model, cache, token, seen)
-        seen += 1
-        token = logits.argmax(-1, keepdim=True)
-        ids.append(token.item())
-        sync(device)
-        if len(ids) - 1 > untimed:
-            seconds += time.perf_counter() - began
+    pick = sampler(0.0, None, logits.device)
+    ids, seconds, _ = decode(step, model, cache, pick(logits), int(cache.get_seq_length()), pick, stop_ids, steps,
+                             untimed=untimed, device=logits.device)
     return ids, seconds

@@ -14,12 +14,11 @@ from typing import Callable, Sequence
 
 import h2o_compress.runtime.ask as asking
 from h2o_compress.config import CompressionConfig
-from h2o_compress.utils.checks import check_count
-from h2o_compress.jobs.checks import check_callbacks, check_job, check_settings
+from h2o_compress.utils.checks import check_threads
+from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
-from h2o_compress.runtime.compiled import check_compile
-from h2o_compress.runtime.generation import GenerationResult, check_generation_args, check_prompt
+from h2o_compress.runtime.generation import GenerationResult, check_config, check_prompt
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
@@ -85,17 +84,12 @@ class AskJob:
         check_prompt(self.context)
         self.questions = question_list(self.questions)
         check_job(self)
-        if self.config is None:
-            self.config = asking.ASK_DEFAULTS
-        elif not isinstance(self.config, CompressionConfig):
-            raise ConfigError(f"config={short(self.config)} is invalid; allowed: a CompressionConfig or None")
-        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
-        check_compile(self.compile, self.config)
+        self.config = asking.ASK_DEFAULTS if self.config is None else check_config(self.config)
+        check_generation(self)
         if self.save_cache is not None and self.load_cache is not None:
             raise ConfigError("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
         check_cache_paths(self.save_cache, self.load_cache, self.overwrite)
-        if self.threads is not None:
-            check_count("threads", self.threads, unit="threads", maximum=4096)
+        check_threads(self.threads)
 
     def start(self, on_progress: ProgressFn | None = None) -> "AskSession":
         """Load the model, refuse a question that cannot fit, then compress the context (or load it) and save it.

@@ -15,9 +15,9 @@ from typing import Callable
 
 from h2o_compress import models
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_threads
 from h2o_compress.jobs.batch_files import AnswerFile, read_requests
-from h2o_compress.jobs.checks import check_job, check_settings
+from h2o_compress.jobs.checks import check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
 from h2o_compress.planner import format_bytes, parse_memory
@@ -26,8 +26,7 @@ from h2o_compress.integrations.ray_batch import import_ray_data, ray_session, ru
 from h2o_compress.integrations.ray_sweep import check_reachable
 from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
-from h2o_compress.runtime.compiled import check_compile
-from h2o_compress.runtime.generation import check_config, check_generation_args, generate
+from h2o_compress.runtime.generation import check_config, generate
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.utils.memory import PeakMemory, available_memory
@@ -145,8 +144,7 @@ class BatchJob:
     def __post_init__(self) -> None:
         check_job(self)
         self.config = check_config(self.config)
-        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
-        check_compile(self.compile, self.config)
+        check_generation(self)
         if self.batch_size != "auto":
             check_batch_size(self.batch_size)
             if self.memory_limit is not None:
@@ -154,8 +152,7 @@ class BatchJob:
                                   "--batch-size auto --memory-limit SIZE, or --batch-size N alone")
         if self.memory_limit is not None:
             parse_memory(self.memory_limit)
-        if self.threads is not None:
-            check_count("threads", self.threads, unit="threads", maximum=4096)
+        check_threads(self.threads)
         if self.ray is not None:
             import_ray_data()
             self.ray = check_reachable(self.ray)

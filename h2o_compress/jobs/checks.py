@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from h2o_compress.models import placement_options
+from h2o_compress.runtime.compiled import check_compile
+from h2o_compress.runtime.generation import check_generation_args
 from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError, short
 from h2o_compress.utils.files import check_path
 
@@ -88,3 +90,16 @@ def check_job(job) -> None:
     for name, (what, optional) in PATHS.items():
         if hasattr(job, name) and not (optional and getattr(job, name) is None):
             check_path(getattr(job, name), what, InputError)
+
+
+def check_generation(job) -> None:
+    """The generation settings every job that generates (generate, ask, batch) checks when it is made, after its
+    ``config`` is set: ``max_new_tokens``, ``temperature`` and ``seed`` as [`h2o_compress.generate`][h2o_compress.generate] allows them
+    (`check_generation_args`), and ``compile`` for the job's setting (`check_compile`); ``generate`` itself does not
+    check them again for the job.
+
+    Raises:
+        ConfigError: naming the value and what is allowed.
+    """
+    check_generation_args(job.max_new_tokens, job.temperature, job.seed)
+    check_compile(job.compile, job.config)

@@ -11,15 +11,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.utils.checks import check_count
-from h2o_compress.jobs.checks import check_callbacks, check_job, check_settings
+from h2o_compress.utils.checks import check_threads
+from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, parse_memory
 from h2o_compress.planner.plan import PICKED
-from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import (
-    GenerationResult, check_config, check_generation_args, check_prompt, encode_prompt, generate,
+    GenerationResult, check_config, check_on_text, check_prompt, encode_prompt, generate, generate_checked,
 )
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError
@@ -111,8 +110,7 @@ class GenerateJob:
         check_prompt(self.prompt)
         check_job(self)
         self.config = check_config(self.config)
-        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
-        check_compile(self.compile, self.config)
+        check_generation(self)
         if self.memory_limit is not None and self.load_cache is not None:
             raise ConfigError("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting "
                               "it was saved with")
@@ -126,8 +124,7 @@ class GenerateJob:
                     "or in --config) would be ignored; allowed: --memory-limit without them, or those settings "
                     "without --memory-limit")
         check_cache_paths(self.save_cache, self.load_cache, self.overwrite)
-        if self.threads is not None:
-            check_count("threads", self.threads, unit="threads", maximum=4096)
+        check_threads(self.threads)
 
     def run(self, on_text: Callable[[str], None] | None = None,
             on_plan: Callable[[str], None] | None = None) -> GenerateReport:
@@ -148,6 +145,7 @@ class GenerateJob:
         """
         import torch
 
+        check_on_text(on_text)  # the rest was checked when the job was made, before anything loads
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         if self.seed is not None:
@@ -160,7 +158,7 @@ class GenerateJob:
         if self.load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
             tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
             check_usable(config, config.capacity(tokens + self.max_new_tokens))
-        extra, load_s = {}, None
+        cache, load_s = None, None
         if self.save_cache is not None or self.load_cache is not None:
             started = time.perf_counter()
             cache = prepare_prompt_cache(
@@ -168,10 +166,10 @@ class GenerateJob:
                 save=self.save_cache, expect=self.given, overwrite=self.overwrite,
             )
             load_s = time.perf_counter() - started
-            config, extra = cache.config, {"cache": cache}
-        result = generate(
-            lm, tokenizer, self.prompt, config, max_new_tokens=self.max_new_tokens, chat=self.chat,
-            temperature=self.temperature, seed=self.seed, on_text=on_text, compile=self.compile, **extra,
+            config = cache.config
+        result = generate_checked(  # every argument was checked when the job was made (the setting, if it is this)
+            lm, tokenizer, self.prompt, config, self.max_new_tokens, self.chat, self.temperature, self.seed, on_text,
+            cache, self.compile, compile_checked=config == self.config,
         )
         figures = self._figures(result, config, floating_dtype(lm), row, peak, load_s)
         return GenerateReport(result, config, figures, row)

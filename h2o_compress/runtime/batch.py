@@ -38,8 +38,9 @@ from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.batch_requests import BatchRequest, BatchResult, Prepared, prepare
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
+from h2o_compress.runtime.decode_loop import decode_steps, ended, eos_ids, sync
 from h2o_compress.runtime.generation import (
-    _check_argument_kinds, _eos_ids, _sync, check_config, check_generation_args, check_switch, make_cache,
+    _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache,
 )
 from h2o_compress.models.weights import input_device
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
@@ -245,7 +246,7 @@ class _Batch:
     def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats):
         self.model, self.tokenizer, self.config, self.longest, self.stats = model, tokenizer, config, longest, stats
         self.device, self.size = input_device(model), size
-        self.eos = _eos_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer)
         self.scored = bool(POLICIES[config.policy].scorer)
         self.capacities = None  # layer_budgets="global": one split for every row, from the first prompts' scores
         self.scores: dict[int, list] = {}  # those scores, by prompt index, until the prompt is prefilled
@@ -268,28 +269,22 @@ class _Batch:
         compiled = resolve_compile(self.compile, self.cache, self.device, self.model)
         step = compiled_decode_step(self.model, self.device) if compiled else decode_step
         untimed = warmup_steps(self.device) if compiled else 0
-        steps = 0
-        while any(r is not None for r in self.rows):
-            start = time.perf_counter()
-            positions = torch.tensor([[self._position(row)] for row in range(self.size)], device=self.device)
-            logits = step(self.model, self.token, self.cache, positions, None)
-            self.token = self._pick(logits)
-            values = self.token[:, 0].tolist()
-            _sync(self.device)
-            steps += 1
+        for done in decode_steps(step, self.model, self.cache, self._inputs, self._pick, self._running, untimed,
+                                 self.device):
+            self.token = done.token
             running = [row for row in range(self.size) if self.rows[row] is not None]
-            if steps > untimed:
-                self.stats.decode_s += time.perf_counter() - start
+            if done.timed:
+                self.stats.decode_s += done.seconds
                 self.stats.row_steps += self.size
                 self.stats.idle_row_steps += self.size - len(running)
             if on_step is not None:
                 on_step(len(running), self.size)
             for row in running:
-                self.tokens[row].append(values[row])
+                self.tokens[row].append(done.values[row])
                 if self._ended(row):
                     yield self._result(row)
                     self.rows[row] = None
-            if refill or not any(r is not None for r in self.rows):
+            if refill or not self._running():
                 for row in range(self.size):
                     if self.rows[row] is None:
                         yield from self._fill(row)
@@ -314,7 +309,7 @@ class _Batch:
             first = self._pick(logits, only=row)
             self.token[row] = first[0]
             self.tokens[row].append(int(first[0, 0]))
-            _sync(self.device)
+            sync(self.device)
             self.stats.prefill_s += time.perf_counter() - start
             self.stats.batch_size = max(self.stats.batch_size, self.size)
             if not self._ended(row):
@@ -339,6 +334,15 @@ class _Batch:
                                                   self.longest, self.config.sinks)
         self.cache = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
 
+    def _running(self) -> bool:
+        """Whether a row still runs a sequence (the decode loop goes on while one does)."""
+        return any(r is not None for r in self.rows)
+
+    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """The next step's inputs: each row's last token, at its position (`_position`), and no mask."""
+        positions = torch.tensor([[self._position(row)] for row in range(self.size)], device=self.device)
+        return self.token, positions, None
+
     def _position(self, row: int) -> int:
         """The position of the token ``row`` feeds: its prompt's length plus its tokens so far, less one (an idle
         row feeds its last again: a learned position table ends at the model's context)."""
@@ -346,8 +350,7 @@ class _Batch:
         return 0 if prompt is None else prompt.ids.numel() + len(self.tokens[row]) - 1
 
     def _ended(self, row: int) -> bool:
-        tokens = self.tokens[row]
-        return tokens[-1] in self.eos or len(tokens) >= self.rows[row].max_new_tokens
+        return ended(self.tokens[row], self.eos, self.rows[row].max_new_tokens)
 
     def _pick(self, logits: torch.Tensor, only: int | None = None) -> torch.Tensor:
         """Next token ``[rows, 1]``: the argmax, or for a sampling row a draw of ``softmax(logits / t)`` with its

@@ -44,10 +44,17 @@ def decode_one(step, model, cache, token: torch.Tensor, seen: int) -> torch.Tens
     validity, and padding never entered them), so the step's inputs have the same shapes at every ``seen``; any
     other cache gets the all-ones mask ``[batch, seen + 1]``.
     """
-    device, batch = token.device, token.shape[0]
-    positions = torch.full((batch, 1), seen, dtype=torch.long, device=device)
-    mask = None if isinstance(cache, CompressedCache) else torch.ones(batch, seen + 1, dtype=torch.long, device=device)
-    return step(model, token, cache, positions, mask)
+    return step(model, token, cache, *step_inputs(cache, token, seen))
+
+
+def step_inputs(cache, token: torch.Tensor, seen: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(positions, attention_mask)`` of a step feeding ``token`` ``[rows, 1]`` at position ``seen`` (tokens
+    the cache has seen; see `decode_one`): ``positions`` ``[rows, 1]``, no mask for a compressed cache, the
+    all-ones ``[rows, seen + 1]`` for any other."""
+    device, rows = token.device, token.shape[0]
+    positions = torch.full((rows, 1), seen, dtype=torch.long, device=device)
+    mask = None if isinstance(cache, CompressedCache) else torch.ones(rows, seen + 1, dtype=torch.long, device=device)
+    return positions, mask
 
 
 def compiled_decode_step(model, device: torch.device | str | None = None):
@@ -114,17 +121,21 @@ def compiles_by_default(device: torch.device | str, model=None) -> bool:
     return torch.device(device).type == "cuda" and (model is None or eager_only_reason(model) is None)
 
 
-def resolve_compile(compile: bool | None, cache, device: torch.device, model=None) -> bool:
+def resolve_compile(compile: bool | None, cache, device: torch.device, model=None, checked: bool = False) -> bool:
     """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
     (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``), and off by default for a
     ``model`` with bitsandbytes weights or dispatched by accelerate over several devices or with offload (as
     transformers' own auto-compile does; `h2o_compress.models.weights.eager_only_reason`).
 
+    ``checked``: ``compile`` was checked against ``cache.config`` already (`check_compile`: a job checks it when
+    it is made), so it is not checked again.
+
     Raises:
         ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a
             ``compile`` that is not a bool or ``None``.
     """
-    check_compile(compile, cache.config)
+    if not checked:
+        check_compile(compile, cache.config)
     if compile is None:
         return cache.compile_blocker is None and compiles_by_default(device, model)
     if compile and cache.compile_blocker is not None:

@@ -11,11 +11,12 @@ import torch
 
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, build_layers
+from h2o_compress.runtime.decode_loop import TextStream, decode, eos_ids, sampler, sync
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
 from h2o_compress.config import CompressionConfig
 from h2o_compress.runtime.checks import check_setting
 from h2o_compress.policies import POLICIES
-from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step, resolve_compile, warmup_steps
+from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_identity, record_model
@@ -170,6 +171,15 @@ def _check_argument_kinds(model, tokenizer, on_text) -> None:
                                                               or callable(tokenizer))):
         raise ConfigError(f"tokenizer={short(tokenizer)} is not a tokenizer; allowed: the tokenizer of "
                           "h2o_compress.load_model(...) (or any transformers tokenizer)")
+    check_on_text(on_text)
+
+
+def check_on_text(on_text) -> None:
+    """Refuse an ``on_text`` (the streaming callback of `generate`) that is neither callable nor ``None``.
+
+    Raises:
+        ConfigError: naming the value and what is allowed.
+    """
     if on_text is not None and not callable(on_text):
         raise ConfigError(f"on_text={short(on_text)} is not callable; allowed: a function taking each new piece of "
                           "text, or None")
@@ -302,44 +312,6 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True, window: int | None 
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-    return ids
-
-
-class TextStream:
-    """Streams the text of a growing list of token ids to ``on_text``, piece by piece, decoding a short window per
-    call instead of every id so far (the full decode per new token grows with the output: ~0.8 ms at 4,096
-    SmolLM2 tokens, a third of compiled StaticCache's 2.0 ms SmolLM2 step on an H100). The window starts where
-    the previous piece started: the new piece is ``decode(ids[start:])`` less ``decode(ids[start:end])``, so a
-    tokenizer that drops the leading space of a decode's first token, or a character split over several byte
-    tokens (held back while the text ends in U+FFFD), streams as the full decode would (the incremental
-    detokenization of vLLM's ``detokenize_incrementally``). The pieces join to ``tokenizer.decode(ids,
-    skip_special_tokens=True)``.
-    """
-
-    def __init__(self, tokenizer, on_text: Callable[[str], None]):
-        self.tokenizer, self.on_text = tokenizer, on_text
-        self.start = self.end = 0  # ids[start:end] were streamed; ids[end:] not yet
-
-    def update(self, ids: list[int]) -> None:
-        """Stream what ``ids`` (the whole list so far, grown since the last call) adds to the text."""
-        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True)  # noqa: E731
-        shown, text = decode(ids[self.start : self.end]), decode(ids[self.start :])
-        if len(text) > len(shown) and not text.endswith("\ufffd"):
-            self.on_text(text[len(shown) :])
-            self.start, self.end = self.end, len(ids)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def generate(
     model,
@@ -375,24 +347,45 @@ def generate(
             ``tokenizer`` has no ``encode``/``decode``, ``on_text`` is not callable, or ``chat`` is not a bool.
     """
     config = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text, chat)
+    return generate_checked(model, tokenizer, prompt, config, max_new_tokens, chat, temperature, seed, on_text, cache,
+                            compile)
+
+
+def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, max_new_tokens: int, chat: bool,
+                     temperature: float, seed: int | None, on_text: Callable[[str], None] | None,
+                     cache: CompressedCache | None, compile: bool | None,
+                     compile_checked: bool = False) -> GenerationResult:
+    """[`generate`][h2o_compress.runtime.generation.generate] for arguments already checked, so that a request is
+    validated once: ``model``, ``tokenizer`` and ``on_text`` of the right kind, ``config`` a CompressionConfig
+    (the cache's when ``cache`` is given), ``max_new_tokens``, ``temperature`` and ``seed`` as
+    `check_generation_args` allows and ``chat`` a bool (what a job checks when it is made,
+    [`GenerateJob`][h2o_compress.jobs.GenerateJob]). What needs the prompt's tokens or the cache is checked here,
+    as ``generate`` checks it.
+
+    Args:
+        compile_checked: ``compile`` was checked against ``config`` already (`check_compile`); ``False``: it is
+            checked against the cache's setting before the decode steps, as ``generate`` does.
+
+    Raises:
+        InputError, CacheStateError, ConfigError: as `generate` says, but for the arguments checked before.
+    """
     device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
     cache, scoring_s = _scored_cache(model, tokenizer, input_ids, config, cache, max_new_tokens)
-    compiled = resolve_compile(compile, cache, device, model)
+    compiled = resolve_compile(compile, cache, device, model, checked=compile_checked and cache.config == config)
     step = compiled_decode_step(model, device) if compiled else decode_step
-    pick = _sampler(temperature, seed, device)
-    eos = _eos_ids(model, tokenizer)
-    _sync(device)
+    pick = sampler(temperature, seed, device)
+    sync(device)
     start = time.perf_counter()
     token = pick(prefill(model, input_ids, cache, check_model=False))  # checked above
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - start + scoring_s
-    stream = None if on_text is None else TextStream(tokenizer, on_text)
+    on_ids = None if on_text is None else TextStream(tokenizer, on_text).update
     untimed = warmup_steps(device) if compiled else 0  # decode steps that compile / record: not a decode speed
-    generated, decode_s, compile_s = _decode(step, model, cache, token, pick, prompt_tokens, max_new_tokens, eos,
-                                             stream, untimed)
+    generated, decode_s, compile_s = decode(step, model, cache, token, prompt_tokens, pick,
+                                            eos_ids(model, tokenizer), max_new_tokens, on_ids, untimed)
     steps = max(len(generated) - 1 - untimed, 0)
     cache.check()
     return _result(tokenizer, cache, generated, prompt_tokens, prefill_s, decode_s, steps, compiled, compile_s)
@@ -421,66 +414,15 @@ def _scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compression
         check_cache_room(cache, prompt_tokens, max_new_tokens)
         check_cache_model(cache, model)
     device = input_ids.device
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     if cache is None:
         cache = make_scored_cache(model, tokenizer, input_ids, config, prompt_tokens + max_new_tokens,
                                   question_in_prompt=True)
     elif cache.seen_tokens() == 0:  # a fresh cache given: kvzip and lookahead score the prompt first
         hand_context_scores(model, tokenizer, input_ids, cache, question_in_prompt=True)
-    _sync(device)
+    sync(device)
     return cache, time.perf_counter() - start
-
-
-def _sampler(temperature: float, seed: int | None, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The next-token choice from ``[1, vocab]`` logits to a ``[1, 1]`` token id: the argmax at ``temperature``
-    0, else a draw from ``softmax(logits / temperature)`` (float32), from a generator on ``device`` seeded with
-    ``seed`` (``None``: torch's global one)."""
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:
-        if temperature == 0:
-            return logits.argmax(-1, keepdim=True)
-        probs = torch.softmax(logits.float() / temperature, -1)
-        return torch.multinomial(probs, 1, generator=generator)
-
-    return pick
-
-
-def _decode(step, model, cache: CompressedCache, token: torch.Tensor, pick, prompt_tokens: int, max_new_tokens: int,
-            eos: set[int], stream: TextStream | None, untimed: int) -> tuple[list[int], float, float]:
-    """The decode loop of `generate`: one step per token after the prefill's, until an end-of-sequence id or
-    ``max_new_tokens`` tokens; the text streamed as it grows.
-
-    Args:
-        step: the decode step (`decode_step`, or its compiled form).
-        token: the prefill's token, ``[1, 1]``.
-        pick: the next-token choice (`_sampler`).
-        prompt_tokens: the prompt's length (the position of the first new token).
-        eos: the end-of-sequence ids.
-        stream: where the text goes, or ``None``.
-        untimed: how many first steps compile or record (their time is compile time, not decode time).
-
-    Returns:
-        ``(generated, decode_s, compile_s)``: the new token ids (the prefill's first), the seconds of the timed
-        steps and those of the untimed ones.
-    """
-    generated: list[int] = [token.item()]
-    decode_s = compile_s = 0.0
-    while True:
-        if stream is not None:
-            stream.update(generated)
-        if generated[-1] in eos or len(generated) >= max_new_tokens:
-            break
-        start = time.perf_counter()
-        logits = decode_one(step, model, cache, token, prompt_tokens + len(generated) - 1)
-        token = pick(logits)
-        generated.append(token.item())
-        if len(generated) - 1 <= untimed:
-            compile_s += time.perf_counter() - start
-        else:
-            decode_s += time.perf_counter() - start
-    return generated, decode_s, compile_s
 
 
 def _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text,

@@ -13,3 +13,15 @@ def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximu
             f"{name}={short(value)} is invalid; allowed: an integer >= {minimum} ({unit}), at most {maximum}"
         )
     return value
+
+
+MAX_THREADS = 4096
+"""The most torch CPU threads a job or command may ask for."""
+
+
+def check_threads(threads) -> int | None:
+    """``threads`` (torch CPU threads to set before loading) if it is ``None`` (torch's default) or an integer from 1
+    to `MAX_THREADS`. Raises ConfigError naming it otherwise (`check_count`)."""
+    if threads is not None:
+        check_count("threads", threads, unit="threads", maximum=MAX_THREADS)
+    return threads

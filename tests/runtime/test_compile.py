@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, ConfigError, InputError, make_cache
 from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS, decode_step
+from h2o_compress.runtime import decode_loop
 
 
 def check_compiled(arch, policy, bits, backend, kernel="auto", atol=1e-5):
@@ -197,7 +198,7 @@ def test_generate_leaves_the_compiled_steps_warm_up_out_of_the_decode_speed(monk
     model, tokenizer = TINY_MODELS["llama"](), AutoTokenizer.from_pretrained(tiny_model_dir)
     monkeypatch.setattr(generation, "compiled_decode_step", lambda model, device: decode_step)
     monkeypatch.setattr(generation, "warmup_steps", lambda device: device_steps)
-    monkeypatch.setattr(generation, "time", _Clock())
+    monkeypatch.setattr(decode_loop, "time", _Clock())  # the decode steps' clock
     result = generation.generate(model, tokenizer, "w1 w2 w3", CompressionConfig(budget=0.5, kv_bits=4),
                                  max_new_tokens=6, chat=False, compile=True)
     passes = result.new_tokens - 1
@@ -215,7 +216,7 @@ def test_greedy_decode_leaves_untimed_passes_out(monkeypatch):
         cache = make_cache(model, CompressionConfig(budget=8, kv_bits=4), max_length=16)
         with torch.inference_mode():
             logits = model(input_ids=torch.arange(1, 9)[None], past_key_values=cache).logits[:, -1]
-            monkeypatch.setattr(stream, "time", _Clock())
+            monkeypatch.setattr(decode_loop, "time", _Clock())
             ids, seconds[untimed] = stream.greedy_decode(model, cache, logits, 6, untimed=untimed)
         assert len(ids) == 6
     assert seconds == {0: 5.0, 2: 3.0}
