@@ -43,6 +43,7 @@ SETTINGS = {  # name: CompressionConfig fields besides budget and bits
     "kvzip 0.9": {"policy": "kvzip", "heavy_ratio": 0.9},
     "lookahead 0.5": {"policy": "lookahead", "heavy_ratio": 0.5},
     "lookahead 0.9": {"policy": "lookahead", "heavy_ratio": 0.9},
+    "calibrated 0.5": {"policy": "calibrated", "heavy_ratio": 0.5},
     "h2o 0.9 pyramid": {"policy": "h2o", "heavy_ratio": 0.9, "layer_budgets": "pyramid"},
     "kvzip 0.9 global": {"policy": "kvzip", "heavy_ratio": 0.9, "layer_budgets": "global"},
     "lookahead 0.9 global": {"policy": "lookahead", "heavy_ratio": 0.9, "layer_budgets": "global"},
