@@ -18,7 +18,7 @@ from h2o_compress.utils.checks import check_threads
 from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
-from h2o_compress.runtime.generation import GenerationResult, check_config, check_prompt
+from h2o_compress.runtime.generation import GenerationResult, check_config, check_on_text, check_prompt
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
@@ -168,12 +168,15 @@ class AskSession:
         Raises:
             InputError: empty question, or context + question + new tokens beyond the model's window.
         """
+        check_on_text(on_text)
+        check_prompt(question)
         return _answer_figures(self._generate(question, on_text), question)
 
     def _generate(self, question: str, on_text=None) -> GenerationResult:
+        """The answer to a checked ``question`` (the job checked the generation settings when it was made)."""
         job = self.job
-        return asking.ask(self.model, self.tokenizer, self.context, question, max_new_tokens=job.max_new_tokens,
-                          temperature=job.temperature, seed=job.seed, on_text=on_text, compile=job.compile)
+        return asking.ask_checked(self.model, self.tokenizer, self.context, question, job.max_new_tokens,
+                                  job.temperature, job.seed, on_text, job.compile, compile_checked_for=job.config)
 
 
 def question_list(questions) -> list[str]:

@@ -169,7 +169,7 @@ class GenerateJob:
             config = cache.config
         result = generate_checked(  # every argument was checked when the job was made (the setting, if it is this)
             lm, tokenizer, self.prompt, config, self.max_new_tokens, self.chat, self.temperature, self.seed, on_text,
-            cache, self.compile, compile_checked=config == self.config,
+            cache, self.compile, compile_checked_for=self.config,
         )
         figures = self._figures(result, config, floating_dtype(lm), row, peak, load_s)
         return GenerateReport(result, config, figures, row)

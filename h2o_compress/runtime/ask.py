@@ -35,7 +35,7 @@ from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.runtime.generation import (
     GenerationResult, _check_argument_kinds, check_config, check_generation_args, check_prompt, check_switch,
-    encode_prompt, generate, make_scored_cache,
+    encode_prompt, generate_checked, make_scored_cache,
 )
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
@@ -188,6 +188,25 @@ def ask(
     _check_argument_kinds(model, tokenizer, on_text)
     check_prompt(question)
     check_generation_args(max_new_tokens, temperature, seed)
+    return ask_checked(model, tokenizer, context, question, max_new_tokens, temperature, seed, on_text, compile)
+
+
+@torch.inference_mode()
+def ask_checked(model, tokenizer, context: CompressedContext, question: str, max_new_tokens: int, temperature: float,
+                seed: int | None, on_text: Callable[[str], None] | None, compile: bool | None,
+                compile_checked_for: CompressionConfig | None = None) -> GenerationResult:
+    """[`ask`][h2o_compress.runtime.ask.ask] for arguments already checked, so that a request is validated once:
+    ``model``, ``tokenizer`` and ``on_text`` of the right kind, ``question`` a text (`check_prompt`),
+    ``max_new_tokens``, ``temperature`` and ``seed`` as `check_generation_args` allows (what
+    [`AskJob`][h2o_compress.jobs.AskJob] checks when it is made). The context, the window and ``chat`` are checked
+    here, as ``ask`` checks them.
+
+    Args:
+        compile_checked_for: as for [`generate_checked`][h2o_compress.runtime.generation.generate_checked].
+
+    Raises:
+        InputError, ConfigError, CacheStateError: as `ask` says, but for the arguments checked before.
+    """
     if not isinstance(context, CompressedContext):
         raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()), not "
                               f"context={short(context)} (a {type(context).__name__})")
@@ -199,7 +218,6 @@ def ask(
     total = encode_prompt(tokenizer, prompt, context.chat, context_window(model)).shape[1]
     check_context(model, total, max_new_tokens)
     answering = context.cache.frozen_copy(total + max_new_tokens)
-    return generate(
-        model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat=context.chat, temperature=temperature, seed=seed,
-        on_text=on_text, cache=answering, compile=compile,
-    )
+    check_switch("chat", context.chat)  # what generate checks of the copy's arguments (the rest is checked above)
+    return generate_checked(model, tokenizer, prompt, answering.config, max_new_tokens, context.chat, temperature, seed,
+                            on_text, answering, compile, compile_checked_for)

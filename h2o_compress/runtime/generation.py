@@ -351,10 +351,11 @@ def generate(
                             compile)
 
 
+@torch.inference_mode()
 def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, max_new_tokens: int, chat: bool,
                      temperature: float, seed: int | None, on_text: Callable[[str], None] | None,
                      cache: CompressedCache | None, compile: bool | None,
-                     compile_checked: bool = False) -> GenerationResult:
+                     compile_checked_for: CompressionConfig | None = None) -> GenerationResult:
     """[`generate`][h2o_compress.runtime.generation.generate] for arguments already checked, so that a request is
     validated once: ``model``, ``tokenizer`` and ``on_text`` of the right kind, ``config`` a CompressionConfig
     (the cache's when ``cache`` is given), ``max_new_tokens``, ``temperature`` and ``seed`` as
@@ -363,7 +364,8 @@ def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, m
     as ``generate`` checks it.
 
     Args:
-        compile_checked: ``compile`` was checked against ``config`` already (`check_compile`); ``False``: it is
+        compile_checked_for: the setting ``compile`` was checked against already (`check_compile`): a cache of
+            that setting is not checked again; ``None`` (or a cache of another setting, e.g. a loaded one): it is
             checked against the cache's setting before the decode steps, as ``generate`` does.
 
     Raises:
@@ -374,7 +376,7 @@ def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, m
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
     cache, scoring_s = _scored_cache(model, tokenizer, input_ids, config, cache, max_new_tokens)
-    compiled = resolve_compile(compile, cache, device, model, checked=compile_checked and cache.config == config)
+    compiled = resolve_compile(compile, cache, device, model, checked=cache.config == compile_checked_for)
     step = compiled_decode_step(model, device) if compiled else decode_step
     pick = sampler(temperature, seed, device)
     sync(device)
