@@ -261,3 +261,25 @@ def test_a_cache_with_the_setting_is_not_saved(tmp_path):
         model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache, use_cache=True)
     with pytest.raises(CacheStateError, match="key_offsets='none'"):
         save_cache(cache, tmp_path / "cache.safetensors", model=model)
+
+
+def test_a_cache_file_naming_calibrated_keys_is_refused(tmp_path):
+    """No saved cache holds calibrated keys (save_cache refuses them), so a file whose config names them was made by
+    hand: load_cache refuses it rather than read its keys without the offsets."""
+    import json
+
+    from h2o_compress.persistence.cache_state import load_cache
+    from h2o_compress.persistence.file_format import read_cache_file, write_cache_file
+    from h2o_compress.utils.errors import CacheFileError
+
+    model = tiny_llama()
+    cache = make_cache(model, CompressionConfig(kv_bits=4), max_length=16)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache, use_cache=True)
+    path = save_cache(cache, tmp_path / "cache.safetensors", model=model)
+    metadata, tensors = read_cache_file(path)
+    config = json.loads(metadata["config"]) | {"key_offsets": "calibrated"}
+    fields = {k: v for k, v in metadata.items() if k not in ("format", "format_version", "library_version", "checksum")}
+    write_cache_file(path, fields | {"config": json.dumps(config, sort_keys=True)}, tensors)
+    with pytest.raises(CacheFileError, match="names key_offsets 'calibrated', which no cache file holds"):
+        load_cache(path, model)
