@@ -372,7 +372,8 @@ def choose_for_prompt(
     Tokenizes ``prompt`` as ``generate`` does, then [`choose`][h2o_compress.planner.choose] at batch 1 for the loaded ``model`` (its exact
     weight bytes and dtype). ``base`` gives every field but those the planner picks (`PICKED`: budget, bits
     and group size): the policy, heavy ratio, sinks, quant format, residual, layer and head budgets and mixed
-    precision are sized by the planner as given; the rest (rotation, kernel, policy options) are carried over. Use
+    precision are sized by the planner as given; the rest (rotation, kernel, policy options, calibration file) are
+    carried over, and ``key_offsets`` where the row stores 4- or 8-bit keys (the same bytes). Use
     as ``generate(model, tok, prompt, row.config, ...)``.
 
     Raises:
@@ -391,10 +392,12 @@ def choose_for_prompt(
                "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, "layer_budgets": base.layer_budgets,
                "head_budgets": base.head_budgets, "high_bits_fraction": base.high_bits_fraction, **options}
     row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
-    carried = ["rotate", "score_chunk_size", "attention_kernel"]
+    carried = ["rotate", "score_chunk_size", "attention_kernel", "calibration"]
     if row.config.policy == base.policy:  # not when the row keeps everything (policy "full")
         carried += ["lookahead_request", "forgetting_factor", "evict_chat_header"]
     row.config = replace(row.config, **{name: getattr(base, name) for name in carried})
+    if base.key_offsets != "none" and row.config.kv_bits in (4, 8):  # same bytes; not where the row keeps 16 bits
+        row.config = replace(row.config, key_offsets=base.key_offsets)
     return row
 
 

@@ -329,6 +329,19 @@ def test_choose_for_prompt_keeps_every_field_it_does_not_pick():
     assert result.kv_bytes <= row.cache.total
 
 
+def test_choose_for_prompt_keeps_the_calibration_and_key_offsets():
+    """``--memory-limit`` used to drop ``calibration`` and ``key_offsets``: the row's cache had plain int keys."""
+    model, tok = tiny_llama(), CharTokenizer()
+    base = CompressionConfig(kv_bits=4, key_offsets="calibrated", calibration="/no/such/file.safetensors")
+    row = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False, base=base,
+                            budgets=(0.25,), bits=(4,))
+    assert row.config.kv_bits == 4 and row.config.key_offsets == "calibrated"
+    assert row.config.calibration == base.calibration
+    row16 = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False, base=base,
+                              budgets=(0.25,), bits=(16,))
+    assert row16.config.key_offsets == "none"  # 16-bit keys have no offsets to calibrate
+
+
 # -- CLI -----------------------------------------------------------------------------------------------------------
 
 runner = CliRunner()
