@@ -17,14 +17,14 @@ from h2o_compress import models
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.checks import check_threads
 from h2o_compress.jobs.batch_files import AnswerFile, read_requests
-from h2o_compress.jobs.checks import check_generation, check_job, check_settings
+from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
 from h2o_compress.planner import format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
 from h2o_compress.integrations.ray_batch import import_ray_data, ray_session, run_on_ray
 from h2o_compress.integrations.ray_sweep import check_reachable
-from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch, row_config
+from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch_checked, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.generation import check_config, generate
 from h2o_compress.utils.defaults import default_of
@@ -222,7 +222,11 @@ class BatchJob:
             run = run_on_ray(requests, self._model_for_workers(), config, generation, self.load, self.threads,
                              self.trust_remote_code, str(self.load.get("device", "auto")))
         else:
-            run = generate_batch(lm, tokenizer, requests, config, on_step=on_step, **generation)
+            if self.batch_size == "auto":  # a planned size; the rest was checked when the job was made
+                check_batch_size(batch_size)
+            check_callbacks(on_step=on_step)
+            run = generate_batch_checked(lm, tokenizer, requests, config, on_step=on_step,
+                                         compile_checked_for=self.config, **generation)
         for result in run:
             answers.write(result)
             if on_result is not None:

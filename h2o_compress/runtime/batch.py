@@ -173,10 +173,29 @@ def generate_batch(
         raise ConfigError(f"on_step={short(on_step)} is not callable; allowed: a function or None")
     for name, value in (("chat", chat), ("in_order", in_order), ("longest_first", longest_first), ("refill", refill)):
         check_switch(name, value)
-    items = _request_list(requests)
+    return generate_batch_checked(model, tokenizer, _request_list(requests), config, max_new_tokens, batch_size, chat,
+                                  temperature, seed, compile, in_order, on_step, longest_first, refill)
+
+
+def generate_batch_checked(model, tokenizer, requests: list, config: CompressionConfig, max_new_tokens: int,
+                           batch_size: int, chat: bool, temperature: float, seed: int | None, compile: bool | None,
+                           in_order: bool = False, on_step: Callable[[int, int], None] | None = None,
+                           longest_first: bool = True, refill: bool = True,
+                           compile_checked_for: CompressionConfig | None = None) -> BatchRun:
+    """[`generate_batch`][h2o_compress.runtime.batch.generate_batch] for job-wide arguments already checked (what
+    [`BatchJob`][h2o_compress.jobs.BatchJob] checks when it is made), so that a request is validated once:
+    ``model`` and ``tokenizer`` of the right kind, ``requests`` a list, ``config`` a CompressionConfig,
+    ``max_new_tokens``, ``temperature`` and ``seed`` as `check_generation_args` allows, ``batch_size`` as
+    `check_batch_size` allows, the switches bools and ``on_step`` callable or ``None``. Each request is checked
+    here, as ``generate_batch`` checks it.
+
+    Args:
+        compile_checked_for: the setting ``compile`` was checked against (`check_compile`): a batch cache of that
+            setting (its budget as `row_config` sets it) is not checked again; ``None``: it is checked.
+    """
     stats = BatchStats()
-    results = _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile,
-                   on_step, stats, longest_first, refill)
+    results = _run(model, tokenizer, requests, config, max_new_tokens, batch_size, chat, temperature, seed,
+                   compile, on_step, stats, longest_first, refill, compile_checked_for)
     return BatchRun(_in_order(results) if in_order else results, stats)
 
 
@@ -209,7 +228,8 @@ def _in_order(results: Iterator[BatchResult]) -> Iterator[BatchResult]:
 
 
 def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile, on_step,
-         stats: BatchStats, longest_first: bool, refill: bool) -> Iterator[BatchResult]:
+         stats: BatchStats, longest_first: bool, refill: bool,
+         compile_checked_for: CompressionConfig | None = None) -> Iterator[BatchResult]:
     prepared = [prepare(model, tokenizer, item, index, chat, max_new_tokens, temperature, seed)
                 for index, item in enumerate(items)]
     for result in prepared:
@@ -223,8 +243,9 @@ def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temp
         rows.sort(key=lambda p: -(p.ids.numel() + p.max_new_tokens))
     longest = max(p.ids.numel() + p.max_new_tokens for p in rows)
     config = row_config(config, longest)
+    checked = compile_checked_for is not None and row_config(compile_checked_for, longest) == config
     stats.capacity = config.capacity(longest)
-    batch = _Batch(model, tokenizer, config, longest, min(batch_size, len(rows)), compile, stats)
+    batch = _Batch(model, tokenizer, config, longest, min(batch_size, len(rows)), compile, stats, checked)
     answered = set()
     try:
         for result in batch.run(rows, refill, on_step):
@@ -243,7 +264,8 @@ def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temp
 class _Batch:
     """The rows of a batch job: the batch cache, which prompt each row runs, its tokens so far and its sampler."""
 
-    def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats):
+    def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats,
+                 compile_checked: bool = False):
         self.model, self.tokenizer, self.config, self.longest, self.stats = model, tokenizer, config, longest, stats
         self.device, self.size = input_device(model), size
         self.eos = eos_ids(model, tokenizer)
@@ -251,7 +273,7 @@ class _Batch:
         self.capacities = None  # layer_budgets="global": one split for every row, from the first prompts' scores
         self.scores: dict[int, list] = {}  # those scores, by prompt index, until the prompt is prefilled
         self.cache = make_cache(model, config, longest)
-        self.compile = compile
+        self.compile, self.compile_checked = compile, compile_checked  # checked: for this setting, by a job
         self.rows: list[Prepared | None] = [None] * size
         self.tokens: list[list[int]] = [[] for _ in range(size)]
         self.generators: list[torch.Generator | None] = [None] * size
@@ -266,7 +288,8 @@ class _Batch:
             self.stats.prefill_s += time.perf_counter() - start
         for row in range(self.size):
             yield from self._fill(row)
-        compiled = resolve_compile(self.compile, self.cache, self.device, self.model)
+        compiled = resolve_compile(self.compile, self.cache, self.device, self.model,
+                                   checked=self.compile_checked and self.cache.config == self.config)
         step = compiled_decode_step(self.model, self.device) if compiled else decode_step
         untimed = warmup_steps(self.device) if compiled else 0
         for done in decode_steps(step, self.model, self.cache, self._inputs, self._pick, self._running, untimed,

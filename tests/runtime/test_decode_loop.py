@@ -82,3 +82,22 @@ def test_the_generate_job_checks_each_setting_once(monkeypatch, tiny_model_dir):
                           chat=False, compile=False, load={"device": "cpu"})
     assert report.result.new_tokens >= 1
     assert calls.count("check_generation_args") == 1 and calls.count("check_compile") == 1
+
+
+def test_the_batch_job_checks_each_setting_once(monkeypatch, tiny_model_dir, tmp_path):
+    """``h2o-compress batch``'s path (the job, then the batch) checks the job-wide generation arguments once, when
+    the job is made; each request is still checked as it is read."""
+    from h2o_compress.jobs import checks, run_batch
+    from h2o_compress.runtime import batch, compiled
+
+    calls = []
+    for module, name in ((checks, "check_generation_args"), (batch, "check_generation_args"),
+                         (checks, "check_compile"), (compiled, "check_compile")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": "a", "prompt": "w1 w2 w3"}\n{"id": "b", "prompt": "w4 w5"}\n')
+    report = run_batch(str(source), str(tmp_path / "out.jsonl"), tiny_model_dir, max_new_tokens=3, chat=False,
+                       compile=False, batch_size=2, load={"device": "cpu"})
+    assert report.stats.prompts == 2 and report.stats.errors == 0
+    assert calls.count("check_generation_args") == 1 and calls.count("check_compile") == 1
