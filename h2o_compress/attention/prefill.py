@@ -80,6 +80,11 @@ def native_attention_with_sums(
     return output.to(values.dtype), sums
 
 
+def _block_rows(logits_per_row: int) -> int:
+    """Queries per block of `blocked_attention_with_sums`: about `BLOCK_ELEMENTS` fp32 logits, 16 to 256."""
+    return min(256, max(16, BLOCK_ELEMENTS // max(1, logits_per_row)))
+
+
 def blocked_attention_with_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
     scaling: float | None, block: int | None = None,
@@ -112,9 +117,7 @@ def blocked_attention_with_sums(
     kv_heads, total, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
     group, held = q_heads // kv_heads, total - n
     scale = head_dim**-0.5 if scaling is None else scaling
-    if block is None:
-        block = min(256, max(16, BLOCK_ELEMENTS // max(1, batch * q_heads * total)))
-    block = min(block, n)
+    block = min(_block_rows(batch * q_heads * total) if block is None else block, n)
     k, v = keys.float().contiguous(), values.float().contiguous()
     # [batch, kv_heads, n * group, head_dim], scaled once: a block's rows (query, head) are one contiguous slice
     q = (query.float() * scale).view(batch, kv_heads, group, n, head_dim).transpose(2, 3).contiguous()
@@ -126,8 +129,7 @@ def blocked_attention_with_sums(
     above = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
     hidden = None if visible is None else visible.logical_not()
     for a in range(0, n, block):
-        b = min(a + block, n)
-        rows = b - a
+        b, rows = min(a + block, n), min(block, n - a)
         cut = held + b  # keys a causal block reads
         if visible is not None and cut < total and visible[..., a:b, cut:].any():
             cut = total  # a mask that is not causal: read every key
