@@ -2,6 +2,8 @@
 
 - `h2o_compress.attention.interface`: the attention function transformers calls (``AttentionInterface``), the side channel from
   a cache layer to it, the torch form of decode attention over the slots, and the chunked H2O scorer.
+- `h2o_compress.attention.buffers`: what a decode kernel reads and writes of a layer, as plain tensors and sizes (the kernels
+  take these, never a cache object).
 - `h2o_compress.attention.prefill`: a scored multi-token step in one pass (attention output and H2O column sums from one softmax);
   on the CPU one native call (``cpu_prefill.c``, built with the decode kernel by `h2o_compress.attention.cpu`).
 - `h2o_compress.attention.cpu` (+ ``cpu_decode.c``): a layer's whole decode step in one native call on the CPU (a custom op under

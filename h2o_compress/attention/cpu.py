@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_compress.attention.buffers import Eviction, SlotBuffers
 from h2o_compress.formats import IntQuantizer, NoQuantizer
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress.utils.paths import check_private_file, private_dir
@@ -165,7 +166,7 @@ def _decode(
     rank: torch.Tensor | None, evict: bool, reference_seen: torch.Tensor | None, consistent: torch.Tensor,
     replace_scores: bool, value_norms: torch.Tensor | None = None, prior_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One call of ``cpu_decode.c`` over a layer's buffers (see `decode_layer` for what they are): fp32
+    """One call of ``cpu_decode.c`` over a layer's buffers (`decode_layer` unpacks them): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
     `cpu_decode_layer` (the same function, so both run the same kernel).
 
@@ -216,74 +217,43 @@ def _(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
-def evicts(layer) -> bool:
-    """Whether the kernel evicts for ``layer`` (per-head slots and a policy ranking by nothing or by its scores);
-    else the caller does ([`CompressedLayer.evict`][h2o_compress.cache.CompressedLayer.evict]): a policy with its own ranking, or a head-adaptive pool,
-    whose eviction ranks over every head of the layer."""
-    return layer.capacity is not None and layer.policy.ranks_by != "custom" and _owner(layer) is None
-
-
-def _owner(layer) -> torch.Tensor | None:
-    """The head tags of a head-adaptive layer's slot pool, or ``None`` for per-head slots."""
-    return getattr(layer.store, "owner", None)
-
-
-def _eviction_args(layer) -> tuple:
-    """``(capacity, recent, sinks, rank | None, evict)`` of the kernel's eviction (EvictionPolicy.priority's rules)."""
-    policy, capacity = layer.policy, layer.capacity
-    if not evicts(layer):
-        return 0, 0, 0, None, False
-    sinks = min(policy.sink_tokens, capacity)
-    rank = layer.store.scores if policy.ranks_by in ("scores", "predicted") else None
-    return capacity, policy.recent_window(capacity), sinks, rank, True
-
-
-def _prior_weights(layer) -> torch.Tensor | None:
-    """fp32 ``[kv_heads, head_dim + 4]``: a calibrated policy's weights (``ranks_by == "predicted"``), which the
-    kernel ranks by and writes each entering token's prior with; ``None`` for every other policy."""
-    if layer.policy.ranks_by != "predicted" or layer.store.norms is None:
-        return None
-    return layer.policy.weights_on(layer.store.norms.device)
-
-
-def _format_args(quantizer, stored) -> tuple:
-    """``(bits, group, data, scale_zero | None)`` of one stored format."""
-    if quantizer.bits == 16:
-        return 16, 1, stored.parts["x"], None
-    return quantizer.bits, quantizer.group_size, stored.parts["data"], stored.parts["scale_zero"]
-
-
 def decode_layer(
-    layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, reference_seen=None
+    buffers: SlotBuffers, eviction: Eviction, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    scale: float, reference_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step of ``layer`` (a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] on the CPU) in one
-    native call: ``query`` ``[batch, q_heads, 1, head_dim]``, the new ``keys``/``values`` ``[batch, kv_heads, 1,
-    head_dim]`` as the model made them (not rotated); returns the attention output ``[batch, 1, q_heads,
-    head_dim]`` in the query's dtype. Updates the store, ring, scores, ``seen``, ``first_real``, ``finite`` and
-    ``consistent`` (against ``reference_seen``, layer 0's count) in place, and evicts when the policy ranks by
-    nothing or by the accumulated scores themselves (`ranks_by`),
-    times each stored value's norm for a policy that weighs values (VATP; the store's ``norms``, which the kernel
-    writes for the token it moves in);
-    a policy with its own ranking, and a head-adaptive layer's slot pool (int8 ``owner`` tags: each head's
-    token takes the lowest free pool slot, attention reads the slots its head owns), are evicted by the caller
-    (`evicts`)."""
-    store, ring = layer.store, layer.ring
+    """One decode step of a compressed layer on the CPU in one native call.
+
+    Updates ``buffers`` in place: the new token into the ring (the leaving one quantized into the first empty slot of
+    its head, or, with a head-adaptive pool's int8 ``owner`` tags, the lowest free pool slot), the scores, ``seen``,
+    ``first_real``, ``finite``, ``consistent`` (against ``reference_seen``, layer 0's count) and, for a policy that
+    weighs values (VATP), ``norms`` of the token it moves in; evicts as ``eviction`` says (else the caller evicts).
+
+    Args:
+        buffers: the layer's store, ring and counters (`SlotBuffers`).
+        eviction: the kernel's eviction (`Eviction`; ``evict=False``: none).
+        query: ``[batch, q_heads, 1, head_dim]``, in the model's basis.
+        keys: the new token's keys ``[batch, kv_heads, 1, head_dim]`` as the model made them (not rotated).
+        values: as ``keys``.
+        scale: softmax scale.
+        reference_seen: int64 0-dim, layer 0's ``seen``, or ``None`` (layer 0 itself).
+
+    Returns:
+        The attention output ``[batch, 1, q_heads, head_dim]`` in the query's dtype.
+    """
     batch, q_heads, _, head_dim = query.shape
-    k_bits, k_group, k_data, k_scale_zero = _format_args(layer.key_quantizer, store.keys)
-    v_bits, v_group, v_data, v_scale_zero = _format_args(layer.value_quantizer, store.values)
+    k, v, ring = buffers.keys, buffers.values, buffers.ring
     args = (
         query.reshape(batch, q_heads, head_dim).float().contiguous(),
         keys.reshape(batch, -1, head_dim).float().contiguous(),
         values.reshape(batch, -1, head_dim).float().contiguous(),
         float(scale),
-        k_bits, k_group, k_data, k_scale_zero, layer.key_basis,
-        v_bits, v_group, v_data, v_scale_zero, layer.value_basis,
-        store.positions, _owner(layer), store.scores,
-        None if ring is None else ring.keys, None if ring is None else ring.values,
-        None if ring is None else ring.positions, None if ring is None else ring.scores,
-        layer.seen, layer.first_real, layer.finite,
-        *_eviction_args(layer), reference_seen, layer.consistent, not layer.policy.accumulates, store.norms,
-        _prior_weights(layer),
+        k.bits, k.group, k.data, k.scale_zero, k.basis,
+        v.bits, v.group, v.data, v.scale_zero, v.basis,
+        buffers.positions, buffers.owner, buffers.scores,
+        *((None,) * 4 if ring is None else ring),
+        buffers.seen, buffers.first_real, buffers.finite,
+        eviction.capacity, eviction.recent, eviction.sinks, eviction.rank, eviction.evict, reference_seen,
+        buffers.consistent, eviction.replace_scores, buffers.norms, eviction.prior_weights,
     )
     # compiled: the custom op; eager: the same function without the op's dispatch (microseconds per layer and step)
     out = cpu_decode_layer(*args) if torch.compiler.is_compiling() else _decode(*args)

@@ -31,6 +31,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from h2o_compress.formats.base import StoredTensor
 from h2o_compress.attention.launch import H100_SMS, power_of_two, split_count
 
+SUMS_BLOCK_T = 256  # tokens per program of `_prob_sums_kernel`
+
 
 @triton.jit
 def _load_tokens(data, sz, s_b, s_h, s_n, z_b, z_h, z_n, b, h, offs_n, mask_n,
@@ -62,6 +64,35 @@ def _load_tokens(data, sz, s_b, s_h, s_n, z_b, z_h, z_n, b, h, offs_n, mask_n,
 
 
 @triton.jit
+def _program(KV_HEADS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """Where a split program of grid ``(batch * kv_heads, splits)`` works: ``(bh, split, b, h, heads, head_mask, rows,
+    offs_d)``, its sequence ``b`` and KV head ``h`` (int64: offsets into big caches), its ``GP`` query rows (``G``
+    real, ``head_mask``) at ``rows = b * q_heads + h * G + r``, and the ``D`` offsets of a head dim."""
+    bh, split = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // KV_HEADS).to(tl.int64), (bh % KV_HEADS).to(tl.int64)
+    heads = tl.arange(0, GP)
+    return bh, split, b, h, heads, heads < G, bh * G + heads, tl.arange(0, D)
+
+
+@triton.jit
+def _attend_block(qv, m_i, l_i, acc, kt, vt, valid, scaling, logits_row_ptr, head_mask, offs_t,
+                  WRITE_LOGITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of the online softmax (``kt``/``vt`` fp32 ``[BLOCK, D]``, ``valid`` bool ``[BLOCK]``); a block
+    with no valid token leaves ``(m_i, l_i, acc)`` as they were (exp against a finite base)."""
+    s = tl.dot(qv, tl.trans(kt.to(DOT)), input_precision=PRECISION) * scaling
+    s = tl.where(valid[None, :], s, float("-inf"))
+    if WRITE_LOGITS:
+        tl.store(logits_row_ptr + offs_t[None, :], s, mask=head_mask[:, None] & valid[None, :])
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - base)
+    p = tl.exp(s - base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt.to(DOT), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _partial_kernel(
     q, q_b, q_h, q_d,
     k, ksz, k_b, k_h, k_n, ksz_b, ksz_h, ksz_n,
@@ -80,12 +111,7 @@ def _partial_kernel(
     ``WRITE_LOGITS``, the scaled logits to ``logits[batch * q_heads, total_tokens]`` at ``token_base + n``.
     Query rows are padded to ``GP`` (>= 16, for ``tl.dot``) and masked; both matmuls take ``DOT`` operands.
     """
-    bh, split = tl.program_id(0), tl.program_id(1)
-    b, h = (bh // KV_HEADS).to(tl.int64), (bh % KV_HEADS).to(tl.int64)  # 64-bit offsets into big caches
-    heads = tl.arange(0, GP)
-    head_mask = heads < G
-    rows = bh * G + heads  # = b * q_heads + h * G + r
-    offs_d = tl.arange(0, D)
+    bh, split, b, h, heads, head_mask, rows, offs_d = _program(KV_HEADS, G, GP, D)
     qv = tl.load(q + b * q_b + (h * G + heads)[:, None] * q_h + offs_d[None, :] * q_d,
                  mask=head_mask[:, None], other=0.0).to(DOT)
     m_i = tl.full((GP,), float("-inf"), tl.float32)
@@ -93,22 +119,14 @@ def _partial_kernel(
     acc = tl.zeros((GP, D), tl.float32)
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq_len)
+    logits_rows = logits + rows[:, None] * total_tokens + token_base
     for n0 in range(start, end, BLOCK_N):  # every split is non-empty, so m_i is finite after one block
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         kt = _load_tokens(k, ksz, k_b, k_h, k_n, ksz_b, ksz_h, ksz_n, b, h, offs_n, mask_n, D, GROUP, K_FMT, BLOCK_N)
-        s = tl.dot(qv, tl.trans(kt.to(DOT)), input_precision=PRECISION) * scaling
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        if WRITE_LOGITS:
-            tl.store(logits + rows[:, None] * total_tokens + token_base + offs_n[None, :], s,
-                     mask=head_mask[:, None] & mask_n[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         vt = _load_tokens(v, vsz, v_b, v_h, v_n, vsz_b, vsz_h, vsz_n, b, h, offs_n, mask_n, D, GROUP, V_FMT, BLOCK_N)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt.to(DOT), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(qv, m_i, l_i, acc, kt, vt, mask_n, scaling, logits_rows, head_mask, offs_n,
+                                      WRITE_LOGITS, DOT, PRECISION)
     slot = rows * num_slots + slot_base + split
     tl.store(part_m + slot, m_i, mask=head_mask)
     tl.store(part_l + slot, l_i, mask=head_mask)
@@ -207,6 +225,83 @@ def _operand(stored: StoredTensor, bits: int, group_size: int, shape: tuple[int,
     return _dense_tail(data, 1), _dense_tail(sz, 2)
 
 
+def _segments(query, stored_keys, stored_values, key_bits, value_bits, group_size, window_keys, window_values,
+              block_tokens) -> tuple[list, int]:
+    """The checked operands of `fused_decode_attention` (its arguments) as ``(segments, kv_heads)``: per segment
+    (stored, then window), ``(keys (data, sz), values (data, sz), key format, value format, tokens)``.
+
+    Raises:
+        ValueError: the errors `fused_decode_attention` lists.
+    """
+    if query.dim() != 4 or query.shape[2] != 1:
+        raise ValueError(
+            f"fused decode attention takes one query token: [batch, q_heads, 1, head_dim], got {tuple(query.shape)}")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query dtype must be fp16, bf16 or fp32, got {query.dtype}")
+    batch, q_heads, _, head_dim = query.shape
+    if not power_of_two(head_dim, 16):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not power_of_two(block_tokens, 16):
+        raise ValueError(f"block_tokens must be a power of two >= 16, got {block_tokens}")
+    if stored_keys is not None and len(stored_keys) and (key_bits != 16 or value_bits != 16):
+        if not power_of_two(group_size, 2) or head_dim % group_size:
+            raise ValueError(f"group_size must be a power of two dividing head_dim={head_dim}, got {group_size}")
+    segments, kv_heads = [], None
+    if stored_keys is not None and len(stored_keys):
+        if stored_values is None:
+            raise ValueError("stored_keys given without stored_values")
+        kv_heads = next(iter(stored_keys.parts.values())).shape[1]
+        shape = (batch, kv_heads, head_dim)
+        k = _operand(stored_keys, key_bits, group_size, shape, "keys")
+        v = _operand(stored_values, value_bits, group_size, shape, "values")
+        if k[0].shape[2] != v[0].shape[2]:
+            raise ValueError(f"stored keys ({k[0].shape[2]}) and values ({v[0].shape[2]}) hold different token counts")
+        segments.append((k, v, key_bits, value_bits, k[0].shape[2]))
+    if window_keys is not None and window_keys.shape[2]:
+        kv_heads = window_keys.shape[1] if kv_heads is None else kv_heads
+        expected = (batch, kv_heads, window_keys.shape[2], head_dim)
+        if tuple(window_keys.shape) != expected or window_values is None or tuple(window_values.shape) != expected:
+            raise ValueError(f"window keys and values must both be {list(expected)}, got {tuple(window_keys.shape)} "
+                             f"and {None if window_values is None else tuple(window_values.shape)}")
+        wk, wv = _dense_tail(window_keys, 1), _dense_tail(window_values, 1)
+        segments.append(((wk, wk), (wv, wv), 16, 16, wk.shape[2]))
+    if not segments:
+        raise ValueError("decode attention needs at least one stored or window token")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+    return segments, kv_heads
+
+
+def _split_pass(query, segments, splits, kv_heads, group_size, scaling, write_logits, block_tokens) -> tuple:
+    """The first launches of `fused_decode_attention`: `_partial_kernel` over each segment's ``splits``
+    (``(num_splits, split_tokens)``). Returns the scratch it wrote, fp32 ``(part_m, part_l, part_acc, logits)``
+    (``logits`` is ``part_m`` without ``write_logits``)."""
+    batch, q_heads, _, head_dim = query.shape
+    group, device, rows = q_heads // kv_heads, query.device, batch * q_heads
+    num_slots, total = sum(s for s, _ in splits), sum(seg[-1] for seg in segments)
+    part_m, part_l = _scratch((rows, num_slots), device), _scratch((rows, num_slots), device)
+    part_acc = _scratch((rows, num_slots, head_dim), device)
+    logits = _scratch((rows, total), device) if write_logits else part_m
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
+    # Matmul operands in the query's dtype; the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9), so fp32 there.
+    interpreted = isinstance(_partial_kernel, InterpretedFunction)
+    dot = tl.float32 if interpreted and query.dtype == torch.bfloat16 else getattr(tl, str(query.dtype)[6:])
+    slot_base = token_base = 0
+    for ((kd, ksz), (vd, vsz), k_fmt, v_fmt, tokens), (num_splits, split_tokens) in zip(segments, splits):
+        _partial_kernel[(batch * kv_heads, num_splits)](
+            query, query.stride(0), query.stride(1), query.stride(3),
+            kd, ksz, *kd.stride()[:3], *ksz.stride()[:3],
+            vd, vsz, *vd.stride()[:3], *vsz.stride()[:3],
+            part_m, part_l, part_acc, logits,
+            tokens, split_tokens, slot_base, token_base, num_slots, total, float(scaling),
+            KV_HEADS=kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, GROUP=group_size,
+            K_FMT=k_fmt, V_FMT=v_fmt, BLOCK_N=block_tokens, WRITE_LOGITS=write_logits,
+            DOT=dot, PRECISION=precision, num_warps=4,
+        )
+        slot_base, token_base = slot_base + num_splits, token_base + tokens
+    return part_m, part_l, part_acc, logits
+
+
 def fused_decode_attention(
     query: torch.Tensor,
     stored_keys: StoredTensor | None,
@@ -247,76 +342,21 @@ def fused_decode_attention(
     Raises:
         ValueError: unsupported shapes, formats or dtypes, or no tokens at all.
     """
-    if query.dim() != 4 or query.shape[2] != 1:
-        raise ValueError(
-            f"fused decode attention takes one query token: [batch, q_heads, 1, head_dim], got {tuple(query.shape)}")
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"query dtype must be fp16, bf16 or fp32, got {query.dtype}")
+    segments, kv_heads = _segments(query, stored_keys, stored_values, key_bits, value_bits, group_size,
+                                   window_keys, window_values, block_tokens)
     batch, q_heads, _, head_dim = query.shape
-    if not power_of_two(head_dim, 16):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if not power_of_two(block_tokens, 16):
-        raise ValueError(f"block_tokens must be a power of two >= 16, got {block_tokens}")
-    if stored_keys is not None and len(stored_keys) and (key_bits != 16 or value_bits != 16):
-        if not power_of_two(group_size, 2) or head_dim % group_size:
-            raise ValueError(f"group_size must be a power of two dividing head_dim={head_dim}, got {group_size}")
-    # segments: (keys (data, sz), values (data, sz), key format, value format, tokens)
-    segments, kv_heads = [], None
-    if stored_keys is not None and len(stored_keys):
-        if stored_values is None:
-            raise ValueError("stored_keys given without stored_values")
-        kv_heads = next(iter(stored_keys.parts.values())).shape[1]
-        shape = (batch, kv_heads, head_dim)
-        k = _operand(stored_keys, key_bits, group_size, shape, "keys")
-        v = _operand(stored_values, value_bits, group_size, shape, "values")
-        if k[0].shape[2] != v[0].shape[2]:
-            raise ValueError(f"stored keys ({k[0].shape[2]}) and values ({v[0].shape[2]}) hold different token counts")
-        segments.append((k, v, key_bits, value_bits, k[0].shape[2]))
-    if window_keys is not None and window_keys.shape[2]:
-        kv_heads = window_keys.shape[1] if kv_heads is None else kv_heads
-        expected = (batch, kv_heads, window_keys.shape[2], head_dim)
-        if tuple(window_keys.shape) != expected or window_values is None or tuple(window_values.shape) != expected:
-            raise ValueError(f"window keys and values must both be {list(expected)}, got {tuple(window_keys.shape)} "
-                             f"and {None if window_values is None else tuple(window_values.shape)}")
-        wk, wv = _dense_tail(window_keys, 1), _dense_tail(window_values, 1)
-        segments.append(((wk, wk), (wv, wv), 16, 16, wk.shape[2]))
-    if not segments:
-        raise ValueError("decode attention needs at least one stored or window token")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-
-    group, device = q_heads // kv_heads, query.device
+    group, device, rows = q_heads // kv_heads, query.device, batch * q_heads
     splits = [choose_splits(batch, kv_heads, seg[-1], block_tokens, _sm_count(device)) for seg in segments]
     num_slots, total = sum(s for s, _ in splits), sum(seg[-1] for seg in segments)
-    rows = batch * q_heads
-    part_m, part_l = _scratch((rows, num_slots), device), _scratch((rows, num_slots), device)
-    part_acc = _scratch((rows, num_slots, head_dim), device)
-    logits = _scratch((rows, total), device) if need_probability_sums else part_m
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
-    # Matmul operands in the query's dtype; the CPU interpreter's bf16 tl.dot is wrong (Triton 3.9), so fp32 there.
-    interpreted = isinstance(_partial_kernel, InterpretedFunction)
-    dot = tl.float32 if interpreted and query.dtype == torch.bfloat16 else getattr(tl, str(query.dtype)[6:])
-    slot_base = token_base = 0
-    for ((kd, ksz), (vd, vsz), k_fmt, v_fmt, tokens), (num_splits, split_tokens) in zip(segments, splits):
-        _partial_kernel[(batch * kv_heads, num_splits)](
-            query, query.stride(0), query.stride(1), query.stride(3),
-            kd, ksz, *kd.stride()[:3], *ksz.stride()[:3],
-            vd, vsz, *vd.stride()[:3], *vsz.stride()[:3],
-            part_m, part_l, part_acc, logits,
-            tokens, split_tokens, slot_base, token_base, num_slots, total, float(scaling),
-            KV_HEADS=kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, GROUP=group_size,
-            K_FMT=k_fmt, V_FMT=v_fmt, BLOCK_N=block_tokens, WRITE_LOGITS=need_probability_sums,
-            DOT=dot, PRECISION=precision, num_warps=4,
-        )
-        slot_base, token_base = slot_base + num_splits, token_base + tokens
-
+    part_m, part_l, part_acc, logits = _split_pass(query, segments, splits, kv_heads, group_size, scaling,
+                                                   need_probability_sums, block_tokens)
     output = torch.empty(batch, q_heads, 1, head_dim, dtype=query.dtype, device=device)
     lse = _scratch((rows,), device)
     _combine_kernel[(rows,)](part_m, part_l, part_acc, output, lse, num_slots, D=head_dim, BLOCK_S=16, num_warps=4)
     if not need_probability_sums:
         return output, None
     sums = torch.empty(batch, kv_heads, total, dtype=torch.float32, device=device)
-    block_t = 256
-    _prob_sums_kernel[(batch * kv_heads, triton.cdiv(total, block_t))](
-        logits, lse, sums, total, G=group, GP=max(2, triton.next_power_of_2(group)), BLOCK_T=block_t, num_warps=4)
+    _prob_sums_kernel[(batch * kv_heads, triton.cdiv(total, SUMS_BLOCK_T))](
+        logits, lse, sums, total, G=group, GP=max(2, triton.next_power_of_2(group)), BLOCK_T=SUMS_BLOCK_T,
+        num_warps=4)
     return output, sums

@@ -21,19 +21,12 @@ def _dequantize(stored: StoredTensor, bits: int, group_size: int, head_dim: int)
 
 
 def reference_decode_attention(
-    query: torch.Tensor,
-    stored_keys: StoredTensor | None,
-    stored_values: StoredTensor | None,
-    key_bits: int,
-    value_bits: int,
-    group_size: int,
-    window_keys: torch.Tensor | None,
-    window_values: torch.Tensor | None,
-    scaling: float,
-    need_probability_sums: bool,
-    block_tokens: int = 64,
+    query: torch.Tensor, stored_keys: StoredTensor | None, stored_values: StoredTensor | None, key_bits: int,
+    value_bits: int, group_size: int, window_keys: torch.Tensor | None, window_values: torch.Tensor | None,
+    scaling: float, need_probability_sums: bool, block_tokens: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of one new query over stored tokens followed by window tokens.
+    """Attention of one new query over stored tokens followed by window tokens (the arguments of
+    `fused_decode_attention`, which this function specifies).
 
     Args:
         query: ``[batch, q_heads, 1, head_dim]`` (in the keys' basis).

@@ -35,20 +35,20 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     tokens (store dequantized, ring oldest first) followed by the chunk. A cache that holds nothing yet returns the
     chunk alone, exactly as DynamicCache would. Keeps the chunk in ``layer.chunk`` for `attend` (one host
     read of ``seen``: eager only)."""
-    seen = int(layer.seen)
+    seen = int(layer.counters.seen)
     layer.chunk = {"seen": seen, "keys": keys, "values": values, "held": seen > 0}
-    if layer.growable:
+    if layer.setting.growable:
         layer.counters.grown_to = seen + keys.shape[2]
     if not layer.chunk["held"]:
-        return keys.to(layer.dtype), values.to(layer.dtype)
-    held_keys, held_values = layer.store.held(layer.dtype, layer.kv_heads)
+        return keys.to(layer.geometry.dtype), values.to(layer.geometry.dtype)
+    held_keys, held_values = layer.store.held(layer.geometry.dtype, layer.geometry.kv_heads)
     parts_k, parts_v = [held_keys], [held_values]
     if layer.ring is not None:
         order = layer.ring.order(seen)
-        parts_k.append(layer.ring.keys.index_select(2, order).to(layer.dtype))
-        parts_v.append(layer.ring.values.index_select(2, order).to(layer.dtype))
-    parts_k.append(keys.to(layer.dtype))
-    parts_v.append(values.to(layer.dtype))
+        parts_k.append(layer.ring.keys.index_select(2, order).to(layer.geometry.dtype))
+        parts_v.append(layer.ring.values.index_select(2, order).to(layer.geometry.dtype))
+    parts_k.append(keys.to(layer.geometry.dtype))
+    parts_v.append(values.to(layer.geometry.dtype))
     return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
 
@@ -65,38 +65,37 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     chunk, layer.chunk = layer.chunk, None
     n, batch = query.shape[2], query.shape[0]
     if layer.decode_kernel == "triton":  # the decode steps' scratch, allocated eagerly before a compiled step needs it
-        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
-
-        slot_attention.layer_scratch(layer, query.shape[1])
+        layer.backend.scratch_for(layer, query.shape[1])
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
     if new_block is not None and new_block.dtype != torch.bool:
         new_block = new_block > torch.finfo(new_block.dtype).min / 2
     # n x n: built only where a mask is (a causal chunk with no padding mask and no window needs none)
-    eye = torch.eye(n, dtype=torch.bool, device=query.device) if new_block is not None or layer.span.windowed else None
+    windowed = layer.setting.span.windowed
+    eye = torch.eye(n, dtype=torch.bool, device=query.device) if new_block is not None or windowed else None
     real = torch.ones(batch, n, dtype=torch.bool, device=query.device)
     if new_block is not None:
         real = new_block[:, 0].diagonal(dim1=-2, dim2=-1).expand(batch, n)
         new_block = new_block | eye  # a padding query sees itself: no fully masked row
-    span, seen = layer.span, chunk["seen"]
+    span, seen = layer.setting.span, chunk["seen"]
     queries = torch.arange(seen, seen + n, device=query.device)
-    first_real = torch.minimum(layer.first_real, first_real_of(real, seen))
+    first_real = torch.minimum(layer.counters.first_real, first_real_of(real, seen))
     if span.windowed:  # the chunk's own tokens beyond each query's window or chunk
         own = span.visible(queries.expand(batch, 1, n), queries, first_real)[:, 0] & eye.logical_not().tril()
         new_block = (own.unsqueeze(1) if new_block is None else new_block & own.unsqueeze(1)) | eye
     mask = new_block
     if chunk["held"]:
         order = None if layer.ring is None else layer.ring.order(seen)
-        held = held_positions(layer.store, layer.ring, layer.kv_heads, order)
+        held = held_positions(layer.store, layer.ring, layer.geometry.kv_heads, order)
         held_valid = (held >= 0).unsqueeze(2).expand(-1, -1, n, -1)
         if span.windowed:
             held_valid = held_valid & span.visible(held, queries, first_real)
         causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
-        mask = torch.cat((held_valid, causal.expand(batch, layer.kv_heads, n, n)), dim=3)
+        mask = torch.cat((held_valid, causal.expand(batch, layer.geometry.kv_heads, n, n)), dim=3)
     sums = None
     if one_pass(layer, query, keys, values, variant, kwargs):  # output and scores from one softmax
         output, sums = attention_with_sums(query, keys, values, mask, scaling)
     elif variant is None:
-        group = query.shape[1] // layer.kv_heads
+        group = query.shape[1] // layer.geometry.kv_heads
         sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
         kwargs.pop("sliding_window", None)  # the mask holds the window
         output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
@@ -104,9 +103,10 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         visible = mask if mask is not None else torch.ones(1, 1, n, n, dtype=torch.bool, device=query.device).tril()
         output = masked_attention(query, keys, values, visible, scaling, variant)
         output = output.transpose(1, 2)
-    if layer.with_scores and sums is None:
-        sums = per_kv_head(layer.policy.chunk_scores(query, keys, mask, scaling, layer.score_chunk_size, variant),
-                           layer.kv_heads)
+    if layer.setting.with_scores and sums is None:
+        setting = layer.setting
+        sums = per_kv_head(setting.policy.chunk_scores(query, keys, mask, scaling, setting.score_chunk_size, variant),
+                           layer.geometry.kv_heads)
     settle(layer, chunk, real, sums)
     return output.transpose(1, 2)
 
@@ -119,8 +119,9 @@ def one_pass(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     that autograd tracks (the one pass writes in place)."""
     if torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad):
         return False
-    return (layer.with_scores and variant is None and not kwargs.get("dropout")
-            and type(layer.policy).chunk_scores is EvictionPolicy.chunk_scores and keys.shape[1] == layer.kv_heads)
+    return (layer.setting.with_scores and variant is None and not kwargs.get("dropout")
+            and type(layer.setting.policy).chunk_scores is EvictionPolicy.chunk_scores
+            and keys.shape[1] == layer.geometry.kv_heads)
 
 
 def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:
@@ -128,42 +129,43 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
     out: the newest ``residual`` tokens in the ring, older kept ones from the ring and the chunk quantized
     once into empty slots. ``real`` bool ``[batch, n]``: chunk tokens that are not padding."""
     seen, keys, values = chunk["seen"], chunk["keys"], chunk["values"]
-    n, slots, size = keys.shape[2], layer.store.slots, layer.residual
-    device, heads = layer.device, layer.kv_heads
+    n, slots, size = keys.shape[2], layer.store.slots, layer.setting.residual
+    device, heads = layer.geometry.device, layer.geometry.kv_heads
     new_positions = torch.where(real, torch.arange(seen, seen + n, device=device), -1)
     tail_keys, tail_values, tail_positions = keys, values, new_positions
-    tail_scores = torch.zeros(layer.batch, heads, n, device=device) if layer.with_scores else None
+    tail_scores = torch.zeros(layer.geometry.batch, heads, n, device=device) if layer.setting.with_scores else None
     if layer.ring is not None:
         order = layer.ring.order(seen)
         tail_keys = torch.cat((layer.ring.keys.index_select(2, order), keys), dim=2)
         tail_values = torch.cat((layer.ring.values.index_select(2, order), values), dim=2)
         tail_positions = torch.cat((layer.ring.positions.index_select(1, order).long(), new_positions), dim=1)
-        if layer.with_scores:
+        if layer.setting.with_scores:
             tail_scores = torch.cat((layer.ring.scores.index_select(2, order), tail_scores), dim=2)
     positions = torch.cat((layer.store.head_positions().long(), tail_positions.unsqueeze(1).expand(-1, heads, -1)), 2)
     scores = None
-    if layer.with_scores:
+    if layer.setting.with_scores:
         scores = torch.cat((layer.store.head_scores(), tail_scores), dim=2)
         covered = scores[..., scores.shape[2] - sums.shape[2] :]
-        decay = layer.policy.score_decay
+        decay = layer.setting.policy.score_decay
         if 0.0 < decay < 1.0:  # A2SF: what was held fades over the chunk's n queries (its own are weighted)
             scores.mul_(decay**n)
-        covered.add_(sums) if layer.policy.accumulates else covered.copy_(sums)
+        covered.add_(sums) if layer.setting.policy.accumulates else covered.copy_(sums)
     seen += n
-    layer.first_real.copy_(torch.minimum(layer.first_real, first_real_of(real, chunk["seen"])))
+    layer.counters.first_real.copy_(torch.minimum(layer.counters.first_real, first_real_of(real, chunk["seen"])))
     # what the next query (at `seen`) cannot see leaves a sliding or chunked layer, whatever its score
-    layer.span.expire(positions, torch.tensor(seen, device=device), layer.first_real)
-    if layer.evicts:
+    layer.setting.span.expire(positions, torch.tensor(seen, device=device), layer.counters.first_real)
+    if layer.setting.evicts:
         norms = None
-        if layer.policy.weighs_values:  # VATP: the store's norms, the ring's and the chunk's tokens as they are
-            tail_norms = layer.policy.value_weight(in_model_basis(tail_values, layer.geometry.value_basis))
+        if layer.setting.policy.weighs_values:  # VATP: the store's norms, the ring's and the chunk's tokens as they are
+            tail_norms = layer.setting.policy.value_weight(in_model_basis(tail_values, layer.geometry.value_basis))
             norms = torch.cat((layer.store.head_value_norms(), tail_norms), dim=2)
-        priority = layer.policy.priority(scores, positions, seen, layer.first_real, layer.capacity, norms)
-        keep = layer.store.keep(priority, positions, layer.capacity)
+        priority = layer.setting.policy.priority(scores, positions, seen, layer.counters.first_real,
+                                                 layer.setting.capacity, norms)
+        keep = layer.store.keep(priority, positions, layer.setting.capacity)
     else:
         keep = positions >= 0
-    layer.store.settle(keep[..., :slots], scores[..., :slots] if layer.with_scores else None)
-    if layer.with_scores:
+    layer.store.settle(keep[..., :slots], scores[..., :slots] if layer.setting.with_scores else None)
+    if layer.setting.with_scores:
         tail_scores = scores[..., slots:]
     if layer.ring is not None:  # the newest `size` positions, all inside the recent window
         ring_positions = torch.where(keep[:, 0, -size:], tail_positions[:, -size:], -1)
@@ -173,8 +175,9 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
         )
     layer.store.place_tokens(keep[..., slots : slots + n], tail_keys[:, :, :n], tail_values[:, :, :n],
                              tail_positions[:, :n], None if tail_scores is None else tail_scores[..., :n],
-                             lambda: stored_rank(layer.policy, layer.store, layer.seen), lambda n: make_room(layer, n))
-    layer.seen.fill_(seen)
+                             lambda: stored_rank(layer.setting.policy, layer.store, layer.counters.seen),
+                             lambda n: make_room(layer, n))
+    layer.counters.seen.fill_(seen)
 
 
 def first_real_of(real: torch.Tensor, seen: int) -> torch.Tensor:
@@ -190,7 +193,7 @@ def make_room(layer, tokens: int) -> None:
     Raises:
         CacheStateError: any other cache (it was built for fewer tokens).
     """
-    if not layer.growable:
+    if not layer.setting.growable:
         raise CacheStateError(f"layer {layer.layer_idx}: more tokens than the cache was built for (max_length="
-                              f"{layer.max_tokens}); build the cache with the full length (prompt + new tokens)")
+                              f"{layer.setting.max_tokens}); build the cache with the full length (prompt + new tokens)")
     layer.store.resize(layer.store.slots + tokens + GROWTH)

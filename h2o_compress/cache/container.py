@@ -76,15 +76,15 @@ class CompressedCache(Cache):
             # every layer follows layer 0 within a step: a flag, read with the others (no host sync here); layer 0
             # may live on another device (a model split by device_map): its counter is copied without a sync
             reference = self.layers[0].seen
-            if reference.device != layer.device:
-                reference = reference.to(layer.device, non_blocking=True)
+            if reference.device != layer.geometry.device:
+                reference = reference.to(layer.geometry.device, non_blocking=True)
             if layer.decode_kernel == "cpu":  # the CPU kernel sets the flag itself
                 layer.backend.reference_seen = reference
             else:
-                layer.counters.consistent &= layer.seen + 1 == reference
+                layer.counters.consistent &= layer.counters.seen + 1 == reference
         if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
             self.check()
-            seen = {int(layer.seen) for layer in self.layers if layer.is_initialized}
+            seen = {int(layer.counters.seen) for layer in self.layers if layer.is_initialized}
             if len(seen) > 1 or (seen and not all(layer.is_initialized for layer in self.layers)):
                 raise CacheStateError(
                     f"the layers of this cache hold different token counts ({sorted(seen)}): an earlier forward pass "
@@ -112,8 +112,9 @@ class CompressedCache(Cache):
         ready = [layer for layer in self.layers if layer.is_initialized]
         if not ready:
             return
-        device = ready[0].device
-        flags = torch.stack([torch.stack((layer.finite, layer.consistent)).to(device) for layer in ready]).all(0)
+        device = ready[0].geometry.device
+        flags = torch.stack([torch.stack((layer.counters.finite, layer.counters.consistent)).to(device)
+                             for layer in ready]).all(0)
         finite, consistent = flags.tolist()
         if not consistent:
             raise CacheStateError(
@@ -136,12 +137,12 @@ class CompressedCache(Cache):
     @property
     def capacities(self) -> list[int | None]:
         """Tokens kept by each layer, per sequence and KV head."""
-        return [layer.capacity for layer in self.layers]
+        return [layer.setting.capacity for layer in self.layers]
 
     @property
     def compile_blocker(self) -> str | None:
         """Why the decode step cannot be compiled (the first layer's reason), or ``None``."""
-        return next((layer.compile_blocker for layer in self.layers if layer.compile_blocker), None)
+        return next((layer.setting.compile_blocker for layer in self.layers if layer.setting.compile_blocker), None)
 
     @property
     def decode_kernel(self) -> str:
@@ -192,7 +193,8 @@ class CompressedCache(Cache):
         if not ready:
             return 0
         layer = ready[0]
-        return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * int(layer.seen) * layer.batch * 2
+        geometry = layer.geometry
+        return 2 * len(self.layers) * geometry.kv_heads * geometry.head_dim * int(layer.counters.seen) * geometry.batch * 2
 
     def frozen_copy(self, max_length: int) -> "CompressedCache":
         """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
@@ -291,10 +293,12 @@ def frozen_layer(layer: CompressedLayer, extra_tokens: int) -> CompressedLayer:
     if not layer.is_initialized or extra_tokens < 0:
         raise CacheStateError(f"layer {layer.layer_idx}: a frozen copy needs an initialised layer and "
                               "extra_tokens >= 0")
-    max_tokens = layer.store.slots_per_head + layer.residual + extra_tokens  # unbounded, of known size
+    max_tokens = layer.store.slots_per_head + layer.setting.residual + extra_tokens  # unbounded, of known size
     copy = CompressedLayer(layer.layer_idx, **layer.setting.arguments(capacity=None, max_tokens=max_tokens))
     copy.num_layers = layer.num_layers
-    empty = torch.empty(layer.batch, layer.kv_heads, 0, layer.head_dim, dtype=layer.dtype, device=layer.device)
+    geometry = layer.geometry
+    empty = torch.empty(geometry.batch, geometry.kv_heads, 0, geometry.head_dim, dtype=geometry.dtype,
+                        device=geometry.device)
     copy.lazy_initialization(empty, empty)
     mine = layer.tensors()
     for name, target in copy.tensors().items():  # scores are not copied: nothing is evicted any more

@@ -26,20 +26,21 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     dtype). Returns the token that entered the store (the ring's oldest, or the new one without a ring) and its
     slots, int64 ``[batch, rows, k]``. No host sync (except the host counter of an unbounded cache of unknown
     length, eager only)."""
-    position = layer.seen
+    position = layer.counters.seen
     grow_for_token(layer)
     keys, values, leaving, score = ring_in(layer, keys, values)
-    slot = layer.store.enter(keys, values, leaving, score, lambda: stored_rank(layer.policy, layer.store, layer.seen))
-    layer.first_real.clamp_(max=position)
-    layer.seen.add_(1)
+    rank = lambda: stored_rank(layer.setting.policy, layer.store, layer.counters.seen)  # noqa: E731 - on demand
+    slot = layer.store.enter(keys, values, leaving, score, rank)
+    layer.counters.first_real.clamp_(max=position)
+    layer.counters.seen.add_(1)
     return keys, values, slot
 
 
 def grow_for_token(layer) -> None:
     """Make room for one more token in an unbounded cache of unknown length (a host counter; eager only)."""
-    if layer.growable:
+    if layer.setting.growable:
         layer.counters.grown_to += 1
-        if layer.counters.grown_to - layer.residual >= layer.store.slots:
+        if layer.counters.grown_to - layer.setting.residual >= layer.store.slots:
             layer.store.resize(layer.store.slots + GROWTH)
 
 
@@ -48,13 +49,14 @@ def read(layer, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor):
     head_dim]`` in the model dtype (a 16-bit store is read in place; a quantized one dequantized once, the token
     that just entered it at full precision, then the ring) and their validity, bool ``[batch, kv_heads, slots +
     residual]``."""
-    store, ring, heads = layer.store, layer.ring, layer.kv_heads
+    store, ring, heads = layer.store, layer.ring, layer.geometry.kv_heads
     valid = store.head_positions() >= 0
-    if not layer.quantized:  # 16-bit: the store itself (broadcast over a pool's heads), no copy
-        keys, values = store.held(layer.dtype, heads)
+    if not layer.setting.quantized:  # 16-bit: the store itself (broadcast over a pool's heads), no copy
+        keys, values = store.held(layer.geometry.dtype, heads)
         return keys, values, valid
-    keys = store.read("keys", None if ring is None else ring.keys, store.as_rows(keys), slot, layer.dtype, heads)
-    values = store.read("values", None if ring is None else ring.values, store.as_rows(values), slot, layer.dtype,
+    dtype = layer.geometry.dtype
+    keys = store.read("keys", None if ring is None else ring.keys, store.as_rows(keys), slot, dtype, heads)
+    values = store.read("values", None if ring is None else ring.values, store.as_rows(values), slot, dtype,
                         heads)
     if ring is not None:
         valid = torch.cat((valid, ring.valid(heads)), dim=2)
@@ -67,9 +69,10 @@ def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
     | None)`` (positions ``-1`` where the ring's slot was empty). Without a ring the new token itself goes to the
     store, at position ``seen``, with score 0. In place, no host sync."""
     if layer.ring is not None:
-        return layer.ring.push(keys, values, layer.seen)
-    leaving = layer.seen.to(torch.int32).expand(layer.batch, 1)
-    score = torch.zeros(layer.batch, layer.kv_heads, 1, device=layer.device) if layer.with_scores else None
+        return layer.ring.push(keys, values, layer.counters.seen)
+    leaving = layer.counters.seen.to(torch.int32).expand(layer.geometry.batch, 1)
+    geometry = layer.geometry
+    score = torch.zeros(geometry.batch, geometry.kv_heads, 1, device=geometry.device) if layer.setting.with_scores else None
     return keys, values, leaving, score
 
 
@@ -79,7 +82,7 @@ def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     `read` returned, masked by ``valid``, with the layer's softmax ``variant``
     (`AttentionVariant` or ``None``); then `add_scores` and the
     eviction. Returns ``[batch, q_heads, 1, head_dim]`` (in the value basis)."""
-    output, sums = decode_attention(query, keys, values, valid, scaling, layer.with_scores, variant)
+    output, sums = decode_attention(query, keys, values, valid, scaling, layer.setting.with_scores, variant)
     add_scores(layer, sums)
     layer.evict()
     return output
@@ -91,9 +94,9 @@ def add_scores(layer, sums: torch.Tensor | None) -> None:
     place, no host sync."""
     if sums is None:
         return
-    sums = per_kv_head(sums, layer.kv_heads)
+    sums = per_kv_head(sums, layer.geometry.kv_heads)
     slots = layer.store.slots
-    if layer.policy.accumulates:
+    if layer.setting.policy.accumulates:
         layer.store.scores += layer.store.score_share(sums[..., :slots])
         if layer.ring is not None:
             layer.ring.scores += sums[..., slots:]

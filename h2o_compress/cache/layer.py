@@ -29,7 +29,7 @@ from h2o_compress.cache.setting import LayerSetting
 from h2o_compress.cache.slots import SlotStore
 from h2o_compress.cache.span import FULL_SPAN, LayerSpan
 from h2o_compress.cache.store import make_store
-from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values, part_view
+from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values
 
 
 #: The keyword arguments of a layer's store layout (the rest of `LayerSetting`'s fields are named arguments).
@@ -56,14 +56,101 @@ class CompressedLayer(CacheLayerMixin):
                                     attention_kernel, max_tokens, span, **layout)
         self.reset()
 
-    for _part, _names in (("setting", "policy capacity max_tokens key_quantizer value_quantizer residual span evicts "
-                                       "with_scores quantized growable attention_kernel score_chunk_size "
-                                       "compile_blocker is_compileable"),
-                          ("geometry", "batch kv_heads head_dim dtype device residual_dtype key_basis value_basis"),
-                          ("counters", "seen first_real finite consistent"), ("store", "refine")):
-        for _name in _names.split():  # read-only views of the parts, for the kernels and reports
-            locals()[_name] = part_view(_part, _name)
-    del _part, _names, _name
+    # -- what reports, persistence and tests read of the parts (the cache's own code reads the parts) -----------
+    @property
+    def policy(self):
+        """``setting.policy``: the eviction policy."""
+        return self.setting.policy
+
+    @property
+    def capacity(self):
+        """``setting.capacity``: tokens kept per sequence and head, or ``None``."""
+        return self.setting.capacity
+
+    @property
+    def max_tokens(self):
+        """``setting.max_tokens``: the longest run the cache is built for, or ``None``."""
+        return self.setting.max_tokens
+
+    @property
+    def key_quantizer(self):
+        """``setting.key_quantizer``: the keys' storage format."""
+        return self.setting.key_quantizer
+
+    @property
+    def value_quantizer(self):
+        """``setting.value_quantizer``: the values' storage format."""
+        return self.setting.value_quantizer
+
+    @property
+    def residual(self):
+        """``setting.residual``: tokens of the full-precision ring."""
+        return self.setting.residual
+
+    @property
+    def span(self):
+        """``setting.span``: which tokens a query sees."""
+        return self.setting.span
+
+    @property
+    def with_scores(self):
+        """``setting.with_scores``: whether the layer accumulates attention scores."""
+        return self.setting.with_scores
+
+    @property
+    def growable(self):
+        """``setting.growable``: whether the store grows (unbounded, unknown length)."""
+        return self.setting.growable
+
+    @property
+    def is_compileable(self):
+        """``setting.is_compileable``: whether a decode step compiles (transformers reads it)."""
+        return self.setting.is_compileable
+
+    @property
+    def batch(self):
+        """``geometry.batch``: sequences held."""
+        return self.geometry.batch
+
+    @property
+    def kv_heads(self):
+        """``geometry.kv_heads``: KV heads."""
+        return self.geometry.kv_heads
+
+    @property
+    def head_dim(self):
+        """``geometry.head_dim``: head dim."""
+        return self.geometry.head_dim
+
+    @property
+    def dtype(self):
+        """``geometry.dtype``: the model's dtype."""
+        return self.geometry.dtype
+
+    @property
+    def residual_dtype(self):
+        """``geometry.residual_dtype``: dtype of the ring and 16-bit storage."""
+        return self.geometry.residual_dtype
+
+    @property
+    def key_basis(self):
+        """``geometry.key_basis``: fp32 ``[head_dim, head_dim]`` basis the keys are held in, or ``None``."""
+        return self.geometry.key_basis
+
+    @property
+    def value_basis(self):
+        """``geometry.value_basis``: fp32 ``[head_dim, head_dim]`` basis the values are held in, or ``None``."""
+        return self.geometry.value_basis
+
+    @property
+    def seen(self):
+        """``counters.seen``: int64 0-dim, tokens seen."""
+        return self.counters.seen
+
+    @property
+    def first_real(self):
+        """``counters.first_real``: int64 ``[batch]``, each sequence's first real position."""
+        return self.counters.first_real
 
     def reset(self) -> None:
         """Drop every token, score and buffer; the layer can start a new prompt (any batch size)."""
@@ -84,9 +171,9 @@ class CompressedLayer(CacheLayerMixin):
         if geometry.device.type != "meta":
             check_fits(CompressedLayer(self.layer_idx, **self.setting.arguments()), key_states, self.num_layers)
         self.store = make_store(self.setting, geometry, key_states.shape[2])
-        if self.residual:
-            shape = (geometry.batch, geometry.kv_heads, self.residual, geometry.head_dim)
-            self.ring = RingWindow(shape, geometry.residual_dtype, geometry.device, self.with_scores)
+        if self.setting.residual:
+            shape = (geometry.batch, geometry.kv_heads, self.setting.residual, geometry.head_dim)
+            self.ring = RingWindow(shape, geometry.residual_dtype, geometry.device, self.setting.with_scores)
         self.counters = Counters.zeros(geometry.batch, geometry.device)
         self.backend = backends.choose(self)
         self.is_initialized = True
@@ -106,8 +193,8 @@ class CompressedLayer(CacheLayerMixin):
         held = {f"store.{k}": v for k, v in self.store.tensors().items()}
         if self.ring is not None:
             held |= {f"ring.{k}": v for k, v in self.ring.tensors().items()}
-        if self.refine is not None:
-            held |= {f"refine.{k}": v for k, v in self.refine.tensors().items()}
+        if self.store.refine is not None:
+            held |= {f"refine.{k}": v for k, v in self.store.refine.tensors().items()}
         return held | self.counters.tensors()
 
     def nbytes(self) -> int:
@@ -120,12 +207,12 @@ class CompressedLayer(CacheLayerMixin):
 
     def kept_per_head(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads]``: tokens held now by each sequence and KV head."""
-        return (held_positions(self.store, self.ring, self.kv_heads) >= 0).sum(-1)
+        return (held_positions(self.store, self.ring, self.geometry.kv_heads) >= 0).sum(-1)
 
     def positions(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (rows holding fewer, e.g.
         padded sequences or heads of a head-adaptive layer, are filled with ``-1`` at the front)."""
-        held, kept = held_positions(self.store, self.ring, self.kv_heads), self.kept_length()
+        held, kept = held_positions(self.store, self.ring, self.geometry.kv_heads), self.kept_length()
         return held.sort(-1).values[..., -kept:] if kept else held[..., :0]
 
     # -- a step: update (cache in), attend (attention, scores, eviction) -------------------------------------
@@ -177,8 +264,9 @@ class CompressedLayer(CacheLayerMixin):
                                   "model's keys and values, so build a new one with make_cache(model, ...)")
         variant = AttentionVariant.from_call(kwargs, self.backend.name, self.layer_idx)
         if query.shape[2] == 1 and self.chunk is None:
-            if self.with_scores and 0.0 < self.policy.score_decay < 1.0:
-                decode.forget(self, self.policy.score_decay)  # A2SF: held scores fade before this query adds to them
+            decay = self.setting.policy.score_decay
+            if self.setting.with_scores and 0.0 < decay < 1.0:
+                decode.forget(self, decay)  # A2SF: held scores fade before this query adds to them
             return self.backend.attend(self, query, key, value, scaling, variant)
         query = self.geometry.into_key_basis(query)
         output = chunk.attend(self, module, query, key, value, attention_mask, scaling, variant, **kwargs)
@@ -189,25 +277,27 @@ class CompressedLayer(CacheLayerMixin):
         store's [`evict_over`][h2o_compress.cache.SlotStore.evict_over], on the policy's priority). In place, no host sync."""
         for positions in (self.store.positions, None if self.ring is None else self.ring.positions):
             if positions is not None:
-                self.span.expire(positions, self.seen, self.first_real)
-        if not self.evicts:
+                self.setting.span.expire(positions, self.counters.seen, self.counters.first_real)
+        if not self.setting.evicts:
             return
-        norms = self.store.value_norms() if self.policy.weighs_values else None
-        priority = self.policy.priority(self.store.scores, self.store.positions, self.seen, self.first_real,
-                                        self.capacity, norms)
+        norms = self.store.value_norms() if self.setting.policy.weighs_values else None
+        priority = self.setting.policy.priority(self.store.scores, self.store.positions, self.counters.seen,
+                                                self.counters.first_real, self.setting.capacity, norms)
         ring_held = 0 if self.ring is None else (self.ring.positions >= 0).sum(-1, keepdim=True)
-        self.store.evict_over(priority, ring_held, self.capacity)
+        self.store.evict_over(priority, ring_held, self.setting.capacity)
 
     # -- transformers' sizes and batch operations ------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(query_length, offset)``: the mask of the new tokens only (the held ones' visibility is the slots');
         constant ``(1, 0)`` for a decode step, which ignores it (no branch on the count in a compiled step)."""
-        return (query_length, 0) if query_length == 1 or not self.is_initialized else (query_length, int(self.seen))
+        if query_length == 1 or not self.is_initialized:
+            return query_length, 0
+        return query_length, int(self.counters.seen)
 
     def get_seq_length(self) -> torch.Tensor | int:
         """Tokens seen (not kept), int64 0-dim (no host sync): positions keep counting after eviction
         (DESIGN.md §2)."""
-        return self.seen if self.is_initialized else 0
+        return self.counters.seen if self.is_initialized else 0
 
     def get_max_length(self) -> int:  # noqa: D102 - no fixed length
         return -1
@@ -230,12 +320,12 @@ class CompressedLayer(CacheLayerMixin):
         self.store.map_batch(fn)
         if self.ring is not None:
             self.ring.map_batch(fn)
-        self.counters.first_real = fn(self.first_real)
-        self.geometry.batch = self.first_real.shape[0]
+        self.counters.first_real = fn(self.counters.first_real)
+        self.geometry.batch = self.counters.first_real.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder sequences for beam search: in place when the batch keeps its size (static addresses), else anew."""
-        same_size = self.is_initialized and beam_idx.shape[0] == self.batch
+        same_size = self.is_initialized and beam_idx.shape[0] == self.geometry.batch
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=same_size)
 
     def batch_repeat_interleave(self, repeats: int) -> None:

@@ -25,9 +25,9 @@ def shift(layer, delta: int) -> None:
     for name, tensor in layer.tensors().items():
         if name.endswith("positions"):
             tensor.copy_(torch.where(tensor >= 0, tensor + delta, tensor))
-    first_real = layer.first_real
+    first_real = layer.counters.first_real
     first_real.copy_(torch.where(first_real != NO_POSITION, first_real + delta, first_real))
-    layer.seen.add_(delta)
+    layer.counters.seen.add_(delta)
     ring = layer.ring
     turn = 0 if ring is None else delta % ring.size
     if turn:  # the token at position p sits in slot p % size
@@ -46,13 +46,14 @@ def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
     """
     if not source.is_initialized:
         raise CacheStateError(f"layer {layer.layer_idx}: the source cache holds nothing; prefill it first")
-    if (source.capacity, source.residual) != (layer.capacity, layer.residual):
-        raise CacheStateError(f"layer {layer.layer_idx}: rows of a cache of capacity {source.capacity} (ring "
-                              f"{source.residual}) cannot go into one of capacity {layer.capacity} (ring {layer.residual})")
-    rows = rows.to(source.device)
+    mine, theirs = layer.setting, source.setting
+    if (theirs.capacity, theirs.residual) != (mine.capacity, mine.residual):
+        raise CacheStateError(f"layer {layer.layer_idx}: rows of a cache of capacity {theirs.capacity} (ring "
+                              f"{theirs.residual}) cannot go into one of capacity {mine.capacity} (ring {mine.residual})")
+    rows = rows.to(source.geometry.device)
     if not layer.is_initialized:
-        index = torch.zeros(batch, dtype=torch.long, device=source.device)
-        index[rows] = torch.arange(rows.numel(), device=source.device)
+        index = torch.zeros(batch, dtype=torch.long, device=source.geometry.device)
+        index[rows] = torch.arange(rows.numel(), device=source.geometry.device)
         source._map_batch(lambda t: t.index_select(0, index), in_place=False)
         for part in ("store", "ring", "geometry", "counters", "backend", "bound_module"):
             setattr(layer, part, getattr(source, part))
@@ -61,7 +62,7 @@ def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
         _refresh_scratch(layer)
         source.reset()
         return
-    gap = int(layer.seen) - int(source.seen)
+    gap = int(layer.counters.seen) - int(source.counters.seen)
     shift(layer if gap < 0 else source, abs(gap))
     mine = layer.tensors()
     for name, tensor in source.tensors().items():
@@ -81,6 +82,4 @@ def _refresh_scratch(layer) -> None:
     compiled step needs it)."""
     scratch = getattr(layer.backend, "scratch", None)
     if scratch is not None:
-        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
-
-        slot_attention.layer_scratch(layer, scratch.key[1])
+        layer.backend.scratch_for(layer, scratch.key[1])

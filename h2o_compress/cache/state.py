@@ -12,11 +12,6 @@ from h2o_compress.utils.memory import available_memory
 from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
 
 
-def part_view(part: str, name: str) -> property:
-    """A read-only property reading ``self.<part>.<name>`` (a layer's view of one of its parts)."""
-    return property(lambda self: getattr(getattr(self, part), name), doc=f"``{part}.{name}``")
-
-
 def rotate(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """``x @ basis`` in fp32: ``x`` ``[batch, kv_heads, tokens, head_dim]``, ``basis`` fp32 ``[head_dim, head_dim]``."""
     return x.float() @ basis

@@ -137,7 +137,7 @@ def test_non_finite_key_sets_the_flag_read_by_check():
         cache.update(keys, torch.zeros_like(keys), 0)
         query = torch.zeros(1, 2 * layer.kv_heads, 1, layer.head_dim)
         layer.attend(model.model.layers[0].self_attn, query, keys, keys, None, None)
-    assert not bool(layer.finite)
+    assert not bool(layer.counters.finite)
     with pytest.raises(Exception, match="not finite|NaN"):
         cache.check()
 
@@ -204,8 +204,8 @@ def test_custom_op_passes_opcheck(budgets):
         4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.value_basis,
         store.positions.clone(), store.owner.clone() if pool else None, store.scores.clone(),
         ring.keys.clone(), ring.values.clone(), ring.positions.clone(), ring.scores.clone(), layer.seen.clone(),
-        layer.first_real.clone(), layer.finite.clone(), 12, 6, 0, None, not pool, None,
-        layer.consistent.clone(), False,
+        layer.first_real.clone(), layer.counters.finite.clone(), 12, 6, 0, None, not pool, None,
+        layer.counters.consistent.clone(), False,
     )
     torch.library.opcheck(cpu.cpu_decode_layer, args, test_utils=("test_schema", "test_faketensor"))
     if pool:  # a pool without its head tags would be read as per-head slots, past its end: refused

@@ -279,7 +279,7 @@ def test_non_finite_decode_steps_are_flagged_and_read_once():
     cache = make_cache(model, CompressionConfig(budget=16, kv_bits=4))
     model(input_ids=torch.randint(0, 128, (1, 8)), past_key_values=cache)
     cache.check()
-    cache.layers[1].finite.fill_(False)  # what a decode step with a NaN key leaves behind
+    cache.layers[1].counters.finite.fill_(False)  # what a decode step with a NaN key leaves behind
     model(input_ids=torch.randint(0, 128, (1, 1)), past_key_values=cache)  # no sync, no raise
     with pytest.raises(InputError, match="not finite"):
         cache.check()

@@ -75,9 +75,9 @@ def test_compress_sizes_the_layers_by_the_scores_and_keeps_uniforms_bytes(heads,
                           kv_dtype=torch.float32)
     assert planned.total == cache.nbytes()
     if high_bits:
-        rows = [layer.refine.slots.shape[2] for layer in cache.layers]
-        assert len(set(rows)) > 1 and sum(rows) == sum(layer.refine.slots.shape[2] for layer in uniform.layers)
-        assert all(0 < layer.refine.in_use(layer.store.positions).sum() for layer in cache.layers)
+        rows = [layer.store.refine.slots.shape[2] for layer in cache.layers]
+        assert len(set(rows)) > 1 and sum(rows) == sum(layer.store.refine.slots.shape[2] for layer in uniform.layers)
+        assert all(0 < layer.store.refine.in_use(layer.store.positions).sum() for layer in cache.layers)
     if heads == "uniform":
         for layer, layer_scores, layer_capacity in zip(cache.layers, scores, expected):
             heavy = layer.policy.heavy(layer_capacity)
@@ -218,7 +218,7 @@ def test_mixed_precision_global_layers_save_load_and_answer_alike(tmp_path):
     context = compress(model, tokenizer, TEXT, config, chat=False)
     context.save(tmp_path / "ctx.safetensors")
     loaded = CompressedContext.load(tmp_path / "ctx.safetensors", model, tokenizer, TEXT, chat=False)
-    assert [layer.refine.slots.shape for layer in loaded.cache.layers] == \
-        [layer.refine.slots.shape for layer in context.cache.layers]
+    assert [layer.store.refine.slots.shape for layer in loaded.cache.layers] == \
+        [layer.store.refine.slots.shape for layer in context.cache.layers]
     assert ask(model, tokenizer, loaded, "Who?", max_new_tokens=4).token_ids == \
         ask(model, tokenizer, context, "Who?", max_new_tokens=4).token_ids

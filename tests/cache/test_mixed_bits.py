@@ -130,11 +130,11 @@ def test_refined_tokens_after_prefill_are_the_policy_top(model):
         model(input_ids=torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
     for layer in cache.layers:
         assert layer.setting.high_bits_fraction > 0
-        rows = layer.refine.slots.shape[2]
+        rows = layer.store.refine.slots.shape[2]
         assert rows == math.ceil(0.25 * layer.store.slots)
         scores = layer.store.scores.masked_fill(layer.store.positions < 0, float("-inf"))
         top = scores.topk(rows, -1).indices.sort(-1).values
-        assert torch.equal(layer.refine.slots.long().sort(-1).values, top)
+        assert torch.equal(layer.store.refine.slots.long().sort(-1).values, top)
 
 
 # -- quality ------------------------------------------------------------------------------------------------
@@ -207,10 +207,10 @@ def test_frozen_copy_keeps_the_refined_tokens_and_leaves_the_context_alone(model
     before = {(i, k): t.clone() for i, layer in enumerate(cache.layers) for k, t in layer.tensors().items()}
     frozen = cache.frozen_copy(PROMPT + 6 + 5)
     for layer, copy in zip(cache.layers, frozen.layers):
-        rows = layer.refine.slots.shape[2]
+        rows = layer.store.refine.slots.shape[2]
         assert copy.setting.high_bits_fraction > 0
-        assert torch.equal(copy.refine.slots[..., :rows], layer.refine.slots)
-        assert torch.equal(copy.refine.low["keys"][..., :rows, :], layer.refine.low["keys"])
+        assert torch.equal(copy.store.refine.slots[..., :rows], layer.store.refine.slots)
+        assert torch.equal(copy.store.refine.low["keys"][..., :rows, :], layer.store.refine.low["keys"])
     with torch.inference_mode():
         for t in range(5):
             model(input_ids=torch.tensor([[t + 1]]), past_key_values=frozen)
@@ -221,14 +221,14 @@ def test_frozen_copy_keeps_the_refined_tokens_and_leaves_the_context_alone(model
 @torch.inference_mode()
 def test_batch_selection_moves_the_side_buffer(model):
     _, cache = run(model, setting(0.5), steps=4)
-    slots = [layer.refine.slots[1].clone() for layer in cache.layers]
-    low = [layer.refine.low["values"][1].clone() for layer in cache.layers]
+    slots = [layer.store.refine.slots[1].clone() for layer in cache.layers]
+    low = [layer.store.refine.low["values"][1].clone() for layer in cache.layers]
     cache.reorder_cache(torch.tensor([1, 0]))  # in place (same batch)
-    assert all(torch.equal(layer.refine.slots[0], s) for layer, s in zip(cache.layers, slots))
+    assert all(torch.equal(layer.store.refine.slots[0], s) for layer, s in zip(cache.layers, slots))
     cache.batch_select_indices(torch.tensor([0]))
-    assert all(torch.equal(layer.refine.slots[0], s) for layer, s in zip(cache.layers, slots))
-    assert all(torch.equal(layer.refine.low["values"][0], v) for layer, v in zip(cache.layers, low))
-    assert cache.layers[0].refine.slots.shape[0] == 1
+    assert all(torch.equal(layer.store.refine.slots[0], s) for layer, s in zip(cache.layers, slots))
+    assert all(torch.equal(layer.store.refine.low["values"][0], v) for layer, v in zip(cache.layers, low))
+    assert cache.layers[0].store.refine.slots.shape[0] == 1
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
@@ -329,10 +329,10 @@ def chunked_logits(model, config, chunk=4, length=44):
         out.append(model(input_ids=ids[:, start : start + chunk], past_key_values=cache).logits)
         for layer in cache.layers if isinstance(cache, CompressedCache) else ():
             if layer.setting.high_bits_fraction > 0:
-                used = layer.refine.in_use(layer.store.positions)
-                slots = layer.refine.slots.long().masked_fill(~used, -1).sort(-1).values
+                used = layer.store.refine.in_use(layer.store.positions)
+                slots = layer.store.refine.slots.long().masked_fill(~used, -1).sort(-1).values
                 assert not bool(((slots[..., 1:] == slots[..., :-1]) & (slots[..., 1:] >= 0)).any())
-                assert int(used.sum(-1).max()) <= layer.refine.slots.shape[2]
+                assert int(used.sum(-1).max()) <= layer.store.refine.slots.shape[2]
     return torch.cat(out, 1)
 
 
@@ -353,7 +353,7 @@ def test_pyramid_layer_budgets_count_each_layer(model):
     config = CompressionConfig(policy="h2o", budget=0.5, kv_bits=4, residual=2, high_bits_fraction=0.5,
                                layer_budgets="pyramid")
     _, cache = run(model, config)
-    assert len({layer.refine.slots.shape[2] for layer in cache.layers}) == 2  # each layer its share of its slots
+    assert len({layer.store.refine.slots.shape[2] for layer in cache.layers}) == 2  # each layer its share of its slots
     dims = model_dims(model.config)
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
 
@@ -371,7 +371,7 @@ def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy, heads):
         model(input_ids=ids[:, t : t + 1], past_key_values=cache)
         for layer in cache.layers:
             held = (layer.store.positions >= 0).sum(-1)
-            assert torch.equal(layer.refine.in_use(layer.store.positions).sum(-1), held)
+            assert torch.equal(layer.store.refine.in_use(layer.store.positions).sum(-1), held)
     assert int(cache.layers[0].seen) == 40 and cache.kept_length() == 10
 
 
@@ -400,14 +400,14 @@ def test_head_adaptive_layers_share_the_8bit_rows_and_the_planner_counts_them(mo
     _, cache = run(model, config)
     _, plain = run(model, CompressionConfig(policy="h2o", budget=CAPACITY, kv_bits=4, residual=2, head_budgets="adaptive"))
     layer, dims = cache.layers[0], model_dims(model.config)
-    assert (layer.setting.head_adaptive and layer.refine is not None) and layer.refine.slots.shape[1] == 1
+    assert (layer.setting.head_adaptive and layer.store.refine is not None) and layer.store.refine.slots.shape[1] == 1
     assert layer.store.slots == dims.kv_heads * (CAPACITY - 2 + 1)  # the pool: kv_heads x the uniform slots
     rows = dims.kv_heads * math.ceil(0.5 * (CAPACITY - 2 + 1))
-    assert layer.refine.slots.shape[2] == rows
+    assert layer.store.refine.slots.shape[2] == rows
     assert cache.nbytes() - plain.nbytes() == dims.num_layers * 2 * rows * (4 + 2 * layer.head_dim // 2)
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
-    held = layer.refine.in_use(layer.store.positions)
-    assert int(held.sum()) > 0 and bool((layer.store.owner.gather(2, layer.refine.slots.long().clamp(min=0))[held]
+    held = layer.store.refine.in_use(layer.store.positions)
+    assert int(held.sum()) > 0 and bool((layer.store.owner.gather(2, layer.store.refine.slots.long().clamp(min=0))[held]
                                           < dims.kv_heads).all())
 
 
