@@ -218,7 +218,7 @@ ConfigFileOpt = typer.Option(None, "--config", help="Compression settings file (
 
 # -- weights and placement options (generate, eval, profile; plan takes --weights-bits) -----------------------
 WeightsBitsOpt = typer.Option(
-    default_of(load_model, "weights_bits"), "--weights-bits", help="Weights: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4), through bitsandbytes.")
+    default_of(load_model, "weights_bits"), "--weights-bits", help="Weights: 16 (in --dtype), 8 (on CPU torch's packed int8 kernel, on CUDA LLM.int8) or 4 (NF4, bitsandbytes).")
 PLACEMENT_FLAGS: dict[str, _Flag] = {
     "weights_bits": _Flag(int, WeightsBitsOpt),
     "device_map": _Flag(Optional[str], typer.Option(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_compress.models.int8_linear import quantize_linears
 from h2o_compress.models.weights import (
     avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
     check_weights_bits, parse_max_memory, quantization_config,
@@ -370,7 +371,8 @@ def placement_options(
     """Check where and how [`load_model`][h2o_compress.models.load_model] would place the weights, before anything is read (the CLI calls it
     before any side effect), and give ``from_pretrained``'s keyword arguments (``quantization_config``,
     ``device_map``, ``max_memory``, ``offload_folder``) plus ``_device`` (where a model without a map goes; the
-    lowest GPU of a map, else CPU) and ``_dtype``. Arguments as for [`load_model`][h2o_compress.models.load_model].
+    lowest GPU of a map, else CPU), ``_dtype`` and ``_cpu_int8`` (8-bit weights on CPU without a map: loaded in
+    ``_dtype``, then packed to int8 by `h2o_compress.models.int8_linear`, without bitsandbytes). Arguments as for [`load_model`][h2o_compress.models.load_model].
 
     Raises:
         ConfigError: a bad value, or ``device`` and ``device_map`` both given.
@@ -390,12 +392,14 @@ def placement_options(
         raise ConfigError("max_memory only applies to a device_map strategy; allowed: device_map='auto' (or "
                           "balanced, balanced_low_0, sequential) with max_memory")
     offload_folder = check_offload_folder(device_map, offload_folder)
-    if bits == 8 and dtype is None:
+    cpu_int8 = bits == 8 and device_map is None and resolved.type == "cpu"  # torch's packed int8 kernel, no bnb
+    if bits == 8 and dtype is None and not cpu_int8:
         dtype = torch.float16  # LLM.int8 computes in fp16 (bitsandbytes casts other inputs to it)
     torch_dtype = resolve_dtype(dtype, resolved)
-    check_bnb_backend(bits, resolved)
-    out = {"_device": resolved, "_dtype": torch_dtype}
-    if bits != 16:
+    if not cpu_int8:
+        check_bnb_backend(bits, resolved)
+    out = {"_device": resolved, "_dtype": torch_dtype, "_cpu_int8": cpu_int8}
+    if bits != 16 and not cpu_int8:
         out["quantization_config"] = quantization_config(bits, torch_dtype)
         if device_map is None:  # bitsandbytes quantizes while loading: the weights must land on their device
             device_map = {"": (resolved.index or 0) if resolved.type == "cuda" else "cpu"}
@@ -423,9 +427,13 @@ def load_model(
         trust_remote_code: let a model that ships its own Python code (an ``auto_map`` in its
             ``config.json``/``tokenizer_config.json``) run it. Off by default: such a model is refused, and
             transformers never asks on stdin.
-        weights_bits: 16 (weights in ``dtype``), 8 (LLM.int8, arXiv 2208.07339) or 4 (NF4, arXiv 2305.14314),
-            through transformers' ``BitsAndBytesConfig`` (`h2o_compress.models.weights`); runs on CUDA, and on CPU
-            with bitsandbytes >= 0.45. 8-bit computes in fp16 unless ``dtype`` says otherwise; 4-bit in ``dtype``.
+        weights_bits: 16 (weights in ``dtype``), 8 or 4. On CUDA (and with a ``device_map``): LLM.int8 (arXiv
+            2208.07339) or NF4 (arXiv 2305.14314) through transformers' ``BitsAndBytesConfig``
+            (`h2o_compress.models.weights`); 8-bit computes in fp16 unless ``dtype`` says otherwise, 4-bit in
+            ``dtype``. On CPU, 8 bits packs every Linear layer, the output head included (untied from the
+            embedding, which stays in ``dtype``), to per-row int8 run by torch's ``_weight_int8pack_mm``
+            (`h2o_compress.models.int8_linear`; the model stays in ``dtype``, fp32 by default), and 4 bits goes
+            through bitsandbytes >= 0.45's CPU backend.
         device_map: ``None`` (the whole model on ``device``), a strategy of accelerate (``auto``, ``balanced``,
             ``balanced_low_0``, ``sequential``) or a dict {module name: GPU index, ``cuda:N``, ``cpu`` or
             ``disk``}; with a map, ``device`` must stay ``auto``.
@@ -456,10 +464,13 @@ def load_model(
         raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
     placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder)
     resolved_device, torch_dtype = placement.pop("_device"), placement.pop("_dtype")
+    cpu_int8 = placement.pop("_cpu_int8")
     source = _model_source(name_or_path, trust_remote_code)
     model, tokenizer = _load_checked(source, name_or_path, torch_dtype, placement, trust)
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
         model.to(resolved_device)
+    if cpu_int8:
+        quantize_linears(model, head=True)
     if weights_bits == 4:
         avoid_cpu_4bit_repack(model)
     model.eval()

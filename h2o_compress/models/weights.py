@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_compress.models.int8_linear import Int8Linear
 from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 from h2o_compress.utils.files import parse_json, read_text
 
@@ -330,7 +331,8 @@ def floating_dtype(model) -> torch.dtype:
 def loaded_weight_bytes(model) -> int:
     """Bytes of a loaded model's weights: parameters and buffers (``get_memory_footprint``), plus what
     bitsandbytes keeps beside them: LLM.int8's per-row fp32 scales (``SCB``) and NF4's absmax (and nested
-    quantization state). Offloaded (``meta``) parameters count at their size, wherever they are stored."""
+    quantization state). Offloaded (``meta``) parameters count at their size, wherever they are stored. Packed
+    int8 CPU weights (`h2o_compress.models.int8_linear`) are buffers: their int8 weights and scales count here."""
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     for param in model.parameters():
         scb = getattr(param, "SCB", None)
@@ -383,8 +385,10 @@ def avoid_cpu_4bit_repack(model) -> int:
 
 
 def loaded_weights_bits(model) -> int:
-    """Bits of a loaded model's Linear weights: 8 or 4 when bitsandbytes quantized them, else the width of its
-    floating dtype (16, or 32 for fp32)."""
+    """Bits of a loaded model's Linear weights: 8 or 4 when bitsandbytes quantized them, 8 when they are packed
+    int8 for CPU (`h2o_compress.models.int8_linear`), else the width of its floating dtype (16, or 32 for fp32)."""
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        return 8
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     if quant is not None:
         get = quant.get if isinstance(quant, dict) else lambda name, default=None: getattr(quant, name, default)
@@ -399,6 +403,8 @@ def eager_only_reason(model) -> str | None:
     """Why the decode step of ``model`` runs eagerly by default (``None``: no reason): bitsandbytes weights, or a
     model accelerate dispatched over several devices or with CPU/disk offload (its hooks move weights per
     forward, which transformers does not compile either)."""
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        return "packed int8 CPU weights"
     if loaded_weights_bits(model) in (8, 4):
         return "bitsandbytes weights"
     placed = {str(target) for target in (getattr(model, "hf_device_map", None) or {}).values()}

@@ -37,6 +37,10 @@ class ModelSpec:
         linear_parameters: parameters of the ``nn.Linear`` layers except the output head (what 8/4-bit weight
             quantization such as bitsandbytes' ``load_in_8bit``/``load_in_4bit`` converts).
         linear_rows: output features summed over those layers (one 8-bit scale each).
+        head_parameters: parameters of the output head when it is an ``nn.Linear`` (0 otherwise).
+        head_rows: its output features (the vocabulary).
+        head_tied: whether the head shares its weight with the input embeddings (then ``num_parameters`` counts
+            it once, as the embedding).
         loaded_bytes: exact bytes of a loaded model's parameters and buffers (``None`` when not loaded).
         dtype: the loaded model's dtype (``None`` when not loaded).
     """
@@ -52,6 +56,9 @@ class ModelSpec:
     linear_rows: int
     loaded_bytes: int | None = None
     dtype: torch.dtype | None = None
+    head_parameters: int = 0
+    head_rows: int = 0
+    head_tied: bool = False
 
 
 def _key(name: str) -> str:
@@ -88,19 +95,26 @@ def known_config(name: str):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def _count(model) -> tuple[int, int, int]:
-    """(all parameters, Linear parameters except the output head, their output rows)."""
+def _count(model) -> tuple[int, int, int, int, int, bool]:
+    """(all parameters, Linear parameters except the output head, their output rows, the head's parameters, its
+    rows, whether it is tied to the input embeddings)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linear = rows = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
             linear += module.weight.numel()
             rows += module.out_features
-    return sum(p.numel() for p in model.parameters()), linear, rows
+    head_params = head_rows = 0
+    tied = False
+    if isinstance(head, torch.nn.Linear):
+        head_params, head_rows = head.weight.numel(), head.out_features
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        tied = getattr(embeddings, "weight", None) is head.weight
+    return sum(p.numel() for p in model.parameters()), linear, rows, head_params, head_rows, tied
 
 
 @functools.lru_cache(maxsize=64)
-def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int]:
+def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int, int, int, bool]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -119,7 +133,7 @@ def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int]:
     return _count(model)
 
 
-def _spec(name: str, config, counts: tuple[int, int, int], loaded_bytes=None, dtype=None) -> ModelSpec:
+def _spec(name: str, config, counts: tuple, loaded_bytes=None, dtype=None) -> ModelSpec:
     text = getattr(config, "get_text_config", lambda: config)()
     hidden = text.hidden_size
     inner = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None) or 4 * hidden
@@ -127,7 +141,7 @@ def _spec(name: str, config, counts: tuple[int, int, int], loaded_bytes=None, dt
         name=name, dims=model_dims(config), hidden_size=hidden, intermediate_size=inner,
         vocab_size=text.vocab_size, max_context=getattr(text, "max_position_embeddings", None),
         num_parameters=counts[0], linear_parameters=counts[1], linear_rows=counts[2],
-        loaded_bytes=loaded_bytes, dtype=dtype,
+        loaded_bytes=loaded_bytes, dtype=dtype, head_parameters=counts[3], head_rows=counts[4], head_tied=counts[5],
     )
 
 

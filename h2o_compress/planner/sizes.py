@@ -17,12 +17,14 @@ from h2o_compress.cache.span import FULL_SPAN
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims
+from h2o_compress.models.int8_linear import COMPUTE_DTYPE
 from h2o_compress.policies import POLICIES
 from h2o_compress.planner.known_models import ModelSpec
 
 WEIGHT_BITS = (16, 8, 4)
 
 
+INT8_SCALE_DTYPE = COMPUTE_DTYPE  # the CPU int8 path's scales (bf16)
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block: one fp32 absmax per 64 weights (no double quantization)
 
 
@@ -130,24 +132,35 @@ def cache_bytes(
     return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes)
 
 
-def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype) -> int:
+def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype, backend: str = "bitsandbytes") -> int:
     """Bytes of the model's weights: exact for a loaded model and for unquantized (``weights_bits=16``) ones.
 
-    8 bits: LLM.int8 (bitsandbytes ``load_in_8bit``): one byte per Linear weight + one fp32 scale per output
-    row. 4 bits: NF4/FP4 (``load_in_4bit``): half a byte per Linear weight + one fp32 absmax per 64 weights.
-    The output head, embeddings, norms and biases stay in ``dtype``.
+    8 bits, ``backend="bitsandbytes"`` (CUDA): LLM.int8 (``load_in_8bit``): one byte per Linear weight + one fp32
+    scale per output row; the output head stays in ``dtype``. 8 bits, ``backend="cpu"`` (torch's packed int8
+    kernel, `h2o_compress.models.int8_linear`): one byte per Linear weight, the output head's included, + one bf16
+    scale per output row; a head tied to the embeddings gets its own int8 copy (the embedding stays in ``dtype``).
+    4 bits: NF4/FP4 (``load_in_4bit``): half a byte per Linear weight + one fp32 absmax per 64 weights.
+    Embeddings, norms and biases stay in ``dtype``.
 
     Raises:
-        ConfigError: ``weights_bits`` not 16, 8 or 4.
+        ConfigError: ``weights_bits`` not 16, 8 or 4, or an unknown ``backend``.
     """
     if isinstance(weights_bits, bool) or not isinstance(weights_bits, int) or weights_bits not in WEIGHT_BITS:
         raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: 16, 8, 4")
+    if backend not in ("bitsandbytes", "cpu"):
+        raise ConfigError(f"backend={short(backend)} is not supported; allowed: bitsandbytes, cpu")
     if spec.loaded_bytes is not None:
         return spec.loaded_bytes
     size = _element_size(dtype)
     if weights_bits == 16:
         return spec.num_parameters * size
     rest = (spec.num_parameters - spec.linear_parameters) * size
+    if weights_bits == 8 and backend == "cpu":
+        scale = _element_size(INT8_SCALE_DTYPE)
+        head = spec.head_parameters + scale * spec.head_rows  # the head's int8 copy and its scales
+        if not spec.head_tied:  # an untied head's fp weight is replaced, not kept
+            rest -= spec.head_parameters * size
+        return rest + spec.linear_parameters + scale * spec.linear_rows + head
     if weights_bits == 8:
         return rest + spec.linear_parameters + 4 * spec.linear_rows
     return rest + math.ceil(spec.linear_parameters / 2) + 4 * math.ceil(spec.linear_parameters / NF4_BLOCK)
