@@ -38,11 +38,11 @@ def lm():
 
 def test_generate_refuses_a_cache_too_short_before_any_step(lm, monkeypatch):
     model, tokenizer = lm
-    from h2o_compress.runtime import generation
+    from h2o_compress.runtime import decode_loop
 
     steps = []
-    real = generation.decode_one
-    monkeypatch.setattr(generation, "decode_one", lambda *a, **k: steps.append(1) or real(*a, **k))
+    real = decode_loop.decode_steps
+    monkeypatch.setattr(decode_loop, "decode_steps", lambda *a, **k: steps.append(1) or real(*a, **k))
     for config in (CompressionConfig(budget=8), CompressionConfig(budget=1.0), CompressionConfig(budget=0.5, kv_bits=4)):
         cache = make_cache(model, config, max_length=10)
         prompt_tokens = encode_prompt(tokenizer, SHORT, False).shape[1]
@@ -52,6 +52,7 @@ def test_generate_refuses_a_cache_too_short_before_any_step(lm, monkeypatch):
         assert cache.seen_tokens() == 0 and steps == []  # refused before the prefill, not after the steps
         result = generate(model, tokenizer, SHORT, max_new_tokens=10 - prompt_tokens, chat=False, cache=cache)
         assert result.new_tokens == 10 - prompt_tokens  # what fits still runs
+        assert steps or result.new_tokens <= 1  # the counted loop is the one generate decodes through
         steps.clear()
 
 
