@@ -17,7 +17,7 @@ from h2o_compress.formats.calibrated import key_shape as _key_shape, rope_freque
 from h2o_compress.persistence.calibration_file import calibrate_key_layers, use_key_offsets  # noqa: F401 (here too)
 from h2o_compress.utils.errors import UnsupportedModelError
 
-#: The tensors :func:`key_channel_statistics` returns (names and shapes are the calibration file's format).
+#: The tensors `key_channel_statistics` returns (names and shapes are the calibration file's format).
 KEY_CHANNEL_TENSORS = ("key_channel_mean", "key_channel_scale")
 
 
@@ -58,7 +58,7 @@ def key_channel_statistics(model, input_ids: torch.Tensor, skip: int = 1) -> dic
         around that mean (at least 1e-6). Both on the CPU.
 
     Raises:
-        UnsupportedModelError: the model's attention has no ``k_proj`` (see :func:`attention_modules`).
+        UnsupportedModelError: the model's attention has no ``k_proj`` (see `attention_modules`).
         ValueError: fewer than ``skip + 2`` tokens.
     """
     ids = input_ids.reshape(1, -1)
@@ -122,7 +122,7 @@ def key_statistics_of(model, pieces: list[torch.Tensor]) -> tuple[torch.Tensor |
 
 def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> None:
     """Store ``cache``'s integer keys around the calibrated mean (``key_channel_mean`` of
-    :func:`key_channel_statistics`, rotated to each token's position;
+    `key_channel_statistics`, rotated to each token's position;
     ``h2o_compress.formats.calibrated.CalibratedKeyQuantizer``).
 
     Call it on a fresh cache (``make_cache``), before its first token. The bytes per token do not change; the
@@ -137,7 +137,7 @@ def use_key_calibration(cache, model, statistics: dict[str, torch.Tensor]) -> No
     Raises:
         ConfigError: keys not stored as ``int`` (16 bits, another format, mixed precision), a head-adaptive
             store, a cache that holds tokens, or statistics that do not fit the model.
-        UnsupportedModelError: no fixed RoPE (see :func:`rope_frequencies`).
+        UnsupportedModelError: no fixed RoPE (see `rope_frequencies`).
     """
     mean = statistics.get("key_channel_mean") if isinstance(statistics, dict) else None
     calibrate_key_layers(getattr(cache, "layers", []), model, mean)
