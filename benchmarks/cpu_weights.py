@@ -24,12 +24,11 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from h2o_compress import CompressionConfig, load_model, make_cache
+from h2o_compress import CompressionConfig, load_model
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, reporting_text, tokenize_text
 from h2o_compress.evaluation.perplexity import reference_perplexity
 from h2o_compress.models.weights import loaded_weight_bytes
@@ -37,23 +36,17 @@ from h2o_compress.planner import weight_bytes
 from h2o_compress.planner.known_models import resolve_model
 from h2o_compress.runtime.compiled import decode_step
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_speed import run_once  # noqa: E402
+
 CONFIG = CompressionConfig(budget=0.2, kv_bits=4)
 
 
-@torch.inference_mode()
 def decode_rate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode tokens/s) of one run: eager prefill, then ``new_tokens`` greedy steps."""
-    cache = make_cache(model, CONFIG, max_length=prompt.shape[1] + new_tokens + 1)
-    start = time.perf_counter()
-    logits = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1]
-    prefill_s = time.perf_counter() - start
-    seen = prompt.shape[1]
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)
-        logits = decode_step(model, token, cache, torch.full((1, 1), seen, dtype=torch.long), None)
-        seen += 1
-    return prefill_s, new_tokens / (time.perf_counter() - start)
+    """(prefill seconds, decode tokens/s) of one run: eager prefill, then ``new_tokens`` greedy steps
+    (`decode_speed.run_once`, the same loop as the decode-speed benchmark)."""
+    run = run_once(model, prompt, new_tokens, CONFIG, decode_step)
+    return run["prefill_s"], new_tokens / run["decode_s"]
 
 
 def main() -> None:
