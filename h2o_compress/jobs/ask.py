@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import h2o_compress.runtime.ask as asking
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.checks import check_threads
-from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
+from h2o_compress.jobs.checks import CacheRunFields, check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.runtime.generation import GenerationResult, check_config, check_on_text, check_prompt
@@ -28,7 +28,7 @@ from h2o_compress.utils.progress import ProgressFn, report_progress
 
 
 @dataclass
-class AskJob:
+class AskJob(CacheRunFields):
     """Compress-then-ask from a model named by path or alias, checked when made.
 
     Attributes:
@@ -65,13 +65,6 @@ class AskJob:
     temperature: float = default_of(asking.ask, "temperature")
     seed: int | None = None
     compile: bool | None = None
-    save_cache: str | None = None
-    load_cache: str | None = None
-    overwrite: bool = False
-    given: dict = field(default_factory=dict)
-    load: dict = field(default_factory=dict)
-    threads: int | None = None
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if (self.context is None) == (self.context_file is None):

@@ -7,12 +7,29 @@ dataclass or ``load_model`` minutes later.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
 from h2o_compress.models import placement_options
 from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import check_generation_args
 from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError, short
 from h2o_compress.utils.files import check_path
+
+@dataclass(kw_only=True)
+class CacheRunFields:
+    """The fields `GenerateJob` and `AskJob` share, after their own (keyword-only): the cache file to write
+    (``save_cache``, replacing an existing file only with ``overwrite``) or to resume from (``load_cache``), the
+    settings given explicitly (``given``, which ``--config`` files go under), ``load_model``'s keyword arguments
+    (``load``), torch CPU ``threads`` and ``trust_remote_code`` (run a model directory's own code)."""
+
+    save_cache: str | None = None
+    load_cache: str | None = None
+    overwrite: bool = False
+    given: dict = field(default_factory=dict)
+    load: dict = field(default_factory=dict)
+    threads: int | None = None
+    trust_remote_code: bool = False
+
 
 #: Fields of a job that are switches: each must be ``True`` or ``False``.
 SWITCHES = ("chat", "overwrite", "trust_remote_code", "verbose")

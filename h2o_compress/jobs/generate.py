@@ -7,12 +7,12 @@ command prints. [`run_generate`][h2o_compress.jobs.run_generate] does both.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.checks import check_threads
-from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
+from h2o_compress.jobs.checks import CacheRunFields, check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, parse_memory
@@ -55,7 +55,7 @@ class GenerateReport:
 
 
 @dataclass
-class GenerateJob:
+class GenerateJob(CacheRunFields):
     """One generation from a model named by path or alias, checked when made.
 
     Attributes:
@@ -98,13 +98,6 @@ class GenerateJob:
     seed: int | None = None
     compile: bool | None = None
     memory_limit: str | int | None = None
-    save_cache: str | None = None
-    load_cache: str | None = None
-    overwrite: bool = False
-    given: dict = field(default_factory=dict)
-    load: dict = field(default_factory=dict)
-    threads: int | None = None
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt)
