@@ -76,8 +76,9 @@ class BatchInterrupted(KeyboardInterrupt):
 class BatchReport:
     """What [`BatchJob.run`][h2o_compress.jobs.BatchJob.run] returns: the [`BatchStats`][h2o_compress.runtime.batch.BatchStats] of the run, the batch
     size it ran with and why (``batch_reason``), ``skipped`` (prompts already answered in OUTPUT), the seconds end to
-    end (model load excluded), the peak memory measured (bytes, and its kind) and ``figures``: the ``--json``
-    summary."""
+    end (model load excluded), the peak memory measured (bytes, and its kind), with ``--batch-size auto`` the
+    planner's total for the batch it ran (``planned_bytes``: on a CPU the whole process, as the peak) and
+    ``figures``: the ``--json`` summary."""
 
     stats: BatchStats
     batch_size: int
@@ -87,6 +88,7 @@ class BatchReport:
     peak_bytes: int
     peak_kind: str
     figures: dict = field(default_factory=dict)
+    planned_bytes: int | None = None
 
 
 @dataclass
@@ -200,11 +202,11 @@ class BatchJob:
         todo = [r for r in self.requests if _ident(r) not in answers.done]
         if on_start is not None:
             on_start(len(todo), len(self.requests) - len(todo))
-        peak = PeakMemory()
+        peak = PeakMemory(whole_process=True)  # on a CPU a memory limit bounds the whole process
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
         peak.loaded()
-        held = peak.held(lm) if self.batch_size == "auto" else None  # what loading took: auto counts it
-        config, batch_size, reason = self._setting(lm, tokenizer, held)
+        held = peak.held(lm) if self.batch_size == "auto" else None  # the process once loaded: auto counts it
+        config, batch_size, reason, planned = self._setting(lm, tokenizer, held)
         if on_plan is not None:
             on_plan(reason)
         started = time.perf_counter()
@@ -235,7 +237,8 @@ class BatchJob:
         stats.prompts, stats.errors = stats.prompts + len(refused), stats.errors + len(refused)
         seconds = time.perf_counter() - started
         peak_bytes, peak_kind = (run.peak_bytes, run.peak_kind) if hasattr(run, "peak_bytes") else peak.measure()
-        report = BatchReport(stats, batch_size, reason, len(self.requests) - len(todo), seconds, peak_bytes, peak_kind)
+        report = BatchReport(stats, batch_size, reason, len(self.requests) - len(todo), seconds, peak_bytes, peak_kind,
+                             planned_bytes=planned)
         report.figures = summary(report, self.config)
         if hasattr(run, "actors"):
             report.figures["ray_actors"] = run.actors
@@ -261,21 +264,22 @@ class BatchJob:
             return requests
         return [r if "seed" in r else {**r, "seed": (self.seed + index[id(r)]) % 2**64} for r in requests]
 
-    def _setting(self, lm, tokenizer, held: int | None = None) -> tuple[CompressionConfig, int, str]:
+    def _setting(self, lm, tokenizer, held: int | None = None) -> tuple[CompressionConfig, int, str, int | None]:
         """The setting every row runs with (a budget fraction taken of the longest sequence of the whole INPUT,
         answered lines included, so a resumed run keeps what the first one kept), the batch size and a line saying
-        why. ``held``: the bytes loading the model took (`PeakMemory.held`), which ``--batch-size auto`` counts."""
+        why, and with ``--batch-size auto`` the planned total bytes of that batch. ``held``: the bytes the process
+        holds once the model is loaded (`PeakMemory.held`), which ``--batch-size auto`` counts."""
         prepared = [prepare(lm, tokenizer, r, i, self.chat, self.max_new_tokens, self.temperature, self.seed)
                     for i, r in enumerate(self.requests) if isinstance(r, dict)]
         prepared = [p for p in prepared if not isinstance(p, BatchResult)]
         if not prepared:
-            return self.config, 1, "batch size 1 (no prompt to run)"
+            return self.config, 1, "batch size 1 (no prompt to run)", None
         prompt_len = max(p.ids.numel() for p in prepared)
         longest = max(p.ids.numel() + p.max_new_tokens for p in prepared)
         config = row_config(self.config, longest)
         check_usable(config, config.capacity(longest))
         if self.batch_size != "auto":
-            return config, self.batch_size, f"batch size {self.batch_size} (--batch-size)"
+            return config, self.batch_size, f"batch size {self.batch_size} (--batch-size)", None
         gen_len = max(longest - prompt_len, 1)
         limit, source = self.memory_limit, "--memory-limit"
         if limit is None:
@@ -291,11 +295,12 @@ class BatchJob:
                 f"weights {format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)}, workspace "
                 f"{format_bytes(row.workspace_bytes)}); allowed: more memory, a smaller budget or fewer bits")
         size = min(row.max_batch, len(prepared))
+        planned = fit_batch(lm, config, limit, prompt_len, gen_len, held=held, batch=size).total_bytes
         return config, size, (
             f"batch size {size} (auto): the largest that fits {source} {format_bytes(parse_memory(limit))} is "
             f"{counted(row.max_batch, 'sequence')} of {prompt_len} + {gen_len} tokens with {row.label} (weights "
             f"{format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)} per sequence)"
-            + (f"; {counted(len(prepared), 'prompt')} in the input" if size < row.max_batch else ""))
+            + (f"; {counted(len(prepared), 'prompt')} in the input" if size < row.max_batch else "")), planned
 
 
 def summary(report: BatchReport, config: CompressionConfig) -> dict:
@@ -306,6 +311,7 @@ def summary(report: BatchReport, config: CompressionConfig) -> dict:
         "skipped": report.skipped, "seconds": report.seconds,
         "end_to_end_tokens_per_s": stats.new_tokens / report.seconds if report.seconds > 0 else 0.0,
         "peak_bytes": report.peak_bytes, "peak_kind": report.peak_kind, "config": config.to_dict(),
+        **({} if report.planned_bytes is None else {"planned_peak_bytes": report.planned_bytes}),
     }
 
 

@@ -143,11 +143,12 @@ class GenerateJob(CacheRunFields):
             torch.set_num_threads(self.threads)
         if self.seed is not None:
             torch.manual_seed(self.seed)
-        peak = PeakMemory() if self.memory_limit is not None else None  # before the weights: the planner counts them
+        # before the weights: the planner counts them, and on a CPU the whole process (the limit bounds its peak)
+        peak = PeakMemory(whole_process=True) if self.memory_limit is not None else None
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
         if peak is not None:
             peak.loaded()  # the weights are resident: count them, not the transient of loading them
-        config, row = self._planned(lm, tokenizer, on_plan)
+        config, row = self._planned(lm, tokenizer, on_plan, None if peak is None else peak.held(lm))
         if self.load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
             tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
             check_usable(config, config.capacity(tokens + self.max_new_tokens))
@@ -167,10 +168,11 @@ class GenerateJob(CacheRunFields):
         figures = self._figures(result, config, floating_dtype(lm), row, peak, load_s)
         return GenerateReport(result, config, figures, row)
 
-    def _planned(self, lm, tokenizer,
-                 on_plan: Callable[[str], None] | None) -> tuple[CompressionConfig, PlanRow | None]:
+    def _planned(self, lm, tokenizer, on_plan: Callable[[str], None] | None,
+                 held: int | None = None) -> tuple[CompressionConfig, PlanRow | None]:
         """The setting to generate with: the job's ``config``, or, with ``memory_limit``, the planner's pick for
-        the loaded ``lm`` (told to ``on_plan`` in one line).
+        the loaded ``lm`` (told to ``on_plan`` in one line), counting the ``held`` bytes of the process once loaded
+        (on a CPU, `PeakMemory.held`: its whole resident set) where they exceed the weights.
 
         Returns:
             ``(config, row)``: the setting and the planner's row (``None`` without ``memory_limit``).
@@ -181,7 +183,7 @@ class GenerateJob(CacheRunFields):
         if self.memory_limit is None:
             return self.config, None
         row = choose_for_prompt(lm, tokenizer, self.prompt, self.memory_limit, self.max_new_tokens, chat=self.chat,
-                                base=self.config, compiled=self.compile)
+                                base=self.config, compiled=self.compile, held=held)
         if on_plan is not None:
             on_plan(describe_choice(row, self.memory_limit))
         return row.config, row

@@ -122,7 +122,7 @@ def plan(
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
     group_sizes=(32, 128), residuals=(CompressionConfig.residual,), quant: str = "int", heavy_ratio: float = 0.5,
     sink_tokens: int | None = None, headroom=0, trust_remote_code: bool = False, high_bits_fraction: float = 0.0,
-    head_budgets: str = "uniform", layer_budgets="uniform", compiled: bool | None = None,
+    head_budgets: str = "uniform", layer_budgets="uniform", compiled: bool | None = None, held: int | None = None,
 ) -> PlanReport:
     """Evaluate every candidate setting for ``model`` under ``memory`` and recommend one.
 
@@ -152,6 +152,9 @@ def plan(
             ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
             weights (`h2o_compress.runtime.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
             card: the CUDA default compiles).
+        held: bytes the process holds once the model is loaded, measured (`PeakMemory.held`; on a CPU under a
+            memory limit, its whole resident set: runtime, weights, tokenizer); counted instead of the weights where
+            larger (the rows' ``weight_bytes``). ``None``: the weights alone.
 
     Returns:
         A [`PlanReport`][h2o_compress.planner.PlanReport], rows ordered by quality (with a profile) or by cache bytes, largest first.
@@ -163,6 +166,7 @@ def plan(
     """
     limit, reserve = _check_request(memory, headroom, compiled, batch=batch, prompt_len=prompt_len, gen_len=gen_len)
     spec, kv_dtype, weights, compiled = _counted_model(model, dtype, weights_bits, compiled, trust_remote_code)
+    weights = _with_held(weights, held)
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = _grid(spec, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens,
@@ -306,10 +310,11 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     runs one sequence at a time (its workspace is one sequence's, plus that sequence's cache until it joins the
     batch); ``headroom`` and ``compiled`` as there.
 
-    ``held``: the bytes loading the model made this process hold, measured
-    (`PeakMemory.held`): on a CPU that is the weights plus the libraries
-    transformers imports for them and the tokenizer (about 280 MiB beside SmolLM2's 257 MiB of bf16 weights), which
-    the measured peak counts too. The row's ``weight_bytes`` is the larger of the weights' own bytes and ``held``.
+    ``held``: the bytes the process holds once the model is loaded, measured (`PeakMemory.held`): on a CPU the
+    batch job measures its whole resident set (the Python runtime, torch, the libraries transformers imports, the
+    weights and the tokenizer: about 1 GiB with SmolLM2's 540 MiB of fp32 weights), so that the limit bounds the
+    process's peak, which is what it measures too. The row's ``weight_bytes`` is the larger of the weights' own
+    bytes and ``held``.
 
     Raises:
         ConfigError: a bad memory amount, headroom, length or ``held``.
@@ -319,14 +324,24 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     _check_sizes(prompt_len=prompt_len, gen_len=gen_len, batch=batch)
     spec = resolve_model(model)
     kv_dtype = spec.dtype or resolve_dtype("float16", torch.device("cpu"))
-    weights = weight_bytes(spec, 16, kv_dtype)
-    if held is not None:
-        if isinstance(held, bool) or not isinstance(held, int) or held < 0:
-            raise ConfigError(f"held={short(held)} is invalid; allowed: bytes (an integer >= 0) or None")
-        weights = max(weights, held)
+    weights = _with_held(weight_bytes(spec, 16, kv_dtype), held)
     if compiled is None:
         compiled = _compiled_by_default(model, spec, 16)
     return _row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, usable, compiled, rows_alone=True)
+
+
+def _with_held(weights: int, held: int | None) -> int:
+    """The bytes a plan counts for the loaded model: its ``weights``, or the ``held`` bytes measured once it was
+    loaded where larger (see [`fit_batch`][h2o_compress.planner.fit_batch]).
+
+    Raises:
+        ConfigError: ``held`` neither ``None`` nor bytes (an integer >= 0).
+    """
+    if held is None:
+        return weights
+    if isinstance(held, bool) or not isinstance(held, int) or held < 0:
+        raise ConfigError(f"held={short(held)} is invalid; allowed: bytes (an integer >= 0) or None")
+    return max(weights, held)
 
 
 def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:

@@ -11,7 +11,10 @@ checkpoint read in full precision) is not counted; the resident weights are.
 - CPU (Linux): the process's peak resident set (``VmHWM`` in ``/proc/self/status``, restarted by writing ``5`` to
   ``/proc/self/clear_refs``) less its resident set before loading. It also holds allocator slack and memory freed
   while loading but not returned to the system, so it reads above the planner's total for small models.
-  Elsewhere: ``getrusage`` ``ru_maxrss`` growth, including the load.
+  Elsewhere: ``getrusage`` ``ru_maxrss`` growth, including the load. The jobs (``generate --memory-limit``,
+  ``batch --batch-size auto``) open the window with ``whole_process``: on a CPU a memory limit bounds the whole
+  process, so the planner counts its resident set once the model is loaded (runtime, weights, tokenizer) and the
+  measured peak is the process's own.
 """
 
 from __future__ import annotations
@@ -57,17 +60,25 @@ class PeakMemory:
     weights are in place; `measure` gives ``(bytes, kind)``.
 
     ``kind``: ``cuda_max_memory_allocated`` (all GPUs), ``cpu_peak_rss_growth`` (peak since `loaded`, above
-    the resident set before loading) or ``cpu_peak_rss_growth_with_load`` (the peak could not be restarted).
+    the resident set before loading), ``cpu_peak_rss_growth_with_load`` (the peak could not be restarted), or with
+    ``whole_process`` on a CPU ``cpu_peak_rss`` / ``cpu_peak_rss_with_load``: the process's whole resident set, its
+    own baseline included (the Python runtime, torch and transformers as imported, allocator slack), which is what a
+    ``--memory-limit`` on a CPU bounds.
+
+    Args:
+        whole_process: on a CPU, count from zero instead of the resident set before loading (`held` is then the
+            whole resident set, and `measure` the process's peak); no effect on CUDA.
     """
 
-    def __init__(self):
+    def __init__(self, whole_process: bool = False):
         self.cuda = torch.cuda.is_available()
         self.restarted = False
+        self.whole_process = whole_process and not self.cuda
         if self.cuda:
             self.devices = list(range(torch.cuda.device_count()))
             self.start = sum(torch.cuda.memory_allocated(index) for index in self.devices)
         else:
-            self.start = _status_kib("VmRSS") or _rss_peak()
+            self.start = 0 if self.whole_process else _status_kib("VmRSS") or _rss_peak()
         self.loaded()
 
     def loaded(self) -> None:
@@ -81,7 +92,8 @@ class PeakMemory:
 
     def held(self, model=None) -> int | None:
         """Bytes the process holds now above the baseline taken before loading: on a CPU its resident set growth
-        (the weights, and what loading them brought: transformers' modules, the tokenizer, allocator slack), with
+        (the weights, and what loading them brought: transformers' modules, the tokenizer, allocator slack; with
+        ``whole_process``, the whole resident set), with
         ``model``'s CPU weights paged in first, so that weights mapped from their file (read lazily, by the first
         forward pass) are counted as the measured peak will count them. ``None`` on CUDA, where the measure counts
         the tensors the planner counts.
@@ -100,8 +112,8 @@ class PeakMemory:
                 torch.cuda.synchronize(index)
             peak = sum(torch.cuda.max_memory_allocated(index) for index in self.devices)
             return max(peak - self.start, 0), "cuda_max_memory_allocated"
-        kind = "cpu_peak_rss_growth" if self.restarted else "cpu_peak_rss_growth_with_load"
-        return max(_rss_peak() - self.start, 0), kind
+        kind = "cpu_peak_rss" if self.whole_process else "cpu_peak_rss_growth"
+        return max(_rss_peak() - self.start, 0), kind if self.restarted else f"{kind}_with_load"
 
 
 @torch.no_grad()

@@ -170,6 +170,8 @@ def test_auto_batch_size_takes_the_planners_largest(tiny_model_dir, tmp_path, mo
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["batch_size"] == expected and f"batch size {expected} (auto)" in summary["batch_reason"]
+    # the plan of the batch that ran, beside the peak it is compared with
+    assert summary["planned_peak_bytes"] == fit_batch(model, config, limit, 40, 24, batch=expected).total_bytes
     too_small = runner.invoke(app, ["batch", str(source), "-o", str(tmp_path / "o2.jsonl"), "--model",
                                     tiny_model_dir, *SETTING, "--batch-size", "auto", "--memory-limit", "1KiB"])
     assert too_small.exit_code == 2 and "not even one sequence" in too_small.output

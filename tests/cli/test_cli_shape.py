@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import h2o_compress
@@ -110,11 +111,17 @@ def test_run_generate_saves_and_resumes_a_prompt_cache(tiny_model_dir, tmp_path)
 
 
 def test_run_generate_picks_a_setting_under_a_memory_limit(tiny_model_dir):
+    from h2o_compress.utils.memory import _status_kib
+
     lines = []
-    report = run_generate(WORDS, tiny_model_dir, max_new_tokens=2, chat=False, memory_limit="1GiB",
+    resident = _status_kib("VmRSS")  # this whole test process: on a CPU the limit bounds the process, not the job
+    report = run_generate(WORDS, tiny_model_dir, max_new_tokens=2, chat=False, memory_limit="64GiB",
                           on_plan=lines.append, load={"device": "cpu"})
     assert report.plan is not None and report.config == report.plan.config
-    assert len(lines) == 1 and lines[0].startswith("memory limit 1.00 GiB: picked")
+    assert len(lines) == 1 and lines[0].startswith("memory limit 64.00 GiB: picked")
+    if resident is not None and not torch.cuda.is_available():
+        assert report.plan.weight_bytes >= 0.8 * resident > 10 * 2**20  # the process, not the tiny model's weights
+        assert report.figures["measured_peak_kind"] in ("cpu_peak_rss", "cpu_peak_rss_with_load")
     assert report.figures["planned_peak_bytes"] == report.plan.total_bytes
     assert report.figures["measured_peak_bytes"] is None or report.figures["measured_peak_bytes"] >= 0
 

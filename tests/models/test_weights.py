@@ -285,18 +285,18 @@ def test_memory_limit_plans_with_the_loaded_weight_bits(four_layer_dir):
     if not bnb_runs_here(4):
         pytest.skip("bitsandbytes cannot run 4-bit weights here")
     result = runner.invoke(app, ["generate", PROMPT, "--model", four_layer_dir, "--no-chat", "--max-new-tokens", "6",
-                                 "--weights-bits", "4", "--memory-limit", "1GiB", "--json"])
+                                 "--weights-bits", "4", "--memory-limit", "64GiB", "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output.splitlines()[-1])
     model, _ = load_model(four_layer_dir, weights_bits=4)
     assert figures["weights_bits"] == 4
     assert figures["planned_peak_bytes"] > loaded_weight_bytes(model)  # weights as loaded + cache + workspace
-    assert figures["measured_peak_kind"] == "cpu_peak_rss_growth"
+    assert figures["measured_peak_kind"] == "cpu_peak_rss"  # the whole process: the limit bounds it
     # the window opens before the load and restarts after it: the weights stay resident while generating, so the
     # peak covers them (what the window counts and drops: tests/utils/test_memory.py)
     assert figures["measured_peak_bytes"] >= loaded_weight_bytes(model), (figures, loaded_weight_bytes(model))
     text = runner.invoke(app, ["generate", PROMPT, "--model", four_layer_dir, "--no-chat", "--max-new-tokens", "4",
-                               "--weights-bits", "4", "--memory-limit", "1GiB"])
+                               "--weights-bits", "4", "--memory-limit", "64GiB"])
     assert "[peak memory while generating: planned" in text.output and "measured" in text.output
 
 

@@ -30,7 +30,11 @@ peak.loaded()
 block = touched(64 * MiB)
 del block  # freed again: the peak keeps it
 measured, kind = peak.measure()
-print(json.dumps({"restarted": peak.restarted, "measured": measured, "kind": kind}))
+whole = PeakMemory(whole_process=True)  # the jobs' window: the whole process, its own baseline included
+resident = whole.held()
+whole_measured, whole_kind = whole.measure()
+print(json.dumps({"restarted": peak.restarted, "measured": measured, "kind": kind, "resident": resident,
+                  "whole": whole_measured, "whole_kind": whole_kind}))
 """
 
 
@@ -45,3 +49,5 @@ def test_peak_counts_what_is_allocated_after_loaded_and_not_what_was_freed_befor
     assert result["kind"] == "cpu_peak_rss_growth"
     measured = result["measured"]
     assert 60 * MiB <= measured < 160 * MiB, measured / MiB  # the 64 MiB block; not the 192 MiB one
+    # the whole process: at least the resident set (the interpreter and torch: over 100 MiB), not a growth
+    assert result["whole_kind"] == "cpu_peak_rss" and result["whole"] >= result["resident"] > 100 * MiB, result
