@@ -412,6 +412,15 @@ def placement_options(
     return out
 
 
+def _check_name(name_or_path, trust_remote_code) -> None:
+    """Refuse an empty or non-text model name (ModelLoadError) and a ``trust_remote_code`` that is not a bool
+    (ConfigError), before anything is read."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise ModelLoadError(f"model name {short(name_or_path)} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
+    if not isinstance(trust_remote_code, bool):
+        raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None, trust_remote_code: bool = False,
     weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
@@ -458,13 +467,9 @@ def load_model(
 
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
     trust = {"trust_remote_code": trust_remote_code}  # always explicit: transformers never prompts on stdin
-    if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise ModelLoadError(f"model name {short(name_or_path)} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
-    if not isinstance(trust_remote_code, bool):
-        raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
+    _check_name(name_or_path, trust_remote_code)
     placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder)
-    resolved_device, torch_dtype = placement.pop("_device"), placement.pop("_dtype")
-    cpu_int8 = placement.pop("_cpu_int8")
+    resolved_device, torch_dtype, cpu_int8 = placement.pop("_device"), placement.pop("_dtype"), placement.pop("_cpu_int8")
     source = _model_source(name_or_path, trust_remote_code)
     model, tokenizer = _load_checked(source, name_or_path, torch_dtype, placement, trust)
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it

@@ -152,9 +152,7 @@ def plan(
             ``generate`` decides by default: for a loaded model, when it is on CUDA in one piece with 16-bit
             weights (`h2o_compress.runtime.compiled.compiles_by_default`); otherwise for 16-bit weights (a plan for a
             card: the CUDA default compiles).
-        held: bytes the process holds once the model is loaded, measured (`PeakMemory.held`; on a CPU under a
-            memory limit, its whole resident set: runtime, weights, tokenizer); counted instead of the weights where
-            larger (the rows' ``weight_bytes``). ``None``: the weights alone.
+        held: bytes held once the model is loaded, counted for its weights where larger (as `fit_batch`).
 
     Returns:
         A [`PlanReport`][h2o_compress.planner.PlanReport], rows ordered by quality (with a profile) or by cache bytes, largest first.
@@ -165,8 +163,7 @@ def plan(
             at most `MAX_CONTEXT` tokens, batch at most `MAX_BATCH`).
     """
     limit, reserve = _check_request(memory, headroom, compiled, batch=batch, prompt_len=prompt_len, gen_len=gen_len)
-    spec, kv_dtype, weights, compiled = _counted_model(model, dtype, weights_bits, compiled, trust_remote_code)
-    weights = _with_held(weights, held)
+    spec, kv_dtype, weights, compiled = _counted_model(model, dtype, weights_bits, compiled, trust_remote_code, held)
     warnings: list[str] = []
     quality = load_quality(profile, warnings) if profile is not None else {}
     grid = _grid(spec, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens,
@@ -220,9 +217,9 @@ def _check_sizes(**sizes: int) -> None:
         _positive(name, value, _SIZE_LIMITS[name])
 
 
-def _counted_model(model, dtype, weights_bits: int, compiled: bool | None,
-                   trust_remote_code: bool) -> tuple[ModelSpec, torch.dtype, int, bool]:
-    """``model`` as [`plan`][h2o_compress.plan] counts it (the arguments as there).
+def _counted_model(model, dtype, weights_bits: int, compiled: bool | None, trust_remote_code: bool,
+                   held: int | None = None) -> tuple[ModelSpec, torch.dtype, int, bool]:
+    """``model`` as [`plan`][h2o_compress.plan] counts it (the arguments as there; ``held``: `_with_held`).
 
     Returns:
         ``(spec, kv_dtype, weights, compiled)``: its [`ModelSpec`][h2o_compress.planner.ModelSpec], the dtype of
@@ -237,7 +234,7 @@ def _counted_model(model, dtype, weights_bits: int, compiled: bool | None,
     kv_dtype = spec.dtype or resolve_dtype(dtype or "float16", torch.device("cpu"))
     if spec.dtype is not None and spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ConfigError(f"loaded model dtype {spec.dtype} is not supported; allowed: float16, bfloat16, float32")
-    weights = weight_bytes(spec, weights_bits, kv_dtype)
+    weights = _with_held(weight_bytes(spec, weights_bits, kv_dtype), held)
     return spec, kv_dtype, weights, _compiled_by_default(model, spec, weights_bits) if compiled is None else compiled
 
 
