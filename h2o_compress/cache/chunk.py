@@ -98,7 +98,8 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         group = query.shape[1] // layer.geometry.kv_heads
         sdpa_mask = mask if mask is None or mask.shape[1] == 1 else mask.repeat_interleave(group, dim=1)
         kwargs.pop("sliding_window", None)  # the mask holds the window
-        output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask, scaling=scaling, **kwargs)
+        output, _ = sdpa_attention_forward(as_keys_group(module, query, keys), query, keys, values, sdpa_mask,
+                                           scaling=scaling, **kwargs)
     else:
         visible = mask if mask is not None else torch.ones(1, 1, n, n, dtype=torch.bool, device=query.device).tril()
         output = masked_attention(query, keys, values, visible, scaling, variant)
@@ -109,6 +110,28 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
                            layer.geometry.kv_heads)
     settle(layer, chunk, real, sums)
     return output.transpose(1, 2)
+
+
+class _OneKeyPerQueryHead:
+    """What transformers' SDPA reads of an attention module (``num_key_value_groups``, ``is_causal``,
+    ``layer_idx``) for keys that come one per query head: no group to repeat."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module):
+        self.is_causal = getattr(module, "is_causal", True)
+        self.layer_idx = getattr(module, "layer_idx", None)
+
+
+def as_keys_group(module, query: torch.Tensor, keys: torch.Tensor):
+    """``module``, or what SDPA reads of it with one key per query head, where ``keys`` ``[batch, heads, n,
+    head_dim]`` has as many heads as ``query`` ``[batch, q_heads, n, head_dim]`` but the module declares KV groups:
+    a multi-head latent attention module expands its cached latents into a key per query head, while its config
+    may give fewer ``num_key_value_heads`` (DeepSeek-V2/V3 in transformers then repeats the expanded keys again and
+    fails with any cache; the query heads attend their own keys, as flash attention runs it)."""
+    if keys.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
+        return _OneKeyPerQueryHead(module)
+    return module
 
 
 def one_pass(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, variant, kwargs: dict) -> bool:

@@ -58,19 +58,19 @@ def model_dims(config) -> ModelDims:
         ) from None
     value_head_dim, expands = None, False
     if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
-        kv_heads, head_dim, value_head_dim = _latent_attention_dims(config, heads)
-        expands = kv_heads == 1 and heads > 1
+        kv_heads, head_dim, value_head_dim, expands = _latent_attention_dims(config, heads)
         value_head_dim = None if value_head_dim == head_dim else value_head_dim
     spans = () if all(not span.windowed for span in spans) else spans
     return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim, value_head_dim, expands, spans)
 
 
-def _latent_attention_dims(config, heads: int) -> tuple[int, int, int]:
-    """``(kv_heads, key head dim, value head dim)`` that a multi-head latent attention model (DeepSeek-V2, arXiv
-    2405.04434 §2.1) hands its cache in transformers: the latents themselves (one head: ``kv_lora_rank`` wide
+def _latent_attention_dims(config, heads: int) -> tuple[int, int, int, bool]:
+    """``(kv_heads, key head dim, value head dim, expands)`` that a multi-head latent attention model (DeepSeek-V2,
+    arXiv 2405.04434 §2.1) hands its cache in transformers: the latents themselves (one head: ``kv_lora_rank`` wide
     "keys", the shared rotary key ``qk_rope_head_dim`` wide as "values"; the attention module expands them, its
-    ``expand_kv``), or the expanded keys (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``) of
-    every query head."""
+    ``expand_kv``, into a key and a value per query head, whatever ``num_key_value_heads`` says: ``expands`` is
+    ``True`` for any head count), or the expanded keys (``qk_nope_head_dim + qk_rope_head_dim``) and values
+    (``v_head_dim``) of every query head (``expands`` ``False``)."""
     import importlib
 
     try:
@@ -79,20 +79,23 @@ def _latent_attention_dims(config, heads: int) -> tuple[int, int, int]:
     except ImportError:
         latent = False
     if latent:
-        return 1, config.kv_lora_rank, config.qk_rope_head_dim
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim, True
     head_dim = (getattr(config, "qk_nope_head_dim", None) or 0) + config.qk_rope_head_dim
-    return heads, head_dim, getattr(config, "v_head_dim", None) or head_dim
+    return heads, head_dim, getattr(config, "v_head_dim", None) or head_dim, False
 
 
 def torch_decode_reason(model, dims: ModelDims) -> str | None:
     """Why ``model``'s layers decode in the torch form rather than the native CPU kernel or the Triton op, or
-    ``None``: a softmax those kernels do not run (logit soft-cap, learned sink logits) or values of another head
-    dim than the keys (`h2o_compress.attention.variant`)."""
+    ``None``: a softmax those kernels do not run (logit soft-cap, learned sink logits), a latent cache the
+    attention module expands (the kernels attend over the store itself, not over the keys the module made of it) or
+    values of another head dim than the keys (`h2o_compress.attention.variant`)."""
     config = getattr(model.config, "get_text_config", lambda: model.config)()
     if getattr(config, "attn_logit_softcapping", None):
         return "logit soft-capping"
     if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
         return "learned sink logits"
+    if dims.expands_cache:
+        return "a latent cache expanded by the attention module (multi-head latent attention)"
     if dims.value_head_dim is not None:
         return "values of another head dim than the keys"
     return None
