@@ -32,6 +32,10 @@ MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer com
 #: ``generate``'s defaults (128 new tokens); 128 still changed 7 of 8 answers, one within its first 16 tokens.
 DEFAULT_MIN_CAPACITY = 192
 
+#: Tokens per forward pass of a prompt's prefill (``CompressionConfig.prefill_chunk_size``). Chosen with
+#: ``benchmarks/prefill_chunks.py`` (``benchmarks/results/prefill_chunks_cpu.md``).
+DEFAULT_PREFILL_CHUNK = 2048
+
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
 MAX_TOKENS = 2**31 - 1
@@ -100,6 +104,13 @@ class CompressionConfig:
         rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
             exactly after dequantization); spreads outliers across groups (QuaRot-style).
         score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
+        prefill_chunk_size: tokens per forward pass when a prompt is prefilled (`h2o_compress.runtime.prefill`):
+            a longer prompt is fed in chunks of this many tokens, the cache scoring and evicting after each (as the
+            streaming evaluation reads a text), so the model's activations (MLP intermediates, residual stream,
+            attention over ``capacity + chunk`` keys) stay bounded by the chunk instead of growing with the prompt.
+            ``0``: the whole prompt in one pass. A prompt of at most this many tokens runs in one pass either way.
+            Default 2048 (``DEFAULT_PREFILL_CHUNK``). A runtime choice: with budget 1.0 it changes the logits only
+            by fp32 rounding; with eviction, tokens are scored and evicted before the whole prompt is read.
         attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
             one call of the native kernel of `h2o_compress.attention.cpu`, built once with the system C
             compiler; on CUDA, the Triton op of `h2o_compress.attention.slot_attention`: attention and H2O
@@ -176,6 +187,7 @@ class CompressionConfig:
     residual: int = 3
     rotate: bool = True
     score_chunk_size: int = 64
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
     attention_kernel: str = "auto"
     layer_budgets: str | tuple[float, ...] = "uniform"
     high_bits_fraction: float = 0.0
@@ -273,8 +285,8 @@ class CompressionConfig:
             raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
 
     def _check_runtime(self) -> None:
-        """``score_chunk_size`` and ``attention_kernel``; ``layer_budgets`` other than a named spread is read into
-        its per-layer weights (`layer_weights`).
+        """``score_chunk_size``, ``prefill_chunk_size`` and ``attention_kernel``; ``layer_budgets`` other than a named
+        spread is read into its per-layer weights (`layer_weights`).
 
         Raises:
             ConfigError: the first value out of range, naming it and what is allowed.
@@ -288,6 +300,10 @@ class CompressionConfig:
         if self.score_chunk_size > MAX_TOKENS:
             raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is too large; allowed: an integer from "
                               f"1 to {MAX_TOKENS}")
+        if (isinstance(self.prefill_chunk_size, bool) or not isinstance(self.prefill_chunk_size, int)
+                or not 0 <= self.prefill_chunk_size <= MAX_TOKENS):
+            raise ConfigError(f"prefill_chunk_size={short(self.prefill_chunk_size)} is invalid; allowed: an integer "
+                              f"from 1 to {MAX_TOKENS} (tokens per forward pass), or 0 (the whole prompt in one pass)")
         if not (isinstance(self.layer_budgets, str) and self.layer_budgets in LAYER_BUDGETS):
             self.layer_budgets = layer_weights(self.layer_budgets)
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:

@@ -51,9 +51,10 @@ def attention_probability_sums(
 ) -> torch.Tensor:
     """Sum of post-softmax attention each key receives from ``query``, GQA query heads summed per KV head.
 
-    Computed in fp32 in chunks of ``chunk_size`` queries, so at most ``[batch, heads, chunk, keys]`` is
-    materialised (never the full ``queries x keys`` matrix for a long prompt). Keys hidden from every query
-    (padding) receive nothing; the cache layer marks them for eviction (`CompressedLayer.after_attention`).
+    Computed in fp32 one KV head at a time, in chunks of ``chunk_size`` queries, so at most ``[batch, group,
+    chunk, keys]`` logits are materialised (``group`` = the query heads of one KV head): never the full ``queries
+    x keys`` matrix of a long prompt, nor every KV head's chunk at once. Keys hidden from every query (padding)
+    receive nothing; the cache layer marks them for eviction (`CompressedLayer.after_attention`).
 
     Args:
         query: ``[batch, q_heads, queries, head_dim]``.
@@ -62,6 +63,7 @@ def attention_probability_sums(
             ``keys - queries + i``), boolean (``True`` = visible) or additive float, ``[batch | 1, kv_heads | 1,
             queries, keys]`` (a per-KV-head mask applies to every query head of that KV head).
         scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
+        chunk_size: queries per chunk (>= 1).
         decay: query ``i`` of ``n`` weighs ``decay ** (n - 1 - i)`` (1: the plain sum; A2SF's forgetting factor,
             arXiv 2407.20485 §3, applied over the chunk's queries in order).
         variant: soft-cap / sink logits of the layer's softmax (`h2o_compress.attention.variant`), or ``None``.
@@ -69,21 +71,40 @@ def attention_probability_sums(
     Returns:
         fp32 ``[batch, kv_heads, keys]`` (H2O, arXiv 2306.14048 §4: the accumulated attention score).
     """
-    batch, q_heads, queries, head_dim = query.shape
+    batch, q_heads, _, _ = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
+    sums = []
+    for head in range(kv_heads):
+        mask = attention_mask
+        if mask is not None and mask.shape[1] != 1:
+            mask = mask[:, head : head + 1]
+        sinks = None if variant is None or variant.sinks is None else variant.sinks[head * group : (head + 1) * group]
+        head_variant = variant if sinks is None else AttentionVariant(variant.softcap, sinks)
+        sums.append(_head_sums(query[:, head * group : (head + 1) * group], key[:, head : head + 1], mask, scaling,
+                               chunk_size, decay, head_variant))
+    return torch.cat(sums, dim=1)
+
+
+def _head_sums(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None,
+               chunk_size: int, decay: float, variant: AttentionVariant | None) -> torch.Tensor:
+    """`attention_probability_sums` of one KV head, fp32 ``[batch, 1, keys]``: ``query`` ``[batch, group, queries,
+    head_dim]``, ``key`` ``[batch, 1, keys, head_dim]``, ``attention_mask`` ``[batch | 1, 1, queries, keys]`` or
+    ``None``, ``variant``'s sinks ``[group]`` (this head's)."""
+    batch, group, queries, head_dim = query.shape
+    keys = key.shape[2]
+    total = torch.zeros(batch, 1, keys, dtype=torch.float32, device=key.device)
     scale = head_dim**-0.5 if scaling is None else scaling
-    key_t = key.float().transpose(-1, -2)  # [batch, kv_heads, head_dim, keys]
-    total = torch.zeros(batch, kv_heads, keys, dtype=torch.float32, device=key.device)
+    key_t = key.float().transpose(-1, -2)  # [batch, 1, head_dim, keys]
     for start in range(0, queries, chunk_size):
         stop = min(start + chunk_size, queries)
         # causal (no mask): these rows see keys up to `keys - queries + stop - 1` only; skip the rest
         seen = keys if attention_mask is not None else keys - queries + stop
-        q = query[:, :, start:stop].float().reshape(batch, kv_heads, group * (stop - start), head_dim)
-        logits = torch.matmul(q, key_t[..., :seen]).mul_(scale).view(batch, kv_heads, group, stop - start, seen)
+        q = query[:, :, start:stop].float().reshape(batch, 1, group * (stop - start), head_dim)
+        logits = torch.matmul(q, key_t[..., :seen]).mul_(scale).view(batch, 1, group, stop - start, seen)
         visible = _visible(attention_mask, start, stop, queries, keys, key.device)
         probs = softmax_probabilities(logits, None if visible is None else visible[..., :seen], variant,
-                                      (1, kv_heads, group, 1, 1))
+                                      (1, 1, group, 1, 1))
         if attention_mask is not None:
             probs = probs.nan_to_num_(0.0)  # queries that see nothing (padding rows) add nothing
         if decay != 1.0:

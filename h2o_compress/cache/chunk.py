@@ -42,7 +42,8 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     if not layer.chunk["held"]:
         return keys.to(layer.geometry.dtype), values.to(layer.geometry.dtype)
     held_keys, held_values = layer.store.held(layer.geometry.dtype, layer.geometry.kv_heads)
-    parts_k, parts_v = [held_keys], [held_values]
+    used = layer.chunk["used"] = occupied_slots(layer.store)  # the empty slots after the last held are not read
+    parts_k, parts_v = [held_keys[:, :, :used]], [held_values[:, :, :used]]
     if layer.ring is not None:
         order = layer.ring.order(seen)
         parts_k.append(layer.ring.keys.index_select(2, order).to(layer.geometry.dtype))
@@ -50,6 +51,16 @@ def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     parts_k.append(keys.to(layer.geometry.dtype))
     parts_v.append(values.to(layer.geometry.dtype))
     return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+
+def occupied_slots(store) -> int:
+    """The store's slots up to its last occupied one (by any sequence or KV head; one host read): a chunk's
+    attention reads only those, so an unbounded or not yet full layer (a long prompt prefilled in chunks into a cache
+    sized for all of it) attends over the tokens it holds, not over every slot, and a layer that never evicted reads
+    its tokens exactly as transformers' ``DynamicCache`` holds them."""
+    occupied = (store.head_positions() >= 0).flatten(0, 1).any(0)
+    slot = torch.arange(1, occupied.shape[0] + 1, device=occupied.device)
+    return int(torch.where(occupied, slot, 0).max()) if occupied.numel() else 0
 
 
 def attend(layer, module, query, keys, values, attention_mask, scaling, variant=None, **kwargs) -> torch.Tensor:
@@ -86,6 +97,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     if chunk["held"]:
         order = None if layer.ring is None else layer.ring.order(seen)
         held = held_positions(layer.store, layer.ring, layer.geometry.kv_heads, order)
+        held = torch.cat((held[..., : chunk["used"]], held[..., layer.store.slots :]), dim=2)  # as `update` cut it
         held_valid = (held >= 0).unsqueeze(2).expand(-1, -1, n, -1)
         if span.windowed:
             held_valid = held_valid & span.visible(held, queries, first_real)
@@ -108,8 +120,17 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         setting = layer.setting
         sums = per_kv_head(setting.policy.chunk_scores(query, keys, mask, scaling, setting.score_chunk_size, variant),
                            layer.geometry.kv_heads)
-    settle(layer, chunk, real, sums)
+    settle(layer, chunk, real, with_unread_slots(sums, chunk, layer.store.slots))
     return output.transpose(1, 2)
+
+
+def with_unread_slots(sums: torch.Tensor | None, chunk: dict, slots: int) -> torch.Tensor | None:
+    """The probability sums fp32 ``[batch, kv_heads, used + ring + n]`` of a chunk whose attention read the store's
+    first ``used`` slots only (`occupied_slots`), laid out over all ``slots`` again: the empty ones unread get 0."""
+    if sums is None or not chunk["held"] or chunk["used"] >= slots:
+        return sums
+    cut = chunk["used"]
+    return torch.cat((sums[..., :cut], sums.new_zeros(*sums.shape[:2], slots - cut), sums[..., cut:]), dim=2)
 
 
 class _OneKeyPerQueryHead:

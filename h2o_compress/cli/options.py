@@ -79,6 +79,10 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
     "head_budgets": _Flag(str, typer.Option(
         DEFAULT["head_budgets"], "--head-budgets", help="Spread each layer's capacity over its KV heads: uniform, or adaptive "
         "(Ada-KV: heavy hitters ranked over all heads together, same bytes; scoring policies; decode: the CPU kernel on CPU, the torch form on CUDA).")),
+    "prefill_chunk_size": _Flag(int, typer.Option(
+        DEFAULT["prefill_chunk_size"], "--prefill-chunk", help="Tokens per forward pass of a prompt's prefill: a longer "
+        "prompt is fed in chunks (activations bounded by the chunk; the cache scores and evicts after each); 0 = the "
+        f"whole prompt in one pass; default {DEFAULT['prefill_chunk_size']}.")),
     "attention_kernel": _Flag(str, typer.Option(
         DEFAULT["attention_kernel"], "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "

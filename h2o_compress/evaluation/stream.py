@@ -16,6 +16,7 @@ import torch
 
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_one, decode_step
 from h2o_compress.runtime.decode_loop import decode, sampler, sync
+from h2o_compress.runtime.prefill import prefill_step
 from h2o_compress.utils.checks import check_count
 from h2o_compress.models.weights import input_device
 
@@ -68,7 +69,9 @@ def read_stream(
     """Feed ``input_ids`` (``[batch, tokens]``) through ``cache`` in chunks of ``chunk_size`` tokens.
 
     Args:
-        chunk_size: tokens per forward pass; ``None`` reads everything in one pass (a prefill).
+        chunk_size: tokens per forward pass; ``None`` reads it as a prefill does
+            (`h2o_compress.runtime.prefill.prefill_step`: chunks of the cache's ``prefill_chunk_size``, one pass
+            for a text no longer than that).
         on_logits: ``on_logits(start, logits)`` receives each chunk's logits ``[batch, k, vocab]`` (position
             ``start + i`` predicts token ``start + i + 1``); without it only the last position is projected.
         progress: see `ProgressFn`.
@@ -80,7 +83,7 @@ def read_stream(
         the forward passes (CUDA synchronised; ``on_logits`` time excluded).
     """
     total = input_ids.shape[1]
-    step = total if chunk_size is None else check_count("chunk_size", chunk_size)
+    step = prefill_step(cache, total) if chunk_size is None else check_count("chunk_size", chunk_size)
     device = input_ids.device
     held = int(cache.get_seq_length())  # tokens the cache saw before (a compressed context being asked)
     seconds = 0.0

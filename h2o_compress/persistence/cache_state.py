@@ -50,7 +50,7 @@ DERIVED_LAYER_TENSORS = ("key_basis", "value_basis")
 
 
 # Config fields that change how attention runs, not what the cache holds: a file loads under any value.
-RUNTIME_CONFIG_FIELDS = {"attention_kernel"}
+RUNTIME_CONFIG_FIELDS = {"attention_kernel", "prefill_chunk_size"}
 
 
 @dataclass

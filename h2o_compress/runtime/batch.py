@@ -39,6 +39,7 @@ from h2o_compress.runtime.batch_requests import BatchRequest, BatchResult, Prepa
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.decode_loop import decode_steps, ended, eos_ids, sync
+from h2o_compress.runtime.prefill import feed_prompt
 from h2o_compress.runtime.generation import (
     _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache,
 )
@@ -325,7 +326,7 @@ class _Batch:
             if self.scored:
                 hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True,
                                     scores=self.scores.pop(prompt.index, None))
-            logits = self.model(input_ids=ids, past_key_values=part, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = feed_prompt(self.model, ids, part)  # in chunks of prefill_chunk_size, as generate
             self.cache.take_rows([row], part, self.size)
             self.rows[row], self.tokens[row] = prompt, []
             self.generators[row] = _generator(prompt, self.device)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
@@ -59,8 +61,9 @@ def check_cache_model(cache, model) -> None:
 def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> torch.Tensor:
     """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
 
-    A fresh cache gets the whole prompt in one forward pass (exactly what [`h2o_compress.generate`][h2o_compress.generate] does,
-    ``logits_to_keep=1``).
+    The tokens are fed by `feed_prompt`: in chunks of the cache's ``prefill_chunk_size`` tokens (its config's;
+    one pass for a prompt no longer than that, for ``0``, and where a scoring pass handed the layers their scores),
+    the cache scoring and evicting after each chunk; ``logits_to_keep=1``.
     A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold the first ``n``
     tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the recorded
     next-token logits are returned without running the model.
@@ -99,8 +102,7 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
                 "allowed: a prompt that extends the cached one"
             )
     if input_ids.shape[1] > held:
-        inputs = input_ids[:, held:]
-        logits = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = feed_prompt(model, input_ids[:, held:], cache)
     elif state.next_logits is not None:
         logits = state.next_logits
     else:
@@ -110,6 +112,51 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
     cache.prompt_state = PromptState(input_ids.detach().to("cpu", copy=True), logits.detach().clone())
     if getattr(cache, "model_fingerprint", None) is None:
         record_model(cache, model)
+    return logits
+
+
+def prefill_step(cache, tokens: int) -> int:
+    """Tokens per forward pass when ``tokens`` new tokens are prefilled into ``cache``: its config's
+    ``prefill_chunk_size``, or ``tokens`` (one pass) where that is ``0`` or at least ``tokens``, where the cache has
+    no such config (not a [`CompressedCache`][h2o_compress.cache.CompressedCache]), and where a layer holds scores
+    handed for the whole prompt by a scoring pass (``kvzip``, ``lookahead``: `pending_context_scores`)."""
+    size = getattr(getattr(cache, "config", None), "prefill_chunk_size", 0)
+    if not size or size >= tokens or pending_context_scores(cache):
+        return max(1, tokens)
+    return size
+
+
+def pending_context_scores(cache) -> bool:
+    """Whether a layer of ``cache`` holds context scores (`h2o_compress.runtime.context_scores.hand_context_scores`)
+    not yet used: they rank the whole prompt in one multi-token step."""
+    return any(getattr(getattr(layer, "policy", None), "context_scores", None) is not None
+               for layer in getattr(cache, "layers", ()))
+
+
+@torch.no_grad()
+def feed_prompt(model, inputs: torch.Tensor, cache) -> torch.Tensor:
+    """Feed ``inputs`` (int64 ``[batch, tokens]``, the tokens after those ``cache`` holds) in chunks of
+    `prefill_step` tokens, one forward pass each (``logits_to_keep=1``): between chunks the cache scores and
+    evicts as in streaming, so it holds at most ``capacity + chunk`` tokens per layer and KV head while a chunk
+    runs, and the activations grow with the chunk, not the prompt. Inside `layer_progress`, a prompt of several
+    chunks is reported as chunks done of all (the stage's name kept), one of one chunk as layers done.
+
+    Returns:
+        Logits ``[batch, vocab]`` (model dtype) of the token after ``inputs``.
+    """
+    tokens = inputs.shape[1]
+    step = prefill_step(cache, tokens)
+    chunks = -(-tokens // step)
+    progress = _PREFILL_PROGRESS.get() if chunks > 1 else None
+    if progress is not None:
+        progress.chunked = True
+        report(progress.stage, 0, chunks)
+    logits = None
+    for index, start in enumerate(range(0, tokens, step)):
+        chunk = inputs[:, start : start + step]
+        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if progress is not None:
+            report(progress.stage, index + 1, chunks)
     return logits
 
 
@@ -123,11 +170,23 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return []
 
 
+@dataclass
+class _PrefillProgress:
+    """The stage `layer_progress` reports; ``chunked``: `feed_prompt` reports chunks instead of layers."""
+
+    stage: str
+    chunked: bool = False
+
+
+_PREFILL_PROGRESS: ContextVar[_PrefillProgress | None] = ContextVar("h2o_compress_prefill_progress", default=None)
+
+
 @contextmanager
 def layer_progress(model, stage: str):
-    """Report ``stage`` as decoder layers done (of all) while the forward pass inside the block runs, for a
-    progress callback installed with `report_progress` (`h2o_compress.utils.progress`); without one nothing is
-    hooked. Meant for one long forward pass (a prefill), not for decode steps.
+    """Report ``stage`` while the prefill inside the block runs, for a progress callback installed with
+    `report_progress` (`h2o_compress.utils.progress`); without one nothing is hooked. A prompt fed in one forward
+    pass is reported as decoder layers done (of all); one fed in chunks (`feed_prompt`) as chunks done (of all).
+    Meant for a prefill, not for decode steps.
 
     Args:
         model: the causal LM whose forward pass runs inside the block.
@@ -135,13 +194,20 @@ def layer_progress(model, stage: str):
     """
     layers = decoder_layers(model) if reporting() else []
     total = len(layers) or None
-    hooks = [layer.register_forward_hook(lambda *_, done=i + 1: report(stage, done, total))
-             for i, layer in enumerate(layers)]
+    progress = _PrefillProgress(stage)
+
+    def reached(done: int) -> None:  # a forward hook: returns nothing (a value would replace the layer's output)
+        if not progress.chunked:
+            report(stage, done, total)
+
+    hooks = [layer.register_forward_hook(lambda *_, done=i + 1: reached(done)) for i, layer in enumerate(layers)]
     report(stage, 0, total)
+    token = _PREFILL_PROGRESS.set(progress)
     try:
         yield
     finally:
+        _PREFILL_PROGRESS.reset(token)
         for hook in hooks:
             hook.remove()
-    if total is None:  # else the last layer reported the end
+    if total is None and not progress.chunked:  # else the last layer (or chunk) reported the end
         report(stage, 1, 1)
