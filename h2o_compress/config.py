@@ -10,7 +10,8 @@ for a sequence of at most ``min_capacity`` tokens) or, when an integer >= 1, an 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from h2o_compress.utils.errors import ConfigError, short
@@ -156,6 +157,11 @@ class CompressionConfig:
         forgetting_factor: with ``policy="a2sf"``, the factor in (0, 1] by which each query scales the held
             scores before adding its attention ([`A2SFPolicy`][h2o_compress.policies.A2SFPolicy]); ``None``
             (default): 0.8.
+        policy_options: the options of a policy that has no field here of its own, by the config name it
+            declares (`h2o_compress.policies.policy_option`; also as keys of a config file and as CLI flags),
+            checked by the policy itself; refused when ``policy`` does not take one. Empty (default): the policy's
+            defaults. The three options above are fields of their own (``to_dict`` lists ``policy_options`` only
+            when it holds one).
         calibration: the path of a calibration file written by ``h2o-compress calibrate`` for the model
             (`h2o_compress.calibration.calibrate`), holding ``policy="calibrated"``'s weights
             ([`CalibratedPolicy`][h2o_compress.policies.CalibratedPolicy]). ``None`` (default): the model's own
@@ -197,6 +203,7 @@ class CompressionConfig:
     evict_chat_header: bool = False
     calibration: str | None = None
     key_offsets: str = "none"
+    policy_options: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Check every field (eviction, storage, runtime, then the options of the policy and the spreads over heads,
@@ -208,6 +215,7 @@ class CompressionConfig:
         self._check_eviction()
         self._check_storage()
         self._check_runtime()
+        self._check_policy_options()
         self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
         self._check_head_budgets()
         self._check_high_bits()
@@ -381,6 +389,51 @@ class CompressionConfig:
                 raise ConfigError(f"key_offsets='calibrated' stores 4- or 8-bit int keys around a calibrated mean, "
                                   f"but {what}; allowed: {allowed}, or key_offsets 'none'")
 
+    def _check_policy_options(self) -> None:
+        """``policy_options``: a mapping of option names no field of this class holds to values; ``None`` (not
+        given) dropped. Whether the policy takes each, and the values, the policy checks (`eviction_policy`).
+
+        Raises:
+            ConfigError: not such a mapping, or a name that is a field of its own or that no registered policy takes.
+        """
+        options = self.policy_options
+        if not isinstance(options, Mapping) or not all(isinstance(name, str) for name in options):
+            raise ConfigError(f"policy_options={short(options)} is invalid; allowed: a mapping of policy option "
+                              "names to values")
+        own = [f.name for f in fields(self)]
+        for name in options:
+            if name in own:
+                raise ConfigError(f"policy_options holds {short(name)}, a field of its own; allowed: "
+                                  f"CompressionConfig({name}=...)")
+            if name not in POLICY_OPTIONS:
+                extra = [option for option in POLICY_OPTIONS if option not in own]
+                raise ConfigError(f"policy_options holds {short(name)}, an option no registered policy takes; "
+                                  f"allowed: {', '.join(extra) or 'none (no policy declares one)'}")
+        self.policy_options = {name: value for name, value in options.items() if value is not None}
+
+    @classmethod
+    def from_values(cls, values: Mapping) -> CompressionConfig:
+        """A config from settings by field name or policy option name (CLI flags, config files): an option of a
+        policy without a field of its own goes into ``policy_options`` (``None``: not given), the rest are fields.
+
+        Raises:
+            ConfigError: see the class; TypeError: a name that is neither.
+        """
+        own = {f.name for f in fields(cls)}
+        settings = {name: value for name, value in values.items() if name in own or name not in POLICY_OPTIONS}
+        options = {name: value for name, value in values.items()
+                   if name not in own and name in POLICY_OPTIONS and value is not None}
+        if options:
+            given = settings.get("policy_options") or {}
+            settings["policy_options"] = {**given, **options} if isinstance(given, Mapping) else given
+        return cls(**settings)
+
+    def options(self) -> dict:
+        """The policy options set, by config name: those with a field of their own (``lookahead_request``,
+        ``forgetting_factor``, ``evict_chat_header``: ``None`` or ``False`` when not set) and ``policy_options``."""
+        own = [f.name for f in fields(self)]
+        return {**{name: getattr(self, name) for name in POLICY_OPTIONS if name in own}, **self.policy_options}
+
     @property
     def evicts_any(self) -> bool:
         """Whether this setting can evict at all (a policy other than ``full`` and a budget below everything)."""
@@ -455,9 +508,9 @@ class CompressionConfig:
 
     def eviction_policy(self):
         """A fresh [`EvictionPolicy`][h2o_compress.policies.EvictionPolicy] of this setting (``policy`` with its heavy ratio,
-        sinks, ``lookahead_request`` and ``forgetting_factor``): what each cache layer ranks by."""
-        return make_policy(self.policy, self.heavy_ratio, self.sink_tokens,
-                           **{option: getattr(self, option) for option in POLICY_OPTIONS})
+        sinks and its own options, [`options`][h2o_compress.config.CompressionConfig.options]): what each cache layer
+        ranks by."""
+        return make_policy(self.policy, self.heavy_ratio, self.sink_tokens, **self.options())
 
     def min_layer_capacity(self, capacity: int) -> int:
         """The smallest capacity (tokens per KV head, at most ``capacity``) whose split leaves a recent window of
@@ -491,8 +544,12 @@ class CompressionConfig:
         return fit_to_total(caps, capacity * num_layers, floor)  # rounding: from the first layers on
 
     def to_dict(self) -> dict:
-        """Plain-dict form (JSON-serialisable)."""
-        return asdict(self)
+        """Plain-dict form (JSON-serialisable); ``policy_options`` only where it holds an option, so a setting
+        without one reads as it did before the field existed."""
+        values = asdict(self)
+        if not values["policy_options"]:
+            del values["policy_options"]
+        return values
 
 
 MAX_LAYERS = 10_000  # layer weights a config may give

@@ -1,5 +1,7 @@
 """Compression settings from a file: JSON (``.json``) or TOML (``.toml``), one object of
-[`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, e.g. ``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``.
+[`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, e.g. ``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``,
+and of the registered policies' own options by their config names (those without a field of their own go into
+``policy_options``).
 
 Every problem (missing file, syntax error, unknown key, value out of range or of the wrong type) is a
 [`ConfigError`][h2o_compress.ConfigError] naming the file, the key and what is allowed.
@@ -11,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from h2o_compress.config import CompressionConfig
+from h2o_compress.policies import POLICY_OPTIONS
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.utils.files import check_path, parse_json, parse_toml, read_text
 
@@ -18,8 +21,10 @@ SUFFIXES = (".json", ".toml")
 
 
 def config_fields() -> tuple[str, ...]:
-    """Names of the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields a file may set."""
-    return tuple(f.name for f in fields(CompressionConfig))
+    """Names a file may set: the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, then the
+    registered policies' options that have no field of their own."""
+    own = tuple(f.name for f in fields(CompressionConfig))
+    return own + tuple(name for name in POLICY_OPTIONS if name not in own)
 
 
 def read_config_values(path) -> dict:
@@ -59,7 +64,7 @@ def load_config(path, overrides: dict | None = None, defaults: dict | None = Non
             raise ConfigError(f"{name}={short(given)} is invalid; allowed: a dict of CompressionConfig fields, or None")
     values = {**(defaults or {}), **read_config_values(path), **(overrides or {})}
     try:
-        return CompressionConfig(**values)
+        return CompressionConfig.from_values(values)
     except ConfigError as exc:
         raise ConfigError(f"{exc} (in config file {short(str(path))})") from None
     except TypeError as exc:  # e.g. a value of a type no field takes

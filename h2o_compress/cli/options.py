@@ -23,8 +23,7 @@ from h2o_compress.models import load_model
 from h2o_compress.runtime.generation import generate
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.config import ALLOWED_BITS, DEFAULT_MIN_CAPACITY, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
-from h2o_compress.policies import describe_policies
-from h2o_compress.policies.lookahead import LOOKAHEAD_REQUEST
+from h2o_compress.policies import PolicyOption, describe_policies, option_declarations, policy_names_taking
 
 # -- the compression options (one declaration each) -------------------------------------------------------
 @dataclass(frozen=True)
@@ -87,13 +86,6 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         DEFAULT["attention_kernel"], "--kernel",
         help="Decode step: auto (on CPU one native kernel call per layer, built once with gcc; on CUDA the Triton "
              "op), torch (torch code that --compile fuses) or triton (the Triton op, CUDA).")),
-    "forgetting_factor": _Flag(Optional[float], typer.Option(
-        DEFAULT["forgetting_factor"], "--forgetting-factor", help="With --policy a2sf: the factor in (0, 1] each query scales the held "
-        "scores by before adding its attention (default 0.8).")),
-    "evict_chat_header": _Flag(bool, typer.Option(
-        DEFAULT["evict_chat_header"], "--evict-chat-header", help="With --policy kvzip or lookahead: score the chat template's header "
-        "(system prompt, user-turn opening) 0, so that beyond the sinks it is evicted first (as kvpress's "
-        "KVzipPress).")),
     "calibration": _Flag(Optional[str], typer.Option(
         DEFAULT["calibration"], "--calibration",
         help="With --policy calibrated or --key-offsets calibrated: the calibration file h2o-compress calibrate "
@@ -103,11 +95,29 @@ COMPRESSION_FLAGS: dict[str, _Flag] = {
         help="none, or calibrated: store 4- or 8-bit int keys around the mean pre-RoPE key h2o-compress calibrate "
              "measured for the model (KVQuant; same bytes, less key error; read from --calibration, else the model's "
              "own or shipped file; not with --head-budgets adaptive, --high-bits-fraction or --kernel triton).")),
-    "lookahead_request": _Flag(Optional[str], typer.Option(
-        DEFAULT["lookahead_request"], "--lookahead-request",
-        help="With --policy lookahead: what the model is asked about a document before it is compressed (default: "
-             f"\"{LOOKAHEAD_REQUEST}\").")),
 }
+
+
+def policy_option_help(option: PolicyOption) -> str:
+    """The help of a policy option's flag: ``With --policy X:`` (the registered policies that take it), its declared
+    help, and its default where that is not ``None`` or ``False``."""
+    text = f"With --policy {_or(policy_names_taking(option.name))}: {option.help}"
+    if option.default is not None and option.default is not False:
+        text = f"{text.rstrip().removesuffix('.')} (default {option.default})."
+    return text
+
+
+def policy_option_flag(option: PolicyOption) -> _Flag:
+    """The CLI flag of a policy's own option, from its declaration (`policy_option`): a switch for a ``bool`` option,
+    else an optional value of its type (``None``: the policy's default)."""
+    if option.kind is bool:
+        return _Flag(bool, typer.Option(False, option.flag, help=policy_option_help(option)))
+    return _Flag(Optional[option.kind], typer.Option(None, option.flag, help=policy_option_help(option)))
+
+
+#: The policies' own options (`h2o_compress.policies.option_declarations`), each a flag generated from its
+#: declaration: the policies registered when this module is first imported.
+COMPRESSION_FLAGS.update({name: policy_option_flag(option) for name, option in option_declarations().items()})
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ class Compression:
         values = dict(self.values)
         if "budget" in values:
             values["budget"] = parse_budget(values["budget"])
-        config = CompressionConfig(**values)
+        config = CompressionConfig.from_values(values)
         if check:
             check_usable(config, frozen=frozen)
             check_format_options(config, self.given)
@@ -135,7 +145,7 @@ class Compression:
 
     def overrides(self, config: CompressionConfig) -> dict:
         """The fields of ``config`` the user gave on the command line."""
-        return {k: v for k, v in config.to_dict().items() if k in self.given}
+        return {k: v for k, v in {**config.to_dict(), **config.policy_options}.items() if k in self.given}
 
     def command_defaults(self) -> dict:
         """The command's own defaults of the flags not given (``budget`` parsed): what a ``--config`` file's

@@ -190,7 +190,7 @@ def _check_config(saved, expected, source: Path) -> None:
         expected = expected.to_dict()
     if not isinstance(expected, dict):
         raise ConfigError(f"config={short(expected)} is invalid; allowed: None, a CompressionConfig or a dict of fields")
-    saved_values = saved.to_dict()
+    expected, saved_values = _flat_options(expected), _flat_options(saved.to_dict())
     unknown = sorted(set(expected) - set(saved_values))
     if unknown:
         raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(saved_values)}")
@@ -204,6 +204,15 @@ def _check_config(saved, expected, source: Path) -> None:
             f"cache file {str(source)!r} was saved with a different config: {', '.join(diffs)}; "
             "allowed: the file's config (leave these settings out to use it)"
         )
+
+
+def _flat_options(values: dict) -> dict:
+    """``values`` with the entries of its ``policy_options`` (a policy's options without a field of their own) as
+    settings of their own, as the command line and config files give them."""
+    options = values.get("policy_options")
+    if not isinstance(options, dict):
+        return values
+    return {**{k: v for k, v in values.items() if k != "policy_options"}, **options}
 
 
 def _check_dtype(metadata: dict[str, str], model, source: Path) -> None:

@@ -12,6 +12,7 @@ from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims, resolve_dtype
 from h2o_compress.models.weights import loaded_weights_bits
+from h2o_compress.policies import POLICY_OPTIONS
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
 from h2o_compress.planner.sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
@@ -406,7 +407,8 @@ def choose_for_prompt(
     row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
     carried = ["rotate", "score_chunk_size", "attention_kernel", "calibration"]
     if row.config.policy == base.policy:  # not when the row keeps everything (policy "full")
-        carried += ["lookahead_request", "forgetting_factor", "evict_chat_header"]
+        named = [name for name in POLICY_OPTIONS if name in CompressionConfig.__dataclass_fields__]
+        carried += named + ["policy_options"]  # the policy's own options: those with a field, then the rest
     row.config = replace(row.config, **{name: getattr(base, name) for name in carried})
     if base.key_offsets != "none" and row.config.kv_bits in (4, 8):  # same bytes; not where the row keeps 16 bits
         row.config = replace(row.config, key_offsets=base.key_offsets)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 
 from h2o_compress.policies.a2sf import A2SFPolicy
-from h2o_compress.policies.base import EvictionPolicy
+from h2o_compress.policies.base import EvictionPolicy, PolicyOption, declared_options, policy_option
 from h2o_compress.policies.calibrated import CalibratedPolicy
 from h2o_compress.policies.full import FullPolicy
 from h2o_compress.policies.h2o import H2OPolicy
@@ -39,14 +39,45 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 __all__ = [
     "A2SFPolicy", "CalibratedPolicy", "EvictionPolicy", "FullPolicy", "H2OMeanPolicy", "H2OPolicy", "LocalPolicy", "SinkPolicy", "SnapKVPolicy",
     "TOVAPolicy", "VATPPolicy", "StridedPolicy", "KVzipPolicy", "LookaheadPolicy", "POLICIES", "POLICY_OPTIONS", "make_policy",
-    "policy_names", "policy_names_taking", "takes_option", "describe_policies",
+    "policy_names", "policy_names_taking", "takes_option", "describe_policies", "PolicyOption", "policy_option",
+    "declared_options", "option_declarations",
 ]
 
 
-#: The [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields that set a policy's own option, and the dataclass
-#: field of the policy they set. A policy takes an option when it has that field.
-POLICY_OPTIONS = {"lookahead_request": "request", "forgetting_factor": "forgetting_factor",
-                  "evict_chat_header": "evict_chat_header"}
+def option_declarations() -> dict[str, PolicyOption]:
+    """Every policy option of the registered policies (`policy_option`), by config name, in registry order: the
+    first policy declaring a name gives its flag and help."""
+    options = {}
+    for cls in POLICIES.values():
+        for name, option in declared_options(cls).items():
+            options.setdefault(name, option)
+    return options
+
+
+class _PolicyOptions(Mapping):
+    """The config names of the registered policies' own options and the dataclass field each sets, read from the
+    policies' fields (`policy_option`) whenever asked, so a policy registered later adds its own."""
+
+    def _current(self) -> dict[str, str]:
+        return {name: option.field for name, option in option_declarations().items()}
+
+    def __getitem__(self, name: str) -> str:
+        return self._current()[name]
+
+    def __iter__(self):
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+    def __repr__(self) -> str:
+        return repr(self._current())
+
+
+#: The config names of the policies' own options (the [`CompressionConfig`][h2o_compress.config.CompressionConfig]
+#: field or ``policy_options`` key that sets each), and the dataclass field of the policy they set: derived from
+#: the registered policies' fields declared with `policy_option`. A policy takes an option when it declares it.
+POLICY_OPTIONS: Mapping[str, str] = _PolicyOptions()
 
 
 def policy_names(**declared) -> tuple[str, ...]:
@@ -60,8 +91,8 @@ def policy_names(**declared) -> tuple[str, ...]:
 
 
 def takes_option(name: str, option: str) -> bool:
-    """Whether the policy registered as ``name`` takes the config field ``option`` (see `POLICY_OPTIONS`)."""
-    return POLICY_OPTIONS[option] in {f.name for f in dataclasses.fields(POLICIES[name])}
+    """Whether the policy registered as ``name`` takes the option of config name ``option`` (see `POLICY_OPTIONS`)."""
+    return option in declared_options(POLICIES[name])
 
 
 def describe_policies() -> str:
@@ -80,17 +111,20 @@ def make_policy(name: str, heavy_ratio: float = 0.5, sink_tokens: int | None = N
     kwargs = {"heavy_ratio": heavy_ratio}
     if sink_tokens is not None:
         kwargs["sink_tokens"] = sink_tokens
+    declared = declared_options(cls)
     for option, value in options.items():
         if value is None or value is False:
             continue
-        if not takes_option(name, option):
+        if option not in declared:
             takers = policy_names_taking(option)
+            if not takers:
+                raise ConfigError(f"unknown policy option {option!r}; allowed: {', '.join(POLICY_OPTIONS)}")
             allowed = f"policy {takers[0]!r} only" if len(takers) == 1 else f"policies {', '.join(takers)}"
             raise ConfigError(f"{option} is set but policy={name!r}; allowed: {option} with {allowed}")
-        kwargs[POLICY_OPTIONS[option]] = value
+        kwargs[declared[option].field] = value
     return cls(**kwargs)
 
 
 def policy_names_taking(option: str) -> tuple[str, ...]:
-    """The registered policies that take the config field ``option``."""
+    """The registered policies that take the option of config name ``option``."""
     return tuple(name for name in POLICIES if takes_option(name, option))

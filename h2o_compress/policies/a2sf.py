@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.policies.base import policy_option
 from h2o_compress.policies.h2o import H2OPolicy
 from h2o_compress.attention import attention_probability_sums
 
@@ -30,7 +31,8 @@ class A2SFPolicy(H2OPolicy):
     """
 
     summary: ClassVar[str] = "H2O with a forgetting factor (--forgetting-factor)"
-    forgetting_factor: float = 0.8
+    forgetting_factor: float = policy_option(0.8, help="the factor in (0, 1] each query scales the held scores by "
+                                             "before adding its attention.")
 
     def __post_init__(self) -> None:
         factor = self.forgetting_factor

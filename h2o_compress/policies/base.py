@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,6 +32,80 @@ def keep_top(priority: torch.Tensor, positions: torch.Tensor, capacity: int) -> 
     return keep & (positions >= 0)
 
 
+#: The metadata key under which `policy_option` marks a policy's dataclass field as one of its own options.
+OPTION_METADATA = "h2o_compress.policy_option"
+#: The value types a policy option's CLI flag parses (any other annotation: text).
+FLAG_TYPES = (bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class PolicyOption:
+    """A policy's own option, as its dataclass field declares it (`policy_option`).
+
+    Attributes:
+        name: its config name: the [`CompressionConfig`][h2o_compress.config.CompressionConfig] key and config file
+            key that set it (the field's name unless declared).
+        field: the policy's dataclass field it sets.
+        flag: its CLI flag (``--`` and the config name with dashes unless declared).
+        help: what it does, for the flag's help (the CLI prefixes ``With --policy X:``).
+        default: the field's default (``None`` or ``False``: said by ``help`` itself, if at all).
+        kind: the value type its flag parses: ``bool`` (a switch), ``int``, ``float`` or ``str``.
+    """
+
+    name: str
+    field: str
+    flag: str
+    help: str
+    default: object
+    kind: type
+
+
+def policy_option(default, *, flag: str | None = None, config_name: str | None = None, help: str = ""):
+    """A dataclass field of a policy that is one of its own options (checked in the policy's ``__post_init__``).
+
+    ``CompressionConfig`` and config files take it by ``config_name`` (default: the field's name), the CLI as
+    ``flag`` (default: ``--`` and the config name with dashes), its help from ``help``; nothing else needs an edit.
+    A ``bool`` option's default is ``False`` (its flag switches it on).
+
+    Args:
+        default: the field's default.
+        flag: the CLI flag, e.g. ``"--lookahead-request"``.
+        config_name: the config name, e.g. ``"lookahead_request"`` for `LookaheadPolicy`'s ``request``.
+        help: one or two sentences, lower case first (after ``With --policy X:``).
+    """
+    return dataclasses.field(default=default, metadata={OPTION_METADATA: {"flag": flag, "config_name": config_name,
+                                                                          "help": help}})
+
+
+def _flag_type(cls, name: str, default) -> type:
+    """The value type of ``cls``'s field ``name``: its annotation less ``None`` where it is one of `FLAG_TYPES`,
+    else the default's type, else ``str``."""
+    try:
+        hint = typing.get_type_hints(cls).get(name)
+    except (NameError, TypeError):  # an annotation that cannot be resolved
+        hint = None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        hint = kinds[0] if len(kinds) == 1 else None
+    if hint in FLAG_TYPES:
+        return hint
+    return type(default) if type(default) in FLAG_TYPES else str
+
+
+@functools.cache
+def declared_options(cls) -> dict[str, PolicyOption]:
+    """The options policy class ``cls`` declares on its fields (`policy_option`), by config name, in field order."""
+    options = {}
+    for f in dataclasses.fields(cls):
+        declared = f.metadata.get(OPTION_METADATA)
+        if declared is None:
+            continue
+        name = declared["config_name"] or f.name
+        options[name] = PolicyOption(name, f.name, declared["flag"] or "--" + name.replace("_", "-"),
+                                     declared["help"], f.default, _flag_type(cls, f.name, f.default))
+    return options
+
+
 @dataclass
 class EvictionPolicy:
     """Ranks the tokens of one layer, per sequence and KV head, for eviction (DESIGN.md §2).
@@ -38,7 +116,8 @@ class EvictionPolicy:
 
     Subclasses declare what they support in class variables (``summary``, ``needs_scores``, ``shares_heads``,
     ``scorer``, ``ranks_by``, ``accumulates``) and say how much of the capacity is the recent window
-    ([`recent_window`][h2o_compress.policies.EvictionPolicy.recent_window]); their own options are dataclass fields, checked in ``__post_init__``. ``sink_tokens`` first real tokens are always kept
+    ([`recent_window`][h2o_compress.policies.EvictionPolicy.recent_window]); their own options are dataclass fields
+    declared with `policy_option` (config name, CLI flag and help), checked in ``__post_init__``. ``sink_tokens`` first real tokens are always kept
     (StreamingLLM's attention sinks); padding is never kept.
     """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import torch
 
+from h2o_compress.policies.base import policy_option
 from h2o_compress.policies.h2o import H2OPolicy
 
 
@@ -24,7 +25,9 @@ class ContextScoredPolicy(H2OPolicy):
             step (the context's prefill) and then dropped.
     """
 
-    evict_chat_header: bool = False
+    evict_chat_header: bool = policy_option(False, help=(
+        "score the chat template's header (system prompt, user-turn opening) 0, so that beyond the sinks it is "
+        "evicted first (as kvpress's KVzipPress)."))
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:

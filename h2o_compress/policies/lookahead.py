@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.policies.base import policy_option
 from h2o_compress.policies.context_scored import ContextScoredPolicy
 
 #: The request the model answers before the question is known: generic, asked of every context.
@@ -45,7 +46,8 @@ class LookaheadPolicy(ContextScoredPolicy):
     summary: ClassVar[str] = ("scored by the model's own answer first: to a fixed request about a document in ask, to "
                               "the prompt itself in generate")
     scorer: ClassVar[str] = "lookahead"
-    request: str | None = None
+    request: str | None = policy_option(None, config_name="lookahead_request", help=(
+        f"what the model is asked about a document before it is compressed (default: \"{LOOKAHEAD_REQUEST}\")."))
     new_tokens: int = 32
     pool: int = 7
     segment: int = 1024
