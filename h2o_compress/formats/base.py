@@ -152,6 +152,13 @@ class KVQuantizer(ABC):
         """The family's quantizer for ``bits``-bit tensors (one of `supported_bits`)."""
         raise NotImplementedError
 
+    @classmethod
+    def label(cls, bits: int) -> str:
+        """The short name of the family's ``bits``-bit tensors in a setting's description (the planner's rows, the
+        profile's labels): ``int4``, ``nf4``, ``bw8``... Default: the class name less ``Quantizer``, lower case, and
+        the bits."""
+        return f"{cls.__name__.removesuffix('Quantizer').lower()}{bits}"
+
     @abstractmethod
     def quantize(self, x: torch.Tensor) -> StoredTensor:
         """Quantize ``x`` ``[batch, kv_heads, seq, head_dim]``."""

@@ -42,6 +42,11 @@ class BitsAndBytesQuantizer(KVQuantizer):
     def create(cls, bits: int, group_size: int, head_dim: int, rotate: bool = True) -> "BitsAndBytesQuantizer":
         return cls(cls.format_4bit if bits == 4 else "int8", group_size, head_dim)
 
+    @classmethod
+    def label(cls, bits: int) -> str:
+        """`format_4bit` (``nf4``, ``fp4``) for 4 bits, ``bw8`` (blockwise 8-bit) for 8."""
+        return cls.format_4bit if bits == 4 else "bw8"
+
     def __init__(self, fmt: str, block_size: int, head_dim: int):
         if fmt not in ("nf4", "fp4", "int8"):
             raise ConfigError(f"unknown bitsandbytes format {fmt!r}; allowed: nf4, fp4, int8")

@@ -55,6 +55,11 @@ class IntQuantizer(KVQuantizer):
     def create(cls, bits: int, group_size: int, head_dim: int, rotate: bool = True) -> "IntQuantizer":
         return cls(bits, group_size, head_dim, rotate)
 
+    @classmethod
+    def label(cls, bits: int) -> str:
+        """``int4``, ``int8``."""
+        return f"int{bits}"
+
     def __init__(self, bits: int, group_size: int, head_dim: int, rotate: bool = True):
         if bits not in (4, 8):
             raise ConfigError(f"integer quantization supports 4 or 8 bits, got {bits}")

@@ -18,8 +18,9 @@ HIGHER_BETTER = ("agreement", "greedy_agreement", "accuracy", "passkey_accuracy"
 def describe(config: CompressionConfig, kv_dtype="float16") -> str:
     """``full 16-bit``, ``h2o 25% int4 g32 r4``, ``sink 512 tok k:int8/v:int4 g64 r4``, ``local 50% nf4 g64 r4``.
 
-    Formats per tensor: ``int4``/``int8`` (ours), ``nf4``/``fp4`` and ``bw8`` (bitsandbytes blockwise 8-bit), and
-    for unquantized storage the width of ``kv_dtype`` (``16`` for fp16/bf16, ``32`` for an fp32 cache).
+    Formats per tensor as each format labels them (``KVQuantizer.label``): ``int4``/``int8`` (ours), ``nf4``/``fp4``
+    and ``bw8`` (bitsandbytes blockwise 8-bit), and for unquantized storage the width of ``kv_dtype`` (``16`` for
+    fp16/bf16, ``32`` for an fp32 cache).
     """
     width = 32 if str(kv_dtype).removeprefix("torch.") in ("float32", "fp32") else 16
     if config.policy == "full" or (config.budget_is_fraction and config.budget >= 1):
@@ -36,11 +37,7 @@ def describe(config: CompressionConfig, kv_dtype="float16") -> str:
         return f"{head} {width}-bit"
 
     def fmt(bits: int) -> str:
-        if bits == 16:
-            return str(width)
-        if config.quant == "int":
-            return f"int{bits}"
-        return config.quant if bits == 4 else "bw8"
+        return str(width) if bits == 16 else config.format.label(bits)
 
     kind = fmt(config.key_bits) if config.key_bits == config.value_bits else \
         f"k:{fmt(config.key_bits)}/v:{fmt(config.value_bits)}"
