@@ -178,9 +178,12 @@ def forward_peak_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, q
     kv = 2 * batch * keys * d.head_dim * (d.kv_heads + (d.num_heads if d.num_heads != d.kv_heads else 0)) * size
     dequant = 2 * batch * keys * d.kv_heads * d.head_dim * 4 if config.quantized else 0  # fp32 (de)quantize temporaries
     scoring = 0
-    if POLICIES[config.policy].needs_scores:  # two fp32 [chunk x keys] tensors per query head, fp32 keys
+    if POLICIES[config.policy].needs_scores and queries > 1:
+        # the prefill's scoring goes over one KV head's query group at a time: two fp32 [group x chunk x keys]
+        # tensors and that head's fp32 keys (attention_probability_sums); a decode step's sums come from the kernel
         chunk = min(config.score_chunk_size, queries)
-        scoring = batch * keys * 4 * (2 * d.num_heads * chunk + d.kv_heads * d.head_dim)
+        group = d.num_heads // d.kv_heads
+        scoring = batch * keys * 4 * (2 * group * chunk + d.head_dim)
     mlp = 3 * tokens * spec.intermediate_size * size
     logits = batch * spec.vocab_size * size  # generate() keeps the logits of the last position only
     return residual_stream + max(qkv + kv + dequant + scoring, mlp, logits)
@@ -224,8 +227,10 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
     ``prefill_batch``: sequences prefilled together (``None``: the whole ``batch``; a batch job of
     [`h2o_compress.generate_batch`][h2o_compress.generate_batch] prefills 1 at a time).
 
-    Counts the residual stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization
-    temporaries, H2O's chunked fp32 score computation, the MLP intermediates and the logits. Assumes
+    The prefill counts its largest chunk (`prefill_pass`: ``prefill_chunk_size`` queries against the capacity plus
+    the chunk, or the whole prompt where nothing is evicted), not the whole prompt at once. Counts the residual
+    stream, q/k/v, one layer's keys/values as attention sees them, fp32 (de)quantization temporaries, H2O's chunked
+    fp32 score computation (one KV head's query group at a time), the MLP intermediates and the logits. Assumes
     memory-efficient attention (no ``queries x keys`` matrix, no padding mask); excludes the CUDA context and
     allocator fragmentation (leave ~0.5-1 GiB for them).
     """
@@ -243,7 +248,18 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
         scratch = d.num_layers * decode_scratch_bytes(
             batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
     pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled and not eager_only else 0
+    queries, keys = prefill_pass(config, prompt_len, kept)
     return scratch + pool + max(
-        forward_peak_bytes(spec, config, min(batch, prefill_batch or batch), prompt_len, prompt_len, size),
+        forward_peak_bytes(spec, config, min(batch, prefill_batch or batch), queries, keys, size),
         forward_peak_bytes(spec, config, batch, 1, kept + 1, size),
     )
+
+
+def prefill_pass(config: CompressionConfig, prompt_len: int, kept: int) -> tuple[int, int]:
+    """The largest forward pass of a ``prompt_len``-token prefill as `h2o_compress.runtime.prefill` runs it, in
+    tokens: ``(queries, keys)``. The prompt goes through in chunks of ``config.prefill_chunk_size`` tokens (0: one
+    pass), and a cache that evicts holds at most its ``kept`` tokens per layer (the capacity) plus the chunk when
+    the chunk's attention runs; one that keeps everything holds the whole prompt at the last chunk."""
+    chunk = config.prefill_chunk_size or prompt_len
+    queries = min(chunk, prompt_len)
+    return queries, min(prompt_len, kept + queries)
