@@ -95,14 +95,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         new_block = (own.unsqueeze(1) if new_block is None else new_block & own.unsqueeze(1)) | eye
     mask = new_block
     if chunk["held"]:
-        order = None if layer.ring is None else layer.ring.order(seen)
-        held = held_positions(layer.store, layer.ring, layer.geometry.kv_heads, order)
-        held = torch.cat((held[..., : chunk["used"]], held[..., layer.store.slots :]), dim=2)  # as `update` cut it
-        held_valid = (held >= 0).unsqueeze(2).expand(-1, -1, n, -1)
-        if span.windowed:
-            held_valid = held_valid & span.visible(held, queries, first_real)
-        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril() if new_block is None else new_block
-        mask = torch.cat((held_valid, causal.expand(batch, layer.geometry.kv_heads, n, n)), dim=3)
+        mask = held_mask(layer, chunk, queries, first_real, new_block, batch)
     sums = None
     if one_pass(layer, query, keys, values, variant, kwargs):  # output and scores from one softmax
         output, sums = attention_with_sums(query, keys, values, mask, scaling)
@@ -122,6 +115,25 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
                            layer.geometry.kv_heads)
     settle(layer, chunk, real, with_unread_slots(sums, chunk, layer.store.slots))
     return output.transpose(1, 2)
+
+
+def held_mask(layer, chunk: dict, queries: torch.Tensor, first_real: torch.Tensor, new_block: torch.Tensor | None,
+              batch: int) -> torch.Tensor:
+    """What the chunk's queries see, bool ``[batch, kv_heads | 1, n, used + ring + n]``: the held tokens that are
+    valid (and inside each query's span), then the chunk's own block (``new_block``, or causal). ``1`` head where every
+    KV head holds the same positions (a layer that has not evicted yet): one mask, not one per head, so SDPA reads
+    it broadcast as transformers' own mask (no copy per query head)."""
+    n, seen, span = queries.shape[0], chunk["seen"], layer.setting.span
+    order = None if layer.ring is None else layer.ring.order(seen)
+    held = held_positions(layer.store, layer.ring, layer.geometry.kv_heads, order)
+    held = torch.cat((held[..., : chunk["used"]], held[..., layer.store.slots :]), dim=2)  # as `update` cut it
+    if held.shape[1] > 1 and torch.equal(held, held[:, :1].expand_as(held)):
+        held = held[:, :1]
+    held_valid = (held >= 0).unsqueeze(2).expand(-1, -1, n, -1)
+    if span.windowed:
+        held_valid = held_valid & span.visible(held, queries, first_real)
+    causal = torch.ones(n, n, dtype=torch.bool, device=queries.device).tril() if new_block is None else new_block
+    return torch.cat((held_valid, causal.expand(batch, held.shape[1], n, n)), dim=3)
 
 
 def with_unread_slots(sums: torch.Tensor | None, chunk: dict, slots: int) -> torch.Tensor | None:
