@@ -12,21 +12,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
+from h2o_compress.utils.checks import check_number
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.formats import FORMATS, GROUP_SIZES
+from h2o_compress.formats.storage import (  # noqa: F401 (ALLOWED_BITS, KEY_OFFSETS, MAX_RESIDUAL: re-exported)
+    ALLOWED_BITS, KEY_OFFSETS, MAX_RESIDUAL, StorageSpec, key_offsets_conflict,
+)
 from h2o_compress.policies import POLICIES, POLICY_OPTIONS, make_policy, policy_names
-from h2o_compress.utils.files import read_json
+from h2o_compress.layout import (  # noqa: F401 (the names of the layout this module had: re-exported)
+    HEAD_BUDGETS, LAYER_BUDGETS, MAX_LAYER_WEIGHT, MAX_LAYERS, PYRAMID_BETA, LayoutSpec, fit_to_total, layer_weights,
+)
 
-ALLOWED_BITS = (4, 8, 16)
 ALLOWED_GROUP_SIZES = GROUP_SIZES
 ATTENTION_KERNELS = ("auto", "torch", "triton")
-LAYER_BUDGETS = ("uniform", "pyramid", "global")
-HEAD_BUDGETS = ("uniform", "adaptive")
-KEY_OFFSETS = ("none", "calibrated")
-PYRAMID_BETA = 20  # PyramidKV's beta: the last layer gets capacity / beta (Cai et al. 2024, arXiv 2406.02069 §3.2)
-MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
 #: Tokens a layer holds before a fractional budget starts evicting (``CompressionConfig.min_capacity``). Chosen on
 #: the 8 tuning prompts only (``h2o_compress/data/prompts.json``; ``benchmarks/short_prompts.py --phase choose``,
 #: floors 0 to 256): the smallest floor at which h2o 0.2 + 4 bits gave every whole greedy answer of 4 bits alone at
@@ -58,18 +57,6 @@ def parse_budget(text: str) -> float | int:
     if value > 1:
         hint = f" (tokens are written as an integer: {int(value)})" if value == int(value) else ""
         raise ConfigError(f"budget={short(text, repr_=False)} is invalid{hint}; allowed: {BUDGET_ALLOWED}")
-    return value
-
-
-def _number(name: str, value, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}={short(value)} is not a number; allowed: {allowed}")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an integer too large for a float (a config file may hold one of 4,000 digits)
-        finite = False
-    if not finite:
-        raise ConfigError(f"{name}={short(value)} is not finite; allowed: {allowed}")
     return value
 
 
@@ -206,14 +193,16 @@ class CompressionConfig:
     policy_options: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Check every field (eviction, storage, runtime, then the options of the policy and the spreads over heads,
-        precisions and layers) and read ``layer_budgets`` weights into a tuple.
+        """Check every field: the eviction fields, the storage (`storage`, which checks its own fields), the runtime
+        fields and the layout (`layout`, which reads ``layer_budgets`` weights into a tuple), then what combines the
+        parts: the options of the policy, and the head, precision, key-offset and layer spreads with the policy and
+        the decode kernel.
 
         Raises:
             ConfigError: the first value out of range, naming it and what is allowed.
         """
         self._check_eviction()
-        self._check_storage()
+        self._spec(StorageSpec)  # the storage checks its own fields
         self._check_runtime()
         self._check_policy_options()
         self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
@@ -238,7 +227,7 @@ class CompressionConfig:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
         if not isinstance(self.evict_chat_header, bool):
             raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
-        budget = _number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
+        budget = check_number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
         if budget <= 0 or (budget > 1 and budget != int(budget)):
             raise ConfigError(
                 f"budget={short(self.budget)} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
@@ -247,7 +236,7 @@ class CompressionConfig:
                 or not 0 <= self.min_capacity <= MAX_TOKENS):
             raise ConfigError(f"min_capacity={short(self.min_capacity)} is invalid; allowed: an integer from 0 to "
                               f"{MAX_TOKENS} (tokens)")
-        ratio = _number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
+        ratio = check_number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
         if not 0 <= ratio <= 1:
             raise ConfigError(f"heavy_ratio={short(self.heavy_ratio)} is out of range; allowed: [0, 1]")
         if self.sink_tokens is not None and (
@@ -258,43 +247,9 @@ class CompressionConfig:
             raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is too large; allowed: an integer from 0 to "
                               f"{MAX_TOKENS}")
 
-    def _check_storage(self) -> None:
-        """The storage fields: ``kv_bits`` / ``k_bits`` / ``v_bits`` (and the bits ``quant``'s format stores),
-        ``quant``, ``group_size``, ``residual`` and ``rotate``.
-
-        Raises:
-            ConfigError: the first value out of range, naming it and what is allowed.
-        """
-        for name in ("kv_bits", "k_bits", "v_bits"):
-            value = getattr(self, name)
-            if value is None and name != "kv_bits":
-                continue
-            if type(value) is not int or value not in ALLOWED_BITS:
-                raise ConfigError(f"{name}={short(value)} is not supported; allowed: 4, 8, 16")
-        if not isinstance(self.quant, str) or self.quant not in FORMATS:
-            raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(FORMATS)}")
-        stored = self.format.supported_bits
-        for bits in {self.key_bits, self.value_bits} - {16} - set(stored):
-            width = "/".join(map(str, stored))
-            article = "an" if width.startswith("8") else "a"
-            raise ConfigError(f"quant={self.quant!r} is {article} {width}-bit format, not {bits}-bit; allowed kv bits with it: "
-                              f"{', '.join(map(str, (*stored, 16)))}")
-        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
-            raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: "
-                              f"{', '.join(map(str, GROUP_SIZES))}")
-        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
-            raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
-        if self.residual > MAX_RESIDUAL:
-            raise ConfigError(
-                f"residual={short(self.residual)} is too large: the window stays in full precision, so nothing would be "
-                f"quantized; allowed: an integer from 0 to {MAX_RESIDUAL} (tokens)"
-            )
-        if not isinstance(self.rotate, bool):
-            raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
-
     def _check_runtime(self) -> None:
-        """``score_chunk_size``, ``prefill_chunk_size`` and ``attention_kernel``; ``layer_budgets`` other than a named
-        spread is read into its per-layer weights (`layer_weights`).
+        """``score_chunk_size``, ``prefill_chunk_size`` and ``attention_kernel``; the layout (`layout`: ``layer_budgets``
+        other than a named spread is read into its per-layer weights, `layer_weights`, and ``head_budgets``).
 
         Raises:
             ConfigError: the first value out of range, naming it and what is allowed.
@@ -312,38 +267,24 @@ class CompressionConfig:
                 or not 0 <= self.prefill_chunk_size <= MAX_TOKENS):
             raise ConfigError(f"prefill_chunk_size={short(self.prefill_chunk_size)} is invalid; allowed: an integer "
                               f"from 1 to {MAX_TOKENS} (tokens per forward pass), or 0 (the whole prompt in one pass)")
-        if not (isinstance(self.layer_budgets, str) and self.layer_budgets in LAYER_BUDGETS):
-            self.layer_budgets = layer_weights(self.layer_budgets)
+        self.layer_budgets = self.layout.layer_budgets
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
             )
 
     def _check_high_bits(self) -> None:
-        """``high_bits_fraction``: a number in [0, 1]; above 0 only with 4-bit ``int`` keys or values and a
-        decode step that reads the low planes (not the Triton op)."""
-        fraction = _number("high_bits_fraction", self.high_bits_fraction, "a number in [0, 1]")
-        if not 0 <= fraction <= 1:
-            raise ConfigError(f"high_bits_fraction={short(self.high_bits_fraction)} is out of range; allowed: [0, 1]")
-        if fraction == 0:
-            return
-        if not self.format.mixed_precision or 4 not in (self.key_bits, self.value_bits):
+        """``high_bits_fraction`` above 0 (the storage checks the value and the bits) with a decode step that reads
+        the low planes (not the Triton op)."""
+        if self.high_bits_fraction > 0 and self.attention_kernel == "triton":
             raise ConfigError(
-                f"high_bits_fraction={fraction!r} keeps some 4-bit tokens at 8 bits, but keys are {self.key_bits}-bit "
-                f"and values {self.value_bits}-bit with quant={self.quant!r}; allowed: kv_bits (or k_bits / v_bits) "
-                "4 with quant 'int', or high_bits_fraction 0"
-            )
-        if self.attention_kernel == "triton":
-            raise ConfigError(
-                f"high_bits_fraction={fraction!r} runs the torch decode step (the Triton op does not read the 8-bit "
-                "tokens' low planes); allowed: attention_kernel 'auto' or 'torch', or high_bits_fraction 0"
+                f"high_bits_fraction={self.high_bits_fraction!r} runs the torch decode step (the Triton op does not "
+                "read the 8-bit tokens' low planes); allowed: attention_kernel 'auto' or 'torch', or high_bits_fraction 0"
             )
 
     def _check_head_budgets(self) -> None:
-        if not isinstance(self.head_budgets, str) or self.head_budgets not in HEAD_BUDGETS:
-            raise ConfigError(
-                f"head_budgets={short(self.head_budgets)} is not supported; allowed: {', '.join(HEAD_BUDGETS)}"
-            )
+        """``head_budgets='adaptive'`` (the layout checks the value) with a policy that ranks across heads and a
+        decode step that reads a pool (not the Triton op)."""
         if self.head_budgets != "adaptive":
             return
         if not POLICIES[self.policy].shares_heads and self.policy != "full":
@@ -367,27 +308,17 @@ class CompressionConfig:
                               "by h2o-compress calibrate")
 
     def _check_key_offsets(self) -> None:
-        """``key_offsets``: ``none`` or ``calibrated``; ``calibrated`` only where the keys are stored in the format
-        it changes (4- or 8-bit ``int``, one slot per head, no 8-bit planes) and decoded by the torch form or the
+        """``key_offsets='calibrated'`` (the storage checks the value, the keys' format and the 8-bit share) with one
+        slot per head (``head_budgets='uniform'``) and a decode step that reads the offsets: the torch form or the
         fallback to it. Whether the model's calibration holds key statistics is checked when its cache is made.
         Raises ConfigError."""
-        if not isinstance(self.key_offsets, str) or self.key_offsets not in KEY_OFFSETS:
-            raise ConfigError(f"key_offsets={short(self.key_offsets)} is not supported; allowed: "
-                              f"{', '.join(KEY_OFFSETS)}")
         if self.key_offsets == "none":
             return
-        conflicts = [
-            (self.key_bits == 16 or self.quant != "int", f"keys are {self.key_bits}-bit with quant={self.quant!r}",
-             "kv_bits (or k_bits) 4 or 8 with quant 'int'"),
-            (self.head_budgets != "uniform", f"head_budgets={self.head_budgets!r}", "head_budgets 'uniform'"),
-            (self.high_bits_fraction > 0, f"high_bits_fraction={self.high_bits_fraction!r}", "high_bits_fraction 0"),
-            (self.attention_kernel == "triton", "attention_kernel='triton' (the op does not read the offsets)",
-             "attention_kernel 'auto' or 'torch'"),
-        ]
-        for conflict, what, allowed in conflicts:
-            if conflict:
-                raise ConfigError(f"key_offsets='calibrated' stores 4- or 8-bit int keys around a calibrated mean, "
-                                  f"but {what}; allowed: {allowed}, or key_offsets 'none'")
+        if self.head_budgets != "uniform":
+            raise key_offsets_conflict(f"head_budgets={self.head_budgets!r}", "head_budgets 'uniform'")
+        if self.attention_kernel == "triton":
+            raise key_offsets_conflict("attention_kernel='triton' (the op does not read the offsets)",
+                                       "attention_kernel 'auto' or 'torch'")
 
     def _check_policy_options(self) -> None:
         """``policy_options``: a mapping of option names no field of this class holds to values; ``None`` (not
@@ -440,29 +371,55 @@ class CompressionConfig:
         return self.policy != "full" and not (self.budget_is_fraction and self.budget >= 1)
 
     @property
+    def storage(self) -> StorageSpec:
+        """How keys and values are stored: a [`StorageSpec`][h2o_compress.formats.storage.StorageSpec] of this
+        config's storage fields (``kv_bits``, ``k_bits``, ``v_bits``, ``quant``, ``group_size``, ``residual``,
+        ``rotate``, ``high_bits_fraction``, ``key_offsets``), made (so checked) once and again only after a field of
+        it changed."""
+        return self._spec(StorageSpec)
+
+    @property
+    def layout(self) -> LayoutSpec:
+        """How the capacity is spread over layers and heads: a [`LayoutSpec`][h2o_compress.layout.LayoutSpec] of
+        ``layer_budgets`` and ``head_budgets``, made (so checked) once and again only after either changed."""
+        return self._spec(LayoutSpec)
+
+    def _spec(self, kind):
+        """The ``kind`` spec (a frozen dataclass whose fields are fields of this config) of the current values."""
+        values = tuple(getattr(self, f.name) for f in fields(kind))
+        specs = self.__dict__.setdefault("_specs", {})  # not a field: to_dict, ==, repr and replace ignore it
+        made = specs.get(kind)
+        if made is None or made[0] != values:
+            spec = kind(*values)
+            made = specs[kind] = (tuple(getattr(spec, f.name) for f in fields(kind)), spec)
+        return made[1]
+
+    @property
     def key_bits(self) -> int:
-        """Bits of stored keys (``k_bits`` if set, else ``kv_bits``)."""
-        return self.k_bits if self.k_bits is not None else self.kv_bits
+        """Bits of stored keys (``k_bits`` if set, else ``kv_bits``; `storage`)."""
+        return self.storage.key_bits
 
     @property
     def value_bits(self) -> int:
-        """Bits of stored values (``v_bits`` if set, else ``kv_bits``)."""
-        return self.v_bits if self.v_bits is not None else self.kv_bits
+        """Bits of stored values (``v_bits`` if set, else ``kv_bits``; `storage`)."""
+        return self.storage.value_bits
 
     @property
     def format(self):
-        """The quantization format family of ``quant`` (a [`KVQuantizer`][h2o_compress.formats.KVQuantizer] class)."""
-        return FORMATS[self.quant]
+        """The quantization format family of ``quant`` (a [`KVQuantizer`][h2o_compress.formats.KVQuantizer] class;
+        `storage`)."""
+        return self.storage.format
 
     @property
     def compilable(self) -> bool:
-        """Whether the decode step can be traced by ``torch.compile``: 16 bits, or a format that declares it."""
-        return not self.quantized or self.format.compilable
+        """Whether the decode step can be traced by ``torch.compile``: 16 bits, or a format that declares it
+        (`storage`)."""
+        return self.storage.compilable
 
     @property
     def quantized(self) -> bool:
-        """True when keys or values are stored below 16 bits."""
-        return min(self.key_bits, self.value_bits) < 16
+        """True when keys or values are stored below 16 bits (`storage`)."""
+        return self.storage.quantized
 
     @property
     def sinks(self) -> int:
@@ -525,23 +482,9 @@ class CompressionConfig:
     def layer_capacities(self, capacity: int | None, num_layers: int) -> list[int | None]:
         """Capacity of each of ``num_layers`` layers for a per-layer ``capacity`` ([`capacity`][h2o_compress.config.CompressionConfig.capacity]), with the same
         total ``num_layers x capacity`` (see ``layer_budgets``; ``global`` before any scores: uniform); ``None``
-        (unbounded) stays ``None``."""
-        weights = self.layer_budgets if isinstance(self.layer_budgets, tuple) else None
-        if weights is not None and len(weights) != num_layers:
-            raise ConfigError(f"layer_budgets gives {len(weights)} layer weights but the model has {num_layers} layers; "
-                              f"allowed: {num_layers} weights, one per layer")
-        if capacity is None or self.layer_budgets in ("uniform", "global") or num_layers < 2:
-            return [capacity] * num_layers
-        floor = self.min_layer_capacity(capacity)
-        if weights is not None:  # each layer its weight's share, rounded down, then to the exact total
-            total = math.fsum(weights)  # finite: each weight is at most MAX_LAYER_WEIGHT (layer_weights)
-            caps = [max(floor, int(capacity * num_layers * (w / total))) for w in weights]
-            order = sorted(range(num_layers), key=lambda i: -weights[i])  # the heaviest gain (or lose) first
-            return fit_to_total(caps, capacity * num_layers, floor, order=order)
-        last = max(capacity / PYRAMID_BETA, floor)
-        first = 2 * capacity - last
-        caps = [max(floor, int(first + (last - first) * i / (num_layers - 1))) for i in range(num_layers)]
-        return fit_to_total(caps, capacity * num_layers, floor)  # rounding: from the first layers on
+        (unbounded) stays ``None``. The layout spreads it ([`LayoutSpec.layer_capacities`][h2o_compress.layout.LayoutSpec.layer_capacities]), each
+        layer at least [`min_layer_capacity`][h2o_compress.config.CompressionConfig.min_layer_capacity]."""
+        return self.layout.layer_capacities(capacity, num_layers, self.min_layer_capacity)
 
     def to_dict(self) -> dict:
         """Plain-dict form (JSON-serialisable); ``policy_options`` only where it holds an option, so a setting
@@ -550,69 +493,6 @@ class CompressionConfig:
         if not values["policy_options"]:
             del values["policy_options"]
         return values
-
-
-MAX_LAYERS = 10_000  # layer weights a config may give
-
-
-MAX_LAYER_WEIGHT = 1e100  # a layer weight's bound: the weights, their sum and capacity x layers x weight stay finite
-
-
-def _weight(w) -> bool:
-    """``w`` is a positive number at most `MAX_LAYER_WEIGHT` (compared before any float conversion)."""
-    if isinstance(w, bool) or not isinstance(w, (int, float)):
-        return False
-    if isinstance(w, int):
-        return 0 < w <= MAX_LAYER_WEIGHT
-    return math.isfinite(w) and 0 < w <= MAX_LAYER_WEIGHT
-
-
-def layer_weights(value) -> tuple[float, ...]:
-    """``layer_budgets`` given as per-layer weights: a sequence of positive finite numbers (each at most
-    `MAX_LAYER_WEIGHT`), or the path of a JSON file holding one (a list, or an object with a ``weights``
-    list; read bounded: at most 16 MiB, numbers finite), as a tuple of floats.
-
-    Raises:
-        ConfigError: naming the value (or file) and what is allowed.
-    """
-    allowed = (f"allowed: {', '.join(LAYER_BUDGETS)}, per-layer weights (1 to {MAX_LAYERS} positive numbers, each at "
-               f"most {MAX_LAYER_WEIGHT:g}) or the path of a JSON file holding them (a list, or {{\"weights\": [...]}})")
-    source = "layer_budgets"
-    if isinstance(value, str):
-        path = Path(value)
-        if not path.is_file():
-            what = "a directory, not a file" if path.is_dir() else "no such file"
-            raise ConfigError(f"layer_budgets={short(value)} is not supported ({what}); {allowed}")
-        value = read_json(path, "layer_budgets file", ConfigError, bounded=True)
-        if isinstance(value, dict):
-            value = value.get("weights")
-        source = f"layer_budgets file {short(str(path))}"
-    if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_LAYERS
-            or not all(_weight(w) for w in value)):
-        raise ConfigError(f"{source} holds {short(value)}, not per-layer weights; {allowed}")
-    return tuple(float(w) for w in value)
-
-
-def fit_to_total(caps: list[int], total: int, floor: int, ceiling: int | None = None,
-                 order: list[int] | None = None) -> list[int]:
-    """``caps`` (per-layer capacities, tokens per KV head) moved one token at a time, layer by layer in ``order``
-    (default: first to last) and round again, until they sum to ``total``: a layer gains up to ``ceiling`` (default:
-    no limit) or loses down to ``floor``. Stops short of ``total`` only where the bounds forbid it. Used by the
-    ``pyramid`` and ``global`` layer budgets to round to the uniform total."""
-    caps, order = list(caps), list(range(len(caps))) if order is None else order
-    spare = total - sum(caps)
-    while spare != 0:
-        moved = False
-        for layer in order:
-            if spare > 0 and (ceiling is None or caps[layer] < ceiling):
-                caps[layer], spare, moved = caps[layer] + 1, spare - 1, True
-            elif spare < 0 and caps[layer] > floor:
-                caps[layer], spare, moved = caps[layer] - 1, spare + 1, True
-            if spare == 0:
-                break
-        if not moved:
-            break
-    return caps
 
 
 def check_usable(config: CompressionConfig, capacity: int | None = None, frozen: bool = False) -> CompressionConfig:

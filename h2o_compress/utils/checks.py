@@ -3,6 +3,8 @@ value with one [`ConfigError`][h2o_compress.utils.errors.ConfigError] naming the
 
 from __future__ import annotations
 
+import math
+
 from h2o_compress.utils.errors import ConfigError, short
 
 
@@ -12,6 +14,20 @@ def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximu
         raise ConfigError(
             f"{name}={short(value)} is invalid; allowed: an integer >= {minimum} ({unit}), at most {maximum}"
         )
+    return value
+
+
+def check_number(name: str, value, allowed: str) -> float:
+    """``value`` if it is a finite int or float (not a bool). Raises ConfigError naming the option (``is not a
+    number`` or ``is not finite``) and ``allowed`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={short(value)} is not a number; allowed: {allowed}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (a config file may hold one of 4,000 digits)
+        finite = False
+    if not finite:
+        raise ConfigError(f"{name}={short(value)} is not finite; allowed: {allowed}")
     return value
 
 

@@ -1,0 +1,150 @@
+"""`StorageSpec`: how a setting stores its keys and values (bits, format, groups, full-precision window, rotation,
+8-bit share and key offsets), checked on its own.
+
+[`CompressionConfig`][h2o_compress.config.CompressionConfig] keeps these settings as flat fields (its keywords,
+config files, CLI flags and saved caches name them so) and builds one of these from them (``config.storage``),
+which checks them: the storage fields are checked here, once, and what a format supports is read from its class
+(`h2o_compress.formats.FORMATS`: ``supported_bits``, ``rotates``, ``mixed_precision``, ``compilable``). What
+combines storage with the other parts (the decode kernel, the head layout) the config checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h2o_compress.formats import FORMATS, GROUP_SIZES
+from h2o_compress.utils.checks import check_number
+from h2o_compress.utils.errors import ConfigError, short
+
+#: Bit widths keys and values may be stored in (16: not quantized).
+ALLOWED_BITS = (4, 8, 16)
+#: ``key_offsets``: ``none``, or keys stored around a calibrated mean (KVQuant).
+KEY_OFFSETS = ("none", "calibrated")
+MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
+
+
+def key_offsets_conflict(what: str, allowed: str) -> ConfigError:
+    """The error for ``key_offsets='calibrated'`` with a setting it does not work with (``what``), naming what is
+    ``allowed``; used here and by the config for the conflicts with the other parts."""
+    return ConfigError(f"key_offsets='calibrated' stores 4- or 8-bit int keys around a calibrated mean, "
+                       f"but {what}; allowed: {allowed}, or key_offsets 'none'")
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How keys and values are stored; checked when made (the fields mean what
+    [`CompressionConfig`][h2o_compress.config.CompressionConfig]'s fields of the same names mean).
+
+    Args:
+        kv_bits: bits of stored keys and values: 16 (no quantization), 8 or 4.
+        k_bits: bits of the keys, overriding ``kv_bits`` (``None``: ``kv_bits``).
+        v_bits: bits of the values, overriding ``kv_bits`` (``None``: ``kv_bits``).
+        quant: the format family, a key of `h2o_compress.formats.FORMATS`.
+        group_size: elements of ``head_dim`` sharing one scale: one of `h2o_compress.formats.GROUP_SIZES`.
+        residual: newest tokens kept in full precision, 0 to `MAX_RESIDUAL`.
+        rotate: Hadamard rotation before quantization (formats that declare ``rotates``).
+        high_bits_fraction: share in [0, 1] of the stored 4-bit tokens kept at 8 bits (a format that declares
+            ``mixed_precision``). Here, not in the layout: it is a second precision of the stored tokens.
+        key_offsets: ``none`` or ``calibrated`` (4- or 8-bit ``int`` keys around a calibrated mean, not with
+            ``high_bits_fraction``). Here: it changes how keys are stored.
+
+    Raises:
+        ConfigError: the first value out of range or unsupported by the format, naming it and what is allowed.
+    """
+
+    kv_bits: int = 16
+    k_bits: int | None = None
+    v_bits: int | None = None
+    quant: str = "int"
+    group_size: int = 32
+    residual: int = 3
+    rotate: bool = True
+    high_bits_fraction: float = 0.0
+    key_offsets: str = "none"
+
+    def __post_init__(self) -> None:
+        self._check_bits()
+        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
+            raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: "
+                              f"{', '.join(map(str, GROUP_SIZES))}")
+        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
+            raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
+        if self.residual > MAX_RESIDUAL:
+            raise ConfigError(
+                f"residual={short(self.residual)} is too large: the window stays in full precision, so nothing would be "
+                f"quantized; allowed: an integer from 0 to {MAX_RESIDUAL} (tokens)"
+            )
+        if not isinstance(self.rotate, bool):
+            raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
+        self._check_high_bits()
+        self._check_key_offsets()
+
+    def _check_bits(self) -> None:
+        """``kv_bits`` / ``k_bits`` / ``v_bits``, ``quant``, and the bits ``quant``'s format stores."""
+        for name in ("kv_bits", "k_bits", "v_bits"):
+            value = getattr(self, name)
+            if value is None and name != "kv_bits":
+                continue
+            if type(value) is not int or value not in ALLOWED_BITS:
+                raise ConfigError(f"{name}={short(value)} is not supported; allowed: 4, 8, 16")
+        if not isinstance(self.quant, str) or self.quant not in FORMATS:
+            raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(FORMATS)}")
+        stored = self.format.supported_bits
+        for bits in {self.key_bits, self.value_bits} - {16} - set(stored):
+            width = "/".join(map(str, stored))
+            article = "an" if width.startswith("8") else "a"
+            raise ConfigError(f"quant={self.quant!r} is {article} {width}-bit format, not {bits}-bit; allowed kv bits with it: "
+                              f"{', '.join(map(str, (*stored, 16)))}")
+
+    def _check_high_bits(self) -> None:
+        """``high_bits_fraction``: a number in [0, 1]; above 0 only with 4-bit keys or values of a format that
+        declares ``mixed_precision``."""
+        fraction = check_number("high_bits_fraction", self.high_bits_fraction, "a number in [0, 1]")
+        if not 0 <= fraction <= 1:
+            raise ConfigError(f"high_bits_fraction={short(self.high_bits_fraction)} is out of range; allowed: [0, 1]")
+        if fraction > 0 and (not self.format.mixed_precision or 4 not in (self.key_bits, self.value_bits)):
+            raise ConfigError(
+                f"high_bits_fraction={fraction!r} keeps some 4-bit tokens at 8 bits, but keys are {self.key_bits}-bit "
+                f"and values {self.value_bits}-bit with quant={self.quant!r}; allowed: kv_bits (or k_bits / v_bits) "
+                "4 with quant 'int', or high_bits_fraction 0"
+            )
+
+    def _check_key_offsets(self) -> None:
+        """``key_offsets``: ``none`` or ``calibrated``; ``calibrated`` only with 4- or 8-bit ``int`` keys and no
+        8-bit share (``high_bits_fraction`` 0)."""
+        if not isinstance(self.key_offsets, str) or self.key_offsets not in KEY_OFFSETS:
+            raise ConfigError(f"key_offsets={short(self.key_offsets)} is not supported; allowed: "
+                              f"{', '.join(KEY_OFFSETS)}")
+        if self.key_offsets == "none":
+            return
+        if self.key_bits == 16 or self.quant != "int":
+            raise key_offsets_conflict(f"keys are {self.key_bits}-bit with quant={self.quant!r}",
+                                       "kv_bits (or k_bits) 4 or 8 with quant 'int'")
+        if self.high_bits_fraction > 0:
+            raise key_offsets_conflict(f"high_bits_fraction={self.high_bits_fraction!r}", "high_bits_fraction 0")
+
+    @property
+    def key_bits(self) -> int:
+        """Bits of stored keys (``k_bits`` if set, else ``kv_bits``)."""
+        return self.k_bits if self.k_bits is not None else self.kv_bits
+
+    @property
+    def value_bits(self) -> int:
+        """Bits of stored values (``v_bits`` if set, else ``kv_bits``)."""
+        return self.v_bits if self.v_bits is not None else self.kv_bits
+
+    @property
+    def format(self):
+        """The format family of ``quant`` (a [`KVQuantizer`][h2o_compress.formats.KVQuantizer] class)."""
+        return FORMATS[self.quant]
+
+    @property
+    def quantized(self) -> bool:
+        """True when keys or values are stored below 16 bits."""
+        return min(self.key_bits, self.value_bits) < 16
+
+    @property
+    def compilable(self) -> bool:
+        """Whether the decode step can be traced by ``torch.compile``: 16 bits, or a format that declares it
+        (``compilable``)."""
+        return not self.quantized or self.format.compilable
