@@ -167,11 +167,14 @@ BACKENDS = {backend.name: backend for backend in (TorchDecode, CpuDecode, Triton
 def choose(layer):
     """The backend of ``layer`` at its first token (`decode_kernel` for its
     device, dtypes, head dim and formats; the torch form where a part needs it: mixed precision's low planes, a
-    pool whose head tags the CPU kernel cannot read, and any pool on the Triton op, which reads per-head slots)."""
+    pool whose head tags the CPU kernel cannot read, any pool on the Triton op, which reads per-head slots, and
+    values held at another width than the keys, which both kernels read at the keys' head dim)."""
     setting, geometry = layer.setting, layer.geometry
     kernel = decode_kernel(setting.attention_kernel, geometry.device, geometry.dtype, geometry.residual_dtype,
                            geometry.head_dim, (setting.key_quantizer, setting.value_quantizer), layer.layer_idx)
     owner = getattr(layer.store, "owner", None)
     if layer.store.refine is not None or (owner is not None and (kernel == "triton" or owner.dtype != torch.int8)):
+        kernel = "torch"
+    if geometry.value_dim != geometry.head_dim:
         kernel = "torch"
     return BACKENDS[kernel]()

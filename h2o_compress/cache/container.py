@@ -188,13 +188,15 @@ class CompressedCache(Cache):
 
     def full_fp16_nbytes(self) -> int:
         """Bytes the uncompressed fp16 cache would hold for the tokens seen:
-        ``2 x layers x kv_heads x head_dim x tokens x batch x 2``."""
+        ``layers x kv_heads x (head_dim + value_dim) x tokens x batch x 2`` (``value_dim``: the width the layers
+        hold values at)."""
         ready = [layer for layer in self.layers if layer.is_initialized]
         if not ready:
             return 0
         layer = ready[0]
         geometry = layer.geometry
-        return 2 * len(self.layers) * geometry.kv_heads * geometry.head_dim * int(layer.counters.seen) * geometry.batch * 2
+        widths = geometry.head_dim + geometry.value_dim
+        return len(self.layers) * geometry.kv_heads * widths * int(layer.counters.seen) * geometry.batch * 2
 
     def frozen_copy(self, max_length: int) -> "CompressedCache":
         """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
@@ -231,7 +233,7 @@ def _layer_policy(config: CompressionConfig, calibration, idx: int):
 def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
     capacities: list[int] | None = None, spans: tuple[LayerSpan, ...] = (), torch_decode: str | None = None,
-    calibration=None,
+    calibration=None, value_dim: int | None = None,
 ) -> list[CompressedLayer]:
     """One [`CompressedLayer`][h2o_compress.cache.CompressedLayer] per model layer for ``config`` (see [`h2o_compress.make_cache`][h2o_compress.make_cache]), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
@@ -242,10 +244,13 @@ def build_layers(
     and chunked layers, and every layer where ``torch_decode`` gives a reason (a softmax the fast kernels do not
     run: soft-cap, sink logits, values of another head dim), decode in the torch form. A policy fitted per model
     gets layer ``i``'s weights from ``calibration`` (a [`Calibration`][h2o_compress.persistence.Calibration]).
+    Values of another head dim than the keys (``value_dim``: the model's, e.g. multi-head latent attention) are held
+    at their own width (`held_value_dim`).
 
     Raises:
         ConfigError: a group size that does not divide ``head_dim``.
     """
+    held = held_value_dim(config, head_dim, value_dim)
     if capacities is None:
         capacities = config.layer_capacities(capacity, num_layers)
     mixed = config.high_bits_fraction > 0  # mixed precision by importance (cache/refinement.py)
@@ -259,7 +264,7 @@ def build_layers(
                 _layer_policy(config, calibration, idx),
                 capacities[idx],
                 make_quantizer(config.key_bits, config.quant, config.group_size, head_dim, config.rotate),
-                make_quantizer(config.value_bits, config.quant, config.group_size, head_dim, config.rotate),
+                make_quantizer(config.value_bits, config.quant, config.group_size, held or head_dim, config.rotate),
                 residual=config.residual,
                 score_chunk_size=config.score_chunk_size,
                 attention_kernel=kernel,
@@ -267,6 +272,7 @@ def build_layers(
                 span=span,
                 head_adaptive=config.head_budgets == "adaptive" and capacities[idx] is not None,
                 high_bits_fraction=config.high_bits_fraction,
+                value_dim=held,
             )
         )
     if mixed and config.layer_budgets == "global" and capacity is not None:  # the planner counts uniform's rows
@@ -279,6 +285,17 @@ def build_layers(
     for layer in layers:
         layer.num_layers = num_layers
     return layers
+
+
+def held_value_dim(config: CompressionConfig, head_dim: int, value_dim: int | None) -> int | None:
+    """The width a layer holds values of head dim ``value_dim`` at, beside keys of ``head_dim``: ``value_dim``
+    itself at 16 bits, else rounded up to a multiple of ``config.group_size`` (the quantized format's groups);
+    ``None`` where that is the keys' head dim (or ``value_dim`` is ``None``)."""
+    if value_dim is None:
+        return None
+    if config.value_bits < 16:
+        value_dim = -(-value_dim // config.group_size) * config.group_size
+    return None if value_dim == head_dim else value_dim
 
 
 def frozen_layer(layer: CompressedLayer, extra_tokens: int) -> CompressedLayer:

@@ -33,7 +33,7 @@ from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values
 
 
 #: The keyword arguments of a layer's store layout (the rest of `LayerSetting`'s fields are named arguments).
-LAYOUT = {"head_adaptive", "high_bits_fraction", "refined_per_head"}
+LAYOUT = {"head_adaptive", "high_bits_fraction", "refined_per_head", "value_dim"}
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -123,6 +123,11 @@ class CompressedLayer(CacheLayerMixin):
         return self.geometry.head_dim
 
     @property
+    def value_dim(self):
+        """``geometry.value_dim``: the width values are held at."""
+        return self.geometry.value_dim
+
+    @property
     def dtype(self):
         """``geometry.dtype``: the model's dtype."""
         return self.geometry.dtype
@@ -173,7 +178,8 @@ class CompressedLayer(CacheLayerMixin):
         self.store = make_store(self.setting, geometry, key_states.shape[2])
         if self.setting.residual:
             shape = (geometry.batch, geometry.kv_heads, self.setting.residual, geometry.head_dim)
-            self.ring = RingWindow(shape, geometry.residual_dtype, geometry.device, self.setting.with_scores)
+            self.ring = RingWindow(shape, geometry.residual_dtype, geometry.device, self.setting.with_scores,
+                                   value_dim=geometry.value_dim)
         self.counters = Counters.zeros(geometry.batch, geometry.device)
         self.backend = backends.choose(self)
         self.is_initialized = True
@@ -217,13 +223,17 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- a step: update (cache in), attend (attention, scores, eviction) -------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Take ``[batch, kv_heads, new, head_dim]`` keys/values; return what attention reads (in the storage
-        bases, which the ``h2o_compress`` attention function undoes; values narrower than the keys, MLA, are held
-        zero-padded). Raises CacheStateError (the previous step's attention did not run through ``h2o_compress``,
-        or the shapes changed) or InputError (non-finite keys/values in a multi-token step; decode steps set a
-        flag read once per generation: [`check`][h2o_compress.cache.CompressedCache.check])."""
-        if value_states.shape[-1] != key_states.shape[-1]:
-            keys, values = self.update(key_states, pad_values(value_states, key_states.shape[-1], self.layer_idx))
+        """Take ``[batch, kv_heads, new, head_dim]`` keys and ``[batch, kv_heads, new, value_dim]`` values; return
+        what attention reads (in the storage bases, which the ``h2o_compress`` attention function undoes; values of
+        another width than the layer holds, MLA, are held zero-padded to it: the setting's ``value_dim``, else the
+        keys' head dim). Raises CacheStateError (the previous step's attention did not run through
+        ``h2o_compress``, or the shapes changed), InputError (non-finite keys/values in a multi-token step; decode
+        steps set a flag read once per generation: [`check`][h2o_compress.cache.CompressedCache.check]) or
+        UnsupportedModelError (values wider than the layer holds)."""
+        width = self.setting.value_dim or key_states.shape[-1]
+        if value_states.shape[-1] != width:
+            held_at = "the keys'" if self.setting.value_dim is None else "the layer's value width"
+            keys, values = self.update(key_states, pad_values(value_states, width, self.layer_idx, held_at))
             return keys, values[..., : value_states.shape[-1]]
         self._check_step(key_states)
         if not self.is_initialized:

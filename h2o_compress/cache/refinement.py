@@ -46,8 +46,8 @@ NAMES = ("keys", "values")
 
 
 class RefinedPlanes:
-    """Low planes ``{keys, values}`` uint8 ``[batch, kv_heads, rows, head_dim / 2]`` (only the split tensors) and
-    the slot of each row, int32 ``[batch, kv_heads, rows]`` (``-1``: free).
+    """Low planes ``{keys, values}`` uint8 ``[batch, kv_heads, rows, head_dim / 2]`` (values: ``value_dim / 2``;
+    only the split tensors) and the slot of each row, int32 ``[batch, kv_heads, rows]`` (``-1``: free).
 
     Args:
         rows: refined tokens per sequence and KV head (``ceil(fraction x slots)``).
@@ -56,11 +56,15 @@ class RefinedPlanes:
         head_dim: the layer's head dim.
         names: which of ``keys``/``values`` are split (4-bit).
         device: where the buffers live.
+        value_dim: the values' width (``None``: ``head_dim``).
     """
 
-    def __init__(self, rows: int, batch: int, kv_heads: int, head_dim: int, names: tuple[str, ...], device):
+    def __init__(self, rows: int, batch: int, kv_heads: int, head_dim: int, names: tuple[str, ...], device,
+                 value_dim: int | None = None):
         self.slots = torch.full((batch, kv_heads, rows), -1, dtype=torch.int32, device=device)
-        self.low = {n: torch.zeros(batch, kv_heads, rows, head_dim // 2, dtype=torch.uint8, device=device) for n in names}
+        width = {"keys": head_dim, "values": value_dim or head_dim}
+        self.low = {n: torch.zeros(batch, kv_heads, rows, width[n] // 2, dtype=torch.uint8, device=device)
+                    for n in names}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer, by name (``slots``, ``keys.data``, ``values.data``)."""

@@ -12,20 +12,22 @@ import torch
 
 
 class RingWindow:
-    """Keys/values ``[batch, kv_heads, size, head_dim]``, positions int32 ``[batch, size]``, scores fp32
-    ``[batch, kv_heads, size]`` (or ``None``).
+    """Keys ``[batch, kv_heads, size, head_dim]``, values ``[batch, kv_heads, size, value_dim]``, positions int32
+    ``[batch, size]``, scores fp32 ``[batch, kv_heads, size]`` (or ``None``).
 
     Args:
         shape: ``(batch, kv_heads, size, head_dim)``; ``size >= 1``.
         dtype: dtype of the window (fp16 for fp32 models: its bytes count, DESIGN.md §2).
         device: where the buffers live.
         with_scores: keep a score per slot.
+        value_dim: the values' width (``None``: ``head_dim``).
     """
 
-    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, with_scores: bool):
-        batch, heads, size, _ = shape
+    def __init__(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, with_scores: bool,
+                 value_dim: int | None = None):
+        batch, heads, size, head_dim = shape
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, size, value_dim or head_dim, dtype=dtype, device=device)
         self.positions = torch.full((batch, size), -1, dtype=torch.int32, device=device)
         self.scores = torch.zeros(batch, heads, size, device=device) if with_scores else None
 

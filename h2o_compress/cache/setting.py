@@ -43,6 +43,10 @@ class LayerSetting:
         high_bits_fraction: mixed precision by importance (``cache/refinement.py``).
         refined_per_head: mixed precision by importance (``cache/refinement.py``).
         head_adaptive: the store is one pool per layer shared by the KV heads (Ada-KV, ``cache/slot_pool.py``).
+        value_dim: the width values are held at where it is not the keys' head dim (values of another head dim than
+            the keys, e.g. multi-head latent attention's rotary key beside its latent: the model's value head dim,
+            rounded up to a multiple of the value format's group), or ``None``: the keys' head dim (narrower values
+            are then held zero-padded to it).
     """
 
     policy: EvictionPolicy
@@ -57,6 +61,7 @@ class LayerSetting:
     head_adaptive: bool = False
     high_bits_fraction: float = 0.0
     refined_per_head: int | None = None
+    value_dim: int | None = None
     evicts: bool = dataclasses.field(init=False)
     with_scores: bool = dataclasses.field(init=False)
 
@@ -91,7 +96,8 @@ class LayerSetting:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"{name}={short(getattr(self, name))} is invalid; allowed: a {kind.__name__}")
         for name, least, optional in (("capacity", 1, True), ("max_tokens", 1, True), ("residual", 0, False),
-                                      ("score_chunk_size", 1, False), ("refined_per_head", 0, True)):
+                                      ("score_chunk_size", 1, False), ("refined_per_head", 0, True),
+                                      ("value_dim", 1, True)):
             value = getattr(self, name)
             if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)
                                                 and value >= least):

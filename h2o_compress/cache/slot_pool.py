@@ -33,16 +33,17 @@ class SlotPool(SlotStore):
         with_norms: as [`SlotStore`][h2o_compress.cache.SlotStore].
         value_basis: as [`SlotStore`][h2o_compress.cache.SlotStore].
         value_weight: as [`SlotStore`][h2o_compress.cache.SlotStore].
+        value_dim: as [`SlotStore`][h2o_compress.cache.SlotStore].
     """
 
     def __init__(
         self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
         dtype: torch.dtype, device: torch.device, with_scores: bool, with_norms: bool = False,
-        value_basis: torch.Tensor | None = None, value_weight=None,
+        value_basis: torch.Tensor | None = None, value_weight=None, value_dim: int | None = None,
     ):
         batch, heads, slots, head_dim = shape
         super().__init__(key_quantizer, value_quantizer, (batch, 1, slots, head_dim), dtype, device, with_scores,
-                         with_norms, value_basis, value_weight)
+                         with_norms, value_basis, value_weight, value_dim)
         self.heads = heads
         tag = torch.int8 if heads <= 127 else torch.int16
         self.owner = torch.zeros(batch, 1, slots, dtype=tag, device=device)

@@ -54,21 +54,23 @@ class SlotStore:
         with_norms: keep each stored value's L1 norm (`norms`), for policies whose priority weighs values.
         value_basis: the orthonormal, symmetric basis ``[head_dim, head_dim]`` values are held in (``None``: the
             model's); the norms are taken in the model's basis.
-        value_weight: what `norms` holds for values ``[batch, rows, n, head_dim]`` in the model's basis (fp32
+        value_weight: what `norms` holds for values ``[batch, rows, n, value_dim]`` in the model's basis (fp32
             ``[batch, rows, n]``; the policy's
             [`value_weight`][h2o_compress.policies.EvictionPolicy.value_weight]); ``None``: their L1 norms
             (`h2o_compress.policies.base.value_l1_norm`).
+        value_dim: the values' width (``None``: ``head_dim``; the value format must take that width).
     """
 
     def __init__(
         self, key_quantizer: KVQuantizer, value_quantizer: KVQuantizer, shape: tuple[int, int, int, int],
         dtype: torch.dtype, device: torch.device, with_scores: bool, with_norms: bool = False,
-        value_basis: torch.Tensor | None = None, value_weight=None,
+        value_basis: torch.Tensor | None = None, value_weight=None, value_dim: int | None = None,
     ):
         batch, heads, slots, head_dim = shape
         probe = torch.zeros(1, 1, 1, head_dim, dtype=dtype)  # on the CPU: learns each format's parts
+        value_probe = torch.zeros(1, 1, 1, value_dim or head_dim, dtype=dtype)
         self.keys = StoredTensor.zeros_like_probe(key_quantizer.quantize(probe), batch, heads, slots, device)
-        self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(probe), batch, heads, slots, device)
+        self.values = StoredTensor.zeros_like_probe(value_quantizer.quantize(value_probe), batch, heads, slots, device)
         self.positions = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
         self.scores = torch.zeros(batch, heads, slots, device=device) if with_scores else None
         self.norms = torch.zeros(batch, heads, slots, device=device) if with_norms else None

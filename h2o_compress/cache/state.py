@@ -28,13 +28,14 @@ def rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Geometry:
-    """A layer's shapes and dtypes, from its first keys ``[batch, kv_heads, tokens, head_dim]``.
+    """A layer's shapes and dtypes, from its first keys ``[batch, kv_heads, tokens, head_dim]`` and its setting.
 
     Attributes:
         residual_dtype: dtype of the ring and of 16-bit storage (fp16 for an fp32 model's quantized cache: its
             bytes count, DESIGN.md §2).
         key_basis: fp32 ``[head_dim, head_dim]`` Hadamard bases tokens are held in, or ``None``.
-        value_basis: fp32 ``[head_dim, head_dim]`` Hadamard bases tokens are held in, or ``None``.
+        value_basis: fp32 ``[value_dim, value_dim]`` Hadamard bases tokens are held in, or ``None``.
+        value_dim: the width values are held at (the setting's ``value_dim``; ``None`` given: ``head_dim``).
     """
 
     batch: int
@@ -45,6 +46,11 @@ class Geometry:
     residual_dtype: torch.dtype
     key_basis: torch.Tensor | None
     value_basis: torch.Tensor | None
+    value_dim: int | None = None
+
+    def __post_init__(self):
+        if self.value_dim is None:
+            self.value_dim = self.head_dim
 
     @classmethod
     def of(cls, keys: torch.Tensor, setting) -> "Geometry":
@@ -53,7 +59,8 @@ class Geometry:
         quantized, device = setting.quantized, keys.device
         residual_dtype = torch.float16 if quantized and keys.dtype == torch.float32 else keys.dtype
         return cls(keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype, device, residual_dtype,
-                   setting.key_quantizer.rotation(device), setting.value_quantizer.rotation(device))
+                   setting.key_quantizer.rotation(device), setting.value_quantizer.rotation(device),
+                   setting.value_dim or keys.shape[3])
 
     def check(self, keys: torch.Tensor, layer_idx: int) -> None:
         """Refuse keys of another batch, head count, head dim, dtype or device than the cache holds.
@@ -75,8 +82,9 @@ class Geometry:
             )
 
     def to_storage(self, keys: torch.Tensor, values: torch.Tensor, fused: bool = False):
-        """New ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` in the storage bases and the residual dtype
-        (``fused``: a compiled Triton step's one token, rotated as Inductor fuses it: `rotate_token`)."""
+        """New ``keys`` ``[batch, kv_heads, n, head_dim]`` and ``values`` ``[batch, kv_heads, n, value_dim]`` in the
+        storage bases and the residual dtype (``fused``: a compiled Triton step's one token, rotated as Inductor fuses
+        it: `rotate_token`)."""
         turn = rotate_token if fused and keys.shape[2] == 1 and torch.compiler.is_compiling() else rotate
         if self.key_basis is not None:
             keys = turn(keys, self.key_basis)
@@ -130,18 +138,26 @@ class Counters:
         return {"seen": self.seen, "first_real": self.first_real, "finite": self.finite, "consistent": self.consistent}
 
 
-def pad_values(values: torch.Tensor, head_dim: int, layer_idx: int) -> torch.Tensor:
-    """Values ``[batch, kv_heads, tokens, value_dim]`` zero-padded to the keys' ``head_dim`` (multi-head latent
+def pad_values(values: torch.Tensor, width: int, layer_idx: int, held_at: str = "the keys'") -> torch.Tensor:
+    """Values ``[batch, kv_heads, tokens, value_dim]`` zero-padded to the ``width`` the layer holds them at,
+    ``[batch, kv_heads, tokens, width]``: the keys' head dim, or the setting's ``value_dim`` (multi-head latent
     attention, DeepSeek-V2 arXiv 2405.04434 §2.1, as transformers computes it: keys and values of different head
     dims; zeros add nothing to the attention output, whose padding is dropped).
 
+    Args:
+        values: ``[batch, kv_heads, tokens, value_dim]``.
+        width: the held width, ``>= value_dim``.
+        layer_idx: the layer, for the message.
+        held_at: what ``width`` is, for the message.
+
     Raises:
-        UnsupportedModelError: values wider than keys.
+        UnsupportedModelError: values wider than ``width``.
     """
-    if values.shape[-1] > head_dim:
-        raise UnsupportedModelError(f"layer {layer_idx}: values of head dim {values.shape[-1]} wider than the keys' "
-                                    f"{head_dim}; h2o-compress holds values of at most the keys' head dim")
-    return torch.nn.functional.pad(values, (0, head_dim - values.shape[-1]))
+    if values.shape[-1] > width:
+        raise UnsupportedModelError(f"layer {layer_idx}: values of head dim {values.shape[-1]} wider than {held_at} "
+                                    f"{width}; h2o-compress holds values of at most that width (make_cache builds "
+                                    "the layers for the model's value head dim)")
+    return torch.nn.functional.pad(values, (0, width - values.shape[-1]))
 
 
 def check_fits(probe, keys: torch.Tensor, num_layers: int) -> None:

@@ -19,9 +19,9 @@ def make_store(setting: LayerSetting, geometry, first_tokens: int) -> SlotStore:
     store = kind(setting.key_quantizer, setting.value_quantizer, (geometry.batch, heads, slots, geometry.head_dim),
                  geometry.residual_dtype, geometry.device, setting.with_scores,
                  with_norms=setting.with_scores and setting.policy.weighs_values, value_basis=geometry.value_basis,
-                 value_weight=setting.policy.value_weight)
+                 value_weight=setting.policy.value_weight, value_dim=geometry.value_dim)
     if setting.high_bits_fraction > 0:
         rows = refined_rows(setting.high_bits_fraction, setting.refined_per_head, store)
         store.refine = RefinedPlanes(rows, geometry.batch, store.positions.shape[1], geometry.head_dim,
-                                     setting.split_names, geometry.device)
+                                     setting.split_names, geometry.device, value_dim=geometry.value_dim)
     return store

@@ -270,7 +270,7 @@ def load_cache(path, model, config=None):
     calibration = calibration_for(saved, model)
     layers = build_layers(saved, dims.num_layers, dims.head_dim, capacity, max_tokens=max_tokens,
                           capacities=capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims),
-                          calibration=calibration)
+                          calibration=calibration, value_dim=dims.value_head_dim)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
         if layer.capacity != state["capacity"]:
             raise CacheFileError(

@@ -114,12 +114,13 @@ def cache_bytes(
     # a sliding or chunked layer holds at most its window (cache/span.py): one layer sized per distinct span
     if config.layer_budgets in ("uniform", "global"):
         spans = Counter(dims.spans or (FULL_SPAN,) * dims.num_layers)
-        layers = [build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length, spans=(span,))[0]
+        layers = [build_layers(config, 1, dims.head_dim, capacity, max_tokens=max_length, spans=(span,),
+                               value_dim=dims.value_head_dim)[0]
                   for span in spans]
         repeats = list(spans.values())
     else:
         layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
-                              spans=dims.spans)
+                              spans=dims.spans, value_dim=dims.value_head_dim)
         repeats = [1] * len(layers)
     for layer, repeat in zip(layers, repeats):
         layer.lazy_initialization(empty, empty)

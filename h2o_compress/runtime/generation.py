@@ -60,7 +60,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     calibration = calibration_for(config, model)
     layers = build_layers(config, dims.num_layers, dims.head_dim, capacity, max_tokens=max_length,
                           capacities=layer_capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims),
-                          calibration=calibration)
+                          calibration=calibration, value_dim=dims.value_head_dim)
     use_key_offsets(layers, config, model, calibration)  # key_offsets="calibrated": keys around the calibrated mean
     use_h2o_attention(model)
     cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
