@@ -64,6 +64,12 @@ def parse_budget(text: str) -> float | int:
 class CompressionConfig:
     """How to compress the KV cache: an eviction policy followed by a quantizer.
 
+    The one public entry of a setting: every setting is a flat field here (the keywords, config files, CLI flags and
+    saved caches name them so). The storage fields make up [`storage`][h2o_compress.config.CompressionConfig.storage]
+    (a [`StorageSpec`][h2o_compress.formats.storage.StorageSpec]) and ``layer_budgets`` / ``head_budgets``
+    [`layout`][h2o_compress.config.CompressionConfig.layout] (a [`LayoutSpec`][h2o_compress.layout.LayoutSpec]); each
+    checks its own fields, and this class checks the rest and what combines the parts.
+
     Args:
         policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``h2o-mean`` (heavy hitters
             ranked by mean instead of summed attention), ``vatp`` (heavy hitters ranked by accumulated attention x
