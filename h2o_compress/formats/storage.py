@@ -16,8 +16,9 @@ from h2o_compress.formats import FORMATS, GROUP_SIZES
 from h2o_compress.utils.checks import check_number
 from h2o_compress.utils.errors import ConfigError, short
 
-#: Bit widths keys and values may be stored in (16: not quantized).
-ALLOWED_BITS = (4, 8, 16)
+#: Bit widths keys and values may be stored in: 16 (not quantized) and those a format stores (its
+#: ``supported_bits``): 4, 8, 16.
+ALLOWED_BITS = tuple(sorted({16}.union(*(family.supported_bits for family in FORMATS.values()))))
 #: ``key_offsets``: ``none``, or keys stored around a calibrated mean (KVQuant).
 KEY_OFFSETS = ("none", "calibrated")
 MAX_RESIDUAL = 4096  # a full-precision window longer than this is no longer compression
@@ -86,7 +87,8 @@ class StorageSpec:
             if value is None and name != "kv_bits":
                 continue
             if type(value) is not int or value not in ALLOWED_BITS:
-                raise ConfigError(f"{name}={short(value)} is not supported; allowed: 4, 8, 16")
+                raise ConfigError(f"{name}={short(value)} is not supported; allowed: "
+                                  f"{', '.join(map(str, ALLOWED_BITS))}")
         if not isinstance(self.quant, str) or self.quant not in FORMATS:
             raise ConfigError(f"unknown quant backend {short(self.quant)}; allowed: {', '.join(FORMATS)}")
         stored = self.format.supported_bits
