@@ -33,8 +33,11 @@ ATTENTION_KERNELS = ("auto", "torch", "triton")
 DEFAULT_MIN_CAPACITY = 192
 
 #: Tokens per forward pass of a prompt's prefill (``CompressionConfig.prefill_chunk_size``). Chosen with
-#: ``benchmarks/prefill_chunks.py`` (``benchmarks/results/prefill_chunks_cpu.md``).
-DEFAULT_PREFILL_CHUNK = 2048
+#: ``benchmarks/prefill_chunks.py`` on a 7,900-token SmolLM2 prompt, 1 thread
+#: (``benchmarks/results/prefill_chunks_cpu.md``):
+#: the smallest chunk within 1.05x of the one-pass time with h2o 0.2 int4 (0.84x; peak RSS growth 73 vs 855 MiB);
+#: uncompressed it measured 1.085x (no chunk was within 1.05x there: 1.07x to 1.16x; 440 vs 928 MiB).
+DEFAULT_PREFILL_CHUNK = 512
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
@@ -103,7 +106,7 @@ class CompressionConfig:
             streaming evaluation reads a text), so the model's activations (MLP intermediates, residual stream,
             attention over ``capacity + chunk`` keys) stay bounded by the chunk instead of growing with the prompt.
             ``0``: the whole prompt in one pass. A prompt of at most this many tokens runs in one pass either way.
-            Default 2048 (``DEFAULT_PREFILL_CHUNK``). A runtime choice: with budget 1.0 it changes the logits only
+            Default 512 (``DEFAULT_PREFILL_CHUNK``). A runtime choice: with budget 1.0 it changes the logits only
             by fp32 rounding; with eviction, tokens are scored and evicted before the whole prompt is read.
         attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
             one call of the native kernel of `h2o_compress.attention.cpu`, built once with the system C
@@ -213,7 +216,7 @@ class CompressionConfig:
         self._check_policy_options()
         self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
         self._check_head_budgets()
-        self._check_high_bits()
+        self._check_decode_kernel()
         self._check_calibration()
         self._check_key_offsets()
         if self.layer_budgets == "global" and not POLICIES[self.policy].scorer:
@@ -279,29 +282,38 @@ class CompressionConfig:
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
             )
 
-    def _check_high_bits(self) -> None:
-        """``high_bits_fraction`` above 0 (the storage checks the value and the bits) with a decode step that reads
-        the low planes (not the Triton op)."""
-        if self.high_bits_fraction > 0 and self.attention_kernel == "triton":
-            raise ConfigError(
+    def _check_decode_kernel(self) -> None:
+        """``attention_kernel='triton'`` with a part the Triton op does not read, declared here once (``auto`` falls
+        back to the torch form for them, `h2o_compress.cache.backends`): an adaptive layer's pool
+        (``head_budgets``), the 8-bit tokens' low planes (``high_bits_fraction``) and calibrated key offsets.
+
+        Raises:
+            ConfigError: naming the part and what is allowed.
+        """
+        if self.attention_kernel != "triton":
+            return
+        unread = (
+            (self.head_budgets == "adaptive", ConfigError(
+                "head_budgets='adaptive' with attention_kernel='triton': the Triton op reads per-head slots and an "
+                "adaptive layer pools them; allowed: attention_kernel='auto' or 'torch'")),
+            (self.high_bits_fraction > 0, ConfigError(
                 f"high_bits_fraction={self.high_bits_fraction!r} runs the torch decode step (the Triton op does not "
-                "read the 8-bit tokens' low planes); allowed: attention_kernel 'auto' or 'torch', or high_bits_fraction 0"
-            )
+                "read the 8-bit tokens' low planes); allowed: attention_kernel 'auto' or 'torch', or high_bits_fraction 0")),
+            (self.key_offsets != "none", key_offsets_conflict(
+                "attention_kernel='triton' (the op does not read the offsets)", "attention_kernel 'auto' or 'torch'")),
+        )
+        for part_set, error in unread:
+            if part_set:
+                raise error
 
     def _check_head_budgets(self) -> None:
-        """``head_budgets='adaptive'`` (the layout checks the value) with a policy that ranks across heads and a
-        decode step that reads a pool (not the Triton op)."""
+        """``head_budgets='adaptive'`` (the layout checks the value) with a policy that ranks across heads."""
         if self.head_budgets != "adaptive":
             return
         if not POLICIES[self.policy].shares_heads and self.policy != "full":
             raise ConfigError(
                 f"head_budgets='adaptive' with policy={self.policy!r}: it ranks every head's tokens alike, so there is "
                 f"nothing to share between heads; allowed policies: {', '.join(policy_names(shares_heads=True))}"
-            )
-        if self.attention_kernel == "triton":
-            raise ConfigError(
-                "head_budgets='adaptive' with attention_kernel='triton': the Triton op reads per-head slots and an "
-                "adaptive layer pools them; allowed: attention_kernel='auto' or 'torch'"
             )
 
     def _check_calibration(self) -> None:
@@ -314,17 +326,11 @@ class CompressionConfig:
                               "by h2o-compress calibrate")
 
     def _check_key_offsets(self) -> None:
-        """``key_offsets='calibrated'`` (the storage checks the value, the keys' format and the 8-bit share) with one
-        slot per head (``head_budgets='uniform'``) and a decode step that reads the offsets: the torch form or the
-        fallback to it. Whether the model's calibration holds key statistics is checked when its cache is made.
-        Raises ConfigError."""
-        if self.key_offsets == "none":
-            return
-        if self.head_budgets != "uniform":
+        """``key_offsets='calibrated'`` (the storage checks the value, the keys' format and the 8-bit share; the
+        decode kernel `_check_decode_kernel`) with one slot per head (``head_budgets='uniform'``). Whether the
+        model's calibration holds key statistics is checked when its cache is made. Raises ConfigError."""
+        if self.key_offsets != "none" and self.head_budgets != "uniform":
             raise key_offsets_conflict(f"head_budgets={self.head_budgets!r}", "head_budgets 'uniform'")
-        if self.attention_kernel == "triton":
-            raise key_offsets_conflict("attention_kernel='triton' (the op does not read the offsets)",
-                                       "attention_kernel 'auto' or 'torch'")
 
     def _check_policy_options(self) -> None:
         """``policy_options``: a mapping of option names no field of this class holds to values; ``None`` (not

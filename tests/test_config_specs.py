@@ -88,3 +88,14 @@ def test_the_layout_spreads_with_the_floor_it_is_given():
     assert LayoutSpec().layer_capacities(100, 4, lambda capacity: 1 / 0) == [100] * 4  # uniform: no floor asked
     config = CompressionConfig(budget=100, layer_budgets="pyramid")
     assert config.layer_capacities(100, 4) == layout.layer_capacities(100, 4, config.min_layer_capacity)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"policy": "h2o", "head_budgets": "adaptive"}, "the Triton op reads per-head slots"),
+    ({"kv_bits": 4, "high_bits_fraction": 0.5}, "the Triton op does not read the 8-bit tokens' low planes"),
+    ({"kv_bits": 4, "key_offsets": "calibrated"}, "but attention_kernel='triton' (the op does not read the offsets)"),
+])
+def test_each_part_the_triton_op_does_not_read_is_refused_with_it_and_fine_without(values, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        CompressionConfig(**values, attention_kernel="triton")
+    CompressionConfig(**values, attention_kernel="auto")
