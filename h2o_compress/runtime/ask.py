@@ -109,7 +109,8 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
             for kvzip).
         chat: apply the tokenizer's chat template.
         on_progress: receives ``(stage, done, total)`` during the scoring pass (`SCORING_STAGES`, once per chunk)
-            and the compressed prefill (`PREFILL_STAGE`, once per decoder layer); ``None``: the callback of an
+            and the compressed prefill (`PREFILL_STAGE`, once per decoder layer; once per chunk where the context
+            is fed in chunks of ``prefill_chunk_size``); ``None``: the callback of an
             enclosing `report_progress` (`h2o_compress.utils.progress`), if any. Nothing is printed.
 
     Returns:
