@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.config import ATTENTION_KERNELS
-from h2o_compress.formats import BitsAndBytesQuantizer, IntQuantizer, KVQuantizer
+from h2o_compress.formats import IntQuantizer, KVQuantizer, eager_only_formats
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies import EvictionPolicy
 from h2o_compress.cache.span import FULL_SPAN, LayerSpan
@@ -138,8 +138,8 @@ class LayerSetting:
     @property
     def compile_blocker(self) -> str | None:
         """Why the decode step cannot be compiled, or ``None``."""
-        if any(isinstance(q, BitsAndBytesQuantizer) for q in (self.key_quantizer, self.value_quantizer)):
-            return "the bitsandbytes formats (nf4, fp4, int8-blockwise) run eagerly only; use quant='int' to compile"
+        if not all(q.compilable for q in (self.key_quantizer, self.value_quantizer)):  # declared by each format
+            return f"the bitsandbytes formats ({eager_only_formats()}) run eagerly only; use quant='int' to compile"
         if self.growable:
             return "an unbounded cache without max_length grows as it goes; pass max_length to make_cache to compile"
         return None

@@ -18,6 +18,7 @@ __all__ = [
     "NoQuantizer",
     "hadamard_matrix",
     "make_quantizer",
+    "eager_only_formats",
     "FORMATS",
     "GROUP_SIZES",
     "check_group_size",
@@ -35,6 +36,12 @@ FORMATS: dict[str, type[KVQuantizer]] = {
     "fp4": FP4Quantizer,
     "int8-blockwise": Int8BlockwiseQuantizer,
 }
+
+
+def eager_only_formats() -> str:
+    """``nf4, fp4, int8-blockwise``: the names of the registered formats that do not compile (``compilable``
+    False), for the messages that refuse compiling them."""
+    return ", ".join(name for name, cls in FORMATS.items() if not cls.compilable)
 
 
 def make_quantizer(bits: int, quant: str, group_size: int, head_dim: int, rotate: bool = True) -> KVQuantizer:

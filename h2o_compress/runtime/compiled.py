@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from h2o_compress.cache import CompressedCache
+from h2o_compress.formats import eager_only_formats
 from h2o_compress.utils.errors import ConfigError, InputError
 from h2o_compress.models.weights import eager_only_reason
 
@@ -109,7 +110,7 @@ def check_compile(compile: bool | None, config) -> None:
         raise ConfigError(f"compile={compile!r} is invalid; allowed: True, False or None (auto)")
     if compile and not config.compilable:
         raise ConfigError(
-            f"compile=True with quant={config.quant!r}: the bitsandbytes formats (nf4, fp4, int8-blockwise) run "
+            f"compile=True with quant={config.quant!r}: the bitsandbytes formats ({eager_only_formats()}) run "
             "eagerly only; allowed: quant='int' with compile, or --no-compile"
         )
 
