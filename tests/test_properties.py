@@ -131,8 +131,8 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
         layer.awaiting_attention = False
         if count == 1:  # decode step: store slots then ring slots, validity from the slots
             positions = slot_positions(layer, seen + 1).masked_fill(~layer.backend.valid, -1)
-        else:  # chunk: store slots, ring oldest first, then the chunk
-            held = layer.store.positions.long()
+        else:  # chunk: the store's slots up to its last occupied one, ring oldest first, then the chunk
+            held = layer.store.positions.long()[..., : layer.chunk.get("used", layer.store.positions.shape[-1])]
             if layer.ring is not None:
                 ring = layer.ring.positions.long().index_select(1, layer.ring.order(seen))
                 held = torch.cat((held, ring.unsqueeze(1).expand(-1, kv_heads, -1)), 2)
@@ -152,7 +152,9 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
             layer.evict()
         else:
             pending, layer.chunk = layer.chunk, None
-            chunk.settle(layer, pending, torch.ones(batch, count, dtype=torch.bool), sums)
+            # the sums cover the slots the chunk read (up to the last occupied one), laid out over all slots again
+            chunk.settle(layer, pending, torch.ones(batch, count, dtype=torch.bool),
+                         chunk.with_unread_slots(sums, pending, layer.store.slots))
         seen += count
         assert int(layer.get_seq_length()) == seen
         keys_at, values_at = held_positions(layer)
