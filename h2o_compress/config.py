@@ -181,24 +181,25 @@ class CompressionConfig:
     min_capacity: int | None = None
     heavy_ratio: float = 0.5
     sink_tokens: int | None = None
-    kv_bits: int = 16
-    k_bits: int | None = None
-    v_bits: int | None = None
-    quant: str = "int"
-    group_size: int = 32
-    residual: int = 3
-    rotate: bool = True
+    # the storage fields' defaults are the storage spec's own (written once, in formats/storage.py)
+    kv_bits: int = StorageSpec.kv_bits
+    k_bits: int | None = StorageSpec.k_bits
+    v_bits: int | None = StorageSpec.v_bits
+    quant: str = StorageSpec.quant
+    group_size: int = StorageSpec.group_size
+    residual: int = StorageSpec.residual
+    rotate: bool = StorageSpec.rotate
     score_chunk_size: int = 64
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
     attention_kernel: str = "auto"
-    layer_budgets: str | tuple[float, ...] = "uniform"
-    high_bits_fraction: float = 0.0
-    head_budgets: str = "uniform"
+    layer_budgets: str | tuple[float, ...] = LayoutSpec.layer_budgets
+    high_bits_fraction: float = StorageSpec.high_bits_fraction
+    head_budgets: str = LayoutSpec.head_budgets
     lookahead_request: str | None = None
     forgetting_factor: float | None = None
     evict_chat_header: bool = False
     calibration: str | None = None
-    key_offsets: str = "none"
+    key_offsets: str = StorageSpec.key_offsets
     policy_options: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
