@@ -405,7 +405,7 @@ def choose_for_prompt(
                "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, "layer_budgets": base.layer_budgets,
                "head_budgets": base.head_budgets, "high_bits_fraction": base.high_bits_fraction, **options}
     row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
-    carried = ["rotate", "score_chunk_size", "attention_kernel", "calibration"]
+    carried = ["rotate", "score_chunk_size", "prefill_chunk_size", "attention_kernel", "calibration"]
     if row.config.policy == base.policy:  # not when the row keeps everything (policy "full")
         named = [name for name in POLICY_OPTIONS if name in CompressionConfig.__dataclass_fields__]
         carried += named + ["policy_options"]  # the policy's own options: those with a field, then the rest

@@ -316,14 +316,14 @@ def test_choose_for_prompt_keeps_every_field_it_does_not_pick():
     policy's own options come from ``base`` (they used to be dropped: adaptive heads became uniform)."""
     model, tok = tiny_llama(), CharTokenizer()
     base = CompressionConfig(policy="a2sf", forgetting_factor=0.9, head_budgets="adaptive", layer_budgets="pyramid",
-                             attention_kernel="torch", rotate=False, score_chunk_size=16)
+                             attention_kernel="torch", rotate=False, score_chunk_size=16, prefill_chunk_size=128)
     full = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False, base=base)
     assert full.config.policy == "full" and full.config.attention_kernel == "torch" and not full.config.rotate
     row = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False, base=base,
                             budgets=(0.25,))  # evicting rows only (on a tiny model the workspace outweighs the cache)
     assert row.config.budget == 0.25
     for name in ("policy", "forgetting_factor", "head_budgets", "layer_budgets", "attention_kernel", "rotate",
-                 "score_chunk_size"):
+                 "score_chunk_size", "prefill_chunk_size"):
         assert getattr(row.config, name) == getattr(base, name), name
     result = generate(model, tok, "x" * 40, row.config, max_new_tokens=8, chat=False)
     assert result.kv_bytes <= row.cache.total
