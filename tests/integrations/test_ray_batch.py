@@ -142,7 +142,15 @@ def test_readme_ray_command_runs_and_answers_as_the_local_one():
 
 @pytest.mark.integration
 def test_readme_ray_example_answers_as_the_local_one(ray_instance, tmp_path, monkeypatch):
-    """The README's local and Ray commands, on the real model: the same answers."""
+    """The README's local and Ray commands, on the real model: the same answers.
+
+    They run inside this test process, which holds every earlier test's models: on a CPU the commands'
+    ``--memory-limit`` bounds the whole process (`PeakMemory.held`: its resident set), which in a long session is
+    already above the README's 2 GiB. Here the limit counts the model's own weights, as it does in the README's
+    fresh process (about 1 GiB in all with SmolLM2: `benchmarks/results/memory_limit_cpu.md`)."""
+    from h2o_compress.utils.memory import PeakMemory
+
+    monkeypatch.setattr(PeakMemory, "held", lambda self, model=None: None)
     printf, local, remote = readme_batch_commands()
     monkeypatch.chdir(tmp_path)
     subprocess.run(["bash", "-c", printf], check=True)
