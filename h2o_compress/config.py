@@ -344,13 +344,12 @@ class CompressionConfig:
         if not isinstance(options, Mapping) or not all(isinstance(name, str) for name in options):
             raise ConfigError(f"policy_options={short(options)} is invalid; allowed: a mapping of policy option "
                               "names to values")
-        own = [f.name for f in fields(self)]
         for name in options:
-            if name in own:
+            if name in FIELD_NAMES:
                 raise ConfigError(f"policy_options holds {short(name)}, a field of its own; allowed: "
                                   f"CompressionConfig({name}=...)")
             if name not in POLICY_OPTIONS:
-                extra = [option for option in POLICY_OPTIONS if option not in own]
+                extra = unfielded_policy_options()
                 raise ConfigError(f"policy_options holds {short(name)}, an option no registered policy takes; "
                                   f"allowed: {', '.join(extra) or 'none (no policy declares one)'}")
         self.policy_options = {name: value for name, value in options.items() if value is not None}
@@ -363,10 +362,9 @@ class CompressionConfig:
         Raises:
             ConfigError: see the class; TypeError: a name that is neither.
         """
-        own = {f.name for f in fields(cls)}
-        settings = {name: value for name, value in values.items() if name in own or name not in POLICY_OPTIONS}
-        options = {name: value for name, value in values.items()
-                   if name not in own and name in POLICY_OPTIONS and value is not None}
+        unfielded = unfielded_policy_options()
+        settings = {name: value for name, value in values.items() if name not in unfielded}
+        options = {name: value for name, value in values.items() if name in unfielded and value is not None}
         if options:
             given = settings.get("policy_options") or {}
             settings["policy_options"] = {**given, **options} if isinstance(given, Mapping) else given
@@ -375,8 +373,7 @@ class CompressionConfig:
     def options(self) -> dict:
         """The policy options set, by config name: those with a field of their own (``lookahead_request``,
         ``forgetting_factor``, ``evict_chat_header``: ``None`` or ``False`` when not set) and ``policy_options``."""
-        own = [f.name for f in fields(self)]
-        return {**{name: getattr(self, name) for name in POLICY_OPTIONS if name in own}, **self.policy_options}
+        return {**{name: getattr(self, name) for name in POLICY_OPTIONS if name in FIELD_NAMES}, **self.policy_options}
 
     @property
     def evicts_any(self) -> bool:
@@ -506,6 +503,16 @@ class CompressionConfig:
         if not values["policy_options"]:
             del values["policy_options"]
         return values
+
+
+#: The names of the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, in order.
+FIELD_NAMES = tuple(f.name for f in fields(CompressionConfig))
+
+
+def unfielded_policy_options() -> tuple[str, ...]:
+    """The registered policies' option names that have no field of their own (`POLICY_OPTIONS` less
+    `FIELD_NAMES`): those ``policy_options`` carries, and config files and the CLI route there."""
+    return tuple(name for name in POLICY_OPTIONS if name not in FIELD_NAMES)
 
 
 def check_usable(config: CompressionConfig, capacity: int | None = None, frozen: bool = False) -> CompressionConfig:

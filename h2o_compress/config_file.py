@@ -9,11 +9,9 @@ Every problem (missing file, syntax error, unknown key, value out of range or of
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
-from h2o_compress.config import CompressionConfig
-from h2o_compress.policies import POLICY_OPTIONS
+from h2o_compress.config import FIELD_NAMES, CompressionConfig, unfielded_policy_options
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.utils.files import check_path, parse_json, parse_toml, read_text
 
@@ -23,8 +21,7 @@ SUFFIXES = (".json", ".toml")
 def config_fields() -> tuple[str, ...]:
     """Names a file may set: the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, then the
     registered policies' options that have no field of their own."""
-    own = tuple(f.name for f in fields(CompressionConfig))
-    return own + tuple(name for name in POLICY_OPTIONS if name not in own)
+    return FIELD_NAMES + unfielded_policy_options()
 
 
 def read_config_values(path) -> dict:
