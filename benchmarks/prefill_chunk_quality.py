@@ -2,8 +2,8 @@
 
     python benchmarks/prefill_chunk_quality.py --chunks 0,512,1024,2048 --out benchmarks/results/prefill_chunk_quality.json
 
-On the tuning text only (``h2o_compress/data/sherlock_holmes.txt``: it chooses the default
-``prefill_chunk_size``): for each window start, a ``--prompt-tokens`` prompt is prefilled into an h2o 0.2 int4
+On the tuning text by default (``h2o_compress/data/sherlock_holmes.txt``: it chooses the default
+``prefill_chunk_size``), or with ``--text`` a reporting text (which reports and chooses nothing): for each window start, a ``--prompt-tokens`` prompt is prefilled into an h2o 0.2 int4
 cache (``prefill``, in chunks of each size; 0 = one pass), then the next ``--continuation`` tokens are fed one at a
 time and scored (teacher forcing), against the uncompressed cache. A chunked prefill scores and evicts before the
 whole prompt is read, so its cache can differ from the one-pass cache. Prints a table, writes ``--out`` (JSON) and
@@ -44,11 +44,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--continuation", type=int, default=192)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--text", default="sherlock", help="sherlock (the tuning text, which chooses the default) or "
+                        "a reporting text (python_reference, persuasion, python_code: report, choose nothing)")
     parser.add_argument("--out", default="benchmarks/results/prefill_chunk_quality.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(device="cpu")
-    text = (Path(__file__).resolve().parents[1] / "h2o_compress/data/sherlock_holmes.txt").read_text()
+    if args.text == "sherlock":
+        text = (Path(__file__).resolve().parents[1] / "h2o_compress/data/sherlock_holmes.txt").read_text()
+    else:
+        from h2o_compress.evaluation.corpus import reporting_text
+
+        text = reporting_text(args.text)
     ids = tokenizer(text, return_tensors="pt").input_ids
     rows = []
     for start in (int(s) for s in args.starts.split(",")):
@@ -60,7 +67,8 @@ def main() -> None:
             rows.append({"start": start, "chunk": chunk, "perplexity": ppl, "uncompressed": full})
             print(f"  start {start}, chunk {chunk or 'one pass'}: {ppl:.4f} (uncompressed {full:.4f})", flush=True)
     one_pass = {r["start"]: r["perplexity"] for r in rows if r["chunk"] == 0}
-    lines = ["# Chunked prefill: continuation perplexity after a long prompt (SmolLM2-135M, tuning text, CPU)", "",
+    which = "tuning text" if args.text == "sherlock" else f"reporting text {args.text}"
+    lines = [f"# Chunked prefill: continuation perplexity after a long prompt (SmolLM2-135M, {which}, CPU)", "",
              f"`python {' '.join(sys.argv)}`", "",
              f"h2o 0.2 int4; {args.prompt_tokens}-token prompt prefilled, then {args.continuation} tokens scored one "
              "at a time.", "", "| window start | chunk | perplexity | x one pass | x uncompressed |",
