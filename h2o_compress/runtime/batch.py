@@ -10,8 +10,11 @@ How a job runs (continuous batching over the cache's fixed buffers):
   ([`take_rows`][h2o_compress.cache.CompressedCache.take_rows]: positions are aligned, nothing is recomputed). So the
   prefill needs the workspace of one sequence, whatever the batch, and no padding is ever computed.
 - Decode steps run every row at once. A row whose sequence ends (its end-of-sequence token or its own
-  ``max_new_tokens``) is refilled with the next prompt before the next step, so no row waits for another; rows are
-  idle only at the end of the job, when no prompt is left (then the batch shrinks by halves). ``refill=False``
+  ``max_new_tokens``) is refilled with the next prompt, so no row waits for another. While other rows decode, the
+  new prompt's prefill is interleaved with their steps (continuous batching): before each step it runs at most
+  ``prefill_chunk_size`` prompt tokens (at least one chunk, `prompt_chunks`), so a long prompt does not stall the
+  batch; the row joins the decode once its whole prompt is in. Rows are idle only while their next prompt is
+  prefilled and at the end of the job, when no prompt is left (then the batch shrinks by halves). ``refill=False``
   runs static batches instead (the next ``batch_size`` prompts start when all rows have ended), to measure what
   refilling saves: `BatchStats.idle_row_steps`.
 - The budget: an integer is tokens per layer and KV head for every row, as for ``generate`` alone (so each answer
@@ -39,7 +42,7 @@ from h2o_compress.runtime.batch_requests import BatchRequest, BatchResult, Prepa
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.decode_loop import decode_steps, ended, eos_ids, sync
-from h2o_compress.runtime.prefill import feed_prompt
+from h2o_compress.runtime.prefill import prompt_chunks
 from h2o_compress.runtime.generation import (
     _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache,
 )
@@ -283,64 +286,105 @@ class _Batch:
     @torch.inference_mode()
     def run(self, prompts: list[Prepared], refill: bool, on_step) -> Iterator[BatchResult]:
         self.queue = collections.deque(prompts)
+        self.admitting: dict[int, _Admission] = {}  # rows whose next prompt is being prefilled, a chunk at a time
         if self.scored and self.config.layer_budgets == "global":
             start = time.perf_counter()
             self._split_layers(prompts[: self.size])
             self.stats.prefill_s += time.perf_counter() - start
-        for row in range(self.size):
-            yield from self._fill(row)
+        yield from self._refill()
         compiled = resolve_compile(self.compile, self.cache, self.device, self.model,
                                    checked=self.compile_checked and self.cache.config == self.config)
         step = compiled_decode_step(self.model, self.device) if compiled else decode_step
         untimed = warmup_steps(self.device) if compiled else 0
         for done in decode_steps(step, self.model, self.cache, self._inputs, self._pick, self._running, untimed,
                                  self.device):
-            self.token = done.token
-            running = [row for row in range(self.size) if self.rows[row] is not None]
-            if done.timed:
-                self.stats.decode_s += done.seconds
-                self.stats.row_steps += self.size
-                self.stats.idle_row_steps += self.size - len(running)
-            if on_step is not None:
-                on_step(len(running), self.size)
-            for row in running:
-                self.tokens[row].append(done.values[row])
-                if self._ended(row):
-                    yield self._result(row)
-                    self.rows[row] = None
+            yield from self._after_step(done, on_step)
             if refill or not self._running():
-                for row in range(self.size):
-                    if self.rows[row] is None:
-                        yield from self._fill(row)
+                yield from self._refill()
             if not compiled:  # a compiled step keeps its shapes (and its buffers' addresses)
                 self._shrink()
         self.cache.check()
 
-    def _fill(self, row: int) -> Iterator[BatchResult]:
-        """Prefill the next prompts alone into ``row`` until one is still running after its first token."""
-        while self.queue:
-            prompt = self.queue.popleft()
-            start = time.perf_counter()
-            part = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
-            ids = prompt.ids[None].to(self.device)
-            if self.scored:
-                hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True,
-                                    scores=self.scores.pop(prompt.index, None))
-            logits = feed_prompt(self.model, ids, part)  # in chunks of prefill_chunk_size, as generate
-            self.cache.take_rows([row], part, self.size)
-            self.rows[row], self.tokens[row] = prompt, []
-            self.generators[row] = _generator(prompt, self.device)
-            first = self._pick(logits, only=row)
-            self.token[row] = first[0]
-            self.tokens[row].append(int(first[0, 0]))
-            sync(self.device)
-            self.stats.prefill_s += time.perf_counter() - start
-            self.stats.batch_size = max(self.stats.batch_size, self.size)
-            if not self._ended(row):
-                self.stats.kv_bytes_per_sequence = self.cache.nbytes() // self.size
-                return
-            yield self._result(row)
-            self.rows[row] = None
+    def _after_step(self, done, on_step) -> Iterator[BatchResult]:
+        """Take a decode step's tokens into the running rows; yield the results of the rows that ended."""
+        self.token = done.token
+        running = [row for row in range(self.size) if self.rows[row] is not None]
+        if done.timed:
+            self.stats.decode_s += done.seconds
+            self.stats.row_steps += self.size
+            self.stats.idle_row_steps += self.size - len(running)
+        if on_step is not None:
+            on_step(len(running), self.size)
+        for row in running:
+            self.tokens[row].append(done.values[row])
+            if self._ended(row):
+                yield self._result(row)
+                self.rows[row] = None
+
+    def _refill(self) -> Iterator[BatchResult]:
+        """Start the next prompts in the free rows and prefill them. While other rows decode, the prefills advance
+        by one chunk budget (``prefill_chunk_size`` tokens, at least one chunk) per decode step, interleaved with
+        the running rows' steps, so a long prompt does not stall them; with no row decoding, they run to the end."""
+        budget = max(1, self.config.prefill_chunk_size or 0) if self._decoding() else None
+        for row in range(self.size):
+            while budget is None or budget > 0:
+                if row not in self.admitting:
+                    if self.rows[row] is not None or not self.queue:
+                        break
+                    self.admitting[row] = self._start(self.queue.popleft())
+                spent, result = self._advance(row, budget)
+                budget = None if budget is None else budget - spent
+                if result is not None:
+                    yield result
+
+    def _decoding(self) -> bool:
+        """Whether a row is decoding (a sequence past its prefill)."""
+        return any(r is not None for r in self.rows)
+
+    def _start(self, prompt: Prepared) -> "_Admission":
+        """Begin ``prompt``'s prefill alone, into a one-row cache of its own (its scoring pass first, if any)."""
+        start = time.perf_counter()
+        part = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
+        ids = prompt.ids[None].to(self.device)
+        if self.scored:
+            hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True,
+                                scores=self.scores.pop(prompt.index, None))
+        self.stats.prefill_s += time.perf_counter() - start
+        return _Admission(prompt, part, prompt_chunks(self.model, ids, part), left=prompt.ids.numel())
+
+    def _advance(self, row: int, budget: int | None) -> tuple[int, BatchResult | None]:
+        """Run the next chunks of ``row``'s admission, up to ``budget`` tokens (at least one chunk; ``None``: all);
+        once its prompt is in, move it into the row. Returns the tokens fed and the result of a prompt that ended at
+        its first token (its row is free again)."""
+        admission, start, spent = self.admitting[row], time.perf_counter(), 0
+        while admission.left > 0 and (budget is None or spent < budget):
+            tokens, admission.logits = next(admission.chunks)
+            spent, admission.left = spent + tokens, admission.left - tokens
+        self.stats.prefill_s += time.perf_counter() - start
+        if admission.left > 0:
+            return spent, None
+        del self.admitting[row]
+        return spent, self._admit(row, admission)
+
+    def _admit(self, row: int, admission: "_Admission") -> BatchResult | None:
+        """Move a prefilled prompt into ``row`` of the batch cache and pick its first token; returns its result if
+        that first token ended it."""
+        start, prompt = time.perf_counter(), admission.prompt
+        self.cache.take_rows([row], admission.part, self.size)
+        self.rows[row], self.tokens[row] = prompt, []
+        self.generators[row] = _generator(prompt, self.device)
+        first = self._pick(admission.logits, only=row)
+        self.token[row] = first[0]
+        self.tokens[row].append(int(first[0, 0]))
+        sync(self.device)
+        self.stats.prefill_s += time.perf_counter() - start
+        self.stats.batch_size = max(self.stats.batch_size, self.size)
+        if not self._ended(row):
+            self.stats.kv_bytes_per_sequence = self.cache.nbytes() // self.size
+            return None
+        result = self._result(row)
+        self.rows[row] = None
+        return result
 
     def _split_layers(self, first: list[Prepared]) -> None:
         """``layer_budgets="global"``: each layer's capacity, from the scores of the first prompts (each alone)."""
@@ -359,8 +403,8 @@ class _Batch:
         self.cache = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
 
     def _running(self) -> bool:
-        """Whether a row still runs a sequence (the decode loop goes on while one does)."""
-        return any(r is not None for r in self.rows)
+        """Whether a row still runs a sequence or is being prefilled (the decode loop goes on while one does)."""
+        return self._decoding() or bool(self.admitting)
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, None]:
         """The next step's inputs: each row's last token, at its position (`_position`), and no mask."""
@@ -391,7 +435,7 @@ class _Batch:
         """With no prompt left to admit, halve the batch once at most half its rows run (fewer rows per step; a
         compiled step compiles, or records, once per size)."""
         running = [row for row in range(self.size) if self.rows[row] is not None]
-        if not running or len(running) > self.size // 2 or self.size == 1 or self.queue:
+        if not running or len(running) > self.size // 2 or self.size == 1 or self.queue or self.admitting:
             return
         keep = torch.tensor(running, device=self.device)
         self.cache.batch_select_indices(keep)
@@ -408,6 +452,25 @@ class _Batch:
             prompt_tokens=prompt.ids.numel(), new_tokens=len(tokens),
             finish_reason="stop" if tokens[-1] in self.eos else "length", token_ids=tokens,
         )
+
+
+@dataclass
+class _Admission:
+    """A prompt being prefilled alone into its own one-row cache, a chunk at a time, before it joins the batch.
+
+    Attributes:
+        prompt: the request.
+        part: its one-row cache.
+        chunks: the prefill's chunks (`prompt_chunks`), run on demand.
+        left: prompt tokens not yet fed.
+        logits: ``[1, vocab]`` after the last chunk run.
+    """
+
+    prompt: Prepared
+    part: object
+    chunks: Iterator
+    left: int
+    logits: torch.Tensor | None = None
 
 
 def _generator(prompt: Prepared, device) -> torch.Generator | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -136,28 +137,47 @@ def pending_context_scores(cache) -> bool:
 @torch.no_grad()
 def feed_prompt(model, inputs: torch.Tensor, cache) -> torch.Tensor:
     """Feed ``inputs`` (int64 ``[batch, tokens]``, the tokens after those ``cache`` holds) in chunks of
-    `prefill_step` tokens, one forward pass each (``logits_to_keep=1``): between chunks the cache scores and
-    evicts as in streaming, so it holds at most ``capacity + chunk`` tokens per layer and KV head while a chunk
-    runs, and the activations grow with the chunk, not the prompt. Inside `layer_progress`, a prompt of several
-    chunks is reported as chunks done of all (the stage's name kept), one of one chunk as layers done.
+    `prefill_step` tokens, one forward pass each (``logits_to_keep=1``; `prompt_chunks`): between chunks the cache
+    scores and evicts as in streaming, so it holds at most ``capacity + chunk`` tokens per layer and KV head while a
+    chunk runs, and the activations grow with the chunk, not the prompt. Inside `layer_progress`, a prompt of
+    several chunks is reported as chunks done of all (the stage's name kept), one of one chunk as layers done.
 
     Returns:
         Logits ``[batch, vocab]`` (model dtype) of the token after ``inputs``.
     """
     tokens = inputs.shape[1]
-    step = prefill_step(cache, tokens)
-    chunks = -(-tokens // step)
+    chunks = -(-tokens // prefill_step(cache, tokens))
     progress = _PREFILL_PROGRESS.get() if chunks > 1 else None
     if progress is not None:
         progress.chunked = True
         report(progress.stage, 0, chunks)
     logits = None
-    for index, start in enumerate(range(0, tokens, step)):
-        chunk = inputs[:, start : start + step]
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    for index, (_, logits) in enumerate(prompt_chunks(model, inputs, cache)):
         if progress is not None:
             report(progress.stage, index + 1, chunks)
     return logits
+
+
+def prompt_chunks(model, inputs: torch.Tensor, cache) -> Iterator[tuple[int, torch.Tensor]]:
+    """The chunks of `feed_prompt`, one forward pass per ``next()``: a caller can run other work between them (the
+    batch job decodes its running rows while a new prompt is prefilled: `h2o_compress.runtime.batch`).
+
+    Args:
+        model: the causal LM.
+        inputs: int64 ``[batch, tokens]``, the tokens after those ``cache`` holds.
+        cache: the cache the chunks go into (chunk size: `prefill_step`).
+
+    Yields:
+        ``(tokens, logits)``: the chunk's token count and the logits ``[batch, vocab]`` (model dtype) of the token
+        after it; the last chunk's are the prompt's next-token logits.
+    """
+    tokens = inputs.shape[1]
+    step = prefill_step(cache, tokens)
+    for start in range(0, tokens, step):
+        chunk = inputs[:, start : start + step]
+        with torch.no_grad():
+            logits = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        yield chunk.shape[1], logits
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

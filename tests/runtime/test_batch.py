@@ -119,6 +119,44 @@ def test_rows_are_refilled_as_they_end_and_static_batches_wait(tokenizer, one_th
 
 
 @torch.inference_mode()
+def test_a_long_prompt_is_prefilled_between_the_running_rows_steps(tokenizer, one_thread, monkeypatch):
+    """Continuous batching (issue 49): a prompt admitted while another row decodes is prefilled one chunk budget
+    (``prefill_chunk_size`` tokens) per decode step, interleaved with the running row's steps, not all before the
+    next step; every answer is still the one generate gives it alone."""
+    from h2o_compress.runtime import batch as batch_module
+
+    events = []
+
+    def logged_chunks(model, inputs, cache):
+        for tokens, logits in batch_module.prompt_chunks.__wrapped__(model, inputs, cache):
+            events.append(("chunk", inputs.shape[1], tokens))
+            yield tokens, logits
+
+    logged_chunks.__wrapped__ = batch_module.prompt_chunks
+    monkeypatch.setattr(batch_module, "prompt_chunks", logged_chunks)
+    model = TINY_MODELS["llama"]()
+    config = CompressionConfig(budget=10, kv_bits=4, residual=2, prefill_chunk_size=4)
+    long_prompt = " ".join(WORDS * 3)
+    requests = [{"prompt": PROMPTS[0], "max_new_tokens": 20}, {"prompt": PROMPTS[1], "max_new_tokens": 2},
+                {"prompt": long_prompt, "max_new_tokens": 3}]
+    run = generate_batch(model, tokenizer, requests, config, batch_size=2, chat=False, in_order=True,
+                         longest_first=False, on_step=lambda running, rows: events.append(("step", running)))
+    answers = [r.token_ids for r in run]
+    expected = [generate(model, tokenizer, r["prompt"], config, max_new_tokens=r["max_new_tokens"],
+                         chat=False).token_ids for r in requests]
+    assert answers == expected
+    long_tokens = max(e[1] for e in events if e[0] == "chunk")
+    assert long_tokens > 12  # several chunks of 4
+    long_chunks = [i for i, e in enumerate(events) if e[0] == "chunk" and e[1] == long_tokens]
+    gaps = [[e for e in events[a + 1 : b] if e[0] == "step"] for a, b in zip(long_chunks, long_chunks[1:])]
+    assert sum(len(gap) for gap in gaps) >= 3  # the other row decoded while the long prompt was prefilled
+    assert all(len(gap) <= 1 for gap in gaps)  # at most one step between two chunks: the prefill does not wait
+    interleaved = [i for i, gap in enumerate(gaps) if gap]
+    assert interleaved == list(range(len(interleaved)))  # one chunk per step until the other row ended, then the rest
+    assert all(gap[0][1] == 1 for gap in gaps if gap)  # one row decoding, the other being prefilled
+
+
+@torch.inference_mode()
 def test_bad_requests_become_errors_naming_their_id(tokenizer, one_thread):
     model = TINY_MODELS["llama"]()
     requests = [
