@@ -162,3 +162,35 @@ def test_throughput_runs_the_gpu_runbook_path_at_a_toy_size(tmp_path):
     assert all(r["planned_bytes"] <= data["memory_limit_bytes"] for r in runs.values())
     table = out.with_suffix(".md").read_text()
     assert "llama-tiny-random" in table and "(--memory-limit)" in table
+
+
+@pytest.mark.integration
+def test_cpu_peers_runs_ours_at_a_toy_size_and_skips_missing_peers(tmp_path):
+    """``benchmarks/cpu_peers.py`` with no peers installed (as in CI): both of our settings run in their own worker
+    processes at a toy size and fill every figure; a requested peer the environment lacks is skipped with a one-line
+    note, not a traceback; the JSON and the markdown carry the command."""
+    out = tmp_path / "cpu_peers.json"
+    command = [sys.executable, "benchmarks/cpu_peers.py", "--engines", "ours,llama.cpp", "--prompt-tokens", "40",
+               "--new-tokens", "3", "--repeats", "1", "--peers-python", str(tmp_path / "no-python"), "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "note: skipping llama.cpp" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    rows = {row["setting"]: row for row in data["rows"]}
+    assert set(rows) == {"ours", "ours-fp32"}
+    for row in rows.values():
+        assert row["repeats"] == 1 and not row["errors"] and len(row["generated"]) == 3
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
+        assert row["bytes_per_token"] == row["weights_read_bytes"] + row["kv_bytes"] and row["kv_bytes"] > 0
+    assert rows["ours-fp32"]["weights_read_bytes"] >= rows["ours"]["weights_read_bytes"]
+    assert data["copy_Bps"] > 0 and data["command"].startswith("python benchmarks/cpu_peers.py --engines")
+    markdown = out.with_suffix(".md").read_text()
+    assert "## 40-token prompt" in markdown and "skipped: llama.cpp" in markdown and data["command"] in markdown
+
+
+def test_cpu_peers_refuses_unknown_engines_before_loading_anything():
+    """A setting ``cpu_peers.py`` does not know stops it at once, naming what is allowed."""
+    done = subprocess.run([sys.executable, "benchmarks/cpu_peers.py", "--engines", "ours,vllm"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--engines: unknown ['vllm']; allowed:" in done.stderr
+    assert "Traceback" not in done.stderr
