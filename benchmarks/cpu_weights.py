@@ -2,9 +2,10 @@
 
     python benchmarks/cpu_weights.py --threads 2,1 --prompt-tokens 1000 --new-tokens 32 --repeats 2
 
-Loads SmolLM2 twice on CPU: ``load_model(weights_bits=16)`` (fp32 weights, the default) and ``weights_bits=8``
-(every Linear layer and the output head packed to per-row int8, run by ``aten._weight_int8pack_mm`` with bf16
-activations inside the layer: `h2o_compress.models.int8_linear`). Reports:
+Loads SmolLM2 twice on CPU: ``load_model(weights_bits=16)`` (fp32 weights) and ``weights_bits=8`` (since this
+measurement the CPU default for the embedded model; every Linear layer and the output head packed to per-row int8,
+run by ``aten._weight_int8pack_mm`` with bf16 activations inside the layer: `h2o_compress.models.int8_linear`).
+Reports:
 
 - quality: perplexity of the first ``--ppl-tokens`` tokens of each reporting text, uncompressed cache, one forward
   (``reference_perplexity``), and the int8 / fp32 ratio (the issue's bar: within 1.01x on every text);

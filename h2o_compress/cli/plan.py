@@ -9,7 +9,7 @@ import typer
 
 from h2o_compress.config import CompressionConfig
 from h2o_compress.cli.common import user_errors
-from h2o_compress.cli.options import Compression, TrustOpt, WeightsBitsOpt, compression_options, parse_budget
+from h2o_compress.cli.options import Compression, PlanWeightsBitsOpt, TrustOpt, compression_options, parse_budget
 from h2o_compress.planner import parse_list, plan as run_plan
 from h2o_compress.planner.view import print_plan
 
@@ -24,7 +24,7 @@ def plan(
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together."),
     prompt_len: int = typer.Option(2048, "--prompt-len", help="Prompt tokens per sequence."),
     gen_len: int = typer.Option(128, "--gen-len", help="New tokens per sequence."),
-    weights_bits: int = WeightsBitsOpt,
+    weights_bits: int = PlanWeightsBitsOpt,
     dtype: str = typer.Option("float16", "--dtype", help="Compute and KV dtype: float16, bfloat16 or float32."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Profile report (JSON) giving the quality order."),
     policies: str = typer.Option("h2o", "--policies", help="Eviction policies to consider (comma-separated)."),

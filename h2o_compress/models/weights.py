@@ -34,10 +34,17 @@ MAX_MEMORY_BYTES = 2**80  # far beyond any machine; as the planner's memory amou
 MAX_MEMORY_ALLOWED = "entries DEVICE=AMOUNT separated by commas, DEVICE a GPU index, cpu or disk, e.g. 0=20GiB,cpu=64GiB"
 
 
-def check_weights_bits(bits) -> int:
-    """``bits`` if it is 16 (weights in the model's dtype), 8 (LLM.int8) or 4 (NF4). Raises ConfigError."""
+WEIGHT_BITS_ALLOWED = "16, 8, 4 or None (the default: 8 on CPU for the embedded smollm2-135m, else 16)"
+
+
+def check_weights_bits(bits) -> int | None:
+    """``bits`` if it is 16 (weights in the model's dtype), 8 (packed int8 on CPU, LLM.int8 on CUDA), 4 (NF4) or
+    ``None`` (the default, which [`load_model`][h2o_compress.load_model] resolves by model and device). Raises
+    ConfigError."""
+    if bits is None:
+        return None
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in WEIGHT_BITS:  # 4.0: not an integer
-        raise ConfigError(f"weights_bits={short(bits)} is not supported; allowed: 16, 8 or 4")
+        raise ConfigError(f"weights_bits={short(bits)} is not supported; allowed: {WEIGHT_BITS_ALLOWED}")
     return int(bits)
 
 

@@ -35,6 +35,7 @@ from h2o_compress.models.identity import (
     filled_elsewhere, legacy_fingerprint, model_fingerprint, model_identity, record_model,
 )
 from h2o_compress.models.weights import attention_devices, floating_dtype, input_device
+from h2o_compress.models.int8_linear import int8_layers
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, CompressedLayer, build_layers
 from h2o_compress.config import LAYER_BUDGETS, CompressionConfig
@@ -301,9 +302,19 @@ def _check_model(metadata: dict[str, str], model, source: Path) -> str:
         raise CacheStateError(
             f"cache file {str(source)!r} was saved for model {metadata.get('model_id')!r} (fingerprint "
             f"{str(saved)[:12]}), not this one ({model_identity(model)}, fingerprint {fingerprint[:12]}); "
-            "allowed: the model that saved it"
+            f"allowed: the model that saved it{_weights_hint(metadata, model)}"
         )
     return fingerprint
+
+
+def _weights_hint(metadata: dict[str, str], model) -> str:
+    """What to add to the refusal of a file saved for this architecture when ``model`` has packed int8 CPU weights
+    (`h2o_compress.models.int8_linear`, the CPU default of the embedded model since issue 50): a cache saved with
+    fp32 weights, as every earlier default saved, needs them again. Empty otherwise."""
+    if metadata.get("model_id") != model_identity(model) or not int8_layers(model):
+        return ""
+    return (" (this model has 8-bit weights, the CPU default for the embedded model: a cache saved with fp32 weights "
+            "loads into the model loaded with --weights-bits 16, or load_model(..., weights_bits=16))")
 
 
 def _metadata_json(metadata: dict[str, str], field: str, source: Path):

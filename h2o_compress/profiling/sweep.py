@@ -47,6 +47,7 @@ from h2o_compress.runtime.compiled import decode_step, resolve_compile, warmup_s
 from h2o_compress.models.weights import floating_dtype
 from h2o_compress.evaluation.stream import greedy_decode, model_device, read_stream, step_function, sync
 from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.defaults import default_of
 from h2o_compress.runtime.prefill import context_window
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
@@ -60,8 +61,10 @@ REFERENCE = CompressionConfig(policy="full", kv_bits=16)
 _DEFAULTS = CompressionConfig()
 
 
-#: ``load_model``'s placement arguments and their defaults (a [`ProfileSettings`][h2o_compress.profiling.ProfileSettings] keeps only those that differ).
-PLACEMENT_DEFAULTS = {"weights_bits": 16, "device_map": None, "max_memory": None, "offload_folder": None}
+#: ``load_model``'s placement arguments and their defaults (a [`ProfileSettings`][h2o_compress.profiling.ProfileSettings] keeps only those that
+#: differ, and always ``weights_bits``, resolved: 8 or 16 for the default ``None``).
+PLACEMENT_DEFAULTS = {"weights_bits": default_of(load_model, "weights_bits"), "device_map": None, "max_memory": None,
+                      "offload_folder": None}
 
 
 @dataclass
@@ -117,7 +120,9 @@ class ProfileSettings:
         lm_eval_limit: at most this many documents per task (``None``: all).
         lm_eval_include_path: a folder of extra task YAML files (lm-eval's ``--include-path``).
         placement: ``load_model``'s ``weights_bits``/``device_map``/``max_memory``/``offload_folder`` (empty:
-            16-bit weights on ``device``).
+            ``load_model``'s defaults on ``device``). Kept with ``weights_bits`` resolved (8 on CPU for the embedded
+            model by default, else 16: the report and the rows' key say which weights were measured) and without
+            the other defaults.
     """
 
     model: str = "smollm2-135m"
@@ -154,15 +159,7 @@ class ProfileSettings:
     placement: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        device = None  # where the weights (and caches) go
-        if self.placement:  # refused now, not in a worker after the first configuration
-            unknown = set(self.placement) - set(PLACEMENT_DEFAULTS)
-            if unknown:
-                raise ConfigError(f"placement keys {sorted(unknown)} are unknown; allowed: weights_bits, device_map, "
-                                  "max_memory, offload_folder")
-            device = placement_options(self.device, self.dtype, **self.placement)["_device"]
-            # defaults left out: the CLI's full dict and the API's {} are one sweep (the rows' key compares them)
-            self.placement = {k: v for k, v in self.placement.items() if v != PLACEMENT_DEFAULTS[k]}
+        device = self._check_placement()
         for name in ("policies", "budgets", "kv_bits", "seq_lens", "needle_lengths", "needle_depths", "lm_eval_tasks"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name) and name not in ("needle_lengths", "needle_depths", "lm_eval_tasks"):
@@ -191,9 +188,30 @@ class ProfileSettings:
         self.quality_texts = self._quality_names()
         self.read_quality_texts()  # every one readable: before a directory is made or a model loads
 
-        check_kernel(self.attention_kernel, device if device is not None else resolve_device(self.device))
+        check_kernel(self.attention_kernel, device)
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
             check_task_options(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
+
+    def _check_placement(self) -> torch.device:
+        """Check ``placement`` now (not in a worker after the first configuration) and keep it as the rows' key
+        compares it: the defaults left out (the CLI's full dict and the API's {} are one sweep), ``weights_bits``
+        resolved (`h2o_compress.models.loading.default_weights_bits` for ``None``). Returns where the weights go.
+
+        Raises:
+            ConfigError: ``placement`` not a dict, an unknown key or a value ``load_model`` refuses.
+            ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
+        """
+        if not isinstance(self.placement, dict):
+            raise ConfigError(f"placement={short(self.placement)} is invalid; allowed: a dict of load_model's "
+                              "weights_bits, device_map, max_memory, offload_folder")
+        unknown = set(self.placement) - set(PLACEMENT_DEFAULTS)
+        if unknown:
+            raise ConfigError(f"placement keys {sorted(unknown)} are unknown; allowed: weights_bits, device_map, "
+                              "max_memory, offload_folder")
+        placed = placement_options(self.device, self.dtype, **self.placement, name_or_path=self.model)
+        kept = {k: v for k, v in self.placement.items() if v != PLACEMENT_DEFAULTS[k]}
+        self.placement = {**kept, "weights_bits": placed["_bits"]}
+        return placed["_device"]
 
     def check_meaningful(self, configs: list[CompressionConfig]) -> None:
         """Refuse, as ``generate`` does, settings whose rows would be measured with a setting that means nothing:

@@ -16,7 +16,8 @@ import h2o_compress.models.loading as loading
 import h2o_compress.models.weights as weights
 from h2o_compress import CompressionConfig, generate, load_model
 from h2o_compress.cli import app
-from h2o_compress.models import placement_options
+from h2o_compress.models import default_weights_bits, placement_options, resolve_weights_bits
+from h2o_compress.utils.errors import ConfigError
 from h2o_compress.models.int8_linear import COMPUTE_DTYPE, Int8Linear, int8_layers, quantize_linears
 from h2o_compress.models.weights import eager_only_reason, loaded_weight_bytes, loaded_weights_bits
 from h2o_compress.planner import weight_bytes
@@ -174,3 +175,63 @@ def test_quantize_linears_leaves_the_head_when_asked():
 
     model = tiny_llama()
     assert quantize_linears(model, head=False) == 2 * 7 and type(model.lm_head) is torch.nn.Linear
+
+
+# -- the CPU default (issue 50, Build item 2) ------------------------------------------------------------------------
+def test_the_default_weights_bits_are_8_on_cpu_for_the_embedded_model_only(monkeypatch):
+    """``weights_bits=None`` (load_model's default): 8 for smollm2-135m on CPU without a device_map, 16 for any
+    other model, on CUDA and with a map; explicit values win; a bad one is the usual one-line error."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert default_weights_bits("smollm2-135m", cpu) == 8
+    assert default_weights_bits("smollm2-135m", cuda) == 16
+    assert default_weights_bits("smollm2-135m", cpu, device_map={"": "cpu"}) == 16
+    assert default_weights_bits("org/name", cpu) == 16 and default_weights_bits("/a/model/dir", cpu) == 16
+    assert resolve_weights_bits("smollm2-135m", device="cpu") == 8
+    assert resolve_weights_bits("smollm2-135m", device="cpu", weights_bits=16) == 16
+    assert resolve_weights_bits("org/name", device="cpu", weights_bits=8) == 8
+    embedded = placement_options("cpu", None, None, name_or_path="smollm2-135m")
+    assert embedded["_bits"] == 8 and embedded["_cpu_int8"] and embedded["_dtype"] == torch.float32
+    other = placement_options("cpu", None, None, name_or_path="org/name")
+    assert other["_bits"] == 16 and not other["_cpu_int8"] and "quantization_config" not in other
+    monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cuda", 0))
+    on_cuda = placement_options("cuda", None, None, name_or_path="smollm2-135m")
+    assert on_cuda["_bits"] == 16 and "quantization_config" not in on_cuda and on_cuda["_dtype"] == torch.bfloat16
+    for bad in ("8", 8.0, True, 2):
+        with pytest.raises(ConfigError, match=r"^weights_bits=.* is not supported; allowed: 16, 8, 4 or None"):
+            placement_options("cpu", None, bad)
+
+
+def test_a_model_directory_loads_fp32_by_default_on_cpu(fp32):
+    """Only the embedded alias gets int8 by default: a local directory loads its Linear layers in fp32."""
+    model, _ = fp32
+    assert not int8_layers(model) and loaded_weights_bits(model) == 32
+
+
+@torch.no_grad()
+def test_a_cache_saved_with_fp32_weights_is_refused_by_the_int8_model_in_one_line(fp32, int8, tmp_path):
+    """A prompt cache saved with fp32 weights (every earlier default) does not load into the same model with packed
+    int8 weights: the fingerprint reads the packed weights, and the refusal says how to load fp32 again."""
+    from h2o_compress.models.identity import model_fingerprint
+    from h2o_compress.persistence import load_cache, save_cache
+    from h2o_compress.runtime.generation import make_cache
+    from h2o_compress.runtime.prefill import prefill
+    from h2o_compress.utils.errors import CacheStateError
+
+    model, tokenizer = fp32
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    cache = make_cache(model, CompressionConfig(budget=0.5, kv_bits=4), max_length=ids.shape[1] + 4)
+    prefill(model, ids, cache)
+    path = save_cache(cache, tmp_path / "fp32.safetensors")
+    with pytest.raises(CacheStateError, match=r"allowed: the model that saved it \(this model has 8-bit weights, "
+                       r"the CPU default .*--weights-bits 16, or load_model\(\.\.\., weights_bits=16\)\)$"):
+        load_cache(path, int8[0])
+    assert load_cache(path, model).get_seq_length() == ids.shape[1]  # the model that saved it still loads it
+    packed = int8[0]
+    before = model_fingerprint(packed)
+    middle = int8_layers(packed)[3].weight_int8.view(-1)[4:-4]
+    middle.neg_()  # other packed weights inside one layer (its first and last 4 values unchanged)
+    try:
+        assert model_fingerprint(packed) != before
+    finally:
+        middle.neg_()
+    assert model_fingerprint(packed) == before

@@ -13,7 +13,7 @@ from h2o_compress import CompressionConfig, generate, load_model
 from h2o_compress.cli import app
 from h2o_compress.utils.errors import ConfigError, ModelLoadError
 from h2o_compress.planner.known_models import resolve_model
-from h2o_compress.planner import weight_bytes
+from h2o_compress.planner import plan, weight_bytes
 from h2o_compress.runtime.prefill import prefill
 from h2o_compress.models.weights import (
     attention_devices, input_device, loaded_weight_bytes, loaded_weights_bits, parse_device_map, parse_max_memory,
@@ -187,7 +187,7 @@ def test_missing_bitsandbytes_names_the_package(four_layer_dir, monkeypatch):
 
 # -- options checked before loading ------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,message", [
-    ({"weights_bits": 3}, "weights_bits=3 is not supported; allowed: 16, 8 or 4"),
+    ({"weights_bits": 3}, r"weights_bits=3 is not supported; allowed: 16, 8, 4 or None \(the default: 8 on CPU"),
     ({"weights_bits": True}, "weights_bits=True is not supported"),
     ({"device_map": "everywhere"}, "device_map='everywhere' is invalid; allowed: auto, balanced"),
     ({"device_map": {}}, "device_map={} is invalid"),
@@ -278,6 +278,13 @@ def test_profile_settings_carry_the_placement_to_the_loader(monkeypatch, tmp_pat
     placement = {"device_map": {"model": "disk"}, "offload_folder": str(tmp_path)}
     _load(ProfileSettings(model="m", device="auto", placement=placement))
     assert seen["device_map"] == {"model": "disk"} and seen["offload_folder"] == str(tmp_path) and seen["name"] == "m"
+    assert seen["weights_bits"] == 16  # resolved: a map loads 16-bit weights by default
+    # the embedded model on CPU: int8 by default, recorded as 8 (never None); an explicit 16 stays 16
+    embedded = ProfileSettings(model="smollm2-135m", device="cpu", placement={"weights_bits": None})
+    assert embedded.placement == {"weights_bits": 8} and ProfileSettings(device="cpu").placement == {"weights_bits": 8}
+    assert ProfileSettings(device="cpu", placement={"weights_bits": 16}).placement == {"weights_bits": 16}
+    _load(embedded)
+    assert seen["weights_bits"] == 8 and seen["name"] == "smollm2-135m"
 
 
 # -- generate --memory-limit: planned with the weights it loads, planned vs measured peak --------------------
@@ -301,19 +308,43 @@ def test_memory_limit_plans_with_the_loaded_weight_bits(four_layer_dir):
 
 
 @pytest.mark.integration
-def test_smollm2_alias_loads_int8_weights():
-    """The embedded SmolLM2 alias with 8-bit weights on CPU (torch's packed int8 kernel, the head included and
-    untied from the fp32 embedding): a few coherent tokens through a compressed cache, and the planner's 8-bit
-    weight bytes for it, to the byte."""
-    model, tokenizer = load_model("smollm2-135m", device="cpu", weights_bits=8)
+def test_smollm2_loads_int8_weights_by_default_on_cpu(smollm2):
+    """The embedded SmolLM2 alias on CPU with the default weights_bits (the session fixture's
+    ``load_model("smollm2-135m", device="cpu")``) has 8-bit weights (torch's packed int8 kernel, the head included
+    and untied from the fp32 embedding): a few coherent tokens through a compressed cache, its bytes the planner's
+    8-bit CPU count to the byte, and a plan of it says 8 bits; ``weights_bits=16`` loads fp32 Linear layers."""
+    model, tokenizer = smollm2
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Int8Linear" and loaded_weights_bits(model) == 8
     assert type(model.lm_head).__name__ == "Int8Linear" and model.model.embed_tokens.weight.dtype == torch.float32
     result = generate(model, tokenizer, "The capital of France is", CompressionConfig(budget=0.5, kv_bits=4), 4)
     assert result.new_tokens == 4 and result.text.strip()
     rotary = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "int8" not in n and "scales" not in n)
     assert loaded_weight_bytes(model) == weight_bytes(resolve_model("smollm2-135m"), 8, torch.float32, "cpu") + rotary
-    fp32_bytes = 4 * sum(p.numel() for p in load_model("smollm2-135m", device="cpu")[0].parameters())
-    assert loaded_weight_bytes(model) < 0.5 * fp32_bytes  # Linear weights and the head at 1 byte (measured 0.46x)
+    report = plan(model, "1GiB")
+    assert report.weights_bits == 8 and report.weight_bytes == loaded_weight_bytes(model)
+    fp32, _ = load_model("smollm2-135m", device="cpu", weights_bits=16)
+    linears = [m for m in fp32.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 211 and all(m.weight.dtype == torch.float32 for m in linears)
+    assert not [m for m in fp32.modules() if type(m).__name__ == "Int8Linear"] and loaded_weights_bits(fp32) == 32
+    assert loaded_weight_bytes(fp32) == weight_bytes(resolve_model("smollm2-135m"), 16, torch.float32) + rotary
+    assert loaded_weight_bytes(model) < 0.5 * loaded_weight_bytes(fp32)  # Linear weights and the head at 1 byte (0.46x)
+
+
+@pytest.mark.integration
+def test_cli_loads_the_embedded_model_int8_by_default_and_fp32_with_weights_bits_16(monkeypatch):
+    """``generate --device cpu`` loads int8 weights and says so (``--json``'s ``weights_bits``: 8, resolved, not
+    None); ``--weights-bits 16`` loads fp32 Linear layers and reports 16."""
+    import h2o_compress.models as models
+
+    real, loaded = models.load_model, []
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    for flags, bits in (([], 8), (["--weights-bits", "16"], 16)):
+        result = CliRunner().invoke(app, ["generate", "Hi", "--device", "cpu", "--max-new-tokens", "2", "--json",
+                                          *flags])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["weights_bits"] == bits
+        packed = [m for m in loaded[-1][0].modules() if type(m).__name__ == "Int8Linear"]
+        assert len(packed) == (211 if bits == 8 else 0), flags
 
 
 # -- CUDA only -------------------------------------------------------------------------------------------------

@@ -167,10 +167,10 @@ def test_a_changed_setting_does_not_reuse_stale_rows(tmp_path, counted, change):
 def test_placement_defaults_do_not_split_one_sweep_in_two(tmp_path, model_dir):
     """The CLI passes every placement argument (at its default); the API passes none: one sweep, so the API run
     reuses the CLI run's rows (it measured them all again: docs/guide/evaluation.md's Ray example after its CLI
-    example)."""
-    cli = two_configs(model_dir, placement={"weights_bits": 16, "device_map": None, "max_memory": None,
+    example). The weight bits are kept resolved (a model directory: 16 by default)."""
+    cli = two_configs(model_dir, placement={"weights_bits": None, "device_map": None, "max_memory": None,
                                             "offload_folder": None})
-    assert cli.placement == {}
+    assert cli.placement == {"weights_bits": 16}
     first = run_profile(cli, tmp_path, show_progress=False)
     report = run_profile(two_configs(model_dir), tmp_path, show_progress=False)
     assert first["rows_reused"] == 0 and report["rows_reused"] == 2
