@@ -13,7 +13,8 @@ sequence ignored). Within each repeat every setting runs once, the order rotated
 Settings (``--engines`` takes engine names, ``ours``, ``llama.cpp``, ``openvino``, or setting names):
   ours            h2o 0.2 + int4 KV, ``load_model``'s CPU defaults (weights as the package loads them on CPU)
   ours-fp32       the same with ``weights_bits=16`` (fp32 weights)
-  llama-f16       llama-cpp-python on the same GGUF (Q4_1 weights), f16 KV
+  llama-f16       llama-cpp-python on the same GGUF (Q4_1 weights), f16 KV (flash attention off: its default)
+  llama-f16-fa    the same with flash attention on (llama.cpp's own CLI default on CPU is "auto")
   llama-q4_0      the same, q4_0 KV (its V cache needs flash attention, so flash attention on)
   ov-fp32         OpenVINO GenAI LLMPipeline, fp32 IR (optimum-cli export of our converted model), default KV (u8)
   ov-fp32-h2o-u4  + CacheEvictionConfig (SUM aggregation, 20% of prompt + new tokens held), u4 KV
@@ -54,7 +55,9 @@ OURS = {"policy": "h2o", "budget": BUDGET, "kv_bits": 4}
 SETTINGS = {  # name -> (engine, options, label)
     "ours": ("ours", dict(OURS), "ours, h2o 0.2 + int4 KV, CPU default weights"),
     "ours-fp32": ("ours", dict(OURS, weights_bits=16), "ours, h2o 0.2 + int4 KV, fp32 weights"),
-    "llama-f16": ("llama.cpp", {"kv_type": "f16"}, "llama.cpp, Q4_1 weights, f16 KV"),
+    "llama-f16": ("llama.cpp", {"kv_type": "f16"}, "llama.cpp, Q4_1 weights, f16 KV, no flash attn"),
+    "llama-f16-fa": ("llama.cpp", {"kv_type": "f16", "flash_attn": True},
+                     "llama.cpp, Q4_1 weights, f16 KV, flash attn"),
     "llama-q4_0": ("llama.cpp", {"kv_type": "q4_0", "flash_attn": True}, "llama.cpp, Q4_1 weights, q4_0 KV (flash attn)"),
     "ov-fp32": ("openvino", {"ir": "fp32"}, "OpenVINO GenAI, fp32 IR, u8 KV (default)"),
     "ov-fp32-h2o-u4": ("openvino", {"ir": "fp32", "evict": True, "budget": BUDGET, "kv": "u4"},
@@ -82,8 +85,9 @@ NOTES = [
     "cache.nbytes(); llama.cpp, tokens held x layers x 2 x KV heads x head_dim at the KV type's size (f16 2 B, "
     "q4_0 18 B per 32); OpenVINO, tokens held (prompt + new, or at most max_cache_size with eviction) x the same "
     "elements at u8 1 B / u4 0.5 B plus 8 B of scale and zero point per token, head, K or V and layer.",
-    "Copy bandwidth: bytes copied per second by a torch copy of a 256 MiB buffer (each byte read once, written "
-    "once), median of 10; 'of copy' = the decode step's bytes read per second / that figure.",
+    "Copy bandwidth: memory traffic per second of a torch copy of a 256 MiB buffer, bytes read + bytes written "
+    "(STREAM's convention, twice the bytes copied), median of 10, measured before and after the runs (the median "
+    "of the two is used); 'of copy' = the decode step's bytes read per second / that figure.",
 ]
 
 
@@ -214,7 +218,8 @@ def export_irs(work: Path, peers_python: str, formats: set[str]) -> dict[str, st
 
 
 def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 10) -> float:
-    """Bytes copied per second by ``torch.Tensor.copy_`` of a ``mib`` MiB buffer, median of ``repeats``."""
+    """Memory traffic per second of ``torch.Tensor.copy_`` of a ``mib`` MiB buffer (bytes read + bytes written,
+    STREAM's convention: twice the bytes copied), median of ``repeats``."""
     import torch
 
     torch.set_num_threads(threads)
@@ -226,7 +231,7 @@ def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 10) -> float:
         began = time.perf_counter()
         target.copy_(source)
         times.append(time.perf_counter() - began)
-    return source.numel() / statistics.median(times)
+    return 2 * source.numel() / statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------------------ runs
@@ -376,7 +381,7 @@ def render(data: dict) -> str:
              f"- machine: {data['environment']['cpu']}, {data['environment']['cores']} cores; threads "
              f"{data['threads']}; load average before/after {data['load_before']} / {data['load_after']}",
              f"- copy bandwidth: {data['copy_Bps_before'] / 1e9:.2f} GB/s before, "
-             f"{data['copy_Bps_after'] / 1e9:.2f} after (256 MiB torch copy)",
+             f"{data['copy_Bps_after'] / 1e9:.2f} after (256 MiB torch copy, read + write)",
              f"- prompt: the first tokens of the reporting text `{data['text']}`; {data['new_tokens']} new tokens, "
              f"greedy, end of sequence ignored; {data['repeats']} repeat(s), medians",
              f"- commit {data['environment']['commit']}, torch {data['environment']['torch']}, "
