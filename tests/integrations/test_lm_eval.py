@@ -160,6 +160,7 @@ def test_a_scored_policy_scores_and_sizes_the_context_as_ask_does(loaded):
         ({"batch_size": 8}, "batch_size=8 is not supported"),
         ({"batch_size": "auto"}, "batch_size='auto' is not supported"),
         ({"chunk_size": 0}, "chunk_size=0 is invalid"),
+        ({"weights_bits": 3}, "weights_bits=3 is not supported; allowed: 16, 8, 4 or None"),
     ],
 )
 def test_bad_model_args_give_our_error_before_loading(manager, args, message):
@@ -168,6 +169,15 @@ def test_bad_model_args_give_our_error_before_loading(manager, args, message):
         check_model_args(model_args)
     with pytest.raises(ConfigError, match="^" + message.split(" ")[0].replace("(", r"\(")):
         lm_eval.simple_evaluate(model="h2o-compress", model_args=model_args, tasks=[CHOICE], task_manager=manager)
+
+
+def test_weights_bits_reach_load_model(model_dir):
+    """``weights_bits`` is a model_arg passed to ``load_model``: 8 packs a CPU model's Linear layers to int8; the
+    default (None) leaves a model directory's in fp32, as ``load_model`` does."""
+    packed = H2OCompressLM(pretrained=model_dir, device="cpu", weights_bits=8)
+    assert any(type(m).__name__ == "Int8Linear" for m in packed.model.modules())
+    default = H2OCompressLM(pretrained=model_dir, device="cpu")
+    assert not any(type(m).__name__ == "Int8Linear" for m in default.model.modules())
 
 
 def test_a_loaded_model_needs_its_tokenizer(loaded):
