@@ -127,10 +127,10 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
     for count in case["chunks"]:
         keys = encoded(batch, kv_heads, seen, count, head_dim)
         returned_keys, returned_values = layer.update(keys, keys.clone())
-        withdraw(0)
+        step = withdraw(0)  # a decode step's DecodeCall (its validity), or the layer of a chunk
         layer.awaiting_attention = False
         if count == 1:  # decode step: store slots then ring slots, validity from the slots
-            positions = slot_positions(layer, seen + 1).masked_fill(~layer.backend.valid, -1)
+            positions = slot_positions(layer, seen + 1).masked_fill(~step.valid, -1)
         else:  # chunk: the store's slots up to its last occupied one, ring oldest first, then the chunk
             held = layer.store.positions.long()[..., : layer.chunk.get("used", layer.store.positions.shape[-1])]
             if layer.ring is not None:

@@ -1,7 +1,9 @@
 """Attention over the compressed KV cache: the ``h2o_compress`` attention function and its decode kernels.
 
-- `h2o_compress.attention.interface`: the attention function transformers calls (``AttentionInterface``), the side channel from
-  a cache layer to it, the torch form of decode attention over the slots, and the chunked H2O scorer.
+- `h2o_compress.attention.interface`: the attention function transformers calls (``AttentionInterface``), the one hand-off
+  from a cache layer to it (``announce``), and the chunked H2O scorer.
+- `h2o_compress.attention.decode_step`: a layer's decode step as the attention function runs it (`DecodeCall`: which
+  kernel, on which buffers), and the torch form of decode attention over the slots.
 - `h2o_compress.attention.buffers`: what a decode kernel reads and writes of a layer, as plain tensors and sizes (the kernels
   take these, never a cache object).
 - `h2o_compress.attention.prefill`: a scored multi-token step in one pass (attention output and H2O column sums from one softmax);
@@ -16,12 +18,13 @@
 Importing this package imports neither Triton nor the native kernel: the kernel modules load on first use.
 """
 
+from h2o_compress.attention.decode_step import DecodeCall, decode_attention
 from h2o_compress.attention.interface import (
-    ATTENTION_NAME, announce, attention_probability_sums, check_attention_backend, decode_attention,
-    h2o_attention_forward, register_attention, use_h2o_attention, withdraw,
+    ATTENTION_NAME, announce, attention_probability_sums, check_attention_backend, h2o_attention_forward,
+    register_attention, use_h2o_attention, withdraw,
 )
 
 __all__ = [
-    "ATTENTION_NAME", "announce", "attention_probability_sums", "check_attention_backend", "decode_attention",
-    "h2o_attention_forward", "register_attention", "use_h2o_attention", "withdraw",
+    "ATTENTION_NAME", "DecodeCall", "announce", "attention_probability_sums", "check_attention_backend",
+    "decode_attention", "h2o_attention_forward", "register_attention", "use_h2o_attention", "withdraw",
 ]

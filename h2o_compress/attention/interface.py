@@ -1,11 +1,19 @@
 """The ``h2o_compress`` attention function: SDPA for the layer output, plus the attention probabilities
-the H2O scorer needs (DESIGN.md §1).
+the H2O scorer needs (DESIGN.md §1), and the one hand-off from a cache layer to it.
 
-Attention functions do not receive ``past_key_values``, so the cache layer announces itself in a
-thread-local side channel keyed by ``layer_idx`` when ``update`` runs; the attention function of the same
-layer, called next in the same thread, picks it up. Two caches or two threads never see each other's
-entries. Nothing is registered on import: [`use_h2o_attention`][h2o_compress.attention.use_h2o_attention] registers the name and switches one
-model to it.
+The hand-off: attention functions do not receive ``past_key_values``, so a cache layer's ``update`` announces
+what the attention call of its layer needs (`announce`) in a thread-local slot keyed by ``layer_idx``; the
+attention function of the same layer, called next in the same thread, takes it. Two caches or two threads never see
+each other's entries. What is announced:
+
+- a one-token step: a `DecodeCall` (`h2o_compress.attention.decode_step`), plain tensors and sizes; the attention
+  function runs it here, in ``attention/``, and returns to the model: the decode token crosses the cache/attention
+  boundary once per layer (the announcement; the kernel call is on this side);
+- a multi-token step (prefill, a chunk): the layer itself, whose ``attend`` runs the chunk's attention and eviction
+  in the cache (`h2o_compress.cache.chunk`).
+
+Nothing is registered on import: [`use_h2o_attention`][h2o_compress.attention.use_h2o_attention] registers the name
+and switches one model to it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import threading
 import torch
 
 from h2o_compress.utils.errors import UnsupportedModelError
+from h2o_compress.attention.decode_step import DecodeCall
 from h2o_compress.attention.variant import AttentionVariant, softmax_probabilities
 
 ATTENTION_NAME = "h2o_compress"
@@ -29,15 +38,15 @@ def _pending() -> dict:
     return pending
 
 
-def announce(layer_idx: int, layer) -> None:
-    """Called by a cache layer's ``update``: the next attention call of ``layer_idx`` in this thread
-    belongs to ``layer``."""
-    _pending()[layer_idx] = layer
+def announce(layer_idx: int, step) -> None:
+    """Called by a cache layer's ``update``: the next attention call of ``layer_idx`` in this thread runs ``step``
+    (a `DecodeCall`, or the layer of a multi-token step)."""
+    _pending()[layer_idx] = step
 
 
-def withdraw(layer_idx: int) -> None:
-    """Forget a pending announcement (used when a forward pass fails half-way)."""
-    _pending().pop(layer_idx, None)
+def withdraw(layer_idx: int):
+    """Forget a pending announcement (used when a forward pass fails half-way); returns it, or ``None``."""
+    return _pending().pop(layer_idx, None)
 
 
 def attention_probability_sums(
@@ -128,38 +137,6 @@ def _visible(mask, start, stop, queries, keys, device) -> torch.Tensor | None:
     return rows.reshape(rows.shape[0], rows.shape[1], 1, stop - start, keys)
 
 
-def decode_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float | None,
-    with_sums: bool, variant: AttentionVariant | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One decode step's attention over fixed slots, and the H2O probability sums from the same softmax.
-
-    Slots where ``valid`` is False (empty, evicted, padding) get zero weight. Static shapes, no host sync: the
-    step ``torch.compile`` captures. GQA without copying keys: the query heads of one KV head are one matmul.
-
-    Args:
-        query: ``[batch, q_heads, 1, head_dim]``.
-        keys: ``[batch, kv_heads, slots, head_dim]``; ``q_heads`` a multiple of ``kv_heads``.
-        values: ``[batch, kv_heads, slots, head_dim]``, as ``keys``.
-        valid: bool ``[batch, kv_heads, slots]``; at least one True per sequence and head.
-        scaling: softmax scale; ``None`` means ``head_dim ** -0.5``.
-        with_sums: also return the probabilities summed over each KV head's query heads.
-        variant: soft-cap / sink logits of the layer's softmax (`h2o_compress.attention.variant`), or ``None``.
-
-    Returns:
-        ``(output [batch, q_heads, 1, value_dim], sums fp32 [batch, kv_heads, slots] | None)`` (H2O, arXiv
-        2306.14048 §4: what each key receives from this query).
-    """
-    batch, q_heads, _, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    scale = head_dim**-0.5 if scaling is None else scaling
-    q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    probs = softmax_probabilities(logits, valid.unsqueeze(2), variant, (1, kv_heads, q_heads // kv_heads, 1))
-    output = torch.matmul(probs.to(values.dtype), values).reshape(batch, q_heads, 1, values.shape[-1])
-    return output, probs.sum(2) if with_sums else None
-
-
 def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
                      scaling: float | None, variant: AttentionVariant | None) -> torch.Tensor:
     """Attention of ``n`` queries in torch (fp32 softmax), for the multi-token steps of layers whose softmax has a
@@ -179,19 +156,22 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 def h2o_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Attention function registered as ``"h2o_compress"``: hands the step to the compressed cache layer that
-    returned ``key`` (its [`attend`][h2o_compress.cache.CompressedLayer.attend]: attention, scores, eviction),
-    or runs transformers' SDPA when no compressed cache is involved.
+    """Attention function registered as ``"h2o_compress"``: runs the step the compressed cache layer that returned
+    ``key`` announced (a decode step's `DecodeCall`, here; a multi-token step through the layer's
+    [`attend`][h2o_compress.cache.CompressedLayer.attend]: attention, scores, eviction), or transformers' SDPA
+    when no compressed cache is involved.
 
     Shapes: query ``[batch, q_heads, queries, head_dim]``, key/value ``[batch, kv_heads, keys, head_dim]``;
     returns ``([batch, queries, q_heads, head_dim], None)`` like every transformers attention function.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = _pending().pop(getattr(module, "layer_idx", None), None)
-    if layer is None:  # no compressed cache involved: plain SDPA
+    step = _pending().pop(getattr(module, "layer_idx", None), None)
+    if step is None:  # no compressed cache involved: plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    return layer.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
+    if isinstance(step, DecodeCall):
+        return step.run(module, query, key, value, scaling, kwargs), None
+    return step.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
 
 
 def register_attention() -> None:

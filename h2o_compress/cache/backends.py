@@ -1,100 +1,79 @@
-"""The decode backends of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer]: which code runs its one-token steps, chosen once, at
-its first token (`choose`), and the state that code keeps between ``update`` and ``attend``.
+"""The decode backends of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer]: which kernel runs its one-token
+steps, chosen once, at its first token (`choose`).
 
-Every backend has the same two methods: ``update(layer, keys, values)`` takes the new token (``[batch, kv_heads, 1,
-head_dim]`` as the model made it) and returns what the model's attention call will hand back; ``attend(layer,
-query, key, value, scaling, variant)`` returns the attention output ``[batch, 1, q_heads, head_dim]`` in the model's
-basis, after the scores were added and the layer evicted.
+Every backend has one method the layer calls, ``update(layer, keys, values)``: it takes the new token (``[batch,
+kv_heads, 1, head_dim]`` as the model made it), does what needs the cache, and returns ``(keys, values, call)``:
+what the model's attention call will hand back, and the `DecodeCall` the layer announces, which the attention
+function runs in ``attention/`` (`h2o_compress.attention.decode_step`) without calling back into the cache. Its
+``leaves_eviction(layer)`` says whether the layer evicts after the kernel (at the start of its next step).
 
-- `TorchDecode`: the torch form (`h2o_compress.cache.decode`), static shapes, captured by ``torch.compile``; every
-  variant (soft-cap, sink logits, sliding and chunked spans, head-adaptive pools, mixed precision).
-- `CpuDecode`: the whole step in one native call (`h2o_compress.attention.cpu`).
+- `TorchDecode`: the torch form (`h2o_compress.cache.decode` here, `decode_attention` there), static shapes,
+  captured by ``torch.compile``; every variant (soft-cap, sink logits, sliding and chunked spans, head-adaptive
+  pools, mixed precision).
+- `CpuDecode`: the whole step (ring, store, attention, scores; the eviction where `kernel_evicts`) in one native
+  call (`h2o_compress.attention.cpu`).
 - `TritonDecode`: the Triton op on CUDA (`h2o_compress.attention.slot_attention`): the layer writes the
   token, the op reads the store in place and adds the scores.
 
-The kernels take plain tensors and sizes (`h2o_compress.attention.buffers`), never the layer: `slot_buffers` packs
-the layer's parts into that call, here, in the one place that knows both.
+The kernels take plain tensors and sizes (`h2o_compress.attention.buffers`), never the layer:
+`h2o_compress.cache.decode.slot_buffers` packs the layer's parts into that call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from h2o_compress.attention import cpu as cpu_kernel
-from h2o_compress.attention.buffers import Eviction, RingBuffers, SlotBuffers, StoredSide
+from h2o_compress.attention.buffers import Eviction
 from h2o_compress.attention.choice import decode_kernel
+from h2o_compress.attention.decode_step import DecodeCall, ScratchHolder
 from h2o_compress.cache import decode
+from h2o_compress.cache.decode import slot_buffers
 
 
-def _side(quantizer, stored, basis: torch.Tensor | None) -> StoredSide:
-    """One stored format of the layer as the kernels read it."""
-    if quantizer.bits == 16:
-        return StoredSide(16, 1, stored.parts["x"], None, basis)
-    return StoredSide(quantizer.bits, quantizer.group_size, stored.parts["data"], stored.parts["scale_zero"], basis)
-
-
-def slot_buffers(layer) -> SlotBuffers:
-    """The buffers of ``layer`` (its own tensors, not copies) that a decode kernel reads and writes, packed for the
-    call (`h2o_compress.attention.buffers`): built each step, so a resized or re-batched store is what the kernel
-    sees."""
-    store, ring, counters, setting, geometry = layer.store, layer.ring, layer.counters, layer.setting, layer.geometry
-    return SlotBuffers(
-        _side(setting.key_quantizer, store.keys, geometry.key_basis),
-        _side(setting.value_quantizer, store.values, geometry.value_basis),
-        store.positions, store.scores, getattr(store, "owner", None), store.norms,
-        None if ring is None else RingBuffers(ring.keys, ring.values, ring.positions, ring.scores),
-        counters.seen, counters.first_real, counters.finite, counters.consistent,
-    )
+def _call(layer, kernel: str, **parts) -> DecodeCall:
+    """The `DecodeCall` of ``layer``'s step on ``kernel``, with the kernel's own ``parts``."""
+    setting = layer.setting
+    return DecodeCall(kernel, layer.link, slot_buffers(layer), layer.geometry.kv_heads, setting.with_scores,
+                      setting.policy.accumulates, **parts)
 
 
 class TorchDecode:
-    """The torch form; keeps the validity of what attention reads, bool ``[batch, kv_heads, slots + residual]``."""
+    """The torch form: the layer writes the token and reads what attention reads (dequantized once); the attention
+    side runs `decode_attention` over it and adds the scores; the layer evicts at its next step."""
 
     name = "torch"
-
-    def __init__(self):
-        self.valid: torch.Tensor | None = None
 
     def update(self, layer, keys: torch.Tensor, values: torch.Tensor):
         layer.counters.note_finite(keys, values)
         keys, values = layer.geometry.to_storage(keys, values)
         keys, values, slot = decode.update(layer, keys, values)
-        keys, values, self.valid = decode.read(layer, keys, values, slot)
-        return keys, values
+        keys, values, valid = decode.read(layer, keys, values, slot)
+        return keys, values, _call(layer, self.name, valid=valid)
 
-    def attend(self, layer, query, key, value, scaling, variant) -> torch.Tensor:
-        valid, self.valid = self.valid, None
-        query = layer.geometry.into_key_basis(query)
-        output = decode.attend(layer, query, key, value, valid, scaling, variant)
-        return layer.geometry.from_value_basis(output.transpose(1, 2), query.dtype)
+    @staticmethod
+    def leaves_eviction(layer) -> bool:
+        return True
 
 
 class CpuDecode:
-    """The native CPU kernel; keeps the new token until the attention call, and layer 0's token count (the
+    """The native CPU kernel: the new token goes to the kernel, which writes it; keeps layer 0's token count (the
     container's consistency check, which the kernel makes itself). The kernel evicts itself for per-head slots and
-    a policy ranking by nothing or by its scores (`kernel_evicts`); else the layer evicts after it."""
+    a policy ranking by nothing or by its scores (`kernel_evicts`); else the layer evicts at its next step."""
 
     name = "cpu"
 
     def __init__(self):
-        self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reference_seen: torch.Tensor | None = None
 
     def update(self, layer, keys: torch.Tensor, values: torch.Tensor):
         decode.grow_for_token(layer)
-        # the whole step (finite flag, bases, ring, store, attention, scores) is one kernel call in attend()
-        self.incoming = (keys, values)
-        return keys, values
+        # the whole step (finite flag, bases, ring, store, attention, scores) is one kernel call on the attention side
+        call = _call(layer, self.name, token=(keys, values), reference_seen=self.reference_seen,
+                     eviction=self.eviction(layer, self.kernel_evicts(layer)))
+        return keys, values, call
 
-    def attend(self, layer, query, key, value, scaling, variant) -> torch.Tensor:
-        (keys, values), self.incoming = self.incoming, None
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        evicts = self.kernel_evicts(layer)
-        output = cpu_kernel.decode_layer(slot_buffers(layer), self.eviction(layer, evicts), query, keys, values,
-                                         scale, self.reference_seen)
-        if not evicts:  # a policy with its own ranking, or a head-adaptive pool
-            layer.evict()
-        return output
+    def leaves_eviction(self, layer) -> bool:
+        return not self.kernel_evicts(layer)
 
     @staticmethod
     def kernel_evicts(layer) -> bool:
@@ -120,45 +99,36 @@ class CpuDecode:
 
 
 class TritonDecode:
-    """The Triton op; keeps its scratch (workspace, not cache state, one per shape: `scratch_for`) and the token
-    that entered the store."""
+    """The Triton op: the layer writes the token (ring in, the leaving token into the store); the op reads the store
+    in place and adds the scores; the layer evicts at its next step. Keeps the op's scratch (`ScratchHolder`:
+    workspace, not cache state, one per shape)."""
 
     name = "triton"
 
     def __init__(self):
-        self.scratch = None
-        self.leaving = None
+        self.holder = ScratchHolder()
+
+    @property
+    def scratch(self):
+        """The op's scratch of the last shape (`scratch_for`), or ``None``."""
+        return self.holder.scratch
 
     def update(self, layer, keys: torch.Tensor, values: torch.Tensor):
         layer.counters.note_finite(keys, values)
         keys, values = layer.geometry.to_storage(keys, values, fused=True)
         keys, values, slot = decode.update(layer, keys, values)
-        self.leaving = (keys, values, slot)  # the op reads the store and ring in place: nothing is dequantized
-        return keys, values
+        # the op reads the store and ring in place: nothing is dequantized
+        return keys, values, _call(layer, self.name, token=(keys, values, slot), scratch=self.holder)
 
-    def attend(self, layer, query, key, value, scaling, variant) -> torch.Tensor:
-        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
-
-        leaving, self.leaving = self.leaving, None
-        output = slot_attention.decode_layer(slot_buffers(layer), self.scratch_for(layer, query.shape[1]), query,
-                                             leaving, scaling, layer.setting.policy.accumulates)
-        layer.evict()
-        return output.transpose(1, 2).contiguous()
+    @staticmethod
+    def leaves_eviction(layer) -> bool:
+        return True
 
     def scratch_for(self, layer, q_heads: int):
         """The op's scratch for ``layer``'s shape (batch, slots) and ``q_heads`` query heads, allocated once per shape:
         eager steps allocate it (at the prefill, the first decode step, or when rows move in); a compiled step finds
         it."""
-        from h2o_compress.attention import slot_attention  # deferred: needs triton, an optional dependency
-
-        geometry, store, with_scores = layer.geometry, layer.store, layer.setting.with_scores
-        ring = 0 if layer.ring is None else layer.ring.size
-        key = (geometry.batch, q_heads, store.slots + ring, with_scores)
-        if self.scratch is None or self.scratch.key != key:
-            self.scratch = slot_attention.make_scratch(
-                geometry.batch, q_heads, geometry.kv_heads, geometry.head_dim, store.slots, ring, with_scores,
-                layer.setting.key_quantizer.bits, layer.setting.value_quantizer.bits, geometry.device)
-        return self.scratch
+        return self.holder.for_shape(slot_buffers(layer), q_heads, layer.geometry.head_dim)
 
 
 BACKENDS = {backend.name: backend for backend in (TorchDecode, CpuDecode, TritonDecode)}

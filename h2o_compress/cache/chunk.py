@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from h2o_compress.attention.decode_step import per_kv_head
 from h2o_compress.attention.interface import masked_attention
 from h2o_compress.attention.prefill import attention_with_sums
 from h2o_compress.utils.errors import CacheStateError
 from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
 from h2o_compress.policies.base import EvictionPolicy
-from h2o_compress.cache.decode import per_kv_head
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.ring import held_positions
 from h2o_compress.cache.setting import GROWTH

@@ -1,14 +1,17 @@
-"""The one-token step of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] in torch form (DESIGN.md §2 and §5),
-as `h2o_compress.cache.chunk` is its multi-token step: static shapes, no host sync and no allocation of cache storage, so
-``torch.compile(fullgraph=True)`` captures it. Read top to bottom, a step is:
+"""The one-token step of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer] on the cache's side (DESIGN.md §2
+and §5), as `h2o_compress.cache.chunk` is its multi-token step: static shapes, no host sync and no allocation of cache
+storage, so ``torch.compile(fullgraph=True)`` captures it. Read top to bottom, the torch form's step is:
 
 1. `update`: the new token into the ring, the ring's oldest token into the store (quantized once, the
    store's [`enter`][h2o_compress.cache.SlotStore.enter]: the lowest empty slot of its head, or of the head-adaptive pool);
 2. `read`: what attention reads, ``[batch, kv_heads, slots + residual, head_dim]``, and its validity;
-3. `attend`: the attention over it, the probabilities added to the scores (`add_scores`), then the
-   layer's eviction (tokens outside a sliding window or chunk first, then the lowest priority over capacity).
+3. `forget`: A2SF's fading of the held scores, before this step's query adds to them;
+4. `slot_buffers`: the layer's buffers packed for the attention side, which runs the attention and adds the
+   scores (`h2o_compress.attention.decode_step`) without calling back; the layer's eviction (tokens outside a
+   sliding window or chunk first, then the lowest priority over capacity) runs at the start of its next step
+   ([`CompressedLayer.settle`][h2o_compress.cache.CompressedLayer.settle]).
 
-The Triton op replaces steps 2 and 3's attention (it reads the store in place), the CPU kernel the whole step
+The Triton op replaces step 2 (it reads the store in place), the CPU kernel steps 1 and 2
 (`h2o_compress.cache.backends`).
 """
 
@@ -16,9 +19,31 @@ from __future__ import annotations
 
 import torch
 
-from h2o_compress.attention import decode_attention
+from h2o_compress.attention.buffers import RingBuffers, SlotBuffers, StoredSide
+from h2o_compress.attention.decode_step import add_scores as add_to_scores
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.setting import GROWTH
+
+
+def _side(quantizer, stored, basis: torch.Tensor | None) -> StoredSide:
+    """One stored format of the layer as the kernels read it."""
+    if quantizer.bits == 16:
+        return StoredSide(16, 1, stored.parts["x"], None, basis)
+    return StoredSide(quantizer.bits, quantizer.group_size, stored.parts["data"], stored.parts["scale_zero"], basis)
+
+
+def slot_buffers(layer) -> SlotBuffers:
+    """The buffers of ``layer`` (its own tensors, not copies) that a decode kernel reads and writes, packed for the
+    call (`h2o_compress.attention.buffers`): built each step, so a resized or re-batched store is what the kernel
+    sees."""
+    store, ring, counters, setting, geometry = layer.store, layer.ring, layer.counters, layer.setting, layer.geometry
+    return SlotBuffers(
+        _side(setting.key_quantizer, store.keys, geometry.key_basis),
+        _side(setting.value_quantizer, store.values, geometry.value_basis),
+        store.positions, store.scores, getattr(store, "owner", None), store.norms,
+        None if ring is None else RingBuffers(ring.keys, ring.values, ring.positions, ring.scores),
+        counters.seen, counters.first_real, counters.finite, counters.consistent,
+    )
 
 
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,49 +101,16 @@ def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
     return keys, values, leaving, score
 
 
-def attend(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-           scaling: float | None, variant=None):
-    """Attention of one query per sequence, ``[batch, q_heads, 1, head_dim]`` (in the key basis), over what
-    `read` returned, masked by ``valid``, with the layer's softmax ``variant``
-    (`AttentionVariant` or ``None``); then `add_scores` and the
-    eviction. Returns ``[batch, q_heads, 1, head_dim]`` (in the value basis)."""
-    output, sums = decode_attention(query, keys, values, valid, scaling, layer.setting.with_scores, variant)
-    add_scores(layer, sums)
-    layer.evict()
-    return output
-
-
 def add_scores(layer, sums: torch.Tensor | None) -> None:
-    """Add this query's probability sums, fp32 ``[batch, kv_heads, slots + residual]`` (store then ring, or
-    ``None`` without scores), to the scores; a policy that does not accumulate (TOVA) takes them as they are. In
-    place, no host sync."""
-    if sums is None:
-        return
-    sums = per_kv_head(sums, layer.geometry.kv_heads)
-    slots = layer.store.slots
-    if layer.setting.policy.accumulates:
-        layer.store.scores += layer.store.score_share(sums[..., :slots])
-        if layer.ring is not None:
-            layer.ring.scores += sums[..., slots:]
-    else:  # the current query's attention replaces the scores (TOVA)
-        layer.store.scores.copy_(layer.store.score_share(sums[..., :slots]))
-        if layer.ring is not None:
-            layer.ring.scores.copy_(sums[..., slots:])
-
-
-def per_kv_head(sums: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Probability sums fp32 ``[batch, heads, keys]`` over the heads of the keys attention read, summed to the
-    cache's ``kv_heads`` (a multi-head latent attention model expands one cached latent into a key per query head:
-    the latent's score is what every head gave it, as GQA sums a group)."""
-    if sums.shape[1] == kv_heads:
-        return sums
-    return sums.view(sums.shape[0], kv_heads, -1, sums.shape[2]).sum(2)
+    """Add one query's probability sums fp32 ``[batch, heads, slots + residual]`` (or ``None``) to ``layer``'s
+    scores, as a decode step's attention does (`h2o_compress.attention.decode_step.add_scores`)."""
+    add_to_scores(slot_buffers(layer), sums, layer.geometry.kv_heads, layer.setting.policy.accumulates)
 
 
 def forget(layer, factor: float) -> None:
     """Scale every held score by ``factor`` (in place, no host sync): A2SF's forgetting factor (Jo and Shin 2024,
-    arXiv 2407.20485), applied before a decode step's attention is added, on every decode path (CPU kernel, Triton
-    op, torch form)."""
+    arXiv 2407.20485), applied in a decode step's ``update`` before its attention is added, on every decode path
+    (CPU kernel, Triton op, torch form)."""
     layer.store.scores.mul_(factor)
     if layer.ring is not None:
         layer.ring.scores.mul_(factor)

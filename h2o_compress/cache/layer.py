@@ -8,18 +8,21 @@
     backend  TorchDecode | CpuDecode | TritonDecode   the code of a one-token step (`h2o_compress.cache.backends`)
 
 The parts are made at the first token (their shapes come from it). A one-token step is the backend's (the torch
-form, `h2o_compress.cache.decode`, reads top to bottom), a multi-token step `h2o_compress.cache.chunk`'s; after each, the layer evicts
-([`CompressedLayer.evict`][h2o_compress.cache.CompressedLayer.evict]).
+form, `h2o_compress.cache.decode`, reads top to bottom): ``update`` writes the token and announces a `DecodeCall`, which
+the attention function runs in ``attention/`` without calling back; a multi-token step is `h2o_compress.cache.chunk`'s,
+whose attention comes back to [`attend`][h2o_compress.cache.CompressedLayer.attend] and evicts there. The eviction a
+decode kernel leaves ([`evict`][h2o_compress.cache.CompressedLayer.evict]) runs at the start of the layer's next
+step, before its token is written, or when something reads the layer between steps
+([`settle`][h2o_compress.cache.CompressedLayer.settle]): the same information as at the end of the step before.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_compress.attention import announce, withdraw
+from h2o_compress.attention.decode_step import ModuleLink
 from h2o_compress.attention.launch import mark_static_address
 from h2o_compress.attention.variant import AttentionVariant
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
@@ -165,9 +168,38 @@ class CompressedLayer(CacheLayerMixin):
         self.counters: Counters | None = None
         self.backend = None  # the decode backend, chosen at the first token
         self.chunk: dict | None = None  # a multi-token step between update() and attend()
-        self.awaiting_attention = False
-        self.bound_module = None  # weakref to the attention module that used this layer first
+        if getattr(self, "link", None) is None:  # one object for the layer's life (a compiled step holds it)
+            self.link = ModuleLink(self.layer_idx)
+        self.link.module, self.link.awaiting = None, False  # the module that used the layer first; awaiting attention
+        self.unsettled = False  # a decode step left its eviction to the next step (`settle`)
         self.is_initialized = False
+
+    @property
+    def awaiting_attention(self) -> bool:
+        """``update`` ran and the step's attention call has not come yet."""
+        return self.link.awaiting
+
+    @awaiting_attention.setter
+    def awaiting_attention(self, value: bool) -> None:
+        self.link.awaiting = value
+
+    @property
+    def bound_module(self):
+        """Weakref to the attention module that used this layer first, or ``None``."""
+        return self.link.module
+
+    @bound_module.setter
+    def bound_module(self, ref) -> None:
+        self.link.module = ref
+
+    def settle(self) -> None:
+        """Run the eviction the last decode step left to the next one
+        ([`evict`][h2o_compress.cache.CompressedLayer.evict], idempotent), so that what is read of the layer between steps (its tokens, positions, buffers) is the settled
+        state. Every reader of the layer's parts calls it first (in or out of the inference mode the step ran in)."""
+        if self.unsettled:
+            self.unsettled = False
+            with torch.inference_mode() if self.store.positions.is_inference() else torch.no_grad():
+                self.evict()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Make the parts once, from the first keys ``[batch, kv_heads, tokens, head_dim]`` (their batch, heads,
@@ -196,6 +228,7 @@ class CompressedLayer(CacheLayerMixin):
         """Every buffer held, by name: ``store.*``, ``ring.*``, ``refine.*`` and the counters'."""
         if not self.is_initialized:
             return {}
+        self.settle()
         held = {f"store.{k}": v for k, v in self.store.tensors().items()}
         if self.ring is not None:
             held |= {f"ring.{k}": v for k, v in self.ring.tensors().items()}
@@ -213,15 +246,17 @@ class CompressedLayer(CacheLayerMixin):
 
     def kept_per_head(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads]``: tokens held now by each sequence and KV head."""
+        self.settle()
         return (held_positions(self.store, self.ring, self.geometry.kv_heads) >= 0).sum(-1)
 
     def positions(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (rows holding fewer, e.g.
         padded sequences or heads of a head-adaptive layer, are filled with ``-1`` at the front)."""
+        self.settle()
         held, kept = held_positions(self.store, self.ring, self.geometry.kv_heads), self.kept_length()
         return held.sort(-1).values[..., -kept:] if kept else held[..., :0]
 
-    # -- a step: update (cache in), attend (attention, scores, eviction) -------------------------------------
+    # -- a step: update (cache in, the hand-off), then the attention function (attention, scores, eviction) --
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take ``[batch, kv_heads, new, head_dim]`` keys and ``[batch, kv_heads, new, value_dim]`` values; return
         what attention reads (in the storage bases, which the ``h2o_compress`` attention function undoes; values of
@@ -239,15 +274,31 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[2] == 1:
-            keys, values = self.backend.update(self, key_states, value_states)
+            keys, values, step = self._decode_update(key_states, value_states)
         else:
+            self.settle()
             if not bool(self.counters.note_finite(key_states, value_states)):
                 raise InputError(f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the "
                                  "inputs and the model weights: a non-finite token would poison every later step")
             keys, values = chunk.update(self, *self.geometry.to_storage(key_states, value_states))
-        self.awaiting_attention = True
-        announce(self.layer_idx, self)
+            step = self
+        self.link.awaiting = True
+        announce(self.layer_idx, step)
         return keys, values
+
+    def _decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A one-token step's cache side: the eviction the previous step left (always, not on the `unsettled` flag:
+        idempotent, and a compiled step does not branch on a host flag), the token written by the backend, A2SF's
+        fading of the scores; returns ``(keys, values, DecodeCall)``."""
+        leaves = self.backend.leaves_eviction(self)
+        if leaves:
+            self.evict()
+        keys, values, step = self.backend.update(self, key_states, value_states)
+        decay = self.setting.policy.score_decay
+        if self.setting.with_scores and 0.0 < decay < 1.0:
+            decode.forget(self, decay)  # A2SF: held scores fade before this query adds to them
+        self.unsettled = leaves
+        return keys, values, step
 
     def _check_step(self, key_states: torch.Tensor) -> None:
         """Refuse a step that does not continue this layer's run (the errors of [`update`][h2o_compress.cache.CompressedLayer.update])."""
@@ -263,21 +314,19 @@ class CompressedLayer(CacheLayerMixin):
             self.geometry.check(key_states, self.layer_idx)
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs) -> torch.Tensor:
-        """This step's attention (the ``h2o_compress`` attention function's, over what [`update`][h2o_compress.cache.CompressedLayer.update] returned),
-        scores and eviction: ``[batch, queries, q_heads, head_dim]``. Raises CacheStateError (the cache was filled
-        through another model) or UnsupportedModelError (a soft-cap or sink logits the decode kernel cannot run)."""
-        self.awaiting_attention = False
-        if self.bound_module is None:
-            self.bound_module = weakref.ref(module)
-        elif self.bound_module() is not module:
-            raise CacheStateError(f"layer {self.layer_idx}: this cache was filled by another model; a cache holds one "
-                                  "model's keys and values, so build a new one with make_cache(model, ...)")
+        """This step's attention over what [`update`][h2o_compress.cache.CompressedLayer.update] returned:
+        ``[batch, queries, q_heads, head_dim]``. A multi-token step (the ``h2o_compress`` attention function's
+        call): attention, scores and the chunk's eviction (`h2o_compress.cache.chunk`). A one-token step (the
+        attention function runs the announced `DecodeCall` itself; this is for a caller that holds the layer):
+        runs that call. Raises CacheStateError (the cache was filled through another model, or no step is pending)
+        or UnsupportedModelError (a soft-cap or sink logits the decode kernel cannot run)."""
+        if self.chunk is None:
+            step = withdraw(self.layer_idx)
+            if step is None or step is self or step.link is not self.link:
+                raise CacheStateError(f"layer {self.layer_idx}: no decode step of this layer awaits its attention")
+            return step.run(module, query, key, value, scaling, kwargs)
+        self.link.arrive(module)
         variant = AttentionVariant.from_call(kwargs, self.backend.name, self.layer_idx)
-        if query.shape[2] == 1 and self.chunk is None:
-            decay = self.setting.policy.score_decay
-            if self.setting.with_scores and 0.0 < decay < 1.0:
-                decode.forget(self, decay)  # A2SF: held scores fade before this query adds to them
-            return self.backend.attend(self, query, key, value, scaling, variant)
         query = self.geometry.into_key_basis(query)
         output = chunk.attend(self, module, query, key, value, attention_mask, scaling, variant, **kwargs)
         return self.geometry.from_value_basis(output.transpose(1, 2), query.dtype)
@@ -314,7 +363,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """Copy saved buffers (names of [`tensors`][h2o_compress.cache.CompressedLayer.tensors], same shapes) into this initialised layer, in place."""
-        held = self.tensors()
+        held = self.tensors()  # settled first: the saved state replaces what a last step left
         for name, tensor in state.items():
             held[name].copy_(tensor)
 
@@ -323,6 +372,7 @@ class CompressedLayer(CacheLayerMixin):
         (beam reordering keeps the static addresses), else by re-building the parts' buffers."""
         if not self.is_initialized:
             return
+        self.settle()
         if in_place:  # every buffer but the 0-dim counters and flags
             for tensor in (t for t in self.tensors().values() if t.dim()):
                 tensor.copy_(fn(tensor))
@@ -347,6 +397,8 @@ class CompressedLayer(CacheLayerMixin):
     def take_rows(self, indices: torch.Tensor, source: "CompressedLayer", batch: int) -> None:
         """Copy every sequence of ``source`` (a layer of the same setting) into rows ``indices`` of this layer of
         ``batch`` rows, aligning their positions (`rows.take_rows`: continuous batching). Eager."""
+        self.settle()
+        source.settle()
         rows.take_rows(self, indices, source, batch)
 
     def crop(self, tokens_to_remove: int) -> None:

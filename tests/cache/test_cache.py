@@ -252,8 +252,9 @@ def test_decode_step_keeps_its_buffers_and_the_tokens_of_the_chunk_rule(policy, 
     def run(decode_path: bool):
         if not decode_path:
             for backend in (backends.TorchDecode, backends.CpuDecode):  # a one-token step as a chunk
-                monkeypatch.setattr(backend, "update",
-                                    lambda self, layer, k, v: chunk.update(layer, *layer.geometry.to_storage(k, v)))
+                monkeypatch.setattr(backend, "update",  # announcing the layer: its attend runs the chunk
+                                    lambda self, layer, k, v: (*chunk.update(layer, *layer.geometry.to_storage(k, v)),
+                                                               layer))
         cache = make_cache(model, CompressionConfig(policy=policy, budget=20, kv_bits=kv_bits, residual=2))
         logits = [model(input_ids=prompt, past_key_values=cache).logits[:, -1]]
         buffers = {name: t.data_ptr() for name, t in cache.layers[0].tensors().items()}

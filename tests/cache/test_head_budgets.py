@@ -107,6 +107,7 @@ def test_decode_eviction_takes_the_lowest_over_every_head():
     layer.evict = spy
     with torch.inference_mode():
         model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+    layer.settle()  # the step's eviction runs when the layer is read next (or at its next step)
     held = seen_before_eviction["held"]
     assert len(held) == 2 * C + 2
     expected = {(h, p) for _, _, h, p in sorted(held)[:2]}
