@@ -60,7 +60,16 @@ def smollm2():
     """The real SmolLM2-135M (converted once, then cached). Integration tests only."""
     from h2o_compress import load_model
 
-    return load_model("smollm2-135m", device="cpu")
+    return load_model("smollm2-135m", device="cpu")  # int8 weights: the CPU default since issue 50
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """The real SmolLM2-135M with fp32 weights (``weights_bits=16``), for what is pinned to them (the calibration
+    shipped for its fingerprint). Integration tests only."""
+    from h2o_compress import load_model
+
+    return load_model("smollm2-135m", device="cpu", weights_bits=16)
 
 
 def save_tiny_model_dir(path, chat_template: str | None = None, **llama_kwargs) -> str:

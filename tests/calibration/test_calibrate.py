@@ -231,7 +231,11 @@ def test_the_shipped_smollm2_calibration_holds_the_key_statistics():
 
 
 @pytest.mark.integration
-def test_smollm2_takes_the_shipped_key_statistics(smollm2, real_calibration_lookup):
-    model, _ = smollm2
+def test_smollm2_takes_the_shipped_key_statistics(smollm2_fp32, smollm2, real_calibration_lookup):
+    """The shipped calibration was fitted on fp32 weights and is keyed by that model's fingerprint: the fp32 model
+    takes it; the int8 CPU default (another fingerprint) is refused in one line that says how to calibrate."""
+    with pytest.raises(ConfigError, match=r"needs a calibration of this model .* run h2o-compress calibrate"):
+        make_cache(smollm2[0], CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
+    model, _ = smollm2_fp32
     cache = make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
     assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
