@@ -22,14 +22,15 @@ class StoredSide(NamedTuple):
     Attributes:
         bits: 4 or 8 (``IntQuantizer`` codes) or 16 (raw storage).
         group: quantization group along ``head_dim`` (1 for 16-bit storage).
-        data: uint8 codes ``[batch, rows, slots, head_dim * bits / 8]``, or raw ``[batch, rows, slots, head_dim]``.
+        data: uint8 codes ``[batch, rows, slots, head_dim * bits / 8]``, or raw ``[batch, rows, slots, head_dim]``
+            (``None`` for the torch form, which reads the store dequantized, in any format).
         scale_zero: fp16 ``[batch, rows, slots, head_dim / group, 2]``, or ``None`` for 16-bit storage.
         basis: fp32 ``[head_dim, head_dim]`` Hadamard basis the tokens are held in, or ``None``.
     """
 
     bits: int
     group: int
-    data: torch.Tensor
+    data: torch.Tensor | None
     scale_zero: torch.Tensor | None
     basis: torch.Tensor | None
 

@@ -31,10 +31,11 @@ from h2o_compress.cache.decode import slot_buffers
 
 
 def _call(layer, kernel: str, **parts) -> DecodeCall:
-    """The `DecodeCall` of ``layer``'s step on ``kernel``, with the kernel's own ``parts``."""
+    """The `DecodeCall` of ``layer``'s step on ``kernel``, with the kernel's own ``parts`` (the torch form's
+    buffers without the stored codes, which it read dequantized in ``update``)."""
     setting = layer.setting
-    return DecodeCall(kernel, layer.link, slot_buffers(layer), layer.geometry.kv_heads, setting.with_scores,
-                      setting.policy.accumulates, **parts)
+    return DecodeCall(kernel, layer.link, slot_buffers(layer, codes=kernel != "torch"), layer.geometry.kv_heads,
+                      setting.with_scores, setting.policy.accumulates, **parts)
 
 
 class TorchDecode:

@@ -25,21 +25,24 @@ from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.setting import GROWTH
 
 
-def _side(quantizer, stored, basis: torch.Tensor | None) -> StoredSide:
-    """One stored format of the layer as the kernels read it."""
+def _side(quantizer, stored, basis: torch.Tensor | None, codes: bool = True) -> StoredSide:
+    """One stored format of the layer as the kernels read it (``codes=False``: its basis only, for the torch form,
+    which reads the store dequantized, in any format)."""
+    if not codes:
+        return StoredSide(quantizer.bits, 1, None, None, basis)
     if quantizer.bits == 16:
         return StoredSide(16, 1, stored.parts["x"], None, basis)
     return StoredSide(quantizer.bits, quantizer.group_size, stored.parts["data"], stored.parts["scale_zero"], basis)
 
 
-def slot_buffers(layer) -> SlotBuffers:
+def slot_buffers(layer, codes: bool = True) -> SlotBuffers:
     """The buffers of ``layer`` (its own tensors, not copies) that a decode kernel reads and writes, packed for the
     call (`h2o_compress.attention.buffers`): built each step, so a resized or re-batched store is what the kernel
-    sees."""
+    sees. ``codes=False``: without the stored codes (the torch form reads them dequantized, in any format)."""
     store, ring, counters, setting, geometry = layer.store, layer.ring, layer.counters, layer.setting, layer.geometry
     return SlotBuffers(
-        _side(setting.key_quantizer, store.keys, geometry.key_basis),
-        _side(setting.value_quantizer, store.values, geometry.value_basis),
+        _side(setting.key_quantizer, store.keys, geometry.key_basis, codes),
+        _side(setting.value_quantizer, store.values, geometry.value_basis, codes),
         store.positions, store.scores, getattr(store, "owner", None), store.norms,
         None if ring is None else RingBuffers(ring.keys, ring.values, ring.positions, ring.scores),
         counters.seen, counters.first_real, counters.finite, counters.consistent,
@@ -104,7 +107,7 @@ def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
 def add_scores(layer, sums: torch.Tensor | None) -> None:
     """Add one query's probability sums fp32 ``[batch, heads, slots + residual]`` (or ``None``) to ``layer``'s
     scores, as a decode step's attention does (`h2o_compress.attention.decode_step.add_scores`)."""
-    add_to_scores(slot_buffers(layer), sums, layer.geometry.kv_heads, layer.setting.policy.accumulates)
+    add_to_scores(slot_buffers(layer, codes=False), sums, layer.geometry.kv_heads, layer.setting.policy.accumulates)
 
 
 def forget(layer, factor: float) -> None:
