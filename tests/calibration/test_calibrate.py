@@ -17,6 +17,7 @@ from h2o_compress.calibration.eviction_fit import fit_ridge, kept_shares, read_s
 from h2o_compress.cli import app
 from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
 from h2o_compress.persistence.calibration_file import (
+    shipped_calibration_path,
     EVICTION_WEIGHTS, KEY_CHANNEL_MEAN, Calibration, load_calibration, read_calibration, save_calibration,
 )
 from h2o_compress.policies.calibrated import CalibratedPolicy, feature_matrix, predicted_score, token_prior
@@ -232,10 +233,10 @@ def test_the_shipped_smollm2_calibration_holds_the_key_statistics():
 
 @pytest.mark.integration
 def test_smollm2_takes_the_shipped_key_statistics(smollm2_fp32, smollm2, real_calibration_lookup):
-    """The shipped calibration was fitted on fp32 weights and is keyed by that model's fingerprint: the fp32 model
-    takes it; the int8 CPU default (another fingerprint) is refused in one line that says how to calibrate."""
-    with pytest.raises(ConfigError, match=r"needs a calibration of this model .* run h2o-compress calibrate"):
-        make_cache(smollm2[0], CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
-    model, _ = smollm2_fp32
-    cache = make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
-    assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
+    """A calibration is shipped for each way the embedded model loads on CPU, keyed by its fingerprint: the int8
+    default's (fitted on the int8 model) and the fp32 weights' (``weights_bits=16``); each model takes its own."""
+    for model, _ in (smollm2, smollm2_fp32):
+        cache = make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
+        assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
+    shipped = {shipped_calibration_path(m[0]) for m in (smollm2, smollm2_fp32)}
+    assert len(shipped) == 2 and None not in shipped
