@@ -16,6 +16,9 @@ one is [`load_model`][h2o_compress.load_model]'s for ``weights_bits=8`` on CPU.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+
 import torch
 from torch import nn
 
@@ -101,6 +104,28 @@ def quantize_linears(model: nn.Module, head: bool = True) -> int:
             text = getattr(config, "get_text_config", lambda: config)()
             text.tie_word_embeddings = False
     return replaced
+
+
+def release_source_weights(model: nn.Module) -> None:
+    """After `quantize_linears`: copy the weights left in their source dtype (the embedding, the norms) out of the
+    converted checkpoint's memory map into memory of their own, and hand the freed heap back to the system, so the
+    fp32 file the int8 weights were packed from no longer counts in the process's resident set (SmolLM2: 1,149 to
+    about 710 MiB after loading; the weights themselves are 237 MiB). The values are unchanged."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                continue
+            for name, parameter in list(module._parameters.items()):
+                if parameter is not None:
+                    parameter.data = parameter.data.clone()
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = buffer.clone()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed heap pages otherwise
+    except (OSError, AttributeError):  # not glibc: the pages are reused by later allocations instead
+        pass
 
 
 def int8_layers(model: nn.Module) -> list[Int8Linear]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_compress.models.int8_linear import quantize_linears
+from h2o_compress.models.int8_linear import quantize_linears, release_source_weights
 from h2o_compress.models.weights import (
     avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
     check_weights_bits, parse_max_memory, quantization_config,
@@ -512,6 +512,7 @@ def load_model(
         model.to(resolved_device)
     if cpu_int8:
         quantize_linears(model, head=True)
+        release_source_weights(model)
     if bits == 4:
         avoid_cpu_4bit_repack(model)
     model.eval()

@@ -235,3 +235,28 @@ def test_a_cache_saved_with_fp32_weights_is_refused_by_the_int8_model_in_one_lin
     finally:
         middle.neg_()
     assert model_fingerprint(packed) == before
+
+
+def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of files ending in ``suffix`` (Linux ``/proc/self/maps``)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(suffix):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_no_weight_stays_in_the_converted_checkpoints_memory_map(four_layer_dir):
+    """The int8 load copies what it left in fp32 (embedding, norms) out of the checkpoint's memory map
+    (`release_source_weights`), so the fp32 file does not stay resident beside the int8 weights; the values are the
+    same as the fp32 load's."""
+    model, _ = load_model(four_layer_dir, device="cpu", weights_bits=8)
+    fp32, _ = load_model(four_layer_dir, device="cpu", weights_bits=16)
+    mapped = _mapped_ranges(".safetensors")
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    assert not [t.shape for t in tensors if any(a <= t.data_ptr() < b for a, b in mapped)]
+    assert torch.equal(model.get_input_embeddings().weight, fp32.get_input_embeddings().weight)
