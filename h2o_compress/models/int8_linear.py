@@ -106,6 +106,14 @@ def quantize_linears(model: nn.Module, head: bool = True) -> int:
     return replaced
 
 
+def pack_int8(model: nn.Module) -> int:
+    """What ``load_model(weights_bits=8)`` does to a CPU model: `quantize_linears` (every Linear layer and the head),
+    then `release_source_weights`. Returns how many layers were packed."""
+    packed = quantize_linears(model, head=True)
+    release_source_weights(model)
+    return packed
+
+
 def release_source_weights(model: nn.Module) -> None:
     """After `quantize_linears`: copy the weights left in their source dtype (the embedding, the norms) out of the
     converted checkpoint's memory map into memory of their own, and hand the freed heap back to the system, so the

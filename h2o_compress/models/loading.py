@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_compress.models.int8_linear import quantize_linears, release_source_weights
+from h2o_compress.models.int8_linear import pack_int8
 from h2o_compress.models.weights import (
     avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
     check_weights_bits, parse_max_memory, quantization_config,
@@ -511,8 +511,7 @@ def load_model(
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
         model.to(resolved_device)
     if cpu_int8:
-        quantize_linears(model, head=True)
-        release_source_weights(model)
+        pack_int8(model)
     if bits == 4:
         avoid_cpu_4bit_repack(model)
     model.eval()
