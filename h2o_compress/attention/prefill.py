@@ -96,8 +96,10 @@ def blocked_attention_with_sums(
     Query blocks ``[a, b)``: logits against keys ``[0, held + b)`` only (a query never sees a later chunk token, so
     the upper right of the causal matrix is skipped), masked where ``visible`` says, softmax in fp32, output block
     ``p @ v``, sums ``+= p`` summed over the block's queries and the group's query heads. GQA without repeating
-    keys: the ``group`` query heads of a KV head are one ``[group * block, head_dim]`` matmul operand. Inference
-    only: the logits and probabilities of a block share one buffer, written in place (no autograd).
+    keys: the ``group`` query heads of a KV head are one ``[group * block, head_dim]`` matmul operand. One KV head at
+    a time, so the workspace is one head group's block of logits (about `BLOCK_ELEMENTS` fp32), whatever the heads
+    (issue 49). Inference only: the logits and probabilities of a block share one buffer, written in place (no
+    autograd).
 
     Args:
         query: ``[batch, q_heads, n, head_dim]``.
@@ -115,27 +117,42 @@ def blocked_attention_with_sums(
     """
     batch, q_heads, n, head_dim = query.shape
     kv_heads, total, value_dim = keys.shape[1], keys.shape[2], values.shape[-1]
-    group, held = q_heads // kv_heads, total - n
+    group = q_heads // kv_heads
     scale = head_dim**-0.5 if scaling is None else scaling
-    block = min(_block_rows(batch * q_heads * total) if block is None else block, n)
-    k, v = keys.float().contiguous(), values.float().contiguous()
+    block = min(_block_rows(batch * group * total) if block is None else block, n)
     # [batch, kv_heads, n * group, head_dim], scaled once: a block's rows (query, head) are one contiguous slice
     q = (query.float() * scale).view(batch, kv_heads, group, n, head_dim).transpose(2, 3).contiguous()
     q = q.view(batch, kv_heads, n * group, head_dim)
     output = torch.empty(batch, n, kv_heads, group, value_dim, dtype=values.dtype, device=query.device)
     sums = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=query.device)
-    # one buffer for every block's logits (then probabilities, in place): no allocation per block
-    scratch = torch.empty(batch * q_heads * block * total, dtype=torch.float32, device=query.device)
+    # one buffer for every block's logits (then probabilities, in place), one KV head's query group at a time: no
+    # allocation per block, and the scoring workspace does not grow with the heads
+    scratch = torch.empty(batch * group * block * total, dtype=torch.float32, device=query.device)
     above = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    for head in range(kv_heads):
+        mask = None if visible is None else visible[:, head : head + 1] if visible.shape[1] > 1 else visible
+        _head_blocks(q[:, head : head + 1], keys[:, head : head + 1].float(), values[:, head : head + 1].float(),
+                     mask, block, scratch, above, output[:, :, head : head + 1], sums[:, head : head + 1])
+    return output.view(batch, n, q_heads, value_dim), sums
+
+
+def _head_blocks(q, k, v, visible, block: int, scratch, above, output, sums) -> None:
+    """`blocked_attention_with_sums` of one KV head, in place: ``q`` ``[batch, 1, n * group, head_dim]`` (scaled),
+    ``k`` ``[batch, 1, total, head_dim]`` and ``v`` ``[batch, 1, total, value_dim]`` fp32, ``visible`` ``[batch | 1,
+    1, n, total]`` or ``None``; writes ``output`` ``[batch, n, 1, group, value_dim]`` and adds to ``sums`` ``[batch,
+    1, total]``."""
+    batch, n, group, value_dim = output.shape[0], output.shape[1], output.shape[3], output.shape[4]
+    total = k.shape[2]
+    held = total - n
     hidden = None if visible is None else visible.logical_not()
     for a in range(0, n, block):
         b, rows = min(a + block, n), min(block, n - a)
         cut = held + b  # keys a causal block reads
         if visible is not None and cut < total and visible[..., a:b, cut:].any():
             cut = total  # a mask that is not causal: read every key
-        logits = scratch[: batch * q_heads * rows * cut].view(batch, kv_heads, rows * group, cut)
+        logits = scratch[: batch * group * rows * cut].view(batch, 1, rows * group, cut)
         torch.matmul(q[:, :, a * group : b * group], k[:, :, :cut].transpose(-1, -2), out=logits)
-        per_query = logits.view(batch, kv_heads, rows, group, cut)
+        per_query = logits.view(batch, 1, rows, group, cut)
         if visible is not None:
             per_query.masked_fill_(hidden[..., a:b, :cut].unsqueeze(3), float("-inf"))
         elif rows > 1:  # causal: only the last `rows` keys (the block's own diagonal square) hide anything
@@ -143,5 +160,4 @@ def blocked_attention_with_sums(
         probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
         sums[..., :cut] += probs.sum(dim=2)
         out = torch.matmul(probs, v[:, :, :cut])
-        output[:, a:b] = out.view(batch, kv_heads, rows, group, value_dim).transpose(1, 2)
-    return output.view(batch, n, q_heads, value_dim), sums
+        output[:, a:b] = out.view(batch, 1, rows, group, value_dim).transpose(1, 2)
