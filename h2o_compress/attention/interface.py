@@ -191,6 +191,7 @@ UNSUPPORTED_MODEL_TYPES = {
     "jetmoe": "mixture-of-attention routes queries to expert heads around the cache",
     "moshi": "its attention applies a window of its own around the cache",
     "hrm_text": "it runs its layers several times per forward pass",
+    "minimax": "its lightning-attention layers keep a cache of their own (MiniMaxCache), not transformers' layers",
 }
 
 
@@ -208,12 +209,32 @@ def check_attention_backend(model) -> None:
             f"model type {model_type!r} is not supported: {UNSUPPORTED_MODEL_TYPES[model_type]}; h2o-compress needs "
             "one attention call per layer and step over the cache's own keys"
         )
-    if not getattr(model, "_supports_attention_backend", False):
+    if not getattr(model, "_supports_attention_backend", False) and not hybrid_through_interface(model):
         raise UnsupportedModelError(
             f"model class {type(model).__name__} does not route attention through transformers' "
             "AttentionInterface, so h2o-compress cannot score it; supported: LLaMA-like (LLaMA, Mistral, Qwen2, "
             "SmolLM), OPT, GPT-NeoX and other models with _supports_attention_backend=True"
         )
+
+
+def hybrid_through_interface(model) -> bool:
+    """Whether ``model`` is a hybrid (some layers of type ``linear_attention``, ``conv`` or ``hybrid`` in its config, read as
+    transformers' ``get_layer_types_and_kwargs`` does) whose modeling module looks its attention function up in
+    ``ALL_ATTENTION_FUNCTIONS``: transformers leaves ``_supports_attention_backend`` unset on Qwen3-Next, Jamba,
+    Bamba, Falcon-H1 and kin, though their attention layers go through ``AttentionInterface``."""
+    import sys
+
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = getattr(model, "config", None)
+    module = sys.modules.get(type(model).__module__)
+    if config is None or module is None or not hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
+        return False
+    try:
+        types, _ = get_layer_types_and_kwargs(config.get_text_config())
+    except Exception:  # noqa: BLE001 - a config transformers cannot read layer types from: not a hybrid it knows
+        return False
+    return bool({"linear_attention", "conv", "hybrid", "hybrid_sliding"} & set(types))
 
 
 def use_h2o_attention(model) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.formats import make_quantizer
+from h2o_compress.cache.hybrid import CompressedStateLayer, state_tensors, take_state_rows
 from h2o_compress.cache.layer import CompressedLayer
 from h2o_compress.cache.refinement import spread_refined_rows
 from h2o_compress.cache.setting import LayerSetting
@@ -19,9 +20,11 @@ from h2o_compress.cache.span import FULL_SPAN, LayerSpan
 def _check_parts(layers, config, model_id, capacity) -> None:
     """The arguments of a hand-built [`CompressedCache`][h2o_compress.cache.CompressedCache]: a non-empty list of layers, a config, a text id and a
     capacity (-1: the first layer's), each refused with a ConfigError naming it."""
-    if not isinstance(layers, (list, tuple)) or not layers or not all(isinstance(x, CompressedLayer) for x in layers):
-        raise ConfigError(f"layers={short(layers)} is invalid; allowed: a non-empty list of CompressedLayer (build a "
-                          "cache with h2o_compress.make_cache)")
+    if not isinstance(layers, (list, tuple)) or not layers or not all(
+            isinstance(x, (CompressedLayer, LinearAttentionCacheLayerMixin)) for x in layers):
+        raise ConfigError(f"layers={short(layers)} is invalid; allowed: a non-empty list of CompressedLayer (and "
+                          "transformers' LinearAttentionLayer for a hybrid's state layers; build a cache with "
+                          "h2o_compress.make_cache)")
     if not isinstance(config, CompressionConfig):
         raise ConfigError(f"config={short(config)} is invalid; allowed: a CompressionConfig")
     if not isinstance(model_id, str):
@@ -55,8 +58,22 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.config = config
         self.model_id = model_id
+        # the first attention layer: every attention layer follows it within a step (-1: a cache of states only)
+        self._first = next((i for i, layer in enumerate(layers) if isinstance(layer, CompressedLayer)), -1)
         # tokens kept per layer on average (the budget's capacity; equal to every layer's with uniform budgets)
-        self._capacity = layers[0].capacity if capacity == -1 else capacity
+        first = self.attention_layers[0].capacity if self.attention_layers else None
+        self._capacity = first if capacity == -1 else capacity
+
+    @property
+    def attention_layers(self) -> list[CompressedLayer]:
+        """The compressed attention layers, in model order (a hybrid model's linear-attention, SSM and convolution
+        layers are transformers' own ``LinearAttentionLayer``, in ``layers`` beside them, kept as they are)."""
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    @property
+    def state_layers(self) -> list[LinearAttentionCacheLayerMixin]:
+        """A hybrid model's constant-state layers (transformers' ``LinearAttentionLayer``), in model order."""
+        return [layer for layer in self.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Route to [`CompressedLayer.update`][h2o_compress.cache.CompressedLayer.update]. A multi-token step first checks what decode steps only
@@ -71,21 +88,26 @@ class CompressedCache(Cache):
             raise CacheStateError(
                 f"layer_idx={layer_idx} but this cache has {len(self.layers)} layers: it was made for another model"
             )
-        layer = self.layers[layer_idx]
-        if key_states.shape[2] == 1 and layer_idx and layer.is_initialized and self.layers[0].is_initialized:
+        layer, first = self.layers[layer_idx], self._first
+        if not isinstance(layer, CompressedLayer):
+            raise CacheStateError(f"layer_idx={layer_idx} holds a linear-attention/SSM state, not keys: it was made "
+                                  "for another model")
+        if (key_states.shape[2] == 1 and layer_idx != first and layer.is_initialized
+                and self.layers[first].is_initialized):
             # every layer follows layer 0 within a step: a flag, read with the others (no host sync here); layer 0
             # may live on another device (a model split by device_map): its counter is copied without a sync
-            reference = self.layers[0].seen
+            reference = self.layers[first].seen
             if reference.device != layer.geometry.device:
                 reference = reference.to(layer.geometry.device, non_blocking=True)
             if layer.decode_kernel == "cpu":  # the CPU kernel sets the flag itself
                 layer.backend.reference_seen = reference
             else:
                 layer.counters.consistent &= layer.counters.seen + 1 == reference
-        if layer_idx == 0 and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
+        if layer_idx == first and key_states.shape[2] > 1:  # eager steps only: decode steps never sync
             self.check()
-            seen = {int(layer.counters.seen) for layer in self.layers if layer.is_initialized}
-            if len(seen) > 1 or (seen and not all(layer.is_initialized for layer in self.layers)):
+            attention = self.attention_layers
+            seen = {int(layer.counters.seen) for layer in attention if layer.is_initialized}
+            if len(seen) > 1 or (seen and not all(layer.is_initialized for layer in attention)):
                 raise CacheStateError(
                     f"the layers of this cache hold different token counts ({sorted(seen)}): an earlier forward pass "
                     "failed half-way; call cache.reset() or build a new cache"
@@ -109,7 +131,7 @@ class CompressedCache(Cache):
             InputError: NaN or Inf reached the cache; it is poisoned, so call ``cache.reset()`` or build a new one.
             CacheStateError: a forward pass failed half-way; call ``cache.reset()`` or build a new cache.
         """
-        ready = [layer for layer in self.layers if layer.is_initialized]
+        ready = [layer for layer in self.attention_layers if layer.is_initialized]
         if not ready:
             return
         device = ready[0].geometry.device
@@ -137,19 +159,20 @@ class CompressedCache(Cache):
     @property
     def capacities(self) -> list[int | None]:
         """Tokens kept by each layer, per sequence and KV head."""
-        return [layer.setting.capacity for layer in self.layers]
+        return [layer.setting.capacity for layer in self.attention_layers]
 
     @property
     def compile_blocker(self) -> str | None:
         """Why the decode step cannot be compiled (the first layer's reason), or ``None``."""
-        return next((layer.setting.compile_blocker for layer in self.layers if layer.setting.compile_blocker), None)
+        return next((layer.setting.compile_blocker for layer in self.attention_layers if layer.setting.compile_blocker),
+                    None)
 
     @property
     def decode_kernel(self) -> str:
         """The kernels the layers' decode steps run ([`CompressedLayer.decode_kernel`][h2o_compress.cache.CompressedLayer.decode_kernel]), sorted and joined by
         ``+``: ``"cpu"``, or ``"cpu+torch"`` where some layers cannot run the native kernel; ``""`` before the first
         token."""
-        return "+".join(sorted({layer.decode_kernel for layer in self.layers if layer.is_initialized}))
+        return "+".join(sorted({layer.decode_kernel for layer in self.attention_layers if layer.is_initialized}))
 
     def take_rows(self, indices, source: "CompressedCache", batch: int) -> None:
         """Copy every sequence of ``source`` (a cache of the same setting and model, e.g. one prompt prefilled alone)
@@ -166,37 +189,49 @@ class CompressedCache(Cache):
                                   "rows move only between caches of one model")
         indices = torch.as_tensor(indices, dtype=torch.long)
         for layer, other in zip(self.layers, source.layers):
-            layer.take_rows(indices, other, batch)
+            if isinstance(layer, CompressedLayer):
+                layer.take_rows(indices, other, batch)
+            else:
+                take_state_rows(layer, indices, other, batch)
         self.max_length = None  # positions keep counting as rows are refilled
 
-    def kept_length(self, layer_idx: int = 0) -> int:
-        """Tokens held now by ``layer_idx``, per sequence and KV head (reads the device)."""
-        return self.layers[layer_idx].kept_length()
+    def kept_length(self, layer_idx: int | None = None) -> int:
+        """Tokens held now by ``layer_idx`` (default: the first attention layer), per sequence and KV head (reads
+        the device); 0 for a constant-state layer."""
+        layer = self.layers[self._first if layer_idx is None else layer_idx]
+        return layer.kept_length() if isinstance(layer, CompressedLayer) else 0
 
     def seen_tokens(self) -> int:
         """Tokens seen so far, as a Python int (reads the device)."""
         return int(self.get_seq_length())
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (packed data, scales, zeros, ring window, positions, scores)."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes of every tensor the cache holds (packed data, scales, zeros, ring window, positions, scores, and a
+        hybrid's constant linear-attention/SSM/convolution states, `state_nbytes`)."""
+        return sum(layer.nbytes() for layer in self.attention_layers) + self.state_nbytes()
+
+    def state_nbytes(self) -> int:
+        """Bytes of a hybrid model's constant-size states (conv and recurrent, as transformers' layers hold them)."""
+        return sum(t.numel() * t.element_size() for layer in self.state_layers for t in state_tensors(layer))
 
     def storage_nbytes(self) -> int:
         """Bytes of the storages behind every tensor held; above [`nbytes`][h2o_compress.cache.CompressedCache.nbytes] only if a view pins a larger
         buffer (a check that eviction really frees memory)."""
-        return sum(t.untyped_storage().nbytes() for layer in self.layers for t in layer.tensors().values())
+        tensors = [t for layer in self.attention_layers for t in layer.tensors().values()]
+        tensors += [t for layer in self.state_layers for t in state_tensors(layer)]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def full_fp16_nbytes(self) -> int:
         """Bytes the uncompressed fp16 cache would hold for the tokens seen:
         ``layers x kv_heads x (head_dim + value_dim) x tokens x batch x 2`` (``value_dim``: the width the layers
         hold values at)."""
-        ready = [layer for layer in self.layers if layer.is_initialized]
+        ready = [layer for layer in self.attention_layers if layer.is_initialized]
         if not ready:
             return 0
         layer = ready[0]
         geometry = layer.geometry
         widths = geometry.head_dim + geometry.value_dim
-        return len(self.layers) * geometry.kv_heads * widths * int(layer.counters.seen) * geometry.batch * 2
+        return len(self.attention_layers) * geometry.kv_heads * widths * int(layer.counters.seen) * geometry.batch * 2
 
     def frozen_copy(self, max_length: int) -> "CompressedCache":
         """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
@@ -205,8 +240,12 @@ class CompressedCache(Cache):
         [`h2o_compress.runtime.ask`][h2o_compress.runtime.ask.ask].
 
         Raises:
-            CacheStateError: an empty cache, or ``max_length`` below the tokens seen.
+            CacheStateError: an empty cache, ``max_length`` below the tokens seen, or a hybrid model's cache (its
+                linear-attention/SSM states would move on with the question).
         """
+        if self.state_layers:
+            raise CacheStateError("a frozen copy of a cache with linear-attention/SSM states is not supported: those "
+                                  "states cannot be shared between questions")
         self.check()
         extra = max_length - self.seen_tokens()
         if extra < 0:
@@ -234,7 +273,7 @@ def build_layers(
     config: CompressionConfig, num_layers: int, head_dim: int, capacity: int | None, max_tokens: int | None = None,
     capacities: list[int] | None = None, spans: tuple[LayerSpan, ...] = (), torch_decode: str | None = None,
     calibration=None, value_dim: int | None = None,
-) -> list[CompressedLayer]:
+) -> list[CompressedLayer | LinearAttentionLayer]:
     """One [`CompressedLayer`][h2o_compress.cache.CompressedLayer] per model layer for ``config`` (see [`h2o_compress.make_cache`][h2o_compress.make_cache]), layer
     ``i`` with ``capacities[i]`` tokens (default: ``config.layer_capacities(capacity, num_layers)``; ``capacity``
     per layer on average); its store a head-adaptive pool where ``config.head_budgets == "adaptive"`` and the layer
@@ -244,6 +283,8 @@ def build_layers(
     and chunked layers, and every layer where ``torch_decode`` gives a reason (a softmax the fast kernels do not
     run: soft-cap, sink logits, values of another head dim), decode in the torch form. A policy fitted per model
     gets layer ``i``'s weights from ``calibration`` (a [`Calibration`][h2o_compress.persistence.Calibration]).
+    A ``"state"`` span (a hybrid model's linear-attention, SSM or convolution layer) gets transformers' own
+    ``LinearAttentionLayer``, whose states stay as the model computes them.
     Values of another head dim than the keys (``value_dim``: the model's, e.g. multi-head latent attention) are held
     at their own width (`held_value_dim`).
 
@@ -253,13 +294,16 @@ def build_layers(
     held = held_value_dim(config, head_dim, value_dim)
     if capacities is None:
         capacities = config.layer_capacities(capacity, num_layers)
-    mixed = config.high_bits_fraction > 0  # mixed precision by importance (cache/refinement.py)
     layers = []
     for idx in range(num_layers):
         span = spans[idx] if spans else FULL_SPAN
+        if span.stateful:  # a hybrid's linear-attention/SSM/conv layer: transformers' own, its states untouched
+            layers.append(LinearAttentionLayer(number_of_states=span.states))
+            continue
         kernel = "torch" if span.windowed or torch_decode else config.attention_kernel
+        paired = {"number_of_states": span.states} if span.paired else {}  # a state beside the keys (Falcon-H1)
         layers.append(
-            CompressedLayer(
+            (CompressedStateLayer if span.paired else CompressedLayer)(
                 idx,
                 _layer_policy(config, calibration, idx),
                 capacities[idx],
@@ -273,18 +317,27 @@ def build_layers(
                 head_adaptive=config.head_budgets == "adaptive" and capacities[idx] is not None,
                 high_bits_fraction=config.high_bits_fraction,
                 value_dim=held,
+                **paired,
             )
         )
-    if mixed and config.layer_budgets == "global" and capacity is not None:  # the planner counts uniform's rows
-        uniform = LayerSetting(config.eviction_policy(), capacity, layers[0].key_quantizer,
-                               layers[0].value_quantizer, residual=config.residual, max_tokens=max_tokens)
-        slots = [layer.setting.slots_per_head() for layer in layers]  # a pool's slots per head
-        rows = spread_refined_rows(slots, config.high_bits_fraction, uniform.slots_per_head())
-        for layer, per_head in zip(layers, rows):
-            layer.setting = dataclasses.replace(layer.setting, refined_per_head=per_head)
-    for layer in layers:
+    attention = [layer for layer in layers if isinstance(layer, CompressedLayer)]
+    if config.high_bits_fraction > 0 and config.layer_budgets == "global" and capacity is not None and attention:  # planner: uniform's rows
+        _spread_refined(attention, config, capacity, max_tokens)
+    for layer in attention:
         layer.num_layers = num_layers
     return layers
+
+
+def _spread_refined(layers: list[CompressedLayer], config: CompressionConfig, capacity: int,
+                    max_tokens: int | None) -> None:
+    """Give each of ``layers`` its rows of refined planes under ``layer_budgets="global"`` (the total the planner
+    counts for uniform budgets of ``capacity`` tokens, spread by the layers' slots)."""
+    uniform = LayerSetting(config.eviction_policy(), capacity, layers[0].key_quantizer, layers[0].value_quantizer,
+                           residual=config.residual, max_tokens=max_tokens)
+    slots = [layer.setting.slots_per_head() for layer in layers]  # a pool's slots per head
+    rows = spread_refined_rows(slots, config.high_bits_fraction, uniform.slots_per_head())
+    for layer, per_head in zip(layers, rows):
+        layer.setting = dataclasses.replace(layer.setting, refined_per_head=per_head)
 
 
 def held_value_dim(config: CompressionConfig, head_dim: int, value_dim: int | None) -> int | None:
@@ -323,3 +376,4 @@ def frozen_layer(layer: CompressedLayer, extra_tokens: int) -> CompressedLayer:
             source = mine[name]
             (target if target.shape == source.shape else target.narrow(2, 0, source.shape[2])).copy_(source)
     return copy
+

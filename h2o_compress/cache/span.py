@@ -2,8 +2,11 @@
 
 transformers models declare their layer types in ``config.layer_types`` (``full_attention``, ``sliding_attention``,
 ``chunked_attention``) or with a model-wide ``sliding_window`` / ``attention_chunk_size``; `layer_spans` reads
-them as transformers' own ``DynamicCache(config=...)`` does (``cache_utils.get_layer_types_and_kwargs``) and refuses
-layer types that are not softmax attention over this layer's own keys (Mamba, linear, conv, shared KV, indexed).
+them as transformers' own ``DynamicCache(config=...)`` does (``cache_utils.get_layer_types_and_kwargs``). A hybrid
+model's ``linear_attention`` and ``conv`` layers (Mamba, gated DeltaNet, short convolutions) are ``"state"`` spans:
+their constant-size states stay in transformers' own layers; a ``hybrid`` / ``hybrid_sliding`` layer (both in one
+layer, Falcon-H1) is a full / sliding span with ``paired`` set. Layer types that share KV between layers
+(``dummy``) or index their attention are refused.
 
 A sliding layer of window ``W`` lets the query at position ``p`` see positions ``p - W + 1 .. p`` (transformers'
 ``sliding_window_overlay``); a chunked layer of chunk ``C`` the positions of ``p``'s chunk (Llama 4's
@@ -21,22 +24,34 @@ import torch
 
 from h2o_compress.utils.errors import UnsupportedModelError
 
-FULL, SLIDING, CHUNKED = "full", "sliding", "chunked"
-_KINDS = {"full_attention": FULL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED}
+FULL, SLIDING, CHUNKED, STATE = "full", "sliding", "chunked", "state"
+_KINDS = {"full_attention": FULL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED,
+          "linear_attention": STATE, "conv": STATE}
+_PAIRED = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}  # a state and keys in one layer
 
 
 @dataclass(frozen=True)
 class LayerSpan:
     """The tokens a layer's query sees: ``kind`` ``"full"``, ``"sliding"`` (the last ``size`` positions, the query's
-    own included) or ``"chunked"`` (its chunk of ``size`` positions); ``size`` in tokens, ``None`` for full."""
+    own included) or ``"chunked"`` (its chunk of ``size`` positions); ``size`` in tokens, ``None`` for full.
+    ``"state"``: no attention over keys at all (a hybrid model's linear-attention, SSM or convolution layer, whose
+    constant-size ``states`` states transformers' own ``LinearAttentionLayer`` holds, uncompressed)."""
 
     kind: str = FULL
     size: int | None = None
+    states: int = 1
+    #: the layer also holds ``states`` linear states beside its keys (transformers' ``hybrid`` layer types)
+    paired: bool = False
 
     @property
     def windowed(self) -> bool:
         """The layer forgets tokens by position (sliding or chunked)."""
-        return self.kind != FULL
+        return self.kind in (SLIDING, CHUNKED)
+
+    @property
+    def stateful(self) -> bool:
+        """The layer holds a constant-size state, not keys (linear attention, SSM, convolution)."""
+        return self.kind == STATE
 
     def cap(self, capacity: int | None) -> int | None:
         """Tokens the layer holds at most between steps: ``capacity`` (``None``: unbounded) within ``size - 1``."""
@@ -82,9 +97,9 @@ def layer_spans(config, num_layers: int) -> list[LayerSpan]:
     """One [`LayerSpan`][h2o_compress.cache.LayerSpan] per layer of a transformers ``config`` (its text config for a multimodal model).
 
     Raises:
-        UnsupportedModelError: a layer type that is not softmax attention over the layer's own keys (Mamba /
-            linear / conv hybrids, KV shared between layers, indexed attention), or a model keeping a cache of its
-            own; one line naming the model type and the layer type.
+        UnsupportedModelError: a layer type that is neither softmax attention over the layer's own keys nor a
+            constant state, alone or beside keys (``hybrid``): KV shared between layers, indexed attention; or a
+            layer count that does not match; one line naming the model type and the layer type.
     """
     from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -98,12 +113,12 @@ def layer_spans(config, num_layers: int) -> list[LayerSpan]:
             "supported: decoders whose layers are full, sliding-window or chunked softmax attention"
         ) from None
     unsupported = sorted({"dummy (KV shared with another layer)" if t == "dummy" else t for t in types
-                          if t not in _KINDS})
+                          if t not in _KINDS and t not in _PAIRED})
     if unsupported:
         raise UnsupportedModelError(
-            f"model type {model_type!r} has layers of type {', '.join(unsupported)} (state that is not a KV cache of "
-            "its own keys: Mamba/linear/conv layers, KV shared between layers, indexed attention); h2o-compress "
-            "compresses full, sliding-window and chunked attention layers only"
+            f"model type {model_type!r} has layers of type {', '.join(unsupported)} (KV shared between layers, indexed or "
+            "compressed attention); h2o-compress compresses full, sliding-window and chunked attention layers and "
+            "keeps linear_attention/conv/hybrid states as they are"
         )
     if len(types) != num_layers:
         raise UnsupportedModelError(
@@ -112,8 +127,13 @@ def layer_spans(config, num_layers: int) -> list[LayerSpan]:
         )
     spans = []
     for kind, extra in zip(types, kwargs):
+        states, paired = extra.get("number_of_states", 1), kind in _PAIRED
+        kind = _PAIRED.get(kind, kind)
+        if _KINDS[kind] == STATE:
+            spans.append(LayerSpan(STATE, None, states))
+            continue
         size = extra.get("sliding_window") if kind != "full_attention" else None
         if kind != "full_attention" and (not isinstance(size, int) or size < 1):
             raise UnsupportedModelError(f"model type {model_type!r}: a {kind} layer without a window size ({size!r})")
-        spans.append(LayerSpan(_KINDS[kind], size))
+        spans.append(LayerSpan(_KINDS[kind], size, states if paired else 1, paired))
     return spans

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2o_compress.cache.span import layer_spans
+from h2o_compress.cache.span import FULL_SPAN, layer_spans
 from h2o_compress.utils.errors import ModelLoadError, UnsupportedModelError, short
 
 
@@ -22,7 +22,8 @@ class ModelDims:
     value_head_dim: int | None = None
     #: the attention module expands what it cached (multi-head latent attention caching its latents)
     expands_cache: bool = False
-    #: each layer's [`LayerSpan`][h2o_compress.cache.LayerSpan] (full, sliding or chunked attention); ``()``: all full
+    #: each layer's [`LayerSpan`][h2o_compress.cache.LayerSpan] (full, sliding or chunked attention, or a hybrid's
+    #: constant ``"state"`` layer); ``()``: all full
     spans: tuple = ()
 
     @property
@@ -60,7 +61,7 @@ def model_dims(config) -> ModelDims:
     if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
         kv_heads, head_dim, value_head_dim, expands = _latent_attention_dims(config, heads)
         value_head_dim = None if value_head_dim == head_dim else value_head_dim
-    spans = () if all(not span.windowed for span in spans) else spans
+    spans = () if all(span == FULL_SPAN for span in spans) else spans
     return ModelDims(config.num_hidden_layers, heads, kv_heads, head_dim, value_head_dim, expands, spans)
 
 

@@ -71,9 +71,13 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _check_saveable(cache) -> int:
-    """Tokens seen by every layer; raises CacheStateError for an empty, mid-step or inconsistent cache."""
+    """Tokens seen by every layer; raises CacheStateError for an empty, mid-step or inconsistent cache, or a
+    hybrid model's (linear-attention/SSM states are not saved)."""
     if not isinstance(cache, CompressedCache):
         raise CacheStateError(f"cannot save {type(cache).__name__}; allowed: a CompressedCache (make_cache)")
+    if cache.state_layers:
+        raise CacheStateError("saving a cache with linear-attention/SSM states is not supported (a hybrid model's "
+                              f"{len(cache.state_layers)} state layers); allowed: caches of attention-only models")
     if not all(layer.is_initialized for layer in cache.layers):
         raise CacheStateError("cannot save an empty cache: run the prompt through the model first")
     cache.check()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o_compress.attention.launch import decode_scratch_bytes, launch_for
-from h2o_compress.cache import build_layers
+from h2o_compress.cache import CompressedLayer, build_layers
 from h2o_compress.cache.span import FULL_SPAN
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import ConfigError, short
@@ -123,13 +123,15 @@ def cache_bytes(
                               spans=dims.spans, value_dim=dims.value_head_dim)
         repeats = [1] * len(layers)
     for layer, repeat in zip(layers, repeats):
+        if not isinstance(layer, CompressedLayer):  # a hybrid's constant-state layer (not sized here)
+            continue
         layer.lazy_initialization(empty, empty)
         for name, tensor in layer.tensors().items():
             category = next(c for c, keys in _CATEGORIES if any(name.endswith(k) or name == k for k in keys))
             sizes[category] += tensor.numel() * tensor.element_size() * repeat
     seen = prompt_len + decode_steps
     kept = seen if capacity is None else min(capacity, seen)
-    first = layers[0]
+    first = next(layer for layer in layers if isinstance(layer, CompressedLayer))
     return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes)
 
 

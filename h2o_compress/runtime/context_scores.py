@@ -250,10 +250,11 @@ def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, ques
     """Before ``context_ids`` ``[batch, tokens]`` is prefilled into the empty compressed ``cache``: run its policy's
     scoring pass (`score_context`, nothing for a policy without one; ``scores``: already run) and hand each
     layer its scores, which that prefill then ranks by."""
+    layers = getattr(cache, "attention_layers", cache.layers)  # a hybrid's state layers have no scores
     if scores is None:
-        policy = getattr(cache.layers[0], "policy", None)
+        policy = getattr(layers[0], "policy", None) if layers else None
         scores = score_context(model, tokenizer, context_ids, policy, question_in_prompt)
-    for layer, layer_scores in zip(cache.layers, scores or ()):
+    for layer, layer_scores in zip(layers, scores or ()):
         layer.policy.context_scores = layer_scores
 
 

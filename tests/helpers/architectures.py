@@ -30,7 +30,10 @@ TINY = {
     # MLA (DeepSeek V2/V3 and kin): query/key head = nope + rope, value head of its own
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    # hybrids (issue 51): of the 2 layers, the first a linear-attention/SSM/conv layer, the second attention
+    "attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "block_types": ["recurrent", "attention"],
 }
+_STATE_TYPES = {"linear_attention", "conv"}  # a hybrid's constant-state layer types (transformers' layer_types)
 
 
 def causal_lm_types() -> list[str]:
@@ -63,6 +66,7 @@ def tiny_causal_lm(model_type: str, seed: int = 0):
                 setattr(config, k, v)
         if getattr(config, "layer_types", None) is not None and len(config.layer_types) != _layers(config):
             config.layer_types = list(config.layer_types[: _layers(config)])
+        _hybrid_with_attention(config)
         with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if size > MAX_PARAMETERS:
@@ -72,6 +76,17 @@ def tiny_causal_lm(model_type: str, seed: int = 0):
     except Exception as error:  # noqa: BLE001 - the matrix lists why a class could not be built
         return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
     return model.eval()
+
+
+def _hybrid_with_attention(config) -> None:
+    """A hybrid whose tiny ``layer_types`` came out all linear-attention/conv (its pattern puts attention further
+    down) gets a full-attention last layer, where ``layer_types`` is a field the model is built from."""
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and types and set(types) <= _STATE_TYPES:
+        try:
+            config.layer_types = [*types[:-1], "full_attention"]
+        except (AttributeError, TypeError):  # a property computed from other fields
+            pass
 
 
 def _known(config_class) -> set[str]:

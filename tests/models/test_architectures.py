@@ -38,14 +38,18 @@ OWN_INPUTS = {"xmod"}
 # Refused in one line: attention outside AttentionInterface, non-attention or shared/indexed layers, or an attention
 # the cache cannot follow (h2o_compress.attention.interface.UNSUPPORTED_MODEL_TYPES).
 REFUSED = {
-    "bailing_hybrid", "bamba", "big_bird", "biogpt", "bloom", "codegen", "falcon", "falcon_h1", "falcon_mamba",
-    "gpt_neox_japanese", "gptj", "jamba", "mamba", "megatron-bert", "mpt", "olmo_hybrid", "openai-gpt",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "rembert", "roformer", "rwkv", "stablelm", "xglm", "xlnet",
-    "xlstm",  # no AttentionInterface
+    "big_bird", "biogpt", "bloom", "codegen", "falcon", "gpt_neox_japanese", "gptj", "megatron-bert", "mpt",
+    "openai-gpt", "rembert", "roformer", "stablelm", "xglm", "xlnet",  # no AttentionInterface
+    "falcon_mamba", "mamba", "rwkv", "xlstm",  # no KV cache at all (and no AttentionInterface)
     "axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4",  # indexed / compressed attention
-    "granitemoehybrid", "lfm3", "minimax", "recurrent_gemma",  # linear / conv layers
-    "diffllama", "doge", "hrm_text", "jetmoe", "moshi",  # attention the cache cannot follow
+    "diffllama", "doge", "hrm_text", "jetmoe", "minimax", "moshi",  # attention the cache cannot follow
 }
+# Hybrids (issue 51): linear-attention / SSM / conv layers beside attention layers (the tiny builder gives each a
+# state layer first, an attention layer second); their state layers stay transformers' LinearAttentionLayer.
+# Falcon-H1's layers hold both ("hybrid"): CompressedStateLayer, keys compressed, its SSM state beside them.
+HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm3", "olmo_hybrid", "qwen3_5_moe_text",
+           "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
+MODULE_STATES = {"recurrent_gemma"}  # keeps its recurrent and conv states in its own modules, not in the cache
 # One of each layer type and attention variant, for the compressed runs below.
 VARIANTS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_text", "deepseek_v3", "deepseek_v2",
             "qwen3", "phi3", "smollm3"]
@@ -111,6 +115,48 @@ def test_h2o_and_4_bits_stay_finite_within_capacity_and_window(model_type):
             assert layer.capacity <= layer.span.size - 1
             held = layer.positions()
             assert int(held[held >= 0].min()) >= int(layer.span.lowest(layer.seen, layer.first_real).min())
+
+
+def _states(layer) -> list[torch.Tensor]:
+    return [t for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None]
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrid_attention_layers_compress_and_their_states_are_the_models_own(model_type, tmp_path):
+    """h2o 0.2 + 4 bits on a hybrid: the attention layers hold at most their capacity, in fewer bytes than at
+    budget 1.0 + 16 bits, the logits stay finite, and the state layers before the first attention layer hold exactly
+    what the model's own DynamicCache holds after the prefill (nothing compressed reaches them)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from h2o_compress import save_cache
+    from h2o_compress.utils.errors import CacheStateError
+
+    model = built(model_type)
+    ids = prompt()
+    model.set_attn_implementation("eager")
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=reference)
+    caches = {}
+    for budget, bits in ((1.0, 16), (0.2, 4)):
+        cache = make_cache(model, CompressionConfig(budget=budget, kv_bits=bits, group_size=32),
+                           max_length=PROMPT + STEPS + 1)
+        assert torch.isfinite(greedy_logits(model, ids, cache)).all()
+        caches[budget] = cache
+    small, whole = caches[0.2], caches[1.0]
+    first = next(i for i, layer in enumerate(small.layers) if not isinstance(layer, LinearAttentionLayer))
+    first = first or 1  # Falcon-H1 (state and keys in every layer): layer 0's state comes from the inputs alone
+    assert small.attention_layers and small.state_layers
+    assert all(layer.kept_length() <= layer.capacity <= 18 for layer in small.attention_layers)
+    assert small.nbytes() < whole.nbytes() and small.state_nbytes() == whole.state_nbytes()
+    assert (small.state_nbytes() > 0) == (model_type not in MODULE_STATES)
+    prefilled = make_cache(model, CompressionConfig(budget=0.2, kv_bits=4, group_size=32), max_length=PROMPT)
+    with torch.no_grad():
+        model(ids, past_key_values=prefilled)
+    for ours, theirs in zip(prefilled.layers[:first], reference.layers[:first]):
+        assert [torch.equal(a, b) for a, b in zip(_states(ours), _states(theirs))] == [True] * len(_states(theirs))
+    with pytest.raises(CacheStateError, match="saving a cache with linear-attention/SSM states is not supported"):
+        save_cache(small, tmp_path / "cache.safetensors")
 
 
 def test_sliding_layers_hold_no_more_than_dynamic_cache_and_plan_agrees():
@@ -185,7 +231,7 @@ def test_left_padded_batch_is_exact_on_chunked_sliding_softcap_and_sinks(model_t
 @pytest.mark.parametrize("model_type,fragment", [
     ("gemma3n_text", "has layers of type dummy (KV shared with another layer)"),
     ("gemma4_text", "has an attention geometry that varies by layer"),
-    ("jamba", "has layers of type linear_attention"),
+    ("deepseek_v32", "has layers of type indexed_attention (KV shared between layers, indexed or compressed"),
 ])
 def test_shared_kv_per_layer_geometry_and_hybrids_are_refused_from_the_config(model_type, fragment):
     """Models the tiny builder cannot make are refused from their config (make_cache and the planner read it)."""
