@@ -74,15 +74,15 @@ def test_compiled_full_budget_16bit_equals_dynamic_cache(arch):
 def test_a_host_read_in_the_step_would_fail_the_capture(kernel):
     """The check above can fail: a decode step that reads a tensor on the host breaks the fullgraph capture."""
     from h2o_compress.attention import cpu
-    from h2o_compress.cache import decode
+    from h2o_compress.attention import decode_step as decode  # the torch form's step (DecodeCall) adds the scores
 
     model = TINY_MODELS["llama"]()
     owner, name = (cpu, "decode_layer") if kernel == "auto" else (decode, "add_scores")
     original = getattr(owner, name)
 
-    def syncing(layer, *args):
-        result = original(layer, *args)
-        if int(layer.seen) < 0:  # a host read, as a Python branch on a tensor value would do
+    def syncing(buffers, *args):  # both take the layer's SlotBuffers first
+        result = original(buffers, *args)
+        if int(buffers.seen) < 0:  # a host read, as a Python branch on a tensor value would do
             return None
         return result
 
