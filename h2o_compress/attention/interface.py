@@ -42,6 +42,16 @@ def announce(layer_idx: int, step) -> None:
     """Called by a cache layer's ``update``: the next attention call of ``layer_idx`` in this thread runs ``step``
     (a `DecodeCall`, or the layer of a multi-token step)."""
     _pending()[layer_idx] = step
+    _channel.last = layer_idx
+
+
+# Model types whose attention module reuses one ``layer_idx`` for several cache layers (HRM-Text runs its stacks
+# several times per forward pass, each run updating cache layer ``layer_idx + cycle_offset``): the attention call
+# takes the announcement of the cache layer its module updated last, in this thread.
+CYCLED_MODEL_TYPES = {"hrm_text"}
+# Model types whose attention module tiles the cached KV heads itself before the attention function
+# (``key.repeat(1, r, 1, 1)``: query head ``h`` reads KV head ``h % kv_heads``, JetMoE's mixture of attention heads).
+TILED_KV_MODEL_TYPES = {"jetmoe"}
 
 
 def withdraw(layer_idx: int):
@@ -166,12 +176,38 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    step = _pending().pop(getattr(module, "layer_idx", None), None)
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if model_type in CYCLED_MODEL_TYPES:
+        layer_idx = getattr(_channel, "last", layer_idx)
+    step = _pending().pop(layer_idx, None)
     if step is None:  # no compressed cache involved: plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    kv_heads = step.kv_heads if isinstance(step, DecodeCall) else step.geometry.kv_heads
+    if model_type in TILED_KV_MODEL_TYPES and key.shape[1] != kv_heads:
+        return _untiled(step, kv_heads, module, query, key, value, attention_mask, scaling, kwargs), None
+    return _run_step(step, module, query, key, value, attention_mask, scaling, kwargs), None
+
+
+def _run_step(step, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor:
+    """Run an announced ``step`` (a `DecodeCall`, or a layer's multi-token `attend`): ``[batch, queries, q_heads,
+    value_dim]``."""
     if isinstance(step, DecodeCall):
-        return step.run(module, query, key, value, scaling, kwargs), None
-    return step.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
+        return step.run(module, query, key, value, scaling, kwargs)
+    return step.attend(module, query, key, value, attention_mask, scaling, **kwargs)
+
+
+def _untiled(step, kv_heads: int, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor:
+    """``step`` for a module that tiled the cache's ``kv_heads`` KV heads ``r`` times (``key`` ``[batch, r x kv_heads,
+    keys, head_dim]``, query head ``h`` reading KV head ``h % kv_heads``): the untiled keys and values, the query
+    heads reordered so that each KV head's ``r`` query heads are adjacent (the cache's grouped layout, GQA), and the
+    output ``[batch, queries, q_heads, value_dim]`` put back in the module's head order. Exact: the same products."""
+    batch, q_heads, queries, head_dim = query.shape
+    tiles = q_heads // kv_heads
+    grouped = query.view(batch, tiles, kv_heads, queries, head_dim).transpose(1, 2).reshape(query.shape)
+    output = _run_step(step, module, grouped, key[:, :kv_heads], value[:, :kv_heads], attention_mask, scaling, kwargs)
+    width = output.shape[-1]
+    return output.view(batch, queries, kv_heads, tiles, width).transpose(2, 3).reshape(batch, queries, q_heads, width)
 
 
 def register_attention() -> None:
@@ -186,11 +222,12 @@ def register_attention() -> None:
 # Model types whose attention goes through AttentionInterface but computes what a compressed cache cannot follow
 # (tests/models/test_architectures.py checks every other decoder class transformers ships is exact at budget 1.0).
 UNSUPPORTED_MODEL_TYPES = {
-    "diffllama": "differential attention calls the attention function twice per layer and subtracts the maps",
-    "doge": "dynamic mask attention adds a learned mask over the keys outside the attention function",
-    "jetmoe": "mixture-of-attention routes queries to expert heads around the cache",
-    "moshi": "its attention applies a window of its own around the cache",
-    "hrm_text": "it runs its layers several times per forward pass",
+    "diffllama": "differential attention reads each KV head's keys with other KV heads' values, which per-head "
+                 "eviction holds at other tokens",
+    "doge": "its dynamic mask is projected from every KV head's cached values at each key position (per-head "
+            "eviction holds them at other tokens) and keeps its own top keys",
+    "moshi": "its mask is full causal over a step while transformers' sliding-window cache layers drop all but the "
+             "last sliding_window - 1 tokens between steps",
     "minimax": "its lightning-attention layers keep a cache of their own (MiniMaxCache), not transformers' layers",
 }
 
@@ -209,12 +246,30 @@ def check_attention_backend(model) -> None:
             f"model type {model_type!r} is not supported: {UNSUPPORTED_MODEL_TYPES[model_type]}; h2o-compress needs "
             "one attention call per layer and step over the cache's own keys"
         )
-    if not getattr(model, "_supports_attention_backend", False) and not hybrid_through_interface(model):
+    if not (getattr(model, "_supports_attention_backend", False) or hybrid_through_interface(model)
+            or own_module_through_interface(model)):
         raise UnsupportedModelError(
             f"model class {type(model).__name__} does not route attention through transformers' "
             "AttentionInterface, so h2o-compress cannot score it; supported: LLaMA-like (LLaMA, Mistral, Qwen2, "
             "SmolLM), OPT, GPT-NeoX and other models with _supports_attention_backend=True"
         )
+
+
+def own_module_through_interface(model) -> bool:
+    """Whether ``model`` is one of transformers' own classes (module ``transformers.models.*``; the architecture
+    matrix runs each of them) whose modeling module looks its attention function up with
+    ``ALL_ATTENTION_FUNCTIONS.get_interface`` though the class leaves ``_supports_attention_backend`` unset
+    (BioGPT, StableLM in transformers 5.23), as transformers' own ``_can_set_attn_implementation`` reads it."""
+    import inspect
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    if module is None or not module.__name__.startswith("transformers.models."):
+        return False
+    try:
+        return "ALL_ATTENTION_FUNCTIONS.get_interface(" in inspect.getsource(module)
+    except (OSError, TypeError):  # no source to read: not known to go through the interface
+        return False
 
 
 def hybrid_through_interface(model) -> bool:

@@ -145,25 +145,26 @@ def with_unread_slots(sums: torch.Tensor | None, chunk: dict, slots: int) -> tor
     return torch.cat((sums[..., :cut], sums.new_zeros(*sums.shape[:2], slots - cut), sums[..., cut:]), dim=2)
 
 
-class _OneKeyPerQueryHead:
+class _KeysGroup:
     """What transformers' SDPA reads of an attention module (``num_key_value_groups``, ``is_causal``,
-    ``layer_idx``) for keys that come one per query head: no group to repeat."""
+    ``layer_idx``), with the query heads per key head that the tensors have."""
 
-    num_key_value_groups = 1
-
-    def __init__(self, module):
+    def __init__(self, module, groups: int):
+        self.num_key_value_groups = groups
         self.is_causal = getattr(module, "is_causal", True)
         self.layer_idx = getattr(module, "layer_idx", None)
 
 
 def as_keys_group(module, query: torch.Tensor, keys: torch.Tensor):
-    """``module``, or what SDPA reads of it with one key per query head, where ``keys`` ``[batch, heads, n,
-    head_dim]`` has as many heads as ``query`` ``[batch, q_heads, n, head_dim]`` but the module declares KV groups:
-    a multi-head latent attention module expands its cached latents into a key per query head, while its config
-    may give fewer ``num_key_value_heads`` (DeepSeek-V2/V3 in transformers then repeats the expanded keys again and
-    fails with any cache; the query heads attend their own keys, as flash attention runs it)."""
-    if keys.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
-        return _OneKeyPerQueryHead(module)
+    """``module``, or what SDPA reads of it with the KV groups of the tensors (``query`` ``[batch, q_heads, n,
+    head_dim]``, ``keys`` ``[batch, heads, n, head_dim]``) where the module declares others: a multi-head latent
+    attention module expands its cached latents into a key per query head, while its config may give fewer
+    ``num_key_value_heads`` (DeepSeek-V2/V3 in transformers then repeats the expanded keys again and fails with any
+    cache; the query heads attend their own keys, as flash attention runs it); a module that tiles its KV heads
+    itself (JetMoE) declares one group, and the attention function hands the untiled heads here."""
+    groups = query.shape[1] // keys.shape[1]
+    if getattr(module, "num_key_value_groups", 1) != groups:
+        return _KeysGroup(module, groups)
     return module
 
 

@@ -38,11 +38,11 @@ OWN_INPUTS = {"xmod"}
 # Refused in one line: attention outside AttentionInterface, non-attention or shared/indexed layers, or an attention
 # the cache cannot follow (h2o_compress.attention.interface.UNSUPPORTED_MODEL_TYPES).
 REFUSED = {
-    "big_bird", "biogpt", "bloom", "codegen", "falcon", "gpt_neox_japanese", "gptj", "megatron-bert", "mpt",
-    "openai-gpt", "rembert", "roformer", "stablelm", "xglm", "xlnet",  # no AttentionInterface
+    "big_bird", "bloom", "codegen", "falcon", "gpt_neox_japanese", "gptj", "megatron-bert", "mpt",
+    "openai-gpt", "rembert", "roformer", "xglm", "xlnet",  # no AttentionInterface
     "falcon_mamba", "mamba", "rwkv", "xlstm",  # no KV cache at all (and no AttentionInterface)
     "axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4",  # indexed / compressed attention
-    "diffllama", "doge", "hrm_text", "jetmoe", "minimax", "moshi",  # attention the cache cannot follow
+    "diffllama", "doge", "minimax", "moshi",  # attention the cache cannot follow
 }
 # Hybrids (issue 51): linear-attention / SSM / conv layers beside attention layers (the tiny builder gives each a
 # state layer first, an attention layer second); their state layers stay transformers' LinearAttentionLayer.
@@ -52,7 +52,10 @@ HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", 
 MODULE_STATES = {"recurrent_gemma"}  # keeps its recurrent and conv states in its own modules, not in the cache
 # One of each layer type and attention variant, for the compressed runs below.
 VARIANTS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_text", "deepseek_v3", "deepseek_v2",
-            "qwen3", "phi3", "smollm3"]
+            "qwen3", "phi3", "smollm3",
+            # issue 51: the interface without the class flag (biogpt, stablelm), KV heads tiled by the module
+            # (jetmoe), one module for several cache layers (hrm_text: its stacks run 8 times, 16 cache layers)
+            "biogpt", "stablelm", "jetmoe", "hrm_text"]
 
 
 def prompt(batch: int = 1) -> torch.Tensor:
