@@ -28,9 +28,11 @@ class ModelDims:
 
     @property
     def fp16_bytes_per_token(self) -> int:
-        """Bytes of one token's keys and values in fp16 over all layers: ``layers x kv_heads x (head_dim +
-        value_head_dim) x 2`` (``2 x layers x kv_heads x head_dim x 2`` where keys and values are alike)."""
-        return self.num_layers * self.kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * 2
+        """Bytes of one token's keys and values in fp16 over the layers that hold keys: ``layers x kv_heads x
+        (head_dim + value_head_dim) x 2`` (``2 x layers x kv_heads x head_dim x 2`` where keys and values are alike;
+        a hybrid's constant-state layers hold none)."""
+        layers = self.num_layers - sum(span.stateful for span in self.spans)
+        return layers * self.kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * 2
 
 
 def model_dims(config) -> ModelDims:

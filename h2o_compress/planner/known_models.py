@@ -20,6 +20,7 @@ import torch
 from h2o_compress.utils.errors import ModelLoadError, short
 from h2o_compress.models import ModelDims, check_config_values, check_model_dir, model_dims
 from h2o_compress.models.weights import floating_dtype, loaded_weight_bytes
+from h2o_compress.planner.states import StateTensor, model_states
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class ModelSpec:
             it once, as the embedding).
         loaded_bytes: exact bytes of a loaded model's parameters and buffers (``None`` when not loaded).
         dtype: the loaded model's dtype (``None`` when not loaded).
+        states: a hybrid model's constant state tensors over all its layers
+            ([`model_states`][h2o_compress.planner.model_states]; ``()`` for attention-only models).
     """
 
     name: str
@@ -59,6 +62,7 @@ class ModelSpec:
     head_parameters: int = 0
     head_rows: int = 0
     head_tied: bool = False
+    states: tuple[StateTensor, ...] = ()
 
 
 def _key(name: str) -> str:
@@ -118,7 +122,8 @@ def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int, int,
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
-    fields = json.loads(config_json)
+    # transformers writes non-finite floats as {"__float__": "Infinity"} (Mamba-2's time_step_limit): read them back
+    fields = json.loads(config_json, object_hook=lambda o: float(o["__float__"]) if set(o) == {"__float__"} else o)
     fields.pop("model_type", None)
     config = AutoConfig.for_model(model_type, **fields)
     verbosity = logging.get_verbosity()
@@ -133,6 +138,20 @@ def _meta_counts(config_json: str, model_type: str) -> tuple[int, int, int, int,
     return _count(model)
 
 
+def _checked_counts(config) -> tuple[int, int, int, int, int, bool]:
+    """`_meta_counts` of ``config``, after its geometry and states are read (a model the cache cannot run, such as
+    Gemma 4's head dim that varies by layer, is refused in one line before anything is built).
+
+    Raises:
+        UnsupportedModelError: from [`model_dims`][h2o_compress.models.model_dims] or
+            [`model_states`][h2o_compress.planner.model_states].
+        ModelLoadError: a config transformers cannot build a causal LM from.
+    """
+    model_dims(config)
+    model_states(config)
+    return _meta_counts(config.to_json_string(), config.model_type)
+
+
 def _spec(name: str, config, counts: tuple, loaded_bytes=None, dtype=None) -> ModelSpec:
     text = getattr(config, "get_text_config", lambda: config)()
     hidden = text.hidden_size
@@ -142,6 +161,7 @@ def _spec(name: str, config, counts: tuple, loaded_bytes=None, dtype=None) -> Mo
         vocab_size=text.vocab_size, max_context=getattr(text, "max_position_embeddings", None),
         num_parameters=counts[0], linear_parameters=counts[1], linear_rows=counts[2],
         loaded_bytes=loaded_bytes, dtype=dtype, head_parameters=counts[3], head_rows=counts[4], head_tied=counts[5],
+        states=model_states(config),
     )
 
 
@@ -164,7 +184,7 @@ def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
         return _spec(name, model.config, _count(model), loaded_bytes=footprint, dtype=dtype)
     if isinstance(model, PretrainedConfig):
         check_config_values(model.to_dict(), "the config")
-        return _spec(model.model_type, model, _meta_counts(model.to_json_string(), model.model_type))
+        return _spec(model.model_type, model, _checked_counts(model))
     if not isinstance(model, str) or not model.strip():
         raise ModelLoadError(f"model {short(model)} is not a name, a transformers config or a loaded model")
     if Path(model).is_dir():
@@ -175,11 +195,11 @@ def resolve_model(model, trust_remote_code: bool = False) -> ModelSpec:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
             raise ModelLoadError(f"cannot read the config of {short(model)}: {reason}") from None
         check_config_values(config.to_dict(), f"config.json of {short(model)}")
-        return _spec(model, config, _meta_counts(config.to_json_string(), config.model_type))
+        return _spec(model, config, _checked_counts(config))
     config = known_config(model)
     if config is None:
         raise ModelLoadError(
             f"unknown model {short(model)}: not a local model directory and not a known model; known: "
             f"{', '.join(known_models())}"
         )
-    return _spec(model, config, _meta_counts(config.to_json_string(), config.model_type))
+    return _spec(model, config, _checked_counts(config))

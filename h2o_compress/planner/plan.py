@@ -16,6 +16,7 @@ from h2o_compress.policies import POLICY_OPTIONS
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
 from h2o_compress.planner.sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
+from h2o_compress.planner.states import state_bytes
 from h2o_compress.planner.units import format_bytes, parse_headroom, parse_memory
 from h2o_compress.runtime.generation import _check_argument_kinds, check_switch, encode_prompt
 from h2o_compress.runtime.prefill import context_window
@@ -62,7 +63,10 @@ class PlanReport:
     """The planner's answer: every candidate evaluated, and the recommended one (``None`` if nothing fits).
 
     ``order`` says how the recommendation was ranked: ``bytes`` (least compressed first) or the profile
-    report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache at the same tokens (DESIGN.md §2).
+    report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache of the attention layers at the same tokens
+    (DESIGN.md §2). ``state_bytes``: a hybrid model's constant linear-attention/SSM/convolution states of the whole
+    batch (uncompressed, the same at any length: in every row's cache bytes, or beside them where the model's own
+    modules hold them), ``state_layers`` the layers that hold them.
     ``compiled``: whether the workspace counts the CUDA-graph pool of the compiled decode step
     ([`graph_pool_bytes`][h2o_compress.planner.graph_pool_bytes]; rows in a bitsandbytes format decode eagerly and count none).
     """
@@ -85,6 +89,8 @@ class PlanReport:
     headroom_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
     compiled: bool = False
+    state_bytes: int = 0
+    state_layers: int = 0
 
     @property
     def usable_bytes(self) -> int:
@@ -175,9 +181,18 @@ def plan(
         model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
         weights_bits=weights_bits if spec.loaded_bytes is None else loaded_weights_bits(model), compiled=compiled,
         dtype=str(kv_dtype).removeprefix("torch."), weight_bytes=weights, model_context=spec.max_context, rows=rows,
-        fp16_cache_bytes=spec.dims.fp16_bytes_per_token * batch * (prompt_len + gen_len - 1), warnings=warnings,
         recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes",
-        notes=_notes(spec, prompt_len, gen_len, bits, group_sizes), headroom_bytes=reserve)
+        notes=_notes(spec, prompt_len, gen_len, bits, group_sizes), headroom_bytes=reserve, warnings=warnings,
+        **_uncompressed(spec, batch, prompt_len + gen_len - 1, kv_dtype))
+
+
+def _uncompressed(spec: ModelSpec, batch: int, tokens: int, kv_dtype: torch.dtype) -> dict[str, int]:
+    """[`PlanReport`][h2o_compress.planner.PlanReport]'s ``fp16_cache_bytes`` (the attention layers' keys and values
+    of ``batch`` x ``tokens`` in fp16), ``state_bytes`` (a hybrid's constant states of ``batch`` sequences, wherever
+    held) and ``state_layers`` (the layers holding them)."""
+    return {"fp16_cache_bytes": spec.dims.fp16_bytes_per_token * batch * tokens,
+            "state_bytes": sum(state_bytes(spec.states, batch, kv_dtype)),
+            "state_layers": sum(span.stateful or span.paired for span in spec.dims.spans)}
 
 
 def _check_request(memory, headroom, compiled, **sizes: int) -> tuple[int, int]:
@@ -282,12 +297,12 @@ def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int
     sequence's cache while it is moved."""
 
     def total(b: int, prompt: int) -> tuple[CacheBytes, int, int]:
-        cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype)
+        cache = cache_bytes(spec.dims, config, b, prompt, gen_len - 1, prompt + gen_len, kv_dtype, spec.states)
         work = workspace_bytes(spec, config, b, prompt, cache.kept, kv_dtype, cache.slots, cache.residual, compiled,
                                prefill_batch=1 if rows_alone else None)
         if rows_alone:
             work += cache.total // b
-        return cache, work, weights + cache.total + work
+        return cache, work, weights + cache.total + cache.model_states + work
 
     cache, work, need = total(batch, prompt_len)
     longest_prompt = _largest(lambda p: total(batch, p)[2] <= usable, 1, MAX_CONTEXT)

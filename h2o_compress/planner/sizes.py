@@ -20,6 +20,7 @@ from h2o_compress.models import ModelDims
 from h2o_compress.models.int8_linear import COMPUTE_DTYPE
 from h2o_compress.policies import POLICIES
 from h2o_compress.planner.known_models import ModelSpec
+from h2o_compress.planner.states import StateTensor, state_bytes
 
 WEIGHT_BITS = (16, 8, 4)
 
@@ -54,6 +55,11 @@ class CacheBytes:
             (``high_bits_fraction``; their low planes count as ``packed``) and of the int8 head tags of a head-adaptive
             layer's slot pool (``head_budgets="adaptive"``).
         counters: bytes of the per-layer counters (tokens seen, first real token per sequence, finite flag).
+        states: bytes of a hybrid model's constant conv and recurrent states held by the cache (its
+            linear-attention, SSM and convolution layers, uncompressed; `h2o_compress.planner.states`): the same
+            at every context length.
+        model_states: bytes of the constant states a model keeps in its own modules rather than in the cache
+            (RecurrentGemma): not in ``total`` (``cache.nbytes()`` does not see them), counted by the plan's total.
     """
 
     capacity: int | None
@@ -66,11 +72,18 @@ class CacheBytes:
     scores: int
     positions: int
     counters: int
+    states: int = 0
+    model_states: int = 0
 
     @property
     def total(self) -> int:
-        """Everything ``cache.nbytes()`` counts (bytes)."""
-        return self.packed + self.scales + self.window + self.scores + self.positions + self.counters
+        """Everything ``cache.nbytes()`` counts (bytes): the attention layers' and the constant states."""
+        return self.packed + self.scales + self.window + self.scores + self.positions + self.counters + self.states
+
+    @property
+    def all_states(self) -> int:
+        """The constant states of the batch wherever they are held (bytes): ``states + model_states``."""
+        return self.states + self.model_states
 
 
 _CATEGORIES = (
@@ -81,7 +94,7 @@ _CATEGORIES = (
 
 def cache_bytes(
     dims: ModelDims, config: CompressionConfig, batch: int, prompt_len: int, decode_steps: int = 0,
-    max_length: int | None = None, kv_dtype: torch.dtype = torch.float16,
+    max_length: int | None = None, kv_dtype: torch.dtype = torch.float16, states: tuple[StateTensor, ...] = (),
 ) -> CacheBytes:
     """Exact ``cache.nbytes()`` of a cache built for ``max_length`` tokens, after a ``prompt_len``-token prefill
     and ``decode_steps`` one-token steps (the buffers are allocated once, so the bytes do not change with them).
@@ -98,6 +111,8 @@ def cache_bytes(
         decode_steps: number of one-token steps after it.
         max_length: tokens the cache was built for (default ``prompt_len + decode_steps + 1``).
         kv_dtype: dtype of the keys/values the model produces (its compute dtype).
+        states: a hybrid model's constant state tensors ([`model_states`][h2o_compress.planner.model_states] of its
+            config; a [`ModelSpec`][h2o_compress.planner.ModelSpec] carries them): ``()`` counts none.
 
     Raises:
         ConfigError: a group size not dividing ``head_dim``.
@@ -123,7 +138,7 @@ def cache_bytes(
                               spans=dims.spans, value_dim=dims.value_head_dim)
         repeats = [1] * len(layers)
     for layer, repeat in zip(layers, repeats):
-        if not isinstance(layer, CompressedLayer):  # a hybrid's constant-state layer (not sized here)
+        if not isinstance(layer, CompressedLayer):  # a hybrid's constant-state layer: sized from ``states``
             continue
         layer.lazy_initialization(empty, empty)
         for name, tensor in layer.tensors().items():
@@ -132,7 +147,9 @@ def cache_bytes(
     seen = prompt_len + decode_steps
     kept = seen if capacity is None else min(capacity, seen)
     first = next(layer for layer in layers if isinstance(layer, CompressedLayer))
-    return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes)
+    held, outside = state_bytes(states, batch, kv_dtype)
+    return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes,
+                      states=held, model_states=outside)
 
 
 def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype, backend: str = "bitsandbytes") -> int:

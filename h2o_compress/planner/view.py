@@ -11,17 +11,19 @@ from h2o_compress.planner.units import format_bytes
 
 
 def plan_table(report: PlanReport) -> Table:
-    """One row per candidate: capacity, KV cache bytes (and share of fp16), workspace, total, fit, max batch
-    and max context; the recommended row in bold green."""
+    """One row per candidate: capacity, KV cache bytes (and their share of the uncompressed cache: fp16 keys and
+    values plus a hybrid's constant states), of which constant states (hybrids only), workspace, total, fit, max
+    batch and max context; the recommended row in bold green."""
     d = report.dims
     table = Table(box=box.SIMPLE_HEAD, title=(
-        f"{report.model}: {d.num_layers} layers x {d.kv_heads} KV heads x {d.head_dim} head_dim | "
+        f"{report.model}: {_layers(report)} x {d.kv_heads} KV heads x {d.head_dim} head_dim | "
         f"batch {report.batch}, prompt {report.prompt_len} + gen {report.gen_len} tokens | "
         f"limit {format_bytes(report.memory_limit)}"
         + (f" less {format_bytes(report.headroom_bytes)} headroom" if report.headroom_bytes else "")
     ))
-    for name in ("setting", "capacity", "KV cache", "of fp16", "workspace", "total", "fits", "max batch",
-                 "max context"):
+    hybrid = any(row.cache.all_states for row in report.rows)
+    for name in ("setting", "capacity", "KV cache", "of fp16", *(("states",) if hybrid else ()),
+                 "workspace", "total", "fits", "max batch", "max context"):
         if name == "setting":
             table.add_column(name, no_wrap=True, min_width=max(len(row.label) for row in report.rows))
         else:
@@ -29,11 +31,13 @@ def plan_table(report: PlanReport) -> Table:
     if report.order != "bytes":
         table.add_column("quality", justify="right")
     for row in report.rows:
-        share = row.cache.total / report.fp16_cache_bytes if report.fp16_cache_bytes else 0.0
+        uncompressed = report.fp16_cache_bytes + row.cache.states
+        share = row.cache.total / uncompressed if uncompressed else 0.0
         beyond = report.model_context and row.max_context > report.model_context
         cells = [
             row.label, "all" if row.cache.capacity is None else str(row.cache.capacity),
-            format_bytes(row.cache.total), f"{share:.1%}", format_bytes(row.workspace_bytes),
+            format_bytes(row.cache.total), f"{share:.1%}",
+            *((format_bytes(row.cache.all_states),) if hybrid else ()), format_bytes(row.workspace_bytes),
             format_bytes(row.total_bytes), "yes" if row.fits else "no", f"{row.max_batch:,}",
             f"{row.max_context:,}" + ("*" if beyond else ""),
         ]
@@ -42,6 +46,22 @@ def plan_table(report: PlanReport) -> Table:
         style = "bold green" if row is report.recommended else (None if row.fits else "dim")
         table.add_row(*cells, style=style)
     return table
+
+
+def _layers(report: PlanReport) -> str:
+    """``"32 layers"``, or for a hybrid the layers that attend: ``"4 of 40 layers"``."""
+    d = report.dims
+    attending = d.num_layers - sum(span.stateful for span in d.spans)
+    return f"{d.num_layers} layers" if attending == d.num_layers else f"{attending} of {d.num_layers} layers"
+
+
+def _states_line(report: PlanReport) -> str:
+    """The header line of a hybrid: its constant states, per sequence and for the batch."""
+    outside = report.rows[0].cache.model_states if report.rows else 0
+    where = "held by the model's own modules, in the total" if outside else "uncompressed, in the KV cache column"
+    return (f"constant states ({report.state_layers} linear-attention/SSM/conv layers): "
+            f"{format_bytes(report.state_bytes // report.batch)} per sequence, {format_bytes(report.state_bytes)} "
+            f"here, at any length ({where})")
 
 
 def print_plan(report: PlanReport, console: Console | None = None) -> None:
@@ -54,6 +74,8 @@ def print_plan(report: PlanReport, console: Console | None = None) -> None:
         f"weights {format_bytes(report.weight_bytes)} ({report.weights_bits}-bit, compute {report.dtype}); "
         f"uncompressed fp16 KV cache {format_bytes(per_token)}/token, {format_bytes(report.fp16_cache_bytes)} here"
     )
+    if report.state_bytes:
+        console.print(_states_line(report))
     console.print(plan_table(report))
     best = report.recommended
     if best is None:
