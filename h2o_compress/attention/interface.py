@@ -228,7 +228,6 @@ UNSUPPORTED_MODEL_TYPES = {
             "eviction holds them at other tokens) and keeps its own top keys",
     "moshi": "its mask is full causal over a step while transformers' sliding-window cache layers drop all but the "
              "last sliding_window - 1 tokens between steps",
-    "minimax": "its lightning-attention layers keep a cache of their own (MiniMaxCache), not transformers' layers",
 }
 
 
@@ -245,6 +244,12 @@ def check_attention_backend(model) -> None:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: {UNSUPPORTED_MODEL_TYPES[model_type]}; h2o-compress needs "
             "one attention call per layer and step over the cache's own keys"
+        )
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if model_type == "minimax" and window is not None:
+        raise UnsupportedModelError(
+            f"model type 'minimax' with sliding_window={window!r} is not supported: its mask slides over the "
+            "full_attention layers that its layer types and MiniMaxCache hold whole; allowed: sliding_window=None"
         )
     if not (getattr(model, "_supports_attention_backend", False) or hybrid_through_interface(model)
             or own_module_through_interface(model)):

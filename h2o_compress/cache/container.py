@@ -55,7 +55,7 @@ class CompressedCache(Cache):
         self, layers: list[CompressedLayer], config: CompressionConfig, model_id: str = "", capacity: int | None = -1
     ):
         _check_parts(layers, config, model_id, capacity)
-        super().__init__(layers=layers)
+        Cache.__init__(self, layers=layers)  # not super(): a subclass may also derive from a model's own cache class
         self.config = config
         self.model_id = model_id
         # the first attention layer: every attention layer follows it within a step (-1: a cache of states only)

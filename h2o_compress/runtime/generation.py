@@ -11,6 +11,7 @@ import torch
 
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, build_layers
+from h2o_compress.cache.own_caches import cache_class
 from h2o_compress.runtime.decode_loop import TextStream, decode, eos_ids, sampler, sync
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
 from h2o_compress.config import CompressionConfig
@@ -63,7 +64,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
                           calibration=calibration, value_dim=dims.value_head_dim)
     use_key_offsets(layers, config, model, calibration)  # key_offsets="calibrated": keys around the calibrated mean
     use_h2o_attention(model)
-    cache = CompressedCache(layers, config, model_id=model_identity(model), capacity=capacity)
+    cache = cache_class(model.config)(layers, config, model_id=model_identity(model), capacity=capacity)
     cache.max_length = max_length  # a prefill beyond it is refused (the capacity was taken of it)
     record_model(cache, model)  # lets save_cache() check the model (the file's fingerprint, the filling modules)
     return cache

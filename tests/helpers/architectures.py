@@ -34,6 +34,9 @@ TINY = {
     "attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1, "block_types": ["recurrent", "attention"],
 }
 _STATE_TYPES = {"linear_attention", "conv"}  # a hybrid's constant-state layer types (transformers' layer_types)
+# Per model type, over TINY: MiniMax as its published configs (no sliding window: its mask would slide over layers
+# its cache holds in full, which make_cache refuses), a lightning-attention layer first, as there.
+OVERRIDES = {"minimax": {"sliding_window": None, "layer_types": ["linear_attention", "full_attention"]}}
 
 
 def causal_lm_types() -> list[str]:
@@ -57,6 +60,7 @@ def tiny_causal_lm(model_type: str, seed: int = 0):
         fields = set(getattr(config_class, "__dataclass_fields__", {}) or {})
         names = params | fields
         kwargs = {k: v for k, v in TINY.items() if k in names or "kwargs" in params and k in _known(config_class)}
+        kwargs.update(OVERRIDES.get(model_type, {}))
         if "qk_rope_head_dim" in kwargs:  # MLA: the head dims are nope + rope (keys) and v_head_dim (values)
             kwargs.pop("head_dim", None)
             kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)  # MLA: a key per query head

@@ -42,13 +42,14 @@ REFUSED = {
     "openai-gpt", "rembert", "roformer", "xglm", "xlnet",  # no AttentionInterface
     "falcon_mamba", "mamba", "rwkv", "xlstm",  # no KV cache at all (and no AttentionInterface)
     "axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4",  # indexed / compressed attention
-    "diffllama", "doge", "minimax", "moshi",  # attention the cache cannot follow
+    "diffllama", "doge", "moshi",  # attention the cache cannot follow
 }
 # Hybrids (issue 51): linear-attention / SSM / conv layers beside attention layers (the tiny builder gives each a
 # state layer first, an attention layer second); their state layers stay transformers' LinearAttentionLayer.
 # Falcon-H1's layers hold both ("hybrid"): CompressedStateLayer, keys compressed, its SSM state beside them.
-HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm3", "olmo_hybrid", "qwen3_5_moe_text",
-           "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
+# MiniMax's lightning-attention states: a LinearAttentionLayer in a CompressedMiniMaxCache (its model takes no other).
+HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm3", "minimax", "olmo_hybrid",
+           "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
 MODULE_STATES = {"recurrent_gemma"}  # keeps its recurrent and conv states in its own modules, not in the cache
 # One of each layer type and attention variant, for the compressed runs below.
 VARIANTS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_text", "deepseek_v3", "deepseek_v2",
@@ -60,6 +61,16 @@ VARIANTS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_te
 
 def prompt(batch: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def own_cache(model):
+    """The model's own uncompressed cache: ``DynamicCache(config=...)``, or MiniMax's ``MiniMaxCache`` (its model
+    refuses any other)."""
+    if model.config.model_type == "minimax":
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        return MiniMaxCache()
+    return DynamicCache(config=model.config)
 
 
 def greedy_logits(model, ids: torch.Tensor, cache, step=None) -> torch.Tensor:
@@ -99,7 +110,7 @@ def test_every_decoder_class_is_exact_or_refused(model_type):
     assert model_type not in REFUSED, f"{model_type} is listed as refused but make_cache took it"
     ids = prompt()
     model.set_attn_implementation("eager")
-    reference = greedy_logits(model, ids, DynamicCache(config=model.config))
+    reference = greedy_logits(model, ids, own_cache(model))
     use_h2o_attention(model)
     ours = greedy_logits(model, ids, cache)
     assert (ours - reference).abs().max().item() < 1e-5, model_type
@@ -120,7 +131,10 @@ def test_h2o_and_4_bits_stay_finite_within_capacity_and_window(model_type):
             assert int(held[held >= 0].min()) >= int(layer.span.lowest(layer.seen, layer.first_real).min())
 
 
-def _states(layer) -> list[torch.Tensor]:
+def _states(cache, idx: int) -> list[torch.Tensor]:
+    if hasattr(cache, "linear_cache") and not hasattr(cache, "attention_layers"):  # MiniMaxCache's own list
+        return [cache.linear_cache[idx]]
+    layer = cache.layers[idx]
     return [t for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None]
 
 
@@ -137,7 +151,7 @@ def test_hybrid_attention_layers_compress_and_their_states_are_the_models_own(mo
     model = built(model_type)
     ids = prompt()
     model.set_attn_implementation("eager")
-    reference = DynamicCache(config=model.config)
+    reference = own_cache(model)
     with torch.no_grad():
         model(ids, past_key_values=reference)
     caches = {}
@@ -156,8 +170,9 @@ def test_hybrid_attention_layers_compress_and_their_states_are_the_models_own(mo
     prefilled = make_cache(model, CompressionConfig(budget=0.2, kv_bits=4, group_size=32), max_length=PROMPT)
     with torch.no_grad():
         model(ids, past_key_values=prefilled)
-    for ours, theirs in zip(prefilled.layers[:first], reference.layers[:first]):
-        assert [torch.equal(a, b) for a, b in zip(_states(ours), _states(theirs))] == [True] * len(_states(theirs))
+    for idx in range(first):
+        ours, theirs = _states(prefilled, idx), _states(reference, idx)
+        assert [torch.equal(a, b) for a, b in zip(ours, theirs)] == [True] * len(theirs)
     with pytest.raises(CacheStateError, match="saving a cache with linear-attention/SSM states is not supported"):
         save_cache(small, tmp_path / "cache.safetensors")
 
@@ -265,3 +280,19 @@ def test_refusals_of_unreadable_layer_types_and_of_variants_on_a_fast_kernel():
     with pytest.raises(UnsupportedModelError, match="soft-cap or sink logits, which the cpu decode kernel"):
         AttentionVariant.from_call({"softcap": 50.0}, "cpu", 0)
     assert AttentionVariant.from_call({"softcap": 50.0}) == AttentionVariant(50.0)
+
+
+def test_minimax_gets_its_own_cache_class_and_a_sliding_window_is_refused():
+    """MiniMax takes no cache but a MiniMaxCache: make_cache builds a CompressedCache of that class. Its mask would
+    slide over layers that its layer types hold whole where ``sliding_window`` is set: refused in one line."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    from h2o_compress.cache import CompressedCache
+
+    model = built("minimax")
+    cache = make_cache(model, CompressionConfig(budget=1.0, kv_bits=16), max_length=PROMPT)
+    assert isinstance(cache, MiniMaxCache) and isinstance(cache, CompressedCache)
+    assert cache.get_linear_cache(0) is None and len(cache) == 2
+    model.config.sliding_window = WINDOW
+    with pytest.raises(UnsupportedModelError, match="model type 'minimax' with sliding_window=16 is not supported"):
+        make_cache(model, CompressionConfig(budget=1.0, kv_bits=16), max_length=PROMPT)
