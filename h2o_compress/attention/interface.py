@@ -226,8 +226,6 @@ UNSUPPORTED_MODEL_TYPES = {
                  "eviction holds at other tokens",
     "doge": "its dynamic mask is projected from every KV head's cached values at each key position (per-head "
             "eviction holds them at other tokens) and keeps its own top keys",
-    "moshi": "its mask is full causal over a step while transformers' sliding-window cache layers drop all but the "
-             "last sliding_window - 1 tokens between steps",
 }
 
 

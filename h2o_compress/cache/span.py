@@ -24,7 +24,10 @@ import torch
 
 from h2o_compress.utils.errors import UnsupportedModelError
 
-FULL, SLIDING, CHUNKED, STATE = "full", "sliding", "chunked", "state"
+FULL, SLIDING, CHUNKED, STATE, HELD = "full", "sliding", "chunked", "state", "held_window"
+# Model types whose mask is full causal over a step while transformers' cache layers for them slide (Moshi: its
+# DynamicCache(config) keeps the last sliding_window - 1 tokens between steps): "held_window" spans.
+_WINDOW_HELD_BY_CACHE = {"moshi"}
 _KINDS = {"full_attention": FULL, "sliding_attention": SLIDING, "chunked_attention": CHUNKED,
           "linear_attention": STATE, "conv": STATE}
 _PAIRED = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}  # a state and keys in one layer
@@ -35,7 +38,9 @@ class LayerSpan:
     """The tokens a layer's query sees: ``kind`` ``"full"``, ``"sliding"`` (the last ``size`` positions, the query's
     own included) or ``"chunked"`` (its chunk of ``size`` positions); ``size`` in tokens, ``None`` for full.
     ``"state"``: no attention over keys at all (a hybrid model's linear-attention, SSM or convolution layer, whose
-    constant-size ``states`` states transformers' own ``LinearAttentionLayer`` holds, uncompressed)."""
+    constant-size ``states`` states transformers' own ``LinearAttentionLayer`` holds, uncompressed).
+    ``"held_window"``: a sliding cache layer under a full causal mask (Moshi): the layer holds the last ``size - 1``
+    tokens between steps, and each query of a step sees those and the step's own tokens up to itself."""
 
     kind: str = FULL
     size: int | None = None
@@ -46,7 +51,7 @@ class LayerSpan:
     @property
     def windowed(self) -> bool:
         """The layer forgets tokens by position (sliding or chunked)."""
-        return self.kind in (SLIDING, CHUNKED)
+        return self.kind in (SLIDING, CHUNKED, HELD)
 
     @property
     def stateful(self) -> bool:
@@ -68,6 +73,9 @@ class LayerSpan:
             query_position, first_real = query_position.unsqueeze(0), first_real.unsqueeze(1)
         if self.kind == SLIDING:
             return query_position - self.size + 1 + torch.zeros_like(first_real)
+        if self.kind == HELD:  # the window ends at the step's first query (the queries come in order)
+            start = query_position[..., :1] if query_position.dim() else query_position
+            return start - self.size + 1 + torch.zeros_like(first_real + query_position)
         if self.kind == CHUNKED:
             start = first_real.clamp(max=query_position)  # no real token yet: chunks from the query itself
             return start + torch.div(query_position - start, self.size, rounding_mode="floor") * self.size
@@ -135,5 +143,6 @@ def layer_spans(config, num_layers: int) -> list[LayerSpan]:
         size = extra.get("sliding_window") if kind != "full_attention" else None
         if kind != "full_attention" and (not isinstance(size, int) or size < 1):
             raise UnsupportedModelError(f"model type {model_type!r}: a {kind} layer without a window size ({size!r})")
-        spans.append(LayerSpan(_KINDS[kind], size, states if paired else 1, paired))
+        held = _KINDS[kind] == SLIDING and model_type in _WINDOW_HELD_BY_CACHE
+        spans.append(LayerSpan(HELD if held else _KINDS[kind], size, states if paired else 1, paired))
     return spans

@@ -42,7 +42,7 @@ REFUSED = {
     "openai-gpt", "rembert", "roformer", "xglm", "xlnet",  # no AttentionInterface
     "falcon_mamba", "mamba", "rwkv", "xlstm",  # no KV cache at all (and no AttentionInterface)
     "axk2", "deepseek_v32", "deepseek_v4", "dots3_note_text", "glm_moe_dsa", "hy_v4",  # indexed / compressed attention
-    "diffllama", "doge", "moshi",  # attention the cache cannot follow
+    "diffllama", "doge",  # attention the cache cannot follow
 }
 # Hybrids (issue 51): linear-attention / SSM / conv layers beside attention layers (the tiny builder gives each a
 # state layer first, an attention layer second); their state layers stay transformers' LinearAttentionLayer.
@@ -56,7 +56,8 @@ VARIANTS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_te
             "qwen3", "phi3", "smollm3",
             # issue 51: the interface without the class flag (biogpt, stablelm), KV heads tiled by the module
             # (jetmoe), one module for several cache layers (hrm_text: its stacks run 8 times, 16 cache layers)
-            "biogpt", "stablelm", "jetmoe", "hrm_text"]
+            "biogpt", "stablelm", "jetmoe", "hrm_text",
+            "moshi"]  # its mask is full causal over a step, its cache layers slide: held_window spans
 
 
 def prompt(batch: int = 1) -> torch.Tensor:
@@ -296,3 +297,27 @@ def test_minimax_gets_its_own_cache_class_and_a_sliding_window_is_refused():
     model.config.sliding_window = WINDOW
     with pytest.raises(UnsupportedModelError, match="model type 'minimax' with sliding_window=16 is not supported"):
         make_cache(model, CompressionConfig(budget=1.0, kv_bits=16), max_length=PROMPT)
+
+
+def test_moshi_prefilled_in_chunks_sees_what_its_sliding_cache_held():
+    """Moshi masks each step full causal while its DynamicCache's layers slide (the last 15 tokens kept between
+    steps): a prompt fed in 3 chunks of 40, 25 and 15 tokens (the second and third see the 15 held tokens and
+    their own, not a window per query), then 4 greedy steps, exact at budget 1.0."""
+    model = built("moshi")
+    ids = prompt()
+
+    def run(cache):
+        with torch.no_grad():
+            for start, stop in ((0, 40), (40, 65), (65, 80)):
+                logits = model(ids[:, start:stop], past_key_values=cache).logits[:, -1]
+            out = [logits]
+            for _ in range(4):
+                out.append(model(out[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+        return torch.stack(out)
+
+    model.set_attn_implementation("eager")
+    reference = run(DynamicCache(config=model.config))
+    cache = make_cache(model, CompressionConfig(budget=1.0, kv_bits=16), max_length=PROMPT + 4)
+    assert {span.kind for span in model_dims(model.config).spans} == {"held_window"}
+    assert (run(cache) - reference).abs().max().item() < 1e-5
+    assert [layer.kept_length() for layer in cache.layers] == [WINDOW - 1] * 2
