@@ -265,7 +265,8 @@ def workspace_bytes(spec: ModelSpec, config: CompressionConfig, batch: int, prom
         d = spec.dims
         with_scores = POLICIES[config.policy].needs_scores and config.capacity(prompt_len + 1) is not None
         block = launch_for(config.key_bits, config.value_bits).block
-        scratch = d.num_layers * decode_scratch_bytes(
+        attending = d.num_layers - sum(span.stateful for span in d.spans)  # a hybrid's state layers keep none
+        scratch = attending * decode_scratch_bytes(
             batch, d.num_heads, d.kv_heads, d.head_dim, slots, residual, with_scores, block_tokens=block)
     pool = graph_pool_bytes(spec, config, batch, kept, dtype, fused) if compiled and not eager_only else 0
     queries, keys = prefill_pass(config, prompt_len, kept)
