@@ -6,7 +6,7 @@ A hybrid's state layers ([`LayerSpan`][h2o_compress.cache.LayerSpan] ``"state"``
 for Falcon-H1) hold per sequence one convolution window and, for most families, one recurrent state; neither
 grows with the context. transformers' code keeps the conv window in the compute dtype and the recurrent state in
 fp32 (its torch paths and the CUDA kernels it calls return fp32 final states; Bailing's and Kimi's cast to fp32
-explicitly). RecurrentGemma keeps both in its own modules, not in the cache (``in_cache=False``).
+explicitly); MiniMax's lightning attention keeps one key-value state in the compute dtype. RecurrentGemma keeps both in its own modules, not in the cache (``in_cache=False``).
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ def _short_conv(c) -> tuple[StateTensor, ...]:
     return (StateTensor((c.hidden_size, c.conv_L_cache)),)
 
 
+def _lightning(c) -> tuple[StateTensor, ...]:
+    """MiniMax's lightning attention: one key-value state ``[heads, head_dim, head_dim]`` in the compute dtype."""
+    dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (StateTensor((c.num_attention_heads, dim, dim)),)
+
+
 def _rg_lru(c) -> tuple[StateTensor, ...]:
     """RecurrentGemma's RG-LRU block: held by the block itself, not the cache (conv ``width - 1`` positions)."""
     return (StateTensor((c.lru_width, c.conv1d_width - 1), in_cache=False),
@@ -83,7 +89,7 @@ FAMILIES = {
     "bamba": _mamba2, "granitemoehybrid": _mamba2, "falcon_h1": _mamba2, "jamba": _mamba1,
     "qwen3_next": _gated_delta, "qwen3_5_text": _gated_delta, "qwen3_5_moe_text": _gated_delta,
     "olmo_hybrid": _gated_delta, "bailing_hybrid": _kimi_delta, "lfm2": _short_conv, "lfm2_moe": _short_conv,
-    "lfm3": _short_conv, "recurrent_gemma": _rg_lru,
+    "lfm3": _short_conv, "minimax": _lightning, "recurrent_gemma": _rg_lru,
 }
 
 

@@ -22,7 +22,7 @@ from h2o_compress.planner.known_models import known_config, resolve_model
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # every hybrid class the tiny builder makes (tests/models/test_architectures.py HYBRIDS), plus LFM2 by hand
-HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm3", "olmo_hybrid",
+HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm3", "minimax", "olmo_hybrid",
            "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
 PROMPT, STEPS, BATCH = 12, 2, 2
 MiB = 2**20
