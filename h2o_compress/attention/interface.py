@@ -45,10 +45,11 @@ def announce(layer_idx: int, step) -> None:
     _channel.last = layer_idx
 
 
-# Model types whose attention module reuses one ``layer_idx`` for several cache layers (HRM-Text runs its stacks
-# several times per forward pass, each run updating cache layer ``layer_idx + cycle_offset``): the attention call
-# takes the announcement of the cache layer its module updated last, in this thread.
-CYCLED_MODEL_TYPES = {"hrm_text"}
+# Model types whose attention module updates a cache layer other than its ``layer_idx``: HRM-Text runs its stacks
+# several times per forward pass (cache layer ``layer_idx + cycle_offset``), Zamba and Zamba2 call one shared
+# attention block from several layers (the cache layer given at call time; the module's own is None or -1). The
+# attention call takes the announcement of the cache layer its module updated last, in this thread.
+CYCLED_MODEL_TYPES = {"hrm_text", "zamba", "zamba2"}
 # Model types whose attention module tiles the cached KV heads itself before the attention function
 # (``key.repeat(1, r, 1, 1)``: query head ``h`` reads KV head ``h % kv_heads``, JetMoE's mixture of attention heads).
 TILED_KV_MODEL_TYPES = {"jetmoe"}

@@ -120,6 +120,14 @@ def layer_spans(config, num_layers: int) -> list[LayerSpan]:
             f"model type {model_type!r}: its layer types cannot be read ({type(error).__name__}: {error}); "
             "supported: decoders whose layers are full, sliding-window or chunked softmax attention"
         ) from None
+    raw = getattr(config, "layer_types", None) or []
+    idle = sorted({raw[i] for i, t in enumerate(types) if t == "dummy" and i < len(raw) and raw[i] in ("mlp", "moe")})
+    if idle and getattr(config, "kv_sharing_modes", None) is None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has layers without attention or state ({', '.join(idle)}: transformers' "
+            "dummy cache layers), for which h2o-compress has no cache layer; it compresses full, sliding-window and "
+            "chunked attention layers and keeps linear_attention/conv/hybrid states as they are"
+        )
     unsupported = sorted({"dummy (KV shared with another layer)" if t == "dummy" else t for t in types
                           if t not in _KINDS and t not in _PAIRED})
     if unsupported:

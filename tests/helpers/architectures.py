@@ -102,3 +102,44 @@ def _known(config_class) -> set[str]:
 
 def _layers(config) -> int:
     return next((getattr(config, n) for n in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, n)), 2)
+
+
+# Hybrids the generic overrides cannot make tiny (issue 51), by hand: the tiny geometry above (hidden 128, 4 heads,
+# 2 KV heads, vocab 128) where the config takes it, a state layer first, then attention. Zamba2's two hybrid layers
+# share one attention block (num_mem_blocks=1).
+_HAND_COMMON = {"vocab_size": VOCAB, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                "tie_word_embeddings": False}
+HAND_MADE = {
+    "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"], "head_dim": 32,
+                   "intermediate_size": 256, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
+                   "n_groups": 1, "chunk_size": 16, "n_routed_experts": 4, "moe_intermediate_size": 64,
+                   "moe_shared_expert_intermediate_size": 64},
+    "zamba": {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "hybrid"], "hidden_size": 64,
+              "mamba_d_state": 16, "intermediate_size": 256},
+    "zamba2": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+               "hidden_size": 64, "mamba_d_state": 16, "n_mamba_heads": 4, "mamba_ngroups": 1,
+               "intermediate_size": 256, "chunk_size": 16, "adapter_rank": 8},
+    "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "intermediate_size": 256,
+                 "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "num_dense_layers": 1},
+}
+
+
+def hand_made_causal_lm(model_type: str, seed: int = 0, **overrides):
+    """A tiny random causal LM of ``model_type`` from `HAND_MADE` (plus ``overrides`` of its config fields), eval
+    mode, eager attention.
+
+    Raises:
+        KeyError: ``model_type`` has no hand-made config.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    fields = set(getattr(config_class, "__dataclass_fields__", {}) or {})
+    kwargs = {k: v for k, v in _HAND_COMMON.items() if k in fields}
+    kwargs.update(HAND_MADE[model_type], **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_class(**kwargs), attn_implementation="eager")
+    assert sum(p.numel() for p in model.parameters()) <= MAX_PARAMETERS, model_type
+    return model.eval()

@@ -28,7 +28,7 @@ NOT_BUILT = {
     "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "blt", "cohere_compass_text", "cpmant", "dbrx",
     "dots1", "dots3_note", "emu3", "fuyu", "gemma3", "gemma3n", "gemma3n_text", "gemma4", "gemma4_assistant",
     "gemma4_text", "gemma4_unified", "gemma4_unified_assistant", "gemma4_unified_text", "git", "got_ocr2", "gpt_neo",
-    "inkling2_text", "inkling_text", "kimi_linear", "lfm2_moe", "llama4", "longcat_flash", "mamba2", "marian",
+    "inkling2_text", "inkling_text", "lfm2_moe", "llama4", "longcat_flash", "mamba2", "marian",
     "mbart", "mllama", "moss_transcribe_diarize", "musicgen", "musicgen_melody", "mvp", "nemotron_h", "pegasus",
     "phi4_multimodal", "plbart", "prophetnet", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen4_exp_text", "reformer",
     "roc_bert", "trocr", "whisper", "xlm", "zamba", "zamba2", "zaya",
@@ -48,8 +48,9 @@ REFUSED = {
 # state layer first, an attention layer second); their state layers stay transformers' LinearAttentionLayer.
 # Falcon-H1's layers hold both ("hybrid"): CompressedStateLayer, keys compressed, its SSM state beside them.
 # MiniMax's lightning-attention states: a LinearAttentionLayer in a CompressedMiniMaxCache (its model takes no other).
-HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "lfm3", "minimax", "olmo_hybrid",
-           "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
+# Kimi-Linear: Kimi delta attention + MLA. Nemotron-H, Zamba, Zamba2, LFM2-MoE: tests/models/test_hand_made_hybrids.py.
+HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm3", "minimax",
+           "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
 MODULE_STATES = {"recurrent_gemma"}  # keeps its recurrent and conv states in its own modules, not in the cache
 # One of each layer type and attention variant, for the compressed runs below.
 VARIANTS = ["mistral", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_text", "deepseek_v3", "deepseek_v2",
