@@ -41,11 +41,32 @@ class StateTensor:
 
 
 def _mamba2(c) -> tuple[StateTensor, ...]:
-    """Mamba-2 mixer (Bamba, GraniteMoeHybrid, Falcon-H1): conv over x, B and C; state ``[heads, head_dim, d_state]``."""
+    """Mamba-2 mixer (Bamba, GraniteMoeHybrid, Falcon-H1): conv over x, B and C; state ``[heads, dim, d_state]``."""
     inner = getattr(c, "mamba_d_ssm", None) or int(c.mamba_expand * c.hidden_size)
     conv = inner + 2 * c.mamba_n_groups * c.mamba_d_state
     return (StateTensor((conv, c.mamba_d_conv)),
             StateTensor((c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state), float32=True))
+
+
+def _nemotron_h(c) -> tuple[StateTensor, ...]:
+    """Nemotron-H's Mamba-2 mixer (its own field names)."""
+    conv = c.mamba_num_heads * c.mamba_head_dim + 2 * c.n_groups * c.ssm_state_size
+    return (StateTensor((conv, c.conv_kernel)),
+            StateTensor((c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size), float32=True))
+
+
+def _zamba2(c) -> tuple[StateTensor, ...]:
+    """Zamba2's Mamba-2 mixer (its own field names)."""
+    conv = int(c.mamba_expand * c.hidden_size) + 2 * c.mamba_ngroups * c.mamba_d_state
+    return (StateTensor((conv, c.mamba_d_conv)),
+            StateTensor((c.n_mamba_heads, c.mamba_headdim, c.mamba_d_state), float32=True))
+
+
+def _zamba(c) -> tuple[StateTensor, ...]:
+    """Zamba's multi-head Mamba-1 mixer: one ``[inner / heads, d_state]`` state per head."""
+    inner = c.mamba_expand * c.hidden_size
+    return (StateTensor((inner, c.mamba_d_conv)),
+            StateTensor((c.n_mamba_heads, inner // c.n_mamba_heads, c.mamba_d_state), float32=True))
 
 
 def _mamba1(c) -> tuple[StateTensor, ...]:
@@ -55,14 +76,14 @@ def _mamba1(c) -> tuple[StateTensor, ...]:
 
 
 def _gated_delta(c) -> tuple[StateTensor, ...]:
-    """Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid): conv over q, k and v; state ``[v_heads, k_dim, v_dim]``."""
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid): conv over q, k, v; state ``[v_heads, k_dim, v_dim]``."""
     conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
     return (StateTensor((conv, c.linear_conv_kernel_dim)),
             StateTensor((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), float32=True))
 
 
 def _kimi_delta(c) -> tuple[StateTensor, ...]:
-    """Kimi delta attention (Bailing hybrid): conv over q, k and v; state ``[heads, head_dim, head_dim]``."""
+    """Kimi delta attention (Bailing hybrid, Kimi Linear): conv over q, k and v; state ``[heads, dim, dim]``."""
     heads, dim = c.linear_num_heads, c.linear_head_dim
     return StateTensor((3 * heads * dim, c.linear_conv_kernel_dim)), StateTensor((heads, dim, dim), float32=True)
 
@@ -86,9 +107,10 @@ def _rg_lru(c) -> tuple[StateTensor, ...]:
 
 #: model type -> the states one of its state layers holds
 FAMILIES = {
-    "bamba": _mamba2, "granitemoehybrid": _mamba2, "falcon_h1": _mamba2, "jamba": _mamba1,
+    "bamba": _mamba2, "granitemoehybrid": _mamba2, "falcon_h1": _mamba2, "nemotron_h": _nemotron_h,
+    "zamba2": _zamba2, "zamba": _zamba, "jamba": _mamba1,
     "qwen3_next": _gated_delta, "qwen3_5_text": _gated_delta, "qwen3_5_moe_text": _gated_delta,
-    "olmo_hybrid": _gated_delta, "bailing_hybrid": _kimi_delta, "lfm2": _short_conv, "lfm2_moe": _short_conv,
+    "olmo_hybrid": _gated_delta, "bailing_hybrid": _kimi_delta, "kimi_linear": _kimi_delta, "lfm2": _short_conv, "lfm2_moe": _short_conv,
     "lfm3": _short_conv, "minimax": _lightning, "recurrent_gemma": _rg_lru,
 }
 
