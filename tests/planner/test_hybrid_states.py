@@ -120,6 +120,22 @@ def test_known_hybrids_state_bytes_by_hand(name):
     assert state_bytes(model_states(config), 3, torch.float16)[0] == 3 * KNOWN[name]
 
 
+# parameters the model cards publish (billions), the planner's meta-device count within 1%
+PUBLISHED = {"qwen3-next-80b-a3b": 80, "granite-4.0-h-small": 32.2, "granite-4.0-h-tiny": 6.9, "falcon-h1-1.5b": 1.55,
+             "falcon-h1-7b": 7.59, "deepseek-v3": 671}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_new_known_models_plan_with_their_published_sizes(name):
+    from h2o_compress import plan
+
+    report = plan(name, "80GiB", batch=2, prompt_len=4096, gen_len=128, budgets=(0.2,), bits=(4,), group_sizes=(32,))
+    assert report.weight_bytes / 2 / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
+    assert report.state_bytes == report.rows[0].cache.states == 2 * KNOWN.get(name, 0)
+    if name == "deepseek-v3":  # the latent per token and layer: 512 + 64 values (multi-head latent attention)
+        assert report.dims.fp16_bytes_per_token == 61 * (512 + 64) * 2
+
+
 def test_hybrid_plan_counts_states_in_rows_and_totals(tmp_path):
     """A local tiny Qwen3-Next directory through the Python API and the CLI: the report's state bytes, each row's
     cache (states in its total, not compressed), the header line and the ``states`` column."""
