@@ -83,17 +83,15 @@ def test_summary_names_the_decode_kernel(tiny_dir):
 
 
 def test_unsupported_model_is_refused():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """GPT-J computes attention in its own module, outside AttentionInterface (a model the cache cannot score)."""
+    from transformers import GPTJConfig, GPTJForCausalLM
 
     from h2o_compress import UnsupportedModelError, make_cache
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64))
-    type(model)._supports_attention_backend = False  # stands in for any model that bypasses AttentionInterface
-    try:
-        with pytest.raises(UnsupportedModelError, match="does not route attention through"):
-            make_cache(model)
-    finally:
-        del type(model)._supports_attention_backend
+    config = GPTJConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, rotary_dim=8, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    with pytest.raises(UnsupportedModelError, match="GPTJForCausalLM does not route attention through"):
+        make_cache(GPTJForCausalLM(config))
 
 
 def test_unreachable_hub_id_fails_fast_with_one_line(monkeypatch):
