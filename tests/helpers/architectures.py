@@ -107,7 +107,7 @@ def _layers(config) -> int:
 # Hybrids the generic overrides cannot make tiny (issue 51), by hand: the tiny geometry above (hidden 128, 4 heads,
 # 2 KV heads, vocab 128) where the config takes it, a state layer first, then attention. Zamba2's two hybrid layers
 # share one attention block (num_mem_blocks=1).
-_HAND_COMMON = {"vocab_size": VOCAB, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+HAND_COMMON = {"vocab_size": VOCAB, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                 "tie_word_embeddings": False}
 HAND_MADE = {
@@ -137,7 +137,7 @@ def hand_made_causal_lm(model_type: str, seed: int = 0, **overrides):
 
     config_class = CONFIG_MAPPING[model_type]
     fields = set(getattr(config_class, "__dataclass_fields__", {}) or {})
-    kwargs = {k: v for k, v in _HAND_COMMON.items() if k in fields}
+    kwargs = {k: v for k, v in HAND_COMMON.items() if k in fields}
     kwargs.update(HAND_MADE[model_type], **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(**kwargs), attn_implementation="eager")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers.architectures import VOCAB, tiny_causal_lm
+from helpers.architectures import HAND_COMMON, HAND_MADE as BUILT_BY_HAND, VOCAB, tiny_causal_lm
 from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig, UnsupportedModelError, make_cache
@@ -29,24 +29,9 @@ PROMPT, STEPS, BATCH = 12, 2, 2
 MiB = 2**20
 
 
-# hybrids the generic builder cannot make (tests/helpers/architectures.py builds them by hand too)
-HAND_COMMON = {"vocab_size": VOCAB, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-               "tie_word_embeddings": False}
-HAND_MADE = {
-    "lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "intermediate_size": 128},
-    "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "intermediate_size": 256,
-                 "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "num_dense_layers": 1},
-    "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"], "head_dim": 32,
-                   "intermediate_size": 256, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
-                   "n_groups": 1, "chunk_size": 16, "n_routed_experts": 4, "moe_intermediate_size": 64,
-                   "moe_shared_expert_intermediate_size": 64},
-    "zamba": {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "hybrid"], "hidden_size": 64,
-              "mamba_d_state": 16, "intermediate_size": 256},
-    "zamba2": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
-               "hidden_size": 64, "mamba_d_state": 16, "n_mamba_heads": 4, "mamba_ngroups": 1,
-               "intermediate_size": 256, "chunk_size": 16, "adapter_rank": 8},
-}
+# hybrids built by hand: tests/helpers/architectures.py's, plus LFM2
+HAND_MADE = {"lfm2": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "intermediate_size": 128},
+             **BUILT_BY_HAND}
 
 
 def _hand_made(model_type: str):
