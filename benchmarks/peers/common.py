@@ -24,6 +24,9 @@ from typing import Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # process_memory.py, shared with cpu_worker.py
+from process_memory import high_water_mark, reset_high_water_mark, rss_bytes  # noqa: E402
+
 
 def log(*parts) -> None:
     print(time.strftime("%H:%M:%S"), *parts, file=sys.stderr, flush=True)
@@ -133,30 +136,6 @@ def release_memory() -> None:
         pass
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _high_water_mark() -> int | None:
-    """The kernel's peak RSS of this process (VmHWM), in bytes."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def _reset_high_water_mark() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
 class PeakRSS:
     """Extra resident memory a run needs above the idle process (activations, cache, temporaries), per phase.
 
@@ -173,7 +152,7 @@ class PeakRSS:
     def __enter__(self):
         release_memory()
         self.baseline = rss_bytes()
-        self.exact = _reset_high_water_mark()
+        self.exact = reset_high_water_mark()
         self.peak = self.baseline
         self._stop = threading.Event()
         self._thread = None
@@ -189,7 +168,7 @@ class PeakRSS:
 
     def _current_peak(self) -> int:
         if self.exact:
-            return _high_water_mark() or rss_bytes()
+            return high_water_mark() or rss_bytes()
         return max(self.peak, rss_bytes())
 
     def mark(self) -> None:
@@ -197,7 +176,7 @@ class PeakRSS:
         self.phases.append(self._current_peak() - self.baseline)
         release_memory()
         if self.exact:
-            _reset_high_water_mark()
+            reset_high_water_mark()
         self.peak = rss_bytes()
 
     def __exit__(self, *exc):

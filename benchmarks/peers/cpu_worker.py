@@ -21,33 +21,10 @@ import sys
 import time
 import traceback
 
+from process_memory import high_water_mark, reset_high_water_mark, rss_bytes  # this file's folder
+
 WARMUP_TOKENS = 32
 OV_BLOCK = 32  # OpenVINO's CPU KV-cache block (tokens): eviction sizes must be multiples of it
-
-
-def rss_bytes() -> int:
-    """This process's resident set now."""
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def high_water_mark() -> int:
-    """The kernel's peak RSS of this process since start or the last `reset_high_water_mark` (VmHWM)."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_high_water_mark() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------------------ ours
@@ -102,7 +79,26 @@ class Ours:
             ended = time.perf_counter()
         return {"prefill_s": prefilled - began, "decode_s": ended - prefilled, "generated": generated,
                 "kv_bytes": cache.nbytes(), "kept_tokens": cache.kept_length(), "compiled": compiled,
-                "weights_read_bytes": self.weights_read_bytes()}
+                "weights_read_bytes": self.weights_read_bytes(), "weight_products_s": self.weight_products_s()}
+
+    def weight_products_s(self, repeats: int = 20) -> float:
+        """Seconds one decode step spends in its weights' products alone: every linear layer of the model (int8
+        or fp32, the output head included), in model order, called on one row of its input width, as a decode
+        step calls it; the median of ``repeats`` passes after one warm-up. Nothing else of the step runs, so
+        ``1 / seconds`` bounds the decode tokens/s any step built on these kernels can reach."""
+        torch = self.torch
+        from h2o_compress.models.int8_linear import Int8Linear
+
+        layers = [m for m in self.model.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+        rows = [torch.randn(1, 1, layer.in_features) for layer in layers]
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                began = time.perf_counter()
+                for layer, row in zip(layers, rows):
+                    layer(row)
+                times.append(time.perf_counter() - began)
+        return sorted(times[1:])[repeats // 2]
 
 
 # ------------------------------------------------------------------------------------------------- llama.cpp
@@ -225,10 +221,10 @@ def run_job(job: dict) -> dict:
     loaded_rss = rss_bytes()
     engine.run(ids[:WARMUP_TOKENS], 2)
     # VmHWM, not ru_maxrss: Linux carries the parent's maxrss into a forked child, across exec
-    load_peak = high_water_mark()
+    load_peak = high_water_mark() or 0
     exact = reset_high_water_mark()
     result = engine.run(ids, job["new_tokens"])
-    run_peak = high_water_mark()
+    run_peak = high_water_mark() or 0
     steps = len(result["generated"]) - 1
     result.update(
         engine=job["engine"], setting=job["setting"], version=engine.version, prompt_tokens=len(ids),

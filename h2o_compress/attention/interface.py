@@ -254,8 +254,9 @@ def check_attention_backend(model) -> None:
             or own_module_through_interface(model)):
         raise UnsupportedModelError(
             f"model class {type(model).__name__} does not route attention through transformers' "
-            "AttentionInterface, so h2o-compress cannot score it; supported: LLaMA-like (LLaMA, Mistral, Qwen2, "
-            "SmolLM), OPT, GPT-NeoX and other models with _supports_attention_backend=True"
+            "AttentionInterface, so h2o-compress cannot score it; supported: models whose attention goes through it "
+            "(_supports_attention_backend=True, or one of transformers' own classes that looks its attention up in "
+            "ALL_ATTENTION_FUNCTIONS; docs/guide/models.md lists them)"
         )
 
 

@@ -163,7 +163,9 @@ def gguf_path(alias: str) -> Path:
     )
 
 
-def _file_hash(path: Path) -> str:
+def file_hash(path: Path) -> str:
+    """The first 16 hex digits of the file's SHA-256 (read in 4 MiB blocks): the converted model's folder name
+    changes with the GGUF's contents."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
@@ -180,7 +182,7 @@ def converted_dir(alias: str) -> Path:
         root = private_dir()
     except ConfigError as exc:
         raise ModelLoadError(f"{exc} (the converted {alias} lives there)") from None
-    target = root / f"{alias}-{_file_hash(gguf)}-transformers-{transformers.__version__}"
+    target = root / f"{alias}-{file_hash(gguf)}-transformers-{transformers.__version__}"
     if os.path.lexists(target):
         try:  # made by this user (a directory another user planted is never loaded)
             check_private(target)
