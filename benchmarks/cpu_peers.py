@@ -13,6 +13,7 @@ sequence ignored). Within each repeat every setting runs once, the order rotated
 Settings (``--engines`` takes engine names, ``ours``, ``llama.cpp``, ``openvino``, or setting names):
   ours            h2o 0.2 + int4 KV, ``load_model``'s CPU defaults (weights as the package loads them on CPU)
   ours-fp32       the same with ``weights_bits=16`` (fp32 weights)
+  ours-int4       the same with ``weights_bits=4`` (torch's int4 kernel, groups of 32; the head int8)
   llama-f16       llama-cpp-python on the same GGUF (Q4_1 weights), f16 KV (flash attention off: its default)
   llama-f16-fa    the same with flash attention on (llama.cpp's own CLI default on CPU is "auto")
   llama-q4_0      the same, q4_0 KV (its V cache needs flash attention, so flash attention on)
@@ -54,6 +55,7 @@ OURS = {"policy": "h2o", "budget": BUDGET, "kv_bits": 4}
 SETTINGS = {  # name -> (engine, options, label)
     "ours": ("ours", dict(OURS), "ours, h2o 0.2 + int4 KV, CPU default weights"),
     "ours-fp32": ("ours", dict(OURS, weights_bits=16), "ours, h2o 0.2 + int4 KV, fp32 weights"),
+    "ours-int4": ("ours", dict(OURS, weights_bits=4), "ours, h2o 0.2 + int4 KV, 4-bit weights (int4 groups of 32)"),
     "llama-f16": ("llama.cpp", {"kv_type": "f16"}, "llama.cpp, Q4_1 weights, f16 KV, no flash attn"),
     "llama-f16-fa": ("llama.cpp", {"kv_type": "f16", "flash_attn": True},
                      "llama.cpp, Q4_1 weights, f16 KV, flash attn"),

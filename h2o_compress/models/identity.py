@@ -10,6 +10,7 @@ import torch
 
 from h2o_compress.utils.errors import CacheStateError, short
 from h2o_compress.models.dims import model_dims
+from h2o_compress.models.int4_linear import Int4Linear
 from h2o_compress.models.int8_linear import Int8Linear
 
 # Config entries that name a checkpoint or a runtime switch, not the model: left out of the fingerprint.
@@ -79,7 +80,8 @@ def _fingerprint(model, sample) -> str:
 
 def _weights(model):
     """``(name, tensor)`` of what a fingerprint reads: every parameter, then the packed int8 weights and scales of
-    each [`Int8Linear`][h2o_compress.models.int8_linear.Int8Linear] (buffers, not parameters: without them two
+    each [`Int8Linear`][h2o_compress.models.int8_linear.Int8Linear] and the packed codes, scales and zeros of each
+    [`Int4Linear`][h2o_compress.models.int4_linear.Int4Linear] (buffers, not parameters: without them two
     int8 models differing only in their Linear layers would share a fingerprint). A model without packed layers
     reads its parameters only, as before."""
     yield from model.named_parameters()
@@ -87,6 +89,9 @@ def _weights(model):
         if isinstance(module, Int8Linear):
             yield f"{path}.weight_int8", module.weight_int8
             yield f"{path}.scales", module.scales
+        if isinstance(module, Int4Linear):
+            yield f"{path}.weight_int4", module.weight_int4
+            yield f"{path}.scales_and_zeros", module.scales_and_zeros
 
 
 def record_model(cache, model, fingerprint: str | None = None) -> None:

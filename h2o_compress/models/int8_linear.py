@@ -31,6 +31,19 @@ COMPUTE_DTYPE = torch.bfloat16  # activations inside the kernel, and the scales'
 ONE_THREAD_BYTES = 4 << 20
 
 
+def one_row_product(one_thread: bool, product, rows: torch.Tensor, *weights):
+    """``product(rows, *weights)``, on one thread when ``rows`` is one row (a decode step) and ``one_thread`` (the
+    weight is under `ONE_THREAD_BYTES`), outside a ``torch.compile`` trace; on torch's threads otherwise."""
+    if rows.shape[0] != 1 or not one_thread or torch.compiler.is_compiling():
+        return product(rows, *weights)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return product(rows, *weights)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Int8Linear(nn.Module):
     """An ``nn.Linear`` with per-output-channel symmetric int8 weights, run by ``aten._weight_int8pack_mm``.
 
@@ -41,6 +54,8 @@ class Int8Linear(nn.Module):
         in_features, out_features: as ``nn.Linear``'s.
         one_thread: a one-row product runs on one thread (the weight is under `ONE_THREAD_BYTES`).
     """
+
+    PACKED = True  # its buffers are packed weights (`release_source_weights` leaves them alone)
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -70,13 +85,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if rows.shape[0] == 1 and self.one_thread and not torch.compiler.is_compiling():
-            threads = torch.get_num_threads()  # a decode row over a small weight: one thread (see ONE_THREAD_BYTES)
-            torch.set_num_threads(1)
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
-            torch.set_num_threads(threads)
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        out = one_row_product(self.one_thread, torch.ops.aten._weight_int8pack_mm, rows, self.weight_int8, self.scales)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
@@ -135,7 +144,7 @@ def release_source_weights(model: nn.Module) -> None:
     about 710 MiB after loading; the weights themselves are 237 MiB). The values are unchanged."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, Int8Linear):
+            if getattr(type(module), "PACKED", False):  # Int8Linear, Int4Linear: fresh packed buffers
                 continue
             for name, parameter in list(module._parameters.items()):
                 if parameter is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_compress.models.int4_linear import pack_int4
 from h2o_compress.models.int8_linear import pack_int8
 from h2o_compress.models.weights import (
     avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
@@ -407,8 +408,9 @@ def placement_options(
     before any side effect), and give ``from_pretrained``'s keyword arguments (``quantization_config``,
     ``device_map``, ``max_memory``, ``offload_folder``) plus ``_device`` (where a model without a map goes; the
     lowest GPU of a map, else CPU), ``_dtype``, ``_bits`` (the weight bits loaded: ``weights_bits``, or
-    `default_weights_bits` for ``None``) and ``_cpu_int8`` (8-bit weights on CPU without a map: loaded in
-    ``_dtype``, then packed to int8 by `h2o_compress.models.int8_linear`, without bitsandbytes). Arguments as for [`load_model`][h2o_compress.models.load_model].
+    `default_weights_bits` for ``None``) and ``_cpu_packed`` (8- or 4-bit weights on CPU without a map: loaded in
+    ``_dtype``, then packed by `h2o_compress.models.int8_linear` or `h2o_compress.models.int4_linear`, without
+    bitsandbytes). Arguments as for [`load_model`][h2o_compress.models.load_model].
 
     Raises:
         ConfigError: a bad value, or ``device`` and ``device_map`` both given.
@@ -430,14 +432,14 @@ def placement_options(
         raise ConfigError("max_memory only applies to a device_map strategy; allowed: device_map='auto' (or "
                           "balanced, balanced_low_0, sequential) with max_memory")
     offload_folder = check_offload_folder(device_map, offload_folder)
-    cpu_int8 = bits == 8 and device_map is None and resolved.type == "cpu"  # torch's packed int8 kernel, no bnb
-    if bits == 8 and dtype is None and not cpu_int8:
+    cpu_packed = bits in (8, 4) and device_map is None and resolved.type == "cpu"  # torch's own kernels, no bnb
+    if bits == 8 and dtype is None and not cpu_packed:
         dtype = torch.float16  # LLM.int8 computes in fp16 (bitsandbytes casts other inputs to it)
     torch_dtype = resolve_dtype(dtype, resolved)
-    if not cpu_int8:
+    if not cpu_packed:
         check_bnb_backend(bits, resolved)
-    out = {"_device": resolved, "_dtype": torch_dtype, "_bits": bits, "_cpu_int8": cpu_int8}
-    if bits != 16 and not cpu_int8:
+    out = {"_device": resolved, "_dtype": torch_dtype, "_bits": bits, "_cpu_packed": cpu_packed}
+    if bits != 16 and not cpu_packed:
         out["quantization_config"] = quantization_config(bits, torch_dtype)
         if device_map is None:  # bitsandbytes quantizes while loading: the weights must land on their device
             device_map = {"": (resolved.index or 0) if resolved.type == "cuda" else "cpu"}
@@ -480,7 +482,7 @@ def load_model(
             ``BitsAndBytesConfig`` (`h2o_compress.models.weights`); 8-bit computes in fp16 unless ``dtype`` says
             otherwise, 4-bit in ``dtype``. On CPU, 8 bits packs every Linear layer and the output head (untied from
             the embedding) to per-row int8 run by torch's ``_weight_int8pack_mm`` (`h2o_compress.models.int8_linear`;
-            the rest stays in ``dtype``), and 4 bits goes through bitsandbytes >= 0.45's CPU backend.
+            the rest stays in ``dtype``), 4 bits the decoder's to group-wise 4-bit (`h2o_compress.models.int4_linear`).
         device_map: ``None`` (the whole model on ``device``), a strategy of accelerate (``auto``, ``balanced``,
             ``balanced_low_0``, ``sequential``) or a dict {module name: GPU index, ``cuda:N``, ``cpu`` or
             ``disk``}; with a map, ``device`` must stay ``auto``.
@@ -507,14 +509,14 @@ def load_model(
     trust = {"trust_remote_code": trust_remote_code}  # always explicit: transformers never prompts on stdin
     _check_name(name_or_path, trust_remote_code)
     placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder, name_or_path)
-    resolved_device, torch_dtype, cpu_int8, bits = (placement.pop(k) for k in ("_device", "_dtype", "_cpu_int8", "_bits"))
+    resolved_device, torch_dtype, cpu_packed, bits = (placement.pop(k) for k in ("_device", "_dtype", "_cpu_packed", "_bits"))
     source = _model_source(name_or_path, trust_remote_code)
     model, tokenizer = _load_checked(source, name_or_path, torch_dtype, placement, trust)
     if "device_map" not in placement:  # a dispatched (split or quantized) model stays where accelerate put it
         model.to(resolved_device)
-    if cpu_int8:
-        pack_int8(model)
-    if bits == 4:
+    if cpu_packed:
+        (pack_int8 if bits == 8 else pack_int4)(model)
+    elif bits == 4:
         avoid_cpu_4bit_repack(model)
     model.eval()
     model.name_or_path_for_cache = name_or_path

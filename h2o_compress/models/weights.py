@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_compress.models.int4_linear import Int4Linear
 from h2o_compress.models.int8_linear import Int8Linear
 from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 from h2o_compress.utils.files import parse_json, read_text
@@ -392,8 +393,11 @@ def avoid_cpu_4bit_repack(model) -> int:
 
 
 def loaded_weights_bits(model) -> int:
-    """Bits of a loaded model's Linear weights: 8 or 4 when bitsandbytes quantized them, 8 when they are packed
-    int8 for CPU (`h2o_compress.models.int8_linear`), else the width of its floating dtype (16, or 32 for fp32)."""
+    """Bits of a loaded model's Linear weights: 8 or 4 when bitsandbytes quantized them, 4 when its decoder layers
+    are packed 4-bit for CPU (`h2o_compress.models.int4_linear`, the head int8), 8 when they are packed int8
+    (`h2o_compress.models.int8_linear`), else the width of its floating dtype (16, or 32 for fp32)."""
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
+        return 4
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return 8
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
@@ -410,6 +414,8 @@ def eager_only_reason(model) -> str | None:
     """Why the decode step of ``model`` runs eagerly by default (``None``: no reason): bitsandbytes weights, or a
     model accelerate dispatched over several devices or with CPU/disk offload (its hooks move weights per
     forward, which transformers does not compile either)."""
+    if any(isinstance(m, Int4Linear) for m in model.modules()):
+        return "packed 4-bit CPU weights"
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return "packed int8 CPU weights"
     if loaded_weights_bits(model) in (8, 4):

@@ -17,6 +17,7 @@ from h2o_compress.cache.span import FULL_SPAN
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims
+from h2o_compress.models.int4_linear import GROUP_SIZE as INT4_GROUP  # weights per bf16 step and zero (CPU 4-bit)
 from h2o_compress.models.int8_linear import COMPUTE_DTYPE
 from h2o_compress.policies import POLICIES
 from h2o_compress.planner.known_models import ModelSpec
@@ -159,7 +160,11 @@ def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype, backend
     scale per output row; the output head stays in ``dtype``. 8 bits, ``backend="cpu"`` (torch's packed int8
     kernel, `h2o_compress.models.int8_linear`): one byte per Linear weight, the output head's included, + one bf16
     scale per output row; a head tied to the embeddings gets its own int8 copy (the embedding stays in ``dtype``).
-    4 bits: NF4/FP4 (``load_in_4bit``): half a byte per Linear weight + one fp32 absmax per 64 weights.
+    4 bits, ``backend="bitsandbytes"``: NF4/FP4 (``load_in_4bit``): half a byte per Linear weight + one fp32
+    absmax per 64 weights. 4 bits, ``backend="cpu"`` (torch's packed int4 kernel,
+    `h2o_compress.models.int4_linear`): half a byte per decoder Linear weight + a bf16 step and zero per 32 of
+    them (every layer's shape taken by the kernel: out_features by 16, in_features by 32), the head in int8 as
+    for 8 bits.
     Embeddings, norms and biases stay in ``dtype``.
 
     Raises:
@@ -175,11 +180,13 @@ def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype, backend
     if weights_bits == 16:
         return spec.num_parameters * size
     rest = (spec.num_parameters - spec.linear_parameters) * size
-    if weights_bits == 8 and backend == "cpu":
+    if backend == "cpu":
         scale = _element_size(INT8_SCALE_DTYPE)
         head = spec.head_parameters + scale * spec.head_rows  # the head's int8 copy and its scales
         if not spec.head_tied:  # an untied head's fp weight is replaced, not kept
             rest -= spec.head_parameters * size
+        if weights_bits == 4:  # half a byte per weight + a bf16 step and zero per group of INT4_GROUP weights
+            return rest + spec.linear_parameters // 2 + 2 * scale * (spec.linear_parameters // INT4_GROUP) + head
         return rest + spec.linear_parameters + scale * spec.linear_rows + head
     if weights_bits == 8:
         return rest + spec.linear_parameters + 4 * spec.linear_rows

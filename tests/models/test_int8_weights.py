@@ -144,7 +144,7 @@ def test_bitsandbytes_is_not_used_on_cpu(four_layer_dir, monkeypatch):
 
     monkeypatch.setattr(weights, "_probe", no_kernels)
     placement = placement_options("cpu", None, 8)
-    assert "quantization_config" not in placement and placement["_cpu_int8"]
+    assert "quantization_config" not in placement and placement["_cpu_packed"]
     assert placement["_dtype"] == torch.float32  # not LLM.int8's fp16
     model, _ = load_model(four_layer_dir, device="cpu", weights_bits=8)
     assert len(int8_layers(model)) == 29
@@ -157,11 +157,11 @@ def test_cuda_and_device_maps_keep_bitsandbytes(monkeypatch):
     monkeypatch.setattr(loading, "check_bnb_backend", lambda bits, device: None)
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cuda", 0))
     cuda = placement_options("cuda", None, 8)
-    assert not cuda["_cpu_int8"] and cuda["quantization_config"].load_in_8bit
+    assert not cuda["_cpu_packed"] and cuda["quantization_config"].load_in_8bit
     assert cuda["_dtype"] == torch.float16 and cuda["device_map"] == {"": 0}
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
     mapped = placement_options("auto", None, 8, device_map={"": "cpu"})
-    assert not mapped["_cpu_int8"] and mapped["quantization_config"].load_in_8bit
+    assert not mapped["_cpu_packed"] and mapped["quantization_config"].load_in_8bit
 
 
 @pytest.mark.cuda
@@ -190,9 +190,9 @@ def test_the_default_weights_bits_are_8_on_cpu_for_the_embedded_model_only(monke
     assert resolve_weights_bits("smollm2-135m", device="cpu", weights_bits=16) == 16
     assert resolve_weights_bits("org/name", device="cpu", weights_bits=8) == 8
     embedded = placement_options("cpu", None, None, name_or_path="smollm2-135m")
-    assert embedded["_bits"] == 8 and embedded["_cpu_int8"] and embedded["_dtype"] == torch.float32
+    assert embedded["_bits"] == 8 and embedded["_cpu_packed"] and embedded["_dtype"] == torch.float32
     other = placement_options("cpu", None, None, name_or_path="org/name")
-    assert other["_bits"] == 16 and not other["_cpu_int8"] and "quantization_config" not in other
+    assert other["_bits"] == 16 and not other["_cpu_packed"] and "quantization_config" not in other
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cuda", 0))
     on_cuda = placement_options("cuda", None, None, name_or_path="smollm2-135m")
     assert on_cuda["_bits"] == 16 and "quantization_config" not in on_cuda and on_cuda["_dtype"] == torch.bfloat16
