@@ -12,6 +12,12 @@ import torch
 # imports below import triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (``-n 2``) each worker keeps to one core: one torch thread, one Inductor compile thread, and
+# commands run in a subprocess inherit the same (two workers on two cores, none oversubscribed).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        os.environ[name] = "1"
+    torch.set_num_threads(1)
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from h2o_compress.config import DEFAULT_MIN_CAPACITY as REAL_DEFAULT_FLOOR
@@ -131,13 +137,17 @@ def compile_for_sm90(body: str, **env) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present (``pytest -m cuda`` on a GPU machine)."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present (``pytest -m cuda`` on a GPU machine);
+    ``@pytest.mark.slow`` ones (a benchmark's end-to-end smoke run) only where ``-m`` names them
+    (``pytest -m slow``), so the default run keeps within CI's time."""
+    slow = "slow" in (config.getoption("markexpr") or "")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip_slow = pytest.mark.skip(reason="a benchmark's end-to-end smoke run: pytest -m slow runs it")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+        if "slow" in item.keywords and not slow:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture

@@ -424,3 +424,7 @@ def test_api_raises_our_error(name, api_cases):
 
 def test_every_api_case_is_run(api_cases):
     assert sorted(api_cases) == sorted(API_IDS)
+
+
+# Under pytest -n 2 the whole file runs on one worker: the CLI cases run once, in the module fixture `outcomes`.
+pytestmark = pytest.mark.xdist_group("redteam")

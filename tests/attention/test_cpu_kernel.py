@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import TINY_MODELS
 from helpers.decode_steps import POLICIES, run, setting
+from helpers.pairwise import decode_matrix
 
 import torch._dynamo
 
@@ -43,10 +44,10 @@ def same_tokens(a, b) -> None:
         assert torch.equal(left.seen, right.seen) and torch.equal(left.first_real, right.first_real)
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+@pytest.mark.parametrize("policy,arch,bits", decode_matrix(policy=POLICIES, arch=sorted(TINY_MODELS), bits=[16, 8, 4]))
 def test_kernel_keeps_the_same_tokens_and_logits_as_the_torch_form(arch, policy, bits):
+    """Every policy on every architecture, every policy at every width, every architecture at every width
+    (all pairs; ``H2O_COMPRESS_FULL_MATRIX=1`` runs the whole cross product)."""
     native, reference, native_cache, torch_cache = both_forms(arch, setting(policy, bits))
     same_tokens(native_cache, torch_cache)
     torch.testing.assert_close(native, reference, atol=1e-5 if bits == 16 else 1e-3, rtol=0)

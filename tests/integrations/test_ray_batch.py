@@ -180,3 +180,7 @@ def test_a_failed_ray_job_is_one_line():
     assert isinstance(error, RayJobError) and "\n" not in str(error)
     assert "ActorDied: \"Owner's node has crashed.\"" not in str(error) and "Owner's node has crashed." in str(error)
     assert "rerun the same command, which resumes" in str(error)
+
+
+# Under pytest -n 2 every Ray test runs on one worker, one Ray instance at a time (two at once oversubscribe 2 cores).
+pytestmark = pytest.mark.xdist_group("ray")

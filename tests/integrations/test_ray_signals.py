@@ -202,3 +202,7 @@ def test_connect_gives_back_the_sigterm_handler_and_quiets_rays_core(capfd, monk
     ray_sweep.connect(ray, "local", verbose=True)  # --verbose: Ray's core as Ray sets it, its lines shown
     signal.signal(signal.SIGTERM, before)
     assert ray.level is None and "core_worker" in capfd.readouterr().err
+
+
+# Under pytest -n 2 every Ray test runs on one worker, one Ray instance at a time (two at once oversubscribe 2 cores).
+pytestmark = pytest.mark.xdist_group("ray")

@@ -18,7 +18,7 @@ from h2o_compress.profiling import ProfileSettings, run_profile
 from h2o_compress.profiling import sweep as profile_module
 from h2o_compress.profiling.rows import ROWS_DIR
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("ray")]  # one Ray instance at a time
 
 # Figures that depend on the clock or on the process (its peak RSS), not on what was computed.
 VOLATILE = ("seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_speed_ratio", "tokens_per_s",

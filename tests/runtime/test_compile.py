@@ -1,11 +1,12 @@
 """The decode step compiles: ``torch.compile(fullgraph=True)`` over a model step with the compressed cache.
 
-For tiny LLaMA (GQA), OPT and GPT-NeoX models, every policy and 16/8/4 bits, with left-padded batches: 24 decode
-steps that cross several evictions and ring turnovers run with no graph break, at most 2 compiled graphs (the
-growing attention mask's length turns dynamic once), no ``.item()`` (``capture_scalar_outputs=False`` under
-``fullgraph=True`` fails on any host read), the cache's storage pointers unchanged, and logits within 1e-5 of
-the eager step. The full matrix traces with Dynamo's ``eager`` backend (the capture is what can break); a subset
-runs through Inductor (CPU, gcc), with the options of :data:`h2o_compress.runtime.compiled.INDUCTOR_OPTIONS`.
+For tiny LLaMA (GQA), OPT and GPT-NeoX models, every policy and 16/8/4 bits (all pairs of kernel, architecture,
+policy and bits: `helpers.pairwise`), with left-padded batches: 24 decode steps that cross several evictions and
+ring turnovers run with no graph break, at most 2 compiled graphs (the growing attention mask's length turns
+dynamic once), no ``.item()`` (``capture_scalar_outputs=False`` under ``fullgraph=True`` fails on any host read),
+the cache's storage pointers unchanged, and logits within 1e-5 of the eager step. The matrix traces with Dynamo's
+``eager`` backend (the capture is what can break); a subset runs through Inductor (CPU, gcc), with the options of
+:data:`h2o_compress.runtime.compiled.INDUCTOR_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_MODELS
 from helpers.decode_steps import POLICIES, PROMPT, STEPS, eager_and_compiled, run, setting
+from helpers.pairwise import decode_matrix
 from transformers import DynamicCache
 
 from h2o_compress import CompressionConfig, ConfigError, InputError, make_cache
@@ -36,22 +38,23 @@ def check_compiled(arch, policy, bits, backend, kernel="auto", atol=1e-5):
     cache.check()
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize("policy,bits,kernel,arch", decode_matrix(
+    policy=POLICIES, bits=[16, 8, 4], kernel=["auto", "torch"], arch=sorted(TINY_MODELS)))
 def test_decode_step_captures_in_one_graph(kernel, arch, policy, bits):
+    """Every policy at every width, with both kernels and on every architecture, and every other pair of those
+    (all pairs; ``H2O_COMPRESS_FULL_MATRIX=1`` runs the whole cross product)."""
     check_compiled(arch, policy, bits, "eager", kernel)
 
 
-@pytest.mark.parametrize(
-    "arch,policy,bits",
-    [("llama", "h2o", 4), ("llama", "h2o-mean", 8), ("llama", "sink", 16), ("llama", "local", 4),
-     ("llama", "full", 8), ("opt", "h2o", 4), ("neox", "sink", 4)],
-)
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
+INDUCTOR_CASES = [("llama", "h2o", 4), ("llama", "h2o-mean", 8), ("llama", "sink", 16), ("llama", "local", 4),
+                  ("llama", "full", 8), ("opt", "h2o", 4), ("neox", "sink", 4)]
+
+
+@pytest.mark.parametrize("kernel,arch,policy,bits", [("auto", *case) for case in INDUCTOR_CASES] + [
+    ("torch", "llama", "h2o", 4), ("torch", "neox", "sink", 4), ("torch", "llama", "full", 8)])
 def test_inductor_decode_matches_eager(kernel, arch, policy, bits):
-    """Inductor compiles the model's own ops (norms, RoPE) with other float reassociations than eager (~1e-7);
+    """Each case with the CPU kernel (the CPU's default step), three with the torch form (the GPU's form; its
+    every policy and width are traced above). Inductor compiles the model's own ops (norms, RoPE) with other float reassociations than eager (~1e-7);
     a quantized cache can turn that into one int8/int4 code one step apart when a value sits on a rounding
     boundary (~2e-4 in the logits for a step or two). 16 bits: 1e-5; quantized: 5e-4, and the same tokens kept."""
     with torch._inductor.config.patch(INDUCTOR_OPTIONS):
