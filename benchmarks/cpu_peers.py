@@ -90,7 +90,7 @@ NOTES = [
     "(STREAM's convention, twice the bytes copied), median of 10, measured before and after the runs (the median "
     "of the two is used); 'of copy' = the decode step's bytes read per second / that figure.",
     "Weight products alone (ours): after the timed run, the same process calls every linear layer of the model "
-    "(int8 through torch's _weight_int8pack_mm, or fp32; the head included) in model order on one row of its "
+    "(int8 through torch's _weight_int8pack_mm, 4-bit through _weight_int4pack_mm_for_cpu, or fp32; the head included) in model order on one row of its "
     "input width, as one decode step does, and takes the median of 20 passes; 1 / that time bounds any decode "
     "step built on these kernels.",
 ]

@@ -82,14 +82,13 @@ class Ours:
                 "weights_read_bytes": self.weights_read_bytes(), "weight_products_s": self.weight_products_s()}
 
     def weight_products_s(self, repeats: int = 20) -> float:
-        """Seconds one decode step spends in its weights' products alone: every linear layer of the model (int8
-        or fp32, the output head included), in model order, called on one row of its input width, as a decode
+        """Seconds one decode step spends in its weights' products alone: every linear layer of the model (int8,
+        4-bit or fp32, the output head included), in model order, called on one row of its input width, as a decode
         step calls it; the median of ``repeats`` passes after one warm-up. Nothing else of the step runs, so
         ``1 / seconds`` bounds the decode tokens/s any step built on these kernels can reach."""
         torch = self.torch
-        from h2o_compress.models.int8_linear import Int8Linear
-
-        layers = [m for m in self.model.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+        layers = [m for m in self.model.modules()  # Int8Linear, Int4Linear (packed), or fp nn.Linear
+                  if getattr(type(m), "PACKED", False) or isinstance(m, torch.nn.Linear)]
         rows = [torch.randn(1, 1, layer.in_features) for layer in layers]
         times = []
         with torch.inference_mode():
