@@ -20,32 +20,22 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from h2o_compress import load_model
 
-
-def product_seconds(layers: list, passes: int) -> float:
-    """Median seconds of calling ``layers`` in order on one random row each (one warm-up pass first)."""
-    rows = [torch.randn(1, 1, layer.in_features) for layer in layers]
-    times = []
-    with torch.inference_mode():
-        for _ in range(passes + 1):
-            began = time.perf_counter()
-            for layer, row in zip(layers, rows):
-                layer(row)
-            times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from cpu_worker import product_layers, weight_products_seconds  # noqa: E402  (the cpu_peers.py worker's own timing)
 
 
 def measure(model_name: str, bits: int, passes: int) -> dict:
     model, _ = load_model(model_name, device="cpu", weights_bits=bits)
-    layers = [m for m in model.modules() if getattr(type(m), "PACKED", False) or isinstance(m, torch.nn.Linear)]
+    layers = product_layers(model)
     return {"bits": bits, "layers": len(layers), "kinds": sorted({type(m).__name__ for m in layers}),
-            "products_s": product_seconds(layers, passes), "head_s": product_seconds(layers[-1:], passes)}
+            "products_s": weight_products_seconds(layers, passes),
+            "head_s": weight_products_seconds(layers[-1:], passes)}
 
 
 def main() -> None:

@@ -82,22 +82,36 @@ class Ours:
                 "weights_read_bytes": self.weights_read_bytes(), "weight_products_s": self.weight_products_s()}
 
     def weight_products_s(self, repeats: int = 20) -> float:
-        """Seconds one decode step spends in its weights' products alone: every linear layer of the model (int8,
-        4-bit or fp32, the output head included), in model order, called on one row of its input width, as a decode
-        step calls it; the median of ``repeats`` passes after one warm-up. Nothing else of the step runs, so
-        ``1 / seconds`` bounds the decode tokens/s any step built on these kernels can reach."""
-        torch = self.torch
-        layers = [m for m in self.model.modules()  # Int8Linear, Int4Linear (packed), or fp nn.Linear
-                  if getattr(type(m), "PACKED", False) or isinstance(m, torch.nn.Linear)]
-        rows = [torch.randn(1, 1, layer.in_features) for layer in layers]
-        times = []
-        with torch.inference_mode():
-            for _ in range(repeats + 1):
-                began = time.perf_counter()
-                for layer, row in zip(layers, rows):
-                    layer(row)
-                times.append(time.perf_counter() - began)
-        return sorted(times[1:])[repeats // 2]
+        """Seconds one decode step spends in its weights' products alone (`weight_products_seconds` over
+        `product_layers`). Nothing else of the step runs, so ``1 / seconds`` bounds the decode tokens/s any step
+        built on these kernels can reach."""
+        return weight_products_seconds(product_layers(self.model), repeats)
+
+
+def product_layers(model) -> list:
+    """Every linear layer of ``model`` in model order: packed (``Int8Linear``, ``Int4Linear``: their ``PACKED``
+    flag) or an fp ``nn.Linear``, the output head included (last)."""
+    import torch
+
+    return [m for m in model.modules() if getattr(type(m), "PACKED", False) or isinstance(m, torch.nn.Linear)]
+
+
+def weight_products_seconds(layers: list, passes: int = 20) -> float:
+    """Median seconds of calling ``layers`` in order, each on one random row ``[1, 1, in_features]`` as a decode
+    step calls it, over ``passes`` passes after one warm-up pass."""
+    import statistics
+
+    import torch
+
+    rows = [torch.randn(1, 1, layer.in_features) for layer in layers]
+    times = []
+    with torch.inference_mode():
+        for _ in range(passes + 1):
+            began = time.perf_counter()
+            for layer, row in zip(layers, rows):
+                layer(row)
+            times.append(time.perf_counter() - began)
+    return statistics.median(times[1:])
 
 
 # ------------------------------------------------------------------------------------------------- llama.cpp

@@ -96,7 +96,8 @@ class Int4Linear(nn.Module):
         return out
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 weight ``[out, in]`` this module computes with (the identity matrix through the kernel)."""
+        """The weight ``[out, in]`` this module computes with, for checks: the identity matrix through the kernel,
+        so each value comes back rounded to `COMPUTE_DTYPE` (bf16), then widened to fp32."""
         eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.weight_int4, GROUP_SIZE, self.scales_and_zeros).float().t().contiguous()
