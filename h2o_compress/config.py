@@ -39,6 +39,11 @@ DEFAULT_MIN_CAPACITY = 192
 #: uncompressed it measured 1.085x (no chunk was within 1.05x there: 1.07x to 1.16x; 440 vs 928 MiB).
 DEFAULT_PREFILL_CHUNK = 512
 
+#: The eviction policy of the commands that read a prompt and answer it (``generate``, ``batch``, ``eval needle``,
+#: ``eval ruler``, the lm-eval model) when none is given: the prompt is read whole and ranked by its end (SnapKV),
+#: so a question at the end of a long prompt votes for what is kept. `CompressionConfig` itself keeps ``h2o``.
+COMMAND_POLICY = "snapkv"
+
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
 MAX_TOKENS = 2**31 - 1

@@ -20,7 +20,7 @@ import torch
 from h2o_compress.attention.decode_step import per_kv_head
 from h2o_compress.attention.interface import masked_attention
 from h2o_compress.attention.prefill import attention_with_sums
-from h2o_compress.utils.errors import CacheStateError
+from h2o_compress.utils.errors import CacheStateError, InputError
 from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
 from h2o_compress.policies.base import EvictionPolicy
 from h2o_compress.cache.refinement import stored_rank
@@ -235,6 +235,31 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
                              lambda: stored_rank(layer.setting.policy, layer.store, layer.counters.seen),
                              lambda n: make_room(layer, n))
     layer.counters.seen.fill_(seen)
+
+
+def fill(layer, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, q_heads: int) -> None:
+    """Lay a whole prompt read by another cache into the empty ``layer``: its ``keys``/``values`` ``[batch,
+    kv_heads, tokens, head_dim]`` (model basis and dtype, no padding), ranked by ``scores`` fp32 ``[batch, kv_heads,
+    tokens]`` and evicted to the capacity once, as `settle` does after a multi-token step; no attention runs (the
+    reading pass gave the prompt's output). ``q_heads``: the model's query heads (the Triton decode scratch).
+
+    Raises:
+        CacheStateError: the layer already holds tokens.
+        InputError: non-finite keys or values.
+    """
+    if layer.is_initialized and int(layer.counters.seen):
+        raise CacheStateError(f"layer {layer.layer_idx}: a prompt is laid only into an empty layer")
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    if not bool(layer.counters.note_finite(keys, values)):
+        raise InputError(f"layer {layer.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs "
+                         "and the model weights: a non-finite token would poison every later step")
+    update(layer, *layer.geometry.to_storage(keys, values))
+    chunk, layer.chunk = layer.chunk, None
+    if layer.decode_kernel == "triton":
+        layer.backend.scratch_for(layer, q_heads)
+    real = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
+    settle(layer, chunk, real, scores.to(device=keys.device, dtype=torch.float32) if layer.setting.with_scores else None)
 
 
 def first_real_of(real: torch.Tensor, seen: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from h2o_compress.config import COMMAND_POLICY
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, Compression, ConfigFileOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SamplingSeedOpt,
@@ -31,7 +32,7 @@ def parse_batch_size(value: str) -> int | str:
 
 
 @user_errors
-@compression_options
+@compression_options(defaults={"policy": COMMAND_POLICY})
 @placement_options
 def batch(
     ctx: typer.Context,

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import typer
 
 from h2o_compress.runtime.compiled import check_compile
-from h2o_compress.config import check_usable
+from h2o_compress.config import COMMAND_POLICY, check_usable
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.cli.common import load_options, set_threads, user_errors
 from h2o_compress.cli.lm_eval_command import lm_eval_command
@@ -137,7 +137,7 @@ def perplexity_command(
 
 @eval_app.command("needle")
 @user_errors
-@compression_options
+@compression_options(defaults={"policy": COMMAND_POLICY})
 @placement_options
 def needle_command(
     ctx: typer.Context,

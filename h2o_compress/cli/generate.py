@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from h2o_compress.config import COMMAND_POLICY
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
@@ -72,7 +73,7 @@ def generation_options(save_help: str, load_help: str):
 
 
 @user_errors
-@compression_options
+@compression_options(defaults={"policy": COMMAND_POLICY})
 @placement_options
 @generation_options(
     save_help="Save the compressed prompt cache (the part a follow-up prompt shares) to this safetensors file; an "

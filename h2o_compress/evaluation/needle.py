@@ -246,10 +246,14 @@ def answer_prompt(model, tokenizer, input_ids: torch.Tensor, config: Compression
             context = make_scored_cache(model, tokenizer, input_ids[:, :context_tokens], config, context_tokens)
         else:
             context = make_cache(model, config, max_length=context_tokens)
-        read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
+        if context.seen_tokens() < context_tokens:
+            read_stream(model, context, input_ids[:, :context_tokens], chunk_size)
         cache, input_ids = context.frozen_copy(total), input_ids[:, context_tokens:]
     step = step_function(model, resolve_compile(compile, cache, input_ids.device, model))
-    logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)
+    if cache.seen_tokens() == input_ids.shape[1]:  # snapkv's pass laid the whole prompt in
+        logits = cache.prompt_state.next_logits
+    else:
+        logits, _ = read_stream(model, cache, input_ids, chunk_size, decoder=step)
     ids, _ = greedy_decode(model, cache, logits, max_new_tokens, {tokenizer.eos_token_id}, step=step)
     return tokenizer.decode(ids, skip_special_tokens=True), cache.nbytes()
 

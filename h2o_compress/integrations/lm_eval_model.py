@@ -48,7 +48,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from h2o_compress.config import MAX_TOKENS, CompressionConfig, check_usable, parse_budget
+from h2o_compress.config import COMMAND_POLICY, MAX_TOKENS, CompressionConfig, check_usable, parse_budget
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
 from h2o_compress.runtime.prefill import context_window, prefill
@@ -91,7 +91,7 @@ def compression_from_args(args: dict) -> CompressionConfig:
         ConfigError: a bad value, naming it and what is allowed.
     """
 
-    values = {name: args[name] for name in COMPRESSION_ARGS if name in args}
+    values = {"policy": COMMAND_POLICY} | {name: args[name] for name in COMPRESSION_ARGS if name in args}
     if "budget" in values:
         budget = values["budget"]
         if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):

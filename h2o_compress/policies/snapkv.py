@@ -1,4 +1,5 @@
-"""``snapkv``: SnapKV (Li et al. 2024, arXiv 2404.14469 §4.2, Algorithm 1)."""
+"""``snapkv``: SnapKV (Li et al. 2024, arXiv 2404.14469 §4.2, Algorithm 1): the prompt read whole, then ranked by
+the attention of its last queries (the observation window) and evicted once."""
 
 from __future__ import annotations
 
@@ -7,30 +8,43 @@ from typing import ClassVar
 
 import torch
 
-from h2o_compress.policies.h2o import H2OPolicy
 from h2o_compress.attention import attention_probability_sums
+from h2o_compress.policies.context_scored import ContextScoredPolicy
 
 
 @dataclass
-class SnapKVPolicy(H2OPolicy):
-    """Ranks prompt tokens by the attention of the last ``window`` prompt queries (the observation window), summed
-    over those queries and the query heads of each KV group, then max-pooled over neighbouring positions
-    (``pool`` wide) so that kept tokens come with their context; decode steps then accumulate attention as
-    ``h2o`` does. The capacity is split as for ``h2o``: the recent window holds the observation window's tokens
-    when ``(1 - heavy_ratio) x capacity >= window``.
+class SnapKVPolicy(ContextScoredPolicy):
+    """Ranks a prompt's tokens by the attention of its last ``window`` queries (the observation window: where a
+    prompt ends with its question, the question votes), summed over those queries and the query heads of each KV
+    group and max-pooled over ``pool`` neighbouring positions so that kept tokens come with their context; decode
+    steps then accumulate attention as ``h2o``.
+
+    The prompt is read whole first (`h2o_compress.runtime.context_scores.read_prompt`: in chunks for the
+    activations, every key and value kept in an uncompressed cache), so the tokens it ranks are every token of
+    the prompt, and it is evicted to the capacity once; its first new token is the uncompressed model's. Where a
+    prompt is read in chunks without that pass (a stream, a prompt continuing a loaded cache, a memory limit too
+    small for the whole prompt's keys and values), each chunk's own last ``window`` queries vote and the cache
+    evicts after every chunk. The capacity is split as for ``h2o``: the recent window holds the observation
+    window's tokens when ``(1 - heavy_ratio) x capacity >= window``.
 
     Args:
         window: prompt queries that vote (paper: 32).
         pool: max-pool width over the positions of the step's own tokens, odd (paper and kvpress: 5 to 7).
     """
 
-    summary: ClassVar[str] = "prompt tokens ranked by the attention of the last prompt queries (SnapKV)"
+    summary: ClassVar[str] = ("the prompt read whole, then ranked by the attention of its last queries (SnapKV); "
+                              "the commands' default")
+    scorer: ClassVar[str] = "observation_window"
 
     window: int = 32
     pool: int = 5
 
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
-        """The last ``window`` queries' attention, max-pooled over ``pool`` neighbouring keys."""
+        """The scores handed by the prompt's reading pass, if any; else the step's last ``window`` queries'
+        attention, max-pooled over ``pool`` neighbouring keys."""
+        scores, self.context_scores = self.context_scores, None
+        if scores is not None and scores.shape[-1] == keys.shape[2]:
+            return scores.to(device=keys.device, dtype=torch.float32)
         queries = query.shape[2]
         window = min(self.window, queries)
         last = None if mask is None else mask[..., -window:, :]  # None: causal, bottom-right aligned

@@ -44,7 +44,7 @@ from h2o_compress.runtime.context_scores import global_layer_capacities, hand_co
 from h2o_compress.runtime.decode_loop import decode_steps, ended, eos_ids, sync
 from h2o_compress.runtime.prefill import prompt_chunks
 from h2o_compress.runtime.generation import (
-    _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache,
+    _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache, make_scored_cache,
 )
 from h2o_compress.models.weights import input_device
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
@@ -344,12 +344,17 @@ class _Batch:
     def _start(self, prompt: Prepared) -> "_Admission":
         """Begin ``prompt``'s prefill alone, into a one-row cache of its own (its scoring pass first, if any)."""
         start = time.perf_counter()
-        part = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
         ids = prompt.ids[None].to(self.device)
-        if self.scored:
-            hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True,
-                                scores=self.scores.pop(prompt.index, None))
+        if self.scored and self.capacities is None:  # snapkv's pass lays the prompt in: nothing left to feed
+            part = make_scored_cache(self.model, self.tokenizer, ids, self.config, self.longest, True)
+        else:
+            part = make_cache(self.model, self.config, self.longest, layer_capacities=self.capacities)
+            if self.scored:
+                hand_context_scores(self.model, self.tokenizer, ids, part, question_in_prompt=True,
+                                    scores=self.scores.pop(prompt.index, None))
         self.stats.prefill_s += time.perf_counter() - start
+        if part.seen_tokens() == ids.shape[1]:
+            return _Admission(prompt, part, iter(()), left=0, logits=part.prompt_state.next_logits)
         return _Admission(prompt, part, prompt_chunks(self.model, ids, part), left=prompt.ids.numel())
 
     def _advance(self, row: int, budget: int | None) -> tuple[int, BatchResult | None]:

@@ -5,6 +5,7 @@ the model answers a fixed request about it). `score_context` runs the pass a pol
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -200,6 +201,66 @@ def lookahead_scores(model, tokenizer, context_ids: torch.Tensor, request: str |
     return scores
 
 
+READ_STAGE = "reading the prompt (snapkv)"
+
+
+@dataclass
+class ReadPrompt:
+    """A prompt read whole by `read_prompt`.
+
+    Attributes:
+        cache: the uncompressed ``DynamicCache`` holding every token's keys and values (`_full_cache`).
+        logits: ``[batch, vocab]`` (model dtype), the next-token logits after the prompt.
+        scores: per layer, fp32 ``[batch, kv_heads, tokens]``: the observation window's votes.
+    """
+
+    cache: object
+    logits: torch.Tensor
+    scores: list[torch.Tensor]
+
+
+@torch.inference_mode()
+def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 5, chunk: int = 512) -> ReadPrompt:
+    """SnapKV's prefill (Li et al. 2024, arXiv 2404.14469 §4.2, Algorithm 1): the prompt ``context_ids``
+    ``[batch, tokens]`` is read whole into an uncompressed ``DynamicCache``, its first ``tokens - window`` tokens
+    with SDPA in chunks of ``chunk`` tokens (the activations grow with the chunk, not the prompt), its last
+    ``window`` tokens (the observation window: a question at the end of the prompt) with eager attention, whose
+    probabilities vote for every prompt token: summed over those queries and the query heads of each KV group,
+    then max-pooled over ``pool`` neighbouring positions. The window is fed in pieces so that at most
+    `ATTENTION_FLOATS` probabilities are held. The model's attention implementation is restored afterwards;
+    progress (tokens read) goes to an installed `report_progress` callback as `READ_STAGE`.
+
+    Costs one prefill of the prompt (its attention over the whole prompt), and holds the prompt's keys and values
+    uncompressed until the caller has ranked them into the compressed cache.
+
+    Raises:
+        ValueError: from transformers, for a model without an ``eager`` attention implementation.
+    """
+    batch, tokens = context_ids.shape
+    dims = model_dims(model.config)
+    window = max(1, min(window, tokens))
+    cache, start, chunk = _full_cache(), 0, max(1, chunk)
+    for start in range(0, tokens - window, chunk):
+        report(READ_STAGE, start, tokens)
+        _read_context(model, context_ids[:, start : min(start + chunk, tokens - window)], cache)
+    piece = max(1, min(window, ATTENTION_FLOATS // (dims.num_layers * batch * dims.num_heads * tokens)))
+    votes, logits = None, None
+    with _attention(model, "eager"):
+        for first in range(tokens - window, tokens, piece):
+            report(READ_STAGE, first, tokens)
+            out = model(input_ids=context_ids[:, first : min(first + piece, tokens)], past_key_values=cache,
+                        use_cache=True, output_attentions=True, logits_to_keep=1)
+            parts = [layer.float().view(batch, dims.kv_heads, -1, *layer.shape[2:]).sum(dim=(2, 3))
+                     for layer in out.attentions]
+            parts = [F.pad(part, (0, tokens - part.shape[-1])) for part in parts]
+            votes = parts if votes is None else [a + b for a, b in zip(votes, parts)]
+            logits = out.logits[:, -1]
+    if pool > 1:
+        votes = [F.max_pool1d(v.reshape(-1, 1, tokens), pool, stride=1, padding=pool // 2).view_as(v) for v in votes]
+    report(READ_STAGE, tokens, tokens)
+    return ReadPrompt(cache, logits, votes)
+
+
 #: The scoring passes by the name a policy gives as its ``scorer``: ``(model, tokenizer, context_ids, policy,
 #: question_in_prompt) ->`` per layer ``[batch, kv_heads, tokens]``.
 SCORERS = {
@@ -207,6 +268,8 @@ SCORERS = {
         model, tokenizer, ids),
     "lookahead": lambda model, tokenizer, ids, policy, question_in_prompt: lookahead_scores(
         model, tokenizer, ids, policy.request_for(question_in_prompt), policy.new_tokens, policy.pool, policy.segment),
+    "observation_window": lambda model, tokenizer, ids, policy, question_in_prompt: read_prompt(
+        model, ids, policy.window, policy.pool).scores,
 }
 
 
@@ -219,9 +282,16 @@ def score_context(model, tokenizer, context_ids: torch.Tensor, policy,
     scorer = SCORERS.get(getattr(policy, "scorer", ""))
     if scorer is None:
         return None
-    scores = scorer(model, tokenizer, context_ids, policy, question_in_prompt)
+    return without_header(tokenizer, context_ids, scorer(model, tokenizer, context_ids, policy, question_in_prompt),
+                          policy)
+
+
+def without_header(tokenizer, context_ids: torch.Tensor, scores: list[torch.Tensor], policy) -> list[torch.Tensor]:
+    """``scores`` (per layer ``[batch, kv_heads, tokens]``), with 0 over the chat template's header
+    (`chat_header_length`) where ``policy.evict_chat_header`` says so: evicted first, beyond the sinks (which
+    rank above every score)."""
     header = chat_header_length(tokenizer, context_ids) if getattr(policy, "evict_chat_header", False) else 0
-    if header:  # evicted first, beyond the sinks (which rank above every score)
+    if header:
         index = torch.arange(header, device=context_ids.device)
         scores = [layer.index_fill(-1, index, 0.0) for layer in scores]
     return scores

@@ -21,7 +21,8 @@ from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, res
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_identity, record_model
-from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
+from h2o_compress.runtime.context_scores import (global_layer_capacities, hand_context_scores, read_prompt,
+                                                 score_context, without_header)
 from h2o_compress.runtime.prefill import check_cache_model, check_context, context_window, prefill
 from h2o_compress.models.weights import input_device
 from h2o_compress.persistence.calibration_file import calibration_for, use_key_offsets
@@ -86,11 +87,15 @@ def _check_layer_capacities(capacities, config: CompressionConfig, num_layers: i
 
 def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: CompressionConfig, max_length: int,
                       question_in_prompt: bool = False) -> CompressedCache:
-    """A cache ready for the prefill of ``input_ids`` ``[batch, tokens]``: for ``kvzip`` and ``lookahead`` their
-    scoring pass runs first (`score_context`), the cache is built with the layer
+    """A cache ready for the prefill of ``input_ids`` ``[batch, tokens]``: for ``snapkv``, ``kvzip`` and
+    ``lookahead`` their scoring pass runs first (`score_context`), the cache is built with the layer
     capacities those scores give under ``layer_budgets="global"``
     (`global_layer_capacities`; the config's own split otherwise), and each
-    layer gets its scores for the prefill. Other policies: ``make_cache(model, config, max_length)``.
+    layer gets its scores for the prefill. ``snapkv``'s pass reads the prompt whole (`read_prompt`), and where
+    the cache can take them (`lay_prompt`) its keys and values are laid into the cache directly, ranked and
+    evicted once, with the prompt's next-token logits recorded (the prefill then runs no forward pass); a prompt
+    no longer than the capacity is not scored (nothing of it is evicted). Other policies: ``make_cache(model,
+    config, max_length)``.
     ``question_in_prompt``: ``input_ids`` is a whole prompt, question included (``generate``), not a document
     asked about later.
 
@@ -99,17 +104,52 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
     """
     config = check_config(config)
-    if not POLICIES[config.policy].scorer:
+    scorer = POLICIES[config.policy].scorer
+    capacity = config.capacity(max_length)
+    if not scorer or (scorer == "observation_window" and (capacity is None or capacity >= input_ids.shape[1])):
         return make_cache(model, config, max_length)
-    scores = score_context(model, tokenizer, input_ids, config.eviction_policy(), question_in_prompt)
-    capacities, capacity = None, config.capacity(max_length)
+    policy, read = config.eviction_policy(), None
+    if scorer == "observation_window":
+        read = read_prompt(model, input_ids, policy.window, policy.pool,
+                           config.prefill_chunk_size or input_ids.shape[1])
+        scores = without_header(tokenizer, input_ids, read.scores, policy)
+    else:
+        scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
+    capacities = None
     if config.layer_budgets == "global" and capacity is not None:
         capacity = min(capacity, max_length)
         capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length,
                                              config.sinks)
     cache = make_cache(model, config, max_length, layer_capacities=capacities)
-    hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
+    if read is None or not lay_prompt(model, cache, read, input_ids, scores):
+        hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
     return cache
+
+
+def lay_prompt(model, cache: CompressedCache, read, input_ids: torch.Tensor, scores: list[torch.Tensor]) -> bool:
+    """Lay the prompt ``read`` holds (`read_prompt`: every token's keys and values, uncompressed) into the empty
+    ``cache``, each layer ranked by its ``scores`` and evicted to its capacity once (`h2o_compress.cache.chunk.fill`),
+    and record the prompt ``input_ids`` ``[batch, tokens]`` and its next-token logits, so that `prefill` runs no
+    forward pass. Only where the read cache's layers are the cache's one for one, with the same shapes (not a
+    hybrid's state layers, a model's own cache class, values of another width): returns ``False`` and lays
+    nothing otherwise (the caller hands the scores to a prefill instead)."""
+    from h2o_compress.cache.chunk import fill
+    from h2o_compress.persistence import PromptState
+
+    held = getattr(read.cache, "layers", [])
+    layers = cache.layers
+    if type(cache) is not CompressedCache or len(held) != len(layers) or cache.state_layers:
+        return False
+    for source, layer in zip(held, layers):
+        keys, values = getattr(source, "keys", None), getattr(source, "values", None)
+        if keys is None or values is None or keys.shape[2] != input_ids.shape[1] or (
+                values.shape[-1] != (layer.setting.value_dim or keys.shape[-1])):
+            return False
+    q_heads = model_dims(model.config).num_heads
+    for source, layer, layer_scores in zip(held, layers, scores):
+        fill(layer, source.keys, source.values, layer_scores, q_heads)
+    cache.prompt_state = PromptState(input_ids.detach().to("cpu", copy=True), read.logits.detach().clone())
+    return True
 
 
 def check_cache_room(cache, prompt_tokens: int, max_new_tokens: int) -> None:
