@@ -40,9 +40,10 @@ DEFAULT_MIN_CAPACITY = 192
 DEFAULT_PREFILL_CHUNK = 512
 
 #: The eviction policy of the commands that read a prompt and answer it (``generate``, ``batch``, ``eval needle``,
-#: ``eval ruler``, the lm-eval model) when none is given: the prompt is read whole and ranked by its end (SnapKV),
-#: so a question at the end of a long prompt votes for what is kept. `CompressionConfig` itself keeps ``h2o``.
-COMMAND_POLICY = "snapkv"
+#: ``eval ruler``, the lm-eval model) when none is given: the prompt is read whole and ranked by the attention of
+#: its end and of the model's own first answer tokens (``lookahead``), so a question at the end of a long prompt
+#: votes for what is kept. `CompressionConfig` itself keeps ``h2o``.
+COMMAND_POLICY = "lookahead"
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.

@@ -1,4 +1,4 @@
-"""``h2o-compress eval perplexity|needle|agreement|lm-eval``: quality under compression against the uncompressed cache.
+"""``h2o-compress eval perplexity|needle|ruler|agreement|lm-eval``: quality under compression against the uncompressed cache.
 
 User errors exit with code 2 and one line (`user_errors`); every option is
 checked before the model loads.
@@ -28,6 +28,8 @@ from h2o_compress.evaluation.agreement import agreement_eval
 from h2o_compress.evaluation.corpus import TEXT_NAMES, TextNameWarning, load_prompts, load_text
 from h2o_compress.evaluation.needle import check_needle_args, needle_eval
 from h2o_compress.evaluation.perplexity import text_perplexity
+from h2o_compress.policies import policy_names
+from h2o_compress.evaluation.ruler import RATIOS, TASKS, check_ruler_args, ruler_eval
 from h2o_compress.utils.checks import check_count
 
 eval_app = typer.Typer(
@@ -202,6 +204,67 @@ def print_needle(result, lengths: list[int], depths: list[float]) -> None:
         typer.echo("per key: " + ", ".join(f"key {k} {a:.2f} / {per_key['reference'][k]:.2f}"
                                            for k, a in per_key["compressed"].items()))
     typer.echo(f"overall: compressed {result.overall('compressed'):.2f}, uncompressed {result.overall('reference'):.2f}")
+
+
+@eval_app.command("ruler")
+@user_errors
+@compression_options(only=("kv_bits", "k_bits", "v_bits", "quant", "group_size", "residual", "heavy_ratio",
+                           "sink_tokens", "prefill_chunk_size"))
+@placement_options
+def ruler_command(
+    ctx: typer.Context,
+    policies: str = typer.Option(COMMAND_POLICY, "--policies", help="Eviction policies, comma-separated (default: "
+                                 f"{COMMAND_POLICY}, the commands' default)."),
+    ratios: str = typer.Option(",".join(map(str, RATIOS)), "--ratios", help="Shares of each prompt's tokens removed "
+                               "(kvpress's compression ratio), comma-separated, each in [0, 1)."),
+    tasks: str = typer.Option(",".join(TASKS), "--tasks", help=f"RULER tasks, comma-separated: {', '.join(TASKS)}."),
+    length: int = typer.Option(4096, "--length", help="Tokens of each prompt (chat template included)."),
+    samples: int = typer.Option(3, "--samples", help="Prompts per task, each seeded."),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="Also run the uncompressed cache."),
+    model: str = ModelOpt,
+    device: str = DeviceOpt, dtype: Optional[str] = DtypeOpt, as_json: bool = JsonOpt,
+    threads: Optional[int] = ThreadsOpt, trust_remote_code: bool = TrustOpt,
+    compression: Compression = None, placement: dict = None,
+):
+    """RULER-style synthetic tasks (needles, variable tracking, common words) at kvpress's compression ratios."""
+    base = compression.config()
+    policy_list = parse_list(policies, check_policy, "policies", "policy names, comma-separated, of "
+                             + ", ".join(policy_names()))
+    ratio_list = parse_list(ratios, float, "ratios", "fractions in [0, 1), e.g. 0.25,0.5,0.75,0.875")
+    task_list = parse_list(tasks, str, "tasks", ", ".join(TASKS))
+    check_ruler_args(task_list, ratio_list, samples, length)
+    if not policy_list or not ratio_list or not task_list:
+        raise ConfigError("policies, ratios and tasks must not be empty; allowed: e.g. --policies h2o --ratios 0.75")
+    lm, tokenizer = _load(model, device, dtype, threads, trust_remote_code, placement, base.attention_kernel,
+                          not as_json)
+    with progress_bar("ruler", enabled=not as_json) as update:
+        result = ruler_eval(lm, tokenizer, policy_list, tuple(ratio_list), tuple(task_list), samples, length, base,
+                            reference, update)
+    if as_json:
+        typer.echo(json.dumps({**result.to_dict(), "model": model}))
+        return
+    print_ruler(result, task_list)
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it is a registered policy; raises ConfigError naming the allowed ones."""
+    if name not in policy_names():
+        raise ConfigError(f"policy={short(name)} is not supported; allowed: {', '.join(policy_names())}")
+    return name
+
+
+def print_ruler(result, tasks: list[str]) -> None:
+    """The score table of ``eval ruler``: a row per setting (task scores, their mean, KV bytes of fp16)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"RULER at {result.length} tokens: share of the expected strings found")
+    for column in ("setting", *tasks, "mean", "KV of fp16"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for setting, scores in result.scores.items():
+        table.add_row(setting, *(f"{scores[t]:.2f}" for t in tasks), f"{result.mean(setting):.2f}",
+                      f"{result.kv_share[setting]:.1%}")
+    Console().print(table)
 
 
 @eval_app.command("agreement")

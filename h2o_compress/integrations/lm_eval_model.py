@@ -241,7 +241,8 @@ class H2OCompressLM(HFLM):
         """Prefill ``context`` through a fresh compressed cache (budget relative to its tokens); returns the cache and
         the next-token logits ``[1, vocab]``."""
         ids = torch.tensor([context], dtype=torch.long, device=self.device)
-        cache = make_scored_cache(self.model, self.tokenizer, ids, self.compression, len(context))
+        cache = make_scored_cache(self.model, self.tokenizer, ids, self.compression, len(context),
+                                  question_in_prompt=True)  # a request's context ends with its question
         return cache, prefill(self.model, ids, cache, check_model=False)  # made for this model just above
 
     @torch.inference_mode()

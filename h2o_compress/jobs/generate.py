@@ -16,7 +16,7 @@ from h2o_compress.jobs.checks import CacheRunFields, check_callbacks, check_gene
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, parse_memory
-from h2o_compress.planner.plan import PICKED
+from h2o_compress.planner.plan import PICKED, read_whole_fallback
 from h2o_compress.runtime.generation import (
     GenerationResult, check_config, check_on_text, check_prompt, encode_prompt, generate, generate_checked,
 )
@@ -184,8 +184,10 @@ class GenerateJob(CacheRunFields):
             return self.config, None
         row = choose_for_prompt(lm, tokenizer, self.prompt, self.memory_limit, self.max_new_tokens, chat=self.chat,
                                 base=self.config, compiled=self.compile, held=held)
+        tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
+        row, fallback = read_whole_fallback(lm, row, tokens, self.memory_limit)
         if on_plan is not None:
-            on_plan(describe_choice(row, self.memory_limit))
+            on_plan(describe_choice(row, self.memory_limit) + ("" if fallback is None else "; " + fallback))
         return row.config, row
 
     def _figures(self, result: GenerationResult, config: CompressionConfig, dtype, row: PlanRow | None,

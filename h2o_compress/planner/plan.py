@@ -10,9 +10,9 @@ import torch
 from h2o_compress.runtime.compiled import compiles_by_default
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import ConfigError, short
-from h2o_compress.models import ModelDims, resolve_dtype
-from h2o_compress.models.weights import loaded_weights_bits
-from h2o_compress.policies import POLICY_OPTIONS
+from h2o_compress.models import ModelDims, model_dims, resolve_dtype
+from h2o_compress.models.weights import floating_dtype, loaded_weights_bits
+from h2o_compress.policies import POLICIES, POLICY_OPTIONS
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
 from h2o_compress.planner.sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
@@ -428,6 +428,35 @@ def choose_for_prompt(
     if base.key_offsets != "none" and row.config.kv_bits in (4, 8):  # same bytes; not where the row keeps 16 bits
         row.config = replace(row.config, key_offsets=base.key_offsets)
     return row
+
+
+READS_WHOLE = ("observation_window", "lookahead")  # the scoring passes that hold a prompt's keys and values
+
+
+def read_whole_fallback(model, row: PlanRow, prompt_len: int, memory) -> tuple[PlanRow, str | None]:
+    """``row`` as it runs a prompt of ``prompt_len`` tokens within ``memory``: a policy that reads the prompt whole
+    first (``snapkv``, ``lookahead``: `h2o_compress.runtime.context_scores.read_prompt`) holds the prompt's keys and values
+    uncompressed, in the model's dtype, beside the row's own bytes until they are ranked into the cache; where
+    that does not fit, the row evicts the prompt chunk by chunk instead (``h2o``). Returns the row to run and the
+    one line saying why it changed (``None``: unchanged).
+
+    Raises:
+        ConfigError: a bad ``memory``.
+    """
+    config = row.config
+    capacity = config.capacity(prompt_len + 1)
+    if POLICIES[config.policy].scorer not in READS_WHOLE or capacity is None or capacity >= prompt_len:
+        return row, None
+    dims = model_dims(model.config)
+    element = torch.finfo(floating_dtype(model)).bits // 8
+    read = dims.fp16_bytes_per_token * prompt_len * element // 2
+    limit = parse_memory(memory)
+    if row.total_bytes + read <= limit:
+        return row, None
+    row.config = replace(config, policy="h2o")
+    return row, (f"the whole prompt's keys and values ({format_bytes(read)} uncompressed) do not fit "
+                 f"{format_bytes(limit)} beside the setting's {format_bytes(row.total_bytes)}: the prompt is evicted "
+                 f"chunk by chunk (h2o) instead of read whole ({config.policy})")
 
 
 #: The fields [`choose_for_prompt`][h2o_compress.planner.choose_for_prompt] picks itself (``--memory-limit``): a setting that fixes one of them is

@@ -220,18 +220,21 @@ class ReadPrompt:
 
 
 @torch.inference_mode()
-def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 5, chunk: int = 512) -> ReadPrompt:
-    """SnapKV's prefill (Li et al. 2024, arXiv 2404.14469 §4.2, Algorithm 1): the prompt ``context_ids``
-    ``[batch, tokens]`` is read whole into an uncompressed ``DynamicCache``, its first ``tokens - window`` tokens
-    with SDPA in chunks of ``chunk`` tokens (the activations grow with the chunk, not the prompt), its last
-    ``window`` tokens (the observation window: a question at the end of the prompt) with eager attention, whose
-    probabilities vote for every prompt token: summed over those queries and the query heads of each KV group,
-    then max-pooled over ``pool`` neighbouring positions. The window is fed in pieces so that at most
+def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 5, chunk: int = 512,
+                answer_tokens: int = 0) -> ReadPrompt:
+    """A prompt ``context_ids`` ``[batch, tokens]`` read whole into an uncompressed ``DynamicCache`` and its tokens
+    ranked by the attention of its end: its first ``tokens - window`` tokens with SDPA in chunks of ``chunk``
+    tokens (the activations grow with the chunk, not the prompt), its last ``window`` tokens (SnapKV's observation
+    window, Li et al. 2024, arXiv 2404.14469 §4.2: a question at the end of the prompt) with eager attention, whose
+    probabilities vote for every prompt token, and then ``answer_tokens`` greedy steps of the model's own answer
+    whose queries vote too (Lookahead Q-Cache's pseudo queries, Wang et al. 2025, arXiv 2505.20334 §3; the answer
+    is dropped from the cache afterwards). Votes are summed over those queries and the query heads of each KV
+    group, then max-pooled over ``pool`` neighbouring positions. The window is fed in pieces so that at most
     `ATTENTION_FLOATS` probabilities are held. The model's attention implementation is restored afterwards;
     progress (tokens read) goes to an installed `report_progress` callback as `READ_STAGE`.
 
-    Costs one prefill of the prompt (its attention over the whole prompt), and holds the prompt's keys and values
-    uncompressed until the caller has ranked them into the compressed cache.
+    Costs one prefill of the prompt (its attention over the whole prompt) and ``answer_tokens`` decode steps, and
+    holds the prompt's keys and values uncompressed until the caller has ranked them into the compressed cache.
 
     Raises:
         ValueError: from transformers, for a model without an ``eager`` attention implementation.
@@ -239,7 +242,7 @@ def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 
     batch, tokens = context_ids.shape
     dims = model_dims(model.config)
     window = max(1, min(window, tokens))
-    cache, start, chunk = _full_cache(), 0, max(1, chunk)
+    cache, chunk = _full_cache(), max(1, chunk)
     for start in range(0, tokens - window, chunk):
         report(READ_STAGE, start, tokens)
         _read_context(model, context_ids[:, start : min(start + chunk, tokens - window)], cache)
@@ -250,15 +253,25 @@ def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 
             report(READ_STAGE, first, tokens)
             out = model(input_ids=context_ids[:, first : min(first + piece, tokens)], past_key_values=cache,
                         use_cache=True, output_attentions=True, logits_to_keep=1)
-            parts = [layer.float().view(batch, dims.kv_heads, -1, *layer.shape[2:]).sum(dim=(2, 3))
-                     for layer in out.attentions]
-            parts = [F.pad(part, (0, tokens - part.shape[-1])) for part in parts]
-            votes = parts if votes is None else [a + b for a, b in zip(votes, parts)]
+            votes = _add_votes(votes, out.attentions, batch, dims.kv_heads, tokens)
             logits = out.logits[:, -1]
+        if answer_tokens:
+            answer = _answer_votes(model, cache, logits[:, None].argmax(-1), answer_tokens, dims.kv_heads, tokens)
+            votes = [a + b for a, b in zip(votes, answer)]
+            cache.crop(tokens - cache.get_seq_length())  # a negative count: the answer's tokens
     if pool > 1:
         votes = [F.max_pool1d(v.reshape(-1, 1, tokens), pool, stride=1, padding=pool // 2).view_as(v) for v in votes]
     report(READ_STAGE, tokens, tokens)
     return ReadPrompt(cache, logits, votes)
+
+
+def _add_votes(votes, attentions, batch: int, kv_heads: int, tokens: int) -> list[torch.Tensor]:
+    """``votes`` (per layer ``[batch, kv_heads, tokens]``, or ``None``) plus the probabilities ``attentions`` (per
+    layer ``[batch, q_heads, queries, keys <= tokens]``) give the prompt's tokens, summed over the queries and each
+    KV group's query heads."""
+    parts = [F.pad(layer.float().view(batch, kv_heads, -1, *layer.shape[2:]).sum(dim=(2, 3)),
+                   (0, tokens - layer.shape[-1])) for layer in attentions]
+    return parts if votes is None else [a + b for a, b in zip(votes, parts)]
 
 
 #: The scoring passes by the name a policy gives as its ``scorer``: ``(model, tokenizer, context_ids, policy,

@@ -104,14 +104,13 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
     """
     config = check_config(config)
-    scorer = POLICIES[config.policy].scorer
-    capacity = config.capacity(max_length)
-    if not scorer or (scorer == "observation_window" and (capacity is None or capacity >= input_ids.shape[1])):
+    policy, capacity = config.eviction_policy(), config.capacity(max_length)
+    reading = _prompt_reading(policy, question_in_prompt)
+    if not policy.scorer or (reading and (capacity is None or capacity >= input_ids.shape[1])):
         return make_cache(model, config, max_length)
-    policy, read = config.eviction_policy(), None
-    if scorer == "observation_window":
-        read = read_prompt(model, input_ids, policy.window, policy.pool,
-                           config.prefill_chunk_size or input_ids.shape[1])
+    read = None
+    if reading:
+        read = read_prompt(model, input_ids, chunk=config.prefill_chunk_size or input_ids.shape[1], **reading)
         scores = without_header(tokenizer, input_ids, read.scores, policy)
     else:
         scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
@@ -124,6 +123,17 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     if read is None or not lay_prompt(model, cache, read, input_ids, scores):
         hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
     return cache
+
+
+def _prompt_reading(policy, question_in_prompt: bool) -> dict | None:
+    """`read_prompt`'s arguments where ``policy`` ranks a prompt by its own end: ``snapkv`` (its observation window)
+    and, on a prompt that holds its question, ``lookahead`` (the prompt's last token and the model's answer); else
+    ``None`` (another scoring pass, or none)."""
+    if policy.scorer == "observation_window":
+        return {"window": policy.window, "pool": policy.pool}
+    if policy.scorer == "lookahead" and policy.request_for(question_in_prompt) is None:
+        return {"window": 1, "pool": policy.pool, "answer_tokens": policy.new_tokens - 1}
+    return None
 
 
 def lay_prompt(model, cache: CompressedCache, read, input_ids: torch.Tensor, scores: list[torch.Tensor]) -> bool:

@@ -132,7 +132,7 @@ def test_generate_and_save_load_keep_the_scored_layers(tmp_path):
 
 
 def test_bad_global_settings_are_refused():
-    with pytest.raises(ConfigError, match="layer_budgets='global' with policy='h2o'.*allowed policies: kvzip, lookahead"):
+    with pytest.raises(ConfigError, match="layer_budgets='global' with policy='h2o'.*allowed policies: snapkv, kvzip, lookahead"):
         CompressionConfig(policy="h2o", budget=0.2, layer_budgets="global")
     model, _ = tiny_lm()
     config = CompressionConfig(policy="kvzip", budget=10, layer_budgets="global")
@@ -154,7 +154,7 @@ def test_cli_ask_takes_global_layer_budgets(tmp_path):
     assert json.loads(result.stdout)["config"]["layer_budgets"] == "global"
     refused = CliRunner().invoke(app, ["ask", "--model", model_dir, "--no-chat", "--context-file", str(document),
                                        "--question", "Who?", "--policy", "h2o", "--layer-budgets", "global"])
-    assert refused.exit_code != 0 and "allowed policies: kvzip, lookahead" in refused.output
+    assert refused.exit_code != 0 and "allowed policies: snapkv, kvzip, lookahead" in refused.output
 
 
 def test_sinks_rank_first_and_the_floor_needs_no_recent_window_at_heavy_ratio_1():

@@ -84,7 +84,11 @@ def drill(policy: str, kernel: str, steps: int = STEPS, device: str = "cpu"):
             cache = make_scored_cache(model(device), CharTokenizer(), ids, config(policy, kernel), PROMPT + STEPS)
         else:
             cache = make_cache(model(device), config(policy, kernel), max_length=PROMPT + STEPS)
-        logits = model(device)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
+        if cache.seen_tokens() == PROMPT:  # snapkv: the reading pass laid the prompt in, with its next logits
+            logits = cache.prompt_state.next_logits
+        else:
+            logits = model(device)(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                   past_key_values=cache).logits[:, -1]
         out, history = [logits], [held(cache)]
         position = positions[:, -1:]
         for _ in range(steps):

@@ -39,7 +39,7 @@ def test_the_config_derives_what_a_policy_supports(throwaway):
     config = CompressionConfig(policy=throwaway, budget=0.5, kv_bits=4, head_budgets="adaptive")
     assert isinstance(config.eviction_policy(), ThrowawayPolicy)
     assert throwaway in policy_names(shares_heads=True) and throwaway not in policy_names(scorer=True)
-    with pytest.raises(ConfigError, match="layer_budgets='global' with policy='throwaway'.*allowed policies: kvzip, "
+    with pytest.raises(ConfigError, match="layer_budgets='global' with policy='throwaway'.*allowed policies: snapkv, kvzip, "
                                           "lookahead"):
         CompressionConfig(policy=throwaway, budget=0.5, layer_budgets="global")
     with pytest.raises(ConfigError, match="forgetting_factor is set but policy='throwaway'; allowed: forgetting_factor "

@@ -148,7 +148,7 @@ def test_cli_ask_defaults_give_way_to_a_policy_they_do_not_fit(tmp_path):
     assert pick(configs["h2o"]) == ("h2o", "uniform", "uniform")
     assert pick(configs["local"]) == ("local", "uniform", "uniform")
     refused = CliRunner().invoke(app, base + ["--policy", "h2o", "--layer-budgets", "global"])
-    assert refused.exit_code != 0 and "allowed policies: kvzip, lookahead" in refused.output
+    assert refused.exit_code != 0 and "allowed policies: snapkv, kvzip, lookahead" in refused.output
 
 
 @pytest.mark.parametrize("args,message", [

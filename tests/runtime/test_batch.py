@@ -20,7 +20,8 @@ SETTINGS = {
     "h2o int4": CompressionConfig(budget=10, kv_bits=4, residual=2),
     "full": CompressionConfig(policy="full", kv_bits=16),
     "kvzip": CompressionConfig(policy="kvzip", budget=12, kv_bits=4, heavy_ratio=0.5),
-    "snapkv": CompressionConfig(policy="snapkv", budget=12, kv_bits=4),  # the commands' default: prompts read whole
+    "snapkv": CompressionConfig(policy="snapkv", budget=12, kv_bits=4),  # prompts read whole, then evicted once
+    "lookahead": CompressionConfig(policy="lookahead", budget=12, kv_bits=4),  # the commands' default, the same
 }
 
 

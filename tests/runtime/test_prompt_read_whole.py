@@ -1,5 +1,6 @@
-"""``snapkv`` (the commands' default policy): a prompt longer than the capacity is read whole, ranked by the
-attention of its last queries and evicted once; its first new token is the uncompressed model's."""
+"""``snapkv`` and ``lookahead`` (the commands' default policy) on a prompt that holds its question: a prompt longer
+than the capacity is read whole, ranked by the attention of its end (and of the model's own answer) and evicted
+once; its first new token is the uncompressed model's."""
 
 from __future__ import annotations
 
@@ -97,10 +98,27 @@ def test_commands_default_to_the_prompt_read_whole():
     from h2o_compress.cli.evaluate import needle_command
     from h2o_compress.integrations.lm_eval_model import compression_from_args
 
-    assert COMMAND_POLICY == "snapkv"
-    assert compression_from_args({"budget": 0.2}).policy == "snapkv"
+    assert COMMAND_POLICY == "lookahead"
+    assert compression_from_args({"budget": 0.2}).policy == "lookahead"
     assert compression_from_args({"budget": 0.2, "policy": "h2o"}).policy == "h2o"
     commands = [getattr(importlib.import_module(f"h2o_compress.cli.{name}"), name) for name in ("generate", "batch")]
     for command in (*commands, needle_command):
-        assert inspect.signature(command).parameters["policy"].default.default == "snapkv", command
+        assert inspect.signature(command).parameters["policy"].default.default == "lookahead", command
     assert CompressionConfig().policy == "h2o"  # the Python config's own default is unchanged
+
+
+@torch.inference_mode()
+def test_lookahead_reads_the_prompt_once_with_the_votes_of_its_own_pass(lm, one_thread):
+    model, tokenizer = lm
+    ids = prompt_ids(tokenizer)
+    policy = CompressionConfig(policy="lookahead", budget=CAPACITY).eviction_policy()
+    before = context_scores.lookahead_scores(model, tokenizer, ids, None, policy.new_tokens, policy.pool,
+                                             policy.segment)  # its earlier pass: scores only, a second prefill after
+    read = read_prompt(model, ids, 1, policy.pool, 64, answer_tokens=policy.new_tokens - 1)
+    for a, b in zip(read.scores, before):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert read.cache.get_seq_length() == TOKENS  # the answer was dropped
+    config = CompressionConfig(policy="lookahead", budget=CAPACITY, kv_bits=4)
+    cache = make_scored_cache(model, tokenizer, ids, config, TOKENS + 8, question_in_prompt=True)
+    assert cache.seen_tokens() == TOKENS and cache.kept_length() == CAPACITY
+    torch.testing.assert_close(prefill(model, ids, cache), model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
