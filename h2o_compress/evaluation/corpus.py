@@ -27,6 +27,9 @@ REPORTING_TEXTS = {
     "python_reference": "python_reference.txt",  # technical prose: the Python 3.11 Language Reference (PSF)
     "persuasion": "persuasion.txt",  # fiction: Jane Austen, *Persuasion* (1818, public domain)
     "python_code": "python_stdlib_code.txt",  # source code: six CPython 3.11.7 standard-library modules (PSF)
+    "german_jokes": "german_jokes.txt",  # non-English: German jokes and anecdotes, fortunes-de 0.35 (GPL-2+)
+    "fortune_quotes": "fortune_quotes.txt",  # quotations and dialogue lines: BSD fortune-mod 1.99.1 (BSD)
+    "pci_ids": "pci_ids.txt",  # lists and tables: the PCI ID list of hwdata 0.368 (GPL-2+ or BSD-3-Clause)
 }
 
 

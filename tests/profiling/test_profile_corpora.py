@@ -81,19 +81,21 @@ def test_resume_reuses_rows_only_for_the_same_quality_texts(corpus_run, tmp_path
     assert other["rows_reused"] == 0 and list(other["results"][2]["corpora"]) == ["persuasion"]
 
 
-def test_reporting_expands_to_the_three_reporting_texts():
-    assert expand_text_names(["reporting"]) == ("python_reference", "persuasion", "python_code")
+def test_reporting_expands_to_the_six_reporting_texts():
+    assert expand_text_names(["reporting"]) == ("python_reference", "persuasion", "python_code", "german_jokes",
+                                                 "fortune_quotes", "pci_ids")
     assert small_settings(quality_texts=("reporting",)).quality_texts == tuple(REPORTING_TEXTS)
     # repeats and the main text are dropped (the main text is always the table's first column group)
+    others = ("german_jokes", "fortune_quotes", "pci_ids")
     assert small_settings(quality_texts=("persuasion", "reporting", "sherlock")).quality_texts == (
-        "persuasion", "python_reference", "python_code")
+        "persuasion", "python_reference", "python_code", *others)
     assert small_settings(text_file="persuasion", quality_texts="reporting").quality_texts == (
-        "python_reference", "python_code")
+        "python_reference", "python_code", *others)
 
 
 def test_unknown_quality_text_is_refused_before_any_output(tmp_path):
     with pytest.raises(InputError, match=r"quality text 'python-code'.*allowed: sherlock, python_reference, "
-                                         r"persuasion, python_code, reporting"):
+                                         r"persuasion, python_code, german_jokes, fortune_quotes, pci_ids, reporting"):
         small_settings(quality_texts=("reporting", "python-code"))
     settings = small_settings(model="/no/such/model")
     settings.quality_texts = (str(tmp_path / "missing.txt"),)  # changed after the checks of the constructor
@@ -110,7 +112,7 @@ def test_cli_help_names_the_allowed_texts():
     result = CliRunner().invoke(app, ["profile", "--help"], terminal_width=200)
     assert result.exit_code == 0
     flat = " ".join(result.output.replace("│", " ").split())
-    assert "--quality-texts" in flat and "python_reference, persuasion, python_code, reporting" in flat
+    assert "--quality-texts" in flat and "python_reference, persuasion, python_code, german_jokes, fortune_quotes, pci_ids, reporting" in flat
 
 
 @pytest.mark.parametrize("value, named", [
