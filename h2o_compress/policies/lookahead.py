@@ -29,10 +29,14 @@ class LookaheadPolicy(ContextScoredPolicy):
     the request stands in for the question that is not known yet. Costs one prefill of the context plus
     ``new_tokens`` decode steps per request, with eager attention (`h2o_compress.runtime.context_scores.lookahead_scores`).
 
-    In ``generate`` the prompt holds its question: there the pass answers the prompt itself (its own first
-    ``new_tokens`` tokens, one pass at the end: Lookahead Q-Cache's own setting), unless a request was given;
-    the answer then starts again from the compressed cache. Where a prompt is read without that pass (streamed
-    in chunks, a prompt continuing a loaded cache), the policy ranks as ``h2o``.
+    In ``generate``, ``batch`` and the lm-eval model the prompt holds its question, and ``lookahead`` is their
+    default (`h2o_compress.config.COMMAND_POLICY`): a prompt longer than the capacity is read whole once (in
+    prefill chunks, `h2o_compress.runtime.context_scores.read_prompt`), the model answers it for ``new_tokens``
+    tokens (its last token's query and the answer's vote: Lookahead Q-Cache's own setting), and the prompt's keys
+    and values are ranked into the cache and evicted once; the answer then starts again from the compressed cache,
+    its first token the uncompressed model's. Where a prompt is read without that pass (streamed in chunks, a
+    prompt continuing a loaded cache, a ``--memory-limit`` too small for the whole prompt), the policy ranks as
+    ``h2o``.
 
     Args:
         request: what the model is asked about the context; ``None`` (default): `LOOKAHEAD_REQUEST` in
@@ -44,7 +48,7 @@ class LookaheadPolicy(ContextScoredPolicy):
     """
 
     summary: ClassVar[str] = ("scored by the model's own answer first: to a fixed request about a document in ask, to "
-                              "the prompt itself in generate")
+                              "the prompt itself in generate (the commands' default)")
     scorer: ClassVar[str] = "lookahead"
     request: str | None = policy_option(None, config_name="lookahead_request", help=(
         f"what the model is asked about a document before it is compressed (default: \"{LOOKAHEAD_REQUEST}\")."))

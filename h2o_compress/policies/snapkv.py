@@ -32,8 +32,7 @@ class SnapKVPolicy(ContextScoredPolicy):
         pool: max-pool width over the positions of the step's own tokens, odd (paper and kvpress: 5 to 7).
     """
 
-    summary: ClassVar[str] = ("the prompt read whole, then ranked by the attention of its last queries (SnapKV); "
-                              "the commands' default")
+    summary: ClassVar[str] = "the prompt read whole, then ranked by the attention of its last queries (SnapKV)"
     scorer: ClassVar[str] = "observation_window"
 
     window: int = 32

@@ -92,8 +92,8 @@ def test_run_generate_gives_the_figures_of_generate_json(tiny_model_dir, tmp_pat
     assert figures["config"] == report.config.to_dict() and figures["config"]["budget"] == 8
     assert figures["model"] == tiny_model_dir and figures["kv_dtype"] == "float32" and figures["weights_bits"] == 16
     assert "token_ids" not in figures and report.plan is None
-    cli = CliRunner().invoke(app, ["generate", "--model", tiny_model_dir, "--no-chat", "--budget", "8", "--kv-bits",
-                                   "4", "--max-new-tokens", "4", "--device", "cpu", "--json", WORDS])
+    cli = CliRunner().invoke(app, ["generate", "--model", tiny_model_dir, "--no-chat", "--policy", "h2o", "--budget",
+                                   "8", "--kv-bits", "4", "--max-new-tokens", "4", "--device", "cpu", "--json", WORDS])
     assert cli.exit_code == 0, cli.output
     printed = json.loads(cli.stdout)
     assert list(printed) == list(figures)  # the same object, key for key

@@ -316,7 +316,14 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
         computed.append(real(model, tokenizer, ids, request, *args))
         return computed[-1]
 
+    def read_spy(model, ids, **kwargs):  # a prompt that holds its question is read once, its answer voting
+        read = context_scores.read_prompt(model, ids, **kwargs)
+        asked.append(None)
+        computed.append(read.scores)
+        return read
+
     monkeypatch.setattr(context_scores, "lookahead_scores", spy)
+    monkeypatch.setattr("h2o_compress.runtime.generation.read_prompt", read_spy)
     model, tokenizer = tiny_lm()
     config = CompressionConfig(policy="lookahead", budget=0.25, heavy_ratio=0.9, kv_bits=16,
                                lookahead_request=request_text)
