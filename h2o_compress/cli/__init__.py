@@ -22,8 +22,17 @@ from h2o_compress.cli.profile import ProfileCommand, profile_command
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress the KV cache of transformers LMs.")
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        from h2o_compress.utils.version import __version__
+
+        typer.echo(f"h2o-compress {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     """h2o-compress: H2O eviction + 4/8-bit quantization of the KV cache."""
 
 

@@ -81,7 +81,9 @@ def generation_options(save_help: str, load_help: str):
     load_help="Start from a saved prompt cache (the prompt must extend it).")
 def generate(
     ctx: typer.Context,
-    prompt: str = typer.Argument(..., help="The prompt."),
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (or --prompt-file)."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file "
+                                              "('-': standard input) instead of the argument."),
     model: str = ModelOpt,
     max_new_tokens: int = typer.Option(
         default_of(GenerateJob, "max_new_tokens"), "--max-new-tokens", help="Tokens to generate at most."),
@@ -98,6 +100,7 @@ def generate(
     """Generate text with a compressed KV cache, streaming tokens as they come. With --memory-limit the planner
     picks the setting for the weights as loaded (--weights-bits) and the summary gives planned vs measured peak
     memory."""
+    prompt = prompt_text(prompt, prompt_file)
     config, given = merged_config(compression, options.config_file,
                                   check_formats=memory_limit is None and options.load_cache is None)
     job = GenerateJob(  # checks every option: nothing is loaded or written before all are known to be good
@@ -115,6 +118,33 @@ def generate(
                             saved=options.save_cache is not None), err=True)
     if report.plan is not None:
         typer.echo(peak_line(report.figures), err=True)
+
+
+def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt: the argument, or the text of ``--prompt-file`` (``-``: standard input), one of them.
+
+    Raises:
+        InputError: both or neither given, or a file that is missing, not UTF-8 or too large.
+    """
+    from h2o_compress.evaluation.corpus import read_text_file
+    from h2o_compress.utils.errors import InputError
+    from h2o_compress.utils.files import MAX_TEXT_BYTES
+
+    if (prompt is None) == (prompt_file is None):
+        raise InputError("give the prompt as the argument or with --prompt-file, one of them; allowed: "
+                         "h2o-compress generate \"...\" or h2o-compress generate --prompt-file FILE")
+    if prompt_file is None:
+        return prompt
+    if prompt_file == "-":
+        text = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
+        if len(text) > MAX_TEXT_BYTES:
+            raise InputError(f"the prompt on standard input is over {MAX_TEXT_BYTES} bytes; allowed: a shorter text")
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"the prompt on standard input is not UTF-8 (byte {exc.start}); allowed: UTF-8 "
+                             "text") from None
+    return read_text_file(prompt_file)
 
 
 def peak_line(figures: dict) -> str:

@@ -116,3 +116,27 @@ def test_memory_limit_refuses_the_settings_it_picks(flags, named):
 def test_memory_limit_and_load_cache_are_exclusive(tmp_path):
     result = runner.invoke(app, ["generate", "--memory-limit", "2GiB", "--load-cache", str(tmp_path / "c.safetensors"), "hi"])
     assert result.exit_code == 2 and "cannot be combined" in result.output
+
+
+def test_prompt_from_a_file_or_standard_input_equals_the_argument(tiny_dir, tmp_path):
+    words = " ".join(f"w{i}" for i in range(20))
+    base = ["generate", "--model", tiny_dir, "--no-chat", "--budget", "8", "--kv-bits", "4", "--max-new-tokens", "4",
+            "--json"]
+    path = tmp_path / "prompt.txt"
+    path.write_text(words, encoding="utf-8")
+    texts = []
+    for extra, given in (([words], None), (["--prompt-file", str(path)], None), (["--prompt-file", "-"], words)):
+        result = runner.invoke(app, base + extra, input=given)
+        assert result.exit_code == 0, result.output
+        texts.append((json.loads(result.stdout)["text"], json.loads(result.stdout)["prompt_tokens"]))
+    assert texts[0] == texts[1] == texts[2] and texts[0][1] == 20
+    for extra in ([], [words, "--prompt-file", str(path)]):
+        refused = runner.invoke(app, base + extra)
+        assert refused.exit_code == 2 and "give the prompt as the argument or with --prompt-file" in refused.output
+
+
+def test_version_is_printed():
+    from h2o_compress.utils.version import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"h2o-compress {__version__}"
