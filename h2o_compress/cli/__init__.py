@@ -18,14 +18,13 @@ from h2o_compress.cli.generate import generate
 from h2o_compress.cli.options import Command, RayCommand, parse_budget
 from h2o_compress.cli.plan import plan
 from h2o_compress.cli.profile import ProfileCommand, profile_command
+from h2o_compress.utils.version import __version__
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Compress the KV cache of transformers LMs.")
 
 
 def _version(shown: bool) -> None:
     if shown:
-        from h2o_compress.utils.version import __version__
-
         typer.echo(f"h2o-compress {__version__}")
         raise typer.Exit()
 

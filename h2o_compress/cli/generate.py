@@ -14,6 +14,9 @@ from typing import Optional
 import typer
 
 from h2o_compress.config import COMMAND_POLICY
+from h2o_compress.evaluation.corpus import read_text_file
+from h2o_compress.utils.errors import InputError
+from h2o_compress.utils.files import MAX_TEXT_BYTES
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
@@ -126,10 +129,6 @@ def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
     Raises:
         InputError: both or neither given, or a file that is missing, not UTF-8 or too large.
     """
-    from h2o_compress.evaluation.corpus import read_text_file
-    from h2o_compress.utils.errors import InputError
-    from h2o_compress.utils.files import MAX_TEXT_BYTES
-
     if (prompt is None) == (prompt_file is None):
         raise InputError("give the prompt as the argument or with --prompt-file, one of them; allowed: "
                          "h2o-compress generate \"...\" or h2o-compress generate --prompt-file FILE")

@@ -10,11 +10,13 @@ corpus is used and no setting is tuned on it; each sample is seeded, so every se
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from h2o_compress.config import CompressionConfig
+from h2o_compress.runtime.generation import encode_prompt, generate
 from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, short
 
@@ -224,10 +226,6 @@ def ruler_eval(model, tokenizer, policies, ratios=RATIOS, tasks=tuple(TASKS), sa
     Raises:
         ConfigError: a bad task, ratio, count or length (`check_ruler_args`), or policy.
     """
-    import dataclasses
-
-    from h2o_compress.runtime.generation import encode_prompt, generate
-
     check_ruler_args(tasks, ratios, samples, length)
     base = base or CompressionConfig(kv_bits=4)
     count = lambda text: encode_prompt(tokenizer, text, True).shape[1]  # noqa: E731

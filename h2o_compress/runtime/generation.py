@@ -11,6 +11,8 @@ import torch
 
 from h2o_compress.attention import use_h2o_attention
 from h2o_compress.cache import CompressedCache, build_layers
+from h2o_compress.cache.chunk import fill
+from h2o_compress.persistence import PromptState
 from h2o_compress.cache.own_caches import cache_class
 from h2o_compress.runtime.decode_loop import TextStream, decode, eos_ids, sampler, sync
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
@@ -143,9 +145,6 @@ def lay_prompt(model, cache: CompressedCache, read, input_ids: torch.Tensor, sco
     forward pass. Only where the read cache's layers are the cache's one for one, with the same shapes (not a
     hybrid's state layers, a model's own cache class, values of another width): returns ``False`` and lays
     nothing otherwise (the caller hands the scores to a prefill instead)."""
-    from h2o_compress.cache.chunk import fill
-    from h2o_compress.persistence import PromptState
-
     held = getattr(read.cache, "layers", [])
     layers = cache.layers
     if type(cache) is not CompressedCache or len(held) != len(layers) or cache.state_layers:
