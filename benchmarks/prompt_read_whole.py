@@ -1,5 +1,6 @@
-"""What reading a prompt whole costs (``snapkv``, the commands' default) against evicting it chunk by chunk
-(``h2o``, the default before it): prefill seconds and peak memory of one ``generate`` call, each in a fresh
+"""What reading a prompt whole costs (``lookahead``, the commands' default: the prompt read in chunks into an
+uncompressed cache, then its last token and 31 answer tokens vote) against evicting it chunk by chunk (``h2o``, the
+default before it): prefill seconds and peak memory of one ``generate`` call, each in a fresh
 process, the settings alternating, on the real SmolLM2 (CPU default weights) at budget 0.2 + 4 bits.
 
     python benchmarks/prompt_read_whole.py --tokens 1536,7900 --repeats 2 --threads 2
@@ -17,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-POLICIES = ("h2o", "snapkv")
+POLICIES = ("h2o", "lookahead")
 
 
 def worker(policy: str, tokens: int, threads: int, text: str) -> dict:
@@ -77,19 +78,20 @@ def main() -> None:
         cell = {p: [r for r in runs if r["tokens"] == tokens and r["policy"] == p] for p in POLICIES}
         prefill = {p: statistics.median(r["prefill_s"] for r in cell[p]) for p in POLICIES}
         peak = {p: statistics.median(r["peak_bytes"] for r in cell[p]) for p in POLICIES}
-        share = cell["snapkv"][0]["kv_bytes"] / cell["snapkv"][0]["kv_bytes_full_fp16"]
+        share = cell["lookahead"][0]["kv_bytes"] / cell["lookahead"][0]["kv_bytes_full_fp16"]
         rows.append({"tokens": tokens, "prefill_s": prefill, "peak_bytes": peak,
-                     "prefill_ratio": prefill["snapkv"] / prefill["h2o"], "kv_share_of_fp16": share})
+                     "prefill_ratio": prefill["lookahead"] / prefill["h2o"], "kv_share_of_fp16": share})
     command = "python benchmarks/prompt_read_whole.py " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if k not in ("out", "worker"))
-    lines = [f"# Reading a prompt whole (snapkv) vs evicting it chunk by chunk (h2o), SmolLM2-135M, 0.2 + 4 bits",
+    lines = ["# Reading a prompt whole (lookahead) vs evicting it chunk by chunk (h2o), SmolLM2-135M, 0.2 + 4 bits",
              "", f"CPU: {cpu_name()}, {args.threads} threads; median of {args.repeats} fresh processes per cell.", "",
-             "| prompt tokens | h2o prefill s | snapkv prefill s | snapkv / h2o | h2o peak MiB | snapkv peak MiB | KV after the prompt, % of fp16 |",
+             "| prompt tokens | h2o prefill s | lookahead prefill s | lookahead / h2o | h2o peak MiB | lookahead peak MiB"
+             " | KV after the prompt, % of fp16 |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        lines.append(f"| {row['tokens']:,} | {row['prefill_s']['h2o']:.2f} | {row['prefill_s']['snapkv']:.2f} | "
+        lines.append(f"| {row['tokens']:,} | {row['prefill_s']['h2o']:.2f} | {row['prefill_s']['lookahead']:.2f} | "
                      f"{row['prefill_ratio']:.2f}x | {row['peak_bytes']['h2o'] / 2**20:.0f} | "
-                     f"{row['peak_bytes']['snapkv'] / 2**20:.0f} | {100 * row['kv_share_of_fp16']:.1f}% |")
+                     f"{row['peak_bytes']['lookahead'] / 2**20:.0f} | {100 * row['kv_share_of_fp16']:.1f}% |")
     lines += ["", "Peak: the resident set's growth during the call, above what the load and a warm-up call left.",
               "", f"`{command}`"]
     print("\n".join(lines))
