@@ -122,3 +122,20 @@ def test_lookahead_reads_the_prompt_once_with_the_votes_of_its_own_pass(lm, one_
     cache = make_scored_cache(model, tokenizer, ids, config, TOKENS + 8, question_in_prompt=True)
     assert cache.seen_tokens() == TOKENS and cache.kept_length() == CAPACITY
     torch.testing.assert_close(prefill(model, ids, cache), model(ids).logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_memory_limit_too_small_for_the_whole_prompt_falls_back_to_chunked_eviction(lm):
+    from h2o_compress.models import model_dims
+    from h2o_compress.planner.plan import PlanRow, read_whole_fallback
+
+    model, _ = lm
+    read = model_dims(model.config).fp16_bytes_per_token * 1000 * 2  # fp32: twice the fp16 bytes
+    for policy in ("lookahead", "snapkv"):
+        row = lambda: PlanRow(CompressionConfig(policy=policy, budget=0.2), None, 0, 0, 10_000, True, 1, 1)  # noqa: E731
+        kept, said = read_whole_fallback(model, row(), 1000, 10_000 + read)
+        assert kept.config.policy == policy and said is None
+        fell, said = read_whole_fallback(model, row(), 1000, 10_000 + read - 1)
+        assert fell.config.policy == "h2o" and "evicted chunk by chunk (h2o) instead of read whole" in said
+        within = PlanRow(CompressionConfig(policy=policy, budget=200), None, 0, 0, 10_000, True, 1, 1)
+        short, said = read_whole_fallback(model, within, 150, 10_001)  # within the capacity: nothing read whole
+        assert short.config.policy == policy and said is None
