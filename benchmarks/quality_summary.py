@@ -8,7 +8,7 @@ question-in-prompt --settings "lookahead 0.5"``; for the first three texts at 3,
 run ``results/reporting_corpus/question_in_prompt_<text>_3072.json``), the streaming perplexity files of
 ``streaming_quality.py`` (``results/reporting_corpus/`` and ``results/prompt_read_whole/``; the default
 ranks a token-by-token stream as ``h2o``) and the old default's passkeys (``question_in_prompt_h2o_*``). Writes
-``--out`` (markdown) and prints it.
+``--out`` (markdown) and, from the ``eval ruler --json`` files in ``results/ruler/``, ``results/ruler/ruler_4k.md``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,42 @@ def cell(pair) -> str:
     return f"{right} ({reference})" if reference is not None else str(right)
 
 
+RULER_COMMANDS = {
+    "ruler_4k_075.json": "h2o-compress eval ruler --policies h2o,snapkv,lookahead,kvzip --ratios 0.75 --length 4096 "
+                         "--samples 1 --threads 1 --json",
+    "ruler_4k_default_ratios.json": "h2o-compress eval ruler --policies lookahead --ratios 0.25,0.5,0.875 "
+                                    "--length 4096 --samples 1 --threads 1 --no-reference --json",
+}
+
+
+def ruler_table() -> list[str]:
+    """``results/ruler/ruler_4k.md``'s lines from the ``eval ruler --json`` files there (each setting's task scores,
+    their mean, the share of the uncompressed mean and the KV bytes of fp16)."""
+    scores, shares, commands = {}, {}, []
+    for name, command in RULER_COMMANDS.items():
+        path = RESULTS / "ruler" / name
+        if path.exists() and path.stat().st_size:
+            found = json.loads(path.read_text())
+            scores |= found["scores"]
+            shares |= found["kv_share"]
+            commands.append(command)
+    if not scores:
+        return []
+    tasks = list(next(iter(scores.values())))
+    mean = {s: sum(v.values()) / len(v) for s, v in scores.items()}
+    base = mean.get("uncompressed")
+    lines = ["# RULER-style tasks at 4,096 tokens, SmolLM2-135M, CPU (eviction only, fp32 storage)", "",
+             "| setting | " + " | ".join(tasks) + " | mean | of uncompressed | KV of fp16 |",
+             "|---|" + "---:|" * (len(tasks) + 3)]
+    for setting, row in scores.items():
+        share = "-" if not base else f"{mean[setting] / base:.0%}"
+        lines.append(f"| {setting} | " + " | ".join(f"{row[t]:.2f}" for t in tasks)
+                     + f" | {mean[setting]:.3f} | {share} | {shares[setting]:.1%} |")
+    return lines + ["", "One seeded sample per task (a 4k generation takes about a minute on one CPU thread).",
+                    "Ratio: the share of each prompt's tokens removed (kvpress's compression ratio).", ""] + [
+        f"`{c}`" for c in commands]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(RESULTS / "prompt_read_whole" / "defaults_by_text.md"))
@@ -75,6 +111,10 @@ def main() -> None:
                      f"{ratio(short)} | {ratio(long)} |")
     Path(args.out).write_text("\n".join(lines) + "\n\n`python benchmarks/quality_summary.py`\n")
     print("\n".join(lines))
+    ruler = ruler_table()
+    if ruler:
+        (RESULTS / "ruler" / "ruler_4k.md").write_text("\n".join(ruler) + "\n")
+        print("\n".join(ruler))
 
 
 if __name__ == "__main__":
