@@ -119,7 +119,7 @@ def test_no_usage_line_shows_a_brace():
         usages[" ".join(words)] = next(line.strip() for line in result.output.splitlines() if "Usage:" in line)
     assert len(usages) >= 9, usages
     assert not {words: usage for words, usage in usages.items() if "{" in usage or "}" in usage}
-    assert usages["generate"].endswith(" generate [OPTIONS] PROMPT")
+    assert usages["generate"].endswith(" generate [OPTIONS] [PROMPT]")  # or --prompt-file
     assert usages["batch"].endswith(" batch [OPTIONS] INPUT")
 
 
