@@ -35,8 +35,8 @@ class LookaheadPolicy(ContextScoredPolicy):
     tokens (its last token's query and the answer's vote: Lookahead Q-Cache's own setting), and the prompt's keys
     and values are ranked into the cache and evicted once; the answer then starts again from the compressed cache,
     its first token the uncompressed model's. Where a prompt is read without that pass (streamed in chunks, a
-    prompt continuing a loaded cache, a ``--memory-limit`` too small for the whole prompt), the policy ranks as
-    ``h2o``.
+    prompt continuing a loaded cache, a ``--memory-limit`` too small for the whole prompt, a hybrid model's
+    constant states or a model's own cache class), the policy ranks as ``h2o``.
 
     Args:
         request: what the model is asked about the context; ``None`` (default): `LOOKAHEAD_REQUEST` in

@@ -108,7 +108,8 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     config = check_config(config)
     policy, capacity = config.eviction_policy(), config.capacity(max_length)
     reading = _prompt_reading(policy, question_in_prompt)
-    if not policy.scorer or (reading and (capacity is None or capacity >= input_ids.shape[1])):
+    if not policy.scorer or (reading and (capacity is None or capacity >= input_ids.shape[1]
+                                          or not reads_whole(model))):
         return make_cache(model, config, max_length)
     read = None
     if reading:
@@ -125,6 +126,15 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
     if read is None or not lay_prompt(model, cache, read, input_ids, scores):
         hand_context_scores(model, tokenizer, input_ids, cache, scores=scores)
     return cache
+
+
+def reads_whole(model) -> bool:
+    """Whether a prompt can be read whole into transformers' ``DynamicCache`` and laid into the compressed cache
+    (`read_prompt`, `lay_prompt`): attention layers only, held in a `CompressedCache` itself (not a hybrid's
+    constant states, not a model's own cache class). Elsewhere ``snapkv`` and ``lookahead`` on a prompt that holds
+    its question rank it as ``h2o``, chunk by chunk."""
+    spans = model_dims(model.config).spans
+    return cache_class(model.config) is CompressedCache and not any(s.stateful or s.paired for s in spans)
 
 
 def _prompt_reading(policy, question_in_prompt: bool) -> dict | None:

@@ -139,3 +139,20 @@ def test_a_memory_limit_too_small_for_the_whole_prompt_falls_back_to_chunked_evi
         within = PlanRow(CompressionConfig(policy=policy, budget=200), None, 0, 0, 10_000, True, 1, 1)
         short, said = read_whole_fallback(model, within, 150, 10_001)  # within the capacity: nothing read whole
         assert short.config.policy == policy and said is None
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "qwen3_next"])
+@torch.inference_mode()
+def test_a_hybrid_is_evicted_chunk_by_chunk_instead_of_read_whole(model_type, one_thread):
+    from helpers.architectures import tiny_causal_lm
+
+    from h2o_compress.runtime.generation import reads_whole
+
+    model = tiny_causal_lm(model_type)
+    ids = torch.randint(3, 100, (1, 120), generator=torch.Generator().manual_seed(0))
+    assert not reads_whole(model)  # its constant states are not held by a DynamicCache read
+    config = CompressionConfig(policy=COMMAND_POLICY, budget=24, kv_bits=4)
+    cache = make_scored_cache(model, None, ids, config, 128, question_in_prompt=True)
+    assert cache.seen_tokens() == 0  # nothing read, nothing scored: the prefill ranks as h2o
+    logits = prefill(model, ids, cache)
+    assert torch.isfinite(logits).all() and max(layer.kept_length() for layer in cache.attention_layers) <= 24
