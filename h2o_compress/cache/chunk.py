@@ -29,6 +29,19 @@ from h2o_compress.cache.setting import GROWTH
 from h2o_compress.cache.slots import in_model_basis
 
 
+def begin(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start a multi-token step of ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` in the model's basis and
+    dtype: refuse non-finite ones, then `update` with them in the layer's storage bases.
+
+    Raises:
+        InputError: non-finite keys or values (a non-finite token would poison every later step).
+    """
+    if not bool(layer.counters.note_finite(keys, values)):
+        raise InputError(f"layer {layer.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs "
+                         "and the model weights: a non-finite token would poison every later step")
+    return update(layer, *layer.geometry.to_storage(keys, values))
+
+
 def update(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Take a chunk's ``keys``/``values`` ``[batch, kv_heads, n, head_dim]`` (in the layer's bases and residual
     dtype); return what its attention reads, ``[batch, kv_heads, held + n, head_dim]`` in the model dtype: the held
@@ -251,10 +264,7 @@ def fill(layer, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, 
         raise CacheStateError(f"layer {layer.layer_idx}: a prompt is laid only into an empty layer")
     if not layer.is_initialized:
         layer.lazy_initialization(keys, values)
-    if not bool(layer.counters.note_finite(keys, values)):
-        raise InputError(f"layer {layer.layer_idx}: keys or values are not finite (NaN or Inf); check the inputs "
-                         "and the model weights: a non-finite token would poison every later step")
-    update(layer, *layer.geometry.to_storage(keys, values))
+    begin(layer, keys, values)
     chunk, layer.chunk = layer.chunk, None
     if layer.decode_kernel == "triton":
         layer.backend.scratch_for(layer, q_heads)

@@ -25,7 +25,7 @@ from h2o_compress.attention import announce, withdraw
 from h2o_compress.attention.decode_step import ModuleLink
 from h2o_compress.attention.launch import mark_static_address
 from h2o_compress.attention.variant import AttentionVariant
-from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
+from h2o_compress.utils.errors import CacheStateError, ConfigError, short
 from h2o_compress.cache import backends, chunk, decode, rows
 from h2o_compress.cache.ring import RingWindow, held_positions
 from h2o_compress.cache.setting import LayerSetting
@@ -277,10 +277,7 @@ class CompressedLayer(CacheLayerMixin):
             keys, values, step = self._decode_update(key_states, value_states)
         else:
             self.settle()
-            if not bool(self.counters.note_finite(key_states, value_states)):
-                raise InputError(f"layer {self.layer_idx}: keys or values are not finite (NaN or Inf); check the "
-                                 "inputs and the model weights: a non-finite token would poison every later step")
-            keys, values = chunk.update(self, *self.geometry.to_storage(key_states, value_states))
+            keys, values = chunk.begin(self, key_states, value_states)
             step = self
         self.link.awaiting = True
         announce(self.layer_idx, step)

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import typer
 
 from h2o_compress.runtime.compiled import check_compile
-from h2o_compress.config import COMMAND_POLICY, check_usable
+from h2o_compress.config import COMMAND_POLICY, CompressionConfig, check_usable
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.cli.common import load_options, set_threads, user_errors
 from h2o_compress.cli.lm_eval_command import lm_eval_command
@@ -228,8 +228,8 @@ def ruler_command(
 ):
     """RULER-style synthetic tasks (needles, variable tracking, common words) at kvpress's compression ratios."""
     base = compression.config()
-    policy_list = parse_list(policies, check_policy, "policies", "policy names, comma-separated, of "
-                             + ", ".join(policy_names()))
+    policy_list = parse_list(policies, lambda name: CompressionConfig(policy=name).policy, "policies",
+                             "policy names, comma-separated, of " + ", ".join(policy_names()))
     ratio_list = parse_list(ratios, float, "ratios", "fractions in [0, 1), e.g. 0.25,0.5,0.75,0.875")
     task_list = parse_list(tasks, str, "tasks", ", ".join(TASKS))
     check_ruler_args(task_list, ratio_list, samples, length)
@@ -244,13 +244,6 @@ def ruler_command(
         typer.echo(json.dumps({**result.to_dict(), "model": model}))
         return
     print_ruler(result, task_list)
-
-
-def check_policy(name: str) -> str:
-    """``name`` if it is a registered policy; raises ConfigError naming the allowed ones."""
-    if name not in policy_names():
-        raise ConfigError(f"policy={short(name)} is not supported; allowed: {', '.join(policy_names())}")
-    return name
 
 
 def print_ruler(result, tasks: list[str]) -> None:

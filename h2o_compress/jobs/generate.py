@@ -148,9 +148,9 @@ class GenerateJob(CacheRunFields):
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
         if peak is not None:
             peak.loaded()  # the weights are resident: count them, not the transient of loading them
-        config, row = self._planned(lm, tokenizer, on_plan, None if peak is None else peak.held(lm))
+        tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
+        config, row = self._planned(lm, tokenizer, tokens, on_plan, None if peak is None else peak.held(lm))
         if self.load_cache is None:  # the capacity is known now: refuse a split that leaves no recent window
-            tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
             check_usable(config, config.capacity(tokens + self.max_new_tokens))
         cache, load_s = None, None
         if self.save_cache is not None or self.load_cache is not None:
@@ -168,11 +168,12 @@ class GenerateJob(CacheRunFields):
         figures = self._figures(result, config, floating_dtype(lm), row, peak, load_s)
         return GenerateReport(result, config, figures, row)
 
-    def _planned(self, lm, tokenizer, on_plan: Callable[[str], None] | None,
+    def _planned(self, lm, tokenizer, tokens: int, on_plan: Callable[[str], None] | None,
                  held: int | None = None) -> tuple[CompressionConfig, PlanRow | None]:
         """The setting to generate with: the job's ``config``, or, with ``memory_limit``, the planner's pick for
-        the loaded ``lm`` (told to ``on_plan`` in one line), counting the ``held`` bytes of the process once loaded
-        (on a CPU, `PeakMemory.held`: its whole resident set) where they exceed the weights.
+        the loaded ``lm`` and the prompt's ``tokens`` (told to ``on_plan`` in one line), counting the ``held`` bytes
+        of the process once loaded (on a CPU, `PeakMemory.held`: its whole resident set) where they exceed the
+        weights.
 
         Returns:
             ``(config, row)``: the setting and the planner's row (``None`` without ``memory_limit``).
@@ -184,7 +185,6 @@ class GenerateJob(CacheRunFields):
             return self.config, None
         row = choose_for_prompt(lm, tokenizer, self.prompt, self.memory_limit, self.max_new_tokens, chat=self.chat,
                                 base=self.config, compiled=self.compile, held=held)
-        tokens = encode_prompt(tokenizer, self.prompt, self.chat, context_window(lm)).shape[1]
         row, fallback = read_whole_fallback(lm, row, tokens, self.memory_limit)
         if on_plan is not None:
             on_plan(describe_choice(row, self.memory_limit) + ("" if fallback is None else "; " + fallback))

@@ -15,7 +15,7 @@ from h2o_compress.models.weights import floating_dtype, loaded_weights_bits
 from h2o_compress.policies import POLICIES, POLICY_OPTIONS
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
-from h2o_compress.planner.sizes import CacheBytes, cache_bytes, weight_bytes, workspace_bytes
+from h2o_compress.planner.sizes import CacheBytes, _element_size, cache_bytes, weight_bytes, workspace_bytes
 from h2o_compress.planner.states import state_bytes
 from h2o_compress.planner.units import format_bytes, parse_headroom, parse_memory
 from h2o_compress.runtime.generation import _check_argument_kinds, check_switch, encode_prompt
@@ -448,8 +448,7 @@ def read_whole_fallback(model, row: PlanRow, prompt_len: int, memory) -> tuple[P
     if POLICIES[config.policy].scorer not in READS_WHOLE or capacity is None or capacity >= prompt_len:
         return row, None
     dims = model_dims(model.config)
-    element = torch.finfo(floating_dtype(model)).bits // 8
-    read = dims.fp16_bytes_per_token * prompt_len * element // 2
+    read = dims.fp16_bytes_per_token * prompt_len * _element_size(floating_dtype(model)) // 2
     limit = parse_memory(memory)
     if row.total_bytes + read <= limit:
         return row, None

@@ -30,9 +30,17 @@ class ContextScoredPolicy(H2OPolicy):
         "evicted first (as kvpress's KVzipPress)."))
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
-    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
-        """The context scores, if given for this step; else ``h2o``'s sums."""
+    def handed_scores(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """The context scores handed for this step (fp32 ``[batch, kv_heads, keys]`` on ``keys``' device), taken
+        once; ``None`` when none were handed or they do not cover ``keys`` ``[batch, kv_heads, keys, head_dim]``."""
         scores, self.context_scores = self.context_scores, None
         if scores is None or scores.shape[-1] != keys.shape[2]:
-            return super().chunk_scores(query, keys, mask, scaling, chunk_size, variant)
+            return None
         return scores.to(device=keys.device, dtype=torch.float32)
+
+    def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
+        """The context scores, if given for this step; else ``h2o``'s sums."""
+        scores = self.handed_scores(keys)
+        if scores is None:
+            return super().chunk_scores(query, keys, mask, scaling, chunk_size, variant)
+        return scores

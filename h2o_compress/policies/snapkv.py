@@ -41,9 +41,9 @@ class SnapKVPolicy(ContextScoredPolicy):
     def chunk_scores(self, query, keys, mask, scaling, chunk_size: int, variant=None) -> torch.Tensor:
         """The scores handed by the prompt's reading pass, if any; else the step's last ``window`` queries'
         attention, max-pooled over ``pool`` neighbouring keys."""
-        scores, self.context_scores = self.context_scores, None
-        if scores is not None and scores.shape[-1] == keys.shape[2]:
-            return scores.to(device=keys.device, dtype=torch.float32)
+        scores = self.handed_scores(keys)
+        if scores is not None:
+            return scores
         queries = query.shape[2]
         window = min(self.window, queries)
         last = None if mask is None else mask[..., -window:, :]  # None: causal, bottom-right aligned

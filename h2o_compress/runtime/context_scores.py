@@ -55,11 +55,12 @@ def _read_context(model, context_ids: torch.Tensor, cache=None):
 
 def _group_attention(attentions, batch: int, kv_heads: int, tokens: int, reduce: str) -> list[torch.Tensor]:
     """Per layer, fp32 ``[batch, kv_heads, tokens]``: the probabilities ``[batch, q_heads, queries, keys]`` the
-    queries give the first ``tokens`` keys, reduced (``"max"`` or ``"sum"``) over the queries and the query heads
-    of each KV group."""
+    queries give the first ``tokens`` keys (0 for those beyond ``keys``: a query that came before them), reduced
+    (``"max"`` or ``"sum"``) over the queries and the query heads of each KV group."""
     out = []
     for attention in attentions:
-        grouped = attention[..., :tokens].float().view(batch, kv_heads, -1, attention.shape[2], tokens)
+        attention = F.pad(attention[..., :tokens], (0, max(0, tokens - attention.shape[-1])))
+        grouped = attention.float().view(batch, kv_heads, -1, attention.shape[2], tokens)
         out.append(grouped.amax(dim=(2, 3)) if reduce == "max" else grouped.sum(dim=(2, 3)))
     return out
 
@@ -253,7 +254,8 @@ def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 
             report(READ_STAGE, first, tokens)
             out = model(input_ids=context_ids[:, first : min(first + piece, tokens)], past_key_values=cache,
                         use_cache=True, output_attentions=True, logits_to_keep=1)
-            votes = _add_votes(votes, out.attentions, batch, dims.kv_heads, tokens)
+            parts = _group_attention(out.attentions, batch, dims.kv_heads, tokens, "sum")
+            votes = parts if votes is None else [a + b for a, b in zip(votes, parts)]
             logits = out.logits[:, -1]
         if answer_tokens:
             answer = _answer_votes(model, cache, logits[:, None].argmax(-1), answer_tokens, dims.kv_heads, tokens)
@@ -263,15 +265,6 @@ def read_prompt(model, context_ids: torch.Tensor, window: int = 32, pool: int = 
         votes = [F.max_pool1d(v.reshape(-1, 1, tokens), pool, stride=1, padding=pool // 2).view_as(v) for v in votes]
     report(READ_STAGE, tokens, tokens)
     return ReadPrompt(cache, logits, votes)
-
-
-def _add_votes(votes, attentions, batch: int, kv_heads: int, tokens: int) -> list[torch.Tensor]:
-    """``votes`` (per layer ``[batch, kv_heads, tokens]``, or ``None``) plus the probabilities ``attentions`` (per
-    layer ``[batch, q_heads, queries, keys <= tokens]``) give the prompt's tokens, summed over the queries and each
-    KV group's query heads."""
-    parts = [F.pad(layer.float().view(batch, kv_heads, -1, *layer.shape[2:]).sum(dim=(2, 3)),
-                   (0, tokens - layer.shape[-1])) for layer in attentions]
-    return parts if votes is None else [a + b for a, b in zip(votes, parts)]
 
 
 #: The scoring passes by the name a policy gives as its ``scorer``: ``(model, tokenizer, context_ids, policy,

@@ -152,12 +152,12 @@ def lay_prompt(model, cache: CompressedCache, read, input_ids: torch.Tensor, sco
     """Lay the prompt ``read`` holds (`read_prompt`: every token's keys and values, uncompressed) into the empty
     ``cache``, each layer ranked by its ``scores`` and evicted to its capacity once (`h2o_compress.cache.chunk.fill`),
     and record the prompt ``input_ids`` ``[batch, tokens]`` and its next-token logits, so that `prefill` runs no
-    forward pass. Only where the read cache's layers are the cache's one for one, with the same shapes (not a
-    hybrid's state layers, a model's own cache class, values of another width): returns ``False`` and lays
-    nothing otherwise (the caller hands the scores to a prefill instead)."""
-    held = getattr(read.cache, "layers", [])
-    layers = cache.layers
-    if type(cache) is not CompressedCache or len(held) != len(layers) or cache.state_layers:
+    forward pass. Only where the read cache's layers are the cache's one for one, with the same shapes (not
+    values of another width): returns ``False`` and lays
+    nothing otherwise (the caller hands the scores to a prefill instead). The model was checked first
+    (`reads_whole`): attention layers only, in a `CompressedCache` itself."""
+    held, layers = read.cache.layers, cache.layers
+    if len(held) != len(layers):
         return False
     for source, layer in zip(held, layers):
         keys, values = getattr(source, "keys", None), getattr(source, "values", None)
