@@ -197,3 +197,29 @@ def test_cpu_peers_refuses_unknown_engines_before_loading_anything():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--engines: unknown ['vllm']; allowed:" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_every_step_and_reports_as_it_goes(tmp_path):
+    """The prepared GPU check on the CPU (tiny sizes): every step runs and passes, and the report names each."""
+    command = [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = {step["name"]: step["status"] for step in report["steps"]}
+    assert steps == dict.fromkeys(["environment", "cuda-tests", "compiled-vs-eager", "decode-speed", "max-batch"],
+                                  "passed"), steps
+    speed = json.loads((tmp_path / "gpu_check_speed.json").read_text())
+    assert {row["setting"] for row in speed["speed"] if row["status"] == "ok"} == {
+        "sdpa-static+compile", "h2o0.2-4", "h2o0.2-4+compile"}
+    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+
+
+def test_gpu_check_skips_a_step_past_its_budget(tmp_path):
+    """A step that would start past the check's budget is recorded as skipped, not run."""
+    command = [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--budget-minutes", "0", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert all(step["status"].startswith("skipped") for step in report["steps"])
+    assert "| environment |" in (tmp_path / "gpu_check.md").read_text()
