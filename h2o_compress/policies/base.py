@@ -151,6 +151,13 @@ class EvictionPolicy:
     #: ([`for_layer`][h2o_compress.policies.EvictionPolicy.for_layer]), and a cache that would evict needs them.
     needs_calibration: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A subclass that overrides `rank` without declaring ``ranks_by`` ranks by something of its own: it is
+        declared ``"custom"``, so no kernel substitutes its parent's ranking for it."""
+        super().__init_subclass__(**kwargs)
+        if "rank" in vars(cls) and "ranks_by" not in vars(cls):
+            cls.ranks_by = "custom"
+
     def for_layer(self, weights: torch.Tensor | None) -> EvictionPolicy:
         """This policy for one model layer, given that layer's calibrated ``weights`` (fp32; ``None``: the
         calibration has none for it). Policies without calibration (`needs_calibration` False) are the same for
