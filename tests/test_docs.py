@@ -1,8 +1,8 @@
 """Every code block of README.md and docs/**/*.md runs, and the documentation site holds together.
 
 - ```python blocks: the blocks of one page run in order in one namespace (like a doctest session: a later block
-  may use an earlier block's names), in a scratch directory that holds ``h2o_compress/data`` and ``tests/data``
-  (the paths the pages use, "run from the repository root"). A page whose Python loads the real model
+  may use an earlier block's names), in a scratch directory that holds ``h2o_compress/data``, ``tests/data`` and
+  ``examples`` (the paths the pages use, "run from the repository root"). A page whose Python loads the real model
   (``load_model(``) is marked ``integration``.
 - ```bash / ```sh / ```console blocks: each block runs as one bash script, in page order in one scratch directory of
   its page (a block may read a file an earlier one wrote), with
@@ -165,7 +165,8 @@ def _scratch(tmp_path: Path) -> Path:
     (tmp_path / "h2o_compress").mkdir(exist_ok=True)
     (tmp_path / "tests").mkdir(exist_ok=True)
     for link, target in ((tmp_path / "h2o_compress" / "data", REPO / "h2o_compress" / "data"),
-                         (tmp_path / "tests" / "data", REPO / "tests" / "data")):
+                         (tmp_path / "tests" / "data", REPO / "tests" / "data"),
+                         (tmp_path / "examples", REPO / "examples")):
         if not link.exists():
             link.symlink_to(target, target_is_directory=True)
     return tmp_path
@@ -276,3 +277,22 @@ def test_markers_name_a_reason_and_a_block():
                 assert (marker.group(2) or "").strip(), f"{page.name}:{i + 1}: a skip marker without its reason"
             following = next((l for l in lines[i + 1:] if l.strip()), "")
             assert FENCE.match(following), f"{page.name}:{i + 1}: a docs-test marker not followed by a code block"
+
+
+def test_the_readme_starts_with_the_user():
+    """What it is, the set-up, the first command, Python, the docs; the measurements after them."""
+    headings = re.findall(r"^## (.+)$", (REPO / "README.md").read_text(), re.M)
+    assert headings[:4] == ["Set-up: two commands", "The first command", "From Python", "Documentation"], headings
+    assert "Speed on CPU" in headings[4:]
+
+
+NOTES = re.compile(r"\bissues? \d|\bsession \d|\bsessions? notes?\b|shared notes|\bshared/|\bissue[- ]\d+", re.I)
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", REPO / "docs" / "index.md",
+                                  *sorted((REPO / "docs" / "guide").glob("*.md"))],
+                         ids=lambda page: page.relative_to(REPO).as_posix())
+def test_user_pages_carry_no_issue_numbers_or_session_notes(page):
+    found = [f"{page.name}:{n}: {line.strip()[:100]}" for n, line in enumerate(page.read_text().splitlines(), 1)
+             if NOTES.search(line)]
+    assert not found, f"issue numbers or session notes in a user page (they belong in the history): {found}"

@@ -13,7 +13,7 @@ UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_memory(value) -> int:
-    """``"24GiB"``, ``"2GB"``, ``"512MiB"``, ``"1.5 GiB"`` or an int -> bytes (GB = 10**9, GiB = 2**30).
+    """``"24GiB"``, ``"2GB"``, ``"512MiB"``, ``"1.5 GiB"`` or an int -> bytes (GB = ``10**9``, GiB = ``2**30``).
 
     Raises:
         ConfigError: not a positive amount with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.

@@ -89,5 +89,5 @@ def test_summary_says_why_nothing_was_evicted():
     figures = {"capacity": None, "prompt_tokens": 38, "new_tokens": 32, "min_capacity": 128,
                "config": {"policy": "h2o", "budget": 0.2, "min_capacity": None}}
     assert capacity_text(figures) == "capacity all (70 tokens <= --min-capacity 128: nothing evicted)"
-    assert capacity_text({**figures, "capacity": 14}) == "capacity 14"
+    assert capacity_text({**figures, "capacity": 14}) == "capacity 14 of 69 tokens (55 evicted per layer and KV head)"
     assert capacity_text({**figures, "config": {"policy": "full", "budget": 1.0}}) == "capacity all"
