@@ -63,6 +63,8 @@ def _calls(api) -> dict:
     return {
         "generate": (h2o_compress.generate, dict(model=model, tokenizer=tokenizer, prompt="hello there", config=None,
                                                  temperature=0.0, seed=None, on_text=None, cache=None, **ok)),
+        "stream": (h2o_compress.stream, dict(model=model, tokenizer=tokenizer, prompt="hello there", config=None,
+                                             temperature=0.0, seed=None, cache=None, **ok)),
         "generate_batch": (h2o_compress.generate_batch, dict(
             model=model, tokenizer=tokenizer, requests=["hello there", {"id": "b", "prompt": "a b c"}], config=None,
             batch_size=2, temperature=0.0, seed=None, in_order=False, on_step=None, longest_first=True,
@@ -117,8 +119,9 @@ def _calls(api) -> dict:
 RECORDS = ["GenerationResult", "BatchRequest", "BatchResult", "BatchStats", "BatchReport", "GenerateReport",
            "AskReport", "PlanReport", "PlanRow"]
 NOT_CALLED = {"H2OCompressError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "InputError",
-              "CacheStateError", "CacheFileError", "ASK_DEFAULTS", "DEFAULT_MODEL", "__version__"}
-CALLS = ["generate", "generate_batch", "make_cache", "save_cache", "load_cache", "compress", "ask",
+              "CacheStateError", "CacheFileError", "ASK_DEFAULTS", "DEFAULT_MODEL", "__version__",
+              "serve"}  # serve runs until SIGTERM: tests/serving/test_server.py runs its app
+CALLS = ["generate", "stream", "generate_batch", "make_cache", "save_cache", "load_cache", "compress", "ask",
          "CompressedContext", "run_generate", "GenerateJob", "run_batch", "BatchJob", "run_ask", "AskJob",
          "load_model", "model_dims", "plan", "choose", "choose_for_prompt", "load_config", "CompressionConfig",
          "CompressedCache", "CompressedLayer"]
@@ -171,7 +174,7 @@ def _call(function, arguments: dict):
     with torch.random.fork_rng(devices=[]):
         try:
             result = function(*positional, **keywords)
-            if inspect.isgenerator(result) or type(result).__name__ == "BatchRun":
+            if inspect.isgenerator(result) or type(result).__name__ in ("BatchRun", "GenerationStream"):
                 list(result)
         finally:
             torch.set_num_threads(threads)

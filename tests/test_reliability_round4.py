@@ -121,7 +121,7 @@ def test_batch_auto_counts_what_loading_the_model_holds(tiny_model_dir, tmp_path
     prompts = tmp_path / "in.txt"
     prompts.write_text("hello there\n")
     monkeypatch.setattr(PeakMemory, "held", lambda self, model=None: 10 * 2**30)
-    with pytest.raises(ConfigError, match=r"not even one sequence .* fits --memory-limit 1.00 GiB .* weights 10.00 GiB"):
+    with pytest.raises(ConfigError, match=r"not even one sequence .* fits --memory-limit 1.00 GiB .* process memory 10.00 GiB \(weights "):
         run_batch(str(prompts), str(tmp_path / "out.jsonl"), model=tiny_model_dir, batch_size="auto",
                   memory_limit="1GiB", max_new_tokens=2, chat=False)
 

@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, Line
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.formats import make_quantizer
-from h2o_compress.cache.hybrid import CompressedStateLayer, state_tensors, take_state_rows
+from h2o_compress.cache.hybrid import CompressedStateLayer, StateLayer, state_tensors, take_state_rows
 from h2o_compress.cache.layer import CompressedLayer
 from h2o_compress.cache.refinement import spread_refined_rows
 from h2o_compress.cache.setting import LayerSetting
@@ -40,8 +40,10 @@ class CompressedCache(Cache):
 
     Use with ``model.generate(..., past_key_values=cache)``, a manual forward loop, or a compiled decode step
     ([`is_compileable`][h2o_compress.cache.LayerSetting.is_compileable]); build it with [`h2o_compress.make_cache`][h2o_compress.make_cache], which also switches the model to the
-    ``h2o_compress`` attention function. ``get_seq_length()`` counts tokens seen (an int64 0-dim tensor, as
-    transformers' ``StaticCache`` does); [`kept_length`][h2o_compress.cache.CompressedCache.kept_length] counts tokens held.
+    ``h2o_compress`` attention function. ``get_seq_length()`` counts tokens seen, a Python int as transformers'
+    ``DynamicCache`` gives it (it reads the device); [`seen_length`][h2o_compress.cache.CompressedCache.seen_length]
+    is the same count as an int64 0-dim tensor (no host sync: what the mask of a compiled step reads, through
+    ``get_query_offset``); [`kept_length`][h2o_compress.cache.CompressedCache.kept_length] counts tokens held.
 
     Attributes:
         max_length: the tokens [`make_cache`][h2o_compress.make_cache] was told the cache will see (prompt + new tokens;
@@ -203,7 +205,22 @@ class CompressedCache(Cache):
 
     def seen_tokens(self) -> int:
         """Tokens seen so far, as a Python int (reads the device)."""
-        return int(self.get_seq_length())
+        return self.get_seq_length()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (not kept) by ``layer_idx``'s attention (transformers' rule for a constant-state layer), a
+        Python int as ``DynamicCache`` returns it; reads the device (compiled code reads `seen_length`)."""
+        return int(self.seen_length(layer_idx))
+
+    def seen_length(self, layer_idx: int = 0) -> torch.Tensor | int:
+        """Tokens seen, as the layer counts them: an int64 0-dim tensor on the cache's device (0 before the first
+        step), read without a host sync."""
+        return Cache.get_seq_length(self, layer_idx)
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor | int:
+        """The new tokens' offset for transformers' mask, `seen_length`: a tensor, so a compiled step neither
+        syncs nor specialises on the count."""
+        return self.seen_length(layer_idx)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (packed data, scales, zeros, ring window, positions, scores, and a
@@ -233,6 +250,27 @@ class CompressedCache(Cache):
         widths = geometry.head_dim + geometry.value_dim
         return len(self.attention_layers) * geometry.kv_heads * widths * int(layer.counters.seen) * geometry.batch * 2
 
+    def full_nbytes(self) -> int:
+        """Bytes the uncompressed cache in the model's own dtype (the dtype of the keys fed: float32 on a CPU)
+        would hold for the tokens seen, ``layers x kv_heads x (head_dim + value_dim) x tokens x batch x
+        element size``: the attention layers only (a hybrid's constant states, `state_nbytes`, are the same
+        either way). This is the cache the model would have had without compression; compare
+        [`held_nbytes`][h2o_compress.cache.CompressedCache.held_nbytes] with it."""
+        ready = [layer for layer in self.attention_layers if layer.is_initialized]
+        if not ready:
+            return 0
+        element = torch.empty((), dtype=ready[0].geometry.dtype).element_size()
+        return self.full_fp16_nbytes() // 2 * element
+
+    def held_nbytes(self) -> int:
+        """Bytes of the keys and values the attention layers hold now, counted for the slots that hold a token:
+        stored data with its scales and zero points, the ring window's keys and values, the refined low planes.
+        This counts like with like against [`full_nbytes`][h2o_compress.cache.CompressedCache.full_nbytes] (equal
+        to it when nothing is evicted or quantized); what [`nbytes`][h2o_compress.cache.CompressedCache.nbytes]
+        counts beyond it and `state_nbytes` is bookkeeping (positions, scores, value norms, head tags, counters)
+        and room allocated for tokens not held (free slots). Reads the device."""
+        return sum(_held_data_bytes(layer) for layer in self.attention_layers)
+
     def frozen_copy(self, max_length: int) -> "CompressedCache":
         """A copy holding this cache's tokens that evicts nothing more, with room for the tokens up to
         ``max_length`` seen in all (the compressed context stays compressed, what is added after it is kept whole,
@@ -258,6 +296,26 @@ class CompressedCache(Cache):
                 setattr(copy, name, getattr(self, name))
         copy.max_length = max_length  # its storage has room for no more: a longer generation is refused up front
         return copy
+
+
+def _held_data_bytes(layer: CompressedLayer) -> int:
+    """Bytes of ``layer``'s keys and values (``keys*``/``values*`` buffers of its store, ring window and refined
+    planes) in the slots holding a token: each group's data bytes times its share of occupied slots (positions
+    >= 0; every slot of a group has the same bytes). 0 before the first token."""
+    if not layer.is_initialized:
+        return 0
+    layer.settle()
+    groups = [(layer.store.tensors(), layer.store.positions)]
+    if layer.ring is not None:
+        groups.append((layer.ring.tensors(), layer.ring.positions))
+    if layer.store.refine is not None:
+        groups.append((layer.store.refine.tensors(), layer.store.refine.slots))
+    total = 0
+    for tensors, positions in groups:
+        data = sum(t.numel() * t.element_size() for name, t in tensors.items() if name.startswith(("keys", "values")))
+        if positions.numel():
+            total += data * int((positions >= 0).sum()) // positions.numel()
+    return total
 
 
 def _layer_policy(config: CompressionConfig, calibration, idx: int):
@@ -298,7 +356,7 @@ def build_layers(
     for idx in range(num_layers):
         span = spans[idx] if spans else FULL_SPAN
         if span.stateful:  # a hybrid's linear-attention/SSM/conv layer: transformers' own, its states untouched
-            layers.append(LinearAttentionLayer(number_of_states=span.states))
+            layers.append(StateLayer(number_of_states=span.states))
             continue
         kernel = "torch" if span.windowed or torch_decode else config.attention_kernel
         paired = {"number_of_states": span.states} if span.paired else {}  # a state beside the keys (Falcon-H1)

@@ -143,5 +143,18 @@ def summary_line(figures: dict) -> str:
         f"batch {figures['batch_size']}{on_actors} | decode "
         f"{figures['decode_tokens_per_s']:.1f} tok/s, end to end {figures['end_to_end_tokens_per_s']:.1f} tok/s | "
         f"idle rows {figures['idle_share']:.0%} | KV {format_bytes(figures['kv_bytes_per_sequence'])} per sequence | "
-        f"peak {format_bytes(figures['peak_bytes'])}{' per actor' if actors else ''}]"
+        f"peak {memory_kind_text(figures.get('peak_kind'))}{format_bytes(figures['peak_bytes'])}"
+        f"{' per actor' if actors else ''}]"
     )
+
+
+def memory_kind_text(kind: str | None) -> str:
+    """What a measured peak counts, as words before its bytes: ``process memory `` for a CPU process's whole
+    resident set (weights, runtime, tokenizer, KV cache, workspace), ``growth `` above what it held before loading,
+    ``GPU memory `` on CUDA; empty for a kind not known."""
+    if kind is None:
+        return ""
+    if kind.startswith("cpu_peak_rss_growth"):
+        return "growth "
+    return {"cpu_peak_rss": "process memory ", "cpu_peak_rss_with_load": "process memory ",
+            "cuda_max_memory_allocated": "GPU memory "}.get(kind, "")

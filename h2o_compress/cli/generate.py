@@ -7,6 +7,7 @@ Every option is validated before anything is loaded or written (a rejected ``--t
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -173,12 +174,21 @@ def summary_line(figures: dict, loaded: bool = False, saved: bool = False) -> st
 
 
 def capacity_text(figures: dict) -> str:
-    """``capacity N``, or, where a fractional budget evicted nothing because the sequence is no longer than the
-    floor, ``capacity all (N tokens <= --min-capacity M: nothing evicted)``."""
-    if figures["capacity"] is not None:
-        return f"capacity {figures['capacity']}"
+    """What eviction did: ``capacity N of M tokens (K evicted per layer and KV head)``, with a note where the floor
+    ``--min-capacity`` kept more than a fractional ``--budget`` asks for, or ``capacity all`` with the reason nothing
+    was evicted."""
     config = figures.get("config") or {}
     budget, floor = config.get("budget", 1.0), figures.get("min_capacity", 0)
+    read = figures["prompt_tokens"] + max(figures["new_tokens"] - 1, 0)  # the last new token is never cached
+    capacity = figures["capacity"]
+    if capacity is not None:
+        text = f"capacity {capacity} of {read} tokens ({max(read - capacity, 0)} evicted per layer and KV head)"
+        length = figures["prompt_tokens"] + figures.get("max_new_tokens", figures["new_tokens"])
+        asked = math.ceil(budget * length) if isinstance(budget, float) else capacity
+        if asked < capacity == floor:
+            text += (f"; --budget {budget} alone keeps {asked}, the floor --min-capacity {floor} keeps {floor} "
+                     "(--min-capacity 0 turns it off)")
+        return text
     if config.get("policy") != "full" and isinstance(budget, float) and budget < 1 and floor:
         return (f"capacity all ({figures['prompt_tokens'] + figures['new_tokens']} tokens <= --min-capacity {floor}: "
                 "nothing evicted)")
@@ -186,14 +196,18 @@ def capacity_text(figures: dict) -> str:
 
 
 def kv_share_text(figures: dict) -> str:
-    """The KV bytes and their share of an uncompressed cache in the model's own dtype (and, for a 32-bit model,
-    of an fp16 cache too)."""
-    full_fp16, dtype = figures["kv_bytes_full_fp16"], figures["kv_dtype"]
-    mib = f"KV {figures['kv_bytes'] / 2**20:.2f} MiB"
-    if not full_fp16:
-        return mib
-    share = figures["kv_bytes"] / full_fp16
-    if dtype in ("float16", "bfloat16"):
-        return f"{mib} = {share:.1%} of an uncompressed {dtype} cache"
-    width = {"float32": 2, "float64": 4}.get(dtype, 1)
-    return f"{mib} = {share / width:.1%} of an uncompressed {dtype} cache ({share:.1%} of an fp16 one)"
+    """The KV bytes held and their share of the uncompressed cache in the model's own dtype, counted like with like
+    (the keys and values of the tokens held against those of every token seen: 100% when nothing is evicted or
+    quantized), then what the cache holds beside them: bookkeeping (positions, scores) and free slots, and a
+    hybrid model's constant states (uncompressed, not in the share)."""
+    held, full, dtype = figures.get("kv_bytes_held"), figures.get("kv_bytes_full"), figures["kv_dtype"]
+    states = figures.get("kv_state_bytes") or 0
+    if held is None or not full:  # figures of an older run: the footprint alone
+        return f"KV {figures['kv_bytes'] / 2**20:.2f} MiB"
+    text = f"KV {format_bytes(held)} = {held / full:.1%} of the uncompressed cache ({dtype}, the model's dtype)"
+    extra = figures["kv_bytes"] - held - states
+    if extra > 0:
+        text += f" + {format_bytes(extra)} positions, scores and free slots"
+    if states:
+        text += f" + {format_bytes(states)} linear-attention/SSM states (uncompressed)"
+    return text

@@ -26,7 +26,8 @@ def plan(
     gen_len: int = typer.Option(128, "--gen-len", help="New tokens per sequence."),
     weights_bits: int = PlanWeightsBitsOpt,
     dtype: str = typer.Option("float16", "--dtype", help="Compute and KV dtype: float16, bfloat16 or float32."),
-    profile: Optional[str] = typer.Option(None, "--profile", help="Profile report (JSON) giving the quality order."),
+    profile: Optional[str] = typer.Option(
+        None, "--profile", help="Profile report (JSON) giving the quality order (default: the shipped measured ranking)."),
     policies: str = typer.Option("h2o", "--policies", help="Eviction policies to consider (comma-separated)."),
     budgets: str = typer.Option("1.0,0.5,0.25,0.1", "--budgets", help="Budgets: fractions or token counts."),
     bits: str = typer.Option("16,8,4", "--bits", help="KV bit widths to consider."),

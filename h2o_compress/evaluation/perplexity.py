@@ -42,6 +42,10 @@ class PerplexityResult:
         reference_perplexity: perplexity of the same tokens with the uncompressed cache (``None`` if not run).
         perplexity_ratio: ``perplexity / reference_perplexity`` (``None`` if not run).
         config: the compression setting (``CompressionConfig.to_dict()``).
+        kv_bytes_held: bytes of the keys and values held at the end, in the slots holding a token
+            (`CompressedCache.held_nbytes`).
+        kv_bytes_full: bytes of the uncompressed cache in the model's own dtype for the same tokens
+            (`CompressedCache.full_nbytes`): ``kv_bytes_held / kv_bytes_full`` counts like with like.
     """
 
     perplexity: float
@@ -57,6 +61,8 @@ class PerplexityResult:
     config: dict
     reference_perplexity: float | None = None
     perplexity_ratio: float | None = None
+    kv_bytes_held: int = 0
+    kv_bytes_full: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,6 +157,8 @@ def streaming_perplexity(
         seconds=seconds,
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         config=config.to_dict(),
+        kv_bytes_held=cache.held_nbytes(),
+        kv_bytes_full=cache.full_nbytes(),
     )
     if reference:
         result.reference_perplexity = reference_perplexity(model, input_ids)

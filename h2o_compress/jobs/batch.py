@@ -20,11 +20,13 @@ from h2o_compress.jobs.batch_files import AnswerFile, read_requests
 from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
-from h2o_compress.planner import format_bytes, parse_memory
+from h2o_compress.planner import describe, format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
 from h2o_compress.integrations.ray_batch import import_ray_data, ray_session, run_on_ray
 from h2o_compress.integrations.ray_sweep import check_reachable
-from h2o_compress.runtime.batch import BatchStats, check_batch_size, generate_batch_checked, row_config
+from h2o_compress.runtime.batch import (
+    BatchStats, check_batch_size, check_batchable, generate_batch_checked, row_config,
+)
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.generation import check_config, generate
 from h2o_compress.utils.defaults import default_of
@@ -154,7 +156,7 @@ class BatchJob:
                                   "--batch-size auto --memory-limit SIZE, or --batch-size N alone")
         if self.memory_limit is not None:
             parse_memory(self.memory_limit)
-        check_threads(self.threads)
+        check_threads(self.threads, here=self.ray is None)  # with Ray: threads of the cluster's machines
         if self.ray is not None:
             import_ray_data()
             self.ray = check_reachable(self.ray)
@@ -178,6 +180,8 @@ class BatchJob:
 
         Raises:
             ModelLoadError: the model cannot be loaded.
+            UnsupportedModelError: a model whose states live in its own modules
+                ([`check_batchable`][h2o_compress.runtime.batch.check_batchable]), once loaded, before any pass.
             ConfigError: with ``batch_size="auto"``, not even one sequence fits the memory; with ``ray``, a cluster
                 that cannot be started or reached.
             InputError: OUTPUT is being written by another run.
@@ -204,6 +208,7 @@ class BatchJob:
             on_start(len(todo), len(self.requests) - len(todo))
         peak = PeakMemory(whole_process=True)  # on a CPU a memory limit bounds the whole process
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+        check_batchable(lm)  # RecurrentGemma: refused as soon as it is loaded, before planning or any prompt
         peak.loaded()
         held = peak.held(lm) if self.batch_size == "auto" else None  # the process once loaded: auto counts it
         config, batch_size, reason, planned = self._setting(lm, tokenizer, held)
@@ -291,16 +296,29 @@ class BatchJob:
         if row.max_batch < 1:
             raise ConfigError(
                 f"--batch-size auto: not even one sequence of {prompt_len} + {gen_len} tokens fits {source} "
-                f"{format_bytes(parse_memory(limit))} with {row.label} (one needs {format_bytes(row.total_bytes)}: "
-                f"weights {format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)}, workspace "
+                f"{format_bytes(parse_memory(limit))} with {setting_text(self.config, config, longest, row.kv_dtype)} "
+                f"(one needs {format_bytes(row.total_bytes)}: {row.loaded_text}, KV cache {format_bytes(row.cache.total)}, workspace "
                 f"{format_bytes(row.workspace_bytes)}); allowed: more memory, a smaller budget or fewer bits")
         size = min(row.max_batch, len(prepared))
         planned = fit_batch(lm, config, limit, prompt_len, gen_len, held=held, batch=size).total_bytes
         return config, size, (
             f"batch size {size} (auto): the largest that fits {source} {format_bytes(parse_memory(limit))} is "
-            f"{counted(row.max_batch, 'sequence')} of {prompt_len} + {gen_len} tokens with {row.label} (weights "
-            f"{format_bytes(row.weight_bytes)}, KV cache {format_bytes(row.cache.total)} per sequence)"
+            f"{counted(row.max_batch, 'sequence')} of {prompt_len} + {gen_len} tokens with "
+            f"{setting_text(self.config, config, longest, row.kv_dtype)} ({row.loaded_text}, KV cache {format_bytes(row.cache.total)} per sequence)"
             + (f"; {counted(len(prepared), 'prompt')} in the input" if size < row.max_batch else "")), planned
+
+
+def setting_text(given: CompressionConfig, config: CompressionConfig, longest: int, kv_dtype: str) -> str:
+    """The setting as the user gave it (``given``: ``h2o 20% int4 g32 r3``), with what its fractional budget
+    became for the job's ``longest`` sequence (prompt + new tokens) where ``config`` (`row_config`) differs:
+    ``(nothing evicted: 150 tokens <= --min-capacity 192)`` or ``(410 tokens kept per layer and KV head)``."""
+    text = describe(given, kv_dtype)
+    if config == given:
+        return text
+    capacity = config.capacity(longest)
+    if capacity is None:
+        return f"{text} (nothing evicted: {longest} tokens <= --min-capacity {given.floor})"
+    return f"{text} ({capacity} tokens kept per layer and KV head)"
 
 
 def summary(report: BatchReport, config: CompressionConfig) -> dict:

@@ -37,7 +37,8 @@ class GenerateReport:
         result: the [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] (text, token counts, bytes, times).
         config: the setting the cache ran with (the planner's pick under ``memory_limit``, the file's with
             ``load_cache``).
-        figures: what ``generate --json`` prints: the result's figures (without ``token_ids``) plus ``config``,
+        figures: what ``generate --json`` prints: the result's figures (without ``token_ids``) plus ``config``
+            (its ``min_capacity`` the floor in force: the default where none was given),
             ``model``, ``kv_dtype``, ``weights_bits``; with ``memory_limit`` ``planned_peak_bytes``,
             ``measured_peak_bytes`` (bytes) and ``measured_peak_kind``; with a prompt cache ``cache_load_s`` or
             ``cache_save_s`` (seconds, also the ``prefill_s``: the prompt went through the cache).
@@ -202,8 +203,9 @@ class GenerateJob(CacheRunFields):
             load_s: seconds the prompt cache took to load or save (then the prefill's), or ``None``.
         """
         figures = {k: v for k, v in result.to_dict().items() if k != "token_ids"}
-        figures["config"] = config.to_dict()
+        figures["config"] = config.to_dict() | {"min_capacity": config.floor}  # the floor in force, not None
         figures["min_capacity"] = config.floor  # the floor in force (the config's None: the default)
+        figures["max_new_tokens"] = self.max_new_tokens  # with the prompt: the length the capacity was set for
         figures["model"] = self.model
         figures["kv_dtype"] = str(dtype).removeprefix("torch.")
         figures["weights_bits"] = models.resolve_weights_bits(self.model, **self.load)  # None resolved: 8 or 16

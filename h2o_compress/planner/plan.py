@@ -14,6 +14,7 @@ from h2o_compress.models import ModelDims, model_dims, resolve_dtype
 from h2o_compress.models.weights import floating_dtype, loaded_weights_bits
 from h2o_compress.policies import POLICIES, POLICY_OPTIONS
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
+from h2o_compress.planner.ranking import rank, shipped_ranking
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
 from h2o_compress.planner.sizes import CacheBytes, _element_size, cache_bytes, weight_bytes, workspace_bytes
 from h2o_compress.planner.states import state_bytes
@@ -31,7 +32,11 @@ class PlanRow:
 
     ``max_batch`` is the largest batch that fits at the requested lengths, ``max_context`` the longest
     prompt + generation (generation length fixed) that fits at the requested batch, both 0 when none does.
-    ``quality`` is the profile report's metric, lower is better (``None`` without a report entry).
+    ``quality`` orders the rows, lower is better: the profile report's metric (``None`` without a report entry), or
+    without a report the perplexity ratio of the shipped measured ranking
+    (`h2o_compress.planner.ranking.rank`: ``None`` where unranked). ``quality_from`` names the measured
+    setting the figure comes from (the row's own label, or where the row is ranked by a setting it keeps at least as
+    much as, that setting's), ``quality_note`` says it in words (empty without a figure from the ranking).
     """
 
     config: CompressionConfig
@@ -44,6 +49,18 @@ class PlanRow:
     max_context: int
     quality: float | None = None
     kv_dtype: str = "float16"
+    quality_from: str | None = None
+    quality_note: str = ""
+    own_weight_bytes: int | None = None
+
+    @property
+    def loaded_text(self) -> str:
+        """What ``weight_bytes`` counts, in words: ``weights 237.00 MiB``, or where it is the process's resident set
+        measured once the model was loaded (larger than the weights: runtime, libraries, tokenizer) ``process
+        memory 738.00 MiB (weights 237.00 MiB)``."""
+        if self.own_weight_bytes is None:
+            return f"weights {format_bytes(self.weight_bytes)}"
+        return f"process memory {format_bytes(self.weight_bytes)} (weights {format_bytes(self.own_weight_bytes)})"
 
     @property
     def label(self) -> str:
@@ -62,8 +79,8 @@ class PlanRow:
 class PlanReport:
     """The planner's answer: every candidate evaluated, and the recommended one (``None`` if nothing fits).
 
-    ``order`` says how the recommendation was ranked: ``bytes`` (least compressed first) or the profile
-    report's path. ``fp16_cache_bytes`` is the uncompressed fp16 cache of the attention layers at the same tokens
+    ``order`` says how the recommendation was ranked: ``measured`` (the shipped quality ranking, ``ranking`` naming
+    its data) or the profile report's path; ``reason`` is why the recommended row was picked, in one phrase. ``fp16_cache_bytes`` is the uncompressed fp16 cache of the attention layers at the same tokens
     (DESIGN.md §2). ``state_bytes``: a hybrid model's constant linear-attention/SSM/convolution states of the whole
     batch (uncompressed, the same at any length: in every row's cache bytes, or beside them where the model's own
     modules hold them), ``state_layers`` the layers that hold them.
@@ -91,6 +108,8 @@ class PlanReport:
     compiled: bool = False
     state_bytes: int = 0
     state_layers: int = 0
+    reason: str = ""
+    ranking: str = ""
 
     @property
     def usable_bytes(self) -> int:
@@ -136,8 +155,8 @@ def plan(
     For each candidate ([`candidates`][h2o_compress.planner.candidates]): exact cache bytes after ``generate`` with a ``prompt_len``-token
     prompt and ``gen_len`` new tokens at ``batch`` (seen = prompt + gen - 1, capacity from prompt + gen),
     weight bytes, an activation/workspace estimate, whether the sum fits, the largest batch and the longest
-    context that fit. The recommendation is the fitting setting of best quality in the ``profile`` report, else
-    the least compressed (most cache bytes) that fits. ``policies``, ``budgets``, ``bits``, ``group_sizes``,
+    context that fit. The recommendation: the fitting setting of best quality in the ``profile`` report, else in the
+    shipped measured ranking (`h2o_compress.planner.ranking.rank`); ``reason`` says why. ``policies``, ``budgets``, ``bits``, ``group_sizes``,
     ``residuals``, ``quant``, ``heavy_ratio``, ``sink_tokens``, ``high_bits_fraction``, ``head_budgets`` and
     ``layer_budgets`` span the candidate grid, as [`candidates`][h2o_compress.planner.candidates] takes them.
 
@@ -150,7 +169,7 @@ def plan(
         gen_len: new tokens.
         weights_bits: 16 (in ``dtype``), 8 (LLM.int8) or 4 (NF4) for a model that is not loaded.
         dtype: compute and KV dtype name (default ``float16``).
-        profile: path of a profile report (JSON) giving the quality order ([`load_quality`][h2o_compress.planner.load_quality]).
+        profile: path of a profile report (JSON) ranking instead ([`load_quality`][h2o_compress.planner.load_quality]).
         headroom: memory left free under ``memory`` for what is not counted (CUDA context, fragmentation):
             ``"10%"``, an amount (``"1GiB"``) or 0 (the default here; ``h2o-compress plan`` uses 10%). A row
             fits when its total is at most ``memory - headroom``.
@@ -162,7 +181,7 @@ def plan(
         held: bytes held once the model is loaded, counted for its weights where larger (as `fit_batch`).
 
     Returns:
-        A [`PlanReport`][h2o_compress.planner.PlanReport], rows ordered by quality (with a profile) or by cache bytes, largest first.
+        A [`PlanReport`][h2o_compress.planner.PlanReport], rows ordered by quality, then by cache bytes, largest first.
 
     Raises:
         ModelLoadError: unknown model (the message lists the known ones).
@@ -172,16 +191,16 @@ def plan(
     limit, reserve = _check_request(memory, headroom, compiled, batch=batch, prompt_len=prompt_len, gen_len=gen_len)
     spec, kv_dtype, weights, compiled = _counted_model(model, dtype, weights_bits, compiled, trust_remote_code, held)
     warnings: list[str] = []
-    quality = load_quality(profile, warnings) if profile is not None else {}
+    quality = _quality_of(profile, warnings)
     grid = _grid(spec, policies, budgets, bits, group_sizes, residuals, quant, heavy_ratio, sink_tokens,
                  high_bits_fraction, head_budgets, layer_budgets)
     rows = sorted((_row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, limit - reserve, compiled,
-                        quality.get(_setting_key(config))) for config in grid), key=_quality_order)
+                        quality(config)) for config in grid), key=_quality_order)
     return PlanReport(
         model=spec.name, dims=spec.dims, memory_limit=limit, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
         weights_bits=weights_bits if spec.loaded_bytes is None else loaded_weights_bits(model), compiled=compiled,
         dtype=str(kv_dtype).removeprefix("torch."), weight_bytes=weights, model_context=spec.max_context, rows=rows,
-        recommended=next((r for r in rows if r.fits), None), order=str(profile) if profile else "bytes",
+        **_recommendation(rows, profile),
         notes=_notes(spec, prompt_len, gen_len, bits, group_sizes), headroom_bytes=reserve, warnings=warnings,
         **_uncompressed(spec, batch, prompt_len + gen_len - 1, kv_dtype))
 
@@ -271,6 +290,49 @@ def _grid(spec: ModelSpec, policies, budgets, bits, group_sizes, *options) -> li
     return grid
 
 
+def _quality_of(profile, warnings: list[str]):
+    """A function giving a candidate's quality fields for its [`PlanRow`][h2o_compress.planner.PlanRow]
+    (``quality``, ``quality_from``, ``quality_note``): from the ``profile`` report where given (`load_quality`;
+    its non-finite metrics said in ``warnings``), else from the shipped measured ranking (`rank`).
+
+    Raises:
+        ConfigError: an unreadable profile report, or one without a usable row.
+    """
+    if profile is not None:
+        measured = load_quality(profile, warnings)
+
+        def from_profile(config: CompressionConfig) -> dict:
+            value = measured.get(_setting_key(config))
+            return {"quality": value, "quality_from": None if value is None else describe(config)}
+
+        return from_profile
+
+    def from_ranking(config: CompressionConfig) -> dict:
+        found = rank(config)
+        return {"quality": found.ratio, "quality_from": found.entry.label if found.entry else None,
+                "quality_note": found.note()}
+
+    return from_ranking
+
+
+def _recommendation(rows: list[PlanRow], profile) -> dict:
+    """[`PlanReport`][h2o_compress.planner.PlanReport]'s ``recommended`` (the first of the ordered ``rows`` that
+    fits), ``order``, ``reason`` and ``ranking`` (the data the order comes from)."""
+    best = next((r for r in rows if r.fits), None)
+    source = str(profile) if profile is not None else shipped_ranking().source
+    if best is None:
+        reason = ""
+    elif best.quality is None:
+        ranked_by = f"the profile report {profile}" if profile is not None else "the measured quality ranking"
+        reason = f"no setting in {ranked_by} fits: the least compressed that fits (most cache bytes)"
+    elif profile is not None:
+        reason = f"best quality in {profile} that fits"
+    else:
+        reason = f"best measured quality that fits: {best.quality_note}"
+    return {"recommended": best, "order": str(profile) if profile is not None else "measured", "reason": reason,
+            "ranking": source}
+
+
 def _quality_order(row: PlanRow) -> tuple:
     """The order of a plan's rows: those with a quality figure first, best first (the lower the better), then by
     cache bytes, largest first."""
@@ -289,10 +351,10 @@ def _notes(spec: ModelSpec, prompt_len: int, gen_len: int, bits, group_sizes) ->
 
 
 def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int, gen_len: int, weights: int,
-         kv_dtype: torch.dtype, usable: int, compiled: bool, quality: float | None = None,
+         kv_dtype: torch.dtype, usable: int, compiled: bool, quality: dict | None = None,
          rows_alone: bool = False) -> PlanRow:
     """``config`` evaluated at ``batch`` and the lengths: its bytes, whether it fits ``usable`` bytes, its largest
-    batch and longest context. ``rows_alone``: each sequence is prefilled alone into a cache of its own, then moved
+    batch and longest context; ``quality``: its quality fields (`_quality_of`). ``rows_alone``: each sequence is prefilled alone into a cache of its own, then moved
     into the batch ([`h2o_compress.generate_batch`][h2o_compress.generate_batch]): the prefill's workspace is one sequence's, plus that
     sequence's cache while it is moved."""
 
@@ -309,8 +371,8 @@ def _row(spec: ModelSpec, config: CompressionConfig, batch: int, prompt_len: int
     return PlanRow(
         config=config, cache=cache, weight_bytes=weights, workspace_bytes=work, total_bytes=need,
         fits=need <= usable, max_batch=_largest(lambda b: total(b, prompt_len)[2] <= usable, 1, MAX_BATCH),
-        max_context=longest_prompt + gen_len if longest_prompt else 0, quality=quality,
-        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        max_context=longest_prompt + gen_len if longest_prompt else 0, **(quality or {}),
+        kv_dtype=str(kv_dtype).removeprefix("torch."), own_weight_bytes=getattr(weights, "weights", None),
     )
 
 
@@ -343,6 +405,19 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
     return _row(spec, config, batch, prompt_len, gen_len, weights, kv_dtype, usable, compiled, rows_alone=True)
 
 
+class HeldBytes(int):
+    """The bytes a plan counts for the loaded model where the process's resident set measured once it was loaded
+    exceeds the weights (an int: those bytes), keeping ``weights``, the weights' own bytes, so that a row names
+    each (`PlanRow.loaded_text`)."""
+
+    weights: int
+
+    def __new__(cls, held: int, weights: int):
+        value = super().__new__(cls, held)
+        value.weights = weights
+        return value
+
+
 def _with_held(weights: int, held: int | None) -> int:
     """The bytes a plan counts for the loaded model: its ``weights``, or the ``held`` bytes measured once it was
     loaded where larger (see [`fit_batch`][h2o_compress.planner.fit_batch]).
@@ -354,7 +429,7 @@ def _with_held(weights: int, held: int | None) -> int:
         return weights
     if isinstance(held, bool) or not isinstance(held, int) or held < 0:
         raise ConfigError(f"held={short(held)} is invalid; allowed: bytes (an integer >= 0) or None")
-    return max(weights, held)
+    return HeldBytes(held, weights) if held > weights else weights
 
 
 def _compiled_by_default(model, spec: ModelSpec, weights_bits: int) -> bool:
@@ -377,17 +452,18 @@ def choose(model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int =
     raise ConfigError(
         f"no setting fits in {format_bytes(report.memory_limit)} for batch {batch}, {prompt_len} + {gen_len} tokens: "
         f"the smallest, {smallest.label}, needs {format_bytes(smallest.total_bytes)} ({smallest.total_bytes} bytes: "
-        f"weights {format_bytes(smallest.weight_bytes)}, KV cache {format_bytes(smallest.cache.total)}, workspace "
+        f"{smallest.loaded_text}, KV cache {format_bytes(smallest.cache.total)}, workspace "
         f"{format_bytes(smallest.workspace_bytes)})"
     )
 
 
 def describe_choice(row: PlanRow, memory) -> str:
-    """One line saying what the planner picked for ``memory`` and what it costs (``generate --memory-limit``)."""
+    """One line saying what the planner picked for ``memory``, what it costs and, where the measured ranking gives
+    it, its quality (``generate --memory-limit``)."""
     return (
-        f"memory limit {format_bytes(parse_memory(memory))}: picked {row.label} (weights "
-        f"{format_bytes(row.weight_bytes)} + KV cache {format_bytes(row.cache.total)} + workspace "
+        f"memory limit {format_bytes(parse_memory(memory))}: picked {row.label} ({row.loaded_text} + KV cache {format_bytes(row.cache.total)} + workspace "
         f"{format_bytes(row.workspace_bytes)} = {format_bytes(row.total_bytes)})"
+        + (f"; quality: {row.quality_note}" if row.quality_note else "")
     )
 
 
@@ -420,13 +496,14 @@ def choose_for_prompt(
                "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, "layer_budgets": base.layer_budgets,
                "head_budgets": base.head_budgets, "high_bits_fraction": base.high_bits_fraction, **options}
     row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
-    carried = ["rotate", "score_chunk_size", "prefill_chunk_size", "attention_kernel", "calibration"]
+    carried = ["rotate", "score_chunk_size", "prefill_chunk_size", "attention_kernel"]
     if row.config.policy == base.policy:  # not when the row keeps everything (policy "full")
         named = [name for name in POLICY_OPTIONS if name in CompressionConfig.__dataclass_fields__]
         carried += named + ["policy_options"]  # the policy's own options: those with a field, then the rest
     row.config = replace(row.config, **{name: getattr(base, name) for name in carried})
-    if base.key_offsets != "none" and row.config.kv_bits in (4, 8):  # same bytes; not where the row keeps 16 bits
-        row.config = replace(row.config, key_offsets=base.key_offsets)
+    offsets = base.key_offsets if row.config.kv_bits in (4, 8) else "none"  # same bytes; not where 16 bits are kept
+    reads = offsets != "none" or POLICIES[row.config.policy].needs_calibration  # the calibration, where it is read
+    row.config = replace(row.config, key_offsets=offsets, calibration=base.calibration if reads else None)
     return row
 
 

@@ -6,14 +6,16 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from h2o_compress.planner.plan import PlanReport
+from h2o_compress.planner.plan import PlanReport, PlanRow
 from h2o_compress.planner.units import format_bytes
 
 
 def plan_table(report: PlanReport) -> Table:
     """One row per candidate: capacity, KV cache bytes (and their share of the uncompressed cache: fp16 keys and
     values plus a hybrid's constant states), of which constant states (hybrids only), workspace, total, fit, max
-    batch and max context; the recommended row in bold green."""
+    batch and max context, and the quality figure that orders the rows (the measured ranking's perplexity ratio,
+    ``<=`` where bounded by a measured setting the row keeps at least as much as; or the profile report's metric);
+    the recommended row in bold green."""
     d = report.dims
     table = Table(box=box.SIMPLE_HEAD, title=(
         f"{report.model}: {_layers(report)} x {d.kv_heads} KV heads x {d.head_dim} head_dim | "
@@ -28,8 +30,7 @@ def plan_table(report: PlanReport) -> Table:
             table.add_column(name, no_wrap=True, min_width=max(len(row.label) for row in report.rows))
         else:
             table.add_column(name, justify="right")
-    if report.order != "bytes":
-        table.add_column("quality", justify="right")
+    table.add_column("quality", justify="right")
     for row in report.rows:
         uncompressed = report.fp16_cache_bytes + row.cache.states
         share = row.cache.total / uncompressed if uncompressed else 0.0
@@ -41,11 +42,19 @@ def plan_table(report: PlanReport) -> Table:
             format_bytes(row.total_bytes), "yes" if row.fits else "no", f"{row.max_batch:,}",
             f"{row.max_context:,}" + ("*" if beyond else ""),
         ]
-        if report.order != "bytes":
-            cells.append("-" if row.quality is None else f"{abs(row.quality):.4g}")
+        cells.append(_quality_cell(row, report.order))
         style = "bold green" if row is report.recommended else (None if row.fits else "dim")
         table.add_row(*cells, style=style)
     return table
+
+
+def _quality_cell(row: PlanRow, order: str) -> str:
+    """``1.036x`` (measured), ``<=1.073x`` (bounded by another measured setting), the profile's metric, or ``-``."""
+    if row.quality is None:
+        return "-"
+    if order != "measured":
+        return f"{abs(row.quality):.4g}"
+    return ("" if row.quality_from == row.label else "<=") + f"{row.quality:.3f}x"
 
 
 def _layers(report: PlanReport) -> str:
@@ -83,9 +92,9 @@ def print_plan(report: PlanReport, console: Console | None = None) -> None:
         console.print(f"[bold red]nothing fits[/]: the smallest, {smallest.label}, needs "
                       f"{format_bytes(smallest.total_bytes)}")
     else:
-        how = "least compressed that fits" if report.order == "bytes" else f"best quality in {report.order} that fits"
-        console.print(f"[bold]recommended[/]: {best.label} ({how}): total {format_bytes(best.total_bytes)} of "
-                      f"{format_bytes(report.memory_limit)}")
+        console.print(f"[bold]recommended[/]: {best.label} ({report.reason}): total {format_bytes(best.total_bytes)} "
+                      f"of {format_bytes(report.memory_limit)}")
+    console.print(f"quality ranking: {report.ranking}", highlight=False)
     if report.headroom_bytes:
         left = f"; {format_bytes(report.memory_limit - best.total_bytes)} of the limit left in all" if best else ""
         console.print(f"headroom: {format_bytes(report.headroom_bytes)} of the limit left free (--headroom), so "

@@ -15,7 +15,7 @@ from pathlib import Path
 from h2o_compress.evaluation.corpus import text_role
 from h2o_compress.policies import POLICIES
 from h2o_compress.utils.errors import InputError, short, write_failure
-from h2o_compress.utils.files import make_dir, read_text
+from h2o_compress.utils.files import make_dir, read_text, staging_dir
 from h2o_compress.utils.outputs import SIGNED, OutputDir, check_out_path, manifest_key
 
 MIB = 2**20
@@ -82,11 +82,12 @@ class Table:
 
 # -- derived figures -------------------------------------------------------------------------------------
 def finalize(report: dict) -> dict:
-    """Add ratios against the reference (the first result: uncompressed, 16-bit) and the policy comparison.
+    """Add ratios against the reference (the first result: uncompressed, in the model's dtype) and the policy
+    comparison.
 
     Adds ``perplexity.ratio``, ``corpora[text].ratio`` (the perplexity of each quality text over the reference's
-    on that text; ``None`` where the reference has none), ``kv_fraction`` (KV bytes / uncompressed fp16 bytes,
-    perplexity stream), ``speed[i].decode_speed_ratio`` and ``metrics`` (``perplexity_ratio``, ``agreement`` =
+    on that text; ``None`` where the reference has none), ``kv_fraction`` (the keys and values held / those of the
+    uncompressed cache in the model's dtype, like with like: `kv_fraction_of`; perplexity stream), ``speed[i].decode_speed_ratio`` and ``metrics`` (``perplexity_ratio``, ``agreement`` =
     token match, ``passkey_accuracy``: the flat figures ``h2o-compress plan --profile`` reads) to each result, and
     ``report["policy_comparison"]``.
 
@@ -102,7 +103,7 @@ def finalize(report: dict) -> dict:
     for record in results:
         ppl = record["perplexity"]
         ppl["ratio"] = ppl["perplexity"] / ref_ppl
-        record["kv_fraction"] = ppl["kv_bytes"] / ppl["kv_bytes_full_fp16"] if ppl["kv_bytes_full_fp16"] else None
+        record["kv_fraction"] = kv_fraction_of(ppl, record.get("model_dtype"))
         for s in record["speed"]:
             base = ref_decode.get(s["seq_len"])
             s["decode_speed_ratio"] = s["decode_tokens_per_s"] / base if base else None
@@ -119,6 +120,19 @@ def finalize(report: dict) -> dict:
     report["reference"] = ref["label"]
     report["policy_comparison"] = policy_comparison(results)
     return report
+
+
+def kv_fraction_of(figures: dict, model_dtype: str | None) -> float | None:
+    """The share of the uncompressed cache in the model's dtype that ``figures`` (a perplexity or speed entry)
+    holds: ``kv_bytes_held / kv_bytes_full`` (the keys and values of the tokens held against those of every token
+    seen, so 1.0 when nothing is evicted or quantized; positions, scores and free slots are in ``kv_bytes``
+    only). A report written before those were recorded: ``kv_bytes`` against the fp16 bytes scaled to
+    ``model_dtype``. ``None`` without a reference size."""
+    if figures.get("kv_bytes_full"):
+        return figures["kv_bytes_held"] / figures["kv_bytes_full"]
+    full = figures.get("kv_bytes_full_fp16") or 0
+    full *= {"float32": 2, "float64": 4}.get(model_dtype or "", 1)
+    return figures["kv_bytes"] / full if full else None
 
 
 def corpus_ratios(results: list[dict]) -> None:
@@ -268,7 +282,7 @@ def tables(report: dict) -> list[Table]:
         ])
     summary_table = Table(
         "Summary",
-        ["Configuration", "Capacity", "KV MiB", "KV % of fp16", "Perplexity", "vs ref", "Token match",
+        ["Configuration", "Capacity", "KV MiB", "KV % of uncompressed", "Perplexity", "vs ref", "Token match",
          "Prefix match", "ROUGE-L", "Needle", f"Prefill tok/s @{longest}", f"Decode tok/s @{longest}",
          f"Peak MiB @{longest}"],
         summary,
@@ -287,17 +301,19 @@ def tables(report: dict) -> list[Table]:
     speed_rows = [
         [r["label"], str(s["seq_len"]), str(s["capacity"] or "all"), _f(s["prefill_tokens_per_s"], 1),
          _f(s["decode_tokens_per_s"], 1), _f(s.get("decode_speed_ratio"), 2, suffix="x"), _f(s["kv_bytes"], 2, MIB),
-         _f(s["peak_memory_bytes"], 0, MIB), _f(s.get("peak_memory_delta_bytes"), 1, MIB), _decode_path(s)]
+         _f(s["peak_memory_bytes"], 0, MIB), _f(s.get("peak_memory_delta_bytes"), 1, MIB),
+         _f(s.get("workspace_bytes"), 1, MIB), _decode_path(s)]
         for r in results for s in r["speed"]
     ]
     memory_kind = results[0].get("memory_kind", "")
     speed = Table(
         "Speed and memory per context length",
         ["Configuration", "Context", "Capacity", "Prefill tok/s", "Decode tok/s", "Decode vs ref", "KV MiB",
-         "Peak MiB", "Peak - warm-up MiB", "Decode attention"],
+         "Peak MiB", "Run adds MiB", "Workspace MiB", "Decode attention"],
         speed_rows,
         note=(f"Prefill of the context in one pass, then {settings['decode_tokens']} greedy decode steps. "
-              f"Peak memory: {memory_kind}" + _memory_note(memory_kind, settings.get("isolate"))),
+              f"Peak memory: {memory_kind}" + _memory_note(memory_kind, settings.get("isolate"))
+              + _weights_note(results)),
     )
     env = report["environment"]
     env_rows = [[k, str(v)] for k, v in env.items() if k != "packages"]
@@ -317,19 +333,27 @@ def _decode_path(speed: dict) -> str:
 
 
 def _dtype_note(results: list[dict]) -> str:
-    dtype = results[0].get("model_dtype")
-    if dtype != "float32":
-        return ""
-    return (" The model runs in float32, and a 16-bit setting keeps keys and values in the model dtype, so 16-bit "
-            "rows hold 4 bytes per value: twice the fp16 figure (quantized rows keep their residual window in fp16).")
+    dtype = results[0].get("model_dtype") or "the model's dtype"
+    note = (f" Unquantized rows keep keys and values in the model's dtype ({dtype}). KV %: the keys and values held "
+            f"against those of the uncompressed {dtype} cache of the same tokens (like with like); KV MiB also counts "
+            "positions, scores and free slots.")
+    if dtype == "float32":
+        note += " Quantized rows keep their residual window in fp16."
+    return note
 
 
 def _memory_note(kind: str, isolated: bool | None) -> str:
-    if kind != "cpu_peak_rss":
-        return " (reset before each context length; model weights included)."
-    where = "a fresh worker process per configuration" if isolated else "this one process (no isolation: the peak only grows)"
-    return (f" of {where}; lengths run in increasing order, so each figure is the process peak so far (model weights "
-            "included). 'Peak - warm-up' subtracts the peak after loading the model and one 8-token forward pass.")
+    where = {"cpu_peak_rss": " the process's peak resident set (weights, runtime and tokenizer included)",
+             "cuda_max_memory_allocated": " the memory allocated on the GPU (weights included)"}.get(kind, "")
+    alone = " in a fresh worker process per configuration" if isolated else ""
+    return (f":{where}{alone}, its peak restarted before each context length (loading the model is not in it). "
+            "'Run adds': the peak above what was held when the run started (KV cache + workspace); 'Workspace': "
+            "that less the KV cache (activations, attention scratch, allocator slack).")
+
+
+def _weights_note(results: list[dict]) -> str:
+    weights = results[0].get("weights_bytes")
+    return "" if weights is None else f" The model's weights: {weights / MIB:.0f} MiB."
 
 
 # -- plots -----------------------------------------------------------------------------------------------
@@ -744,10 +768,11 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     target = OutputDir(prepare_out_dir(out_dir))  # each file replaced only while it is what profile wrote
     written = {"report.json": target.write("report.json", json.dumps(report, indent=2, default=str) + "\n")}
     try:
-        with tempfile.TemporaryDirectory(prefix="h2o-plots-") as scratch:  # matplotlib writes where it is told
-            for path in write_plots(report, Path(scratch)):
+        # matplotlib writes where it is told: a staging directory of this run (one a killed run left is removed)
+        with staging_dir(Path(tempfile.gettempdir()), "h2o-plots-") as scratch:
+            for path in write_plots(report, scratch):
                 written[path.name] = target.write(path.name, path.read_bytes())
-            page_html = html_page(report, Path(scratch))
+            page_html = html_page(report, scratch)
     except OSError as exc:  # the scratch directory (the system's temporary one): full, read-only...
         raise InputError(write_failure(exc.filename or tempfile.gettempdir(), exc)) from None
     written["report.md"] = target.write("report.md", page)

@@ -20,13 +20,13 @@ import json
 import os
 import re
 import stat
-import tempfile
 from pathlib import Path
 
 from h2o_compress.utils.errors import InputError, short, write_failure
+from h2o_compress.utils.files import staging_file, write_all
 
 ROWS_DIR = "rows"
-FORMAT = 1
+FORMAT = 2  # 2: peaks restarted per run (workspace, run adds), KV held vs the uncompressed cache in the model dtype
 # ProfileSettings fields that list the grid: each row's own configuration stands for them in its key.
 GRID_FIELDS = ("policies", "budgets", "kv_bits")
 
@@ -142,18 +142,12 @@ class RowStore:
         """
         path = self.path(key, label)
         data = json.dumps({"key": key, "record": record}, indent=1, default=str).encode("utf-8")
-        tmp = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.check(self.dir.parent)  # a symbolic link put there since the sweep began: not followed
-            handle, tmp = tempfile.mkstemp(prefix=".row-", suffix=".tmp", dir=self.dir)
-            with os.fdopen(handle, "wb") as out:
-                out.write(data)
-            os.replace(tmp, path)
-        except BaseException as exc:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)  # never half a row
-            if isinstance(exc, OSError):
-                raise InputError(write_failure(path, exc, len(data))) from None
-            raise
+            with staging_file(self.dir, ".row-", ".tmp") as (handle, tmp):  # removed unless renamed: never half a row
+                write_all(handle, data)
+                os.replace(tmp, path)
+        except OSError as exc:
+            raise InputError(write_failure(path, exc, len(data))) from None
         return path

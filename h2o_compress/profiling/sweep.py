@@ -1,16 +1,18 @@
 """``h2o-compress profile``: sweep (policy x budget x kv bits) on one model and measure, per configuration,
 what it saves and what it costs (DESIGN.md §4):
 
-- KV bytes (``cache.nbytes()``) against the uncompressed fp16 cache;
-- peak memory per context length: ``torch.cuda.max_memory_allocated`` on CUDA, the peak RSS of an isolated
-  worker process on CPU (one fresh process per configuration, context lengths run in increasing order, so
-  the figure at a length is the process peak up to and including that run);
+- KV bytes (``cache.nbytes()``), and the keys and values held against the uncompressed cache in the model's own
+  dtype (float32 on a CPU; `CompressedCache.held_nbytes` / `full_nbytes`, like with like);
+- peak memory per context length: ``torch.cuda.max_memory_allocated`` on CUDA, the peak resident set of an
+  isolated worker process on CPU (one fresh process per configuration), the peak restarted before each length
+  (`reset_peak_memory`: not the load, not a peak inherited from the parent), with what the run added above what
+  was held before it and the workspace (that less the KV cache), beside the weights' bytes;
 - prefill and decode tokens/s per context length;
 - streaming perplexity of the corpus (`perplexity`), greedy agreement with the uncompressed output
   (`h2o_compress.evaluation.agreement`) and, optionally, passkey retrieval (`h2o_compress.evaluation.needle`) and lm-evaluation-harness task scores
   (`h2o_compress.integrations.lm_eval_tasks.score_model`: the ``h2o-compress`` model type on the loaded model).
 
-The uncompressed configuration (``full``, 16 bits) always runs first: it is the reference of every ratio.
+The uncompressed configuration (``full``, unquantized) always runs first: it is the reference of every ratio.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from h2o_compress.config import ALLOWED_BITS, CompressionConfig, check_usable
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.runtime.generation import GenerationResult, make_cache
+from h2o_compress.utils.memory import peak_resident_bytes, resident_bytes, restart_peak_resident
 from h2o_compress.utils.outputs import OutputDir
 from h2o_compress.utils.progress import report_progress
 from h2o_compress.evaluation.agreement import agreement_eval, reference_generations
@@ -299,9 +302,16 @@ class ProfileSettings:
         return configs
 
 
+def _bits_name(bits: int) -> str:
+    """``4-bit``, ``8-bit``, or ``unquantized`` for 16 (kept in the model's dtype: float32 on a CPU)."""
+    return "unquantized" if bits == 16 else f"{bits}-bit"
+
+
 def label(config: CompressionConfig) -> str:
-    """Short name of a configuration, e.g. ``h2o 0.2 4-bit`` or ``full 16-bit``."""
-    bits = f"{config.key_bits}-bit" if config.key_bits == config.value_bits else f"k{config.key_bits}v{config.value_bits}"
+    """Short name of a configuration, e.g. ``h2o 0.2 4-bit``, ``full unquantized`` (keys and values in the
+    model's own dtype, float32 on a CPU) or ``h2o 0.5 k 8-bit v 4-bit``."""
+    bits = _bits_name(config.key_bits) if config.key_bits == config.value_bits else \
+        f"k {_bits_name(config.key_bits)} v {_bits_name(config.value_bits)}"
     if config.high_bits_fraction:
         bits += f" hi8 {config.high_bits_fraction:g}"
     if config.policy == "full" or config.capacity(1 << 30) is None:
@@ -311,22 +321,38 @@ def label(config: CompressionConfig) -> str:
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int | None, str]:
-    """``(bytes, kind)``: CUDA peak allocated since the last reset, or this process's peak RSS on CPU
-    (``None`` where the platform has no ``resource`` module)."""
+    """``(bytes, kind)``: CUDA peak allocated since the last `reset_peak_memory`, or this process's peak resident
+    set on a CPU (``VmHWM``, restarted by `reset_peak_memory`; ``None`` where the platform cannot tell)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
     try:
-        import resource
-    except ImportError:  # Windows
+        return peak_resident_bytes(), "cpu_peak_rss"
+    except (OSError, ImportError):  # no /proc and no resource module (Windows)
         return None, "cpu_peak_rss"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak * (1 if sys.platform == "darwin" else 1024), "cpu_peak_rss"
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new CUDA peak-memory window (CPU peak RSS cannot be reset: see the module docstring)."""
+def memory_now(device: torch.device) -> int | None:
+    """Bytes held now: CUDA memory allocated on ``device``, or the process's resident set on a CPU (``None``
+    where the platform cannot tell)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return resident_bytes()
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window at what is held now: CUDA's peak statistics, or on a CPU (Linux) the
+    process's peak resident set (a peak inherited from the parent process or left by loading the model is
+    forgotten). Returns whether the window was restarted (``False``: a CPU that cannot restart it)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    return restart_peak_resident()
+
+
+def model_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers (its weights as loaded, quantized ones as stored)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @torch.inference_mode()
@@ -340,13 +366,15 @@ def measure_speed(
     speed).
 
     Returns a dict: seq_len, capacity, prefill_tokens_per_s, decode_tokens_per_s, kv_bytes, kv_bytes_full_fp16,
-    peak_memory_bytes (see `peak_memory_bytes`), decode_kernel (what the layers' decode attention ran:
-    ``cpu``, ``triton`` or ``torch``, joined by ``+`` where layers differ) and compiled (the decode step ran
-    compiled).
+    kv_bytes_held and kv_bytes_full (`CompressedCache.held_nbytes`, `full_nbytes`: the uncompressed cache in the
+    model's dtype), memory (bytes, `measured_memory`: peak_memory_bytes, memory_before_bytes,
+    peak_memory_delta_bytes, workspace_bytes), decode_kernel (what the layers' decode attention ran: ``cpu``,
+    ``triton`` or ``torch``, joined by ``+`` where layers differ) and compiled (the decode step ran compiled).
     """
     device = model_device(model)
     ids = corpus_ids[:, :seq_len].to(device)
     reset_peak_memory(device)
+    before = memory_now(device)
     cache = make_cache(model, config, max_length=ids.shape[1] + decode_tokens)
     step = step_function(model, resolve_compile(compile, cache, device, model))
     if step is not decode_step:  # compile for these shapes, untimed
@@ -355,12 +383,12 @@ def measure_speed(
         greedy_decode(model, warm, logits, 3, step=step)
         del warm
         reset_peak_memory(device)
+        before = memory_now(device)
     # a compiled step's first calls with a new cache record its CUDA graph (CUDA): not a decode speed
     untimed = min(warmup_steps(device), decode_tokens - 1) if step is not decode_step else 0
     logits, prefill_s = read_stream(model, cache, ids, None)
     _, decode_s = greedy_decode(model, cache, logits, decode_tokens + 1, step=step, untimed=untimed)
     sync(device)
-    peak, _ = peak_memory_bytes(device)
     return {
         "seq_len": ids.shape[1],
         "capacity": cache.capacity,
@@ -368,10 +396,25 @@ def measure_speed(
         "decode_tokens_per_s": (decode_tokens - untimed) / decode_s if decode_s > 0 else 0.0,
         "kv_bytes": cache.nbytes(),
         "kv_bytes_full_fp16": cache.full_fp16_nbytes(),
-        "peak_memory_bytes": peak,
+        "kv_bytes_held": cache.held_nbytes(),
+        "kv_bytes_full": cache.full_nbytes(),
+        **measured_memory(device, before, cache.nbytes()),
         "decode_kernel": cache.decode_kernel,
         "compiled": step is not decode_step,
     }
+
+
+def measured_memory(device: torch.device, before: int | None, kv_bytes: int) -> dict:
+    """The memory of one run, its peak window opened by `reset_peak_memory` when ``before`` was read (bytes,
+    ``None`` where the platform cannot tell): ``peak_memory_bytes`` (the peak held during the run: on a CPU the
+    process's resident set, weights and runtime included; on CUDA the memory allocated), ``memory_before_bytes``
+    (held when the run started), ``peak_memory_delta_bytes`` (the peak above it: what the run added) and
+    ``workspace_bytes`` (that less the ``kv_bytes`` of its cache: activations, attention scratch, allocator
+    slack)."""
+    peak, _ = peak_memory_bytes(device)
+    delta = None if peak is None or before is None else max(peak - before, 0)
+    return {"peak_memory_bytes": peak, "memory_before_bytes": before, "peak_memory_delta_bytes": delta,
+            "workspace_bytes": None if delta is None else max(delta - kv_bytes, 0)}
 
 
 def check_model_context(model, settings: ProfileSettings, text_tokens: int) -> None:
@@ -409,16 +452,12 @@ def measure_config(model, tokenizer, settings: ProfileSettings, config: Compress
     with torch.inference_mode():  # warm-up: first-call initialisation (and compilation) is not part of any timing
         read_stream(model, make_cache(model, config, max_length=16), corpus_ids[:, :8].to(device), None)
     record: dict = {"label": label(config), "config": config.to_dict(),
-                    "model_dtype": str(floating_dtype(model)).replace("torch.", "")}
-    record["memory_after_warmup_bytes"], record["memory_kind"] = peak_memory_bytes(device)
+                    "model_dtype": str(floating_dtype(model)).replace("torch.", ""), "weights_bytes": model_bytes(model)}
+    record["memory_after_warmup_bytes"], record["memory_kind"] = memory_now(device), peak_memory_bytes(device)[1]
     record["speed"] = [
         measure_speed(model, config, corpus_ids, n, settings.decode_tokens, settings.compile)
         for n in sorted(settings.seq_lens)
     ]
-    base = record["memory_after_warmup_bytes"]
-    for s in record["speed"]:
-        peak = s["peak_memory_bytes"]
-        s["peak_memory_delta_bytes"] = None if base is None or peak is None else peak - base
     record["perplexity"] = _perplexity(model, corpus_ids, settings, config)
     if settings.agreement_prompts:
         prompts = load_prompts()[: settings.agreement_prompts]
@@ -476,7 +515,7 @@ def _load(settings: ProfileSettings):
 def _worker(settings: ProfileSettings, config: CompressionConfig, references) -> dict:
     """Body of the isolated worker process: load the model, record the memory after loading, measure."""
     model, tokenizer = _load(settings)
-    after_load, _ = peak_memory_bytes(model_device(model))
+    after_load = memory_now(model_device(model))
     record = measure_config(model, tokenizer, settings, config, references)
     record["memory_after_load_bytes"] = after_load
     return record

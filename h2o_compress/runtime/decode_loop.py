@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Generator, Iterator, NamedTuple
 
 import torch
 
@@ -166,11 +166,25 @@ def decode(step: StepFn, model, cache, token: torch.Tensor, seen: int, pick: Pic
         untimed: as for `decode_steps`.
         device: as for `decode_steps`.
     """
+    loop = decoding(step, model, cache, token, seen, pick, eos, max_new_tokens, untimed, device)
+    while True:
+        try:
+            ids = next(loop)
+        except StopIteration as stop:
+            return stop.value
+        if on_ids is not None:
+            on_ids(ids)
+
+
+def decoding(step: StepFn, model, cache, token: torch.Tensor, seen: int, pick: PickFn, eos, max_new_tokens: int,
+             untimed: int = 0, device: torch.device | None = None) -> Generator[list[int], None, Decoded]:
+    """`decode` as a generator (the arguments as there): yields the new ids so far after each token, the first
+    included (the same list, grown: read it before the next step), and returns the `Decoded`. Nothing runs between
+    two yields, so a caller that takes its time with the ids (a text stream's consumer) is not timed."""
     ids: list[int] = [token.item()]
     current = [token]
     decode_s = compile_s = 0.0
-    if on_ids is not None:
-        on_ids(ids)
+    yield ids
 
     def feed() -> tuple:
         return (current[0], *step_inputs(cache, current[0], seen + len(ids) - 1))
@@ -183,6 +197,5 @@ def decode(step: StepFn, model, cache, token: torch.Tensor, seen: int, pick: Pic
             decode_s += done.seconds
         else:
             compile_s += done.seconds
-        if on_ids is not None:
-            on_ids(ids)
+        yield ids
     return Decoded(ids, decode_s, compile_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Generator, Iterator
 
 import torch
 
@@ -14,11 +14,10 @@ from h2o_compress.cache import CompressedCache, build_layers
 from h2o_compress.cache.chunk import fill
 from h2o_compress.persistence import PromptState
 from h2o_compress.cache.own_caches import cache_class
-from h2o_compress.runtime.decode_loop import TextStream, decode, eos_ids, sampler, sync
+from h2o_compress.runtime.decode_loop import TextStream, decoding, eos_ids, sampler, sync
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
 from h2o_compress.config import CompressionConfig
 from h2o_compress.runtime.checks import check_setting
-from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
@@ -279,6 +278,15 @@ class GenerationResult:
         compile_s: seconds of the compiled step's warm-up calls (compilation included); 0 when not compiled.
         decode_kernel: the decode attention the layers ran ([`CompressedCache.decode_kernel`][h2o_compress.cache.CompressedCache.decode_kernel]): ``cpu``,
             ``triton`` or ``torch``, joined by ``+`` where layers differ; empty when nothing was decoded.
+        kv_bytes_held: bytes of the keys and values held at the end, in the slots holding a token
+            ([`CompressedCache.held_nbytes`][h2o_compress.cache.CompressedCache.held_nbytes]): the like-with-like
+            counterpart of ``kv_bytes_full``. ``kv_bytes - kv_bytes_held - kv_state_bytes`` is bookkeeping
+            (positions, scores, counters) and free slots.
+        kv_bytes_full: bytes of the uncompressed cache in the model's own dtype (float32 on a CPU) for the same
+            tokens ([`CompressedCache.full_nbytes`][h2o_compress.cache.CompressedCache.full_nbytes]): the cache the
+            model would have had; attention layers only.
+        kv_state_bytes: bytes of a hybrid model's constant linear-attention/SSM/convolution states (in
+            ``kv_bytes``, uncompressed, the same without compression); 0 for other models.
     """
 
     text: str
@@ -294,6 +302,9 @@ class GenerationResult:
     compile_s: float = 0.0
     decode_kernel: str = ""
     token_ids: list[int] = field(default_factory=list, repr=False)
+    kv_bytes_held: int = 0
+    kv_bytes_full: int = 0
+    kv_state_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -411,6 +422,60 @@ def generate(
                             compile)
 
 
+class GenerationStream:
+    """The text pieces of one generation, as they are decoded (what [`stream`][h2o_compress.stream] returns): an
+    iterator of ``str`` that runs the decode loop one step per piece it is asked for, in the caller's thread; the
+    pieces join to the generation's text. ``result`` is the
+    [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult] once the iterator is exhausted (``None``
+    before). Stopping early (``break``) leaves the generation unfinished: no result, the cache as far as it got.
+    """
+
+    def __init__(self, run: Generator[str, None, GenerationResult]):
+        self._run = run
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if self.result is not None:
+            raise StopIteration
+        try:
+            return next(self._run)
+        except StopIteration as stop:
+            self.result = stop.value
+            raise StopIteration from None
+
+
+def stream(
+    model,
+    tokenizer,
+    prompt: str,
+    config: CompressionConfig | None = None,
+    max_new_tokens: int = 128,
+    chat: bool = True,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    cache: CompressedCache | None = None,
+    compile: bool | None = None,
+) -> GenerationStream:
+    """[`generate`][h2o_compress.generate] as an iterator of the new text's pieces, yielded as they are decoded
+    (the same decode loop as ``generate``'s ``on_text``, driven by the iteration: no thread).
+
+    ``for piece in stream(model, tokenizer, prompt, config): print(piece, end="")``; the pieces join to what
+    ``generate`` returns as ``text`` for the same arguments, and the stream's ``result`` is then its
+    [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult]. The arguments are as ``generate``'s.
+
+    Raises:
+        ConfigError, CacheStateError: a bad argument, raised here, before anything runs.
+        InputError, CacheStateError: what needs the prompt's tokens or the cache (as ``generate`` says), raised by
+            the first ``next()``.
+    """
+    config = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, None, chat)
+    return GenerationStream(_generation(model, tokenizer, prompt, config, max_new_tokens, chat, temperature, seed,
+                                        True, cache, compile))
+
+
 @torch.inference_mode()
 def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, max_new_tokens: int, chat: bool,
                      temperature: float, seed: int | None, on_text: Callable[[str], None] | None,
@@ -431,6 +496,28 @@ def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, m
     Raises:
         InputError, CacheStateError, ConfigError: as `generate` says, but for the arguments checked before.
     """
+    run = _generation(model, tokenizer, prompt, config, max_new_tokens, chat, temperature, seed, on_text is not None,
+                      cache, compile, compile_checked_for)
+    while True:
+        try:
+            piece = next(run)
+        except StopIteration as stop:
+            return stop.value
+        on_text(piece)
+
+
+@torch.inference_mode()
+def _generation(model, tokenizer, prompt: str, config: CompressionConfig, max_new_tokens: int, chat: bool,
+                temperature: float, seed: int | None, pieces: bool, cache: CompressedCache | None,
+                compile: bool | None, compile_checked_for: CompressionConfig | None = None,
+                ) -> Generator[str, None, GenerationResult]:
+    """The one generation of `generate_checked` and `stream` (the arguments as there): yields each new piece of
+    text as it is decoded where ``pieces`` (a `TextStream` over the decode loop's ids: they join to the result's
+    ``text``), nothing otherwise, and returns the [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult].
+
+    Raises:
+        InputError, CacheStateError, ConfigError: as `generate_checked` says.
+    """
     device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]
@@ -444,10 +531,20 @@ def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, m
     token = pick(prefill(model, input_ids, cache, check_model=False))  # checked above
     sync(device)
     prefill_s = time.perf_counter() - start + scoring_s
-    on_ids = None if on_text is None else TextStream(tokenizer, on_text).update
+    found: list[str] = []
+    text = TextStream(tokenizer, found.append) if pieces else None
     untimed = warmup_steps(device) if compiled else 0  # decode steps that compile / record: not a decode speed
-    generated, decode_s, compile_s = decode(step, model, cache, token, prompt_tokens, pick,
-                                            eos_ids(model, tokenizer), max_new_tokens, on_ids, untimed)
+    loop = decoding(step, model, cache, token, prompt_tokens, pick, eos_ids(model, tokenizer), max_new_tokens, untimed)
+    while True:
+        try:
+            ids = next(loop)
+        except StopIteration as stop:
+            generated, decode_s, compile_s = stop.value
+            break
+        if text is not None:
+            text.update(ids)
+            yield from found
+            found.clear()
     steps = max(len(generated) - 1 - untimed, 0)
     cache.check()
     return _result(tokenizer, cache, generated, prompt_tokens, prefill_s, decode_s, steps, compiled, compile_s)
@@ -528,4 +625,7 @@ def _result(tokenizer, cache, generated: list[int], prompt_tokens: int, prefill_
         compile_s=compile_s,
         decode_kernel=cache.decode_kernel,
         token_ids=generated,
+        kv_bytes_held=cache.held_nbytes(),
+        kv_bytes_full=cache.full_nbytes(),
+        kv_state_bytes=cache.state_nbytes(),
     )

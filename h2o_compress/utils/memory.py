@@ -55,6 +55,22 @@ def _restart_rss_peak() -> bool:
         return False
 
 
+def resident_bytes() -> int | None:
+    """The process's resident set now (``VmRSS``, bytes), or ``None`` where ``/proc`` cannot tell."""
+    return _status_kib("VmRSS")
+
+
+def peak_resident_bytes() -> int:
+    """The process's peak resident set (bytes) since it started or since `restart_peak_resident`."""
+    return _rss_peak()
+
+
+def restart_peak_resident() -> bool:
+    """Restart the process's peak resident set at its resident set now (Linux >= 4.0: a peak inherited from the
+    parent or left by loading the model is forgotten); ``False`` where it cannot be restarted."""
+    return _restart_rss_peak()
+
+
 class PeakMemory:
     """Opens a peak-memory window at construction (before loading); `loaded` restarts the peak once the
     weights are in place; `measure` gives ``(bytes, kind)``.

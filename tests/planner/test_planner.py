@@ -212,11 +212,19 @@ def test_parse_memory_rejects(bad):
 
 # -- plan / choose -------------------------------------------------------------------------------------------------
 
-def test_plan_recommends_least_compressed_that_fits_and_searches_exactly():
+def test_plan_recommends_best_measured_quality_that_fits_and_searches_exactly():
+    """``h2o 50% 16-bit`` keeps more cache bytes, but ``full int4`` is measured better: the ranking picks it."""
     report = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128)
     assert report.fp16_cache_bytes == 8 * 4095 * 512 * KiB
-    fitting = [r for r in report.rows if r.fits]
-    assert fitting and report.recommended is max(fitting, key=lambda r: r.cache.total)
+    fitting = {r.label: r for r in report.rows if r.fits}
+    assert fitting["h2o 50% 16-bit"].cache.total > fitting["full int4 g32 r3"].cache.total
+    # full int8 keeps at least what the measured full int4 keeps: ranked at most its ratio, before it (more bytes)
+    assert report.recommended is fitting["full int8 g32 r3"] and report.order == "measured"
+    assert report.recommended.quality == min(r.quality for r in fitting.values() if r.quality is not None)
+    assert report.reason.startswith("best measured quality that fits: at most 1.036x perplexity")
+    room = plan("llama-2-7b", "24GiB", batch=8, prompt_len=3968, gen_len=128, headroom="10%")  # int8 no longer fits
+    assert room.recommended.label == "full int4 g32 r3" and room.recommended.quality_from == "full int4 g32 r3"
+    assert room.reason.startswith("best measured quality that fits: 1.036x perplexity")
     assert all(r.fits == (r.total_bytes <= 24 * GiB) for r in report.rows)
     assert not report.rows[0].fits  # uncompressed fp16: 12.55 GiB weights + 16 GiB cache
     best = report.recommended
@@ -357,7 +365,9 @@ def test_cli_plan_table_and_json():
     assert len(data["rows"]) == 20 and data["rows"][0]["cache"]["packed"] == 8 * 4096 * 512 * KiB
     out = runner.invoke(app, args, env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert f"recommended: {best.label} (least compressed that fits)" in out.output
+    assert f"recommended: {best.label} (best measured quality that fits: 1.036x perplexity" in out.output
+    assert "quality ranking: h2o_compress/data/quality_ranking.json" in out.output
+    assert data["reason"].startswith("best measured quality that fits") and data["order"] == "measured"
     assert "headroom: 2.40 GiB of the limit left free" in out.output
     assert "full 16-bit" in out.output and "h2o 10% int4 g128 r3" in out.output
 

@@ -82,8 +82,8 @@ def test_the_profile_sweep_and_its_report_take_it(throwaway, tiny_model_dir, tmp
                                seq_lens=(16,), decode_tokens=2, ppl_tokens=24, chunk_size=8, agreement_prompts=1,
                                max_new_tokens=2)
     report = run_profile(settings, tmp_path / "out", show_progress=False, model=model, tokenizer=tokenizer)
-    assert [r["label"] for r in report["results"]] == ["full 16-bit", "h2o 0.5 16-bit", "throwaway 0.5 16-bit"]
-    assert "| throwaway 0.5 16-bit |" in (tmp_path / "out" / "report.md").read_text()
+    assert [r["label"] for r in report["results"]] == ["full unquantized", "h2o 0.5 unquantized", "throwaway 0.5 unquantized"]
+    assert "| throwaway 0.5 unquantized |" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_the_cli_help_and_defaults_come_from_the_declarations():

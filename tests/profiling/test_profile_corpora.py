@@ -35,7 +35,7 @@ def corpus_run(tmp_path_factory):
 def test_every_row_is_measured_on_each_quality_text(corpus_run):
     report, *_ = corpus_run
     results = report["results"]
-    assert [r["label"] for r in results] == ["full 16-bit", "h2o 0.5 16-bit", "full 4-bit", "h2o 0.5 4-bit"]
+    assert [r["label"] for r in results] == ["full unquantized", "h2o 0.5 unquantized", "full 4-bit", "h2o 0.5 4-bit"]
     reference = results[0]["corpora"]["python_code"]
     assert reference["ratio"] == 1.0 and results[0]["config"]["budget"] == 1.0 and results[0]["config"]["kv_bits"] == 16
     for r in results:
@@ -57,7 +57,7 @@ def test_markdown_has_the_quality_per_corpus_table(corpus_run):
     assert header == ("| Configuration | sherlock (tuning) ppl x | sherlock (tuning) needle | python_code (reporting) "
                       "ppl x | python_code (reporting) needle |")
     ref_needle = report["results"][0]["corpora"]["python_code"]["needle_accuracy"]
-    assert f"| full 16-bit | 1.000x | {report['results'][0]['metrics']['passkey_accuracy']:.2f} | 1.000x | " \
+    assert f"| full unquantized | 1.000x | {report['results'][0]['metrics']['passkey_accuracy']:.2f} | 1.000x | " \
            f"{ref_needle:.2f} |" in table
     h2o = report["results"][3]
     assert f"| h2o 0.5 4-bit | {h2o['perplexity']['ratio']:.3f}x |" in table
@@ -67,7 +67,7 @@ def test_markdown_has_the_quality_per_corpus_table(corpus_run):
 
 def test_no_table_without_quality_texts():
     report = {"settings": {"ppl_tokens": 8, "chunk_size": 1, "needle_lengths": []},
-              "results": [{"label": "full 16-bit", "perplexity": {"ratio": 1.0}}]}
+              "results": [{"label": "full unquantized", "perplexity": {"ratio": 1.0}}]}
     assert _corpus_table(report) is None
 
 

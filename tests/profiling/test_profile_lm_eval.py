@@ -62,7 +62,7 @@ def test_profile_report_carries_lm_eval_scores(model_dir, task_dir, tmp_path, lo
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     reference, compressed = report["results"]
-    assert [reference["label"], compressed["label"]] == ["full 16-bit", "h2o 0.2 4-bit"]
+    assert [reference["label"], compressed["label"]] == ["full unquantized", "h2o 0.2 4-bit"]
     assert report["settings"]["lm_eval_tasks"] == [CHOICE, TEXT] and report["settings"]["lm_eval_limit"] == LIMIT
 
     # the uncompressed row (budget 1.0, 16 bits) scores what lm-eval's own hf model scores on the same model

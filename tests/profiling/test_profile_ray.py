@@ -36,7 +36,7 @@ def stable(value):
 
 
 def two_configs(model: str, **overrides) -> ProfileSettings:
-    """A 2-configuration grid (the reference ``full 16-bit`` and ``h2o 0.5 16-bit``), a few tokens each."""
+    """A 2-configuration grid (the reference ``full unquantized`` and ``h2o 0.5 unquantized``), a few tokens each."""
     values = dict(model=model, policies=("h2o",), budgets=(0.5,), kv_bits=(16,), seq_lens=(16,), decode_tokens=2,
                   ppl_tokens=24, chunk_size=4, agreement_prompts=1, max_new_tokens=3, threads=1,
                   min_capacity=0)  # 16-token sequences: the floor off in the Ray workers too, so h2o evicts
@@ -69,7 +69,7 @@ def ray_run(ray_instance, model_dir, tmp_path_factory):
 def test_ray_and_local_sweeps_give_the_same_rows(ray_run, model_dir, tmp_path):
     ray_report, out = ray_run
     local = run_profile(two_configs(model_dir, isolate=False), tmp_path, show_progress=False)
-    assert [r["label"] for r in ray_report["results"]] == ["full 16-bit", "h2o 0.5 16-bit"]
+    assert [r["label"] for r in ray_report["results"]] == ["full unquantized", "h2o 0.5 unquantized"]
     assert stable(ray_report["results"]) == stable(local["results"])
     assert ray_report["results"][1]["perplexity"]["ratio"] != 1.0  # the two rows are not the same row
     assert ray_report["executor"]["kind"] == "ray" and ray_report["executor"]["per_task"] == "1 CPU"
@@ -86,7 +86,7 @@ def test_ray_and_local_sweeps_give_the_same_rows(ray_run, model_dir, tmp_path):
 def test_ray_rerun_computes_only_the_missing_row(ray_run, model_dir):
     first, out = ray_run
     rows = sorted((out / ROWS_DIR).glob("*.json"))
-    assert [p.name.split(".")[0] for p in rows] == ["full_16-bit", "h2o_0"]  # "h2o_0.5_16-bit.<hash>.json"
+    assert [p.name.split(".")[0] for p in rows] == ["full_unquantized", "h2o_0"]  # "h2o_0.5_unquantized.<hash>.json"
     rows[1].unlink()  # as if the sweep had been killed before its second row finished
     again = run_profile(two_configs(model_dir), out, show_progress=False, ray_address="local")
     assert again["rows_reused"] == 1
@@ -129,14 +129,14 @@ def test_killed_local_sweep_resumes_without_redoing_finished_rows(tmp_path, monk
     monkeypatch.setattr(profile_module, "measure_config", _counting(real, calls, dies_on="h2o"))
     with pytest.raises(KeyboardInterrupt):  # killed while measuring its second row
         run_profile(settings, tmp_path, show_progress=False, model=model, tokenizer=tokenizer)
-    assert calls == ["full 16-bit"]
+    assert calls == ["full unquantized"]
     partial = json.loads((tmp_path / "report.json").read_text())
-    assert partial["complete"] is False and [r["label"] for r in partial["results"]] == ["full 16-bit"]
+    assert partial["complete"] is False and [r["label"] for r in partial["results"]] == ["full unquantized"]
 
     calls.clear()
     monkeypatch.setattr(profile_module, "measure_config", _counting(real, calls))
     report = run_profile(settings, tmp_path, show_progress=False, model=model, tokenizer=tokenizer)
-    assert calls == ["h2o 0.5 16-bit"] and report["rows_reused"] == 1
+    assert calls == ["h2o 0.5 unquantized"] and report["rows_reused"] == 1
     assert report["complete"] is True and report["results"][0]["agreement"]["token_match"] == 1.0
     assert 0 <= report["results"][1]["agreement"]["token_match"] <= 1  # compared with the reused generations
 

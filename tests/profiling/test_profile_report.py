@@ -28,11 +28,11 @@ def small_settings(**overrides) -> ProfileSettings:
 
 def test_sweep_runs_the_reference_first_and_budget_one_once_per_bits():
     labels = [label(c) for c in small_settings(kv_bits=(16, 8, 4)).configs()]
-    assert labels == ["full 16-bit", "h2o 0.5 16-bit", "local 0.5 16-bit", "sink 0.5 16-bit",
+    assert labels == ["full unquantized", "h2o 0.5 unquantized", "local 0.5 unquantized", "sink 0.5 unquantized",
                       "full 8-bit", "h2o 0.5 8-bit", "local 0.5 8-bit", "sink 0.5 8-bit",
                       "full 4-bit", "h2o 0.5 4-bit", "local 0.5 4-bit", "sink 0.5 4-bit"]
     assert [label(c) for c in small_settings(budgets=(0.2,), kv_bits=(4,), policies=("h2o",)).configs()] == [
-        "full 16-bit", "h2o 0.2 4-bit"]
+        "full unquantized", "h2o 0.2 4-bit"]
 
 
 @pytest.mark.parametrize("bad", [dict(kv_bits=(3,)), dict(policies=("nope",)), dict(budgets=(1.5,)),
@@ -53,7 +53,7 @@ def tiny_report(tmp_path_factory):
 def test_report_figures(tiny_report):
     report, _ = tiny_report
     results = report["results"]
-    assert [r["label"] for r in results] == ["full 16-bit", "h2o 0.5 16-bit", "local 0.5 16-bit", "sink 0.5 16-bit",
+    assert [r["label"] for r in results] == ["full unquantized", "h2o 0.5 unquantized", "local 0.5 unquantized", "sink 0.5 unquantized",
                                              "full 4-bit", "h2o 0.5 4-bit", "local 0.5 4-bit", "sink 0.5 4-bit"]
     assert report["complete"] is True
     assert results[0]["perplexity"]["ratio"] == 1.0 and results[0]["agreement"]["token_match"] == 1.0
@@ -90,7 +90,7 @@ def test_speed_rows_name_the_decode_kernel(tmp_path):
 
 def test_report_files(tiny_report):
     report, out = tiny_report
-    assert json.loads((out / "report.json").read_text())["results"][1]["label"] == "h2o 0.5 16-bit"
+    assert json.loads((out / "report.json").read_text())["results"][1]["label"] == "h2o 0.5 unquantized"
     for name in PLOTS:
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
@@ -99,7 +99,7 @@ def test_report_files(tiny_report):
     assert "| h2o 0.5 4-bit |" in md and "### H2O vs local vs sink" in md
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 3 and "src=\"http" not in page
-    assert "<td>sink 0.5 16-bit</td>" in page
+    assert "<td>sink 0.5 unquantized</td>" in page
 
 
 def record(policy, budget, bits, ppl):

@@ -119,8 +119,8 @@ def test_resume_measures_a_bad_row_again_with_a_warning(tiny_run, tmp_path, dama
 @pytest.mark.parametrize("bad, named", [
     (dict(kv_bits=(16,), high_bits_fraction=0.25), "high_bits_fraction=0.25"),
     (dict(kv_bits=(16, 8), high_bits_fraction=0.25), "has no 4-bit row"),
-    (dict(policies=("sink",), budgets=(1.0, 3)), "sink 3 16-bit"),
-    (dict(policies=("sink",), budgets=(1.0, 0.2), seq_lens=(16,)), "sink 0.2 16-bit at the 16-token length"),
+    (dict(policies=("sink",), budgets=(1.0, 3)), "sink 3 unquantized"),
+    (dict(policies=("sink",), budgets=(1.0, 0.2), seq_lens=(16,)), "sink 0.2 unquantized at the 16-token length"),
 ])
 def test_settings_that_mean_nothing_are_refused(bad, named):
     with pytest.raises(ConfigError) as err:
@@ -155,9 +155,9 @@ def test_row_file_on_a_full_disk_is_one_line_naming_the_file_and_bytes(tmp_path,
     store = rows.RowStore(tmp_path)
     monkeypatch.setattr(rows.os, "replace", _no_space)
     with pytest.raises(InputError) as err:
-        store.save({"k": 1}, "h2o 0.5 16-bit", {"label": "x"})
+        store.save({"k": 1}, "h2o 0.5 unquantized", {"label": "x"})
     message = str(err.value)
-    assert "h2o_0.5_16-bit." in message and "bytes" in message and "No space left" in message and "\n" not in message
+    assert "h2o_0.5_unquantized." in message and "bytes" in message and "No space left" in message and "\n" not in message
     assert list((tmp_path / "rows").iterdir()) == []  # no temporary file left
 
 
@@ -176,12 +176,13 @@ def test_sweep_into_a_read_only_rows_dir_is_one_cli_line(tiny_model_dir, tmp_pat
     from types import SimpleNamespace
     from typer.testing import CliRunner
     from h2o_compress.cli import app
-    from h2o_compress.profiling import rows
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "out" / "rows"))
 
-    monkeypatch.setattr(rows, "tempfile", SimpleNamespace(mkstemp=read_only))
+    from h2o_compress.utils import files
+
+    monkeypatch.setattr(files, "tempfile", SimpleNamespace(mkstemp=read_only))  # the rows' staging file
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["profile", "--model", str(tiny_model_dir), "--out", str(out),
                                       "--no-isolate", "--threads", "1", "--policies", "h2o", "--budgets", "1",
@@ -190,7 +191,7 @@ def test_sweep_into_a_read_only_rows_dir_is_one_cli_line(tiny_model_dir, tmp_pat
     assert result.exit_code == 2, result.output
     line = result.output.strip().splitlines()[-1]  # after the progress bar's line
     assert line.startswith("error: cannot write") and "Read-only file system" in line and "Traceback" not in result.output
-    assert "full_16-bit." in line and "bytes)" in line
+    assert "full_unquantized." in line and "bytes)" in line
 
 
 def test_converting_the_default_model_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
@@ -204,6 +205,7 @@ def test_converting_the_default_model_on_a_full_disk_is_one_line(tmp_path, monke
     monkeypatch.setattr(loading, "check_loading_info", lambda *a, **k: None)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: (model, {}))
+    monkeypatch.setattr(loading, "_read_gguf", lambda *a, **k: (tokenizer, model))  # no GGUF file here
     monkeypatch.setattr(safetensors.torch, "save_model", _no_space)
     target = tmp_path / "smollm2-converted"
     with pytest.raises(ModelLoadError) as err:
