@@ -45,11 +45,17 @@ class StageBar:
 
 
 def _progress():
-    """A transient rich bar on stderr: the stage, its bar, done/total and the time elapsed."""
+    """A transient rich bar on stderr: the stage, its bar (a pulse while the total is not known), done/total (left
+    out while the total is not known: no ``0/?``) and the time elapsed."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
-    columns = (TextColumn("{task.description}"), BarColumn(bar_width=16), MofNCompleteColumn(), TimeElapsedColumn())
+    class Counts(MofNCompleteColumn):
+        def render(self, task):
+            return Text("") if task.total is None else super().render(task)
+
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=16), Counts(), TimeElapsedColumn())
     return Progress(*columns, console=Console(stderr=True), transient=True)
 
 

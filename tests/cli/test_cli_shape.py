@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import h2o_compress
 from h2o_compress import AskJob, CompressionConfig, ConfigError, GenerateJob, InputError, run_ask, run_generate
-from h2o_compress.cli import app
+from h2o_compress.cli import app, click_app
 from h2o_compress.profiling import ProfileSettings, run_profile
 from h2o_compress.utils.defaults import default_of
 
@@ -24,18 +24,19 @@ MAX_LINES = 60
 WORDS = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 
 
-def _registered(typer_app) -> list:
-    """The functions registered as commands of ``typer_app`` and its groups, unwrapped from their decorators."""
-    found = [command.callback for command in typer_app.registered_commands]
-    for group in typer_app.registered_groups:
-        found += _registered(group.typer_instance)
-    return [inspect.unwrap(fn) for fn in found]
+def _registered(command) -> list:
+    """The functions behind the commands of the click ``command`` and its groups (every command imported:
+    `h2o_compress.cli.click_app`), unwrapped from their decorators."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands is None:
+        return [inspect.unwrap(command.callback)]
+    return [fn for sub in subcommands.values() for fn in _registered(sub)]
 
 
 def _command_lengths() -> dict[str, int]:
     """``{module:function: lines}`` of every registered command, from its first decorator to its last line."""
     lengths = {}
-    for fn in _registered(app):
+    for fn in _registered(click_app):
         path = Path(inspect.getsourcefile(fn))
         assert path.parent == CLI, f"command {fn.__name__} is defined outside h2o_compress/cli: {path}"
         tree = ast.parse(path.read_text())
@@ -89,7 +90,9 @@ def test_run_generate_gives_the_figures_of_generate_json(tiny_model_dir, tmp_pat
     assert report.result.new_tokens == len(report.result.token_ids) <= 4
     assert "".join(pieces) == report.result.text
     figures = report.to_dict()
-    assert figures["config"] == report.config.to_dict() and figures["config"]["budget"] == 8
+    # the config as it ran, its floor the one in force (not the config's None)
+    assert figures["config"] == report.config.to_dict() | {"min_capacity": report.config.floor}
+    assert figures["config"]["budget"] == 8
     assert figures["model"] == tiny_model_dir and figures["kv_dtype"] == "float32" and figures["weights_bits"] == 16
     assert "token_ids" not in figures and report.plan is None
     cli = CliRunner().invoke(app, ["generate", "--model", tiny_model_dir, "--no-chat", "--policy", "h2o", "--budget",

@@ -4,6 +4,7 @@ sense together, the converted-model cache directory."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import click
 import pytest
 import typer
+from typer.testing import CliRunner
 
 from h2o_compress import CompressionConfig
 from h2o_compress.cli import app
@@ -149,3 +151,90 @@ def test_unusable_cache_directory_is_refused(tmp_path):
         locked.mkdir(mode=0o500)
         with pytest.raises(ConfigError, match="is not writable"):
             check_cache_root(locked)
+
+
+# -- start-up: what the CLI imports before a command runs ------------------------------------------------------------
+_HEAVY = ("torch", "transformers")
+
+
+def _cli_in_subprocess(*argv: str, env: dict | None = None) -> dict:
+    """Run the console-script entry (``h2o_compress.cli:main``) on ``argv`` in a fresh interpreter; what it printed,
+    its exit code, which heavy modules it had imported by then and its ``OMP_WAIT_POLICY``."""
+    code = (
+        "import json, os, sys\n"
+        f"sys.argv = ['h2o-compress', *{list(argv)!r}]\n"
+        "from h2o_compress.cli import main\n"
+        "try:\n    main()\n    code = 0\n"
+        "except SystemExit as exc:\n    code = exc.code\n"
+        f"print(json.dumps({{'code': code, 'heavy': [m for m in {_HEAVY!r} if m in sys.modules],"
+        " 'omp': os.environ.get('OMP_WAIT_POLICY')}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "COLUMNS": "100", **(env or {})})
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**result, "stdout": out.stdout, "stderr": out.stderr}
+
+
+@pytest.mark.parametrize("argv", [("--help",), ("--version",), (), ("genrate",), ("eval-x", "--help")])
+def test_the_top_level_help_version_and_a_mistyped_command_import_neither_torch_nor_transformers(argv):
+    run = _cli_in_subprocess(*argv)
+    assert run["heavy"] == [], run
+    if argv == ("--version",):
+        assert run["code"] == 0 and re.search(r"h2o-compress \d+\.\d+", run["stdout"])
+    elif argv == ("--help",):
+        assert run["code"] == 0 and all(name in run["stdout"] for name in ("generate", "calibrate", "eval"))
+    else:  # no command (help, exit 2 as typer's no_args_is_help) or no such command: one usage error
+        assert run["code"] == 2, run
+    if argv == ("genrate",):
+        assert "No such command 'genrate'" in run["stderr"] and "generate" in run["stderr"]
+
+
+def test_a_command_module_is_imported_when_that_command_runs():
+    run = _cli_in_subprocess("plan", "--help")
+    assert run["code"] == 0 and "--memory" in run["stdout"] and "torch" in run["heavy"]
+
+
+def test_the_cli_runs_torch_with_sleeping_openmp_threads_unless_the_environment_says_otherwise():
+    assert _cli_in_subprocess("--version")["omp"] == "PASSIVE"
+    assert _cli_in_subprocess("--version", env={"OMP_WAIT_POLICY": "ACTIVE"})["omp"] == "ACTIVE"
+
+
+def test_importing_the_package_loads_no_torch_and_every_export_still_imports():
+    code = ("import sys, h2o_compress\nassert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+            "from h2o_compress import CompressionConfig, load_model, __version__\n"
+            "missing = [n for n in h2o_compress.__all__ if getattr(h2o_compress, n, None) is None]\n"
+            "print(missing, sorted(set(h2o_compress.__all__) - set(dir(h2o_compress))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[] []", out.stderr
+    import h2o_compress
+
+    with pytest.raises(AttributeError, match="no attribute 'not_an_export'"):
+        h2o_compress.not_an_export  # noqa: B018
+
+
+def test_each_command_listed_without_importing_it_is_summarised_as_its_own_help_says():
+    from h2o_compress.cli import COMMANDS, click_app
+
+    assert list(click_app.commands) == list(COMMANDS)  # every command, in the order --help lists them
+    for name, declared in COMMANDS.items():
+        command = click_app.commands[name]
+        own = " ".join((command.help or "").split("\n\n")[0].split())
+        assert declared.summary == own, (name, declared.summary, own)
+        real = getattr(command, "commands", None) or [p for p in command.params if p.param_type_name == "option"]
+        assert real, name  # the real command, options (or a group's commands) and all
+    listed = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"}).stdout
+    for name, declared in COMMANDS.items():
+        assert declared.summary[:60] in " ".join(listed.split()), name
+
+
+def test_a_conversion_bar_shows_counts_once_its_total_is_known_and_no_question_mark_before():
+    from rich.progress import MofNCompleteColumn
+
+    from h2o_compress.cli.progress import _progress
+
+    bar = _progress()
+    unknown, known = bar.add_task("tokenizer", total=None), bar.add_task("weights", total=272, completed=3)
+    counts = next(column for column in bar.columns if isinstance(column, MofNCompleteColumn))
+    assert str(counts.render(bar.tasks[unknown])) == ""
+    assert str(counts.render(bar.tasks[known])).replace(" ", "") == "3/272"

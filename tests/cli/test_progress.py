@@ -70,6 +70,7 @@ def test_compress_reports_each_chunk_and_layer_to_its_callback_and_prints_nothin
 
 
 def test_the_first_run_conversion_reports_its_parts_instead_of_transformers_bar(tmp_path, monkeypatch, capfd):
+    import gguf
     import transformers
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -82,6 +83,11 @@ def test_the_first_run_conversion_reports_its_parts_instead_of_transformers_bar(
         assert [t for t in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")] == [0, 1, 2]
         return model, {}
 
+    class Header:  # gguf's reader of the file: the weights stage counts its tensors from the start
+        def __init__(self, path, mode="r"):
+            self.tensors = ["a", "b", "c"]
+
+    monkeypatch.setattr(gguf, "GGUFReader", Header)
     monkeypatch.setattr(loading, "check_cache_root", lambda *a, **k: None)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_weights)
@@ -91,12 +97,12 @@ def test_the_first_run_conversion_reports_its_parts_instead_of_transformers_bar(
     stage = loading.CONVERSION_STAGE.format
     assert calls == [
         (stage("tiny", "tokenizer"), 0, None), (stage("tiny", "tokenizer"), 1, 1),
-        (stage("tiny", "weights"), 0, None), (stage("tiny", "weights"), 0, 3), (stage("tiny", "weights"), 1, 3),
-        (stage("tiny", "weights"), 2, 3), (stage("tiny", "weights"), 1, 1),
+        (stage("tiny", "weights"), 0, 3), (stage("tiny", "weights"), 1, 3), (stage("tiny", "weights"), 2, 3),
+        (stage("tiny", "weights"), 3, 3),
         (stage("tiny", "saving"), 0, None), (stage("tiny", "saving"), 1, 1),
     ]
     assert (tmp_path / "converted" / "model.safetensors").is_file()
-    assert gguf_utils.tqdm is original_tqdm  # restored after the conversion
+    assert gguf_utils.tqdm is original_tqdm and gguf.GGUFReader is Header  # restored after the conversion
     assert "Converting and de-quantizing" not in capfd.readouterr().err
 
 
