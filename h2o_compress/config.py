@@ -324,13 +324,17 @@ class CompressionConfig:
             )
 
     def _check_calibration(self) -> None:
-        """``calibration``: a path (str). Whether the model has a calibration is
-        checked when its cache is made (`h2o_compress.persistence.calibration_file.calibration_for`). Raises
-        ConfigError."""
+        """``calibration``: a path (str), given only where something reads it (a policy that needs one, or
+        ``key_offsets='calibrated'``). Whether the model has a calibration is checked when its cache is made
+        (`h2o_compress.persistence.calibration_file.calibration_for`). Raises ConfigError."""
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration.strip()
                                              or "\x00" in self.calibration):
             raise ConfigError(f"calibration={short(self.calibration)} is invalid; allowed: the path of a file written "
                               "by h2o-compress calibrate")
+        if self.calibration is not None and not POLICIES[self.policy].needs_calibration and self.key_offsets == "none":
+            raise ConfigError(f"calibration={short(self.calibration)} is not used by policy={self.policy!r}; allowed: "
+                              f"policy {', '.join(policy_names(needs_calibration=True))}, or key_offsets "
+                              "'calibrated' (4- or 8-bit int keys), or no calibration")
 
     def _check_key_offsets(self) -> None:
         """``key_offsets='calibrated'`` (the storage checks the value, the keys' format and the 8-bit share; the

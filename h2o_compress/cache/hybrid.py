@@ -5,6 +5,9 @@ side in every layer) keep both in one cache layer (``LinearAttentionAndFullAtten
 [`CompressedLayer`][h2o_compress.cache.CompressedLayer] for the keys and values, and holds a transformers
 ``LinearAttentionLayer`` for the conv and recurrent states, untouched, which the model updates through the cache's
 ``update_conv_state`` / ``update_recurrent_state`` as with ``DynamicCache``.
+
+`StateLayer`: the layer a hybrid's linear-attention, SSM or convolution layer gets, transformers' own with the row
+selection a batch cache needs (a batch that shrinks keeps its running rows' states).
 """
 
 from __future__ import annotations
@@ -15,6 +18,21 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAtten
 from h2o_compress.cache.layer import CompressedLayer
 from h2o_compress.utils.errors import CacheStateError
 
+
+class StateLayer(LinearAttentionLayer):
+    """transformers' ``LinearAttentionLayer`` (a hybrid's linear-attention, SSM or convolution layer, its conv and
+    recurrent states as the model computes them) whose sequences can also be selected and repeated, as a batch
+    cache's rows are (transformers' layer has no ``batch_select_indices``)."""
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (int64 ``[n]``) of every state, in that order."""
+        map_state_rows(self, lambda t: t.index_select(0, indices.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence of every state ``repeats`` times, each after itself."""
+        map_state_rows(self, lambda t: t.repeat_interleave(repeats, dim=0))
+
+
 _STATE_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
                  "is_recurrent_states_initialized", "conv_kernel_size", "number_of_states", "record_past")
 
@@ -24,7 +42,7 @@ class CompressedStateLayer(CompressedLayer, LinearAttentionCacheLayerMixin):
     ``number_of_states`` states); the other arguments are [`CompressedLayer`][h2o_compress.cache.CompressedLayer]'s."""
 
     def __init__(self, *args, number_of_states: int = 1, **kwargs):
-        self.linear = LinearAttentionLayer(number_of_states=number_of_states)
+        self.linear = StateLayer(number_of_states=number_of_states)
         CompressedLayer.__init__(self, *args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -51,16 +69,37 @@ class CompressedStateLayer(CompressedLayer, LinearAttentionCacheLayerMixin):
         CompressedLayer.reorder_cache(self, beam_idx)
         self.linear.reorder_cache(beam_idx)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (int64 ``[n]``) of both parts."""
+        CompressedLayer.batch_select_indices(self, indices)
+        self.linear.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence of both parts ``repeats`` times."""
+        CompressedLayer.batch_repeat_interleave(self, repeats)
+        self.linear.batch_repeat_interleave(repeats)
+
     def take_rows(self, indices: torch.Tensor, source: "CompressedStateLayer", batch: int) -> None:
-        """[`CompressedLayer.take_rows`][h2o_compress.cache.CompressedLayer.take_rows], and the linear states' rows."""
-        CompressedLayer.take_rows(self, indices, source, batch)
+        """[`CompressedLayer.take_rows`][h2o_compress.cache.CompressedLayer.take_rows], and the linear states' rows
+        (taken first: moving the keys leaves ``source`` empty, its states zeroed)."""
         take_state_rows(self.linear, indices, source.linear, batch)
+        CompressedLayer.take_rows(self, indices, source, batch)
 
 
 def state_tensors(layer: LinearAttentionCacheLayerMixin) -> list[torch.Tensor]:
     """The conv and recurrent state tensors a transformers linear-attention layer holds now (each
     ``[batch, ...]``, constant in the tokens seen); empty before its first step."""
     return [t for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None]
+
+
+def map_state_rows(layer: LinearAttentionCacheLayerMixin, fn) -> None:
+    """Replace every conv and recurrent state ``[batch, ...]`` of ``layer`` by ``fn`` of it (a function acting on
+    the batch dim 0: a batch cache's rows selected or repeated). In place of the layer; states not yet made stay
+    unmade."""
+    for states in (layer.conv_states, layer.recurrent_states):
+        for idx, state in states.items():
+            if state is not None:
+                states[idx] = fn(state)
 
 
 def take_state_rows(layer: LinearAttentionCacheLayerMixin, indices: torch.Tensor,

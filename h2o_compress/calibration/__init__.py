@@ -17,7 +17,8 @@ import math
 import torch
 
 from h2o_compress.calibration.eviction_fit import (
-    HEAVY_FRACTION, INPUT_SETS, RECENT_FRACTION, fit_columns, input_columns, kept_shares, read_segment, training_rows,
+    HEAVY_FRACTION, INPUT_SETS, RECENT_FRACTION, fit_columns, h2o_weights, input_columns, kept_shares, read_segment,
+    training_rows,
 )
 from h2o_compress.calibration.key_channels import key_statistics_of
 from h2o_compress.evaluation.corpus import REPORTING_TEXTS, load_text, tokenize_text
@@ -26,7 +27,8 @@ from h2o_compress.persistence.calibration_file import (
     EVICTION_WEIGHTS, KEY_CHANNEL_MEAN, Calibration, check_calibration_target, default_calibration_path,
     save_calibration,
 )
-from h2o_compress.utils.errors import InputError, short
+from h2o_compress.runtime.generation import check_model
+from h2o_compress.utils.errors import InputError, UnsupportedModelError, short
 from h2o_compress.utils.progress import report
 
 __all__ = ["calibrate", "check_request", "fit_eviction", "DEFAULT_INPUTS", "INPUT_SETS", "CALIBRATION_TOKENS", "CALIBRATION_SEGMENTS"]
@@ -65,10 +67,28 @@ def _segments(tokenizer, text_file, tokens: int, segments: int) -> list[torch.Te
     return [ids[:, i * tokens : (i + 1) * tokens] for i in range(segments)]
 
 
+def _fit_layer(segments: list, columns: list[int], recent: int) -> torch.Tensor:
+    """One layer's weights fp32 ``[kv_heads, head_dim + 4]`` fitted on its rows over ``segments`` (its
+    `LayerAttention` of each fitted segment); H2O's ranking (`h2o_weights`) where they give too few rows to fit
+    (a sliding window or chunk no wider than the recent window ranks nothing)."""
+    rows = [training_rows(segment, recent) for segment in segments]
+    inputs, labels = torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1)
+    if labels.shape[1] < len(columns) + 2:
+        return h2o_weights(inputs.shape[0], inputs.shape[-1] - 3)
+    return fit_columns(inputs, labels, columns)
+
+
 def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS) -> tuple[torch.Tensor, dict]:
     """The calibrated policy's weights fp32 ``[layers, kv_heads, head_dim + 4]`` fitted on ``pieces[1:]``, and the
     held-back check on ``pieces[0]``: the share of the oracle's future attention the fitted ranking keeps, beside
-    H2O's (`kept_shares`), averaged over layers and heads."""
+    H2O's (`kept_shares`), averaged over the layers and heads that have a choice to make (1.0 where none has).
+
+    Every layer type the cache takes is fitted on the tokens it holds: a sliding-window or chunked layer ranks
+    only the tokens its next query sees (`h2o_compress.calibration.eviction_fit.training_rows`).
+
+    Raises:
+        UnsupportedModelError: as `h2o_compress.calibration.eviction_fit.read_segment`.
+    """
     device = next(model.parameters()).device
     tokens = pieces[0].shape[1]
     recent, heavy = math.ceil(RECENT_FRACTION * tokens), math.ceil(HEAVY_FRACTION * tokens)
@@ -76,17 +96,30 @@ def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS
     for i, piece in enumerate(pieces):
         read.append(read_segment(model, piece.to(device)))
         report("reading the calibration text", i + 1, len(pieces) + 1)
-    weights, fitted, h2o = [], 0.0, 0.0
     columns = input_columns(inputs, read[0][0].values.shape[-1])
+    weights, shares = [], []
     for layer in range(len(read[0])):
-        rows = [training_rows(segment[layer], recent) for segment in read[1:]]
-        layer_weights = fit_columns(torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1), columns)
-        weights.append(layer_weights)
-        shares = kept_shares(read[0][layer], layer_weights, recent, heavy)
-        fitted += shares[0] / len(read[0])
-        h2o += shares[1] / len(read[0])
+        weights.append(_fit_layer([segment[layer] for segment in read[1:]], columns, recent))
+        shares.append(kept_shares(read[0][layer], weights[-1], recent, heavy))
     report("reading the calibration text", len(pieces) + 1, len(pieces) + 1)
-    return torch.stack(weights), {"held_back_kept_share": round(fitted, 4), "held_back_kept_share_h2o": round(h2o, 4)}
+    checked = [share for share in shares if share is not None] or [(1.0, 1.0)]
+    fitted, h2o = (sum(share[i] for share in checked) / len(checked) for i in (0, 1))
+    return _stacked(model, weights), {"held_back_kept_share": round(fitted, 4),
+                                      "held_back_kept_share_h2o": round(h2o, 4)}
+
+
+def _stacked(model, weights: list[torch.Tensor]) -> torch.Tensor:
+    """The layers' weights as one fp32 ``[layers, kv_heads, head_dim + 4]``, a layer with fewer KV heads than
+    the most padded with zero rows (`h2o_compress.persistence.calibration_file.layer_geometry`).
+
+    Raises:
+        UnsupportedModelError: layers whose values differ in head dim (one tensor cannot hold their weights).
+    """
+    if len({w.shape[-1] for w in weights}) > 1:
+        raise UnsupportedModelError(f"{type(model).__name__}: its layers' values differ in head dim; allowed for "
+                                    "policy 'calibrated': models whose layers share one value head dim")
+    heads = max(w.shape[0] for w in weights)
+    return torch.stack([torch.nn.functional.pad(w, (0, 0, 0, heads - w.shape[0])) for w in weights])
 
 
 def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS,
@@ -122,10 +155,16 @@ def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS
         whether the key statistics were measured (``key_statistics``).
 
     Raises:
-        InputError: a reporting text, bad counts, or a text too short.
-        UnsupportedModelError: a model whose attention probabilities or per-head values cannot be read.
+        ConfigError: ``model`` is not a loaded transformers model.
+        InputError: ``tokenizer`` is not one, a reporting text, bad counts, or a text too short.
+        UnsupportedModelError: a model whose attention probabilities or per-head values cannot be read, or whose
+            layers' values differ in head dim.
         CacheFileError: ``out`` cannot be written (or exists without ``overwrite``).
     """
+    check_model(model)
+    if not callable(tokenizer):
+        raise InputError(f"tokenizer={short(tokenizer)} is not a tokenizer; allowed: the tokenizer of "
+                         "h2o_compress.load_model(...) (or any callable transformers tokenizer)")
     check_request(text_file, tokens, segments, inputs)
     out = default_calibration_path(model) if out is None else out
     check_calibration_target(out, overwrite)

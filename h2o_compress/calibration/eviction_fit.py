@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from h2o_compress.cache.span import FULL_SPAN, LayerSpan
+from h2o_compress.models import model_dims
 from h2o_compress.policies.calibrated import SCORE_FLOOR, feature_matrix, predicted_score, token_prior
 from h2o_compress.utils.errors import UnsupportedModelError
 
@@ -43,25 +46,43 @@ class LayerAttention:
         attention: fp32 ``[kv_heads, tokens, tokens]``, ``[h, i, j]`` the attention query ``i`` gives key ``j``,
             the query heads of KV head ``h`` summed.
         values: fp32 ``[kv_heads, tokens, head_dim]`` the values as the model made them.
+        span: the tokens each query of the layer sees (full, sliding window or chunk: `LayerSpan`); a sliding or
+            chunked layer holds, at decision time ``n``, only the tokens the query at ``n`` sees, so only those
+            are ranked.
     """
 
     attention: torch.Tensor
     values: torch.Tensor
+    span: LayerSpan = FULL_SPAN
+
+    def lowest(self, seen: int) -> int:
+        """The lowest position the layer still holds after ``seen`` tokens (the lowest the query at position
+        ``seen`` sees; 0 for full attention)."""
+        first_real = torch.zeros(1, dtype=torch.int64)
+        return max(0, int(self.span.lowest(torch.tensor(seen), first_real)[0]))
 
 
 @torch.inference_mode()
 def read_segment(model, input_ids: torch.Tensor) -> list[LayerAttention]:
     """Every layer's attention and values of ``input_ids`` ``[1, tokens]`` in one uncompressed forward pass (eager
-    attention, for its probabilities; the model's own setting is restored after).
+    attention, for its probabilities; the model's own setting is restored after), with each layer's span.
+
+    A sliding or chunked layer's cache keeps every token here (a ``DynamicLayer``, not transformers'
+    ``DynamicSlidingWindowLayer``, which keeps only its window): the model masks the layer to its span itself,
+    so the probabilities are the model's, and the values cover every key the probabilities do.
 
     Raises:
         UnsupportedModelError: a model whose layers give no attention probabilities or no ``[batch, kv_heads,
-            tokens, head_dim]`` values (latent caches).
+            tokens, head_dim]`` values (latent caches), or whose layer types the cache does not take
+            (`h2o_compress.models.model_dims`).
     """
+    spans = model_dims(model.config).spans
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
         cache = DynamicCache(config=model.config)
+        cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                        for layer in cache.layers]
         output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
@@ -73,7 +94,8 @@ def read_segment(model, input_ids: torch.Tensor) -> list[LayerAttention]:
                                         "values; allowed: models with a key/value cache per KV head")
         kv_heads = values.shape[1]
         attention = probabilities[0].float().unflatten(0, (kv_heads, -1)).sum(1)
-        layers.append(LayerAttention(attention, values[0].float()))
+        span = spans[len(layers)] if len(layers) < len(spans) else FULL_SPAN
+        layers.append(LayerAttention(attention, values[0].float(), span))
     if len(layers) != len(cache.layers) or not layers:
         raise UnsupportedModelError(f"{type(model).__name__}: not every layer gives its attention; allowed: models "
                                     "whose eager attention returns its probabilities")
@@ -87,23 +109,29 @@ def _attention_sums(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return attention.cumsum(1), attention.flip(1).cumsum(1).flip(1)
 
 
-def _ages(seen: int, ranked: int, kv_heads: int) -> torch.Tensor:
-    """int64 ``[kv_heads, ranked]``: the ages ``seen - j`` of tokens ``j = 0 .. ranked - 1`` after ``seen`` tokens."""
-    return torch.arange(seen, seen - ranked, -1).expand(kv_heads, ranked)
+def _ages(seen: int, first: int, end: int, kv_heads: int) -> torch.Tensor:
+    """int64 ``[kv_heads, end - first]``: the ages ``seen - j`` of tokens ``j = first .. end - 1`` after ``seen``
+    tokens."""
+    return torch.arange(seen - first, seen - end, -1).expand(kv_heads, end - first)
 
 
 def training_rows(layer: LayerAttention, recent: int, stride: int = STRIDE) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs fp32 ``[kv_heads, rows, head_dim + 3]`` and labels fp32 ``[kv_heads, rows]`` of one layer of one
-    segment (see the module's text), for a recent window of ``recent`` tokens."""
+    segment (see the module's text), for a recent window of ``recent`` tokens. At each decision time the rows are
+    the tokens the layer holds outside the recent window: for a sliding or chunked layer only those its next
+    query sees (`LayerAttention.lowest`); ``rows`` is 0 where it holds none (a window within the recent one)."""
     attention, values = layer.attention, layer.values
-    tokens = attention.shape[1]
+    kv_heads, tokens = attention.shape[0], attention.shape[1]
     seen_sums, to_come = _attention_sums(attention)
-    inputs, labels = [], []
+    inputs = [torch.zeros(kv_heads, 0, values.shape[-1] + 3)]
+    labels = [torch.zeros(kv_heads, 0)]
     for n in range(recent + 8, tokens - 1, stride):
-        ranked = n - recent
-        ages = _ages(n, ranked, attention.shape[0])
-        inputs.append(feature_matrix(seen_sums[:, n - 1, :ranked], ages, values[:, :ranked]))
-        labels.append(torch.log(to_come[:, n, :ranked] / (tokens - n) + SCORE_FLOOR))
+        first, end = layer.lowest(n), n - recent
+        if end <= first:
+            continue
+        ages = _ages(n, first, end, kv_heads)
+        inputs.append(feature_matrix(seen_sums[:, n - 1, first:end], ages, values[:, first:end]))
+        labels.append(torch.log(to_come[:, n, first:end] / (tokens - n) + SCORE_FLOOR))
     return torch.cat(inputs, 1), torch.cat(labels, 1)
 
 
@@ -143,22 +171,35 @@ def fit_ridge(inputs: torch.Tensor, labels: torch.Tensor, ridge: float = RIDGE) 
     return torch.cat((weights, bias[:, None]), -1).float()
 
 
+def h2o_weights(kv_heads: int, head_dim: int) -> torch.Tensor:
+    """fp32 ``[kv_heads, head_dim + 4]`` that rank as H2O does (the accumulated score alone): a layer's weights
+    where the calibration text gives it too few rows to fit (a window within the recent one)."""
+    weights = torch.zeros(kv_heads, head_dim + 4)
+    weights[:, 0] = 1.0
+    return weights
+
+
 def kept_shares(layer: LayerAttention, weights: torch.Tensor, recent: int, heavy: int,
-                stride: int = 4 * STRIDE) -> tuple[float, float]:
+                stride: int = 4 * STRIDE) -> tuple[float, float] | None:
     """Of the future attention the oracle's ``heavy`` best tokens outside the recent window receive, the share the
     ``heavy`` tokens ranked best by the fitted ``weights`` (fp32 ``[kv_heads, head_dim + 4]``, ranked as the policy
     ranks: `h2o_compress.policies.calibrated.predicted_score`) receive, and the share H2O's accumulated attention
-    keeps, averaged over decision times: ``(fitted, h2o)``, a held-back check of a fit (1.0: the oracle's ranking)."""
+    keeps, averaged over decision times: ``(fitted, h2o)``, a held-back check of a fit (1.0: the oracle's ranking).
+    Only tokens the layer holds are ranked (`LayerAttention.lowest`); ``None`` where no decision time has more
+    of them than ``heavy`` (nothing to choose)."""
     attention = layer.attention
     seen_sums, to_come = _attention_sums(attention)
     prior = token_prior(layer.values[None], weights)[0]  # [kv_heads, tokens]
     fitted = h2o = best = 0.0
     for n in range(recent + heavy + 8, attention.shape[1] - 1, stride):
-        ranked = n - recent
-        future = to_come[:, n, :ranked]
-        scores = seen_sums[:, n - 1, :ranked]
-        predicted = predicted_score(scores, _ages(n, ranked, attention.shape[0]), prior[:, :ranked], weights)
+        first, end = layer.lowest(n), n - recent
+        if end - first <= heavy:
+            continue
+        future = to_come[:, n, first:end]
+        scores = seen_sums[:, n - 1, first:end]
+        ages = _ages(n, first, end, attention.shape[0])
+        predicted = predicted_score(scores, ages, prior[:, first:end], weights)
         fitted += float(future.gather(-1, predicted.topk(heavy, -1).indices).sum())
         h2o += float(future.gather(-1, scores.topk(heavy, -1).indices).sum())
         best += float(future.topk(heavy, -1).values.sum())
-    return (fitted / best, h2o / best) if best else (1.0, 1.0)
+    return (fitted / best, h2o / best) if best else None

@@ -12,7 +12,7 @@ from h2o_compress.utils.errors import H2OCompressError, one_line
 from h2o_compress.cli.options import Compression
 from h2o_compress.attention.choice import check_kernel
 from h2o_compress.config_file import load_config, read_config_values
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_threads
 from h2o_compress.models import placement_options
 from h2o_compress.models.weights import parse_device_map
 
@@ -37,10 +37,12 @@ def user_errors(fn):
 
 
 def set_threads(threads: Optional[int]) -> None:
-    """Apply ``--threads N`` to torch (``None``: leave torch's default). Raises ConfigError for N < 1."""
+    """Apply ``--threads N`` to torch (``None``: leave torch's default). Raises ConfigError for N < 1 or more than
+    `h2o_compress.utils.checks.max_threads` (a few per CPU: thousands of threads end the process when they cannot
+    all be started)."""
     if threads is None:
         return
-    check_count("threads", threads, unit="threads", maximum=4096)
+    check_threads(threads)
     import torch
 
     torch.set_num_threads(threads)

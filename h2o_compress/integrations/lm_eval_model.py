@@ -52,7 +52,9 @@ from h2o_compress.config import COMMAND_POLICY, MAX_TOKENS, CompressionConfig, c
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
 from h2o_compress.runtime.prefill import context_window, prefill
-from h2o_compress.models import DEFAULT_MODEL, load_model
+from h2o_compress.models import DEFAULT_MODEL, load_model, placement_options
+from h2o_compress.models.loading import check_model_name
+from h2o_compress.persistence.calibration_file import read_calibration
 from h2o_compress.models.weights import check_weights_bits
 from h2o_compress.evaluation.stream import read_stream
 from h2o_compress.utils.checks import check_count
@@ -107,9 +109,11 @@ def check_model_args(args: dict) -> CompressionConfig:
         The compression setting.
 
     Raises:
-        ConfigError: an unknown key, a bad compression value, a batch size other than 1, a bad ``chunk_size`` or
-            ``weights_bits``, or a
-            ``tokenizer`` given with a ``pretrained`` name (it is loaded with the model).
+        ConfigError: an unknown key, a bad compression value, a batch size other than 1, a bad ``chunk_size``,
+            ``weights_bits``, ``device``, ``dtype`` or ``trust_remote_code``, or a ``tokenizer`` given with a
+            ``pretrained`` name (it is loaded with the model).
+        ModelLoadError: an empty ``pretrained``.
+        CacheFileError: a ``calibration`` file that is missing or not one `h2o-compress calibrate` wrote.
     """
     unknown = sorted(set(args) - set(COMPRESSION_ARGS) - set(OWN_ARGS) - set(HFLM_ARGS))
     if unknown:
@@ -126,6 +130,7 @@ def check_model_args(args: dict) -> CompressionConfig:
         )
     check_count("chunk_size", args.get("chunk_size", 1))
     check_weights_bits(args.get("weights_bits"))
+    _check_load_args(args)
     _check_hflm_args(args)
     if isinstance(args.get("pretrained", DEFAULT_MODEL), str) and args.get("tokenizer") is not None:
         raise ConfigError(
@@ -138,6 +143,28 @@ def check_model_args(args: dict) -> CompressionConfig:
 
 
 SOFTMAX_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_load_args(args: dict) -> None:
+    """What loading checks first, checked before lm-eval reads its tasks: for a model named by ``pretrained`` (an
+    already-loaded one ignores the loading arguments), the name (not empty: `check_model_name`), ``trust_remote_code``
+    (a bool), and ``device``, ``dtype`` (``auto``: the default) and ``weights_bits`` together (`placement_options`);
+    a ``calibration`` file as ``--calibration`` reads it (`read_calibration`: missing, not a calibration file, or
+    modified). The messages are those of the CLI's ``--model``, ``--device``, ``--dtype`` and ``--calibration``.
+
+    Raises:
+        ModelLoadError: an empty ``pretrained``; 8/4-bit weights bitsandbytes cannot run here.
+        ConfigError: a ``trust_remote_code`` that is not a bool, a bad ``device`` or ``dtype``.
+        CacheFileError: a ``calibration`` file that cannot be used.
+    """
+    pretrained = args.get("pretrained", DEFAULT_MODEL)
+    if isinstance(pretrained, str):
+        check_model_name(pretrained, args.get("trust_remote_code", False))
+        dtype = args.get("dtype")
+        placement_options(device=args.get("device", "auto"), dtype=None if dtype == "auto" else dtype,
+                          weights_bits=args.get("weights_bits"), name_or_path=pretrained)
+    if args.get("calibration") is not None:
+        read_calibration(args["calibration"])
 
 
 def _check_hflm_args(args: dict) -> None:
@@ -190,7 +217,8 @@ class H2OCompressLM(HFLM):
                  **kwargs):
         self.compression = check_model_args(
             {"pretrained": pretrained, "tokenizer": tokenizer, "batch_size": batch_size, "chunk_size": chunk_size,
-             "weights_bits": weights_bits, **kwargs}
+             "weights_bits": weights_bits, "device": device, "dtype": dtype, "trust_remote_code": trust_remote_code,
+             **kwargs}
         )
         hflm_kwargs = {k: v for k, v in kwargs.items() if k in HFLM_ARGS}
         if isinstance(pretrained, str):

@@ -100,6 +100,7 @@ class AskJob(CacheRunFields):
             ModelLoadError: the model cannot be loaded.
             InputError: context + a question + ``max_new_tokens`` beyond the model's window (before compressing),
                 or a loaded context that is not this document.
+            UnsupportedModelError: a hybrid model (``h2o_compress.runtime.ask.check_attention_only``).
             ConfigError, CacheFileError, CacheStateError: see [`h2o_compress.compress`][h2o_compress.compress] and
                 [`load`][h2o_compress.runtime.ask.CompressedContext.load] / ``save``.
         """
@@ -109,6 +110,7 @@ class AskJob(CacheRunFields):
             torch.set_num_threads(self.threads)
         with nullcontext() if on_progress is None else report_progress(on_progress):
             lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
+            asking.check_attention_only(lm)  # a hybrid, before its context is tokenized, scored or loaded
             asking.check_questions_fit(lm, tokenizer, self.context, self.questions, self.max_new_tokens, self.chat)
             started = time.perf_counter()  # before minutes of compressing, above
             if self.load_cache is not None:

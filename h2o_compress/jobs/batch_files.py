@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import fcntl
 import json
 import os
@@ -21,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from h2o_compress.runtime.batch_requests import FINISH_REASONS, REQUEST_KEYS, BatchResult
-from h2o_compress.utils.errors import InputError, short
-from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
+from h2o_compress.utils.errors import InputError, short, write_failure
+from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text, write_all
 
 #: The keys every answer line has (and ``error`` where ``finish_reason`` is ``error``).
 ANSWER_KEYS = ("id", "text", "prompt_tokens", "new_tokens", "finish_reason")
@@ -319,21 +320,45 @@ class AnswerFile:
         return answered_ids(path.read_bytes(), path)
 
     def write(self, result: BatchResult) -> None:
-        """Append ``result`` as one JSON line and flush it to the OS (it survives the process being killed); its id
-        joins `done`."""
-        self.handle.write((json.dumps(result.to_dict(), ensure_ascii=False) + "\n").encode("utf-8"))
-        self.handle.flush()
+        """Append ``result`` as one JSON line, handed to the OS at once (it survives the process being killed); its id
+        joins `done`.
+
+        Raises:
+            InputError: the line cannot be written (a full disk, a file size limit): one line naming OUTPUT and the
+                bytes the answer needs; OUTPUT is cut back to the answers before it (no half line is left).
+        """
+        line = (json.dumps(result.to_dict(), ensure_ascii=False) + "\n").encode("utf-8")
+        fd = self.handle.fileno()  # opened for appending: each write goes to the end
+        try:
+            end = os.fstat(fd).st_size
+            write_all(fd, line)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise InputError(f"{write_failure(self.path, exc, len(line), 'output')} (the answers before it are kept; "
+                             "rerun the same command to resume)") from None
         self.done.add(str(result.id))
 
-    def close(self) -> None:
-        """Sync the file to disk and release the lock."""
-        if not self.handle.closed:
+    def close(self, quiet: bool = False) -> None:
+        """Sync the file to disk and release the lock.
+
+        Raises:
+            InputError: the sync failed (a full disk), unless ``quiet`` (another error is already on its way).
+        """
+        if self.handle.closed:
+            return
+        try:
             self.handle.flush()
             os.fsync(self.handle.fileno())
-            self.handle.close()
+        except OSError as exc:
+            if not quiet:
+                raise InputError(write_failure(self.path, exc, what="output")) from None
+        finally:
+            with contextlib.suppress(OSError):
+                self.handle.close()
 
     def __enter__(self) -> AnswerFile:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(quiet=exc[0] is not None)

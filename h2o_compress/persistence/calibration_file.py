@@ -10,7 +10,10 @@ rotary embedding (a file written before it existed has none either). Other tenso
 label, held-back figures) and ``checksum`` (as a cache file's). The file is written atomically, like a cache.
 
 A cache reads it when it is made (`calibration_for`): the policy's weights per layer, and with
-``key_offsets="calibrated"`` the mean keys its layers store their keys around (`use_key_offsets`).
+``key_offsets="calibrated"`` the mean keys its layers store their keys around (`use_key_offsets`). Every file read is
+checked first (`check_contents`: real floating-point, finite, bounded tensors; metadata of bounded size and depth) and
+against the model it is used with (`check_fits`: layers, KV heads, columns). The checksum finds damage; it authenticates
+nothing: what is trusted is the file's location (the cache root's private ``calibration/`` directory).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from h2o_compress.formats.calibrated import CalibratedKeyQuantizer, key_shape, rope_frequencies
 from h2o_compress.formats.integer import IntQuantizer
+from h2o_compress.models import model_dims
 from h2o_compress.models.identity import model_fingerprint, model_identity
 from h2o_compress.persistence.file_format import _checksum, write_checksummed
 from h2o_compress.utils.errors import CacheFileError, ConfigError, one_line, short
@@ -40,6 +44,16 @@ EVICTION_WEIGHTS = "eviction.weights"
 #: The tensor holding the mean pre-RoPE key per layer and KV head (``key_offsets="calibrated"``).
 KEY_CHANNEL_MEAN = "keys.channel_mean"
 MAKE_ONE = "make one with: h2o-compress calibrate --model MODEL"
+#: The largest magnitude a calibration tensor may hold: fitted weights and mean keys lie orders of magnitude below
+#: it (SmolLM2-135M's: under 20); beyond it a ranking or a key offset overflows fp32/fp16 arithmetic.
+MAX_MAGNITUDE = 1e6
+#: The most characters of one metadata value (the ``details`` JSON among them).
+MAX_METADATA_CHARS = 65_536
+#: The most levels of nesting of ``details`` (``calibrate`` writes 1).
+MAX_DETAILS_DEPTH = 8
+#: Columns of a layer's eviction weights besides the value's: score, age, log norm, bias
+#: (`h2o_compress.policies.calibrated.EXTRA_COLUMNS`).
+EXTRA_COLUMNS = 4
 
 
 @dataclass
@@ -52,17 +66,24 @@ class Calibration:
         model_fingerprint: the fingerprint of the model it was fitted on.
         model_id: that model's name.
         details: what the fit used and measured (calibration text, tokens, label, held-back figures).
+        layer_heads: the KV heads of each layer of the model it was checked against (`load_calibration`; a model
+            whose layers differ in KV heads has its weights padded to the most), or ``None`` (not checked).
     """
 
     tensors: dict[str, torch.Tensor]
     model_fingerprint: str
     model_id: str
     details: dict = field(default_factory=dict)
+    layer_heads: list[int] | None = None
 
     def eviction_weights(self, layer: int) -> torch.Tensor | None:
-        """fp32 ``[kv_heads, head_dim + 4]`` of model layer ``layer``, or ``None`` where the file has none."""
+        """fp32 ``[kv_heads, head_dim + 4]`` of model layer ``layer`` (its own KV heads where `layer_heads` is
+        known), or ``None`` where the file has none."""
         weights = self.tensors.get(EVICTION_WEIGHTS)
-        return None if weights is None or layer >= weights.shape[0] else weights[layer]
+        if weights is None or layer >= weights.shape[0]:
+            return None
+        heads = self.layer_heads[layer] if self.layer_heads and layer < len(self.layer_heads) else None
+        return weights[layer] if heads is None else weights[layer, :heads]
 
     def key_channel_mean(self) -> torch.Tensor | None:
         """fp32 ``[layers, kv_heads, head_dim]``: the mean pre-RoPE key per layer and KV head (`KEY_CHANNEL_MEAN`),
@@ -74,12 +95,14 @@ def check_calibration_target(path, overwrite: bool = False) -> Path:
     """The path a calibration file will be written to, checked before anything is computed.
 
     Raises:
-        CacheFileError: not a path, a missing directory, something that is not a regular file, or an existing file
-            without ``overwrite``.
+        CacheFileError: not a path (or one with a NUL character), a missing directory, something that is not a
+            regular file, or an existing file without ``overwrite``.
     """
     if not isinstance(overwrite, bool):
         raise CacheFileError(f"overwrite={short(overwrite)} is invalid; allowed: True or False")
     target = Path(check_path(path, "calibration file", CacheFileError))
+    if "\x00" in str(target):
+        raise CacheFileError(f"calibration file {short(str(target))} holds a NUL character; allowed: a file path")
     if not target.parent.is_dir():
         raise CacheFileError(f"directory {short(str(target.parent))} does not exist; allowed: a path in an existing "
                              "directory")
@@ -105,19 +128,23 @@ def save_calibration(path, calibration: Calibration, overwrite: bool = False) ->
 
 
 def read_calibration(path) -> Calibration:
-    """Read and verify a calibration file (format, version, checksum), for any model.
+    """Read and verify a calibration file, for any model: format, version, checksum, then what it holds
+    (`check_contents`). The checksum (a SHA-256 of the contents, stored in the file) finds a truncated or damaged
+    file; it authenticates nothing (whoever can write the file can write a matching checksum): what is trusted is
+    the file's location, as for the cache directory's kernels.
 
     Raises:
-        CacheFileError: a missing or unreadable file, another format or version, or a failed checksum.
+        CacheFileError: a missing or unreadable file, another format or version, a failed checksum, or contents
+            that no calibration holds (`check_contents`).
     """
     source = Path(check_path(path, "calibration file", CacheFileError))
-    if not source.is_file():
+    if "\x00" in str(source) or not source.is_file():
         raise CacheFileError(f"calibration file {short(str(source))} does not exist; {MAKE_ONE}")
     try:
         with safe_open(str(source), framework="pt", device="cpu") as handle:
             metadata = dict(handle.metadata() or {})
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
         raise CacheFileError(f"calibration file {short(str(source))} is truncated or not a safetensors file "
                              f"({one_line(str(exc), 200)})") from None
     if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
@@ -125,12 +152,73 @@ def read_calibration(path) -> Calibration:
                              f"{FORMAT_VERSION}; {MAKE_ONE}")
     if metadata.get("checksum") != _checksum(metadata, tensors):
         raise CacheFileError(f"calibration file {short(str(source))} fails its checksum: it was truncated or modified")
+    details = check_contents(metadata, tensors, short(str(source)))
+    return Calibration({k: v.float() for k, v in tensors.items()}, metadata.get("model_fingerprint", ""),
+                       metadata.get("model_id", ""), details)
+
+
+def _depth(value) -> int:
+    """Levels of nesting of a parsed JSON ``value`` (a scalar: 0), counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _check_details(metadata: dict[str, str], name: str) -> dict:
+    """The ``details`` of a calibration file's ``metadata``, parsed, after its metadata sizes are checked.
+
+    Raises:
+        CacheFileError: a metadata value over `MAX_METADATA_CHARS`, or ``details`` that is not a JSON object of at
+            most `MAX_DETAILS_DEPTH` levels.
+    """
+    for key, value in metadata.items():
+        if len(value) > MAX_METADATA_CHARS:
+            raise CacheFileError(f"calibration file {name}: metadata {short(key)} holds {len(value):,} characters; "
+                                 f"allowed: at most {MAX_METADATA_CHARS:,} ({MAKE_ONE})")
     try:
         details = json.loads(metadata.get("details", "{}"))
-    except ValueError:
-        details = {}
-    return Calibration({k: v.float() for k, v in tensors.items()}, metadata.get("model_fingerprint", ""),
-                       metadata.get("model_id", ""), details if isinstance(details, dict) else {})
+    except (ValueError, RecursionError):
+        details = None
+    if not isinstance(details, dict) or _depth(details) > MAX_DETAILS_DEPTH:
+        raise CacheFileError(f"calibration file {name}: its details are not a JSON object of at most "
+                             f"{MAX_DETAILS_DEPTH} levels; allowed: a file written by h2o-compress calibrate "
+                             f"({MAKE_ONE})")
+    return details
+
+
+def check_contents(metadata: dict[str, str], tensors: dict[str, torch.Tensor], name: str) -> dict:
+    """What a calibration file may hold, whatever its checksum says: metadata of bounded size and nesting
+    (`_check_details`), and real floating-point tensors whose values are finite and at most `MAX_MAGNITUDE` in
+    magnitude. Returns the parsed ``details``.
+
+    Args:
+        metadata: the file's metadata (strings).
+        tensors: the file's tensors as stored (before any conversion).
+        name: the file's name, for the messages.
+
+    Raises:
+        CacheFileError: one line naming the file, the tensor or metadata key and what is allowed.
+    """
+    details = _check_details(metadata, name)
+    for key, tensor in tensors.items():
+        if not tensor.dtype.is_floating_point:  # ints, bool, complex
+            raise CacheFileError(f"calibration file {name}: tensor {short(key)} is of dtype "
+                                 f"{str(tensor.dtype).removeprefix('torch.')}; allowed: real floating-point tensors "
+                                 f"({MAKE_ONE})")
+        values = tensor.float()
+        if not bool(torch.isfinite(values).all()):
+            raise CacheFileError(f"calibration file {name}: tensor {short(key)} holds NaN or Inf; allowed: finite "
+                                 f"values (run h2o-compress calibrate again: {MAKE_ONE})")
+        largest = float(values.abs().max()) if values.numel() else 0.0
+        if largest > MAX_MAGNITUDE:
+            raise CacheFileError(f"calibration file {name}: tensor {short(key)} holds values up to {largest:.3g} in "
+                                 f"magnitude; allowed: at most {MAX_MAGNITUDE:.0e} (a fit gives far less: "
+                                 f"{MAKE_ONE})")
+    return details
 
 
 def default_calibration_path(model) -> Path:
@@ -181,17 +269,80 @@ def shipped_calibration_path(model) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_calibration(path, model) -> Calibration:
-    """`read_calibration`, refused unless it was fitted on ``model`` (the same fingerprint, as a saved cache is).
+def layer_geometry(model) -> list[tuple[int, int]]:
+    """``(kv_heads, value_dim)`` of each layer's cache, as the calibration file holds them: read from each
+    layer's attention module where every layer has ``k_proj`` and ``v_proj`` linear layers (a model whose layers
+    differ, MiMo-V2's sliding layers with twice the KV heads), else from the config
+    (`h2o_compress.models.model_dims`: a latent cache's one head, the value head dim where it differs).
 
     Raises:
-        CacheFileError: as `read_calibration`, or a file fitted on another model.
+        UnsupportedModelError: as `h2o_compress.models.model_dims` (layer types the cache does not take).
+    """
+    dims = model_dims(model.config)
+    heads, value_dim = dims.kv_heads, dims.value_head_dim or dims.head_dim
+    modules = [m for m in model.modules()
+               if isinstance(getattr(m, "k_proj", None), torch.nn.Linear)
+               and isinstance(getattr(m, "v_proj", None), torch.nn.Linear)]
+    if len(modules) != dims.num_layers:
+        return [(heads, value_dim)] * dims.num_layers
+    geometry = []
+    for module in modules:
+        keys, values = module.k_proj.out_features, module.v_proj.out_features
+        layer_heads = keys // dims.head_dim if keys % dims.head_dim == 0 else heads
+        geometry.append((layer_heads, values // layer_heads if values % layer_heads == 0 else value_dim))
+    return geometry
+
+
+def _mismatch(got: tuple, want: tuple, names: tuple[str, ...]) -> str:
+    """What differs between shapes ``got`` and ``want`` (named dimension by dimension), in words."""
+    if len(got) != len(want):
+        return f"a tensor of shape {list(got)}, not [{', '.join(names)}] = {list(want)}"
+    return ", ".join(f"{g} {name} (this model: {w})" for g, w, name in zip(got, want, names) if g != w)
+
+
+def check_fits(calibration: Calibration, model, path) -> None:
+    """Refuse a ``calibration`` whose tensors do not fit ``model``: the eviction weights must be ``[layers,
+    kv_heads, value head_dim + 4]`` and the mean keys (where present) ``[layers, kv_heads, head_dim]``, of this
+    model (`layer_geometry`). Sets ``calibration.layer_heads``.
+
+    Raises:
+        CacheFileError: no eviction weights, or a tensor of another shape, naming the file and what differs.
+        UnsupportedModelError: as `layer_geometry`.
+    """
+    geometry = layer_geometry(model)
+    name, again = short(str(path)), f"allowed: a file calibrated on this model ({MAKE_ONE})"
+    weights = calibration.tensors.get(EVICTION_WEIGHTS)
+    if weights is None:
+        raise CacheFileError(f"calibration file {name} holds no {EVICTION_WEIGHTS}; {again}")
+    want = (len(geometry), max(h for h, _ in geometry), max(d for _, d in geometry) + EXTRA_COLUMNS)
+    if tuple(weights.shape) != want:
+        differs = _mismatch(tuple(weights.shape), want, ("layers", "KV heads", "columns"))
+        raise CacheFileError(f"calibration file {name}: its {EVICTION_WEIGHTS} have {differs}; {again}")
+    mean = calibration.key_channel_mean()
+    key_want = (len(geometry), *key_shape(model))
+    if mean is not None and tuple(mean.shape) != key_want:
+        differs = _mismatch(tuple(mean.shape), key_want, ("layers", "KV heads", "head_dim"))
+        raise CacheFileError(f"calibration file {name}: its {KEY_CHANNEL_MEAN} have {differs}; {again}")
+    calibration.layer_heads = [h for h, _ in geometry]
+
+
+def load_calibration(path, model) -> Calibration:
+    """`read_calibration`, refused unless it was fitted on ``model`` (the same fingerprint, as a saved cache is)
+    and its tensors fit the model (`check_fits`), before any cache is built.
+
+    Raises:
+        CacheFileError: as `read_calibration`, a file fitted on another model (naming what differs: its name and
+            geometry, or, where those are alike, its weights or config), or as `check_fits`.
     """
     calibration = read_calibration(path)
     if calibration.model_fingerprint != model_fingerprint(model):
-        raise CacheFileError(
-            f"calibration file {short(str(path))} was fitted on {calibration.model_id or 'another model'}, not "
-            f"{model_identity(model)}; allowed: a file calibrated on this model ({MAKE_ONE})")
+        theirs, ours = calibration.model_id or "another model", model_identity(model)
+        differs = (f"{theirs}, not {ours}" if theirs != ours else
+                   f"a model of the same name and geometry ({ours}) with other weights or config (fingerprint "
+                   f"{short(calibration.model_fingerprint[:12])}, this model's {model_fingerprint(model)[:12]})")
+        raise CacheFileError(f"calibration file {short(str(path))} was fitted on {differs}; allowed: a file "
+                             f"calibrated on this model ({MAKE_ONE})")
+    check_fits(calibration, model, path)
     return calibration
 
 

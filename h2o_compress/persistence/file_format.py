@@ -20,15 +20,14 @@ import os
 import re
 import signal
 import stat
-import tempfile
 import threading
 from pathlib import Path
 import torch
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from h2o_compress.utils.errors import CacheFileError, one_line, short
-from h2o_compress.utils.files import check_path
+from h2o_compress.utils.errors import CacheFileError, one_line, os_error, short, write_failure
+from h2o_compress.utils.files import check_path, staging_dir
 from h2o_compress.utils.version import __version__
 
 try:
@@ -211,9 +210,11 @@ def remove_orphaned_partials(target: Path) -> list[Path]:
 def _atomic_write(write, target: Path) -> None:
     """Run ``write(temp_path)`` then rename the temp file over ``target``.
 
-    The new file gets the mode of the file it replaces (or ``0666`` less the umask). On any failure, including
-    SIGTERM and SIGHUP (Ctrl-C raises KeyboardInterrupt), the temporary ``.NAME.XXXX.partial`` file is removed;
-    one that an earlier save killed outright (SIGKILL) left is removed by the next save to the same target
+    The temp file lives in a staging directory ``.NAME.PID-XXXX.partial`` beside ``target``, locked by this save
+    (`h2o_compress.utils.files.staging_dir`; safetensors' own ``.tmpXXXXXX`` file goes there too). The new file gets
+    the mode of the file it replaces (or ``0666`` less the umask). On any failure, including SIGTERM and SIGHUP (Ctrl-C
+    raises KeyboardInterrupt), the staging directory is removed; one that an earlier save killed outright (SIGKILL)
+    left is removed by the next save to the same target, as are the ``.NAME.XXXX.partial`` files of older versions
     (`remove_orphaned_partials`).
     """
     try:
@@ -223,21 +224,13 @@ def _atomic_write(write, target: Path) -> None:
         os.umask(umask)
         mode = 0o666 & ~umask
     remove_orphaned_partials(target)
-    with _cleanup_on_signals():
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-        try:
-            _lock(fd)  # held until the rename: a file of this pattern that can be locked is an orphan
-            write(tmp)
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        finally:
-            os.close(fd)
+    with _cleanup_on_signals(), staging_dir(target.parent, f".{target.name}.", ".partial") as staging:
+        tmp = str(staging / target.name)
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
     with contextlib.suppress(OSError):  # make the rename itself durable where the platform allows it
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:
@@ -356,6 +349,14 @@ def write_checksummed(target: Path, metadata: dict[str, str], tensors: dict[str,
     try:
         _atomic_write(lambda tmp: save_file(tensors, tmp, metadata=metadata), target)
     except (OSError, SafetensorError) as exc:
-        reason = getattr(exc, "strerror", None) or one_line(str(exc), 200)
-        raise CacheFileError(f"cannot write {what} {short(str(target))}: {reason}") from None
+        error = os_error(exc) or OSError(one_line(str(exc), 200))
+        raise CacheFileError(write_failure(target, error, _file_bytes(metadata, tensors), what)) from None
     return target
+
+
+def _file_bytes(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> int:
+    """The size of the safetensors file of ``tensors`` and ``metadata`` (bytes), to within a few bytes of its header:
+    the header's 8-byte length, the JSON header (metadata, and each tensor's dtype, shape and offsets) and the data."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    entries = {name: {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [data, data]} for name, t in tensors.items()}
+    return 8 + len(json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":"))) + data

@@ -43,11 +43,13 @@ def token_prior(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The part of the predicted score a token carries from when it enters: fp32 ``[batch, kv_heads, tokens]``.
 
     Args:
-        values: ``[batch, kv_heads, tokens, head_dim]`` in the model's basis.
+        values: ``[batch, kv_heads, tokens, width]`` in the model's basis: ``width`` the weights' ``head_dim``, or
+            more where the cache holds narrower values zero-padded to the keys' head dim (the columns beyond
+            ``head_dim`` are those zeros, and are not read).
         weights: fp32 ``[kv_heads, head_dim + 4]`` one layer's weights (see `CalibratedPolicy.weights`).
     """
-    values = values.float()
-    head_dim = values.shape[-1]
+    head_dim = weights.shape[-1] - EXTRA_COLUMNS
+    values = values[..., :head_dim].float()
     linear = torch.einsum("bhtd,hd->bht", values, weights[:, 2 : 2 + head_dim])
     norm = torch.log(values.norm(dim=-1) + NORM_FLOOR)
     return linear + norm * weights[:, 2 + head_dim, None] + weights[:, 3 + head_dim, None]
@@ -85,7 +87,8 @@ class CalibratedPolicy(H2OPolicy):
             calibration file (then the policy refuses to rank).
 
     Raises:
-        ConfigError: weights that are not a finite fp32 matrix of ``head_dim + 4`` columns.
+        ConfigError: weights that are not a finite real floating-point matrix of ``head_dim + 4`` columns (ints,
+            bool and complex refused).
     """
 
     summary: ClassVar[str] = "heavy hitters ranked by a predictor of future attention fitted per model (calibrate)"
@@ -99,8 +102,11 @@ class CalibratedPolicy(H2OPolicy):
         weights = self.weights
         if weights is None:
             return
-        if not isinstance(weights, torch.Tensor) or weights.dim() != 2 or weights.shape[1] <= EXTRA_COLUMNS:
-            raise ConfigError(f"calibrated weights {short(weights)} are invalid; allowed: an fp32 tensor "
+        if not isinstance(weights, torch.Tensor) or weights.dim() != 2 or weights.shape[1] <= EXTRA_COLUMNS \
+                or not weights.dtype.is_floating_point:  # ints, bool, complex
+            got = (f"of dtype {str(weights.dtype).removeprefix('torch.')} and shape {list(weights.shape)}"
+                   if isinstance(weights, torch.Tensor) else short(weights))
+            raise ConfigError(f"calibrated weights {got} are invalid; allowed: a real floating-point (fp32) tensor "
                               f"[kv_heads, head_dim + {EXTRA_COLUMNS}]")
         if not bool(torch.isfinite(weights).all()):
             raise ConfigError("calibrated weights hold NaN or Inf; allowed: finite weights (run calibrate again)")
@@ -123,7 +129,8 @@ class CalibratedPolicy(H2OPolicy):
         """
         if self.weights is None:
             raise ConfigError("policy 'calibrated' has no weights for this layer; allowed: a calibration file "
-                              "(run: h2o-compress calibrate --out scorer.safetensors, then --scorer scorer.safetensors)")
+                              "(run: h2o-compress calibrate --model MODEL --out scorer.safetensors, then "
+                              "--calibration scorer.safetensors)")
         if self.weights.device != device:
             self.weights = self.weights.to(device)
         return self.weights

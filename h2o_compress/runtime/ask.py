@@ -32,7 +32,7 @@ import torch
 from h2o_compress.cache import CompressedCache
 from h2o_compress.runtime.chat import check_text_fits
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
+from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, UnsupportedModelError, short
 from h2o_compress.runtime.generation import (
     GenerationResult, _check_argument_kinds, check_config, check_generation_args, check_prompt, check_switch,
     encode_prompt, generate_checked, make_scored_cache,
@@ -41,6 +41,7 @@ from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
 from h2o_compress.runtime.prefill import check_context, context_window, layer_progress, prefill
 from h2o_compress.runtime.prompt_cache import shared_prefix_length
+from h2o_compress.models import model_dims
 from h2o_compress.models.weights import input_device
 from h2o_compress.utils.progress import ProgressFn, report_progress
 
@@ -120,6 +121,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
         InputError: empty context, or longer than the model's context window.
         ConfigError: a bad setting, or one that leaves no recent window at this capacity; ``model`` or
             ``tokenizer`` of the wrong kind, ``chat`` not a bool, ``on_progress`` not callable.
+        UnsupportedModelError: a hybrid model (`check_attention_only`), before any pass runs.
     """
     _check_argument_kinds(model, tokenizer, None)
     config = ASK_DEFAULTS if config is None else check_config(config)
@@ -127,6 +129,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     check_switch("chat", chat)
     if on_progress is not None and not callable(on_progress):
         raise ConfigError(f"on_progress={short(on_progress)} is not callable; allowed: a function or None")
+    check_attention_only(model)
     check_text_fits(tokenizer, context, context_window(model), "the context")
     device = input_device(model)
     ids = encode_prompt(tokenizer, context, chat)[:, : shared_prefix_length(tokenizer, context, chat)].to(device)
@@ -138,6 +141,23 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
             prefill(model, ids, cache, check_model=False)  # made for this model just above
     cache.check()
     return CompressedContext(cache, context, chat)
+
+
+def check_attention_only(model) -> None:
+    """Refuse a hybrid model (a linear-attention, SSM or convolution layer, or one holding such a state beside its
+    keys) for compress-then-ask: its states move on with every token, so a compressed context cannot be shared
+    between questions. Reads the config only.
+
+    Raises:
+        UnsupportedModelError: naming the model type, in one line.
+    """
+    if any(span.stateful or span.paired for span in model_dims(model.config).spans):
+        raise UnsupportedModelError(
+            f"compress-then-ask does not support model type {getattr(model.config, 'model_type', '?')!r}: its "
+            "linear-attention/SSM/convolution states move on with every token, so one compressed context cannot be "
+            "shared between questions; allowed: a model with attention layers only (or generate, with the context "
+            "and the question in one prompt)"
+        )
 
 
 def check_questions_fit(model, tokenizer, context: str, questions, max_new_tokens: int, chat: bool = True) -> None:

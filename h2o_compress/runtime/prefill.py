@@ -116,12 +116,21 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
     return logits
 
 
+#: The fewest tokens per forward pass of a chunked prefill into a cache holding linear-attention, SSM or convolution
+#: states (a hybrid model's): the chunk transformers' Mamba-2 scan pads every pass to, so a smaller chunk costs as much
+#: as this one per pass, and every state kernel runs a fixed cost per pass.
+MIN_STATE_CHUNK = 256
+
+
 def prefill_step(cache, tokens: int) -> int:
     """Tokens per forward pass when ``tokens`` new tokens are prefilled into ``cache``: its config's
-    ``prefill_chunk_size``, or ``tokens`` (one pass) where that is ``0`` or at least ``tokens``, where the cache has
-    no such config (not a [`CompressedCache`][h2o_compress.cache.CompressedCache]), and where a layer holds scores
-    handed for the whole prompt by a scoring pass (``kvzip``, ``lookahead``: `pending_context_scores`)."""
+    ``prefill_chunk_size`` (at least `MIN_STATE_CHUNK` where the cache holds a hybrid model's states), or ``tokens``
+    (one pass) where that is ``0`` or at least ``tokens``, where the cache has no such config (not a
+    [`CompressedCache`][h2o_compress.cache.CompressedCache]), and where a layer holds scores handed for the whole
+    prompt by a scoring pass (``kvzip``, ``lookahead``: `pending_context_scores`)."""
     size = getattr(getattr(cache, "config", None), "prefill_chunk_size", 0)
+    if size and getattr(cache, "state_layers", None):
+        size = max(size, MIN_STATE_CHUNK)
     if not size or size >= tokens or pending_context_scores(cache):
         return max(1, tokens)
     return size

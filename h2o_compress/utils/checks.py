@@ -4,6 +4,7 @@ value with one [`ConfigError`][h2o_compress.utils.errors.ConfigError] naming the
 from __future__ import annotations
 
 import math
+import os
 
 from h2o_compress.utils.errors import ConfigError, short
 
@@ -32,12 +33,28 @@ def check_number(name: str, value, allowed: str) -> float:
 
 
 MAX_THREADS = 4096
-"""The most torch CPU threads a job or command may ask for."""
+"""The most torch CPU threads a job or command may ask for on any machine (`max_threads` bounds it by the CPUs)."""
+THREADS_PER_CPU = 4
+"""Torch CPU threads allowed per CPU this process may run on: more only take turns on the same cores, and each
+thread reserves its stack (8 MiB by default), so thousands of them fill an address-space limit (``ulimit -v``)."""
 
 
-def check_threads(threads) -> int | None:
+def max_threads() -> int:
+    """The most torch CPU threads allowed here: `THREADS_PER_CPU` per CPU this process may run on (its affinity, else
+    ``os.cpu_count()``), at most `MAX_THREADS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, THREADS_PER_CPU * cpus))
+
+
+def check_threads(threads, here: bool = True) -> int | None:
     """``threads`` (torch CPU threads to set before loading) if it is ``None`` (torch's default) or an integer from 1
-    to `MAX_THREADS`. Raises ConfigError naming it otherwise (`check_count`)."""
-    if threads is not None:
+    to `max_threads` (``here`` false: threads of other machines, a Ray cluster's, to `MAX_THREADS`). Raises
+    ConfigError naming it otherwise (`check_count`)."""
+    if threads is not None and here:
+        check_count("threads", threads, unit=f"threads; {THREADS_PER_CPU} per CPU here", maximum=max_threads())
+    elif threads is not None:
         check_count("threads", threads, unit="threads", maximum=MAX_THREADS)
     return threads

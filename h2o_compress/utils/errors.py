@@ -65,10 +65,10 @@ def one_line(message: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def write_failure(path, exc: OSError, nbytes: int | None = None) -> str:
-    """One line for an ``OSError`` met while writing ``path``: the path, the bytes it needed (when known), the
-    system's reason, and what to do (free space for ``ENOSPC``/``EDQUOT``, a writable place for ``EROFS``/``EACCES``/
-    ``EPERM``)."""
+def write_failure(path, exc: OSError, nbytes: int | None = None, what: str = "") -> str:
+    """One line for an ``OSError`` met while writing ``path``: what it is (``what``, e.g. ``"cache file"``), the path,
+    the bytes it needed (when known), the system's reason, and what to do (free space for ``ENOSPC``/``EDQUOT``, a
+    writable place for ``EROFS``/``EACCES``/``EPERM``, a higher ``ulimit -f`` for ``EFBIG``)."""
     import errno
 
     need = f" ({nbytes} bytes)" if nbytes is not None else ""
@@ -78,6 +78,27 @@ def write_failure(path, exc: OSError, nbytes: int | None = None) -> str:
         fix = f"free {'at least ' + str(nbytes) + ' bytes' if nbytes is not None else 'space'} there, or write elsewhere"
     elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
         fix = "a directory this user can write to"
+    elif code == errno.EFBIG:
+        fix = "a file size limit (ulimit -f) that lets the file be written, or a smaller file"
     else:
         fix = "a writable directory with free space"
-    return one_line(f"cannot write {short(str(path))}{need}: {reason}; allowed: {fix}")
+    name = f"{what} " if what else ""
+    return one_line(f"cannot write {name}{short(str(path))}{need}: {reason}; allowed: {fix}")
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """``exc`` as an ``OSError``: itself when it is one; for a safetensors error that wraps one (its text names the
+    system's error: ``IoError { code: 28, ... }`` before safetensors 0.8, ``I/O error: No space left on device (os
+    error 28)`` from 0.8 on), an ``OSError`` of that ``errno`` and its ``strerror``; ``None`` for anything else."""
+    import os
+    import re
+
+    if isinstance(exc, OSError):
+        return exc
+    text = str(exc)
+    if type(exc).__name__ != "SafetensorError" or not ("IoError" in text or "I/O error" in text):
+        return None
+    code = re.search(r"(?:code: |os error )(\d{1,6})\b", text)
+    if code is None:
+        return OSError(one_line(text, 200))
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1))))

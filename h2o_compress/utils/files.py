@@ -1,15 +1,33 @@
-"""Reading the small files users name (config files, text files, reports, model configs) safely.
+"""Reading the small files users name (config files, text files, reports, model configs) safely, and the staging
+files and directories that writes go through.
 
 Only regular files are read (a FIFO would block, ``/dev/zero`` never ends), at most a size limit, as UTF-8;
 JSON and TOML nested too deeply for the parser are refused instead of overflowing the stack.
+
+A write (a conversion, a saved cache or calibration, a report) goes to a staging file or directory beside its target,
+named ``{prefix}{pid}-{random}{suffix}`` and locked (``flock``) by the writer until it is renamed into place
+(`staging_file`, `staging_dir`). One that a writer killed outright left behind (SIGKILL, the OOM killer, power
+loss) is removed by the next write that finds it (`remove_stale`): only this user's, only when no process holds its
+lock, and only when its writer's PID has ended or it is older than `STALE_AFTER_S`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no way to tell a running write's staging from an orphan
+    fcntl = None
 
 try:
     import tomllib
@@ -196,3 +214,169 @@ def parse_toml(text: str, what: str, error: type[H2OCompressError], bounded: boo
 def read_json(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES, bounded: bool = False):
     """The JSON value in the regular file ``path`` (see `read_text` and `parse_json`)."""
     return parse_json(read_text(path, what, error, limit), f"{what} {short(str(Path(path)))}", error, bounded)
+
+
+STALE_AFTER_S = 3600.0
+"""Seconds since its last change after which a staging file or directory that no process holds locked is removed
+even though the PID in its name runs (a reused PID) or it has no lock (one made before staging names carried them)."""
+LOCK_FILE = ".lock"
+"""The file in a staging directory that its writer holds locked."""
+
+
+def _lock(fd: int, wait: bool = True) -> bool:
+    """An exclusive ``flock`` on ``fd``: True when taken (not when another process holds it and ``wait`` is false).
+    The kernel drops it when its holder ends, SIGKILL included."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+def _pid_ended(pid: int | None) -> bool:
+    """Whether no process ``pid`` runs on this machine (``None``: not known, so not ended)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # PermissionError: it runs, as another user
+        return False
+    return False
+
+
+def _staging_pattern(prefix: str, suffix: str) -> re.Pattern:
+    """Names `staging_file`/`staging_dir` give (``{prefix}{pid}-{8 random}{suffix}``), and those ``tempfile`` gave
+    before a PID was part of them (``{prefix}{8 random}{suffix}``)."""
+    return re.compile(rf"{re.escape(prefix)}(?:(\d{{1,9}})-)?[a-z0-9_]{{8}}{re.escape(suffix)}")
+
+
+def _is_stale(path: Path, pid: int | None, is_dir: bool) -> bool:
+    """Whether ``path`` is a staging entry a dead writer of this user left: a directory (``is_dir``) or a regular file,
+    no symbolic link, owned by this user, whose lock (the directory's `LOCK_FILE`, or the file itself) nobody holds,
+    and whose writer's PID has ended or which is older than `STALE_AFTER_S`; one without a lock file only when old."""
+    info = os.lstat(path)
+    kind_ok = stat.S_ISDIR(info.st_mode) if is_dir else stat.S_ISREG(info.st_mode)
+    if not kind_ok or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        return False
+    old = time.time() - info.st_mtime > STALE_AFTER_S
+    try:
+        fd = os.open(path / LOCK_FILE if is_dir else path,
+                     os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return old and is_dir
+    except OSError:  # a link, or not ours to read: left alone
+        return False
+    try:
+        if not is_dir and (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (info.st_ino, info.st_dev):
+            return False  # replaced since it was looked at
+        return _lock(fd, wait=False) and (old or _pid_ended(pid))
+    finally:
+        os.close(fd)
+
+
+def remove_stale(parent: Path, prefix: str, suffix: str = "", is_dir: bool = False) -> list[Path]:
+    """Remove the staging files (or, with ``is_dir``, directories) named ``{prefix}{pid}-{random}{suffix}`` in
+    ``parent`` that writers killed outright left behind (`_is_stale`: this user's, not held by a running write, its
+    PID ended or older than `STALE_AFTER_S`). Nothing else is touched; what cannot be checked or removed is left.
+    Without ``fcntl`` nothing is removed.
+
+    Returns:
+        The paths removed.
+    """
+    if fcntl is None:
+        return []
+    pattern = _staging_pattern(prefix, suffix)
+    try:
+        found = [(entry.name, pattern.fullmatch(entry.name)) for entry in os.scandir(parent)]
+    except OSError:
+        return []
+    removed = []
+    for name, match in found:
+        if match is None:
+            continue
+        path = Path(parent) / name
+        try:
+            if _is_stale(path, int(match.group(1)) if match.group(1) else None, is_dir):
+                shutil.rmtree(path) if is_dir else os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+@contextmanager
+def staging_file(parent: Path, prefix: str, suffix: str = "") -> Iterator[tuple[int, Path]]:
+    """A new empty file ``{prefix}{pid}-{random}{suffix}`` in ``parent`` (mode 0600), open and locked for the block:
+    write it through the descriptor, then ``os.replace`` it onto its target inside the block. When the block ends
+    the name is removed if it is still there (an exception, Ctrl-C), and the descriptor closed. Stale ones
+    (`remove_stale`) are removed first.
+
+    Yields:
+        ``(descriptor, path)``.
+
+    Raises:
+        OSError: it cannot be made (no room, not writable).
+    """
+    remove_stale(parent, prefix, suffix)
+    fd, name = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", suffix=suffix, dir=parent)
+    path = Path(name)
+    try:
+        if fcntl is not None:
+            _lock(fd)
+        yield fd, path
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write part of it). Raises OSError (a full disk...)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+@contextmanager
+def staging_dir(parent: Path, prefix: str, suffix: str = "") -> Iterator[Path]:
+    """A new directory ``{prefix}{pid}-{random}{suffix}`` in ``parent`` (mode 0700) for the block, holding a
+    `LOCK_FILE` locked until the block ends; then it is removed with whatever it still holds (after an exception or
+    Ctrl-C: no half-written copy is left), unless `publish_dir` renamed it. Stale ones (`remove_stale`) are
+    removed first.
+
+    Raises:
+        OSError: it cannot be made (no room, not writable).
+    """
+    remove_stale(parent, prefix, suffix, is_dir=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", suffix=suffix, dir=parent))
+    fd = None
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        if fcntl is not None:
+            _lock(fd)
+        yield path
+    finally:
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def publish_dir(staging: Path, target: Path) -> None:
+    """Rename the directory ``staging`` (of `staging_dir`) to ``target``, without its lock file. Where ``target``
+    appeared meanwhile (another process finished the same work first), that copy stands and ``staging`` is left to
+    its block to remove.
+
+    Raises:
+        OSError: the rename failed and ``target`` is not there.
+    """
+    (staging / LOCK_FILE).unlink(missing_ok=True)
+    try:
+        staging.rename(target)
+    except OSError:
+        if not target.is_dir():
+            raise

@@ -7,7 +7,8 @@ still what the manifest says this package wrote; anything else of the same name 
 since, or one that a hand-edited manifest lists with its plain SHA-256) is refused: without the key, no manifest
 entry can be forged. A manifest path that is not a regular file holding a manifest (a directory, a symlink, a
 user's file) is refused before anything is written. Writes go to a temporary file in the directory, then
-``os.replace``: a symlink at the name is replaced, never followed, and a reader never sees half a file.
+``os.replace``: a symlink at the name is replaced, never followed, and a reader never sees half a file; the file and
+the new manifest are both written before either is renamed, so a full disk leaves both as they were.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import tempfile
 from pathlib import Path
 
 from h2o_compress.utils.errors import ConfigError, InputError, short, write_failure
+from h2o_compress.utils.files import staging_file, write_all
 from h2o_compress.utils.paths import check_private_file, private_dir
 
 MANIFEST = ".h2o-compress-manifest.json"
 KEY_FILE = "manifest.key"
 KEY_BYTES = 32
+STAGING_PREFIX = ".h2o-"
+"""Staging files of a write here: ``.h2o-PID-XXXXXXXX.tmp`` (`h2o_compress.utils.files.staging_file`; one a
+killed run left is removed by the next write here)."""
 SIGNED = "hmac-sha256:"
 """How a signed manifest entry starts (then the HMAC-SHA-256 in hex); an entry without it vouches for nothing."""
 
@@ -177,29 +182,23 @@ class OutputDir:
                              "it is not replaced; allowed: a new or empty output directory")
         data = data.encode("utf-8") if isinstance(data, str) else data
         target = self.path / name
+        listing = b""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            manifest = self.manifest() | {name: self._sign(name, data)}
+            listing = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
             new = not os.path.lexists(target)
-            _replace(target, data)
-            try:
-                manifest = self.manifest() | {name: self._sign(name, data)}
-                _replace(self.path / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-            except BaseException:
-                if new:  # never a file the manifest does not vouch for
-                    target.unlink(missing_ok=True)
-                raise
+            with staging_file(self.path, STAGING_PREFIX, ".tmp") as (fd, tmp), \
+                    staging_file(self.path, STAGING_PREFIX, ".tmp") as (manifest_fd, manifest_tmp):
+                write_all(fd, data)  # both written before either is renamed: a full disk changes neither
+                write_all(manifest_fd, listing)
+                os.replace(tmp, target)  # no symlink at either name is followed
+                try:
+                    os.replace(manifest_tmp, self.path / MANIFEST)
+                except BaseException:
+                    if new:  # never a file the manifest does not vouch for
+                        target.unlink(missing_ok=True)
+                    raise
         except OSError as exc:
-            raise InputError(write_failure(target, exc, len(data))) from None
+            raise InputError(write_failure(target, exc, len(data) + len(listing))) from None
         return target
-
-
-def _replace(target: Path, data: bytes) -> None:
-    """``data`` into ``target`` through a temporary file in its directory and ``os.replace`` (no symlink followed)."""
-    handle, tmp = tempfile.mkstemp(prefix=".h2o-", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -178,7 +178,7 @@ def test_a_file_without_key_statistics_is_refused_in_one_line(model, tmp_path):
     from h2o_compress.models.identity import model_fingerprint, model_identity
 
     save_calibration(old, Calibration({EVICTION_WEIGHTS: weights}, model_fingerprint(model), model_identity(model)))
-    make_cache(model, CompressionConfig(kv_bits=4, calibration=str(old)), max_length=16)  # not asked for: fine
+    make_cache(model, CompressionConfig(kv_bits=4, policy="calibrated", calibration=str(old)), max_length=16)  # fine
     with pytest.raises(ConfigError) as error:
         make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated", calibration=str(old)), max_length=16)
     assert "\n" not in str(error.value) and "h2o-compress calibrate --model MODEL" in str(error.value)

@@ -575,3 +575,44 @@ def test_cli_ask_refuses_an_empty_or_too_long_context_before_compressing(tmp_pat
     result = CliRunner().invoke(app, [*base, "--context-file", str(long), "--max-new-tokens", str(window)])
     assert result.exit_code == 2, result.output
     assert "context + question 'Who?': prompt of" in result.output and "allowed: max_new_tokens at most" in result.output
+
+
+@pytest.mark.parametrize("policy", [None, "h2o"])  # None: ask's defaults (kvzip, whose scoring pass ran first)
+def test_compress_then_ask_refuses_a_hybrid_in_one_line_before_any_pass(policy, monkeypatch, tmp_path):
+    """A hybrid's states move on with every token, so its context cannot be shared between questions: compress()
+    refuses it before the scoring pass or the prefill runs, as does the ask command (one error line, exit 2)."""
+    import sys
+
+    from helpers.architectures import tiny_causal_lm
+    from helpers.tiny_lm import english_tokenizer
+
+    from h2o_compress import UnsupportedModelError
+
+    ask_module = sys.modules["h2o_compress.runtime.ask"]
+
+    def never(*args, **kwargs):
+        raise AssertionError("a pass ran")
+
+    monkeypatch.setattr(ask_module, "make_scored_cache", never)
+    monkeypatch.setattr(ask_module, "prefill", never)
+    model, tokenizer = tiny_causal_lm("bamba"), english_tokenizer()
+    config = None if policy is None else CompressionConfig(policy=policy, budget=0.5, kv_bits=4)
+    with pytest.raises(UnsupportedModelError, match="compress-then-ask does not support model type 'bamba'") as error:
+        compress(model, tokenizer, CONTEXT[:300], config, chat=False)
+    assert "\n" not in str(error.value)
+    import functools
+
+    import h2o_compress.models
+
+    @functools.wraps(h2o_compress.models.load_model)  # its signature: the CLI reads its defaults
+    def loaded(*args, **kwargs):
+        return model, tokenizer
+
+    monkeypatch.setattr(h2o_compress.models, "load_model", loaded)
+    flags = [] if policy is None else ["--policy", policy]
+    document = tmp_path / "doc.txt"
+    document.write_text(CONTEXT[:300])
+    result = CliRunner().invoke(app, ["ask", "--no-chat", "--context-file", str(document), "--question", "Who?", *flags])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: compress-then-ask does not support model type 'bamba'")
+    assert result.output.count("\n") == 1

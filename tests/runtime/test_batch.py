@@ -69,6 +69,39 @@ def test_rows_moved_between_caches_keep_chunks_windows_softcap_and_sinks(model_t
                              in_order=True, longest_first=False)
         assert [r.token_ids for r in run] == expected, config
 
+# Every hybrid class of tests/helpers/architectures.py (a state layer, then attention; Falcon-H1 holds both in one
+# layer) but RecurrentGemma, which keeps its states in its own modules, not in rows of the cache.
+HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm3",
+           "minimax", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"]
+HAND_MADE_HYBRIDS = ["lfm2_moe", "nemotron_h", "zamba", "zamba2"]
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS + HAND_MADE_HYBRIDS)
+@torch.inference_mode()
+def test_hybrid_rows_carry_their_states_through_refill_and_shrink(model_type, tokenizer, one_thread):
+    """Three prompts of different lengths in 2 rows: the third is prefilled while the first row decodes and moved
+    into the second's row (its conv and recurrent states with its keys), then the batch shrinks to the one row
+    still running (every state layer's rows selected); each answer is the one generate gives it alone."""
+    from helpers.architectures import hand_made_causal_lm, tiny_causal_lm
+
+    model = hand_made_causal_lm(model_type) if model_type in HAND_MADE_HYBRIDS else tiny_causal_lm(model_type)
+    assert not isinstance(model, str), model
+    for module in model.modules():  # Mamba-2's torch scan pads every pass to its chunk (256): 16 is faster
+        if hasattr(module, "ssm_state_size") and isinstance(getattr(module, "chunk_size", None), int):
+            module.chunk_size = 16
+    config = CompressionConfig(budget=10, kv_bits=4, residual=2)
+    requests = [{"prompt": PROMPTS[1], "max_new_tokens": 10}, {"prompt": PROMPTS[0], "max_new_tokens": 2},
+                {"prompt": " ".join(WORDS * 2), "max_new_tokens": 4}]
+    expected = [generate(model, tokenizer, r["prompt"], config, max_new_tokens=r["max_new_tokens"],
+                         chat=False).token_ids for r in requests]
+    run = generate_batch(model, tokenizer, requests, config, batch_size=2, chat=False, in_order=True,
+                         longest_first=False)
+    results = list(run)
+    assert [r.error for r in results] == [None] * 3
+    assert [r.token_ids for r in results] == expected
+    assert run.stats.batch_size == 2
+
+
 @torch.inference_mode()
 def test_budget_fraction_is_of_the_longest_sequence(tokenizer, one_thread):
     """A fraction applies to the job's longest prompt + new tokens: every row keeps ceil(budget x that), at any

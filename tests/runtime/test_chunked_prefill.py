@@ -145,3 +145,30 @@ def test_a_chunked_prefill_reports_chunks_and_a_one_pass_prefill_layers():
             feed_prompt(model, ids, make_cache(model, CompressionConfig(prefill_chunk_size=0), max_length=PROMPT))
     layers = model.config.num_hidden_layers
     assert calls == [("prefill", done, layers) for done in range(layers + 1)]
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "qwen3_next"])
+def test_a_hybrid_is_prefilled_in_chunks_of_at_least_min_state_chunk(model_type, one_torch_thread):
+    """A hybrid's state kernels cost about as much per pass whatever the chunk (Mamba-2's scan pads each pass to
+    its chunk): a chunk below `MIN_STATE_CHUNK` is raised to it, so 260 tokens at ``prefill_chunk_size=3`` run in 2
+    passes, with the logits of ``prefill_chunk_size=MIN_STATE_CHUNK``; an attention-only model keeps its chunk."""
+    from helpers.architectures import tiny_causal_lm
+
+    from h2o_compress.runtime.prefill import MIN_STATE_CHUNK
+
+    model = tiny_causal_lm(model_type)
+    for module in model.modules():  # Mamba-2's torch scan pads every pass to its chunk (256): 16 is faster
+        if hasattr(module, "ssm_state_size") and isinstance(getattr(module, "chunk_size", None), int):
+            module.chunk_size = 16
+    ids, passes = _prompt(260), []
+    model.register_forward_pre_hook(lambda *_: passes.append(1))
+    logits = {}
+    for size in (3, MIN_STATE_CHUNK):
+        cache = make_cache(model, CompressionConfig(budget=64, kv_bits=4, prefill_chunk_size=size), max_length=260)
+        assert prefill_step(cache, 260) == MIN_STATE_CHUNK
+        passes.clear()
+        with torch.no_grad():
+            logits[size] = prefill(model, ids, cache)
+        assert len(passes) == 2, size
+    assert torch.equal(logits[3], logits[MIN_STATE_CHUNK])
+    assert prefill_step(make_cache(tiny_llama(), CompressionConfig(prefill_chunk_size=3), max_length=260), 260) == 3
