@@ -101,7 +101,7 @@ def alone(model, tokenizer, items: list[dict], chunk: int) -> list[list[int]]:
 def write(args, rows: list[dict]) -> None:
     """The JSON and the markdown table, with the command."""
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    lines = [f"# A long prompt admitted into a running batch (issue 49)\n", f"`{command}`\n",
+    lines = ["# A long prompt admitted into a running batch (issue 49)\n", f"`{command}`\n",
              f"torch {torch.__version__}, {platform.machine()}, {args.threads} threads; prompt tokens "
              f"{rows[0]['prompt_tokens']}\n",
              *([args.note + "\n"] if args.note else []),

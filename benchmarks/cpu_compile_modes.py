@@ -121,7 +121,7 @@ def measure(mode: str, threads: int, prompt_tokens: int, steps: int) -> dict:
 
 def table(results: list[dict], command: str, note: str) -> str:
     eager = {r["threads"]: r["step_ms"] for r in results if r["mode"] == "eager"}
-    lines = [f"# The CPU decode step compiled three ways (issue 50)", "", f"`{command}`", "", note, "",
+    lines = ["# The CPU decode step compiled three ways (issue 50)", "", f"`{command}`", "", note, "",
              "| mode | threads | first step s (compile) | ms / step | tokens/s | x eager |", "|---|---:|---:|---:|---:|---:|"]
     for r in results:
         ratio = eager[r["threads"]] / r["step_ms"] if r["threads"] in eager else float("nan")

@@ -16,7 +16,6 @@ would add its own resident memory to the engine's figure.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import traceback

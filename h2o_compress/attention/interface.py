@@ -92,7 +92,7 @@ def attention_probability_sums(
         fp32 ``[batch, kv_heads, keys]`` (H2O, arXiv 2306.14048 §4: the accumulated attention score).
     """
     batch, q_heads, _, _ = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     group = q_heads // kv_heads
     sums = []
     for head in range(kv_heads):

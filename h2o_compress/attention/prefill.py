@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from h2o_compress.attention import cpu
 
-# fp32 logits per block: ~16 MiB (blocks of ~59 queries at 8k keys with 9 query heads; 32-64 measured fastest on an
-# idle 2-core EPYC, 118 slower): large enough for few ops per layer, which
-# matters most when other jobs share the cores (every op of 2 threads waits for both)
+# fp32 logits per block: 16 MiB (blocks of ~59 queries at 8k keys with 9 query heads): large enough for few ops per
+# layer, which matters most when other jobs share the cores (every op of 2 threads waits for both); much larger
+# blocks ran slower on a CPU
 BLOCK_ELEMENTS = 1 << 22
 
 
@@ -97,8 +97,8 @@ def blocked_attention_with_sums(
     the upper right of the causal matrix is skipped), masked where ``visible`` says, softmax in fp32, output block
     ``p @ v``, sums ``+= p`` summed over the block's queries and the group's query heads. GQA without repeating
     keys: the ``group`` query heads of a KV head are one ``[group * block, head_dim]`` matmul operand. One KV head at
-    a time, so the workspace is one head group's block of logits (about `BLOCK_ELEMENTS` fp32), whatever the heads
-    (issue 49). Inference only: the logits and probabilities of a block share one buffer, written in place (no
+    a time, so the workspace is one head group's block of logits (about `BLOCK_ELEMENTS` fp32), whatever the number
+    of heads. Inference only: the logits and probabilities of a block share one buffer, written in place (no
     autograd).
 
     Args:

@@ -22,7 +22,7 @@ those buffers in two kernel launches, with no host sync and no allocation but th
 
 With the layer's Hadamard bases (``key_basis``/``value_basis``) the split pass rotates the query into the keys'
 basis and the combine rotates the output back from the values' basis (fp32 ``tl.dot`` against the ``[D, D]``
-matrix, ``DC`` rows at a time), so neither rotation is a matmul launch of its own (issue 14: kernels per layer).
+matrix, ``DC`` rows at a time), so neither rotation is a matmul launch of its own (fewer kernels per layer).
 
 The op takes plain tensors (`decode_layer` unpacks a layer's `SlotBuffers`); the scratch (split partials,
 logits: `DecodeScratch`, `make_scratch`) is kept by the cache, allocated once per shape, and passed in as mutated

@@ -20,7 +20,7 @@ def rotate(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 def rotate_token(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """`rotate` of one token per (sequence, KV head) as a product and a sum over ``head_dim`` (fp32; equal to
     the matmul to float reassociation): Inductor fuses it into the step's kernel that writes the ring instead of
-    launching a ``[batch * kv_heads, head_dim] @ [head_dim, head_dim]`` matmul of its own (issue 14: kernels per
+    launching a ``[batch * kv_heads, head_dim] @ [head_dim, head_dim]`` matmul of its own (one kernel fewer per
     layer). Compiled fused (Triton) decode steps only: eagerly it would materialize ``[batch, kv_heads, 1, head_dim,
     head_dim]`` fp32, so eager steps, the torch path and the native CPU path keep the matmul."""
     return (x.float().unsqueeze(-1) * basis).sum(-2)

@@ -9,8 +9,8 @@ back when they are read: the same bytes per token (the mean is one vector per he
 Some keys are far from the mean (attention sinks: the first token, and others the model parks attention on), and
 subtracting it would widen them; each token takes the offset only where it narrows its widest group, and says so
 in the sign of its fp16 scales (always positive otherwise), so the choice costs no byte. On the tuning text
-(SmolLM2-135M, 1,024 tokens, ``benchmarks/key_calibration.py --phase choose``) the offset on every token but the
-first left the 4-bit loss where it was (1.013x against 1.010x); the per-token choice halved it (1.005x).
+(SmolLM2-135M, ``benchmarks/key_calibration.py --phase choose``, ``benchmarks/results/key_calibration_choose.md``)
+the offset on every token but the first did not lower the 4-bit loss; the per-token choice did.
 
 The offset of a position is ``[cos(pos * f), sin(pos * f)] @ M`` (``f`` the RoPE frequencies, ``M`` fp32
 ``[kv_heads, head_dim, head_dim]`` built once from the mean and the basis), so reading a store of fixed slots is a

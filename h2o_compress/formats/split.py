@@ -5,7 +5,7 @@ plain int4 layout of [`IntQuantizer`][h2o_compress.formats.IntQuantizer] with th
 ``(16 s, z + 7.5 s)``, so the ordinary int4 dequantizer reads it as ``(16 hi + 7.5) s + z``: the centre of the
 16 codes ``hi`` stands for. That is within ``8 s = 8 (max - min) / 255`` of the input, below plain
 round-to-nearest int4's ``(max - min) / 30``. Adding the low plane's correction ``(lo - 7.5) s`` gives the 8-bit
-reconstruction ``q8 s + z`` back. Used by the mixed-precision cache (`h2o_compress.cache.mixed`).
+reconstruction ``q8 s + z`` back. Used by the mixed-precision cache (`h2o_compress.cache.refinement`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def check_address(address: str) -> str:
 def runtime_env() -> dict:
     """Ray's ``runtime_env`` that ships this process's h2o_compress package to every worker (``py_modules``;
     Ray accepts local directories only at the job level, so pass it to your own ``ray.init(...,
-    runtime_env=...)`` when you connect before calling `h2o_compress.evaluation.run_profile`)."""
+    runtime_env=...)`` when you connect before calling `h2o_compress.profiling.run_profile`)."""
     package = Path(__file__).resolve().parents[1]
     return {"py_modules": [str(package)], "excludes": ["__pycache__"]}
 

@@ -40,7 +40,7 @@ def model_fingerprint(model) -> str:
     Cheap (about 264 elements per parameter are read: the first and last 4 and `SPREAD_SAMPLES` evenly spaced over
     the whole of it), stable across devices and processes, and different for two models that differ in
     architecture, dtype or weights (two trainings or fine-tunes of one architecture differ nearly everywhere, so at
-    the sampled values; the first and last 4 alone, as before issue 47, missed weights that differ elsewhere).
+    the sampled values; the first and last 4 alone, as earlier versions read, missed weights that differ elsewhere).
     Checkpoint names, the transformers version and the attention implementation are left out; parameters
     offloaded by accelerate (on the ``meta`` device here) are read from the offload (disk or CPU) through their
     module's hook, so a model split by ``device_map`` has the fingerprint of the same model in one piece.
@@ -50,7 +50,7 @@ def model_fingerprint(model) -> str:
 
 
 def legacy_fingerprint(model) -> str:
-    """The fingerprint cache files saved before issue 47 hold (the first and last 4 values of each parameter only):
+    """The fingerprint cache files saved by earlier versions hold (the first and last 4 values of each parameter only):
     `load_cache` still takes such a file for a model it matches. A file saved now holds
     `model_fingerprint`, which equals this one only by chance (2**-128)."""
     return _fingerprint(model, _ends)

@@ -1,4 +1,4 @@
-"""4-bit weights on CPU through torch's own packed int4 kernel (issue 50, Build item 1; a leaf module).
+"""4-bit weights on CPU through torch's own packed int4 kernel (a leaf module).
 
 [`Int4Linear`][h2o_compress.models.int4_linear.Int4Linear] replaces an ``nn.Linear``: its weight is stored as
 asymmetric 4-bit codes in groups of `GROUP_SIZE` input features, ``w ~= (q - 8) * scale + zero`` with

@@ -1,14 +1,15 @@
-"""8-bit weights on CPU through torch's own packed int8 kernel (issue 50, Build item 1; a leaf module).
+"""8-bit weights on CPU through torch's own packed int8 kernel (a leaf module).
 
 [`Int8Linear`][h2o_compress.models.int8_linear.Int8Linear] replaces an ``nn.Linear``: its weight is stored as
 per-output-channel symmetric int8 (``weight_int8 [out, in]``, ``scales [out]``: ``w ~= weight_int8 * scales[:, None]``,
 ``scales = max |w_row| / 127``) and its forward calls ``torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)``,
 which dequantizes inside the matmul, so each decoded token reads 1 byte per weight instead of 4.
 
-The kernel takes activations in bf16, fp16 or fp32 and the scales in the activation's dtype. Measured on torch 2.13
-(2 threads, one decode row): with fp32 activations it is several times *slower* than an fp32 matmul, with bf16
-activations several times faster. So the module computes in bf16 (`COMPUTE_DTYPE`) and casts only inside itself:
-the input to bf16, the output back to the input's dtype; the rest of the model and the KV cache keep their dtype.
+The kernel takes activations in bf16, fp16 or fp32 and the scales in the activation's dtype. On a decode row, with fp32
+activations it is several times *slower* than an fp32 matmul, with bf16 activations several times faster
+(``benchmarks/results/cpu_weights_int8.md``). So the module computes in bf16 (`COMPUTE_DTYPE`) and casts only
+inside itself: the input to bf16, the output back to the input's dtype; the rest of the model and the KV cache
+keep their dtype.
 
 bitsandbytes stays the 8/4-bit path on CUDA ([`h2o_compress.models.weights`][h2o_compress.models.weights]); this
 one is [`load_model`][h2o_compress.load_model]'s for ``weights_bits=8`` on CPU.
@@ -25,9 +26,8 @@ from torch import nn
 COMPUTE_DTYPE = torch.bfloat16  # activations inside the kernel, and the scales' dtype
 
 #: A one-row product (a decode step) over an int8 weight smaller than this runs on one thread: waking a second thread
-#: costs more than it saves on so little work. Measured on the quiet 2-core machine (SmolLM2, 1,000-token prompt,
-#: h2o 0.2 + int4, 2 threads): 32.4 tokens/s with every product on 2 threads, 41.8 with every one-row product on one,
-#: 44.9 with the decoder layers' (at most 0.9 MB) on one and the 28 MB output head on two.
+#: costs more than it saves on so little work. SmolLM2 decoded fastest with its decoder layers' products (at most
+#: 0.9 MB each) on one thread and its 28 MB output head on two.
 ONE_THREAD_BYTES = 4 << 20
 
 
@@ -70,8 +70,8 @@ class Int8Linear(nn.Module):
         """Quantize ``linear``'s weight row by row: ``scale = max |row| / 127`` rounded to `COMPUTE_DTYPE` (up, so
         no weight clips; an all-zero row gets scale 1 and stays zero), then ``q = round(w / scale)`` in [-127, 127]
         against that rounded scale. Rounding against the bf16 scale the kernel really uses matters: quantizing
-        against the fp32 scale and storing it in bf16 scales each output row by up to 2**-9, which measured
-        1.0106x fp32's perplexity on SmolLM2's python_code text at 1,024 tokens, against 1.0054x this way.
+        against the fp32 scale and storing it in bf16 scales each output row by up to 2**-9, which about
+        doubled the perplexity lost to fp32 (``benchmarks/results/cpu_weights_int8.md``).
         Computed in fp32 whatever the weight's dtype."""
         weight = linear.weight.detach().float()
         exact = weight.abs().amax(dim=1) / 127.0
@@ -140,8 +140,8 @@ def pack_int8(model: nn.Module) -> int:
 def release_source_weights(model: nn.Module) -> None:
     """After `quantize_linears`: copy the weights left in their source dtype (the embedding, the norms) out of the
     converted checkpoint's memory map into memory of their own, and hand the freed heap back to the system, so the
-    fp32 file the int8 weights were packed from no longer counts in the process's resident set (SmolLM2: 1,149 to
-    about 710 MiB after loading; the weights themselves are 237 MiB). The values are unchanged."""
+    fp32 file the int8 weights were packed from no longer counts in the process's resident set. The values are
+    unchanged."""
     with torch.no_grad():
         for module in model.modules():
             if getattr(type(module), "PACKED", False):  # Int8Linear, Int4Linear: fresh packed buffers

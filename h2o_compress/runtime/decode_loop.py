@@ -72,8 +72,8 @@ def sampler(temperature: float, seed: int | None, device: torch.device) -> PickF
 
 class TextStream:
     """Streams the text of a growing list of token ids to ``on_text``, piece by piece, decoding a short window per
-    call instead of every id so far (the full decode per new token grows with the output: ~0.8 ms at 4,096
-    SmolLM2 tokens, a third of compiled StaticCache's 2.0 ms SmolLM2 step on an H100). The window starts where
+    call instead of every id so far (the full decode per new token grows with the output: at a few thousand
+    tokens it is a sizeable share of a compiled GPU decode step). The window starts where
     the previous piece started: the new piece is ``decode(ids[start:])`` less ``decode(ids[start:end])``, so a
     tokenizer that drops the leading space of a decode's first token, or a character split over several byte
     tokens (held back while the text ends in U+FFFD), streams as the full decode would (the incremental
