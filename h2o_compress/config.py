@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
-from h2o_compress.utils.checks import check_number
+from h2o_compress.utils.checks import check_count, check_number
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.formats import FORMATS, GROUP_SIZES
 from h2o_compress.formats.storage import (  # noqa: F401 (ALLOWED_BITS, KEY_OFFSETS, MAX_RESIDUAL: re-exported)
@@ -35,8 +35,8 @@ DEFAULT_MIN_CAPACITY = 192
 #: Tokens per forward pass of a prompt's prefill (``CompressionConfig.prefill_chunk_size``). Chosen with
 #: ``benchmarks/prefill_chunks.py`` on a 7,900-token SmolLM2 prompt, 1 thread
 #: (``benchmarks/results/prefill_chunks_cpu.md``):
-#: the smallest chunk within 1.05x of the one-pass time with h2o 0.2 int4 (0.84x; peak RSS growth 73 vs 855 MiB);
-#: uncompressed it measured 1.085x (no chunk was within 1.05x there: 1.07x to 1.16x; 440 vs 928 MiB).
+#: the smallest chunk within 1.05x of the one-pass time with h2o 0.2 int4, at a fraction of the one pass's peak
+#: memory growth; uncompressed, no chunk came within 1.05x and this one stays close to the one-pass time.
 DEFAULT_PREFILL_CHUNK = 512
 
 #: The eviction policy of the commands that read a prompt and answer it (``generate``, ``batch``, ``eval needle``,
@@ -56,16 +56,28 @@ def parse_budget(text: str) -> float | int:
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"budget {short(text)} is not a number; allowed: {BUDGET_ALLOWED}") from None
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"budget={short(text, repr_=False)} is not finite; allowed: {BUDGET_ALLOWED}")
-    if value > 1 and value == int(value) and "." not in text and "e" not in text.lower():
-        if value > MAX_TOKENS:
-            raise ConfigError(f"budget={short(text, repr_=False)} tokens is too large; allowed: at most {MAX_TOKENS}")
-        return int(value)
-    if value > 1:
-        hint = f" (tokens are written as an integer: {int(value)})" if value == int(value) else ""
-        raise ConfigError(f"budget={short(text, repr_=False)} is invalid{hint}; allowed: {BUDGET_ALLOWED}")
+        return check_budget(text)  # refused: not a number
+    if math.isfinite(value) and value > 1 and value == int(value) and "." not in text and "e" not in text.lower():
+        value = int(value)
+    return check_budget(value, typed=text)
+
+
+def check_budget(value, typed: str | None = None) -> float | int:
+    """``value`` if it is a budget: a fraction in (0, 1] or a whole number of tokens >= 1 (the one check of
+    `parse_budget` and ``CompressionConfig.budget``). ``typed``: the text ``value`` was read from, named in the
+    message; tokens typed must be written as an integer (``"2.0"`` is refused) of at most `MAX_TOKENS`.
+
+    Raises:
+        ConfigError: naming the value (not a number, not finite, invalid or too large) and what is allowed.
+    """
+    shown = short(value) if typed is None else short(typed, repr_=False)
+    budget = check_number("budget", value, BUDGET_ALLOWED, shown=shown)
+    whole = budget == int(budget)
+    if budget <= 0 or (budget > 1 and (not whole or (typed is not None and isinstance(budget, float)))):
+        hint = f" (tokens are written as an integer: {int(budget)})" if budget > 1 and whole else ""
+        raise ConfigError(f"budget={shown} is invalid{hint}; allowed: {BUDGET_ALLOWED}")
+    if typed is not None and budget > MAX_TOKENS:
+        raise ConfigError(f"budget={shown} tokens is too large; allowed: at most {MAX_TOKENS}")
     return value
 
 
@@ -137,7 +149,7 @@ class CompressionConfig:
             bytes follow ([`layer_capacities`][h2o_compress.config.CompressionConfig.layer_capacities]; ``global`` holds uniform's total).
         high_bits_fraction: share in [0, 1] of each layer's stored tokens kept at 8 bits, the rest at 4 (mixed
             precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
-            slots)`` by the policy's rank keep the low plane of their 8-bit code (`h2o_compress.cache.mixed`).
+            slots)`` by the policy's rank keep the low plane of their 8-bit code (`h2o_compress.cache.refinement`).
             0 (default): off. Needs 4-bit ``int`` keys or values; the decode step is the torch form (not
             ``attention_kernel='triton'``). Composes with ``head_budgets='adaptive'`` (the rows shared over the
             pool) and any ``layer_budgets`` (``global``: each layer's share of the uniform layers' rows).
@@ -243,22 +255,15 @@ class CompressionConfig:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
         if not isinstance(self.evict_chat_header, bool):
             raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
-        budget = check_number("budget", self.budget, "a fraction in (0, 1] or an integer number of tokens >= 1")
-        if budget <= 0 or (budget > 1 and budget != int(budget)):
-            raise ConfigError(
-                f"budget={short(self.budget)} is invalid; allowed: a fraction in (0, 1] or an integer number of tokens >= 1"
-            )
-        if self.min_capacity is not None and (isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int)
-                or not 0 <= self.min_capacity <= MAX_TOKENS):
-            raise ConfigError(f"min_capacity={short(self.min_capacity)} is invalid; allowed: an integer from 0 to "
-                              f"{MAX_TOKENS} (tokens)")
+        check_budget(self.budget)
+        if self.min_capacity is not None:
+            check_count("min_capacity", self.min_capacity, minimum=0, maximum=MAX_TOKENS,
+                        allowed=f"an integer from 0 to {MAX_TOKENS} (tokens)")
         ratio = check_number("heavy_ratio", self.heavy_ratio, "a number in [0, 1]")
         if not 0 <= ratio <= 1:
             raise ConfigError(f"heavy_ratio={short(self.heavy_ratio)} is out of range; allowed: [0, 1]")
-        if self.sink_tokens is not None and (
-            isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0
-        ):
-            raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is invalid; allowed: an integer >= 0")
+        if self.sink_tokens is not None:
+            check_count("sink_tokens", self.sink_tokens, minimum=0, maximum=None, allowed="an integer >= 0")
         if self.sink_tokens is not None and self.sink_tokens > MAX_TOKENS:
             raise ConfigError(f"sink_tokens={short(self.sink_tokens)} is too large; allowed: an integer from 0 to "
                               f"{MAX_TOKENS}")
@@ -270,19 +275,13 @@ class CompressionConfig:
         Raises:
             ConfigError: the first value out of range, naming it and what is allowed.
         """
-        if (
-            isinstance(self.score_chunk_size, bool)
-            or not isinstance(self.score_chunk_size, int)
-            or self.score_chunk_size < 1
-        ):
-            raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is invalid; allowed: an integer >= 1")
+        check_count("score_chunk_size", self.score_chunk_size, maximum=None, allowed="an integer >= 1")
         if self.score_chunk_size > MAX_TOKENS:
             raise ConfigError(f"score_chunk_size={short(self.score_chunk_size)} is too large; allowed: an integer from "
                               f"1 to {MAX_TOKENS}")
-        if (isinstance(self.prefill_chunk_size, bool) or not isinstance(self.prefill_chunk_size, int)
-                or not 0 <= self.prefill_chunk_size <= MAX_TOKENS):
-            raise ConfigError(f"prefill_chunk_size={short(self.prefill_chunk_size)} is invalid; allowed: an integer "
-                              f"from 1 to {MAX_TOKENS} (tokens per forward pass), or 0 (the whole prompt in one pass)")
+        check_count("prefill_chunk_size", self.prefill_chunk_size, minimum=0, maximum=MAX_TOKENS,
+                    allowed=f"an integer from 1 to {MAX_TOKENS} (tokens per forward pass), or 0 (the whole prompt in "
+                            "one pass)")
         self.layer_budgets = self.layout.layer_budgets
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
@@ -483,6 +482,16 @@ class CompressionConfig:
             return max(1, self.floor, math.ceil(self.budget * length))
         return int(self.budget)
 
+    def kept_tokens(self, max_length: int | None) -> int | None:
+        """[`capacity`][h2o_compress.config.CompressionConfig.capacity] of a cache built for ``max_length`` tokens,
+        at most ``max_length`` (`clamp_capacity`): the tokens per layer and KV head its storage holds; ``None``
+        means unbounded.
+
+        Raises:
+            ConfigError: a fractional budget below 1 with no known length.
+        """
+        return clamp_capacity(self.capacity(max_length), max_length)
+
     def eviction_policy(self):
         """A fresh [`EvictionPolicy`][h2o_compress.policies.EvictionPolicy] of this setting (``policy`` with its heavy ratio,
         sinks and its own options, [`options`][h2o_compress.config.CompressionConfig.options]): what each cache layer
@@ -513,6 +522,12 @@ class CompressionConfig:
         if not values["policy_options"]:
             del values["policy_options"]
         return values
+
+
+def clamp_capacity(capacity: int | None, max_length: int | None) -> int | None:
+    """``capacity`` (tokens per layer and KV head; ``None``: unbounded) at most ``max_length`` (the tokens a cache
+    can see; ``None``: not known): storage never exceeds what the cache can see."""
+    return capacity if capacity is None or max_length is None else min(capacity, max_length)
 
 
 #: The names of the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, in order.

@@ -139,7 +139,7 @@ def assert_cli_error(result, fragment: str):
 LONG_PROMPT = " ".join(["w1"] * 4100)
 CLI_CASES = [
     ("budget-range", ["--budget", "1.5"], "budget=1.5 is invalid"),
-    ("budget-text", ["--budget", "half"], "budget 'half' is not a number"),
+    ("budget-text", ["--budget", "half"], "budget='half' is not a number"),
     ("budget-nan", ["--budget", "nan"], "budget=nan is not finite"),
     ("heavy-ratio", ["--heavy-ratio", "-0.1"], "heavy_ratio=-0.1 is out of range"),
     ("heavy-ratio-inf", ["--heavy-ratio", "inf"], "heavy_ratio=inf is not finite"),

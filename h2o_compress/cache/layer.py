@@ -25,6 +25,7 @@ from h2o_compress.attention import announce, withdraw
 from h2o_compress.attention.decode_step import ModuleLink
 from h2o_compress.attention.launch import mark_static_address
 from h2o_compress.attention.variant import AttentionVariant
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import CacheStateError, ConfigError, short
 from h2o_compress.cache import backends, chunk, decode, rows
 from h2o_compress.cache.ring import RingWindow, held_positions
@@ -49,8 +50,7 @@ class CompressedLayer(CacheLayerMixin):
                  score_chunk_size: int = 64, attention_kernel: str = "auto", max_tokens: int | None = None,
                  span: LayerSpan = FULL_SPAN, **layout):
         super().__init__()
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
-            raise ConfigError(f"layer_idx={short(layer_idx)} is invalid; allowed: an integer >= 0 (the model layer)")
+        check_count("layer_idx", layer_idx, minimum=0, maximum=None, allowed="an integer >= 0 (the model layer)")
         unknown = sorted(set(layout) - LAYOUT)
         if unknown:
             raise ConfigError(f"unknown layer argument {', '.join(map(short, unknown))}; allowed: {', '.join(sorted(LAYOUT))}")

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from h2o_compress.utils.errors import ConfigError, short
-from h2o_compress.config import ATTENTION_KERNELS
+from h2o_compress.config import ATTENTION_KERNELS, clamp_capacity
 from h2o_compress.formats import IntQuantizer, KVQuantizer, eager_only_formats
 from h2o_compress.formats.split import SplitIntQuantizer
 from h2o_compress.policies import EvictionPolicy
@@ -67,9 +67,7 @@ class LayerSetting:
 
     def __post_init__(self):
         self._check_kinds()
-        capacity = self.capacity
-        if capacity is not None and self.max_tokens is not None:
-            capacity = min(capacity, self.max_tokens)  # storage never exceeds what the cache can see
+        capacity = clamp_capacity(self.capacity, self.max_tokens)
         # a sliding layer holds at most window - 1 tokens (where the cache can outgrow its window at all)
         if self.span.windowed and (self.max_tokens is None or self.span.size - 1 < self.max_tokens):
             capacity = self.span.cap(capacity)

@@ -49,10 +49,10 @@ def set_threads(threads: Optional[int]) -> None:
 
 
 def merged_config(compression: Compression, config_file: Optional[str], frozen: bool = False,
-                  check_formats: bool = True) -> tuple[CompressionConfig, dict]:
+                  check_formats: bool = True, usable: bool = True) -> tuple[CompressionConfig, dict]:
     """The compression flags merged over ``--config FILE`` (JSON/TOML), which goes over the command's own defaults
     (``ask``'s): flags given on the command line win; checked by [`check_usable`][h2o_compress.config.check_usable]
-    (``frozen``: for compress-then-ask) and, with ``check_formats`` (not where the planner picks the bits or a
+    (``frozen``: for compress-then-ask; not with ``usable`` false, where the job checks it when made) and, with ``check_formats`` (not where the planner picks the bits or a
     loaded cache brings its own), by [`check_format_options`][h2o_compress.config.check_format_options].
 
     Returns ``(config, settings)``: the merged config, and the settings the user asked for explicitly (the
@@ -64,7 +64,8 @@ def merged_config(compression: Compression, config_file: Optional[str], frozen: 
     if config_file is not None:
         config = load_config(config_file, overrides, compression.command_defaults())
         settings = {**read_config_values(config_file), **overrides}
-    check_usable(config, frozen=frozen)
+    if usable:  # not where the job the config goes to checks it itself (GenerateJob)
+        check_usable(config, frozen=frozen)
     if check_formats:
         check_format_options(config, settings)
     return config, settings

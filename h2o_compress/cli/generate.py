@@ -105,7 +105,7 @@ def generate(
     picks the setting for the weights as loaded (--weights-bits) and the summary gives planned vs measured peak
     memory."""
     prompt = prompt_text(prompt, prompt_file)
-    config, given = merged_config(compression, options.config_file,
+    config, given = merged_config(compression, options.config_file, usable=False,  # GenerateJob checks it
                                   check_formats=memory_limit is None and options.load_cache is None)
     job = GenerateJob(  # checks every option: nothing is loaded or written before all are known to be good
         prompt, model, config, max_new_tokens=max_new_tokens, compile=compile_step, memory_limit=memory_limit,

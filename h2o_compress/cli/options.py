@@ -236,7 +236,7 @@ WeightsBitsOpt = typer.Option(
     default_of(load_model, "weights_bits"), "--weights-bits", show_default=False,
     help="Weights: 16 (in --dtype), 8 (on CPU torch's packed int8 kernel, on CUDA LLM.int8) or 4 (on CPU torch's "
          "packed int4 kernel in groups of 32, on CUDA NF4; bitsandbytes on CUDA and with --device-map). "
-         "Default: 8 on CPU for the embedded smollm2-135m (1.6x fp32's decode speed, perplexity within 1.006x), 16 "
+         "Default: 8 on CPU for the embedded smollm2-135m (faster than fp32 at nearly its perplexity), 16 "
          "for other models, on CUDA and with --device-map; --weights-bits 16 loads fp32 weights on CPU.")
 PlanWeightsBitsOpt = typer.Option(  # plan's default (16): it plans a model not loaded here, as a GPU loads it
     default_of(plan, "weights_bits"), "--weights-bits", help="Weights of the planned model: 16 (in --dtype), 8 (LLM.int8) or 4 (NF4).")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h2o_compress.formats import FORMATS, GROUP_SIZES
-from h2o_compress.utils.checks import check_number
+from h2o_compress.utils.checks import check_count, check_number
 from h2o_compress.utils.errors import ConfigError, short
 
 #: Bit widths keys and values may be stored in: 16 (not quantized) and those a format stores (its
@@ -68,8 +68,7 @@ class StorageSpec:
         if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
             raise ConfigError(f"group_size={short(self.group_size)} is not supported; allowed: "
                               f"{', '.join(map(str, GROUP_SIZES))}")
-        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
-            raise ConfigError(f"residual={short(self.residual)} is invalid; allowed: an integer >= 0 (tokens)")
+        check_count("residual", self.residual, minimum=0, maximum=None)
         if self.residual > MAX_RESIDUAL:
             raise ConfigError(
                 f"residual={short(self.residual)} is too large: the window stays in full precision, so nothing would be "

@@ -171,9 +171,9 @@ def _check_hflm_args(args: dict) -> None:
     """``max_length`` (an integer from 1 to `MAX_TOKENS`; lm-eval reads a 5,000-digit
     one as ``inf``) and ``softmax_dtype`` (a float dtype name), as the CLI checks its own options. Raises ConfigError."""
     length = args.get("max_length")
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_TOKENS):
-        raise ConfigError(f"max_length={short(length)} is invalid; allowed: an integer from 1 to {MAX_TOKENS} (tokens), "
-                          "or no max_length (the model's own)")
+    if length is not None:
+        check_count("max_length", length, maximum=MAX_TOKENS,
+                    allowed=f"an integer from 1 to {MAX_TOKENS} (tokens), or no max_length (the model's own)")
     dtype = args.get("softmax_dtype")
     if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in SOFTMAX_DTYPES:
         raise ConfigError(f"softmax_dtype={short(dtype)} is not supported; allowed: {', '.join(SOFTMAX_DTYPES)}, or "

@@ -103,7 +103,7 @@ class GenerateJob(CacheRunFields):
     def __post_init__(self) -> None:
         check_prompt(self.prompt)
         check_job(self)
-        self.config = check_config(self.config)
+        self.config = check_usable(check_config(self.config))  # the capacity-free rules; run() adds the capacity's
         check_generation(self)
         if self.memory_limit is not None and self.load_cache is not None:
             raise ConfigError("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting "

@@ -9,6 +9,7 @@ import torch
 
 from h2o_compress.runtime.compiled import compiles_by_default
 from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims, model_dims, resolve_dtype
 from h2o_compress.models.weights import floating_dtype, loaded_weights_bits
@@ -137,12 +138,6 @@ def _largest(fits, low: int, high: int) -> int:
     return good
 
 
-def _positive(name: str, value, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-        raise ConfigError(f"{name}={short(value)} is invalid; allowed: an integer >= 1, at most {maximum}")
-    return value
-
-
 def plan(
     model, memory, batch: int = 1, prompt_len: int = 2048, gen_len: int = 128, weights_bits: int = 16,
     dtype=None, profile=None, policies=("h2o",), budgets=DEFAULT_BUDGETS, bits=(16, 8, 4),
@@ -249,7 +244,7 @@ def _check_sizes(**sizes: int) -> None:
         ConfigError: the first that is not, naming it and its limit.
     """
     for name, value in sizes.items():
-        _positive(name, value, _SIZE_LIMITS[name])
+        check_count(name, value, unit="", maximum=_SIZE_LIMITS[name])
 
 
 def _counted_model(model, dtype, weights_bits: int, compiled: bool | None, trust_remote_code: bool,
@@ -427,8 +422,7 @@ def _with_held(weights: int, held: int | None) -> int:
     """
     if held is None:
         return weights
-    if isinstance(held, bool) or not isinstance(held, int) or held < 0:
-        raise ConfigError(f"held={short(held)} is invalid; allowed: bytes (an integer >= 0) or None")
+    check_count("held", held, minimum=0, maximum=None, allowed="bytes (an integer >= 0) or None")
     return HeldBytes(held, weights) if held > weights else weights
 
 
@@ -490,7 +484,7 @@ def choose_for_prompt(
         raise ConfigError(f"base={short(base)} is invalid; allowed: a CompressionConfig or None")
     base = base or CompressionConfig()
     check_switch("chat", chat)
-    _positive("max_new_tokens", max_new_tokens, MAX_CONTEXT)
+    check_count("max_new_tokens", max_new_tokens, unit="", maximum=MAX_CONTEXT)
     prompt_len = encode_prompt(tokenizer, prompt, chat, context_window(model)).shape[1]
     options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),
                "heavy_ratio": base.heavy_ratio, "sink_tokens": base.sink_tokens, "layer_budgets": base.layer_budgets,

@@ -120,9 +120,7 @@ def cache_bytes(
     """
     if max_length is None:
         max_length = prompt_len + decode_steps + 1
-    capacity = config.capacity(max_length)
-    if capacity is not None:
-        capacity = min(capacity, max_length)
+    capacity = config.kept_tokens(max_length)
     empty = torch.empty(batch, dims.kv_heads, 0, dims.head_dim, dtype=kv_dtype, device="meta")
     sizes = {name: 0 for name, _ in _CATEGORIES}
     # every layer alike: size one, count it num_layers times ("global" spreads the same total by the scores, and a

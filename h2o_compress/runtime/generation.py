@@ -16,9 +16,10 @@ from h2o_compress.persistence import PromptState
 from h2o_compress.cache.own_caches import cache_class
 from h2o_compress.runtime.decode_loop import TextStream, decoding, eos_ids, sampler, sync
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
-from h2o_compress.config import CompressionConfig
+from h2o_compress.config import CompressionConfig, clamp_capacity
 from h2o_compress.runtime.checks import check_setting
 from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_identity, record_model
@@ -55,9 +56,7 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     dims = model_dims(model.config)
     if dims.expands_cache and config.rotate:  # the module expands the cached latents itself: no basis to undo
         config = dataclasses.replace(config, rotate=False)
-    capacity = config.capacity(max_length)
-    if capacity is not None and max_length is not None:
-        capacity = min(capacity, max_length)  # storage never exceeds what the cache can see
+    capacity = config.kept_tokens(max_length)
     if layer_capacities is not None:
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
     calibration = calibration_for(config, model)
@@ -118,7 +117,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
     capacities = None
     if config.layer_budgets == "global" and capacity is not None:
-        capacity = min(capacity, max_length)
+        capacity = clamp_capacity(capacity, max_length)
         capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length,
                                              config.sinks)
     cache = make_cache(model, config, max_length, layer_capacities=capacities)
@@ -199,11 +198,10 @@ def check_max_length(max_length, window: int | None) -> None:
         ConfigError: naming the value and the range allowed.
     """
     most = window or MAX_LENGTH
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
-                                   or not 1 <= max_length <= most):
+    if max_length is not None:
         where = "the model's context window" if window else "tokens"
-        raise ConfigError(f"max_length={short(max_length)} is invalid; allowed: an integer >= 1 (tokens), at most "
-                          f"{most} ({where})")
+        check_count("max_length", max_length, maximum=most,
+                    allowed=f"an integer >= 1 (tokens), at most {most} ({where})")
 
 
 def check_switch(name: str, value) -> bool:
@@ -321,13 +319,9 @@ def check_generation_args(max_new_tokens, temperature, seed) -> None:
         ConfigError: ``max_new_tokens`` not an integer >= 1, ``temperature`` neither 0 nor in
             [`MIN_TEMPERATURE`, `MAX_TEMPERATURE`], or ``seed`` not an integer in [0, 2**64).
     """
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        raise ConfigError(f"seed={short(seed)} is invalid; allowed: an integer in [0, 2**64) or None")
-    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-            or not 1 <= max_new_tokens <= MAX_NEW_TOKENS):
-        raise ConfigError(
-            f"max_new_tokens={short(max_new_tokens)} is invalid; allowed: an integer >= 1, at most {MAX_NEW_TOKENS}"
-        )
+    if seed is not None:
+        check_count("seed", seed, minimum=0, maximum=2**64 - 1, allowed="an integer in [0, 2**64) or None")
+    check_count("max_new_tokens", max_new_tokens, unit="", maximum=MAX_NEW_TOKENS)
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
             or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
         raise ConfigError(

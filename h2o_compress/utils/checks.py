@@ -9,26 +9,34 @@ import os
 from h2o_compress.utils.errors import ConfigError, short
 
 
-def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int = 2**31 - 1) -> int:
-    """``value`` if it is an integer in [``minimum``, ``maximum``]. Raises ConfigError naming the option otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ConfigError(
-            f"{name}={short(value)} is invalid; allowed: an integer >= {minimum} ({unit}), at most {maximum}"
-        )
+def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int | None = 2**31 - 1,
+                allowed: str | None = None) -> int:
+    """``value`` if it is an integer (not a bool) in [``minimum``, ``maximum``] (``maximum`` ``None``: no upper
+    bound). Raises ConfigError naming the option otherwise: ``{name}={value} is invalid; allowed: {allowed}``, where
+    ``allowed`` defaults to ``an integer >= {minimum} ({unit}), at most {maximum}`` (an empty ``unit`` and a
+    ``None`` maximum leave their part out)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
+        if allowed is None:
+            allowed = f"an integer >= {minimum}" + (f" ({unit})" if unit else "")
+            allowed += "" if maximum is None else f", at most {maximum}"
+        raise ConfigError(f"{name}={short(value)} is invalid; allowed: {allowed}")
     return value
 
 
-def check_number(name: str, value, allowed: str) -> float:
+def check_number(name: str, value, allowed: str, shown: str | None = None) -> float:
     """``value`` if it is a finite int or float (not a bool). Raises ConfigError naming the option (``is not a
-    number`` or ``is not finite``) and ``allowed`` otherwise."""
+    number`` or ``is not finite``) and ``allowed`` otherwise; ``shown``: the value as the user typed it, for the
+    message (default: ``value``'s repr, cut short)."""
+    shown = short(value) if shown is None else shown
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}={short(value)} is not a number; allowed: {allowed}")
+        raise ConfigError(f"{name}={shown} is not a number; allowed: {allowed}")
     try:
         finite = math.isfinite(value)
     except OverflowError:  # an integer too large for a float (a config file may hold one of 4,000 digits)
         finite = False
     if not finite:
-        raise ConfigError(f"{name}={short(value)} is not finite; allowed: {allowed}")
+        raise ConfigError(f"{name}={shown} is not finite; allowed: {allowed}")
     return value
 
 

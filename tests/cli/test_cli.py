@@ -22,10 +22,10 @@ def tiny_dir(tmp_path_factory):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--budget", "0"], "budget=0.0 is invalid"),
+        (["--budget", "0"], "budget=0 is invalid"),
         (["--budget", "-0.5"], "budget=-0.5 is invalid"),
         (["--budget", "1.5"], "budget=1.5 is invalid"),
-        (["--budget", "abc"], "budget 'abc' is not a number"),
+        (["--budget", "abc"], "budget='abc' is not a number"),
         (["--heavy-ratio", "1.5"], "heavy_ratio=1.5 is out of range"),
         (["--kv-bits", "3"], "kv_bits=3 is not supported; allowed: 4, 8, 16"),
         (["--k-bits", "2"], "k_bits=2 is not supported"),

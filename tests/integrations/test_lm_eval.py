@@ -151,7 +151,7 @@ def test_a_scored_policy_scores_and_sizes_the_context_as_ask_does(loaded):
     "args,message",
     [
         ({"budget": 1.5}, "budget=1.5 is invalid"),
-        ({"budget": 0}, "budget=0.0 is invalid"),
+        ({"budget": 0}, "budget=0 is invalid"),
         ({"kv_bits": 5}, "kv_bits=5 is not supported; allowed: 4, 8, 16"),
         ({"policy": "nope"}, "unknown policy 'nope'"),
         ({"heavy_ratio": 1.0, "budget": 0.2}, "heavy_ratio=1.0 leaves no recent window"),

@@ -399,7 +399,7 @@ def test_cli_plan_takes_layer_budgets(tmp_path):
     (["--memory", "24G"], "error: memory '24G' is invalid"),
     (["--model", "gpt-17"], "error: unknown model 'gpt-17'"),
     (["--bits", "16,3"], "error: kv_bits=3 is not supported"),
-    (["--budgets", "0.5,x"], "error: budget 'x' is not a number"),
+    (["--budgets", "0.5,x"], "error: budget='x' is not a number"),
     (["--batch", "0"], "error: batch=0 is invalid"),
 ])
 def test_cli_plan_errors(args, message):
