@@ -71,7 +71,7 @@ def slot_positions(layer, seen: int) -> torch.Tensor:
     held = layer.store.positions.long()
     if layer.ring is None:
         return held
-    ring = layer.ring.positions.long().unsqueeze(1).expand(-1, layer.kv_heads, -1)
+    ring = layer.ring.positions.long().unsqueeze(1).expand(-1, layer.geometry.kv_heads, -1)
     return torch.cat((held, ring), dim=2)
 
 
@@ -81,8 +81,8 @@ def held_positions(layer) -> tuple[torch.Tensor, torch.Tensor]:
     out = []
     valid = slot_positions(layer, 0) >= 0
     for quantizer, stored, ring, basis in (
-        (layer.key_quantizer, layer.store.keys, None if layer.ring is None else layer.ring.keys, layer.key_basis),
-        (layer.value_quantizer, layer.store.values, None if layer.ring is None else layer.ring.values, layer.value_basis),
+        (layer.setting.key_quantizer, layer.store.keys, None if layer.ring is None else layer.ring.keys, layer.geometry.key_basis),
+        (layer.setting.value_quantizer, layer.store.values, None if layer.ring is None else layer.ring.values, layer.geometry.value_basis),
     ):
         parts = [quantizer.dequantize(stored, torch.float32)] + ([] if ring is None else [ring.float()])
         positions = decode(torch.cat(parts, 2), basis).masked_fill(~valid, -1)
@@ -128,7 +128,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
         keys = encoded(batch, kv_heads, seen, count, head_dim)
         returned_keys, returned_values = layer.update(keys, keys.clone())
         step = withdraw(0)  # a decode step's DecodeCall (its validity), or the layer of a chunk
-        layer.awaiting_attention = False
+        layer.link.awaiting = False
         if count == 1:  # decode step: store slots then ring slots, validity from the slots
             positions = slot_positions(layer, seen + 1).masked_fill(~step.valid, -1)
         else:  # chunk: the store's slots up to its last occupied one, ring oldest first, then the chunk
@@ -139,12 +139,12 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
             new = torch.arange(seen, seen + count).expand(batch, kv_heads, count)
             positions = new if seen == 0 else torch.cat((held, new), 2)
         valid = positions >= 0
-        returned = decode(returned_keys, layer.key_basis)
+        returned = decode(returned_keys, layer.geometry.key_basis)
         assert torch.equal(returned[valid], positions[valid])  # the layer knows where each returned key sits
-        assert torch.equal(decode(returned_values, layer.value_basis)[valid], positions[valid])
+        assert torch.equal(decode(returned_values, layer.geometry.value_basis)[valid], positions[valid])
         assert torch.equal(returned[..., -count:], decode(keys)) or count == 1
         sums = None
-        if layer.with_scores:
+        if layer.setting.with_scores:
             sums = torch.rand(returned_keys.shape[:3], generator=generator).masked_fill(~valid, 0.0)
             ref_scores.scatter_add_(2, positions.clamp(min=0), sums)
         if count == 1:
@@ -163,7 +163,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
         assert torch.equal(keys_at, layer.positions())
         if capacity is not None:
             assert keys_at.shape[2] <= capacity
-        if layer.with_scores:  # every held token's score is exactly its accumulated attention
+        if layer.setting.with_scores:  # every held token's score is exactly its accumulated attention
             slots = slot_positions(layer, seen)
             held_scores = torch.cat([layer.store.scores] + ([] if layer.ring is None else [layer.ring.scores]), 2)
             mask = slots >= 0
@@ -174,7 +174,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
                 held = expected[b][h] + list(range(seen - count, seen))
                 score_of = dict(zip(range(total), ref_scores[b, h].tolist()))
                 expected[b][h] = reference_keep(
-                    held, score_of, layer.capacity, config.policy, config.heavy_ratio, layer.policy.sink_tokens, seen
+                    held, score_of, layer.setting.capacity, config.policy, config.heavy_ratio, layer.setting.policy.sink_tokens, seen
                 )
                 assert keys_at[b, h].tolist() == expected[b][h], (b, h)
 
@@ -212,11 +212,11 @@ def test_token_stream_never_crashes_never_nan_and_respects_capacity(case):
         assert cache.get_seq_length() == start
         cache.check()
         for layer in cache.layers:
-            assert int(layer.seen) == start
+            assert int(layer.counters.seen) == start
             if cache.capacity is not None:
                 assert layer.kept_length() <= cache.capacity
             held = layer.store.positions >= 0
-            if layer.with_scores:
+            if layer.setting.with_scores:
                 assert torch.isfinite(layer.store.scores[held]).all()
             if layer.ring is not None:
                 assert torch.isfinite(layer.ring.keys).all() and torch.isfinite(layer.ring.values).all()
@@ -295,3 +295,125 @@ def test_long_stream_keeps_cache_bytes_bounded(config):
     assert cache.get_seq_length() == 257 and cache.kept_length() == cache.capacity
     assert max(steady[110:]) <= max(steady[:110])  # no growth in the second half of the stream
     assert len(set(steady)) <= 2 * config.residual + 1  # a few values that repeat with the residual cycle
+
+
+# -- entry points given junk: calibration, stream, serve ------------------------------------------------------------
+# One to three arguments of a working call replaced by `strategies.wrong_values`: the call returns or raises an
+# H2OCompressError subclass, never a TypeError, AttributeError, OverflowError... (few examples: most calls stop at
+# their first check; the full public API is fuzzed in tests/test_public_api_types.py).
+
+CALIBRATION_TEXT = "the cache keeps heavy hitters and the recent window of tokens while the rest is evicted\n" * 12
+
+
+@pytest.fixture(scope="module")
+def junk_api(tmp_path_factory):
+    """A tiny LLaMA and its tokenizer, a calibration text file and a calibration file fitted on the model."""
+    from h2o_compress.calibration import calibrate
+    from helpers.tiny_lm import tiny_lm
+
+    model, tokenizer = tiny_lm()
+    folder = tmp_path_factory.mktemp("junk")
+    (folder / "text.txt").write_text(CALIBRATION_TEXT)
+    fitted = calibrate(model, tokenizer, str(folder / "text.txt"), tokens=64, segments=2,
+                       out=str(folder / "fitted.safetensors"))
+    return {"model": model, "tokenizer": tokenizer, "text": str(folder / "text.txt"),
+            "fitted": fitted.details["path"]}
+
+
+def _junk_call(data, good: dict, function, keep: tuple = ()):
+    """``function(**good)`` with one to three of its arguments (not those in ``keep``) replaced by wrong values; an
+    H2OCompressError is the allowed failure. Returns the result, or the error."""
+    from h2o_compress import H2OCompressError
+    from helpers.strategies import wrong_values
+
+    names = sorted(n for n in good if n not in keep)
+    chosen = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True), label="replaced")
+    arguments = {n: data.draw(wrong_values(), label=n) if n in chosen else v for n, v in good.items()}
+    threads = torch.get_num_threads()
+    try:
+        result = function(**arguments)
+        return list(result) if type(result).__name__ == "GenerationStream" else result
+    except H2OCompressError as error:
+        return error
+    finally:
+        torch.set_num_threads(threads)
+
+
+@fuzz(12)
+@given(data=st.data())
+def test_calibrate_given_junk_raises_only_our_errors(junk_api, data, tmp_path_factory):
+    """``calibrate``'s text, counts, input set, output path and overwrite switch, junk: refused in one line before the
+    model reads anything (a few valid values drawn run the fit on 2 x 64 tokens)."""
+    from h2o_compress.calibration import calibrate
+
+    out = str(tmp_path_factory.mktemp("calibrated") / "c.safetensors")
+    good = dict(model=junk_api["model"], tokenizer=junk_api["tokenizer"], text_file=junk_api["text"], tokens=64,
+                segments=2, out=out, overwrite=False, inputs="score,age")
+    _junk_call(data, good, calibrate)
+
+
+@fuzz(15)
+@given(data=st.data())
+def test_calibrated_policy_and_calibration_files_given_junk_raise_only_our_errors(junk_api, data, tmp_path_factory):
+    """``CalibratedPolicy`` (weights, heavy ratio, sinks), a cache of policy ``calibrated`` naming a junk file or
+    path, and ``load_calibration`` of a file of junk bytes: each refused with an H2OCompressError."""
+    from h2o_compress import H2OCompressError, make_cache
+    from h2o_compress.persistence.calibration_file import load_calibration
+    from h2o_compress.policies.calibrated import CalibratedPolicy
+
+    model = junk_api["model"]
+    _junk_call(data, dict(heavy_ratio=0.5, sink_tokens=1, weights=torch.zeros(2, 36)), CalibratedPolicy)
+    junk = tmp_path_factory.mktemp("junkfile") / "junk.safetensors"
+    junk.write_bytes(data.draw(st.binary(max_size=64), label="bytes"))
+    for path in (str(junk), junk_api["fitted"]):
+        _junk_call(data, dict(path=path, model=model), load_calibration, keep=("model",))
+    with pytest.raises(H2OCompressError):
+        load_calibration(str(junk), model)
+    calibration = data.draw(st.one_of(st.just(str(junk)), st.text(max_size=12)), label="calibration")
+    with pytest.raises(H2OCompressError):
+        make_cache(model, CompressionConfig(policy="calibrated", budget=4, calibration=calibration), max_length=8)
+
+
+@fuzz(10)
+@given(data=st.data())
+def test_stream_given_junk_raises_only_our_errors(junk_api, data):
+    """``stream``'s arguments, junk: refused when it is called or at the first ``next()``, never another error."""
+    from h2o_compress import stream
+
+    good = dict(model=junk_api["model"], tokenizer=junk_api["tokenizer"], prompt="the cache keeps", config=None,
+                max_new_tokens=2, chat=False, temperature=0.0, seed=None, cache=None, compile=False)
+    _junk_call(data, good, stream)
+
+
+class _Loading(Exception):
+    """Raised in place of loading the model: serve's checks all passed."""
+
+
+@fuzz(20)
+@given(data=st.data())
+def test_serve_refuses_junk_settings_before_loading_anything(data, monkeypatch_module):
+    """``serve``'s settings, junk: an H2OCompressError before the model is loaded (load_model is replaced by a
+    function raising `_Loading`, which only settings that are all valid reach; no server starts)."""
+    from h2o_compress.serving import serve
+
+    good = dict(model="smollm2-135m", config=None, host="127.0.0.1", port=0, max_queue=4, batch_size=2,
+                memory_limit=None, max_tokens=4, temperature=0.0, name=None, compile=None, load=None, threads=None,
+                trust_remote_code=False, log_level="info", ray=None, replicas=1)
+    try:
+        result = _junk_call(data, good, serve)
+    except _Loading:
+        return
+    assert result is not None  # serve returns only when its server stops: here it must have refused
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    """load_model replaced by a function raising `_Loading` for this module's serve test."""
+    import h2o_compress.models as models
+
+    def loading(*args, **kwargs):
+        raise _Loading
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "load_model", loading)
+        yield patch

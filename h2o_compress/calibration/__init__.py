@@ -84,7 +84,10 @@ def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS
     H2O's (`kept_shares`), averaged over the layers and heads that have a choice to make (1.0 where none has).
 
     Every layer type the cache takes is fitted on the tokens it holds: a sliding-window or chunked layer ranks
-    only the tokens its next query sees (`h2o_compress.calibration.eviction_fit.training_rows`).
+    only the tokens its next query sees (`h2o_compress.calibration.eviction_fit.training_rows`). A hybrid's
+    linear-attention, SSM or convolution layers evict nothing: only its attention layers are fitted, the others
+    get H2O's weights (`h2o_weights`, never read) so the file keeps one row per model layer; ``details
+    ["state_layers"]`` counts them.
 
     Raises:
         UnsupportedModelError: as `h2o_compress.calibration.eviction_fit.read_segment`.
@@ -96,16 +99,23 @@ def fit_eviction(model, pieces: list[torch.Tensor], inputs: str = DEFAULT_INPUTS
     for i, piece in enumerate(pieces):
         read.append(read_segment(model, piece.to(device)))
         report("reading the calibration text", i + 1, len(pieces) + 1)
-    columns = input_columns(inputs, read[0][0].values.shape[-1])
+    attention = next(layer for layer in read[0] if layer is not None)
+    columns = input_columns(inputs, attention.values.shape[-1])
     weights, shares = [], []
-    for layer in range(len(read[0])):
+    for layer, held_back in enumerate(read[0]):
+        if held_back is None:  # a state layer: nothing to rank
+            weights.append(h2o_weights(attention.values.shape[0], attention.values.shape[-1]))
+            continue
         weights.append(_fit_layer([segment[layer] for segment in read[1:]], columns, recent))
-        shares.append(kept_shares(read[0][layer], weights[-1], recent, heavy))
+        shares.append(kept_shares(held_back, weights[-1], recent, heavy))
     report("reading the calibration text", len(pieces) + 1, len(pieces) + 1)
     checked = [share for share in shares if share is not None] or [(1.0, 1.0)]
     fitted, h2o = (sum(share[i] for share in checked) / len(checked) for i in (0, 1))
-    return _stacked(model, weights), {"held_back_kept_share": round(fitted, 4),
-                                      "held_back_kept_share_h2o": round(h2o, 4)}
+    details = {"held_back_kept_share": round(fitted, 4), "held_back_kept_share_h2o": round(h2o, 4)}
+    states = sum(layer is None for layer in read[0])
+    if states:
+        details["state_layers"] = states
+    return _stacked(model, weights), details
 
 
 def _stacked(model, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -134,7 +144,7 @@ def calibrate(model, tokenizer, text_file=None, tokens: int = CALIBRATION_TOKENS
     what the cache holds when it evicts). Over the same fitted segments the mean pre-RoPE key of each layer and KV
     head is measured (`h2o_compress.calibration.key_channels.key_statistics_of`: what ``key_offsets="calibrated"``
     reads); a model without a fixed rotary embedding still calibrates, its file without them (``details
-    ["key_statistics"]`` says why). About a minute per segment of 1,024 tokens on a CPU for SmolLM2-135M.
+    ["key_statistics"]`` says why). Its time grows with the number of segments (minutes on a CPU for SmolLM2-135M).
 
     Args:
         model: a loaded transformers causal LM (`h2o_compress.load_model`).

@@ -63,43 +63,77 @@ class LayerAttention:
 
 
 @torch.inference_mode()
-def read_segment(model, input_ids: torch.Tensor) -> list[LayerAttention]:
+def read_segment(model, input_ids: torch.Tensor) -> list[LayerAttention | None]:
     """Every layer's attention and values of ``input_ids`` ``[1, tokens]`` in one uncompressed forward pass (eager
-    attention, for its probabilities; the model's own setting is restored after), with each layer's span.
+    attention, for its probabilities; the model's own setting is restored after), with each layer's span; ``None``
+    in the place of a hybrid's linear-attention, SSM or convolution layer (`LayerSpan.stateful`: no attention to
+    read, nothing to evict).
 
     A sliding or chunked layer's cache keeps every token here (a ``DynamicLayer``, not transformers'
     ``DynamicSlidingWindowLayer``, which keeps only its window): the model masks the layer to its span itself,
     so the probabilities are the model's, and the values cover every key the probabilities do.
 
     Raises:
-        UnsupportedModelError: a model whose layers give no attention probabilities or no ``[batch, kv_heads,
-            tokens, head_dim]`` values (latent caches), or whose layer types the cache does not take
+        UnsupportedModelError: a model whose attention layers give no attention probabilities or no ``[batch,
+            kv_heads, tokens, head_dim]`` values (latent caches), or whose layer types the cache does not take
             (`h2o_compress.models.model_dims`).
     """
     spans = model_dims(model.config).spans
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        cache = DynamicCache(config=model.config)
-        cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
-                        for layer in cache.layers]
+        cache = _reading_cache(model)
         output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
+    count = len(spans) or len(cache.layers)
+    stateful = [index < len(spans) and spans[index].stateful for index in range(count)]
+    probabilities = _by_layer(list(output.attentions or ()), stateful)
     layers = []
-    for probabilities, layer in zip(output.attentions or (), cache.layers):
-        values = getattr(layer, "values", None)
-        if probabilities is None or values is None or values.dim() != 4:
+    for index in range(count):
+        if stateful[index]:  # a hybrid's state layer: no softmax attention, nothing to evict
+            layers.append(None)
+            continue
+        span, attention = spans[index] if index < len(spans) else FULL_SPAN, probabilities[index]
+        values = getattr(cache.layers[index], "values", None) if index < len(cache.layers) else None
+        if attention is None or values is None or values.dim() != 4:
             raise UnsupportedModelError(f"{type(model).__name__}: a layer gives no attention probabilities or per-head "
                                         "values; allowed: models with a key/value cache per KV head")
         kv_heads = values.shape[1]
-        attention = probabilities[0].float().unflatten(0, (kv_heads, -1)).sum(1)
-        span = spans[len(layers)] if len(layers) < len(spans) else FULL_SPAN
-        layers.append(LayerAttention(attention, values[0].float(), span))
-    if len(layers) != len(cache.layers) or not layers:
+        layers.append(LayerAttention(attention[0].float().unflatten(0, (kv_heads, -1)).sum(1), values[0].float(),
+                                     span))
+    if not any(layer is not None for layer in layers):
         raise UnsupportedModelError(f"{type(model).__name__}: not every layer gives its attention; allowed: models "
                                     "whose eager attention returns its probabilities")
     return layers
+
+
+def _by_layer(attentions: list, stateful: list[bool]) -> list:
+    """The model's attention outputs by layer index: one per layer as given, or, where the model gives them for its
+    attention layers only (a hybrid's state layers give none), those in the places of the layers not ``stateful``;
+    ``None`` where a layer has none (or the count fits neither)."""
+    if len(attentions) == len(stateful) or not any(stateful):  # one per layer (MiniMax's lightning layers give
+        return (attentions + [None] * len(stateful))[: len(stateful)]  # their own, not read)
+    places = [index for index, state in enumerate(stateful) if not state]
+    by_layer = [None] * len(stateful)
+    if len(attentions) == len(places):
+        for index, attention in zip(places, attentions):
+            by_layer[index] = attention
+    return by_layer
+
+
+def _reading_cache(model):
+    """A cache keeping every token of every attention layer for `read_segment`: transformers' ``DynamicCache``
+    with its sliding layers made full, or the model's own cache class where it takes no other (MiniMax's
+    ``MiniMaxCache``, whose layers are made on use: full)."""
+    if getattr(model.config, "model_type", None) == "minimax":
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        return MiniMaxCache()
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+    return cache
 
 
 def _attention_sums(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -272,7 +272,8 @@ def shipped_calibration_path(model) -> Path | None:
 def layer_geometry(model) -> list[tuple[int, int]]:
     """``(kv_heads, value_dim)`` of each layer's cache, as the calibration file holds them: read from each
     layer's attention module where every layer has ``k_proj`` and ``v_proj`` linear layers (a model whose layers
-    differ, MiMo-V2's sliding layers with twice the KV heads), else from the config
+    differ, MiMo-V2's sliding layers with twice the KV heads), else (and for a hybrid, whose linear-attention /
+    SSM / convolution layers may have projections of their own) from the config
     (`h2o_compress.models.model_dims`: a latent cache's one head, the value head dim where it differs).
 
     Raises:
@@ -280,6 +281,8 @@ def layer_geometry(model) -> list[tuple[int, int]]:
     """
     dims = model_dims(model.config)
     heads, value_dim = dims.kv_heads, dims.value_head_dim or dims.head_dim
+    if any(span.stateful for span in dims.spans):  # a hybrid: its state layers' projections hold no KV cache
+        return [(heads, value_dim)] * dims.num_layers
     modules = [m for m in model.modules()
                if isinstance(getattr(m, "k_proj", None), torch.nn.Linear)
                and isinstance(getattr(m, "v_proj", None), torch.nn.Linear)]

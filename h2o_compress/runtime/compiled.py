@@ -20,7 +20,7 @@ import torch
 
 from h2o_compress.cache import CompressedCache
 from h2o_compress.formats import eager_only_formats
-from h2o_compress.utils.errors import ConfigError, InputError
+from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.models.weights import eager_only_reason
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
@@ -107,7 +107,7 @@ def check_compile(compile: bool | None, config) -> None:
         ConfigError: naming the value and what is allowed.
     """
     if compile is not None and not isinstance(compile, bool):
-        raise ConfigError(f"compile={compile!r} is invalid; allowed: True, False or None (auto)")
+        raise ConfigError(f"compile={short(compile)} is invalid; allowed: True, False or None (auto)")
     if compile and not config.compilable:
         raise ConfigError(
             f"compile=True with quant={config.quant!r}: the bitsandbytes formats ({eager_only_formats()}) run "
