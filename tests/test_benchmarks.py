@@ -223,3 +223,25 @@ def test_gpu_check_skips_a_step_past_its_budget(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert all(step["status"].startswith("skipped") for step in report["steps"])
     assert "| environment |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_serving_smoke_compares_the_two_servers_under_load(tmp_path):
+    """``benchmarks/serving.py --smoke``: two ``h2o-compress serve`` subprocesses (compressed, uncompressed) on a
+    tiny model answer the same streamed mix through the openai client; every figure is filled, the results name the
+    CPU and the command."""
+    out = tmp_path / "serving.json"
+    command = [sys.executable, "benchmarks/serving.py", "--smoke", "--seed", "3", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {row["setting"]: row for row in data["rows"]}
+    assert set(rows) == {"h2o 0.2 int4", "uncompressed"}
+    for row in rows.values():
+        assert row["requests"] == 4 and row["errors"] == 0 and row["output_tokens"] > 0
+        assert row["output_tokens_per_s"] > 0 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert 0 < row["per_token_p50_s"] <= row["per_token_p99_s"] and row["max_running_sequences"] >= 1
+    assert rows["uncompressed"]["evicted_tokens"] == 0  # (the tiny prompts stay under ours' capacity floor)
+    assert rows["h2o 0.2 int4"]["prompt_tokens"] == rows["uncompressed"]["prompt_tokens"]  # the same mix
+    markdown = out.with_suffix(".md").read_text()
+    assert data["command"] in markdown and data["cpu"] in markdown and "cores" in data["cpu"]

@@ -35,7 +35,7 @@ COMMANDS = {
                 "the next prompt at once, so rows are idle only at the end of the job: the summary gives that idle "
                 "share)."),
     "serve": LazyCommand(
-        "h2o_compress.cli.serve", "serve", cls=f"{_OPTIONS}:Command",
+        "h2o_compress.cli.serve", "serve", cls=f"{_OPTIONS}:RayCommand",
         summary="Serve the model over HTTP with the OpenAI API (completions and chat completions, streamed or not), "
                 "requests decoded together through compressed KV caches; /health and Prometheus /metrics. Stops "
                 "gracefully on SIGTERM."),

@@ -52,6 +52,10 @@ def serve(
     compile_step: Optional[bool] = CompileOpt,
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: critical, error, warning, "
                                   "info, debug or trace."),
+    ray: Optional[str] = typer.Option(
+        None, "--ray", metavar="[ADDRESS]", help="Serve as a Ray Serve deployment (local, auto, HOST:PORT or "
+        "ray://HOST:PORT): not supported by this version, refused with a one-line error."),
+    replicas: int = typer.Option(1, "--replicas", help="Ray Serve replicas (with --ray)."),
     compression: Compression = None,
     placement: dict = None,
 ):
@@ -61,4 +65,5 @@ def serve(
     serve_model(model, config, host=host, port=port, max_queue=max_queue, batch_size=batch_size,
                 memory_limit=memory_limit, max_tokens=max_tokens, temperature=temperature, name=name,
                 compile=compile_step, load=load_options(device, dtype, placement, config.attention_kernel),
-                threads=threads, trust_remote_code=trust_remote_code, log_level=log_level)
+                threads=threads, trust_remote_code=trust_remote_code, log_level=log_level,
+                ray=ray, replicas=replicas)

@@ -12,17 +12,19 @@ prometheus-client). This layer sits beside ``jobs``, above the planner and below
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 
 from h2o_compress import models
 from h2o_compress.config import CompressionConfig
-from h2o_compress.models import DEFAULT_MODEL
+from h2o_compress.models import DEFAULT_MODEL, placement_options
 from h2o_compress.planner import parse_memory
 from h2o_compress.runtime.batch import check_batch_size
+from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import check_config, check_generation_args
 from h2o_compress.utils.checks import check_threads
-from h2o_compress.utils.errors import ConfigError
+from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 from h2o_compress.utils.memory import PeakMemory
 
 #: The serve extra's modules, by the name pip installs them under.
@@ -45,18 +47,64 @@ def check_server_settings(host: str, port: int, max_queue: int) -> None:
     """Raise ConfigError for a bad ``host`` (not a non-empty text), ``port`` (not in [0, 65535]) or ``max_queue``
     (not an integer >= 1)."""
     if not isinstance(host, str) or not host.strip():
-        raise ConfigError(f"host={host!r} is invalid; allowed: an address or name such as 127.0.0.1 or 0.0.0.0")
+        raise ConfigError(f"host={short(host)} is invalid; allowed: an address or name such as 127.0.0.1 or 0.0.0.0")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
-        raise ConfigError(f"port={port!r} is invalid; allowed: an integer from 0 to {MAX_PORT}")
+        raise ConfigError(f"port={short(port)} is invalid; allowed: an integer from 0 to {MAX_PORT}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-        raise ConfigError(f"max_queue={max_queue!r} is invalid; allowed: an integer >= 1")
+        raise ConfigError(f"max_queue={short(max_queue)} is invalid; allowed: an integer >= 1")
+
+
+def check_ray(ray: str | None, replicas: int) -> None:
+    """Refuse ``--ray`` (and ``--replicas`` other than 1): this version serves from its own process only, not as a
+    Ray Serve deployment (whether or not ``ray[serve]`` is installed).
+
+    Raises:
+        ConfigError: ``replicas`` not an integer >= 1 or given without ``ray``, an empty address, or any ``ray``.
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"replicas={short(replicas)} is invalid; allowed: an integer >= 1 (with --ray)")
+    if ray is None:
+        if replicas != 1:
+            raise ConfigError(f"--replicas {short(replicas)} needs --ray; allowed: --replicas 1 without --ray")
+        return
+    from h2o_compress.integrations.ray_sweep import check_address  # deferred: imports nothing of Ray
+
+    check_address(ray)
+    raise ConfigError("--ray (a Ray Serve deployment) is not supported by this version; allowed: run without --ray, "
+                      "one server per process (each with its own --memory-limit) behind a load balancer")
+
+
+def check_loading(model, name, compile, config: CompressionConfig, load, trust_remote_code) -> None:
+    """Refuse, before the model is loaded, a ``model`` or ``name`` that is not a non-empty text, a ``compile`` that
+    ``generate`` refuses for ``config``, a ``load`` that is not a dict of ``load_model`` arguments it takes, and a
+    ``trust_remote_code`` that is not a bool.
+
+    Raises:
+        ModelLoadError: ``model`` not a non-empty text.
+        ConfigError: naming the value and what is allowed.
+    """
+    if not isinstance(model, str) or not model.strip():
+        raise ModelLoadError(f"model name {short(model)} is empty or not a text; allowed: an alias, a local model "
+                             "directory or a hub id (a str)")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ConfigError(f"name={short(name)} is invalid; allowed: a non-empty text (the API's model id) or None")
+    check_compile(compile, config)
+    if not isinstance(trust_remote_code, bool):
+        raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
+    if load is None:
+        return
+    keys = [k for k in inspect.signature(placement_options).parameters if k != "name_or_path"]
+    if not isinstance(load, dict) or any(k not in keys for k in load):
+        raise ConfigError(f"load={short(load)} is invalid; allowed: None or a dict of load_model arguments "
+                          f"({', '.join(keys)})")
+    placement_options(**load)
 
 
 def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, host: str = "127.0.0.1",
           port: int = 8000, max_queue: int = 64, batch_size: int = 8, memory_limit: str | int | None = None,
           max_tokens: int = 128, temperature: float = 0.0, name: str | None = None, compile: bool | None = None,
           load: dict | None = None, threads: int | None = None, trust_remote_code: bool = False,
-          log_level: str = "info") -> None:
+          log_level: str = "info", ray: str | None = None, replicas: int = 1) -> None:
     """Load ``model`` and serve it until SIGINT or SIGTERM (graceful: open requests finish first).
 
     Args:
@@ -76,21 +124,27 @@ def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, h
         threads: torch CPU threads (``None``: torch's default).
         trust_remote_code: as for ``load_model``.
         log_level: uvicorn's log level.
+        ray: a Ray address (``local``, ``auto``, ``HOST:PORT``, ``ray://HOST:PORT``) to serve on as a Ray Serve
+            deployment: refused (`check_ray`).
+        replicas: Ray Serve replicas (1 without ``ray``).
 
     Raises:
-        ConfigError: the serve extra missing, or a bad setting (checked before the model is loaded).
-        ModelLoadError: the model cannot be loaded.
+        ConfigError: the serve extra missing, ``ray`` given (`check_ray`), or a bad setting (checked before the
+            model is loaded, `check_loading` included).
+        ModelLoadError: ``model`` not a non-empty text (before loading), or the model cannot be loaded.
     """
     check_installed()
     check_server_settings(host, port, max_queue)
     config = check_config(config)
+    check_ray(ray, replicas)
     check_batch_size(batch_size)
     check_generation_args(max_tokens, temperature, None)
     if memory_limit is not None:
         parse_memory(memory_limit)
     check_threads(threads)
-    if log_level not in LOG_LEVELS:
-        raise ConfigError(f"log_level={log_level!r} is invalid; allowed: {', '.join(LOG_LEVELS)}")
+    if not isinstance(log_level, str) or log_level not in LOG_LEVELS:
+        raise ConfigError(f"log_level={short(log_level)} is invalid; allowed: {', '.join(LOG_LEVELS)}")
+    check_loading(model, name, compile, config, load, trust_remote_code)
     from h2o_compress.serving.app import create_app, run  # deferred: the serve extra (fastapi...) is optional
     from h2o_compress.serving.engine import Engine  # deferred: the serve extra (prometheus-client) is optional
     from h2o_compress.serving.metrics import Metrics  # deferred: the serve extra (prometheus-client) is optional
@@ -118,4 +172,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(homes[name]), name)
 
 
-__all__ = ["Engine", "Metrics", "check_installed", "create_app", "serve"]
+__all__ = ["Engine", "Metrics", "check_installed", "check_ray", "create_app", "serve"]

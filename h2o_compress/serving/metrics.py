@@ -29,6 +29,7 @@ class Metrics:
 
     def __init__(self):
         self.registry = registry = CollectorRegistry()
+        self._peak = 0
         self.running = Gauge("h2o_running_sequences", "Sequences in the running batch.", registry=registry)
         self.peak_running = Gauge("h2o_peak_running_sequences", "Most sequences running at once since the start.",
                                   registry=registry)
@@ -47,7 +48,8 @@ class Metrics:
     def set_running(self, count: int) -> None:
         """``count`` sequences run now (``running``; ``peak_running`` if it is the most yet)."""
         self.running.set(count)
-        if count > self.peak_running._value.get():
+        if count > self._peak:
+            self._peak = count
             self.peak_running.set(count)
 
     def text(self) -> bytes:

@@ -127,7 +127,7 @@ def test_concurrent_requests_each_equal_generate_alone(client, reference):
     for worker in workers:
         worker.start()
     for worker in workers:
-        worker.join(30)
+        worker.join(180)  # generous: CI shares 2 cores with another worker
     assert answers == [reference(p) for p in prompts]
 
 
