@@ -9,6 +9,7 @@ for a sequence of at most ``min_capacity`` tokens) or, when an integer >= 1, an 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -44,6 +45,11 @@ DEFAULT_PREFILL_CHUNK = 512
 #: its end and of the model's own first answer tokens (``lookahead``), so a question at the end of a long prompt
 #: votes for what is kept. `CompressionConfig` itself keeps ``h2o``.
 COMMAND_POLICY = "lookahead"
+
+#: The policy options that were fields of `CompressionConfig` before their policies declared them (`policy_option`),
+#: with the value earlier versions wrote for each when not set: the constructor still takes them as keywords
+#: (code, saved caches, profile rows), into ``policy_options``, and `CompressionConfig.to_dict` writes them so.
+LEGACY_OPTIONS = {"lookahead_request": None, "forgetting_factor": None, "evict_chat_header": False}
 
 BUDGET_ALLOWED = "a fraction in (0, 1] or an integer number of tokens >= 1"
 # What a real model can have: the longest context of any model this library knows is far below this.
@@ -81,117 +87,50 @@ def check_budget(value, typed: str | None = None) -> float | int:
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompressionConfig:
-    """How to compress the KV cache: an eviction policy followed by a quantizer.
+    """How to compress the KV cache: an eviction policy followed by a quantizer. Frozen and hashable: change a
+    setting with ``dataclasses.replace``.
 
-    The one public entry of a setting: every setting is a flat field here (the keywords, config files, CLI flags and
-    saved caches name them so). The storage fields make up [`storage`][h2o_compress.config.CompressionConfig.storage]
-    (a [`StorageSpec`][h2o_compress.formats.storage.StorageSpec]) and ``layer_budgets`` / ``head_budgets``
-    [`layout`][h2o_compress.config.CompressionConfig.layout] (a [`LayoutSpec`][h2o_compress.layout.LayoutSpec]); each
-    checks its own fields, and this class checks the rest and what combines the parts.
+    Every setting is a flat field (keywords, config files, CLI flags and saved caches name them so); the storage
+    fields make up [`storage`][h2o_compress.config.CompressionConfig.storage], ``layer_budgets`` and
+    ``head_budgets`` [`layout`][h2o_compress.config.CompressionConfig.layout]. What each setting does, with its
+    sources: docs/guide/semantics.md ("The settings in detail").
 
     Args:
-        policy: eviction policy name: ``h2o`` (heavy hitters + recent window), ``h2o-mean`` (heavy hitters
-            ranked by mean instead of summed attention), ``vatp`` (heavy hitters ranked by accumulated attention x
-            value norm), ``local`` (recent window only), ``sink`` (StreamingLLM attention sinks + recent window),
-            ``full`` (no eviction), or any other name of `h2o_compress.policies.POLICIES`.
-        budget: fraction in (0, 1] of the sequence length the cache will see, or an integer >= 1 giving the
-            capacity in tokens per layer and KV head. ``1.0`` never evicts.
-        min_capacity: the floor of a fractional budget, in tokens per layer and KV head: a sequence of at most
-            ``min_capacity`` tokens (prompt + new tokens) is never evicted, and a longer one keeps
-            ``max(ceil(budget x length), min_capacity)`` tokens, so a short prompt never loses its own words to
-            save a few kilobytes (as kvpress's ``DecodingPress`` compresses only past a target size). ``0``: off
-            (``budget x length`` alone). A budget in tokens is unaffected. ``None`` (default): 192
-            (``DEFAULT_MIN_CAPACITY``, chosen on the tuning prompts: docs/DESIGN.md §2).
-        heavy_ratio: share of the capacity given to heavy hitters, in [0, 1] (paper: 0.5).
-        sink_tokens: number of first tokens always kept (attention sinks). ``None`` means 4 for the ``sink``
-            policy and 0 otherwise.
-        kv_bits: bits of stored keys and values: 16 (no quantization), 8 or 4.
-        k_bits: bits of the keys, overriding ``kv_bits`` (keys are more sensitive: KIVI, llama.cpp #7412).
-        v_bits: bits of the values, overriding ``kv_bits``.
-        quant: quantization format: ``int`` (group-wise asymmetric integers, ours), ``nf4``/``fp4``
-            (bitsandbytes 4-bit; an 8-bit tensor then uses bitsandbytes' blockwise 8-bit) or
-            ``int8-blockwise`` (bitsandbytes blockwise 8-bit).
-        group_size: elements of ``head_dim`` sharing one scale and zero point: 32, 64 or 128.
-        residual: newest tokens always kept in full precision (the window holds ``residual`` to
-            ``2 x residual - 1`` tokens and is quantized in blocks, each token once: KIVI's residual).
-        rotate: apply an orthogonal Hadamard rotation along ``head_dim`` before ``int`` quantization (undone
-            exactly after dequantization); spreads outliers across groups (QuaRot-style).
-        score_chunk_size: queries per chunk when prefill attention probabilities are computed for scoring.
-        prefill_chunk_size: tokens per forward pass when a prompt is prefilled (`h2o_compress.runtime.prefill`):
-            a longer prompt is fed in chunks of this many tokens, the cache scoring and evicting after each (as the
-            streaming evaluation reads a text), so the model's activations (MLP intermediates, residual stream,
-            attention over ``capacity + chunk`` keys) stay bounded by the chunk instead of growing with the prompt.
-            ``0``: the whole prompt in one pass. A prompt of at most this many tokens runs in one pass either way.
-            Default 512 (``DEFAULT_PREFILL_CHUNK``). A runtime choice: with budget 1.0 it changes the logits only
-            by fp32 rounding; with eviction, tokens are scored and evicted before the whole prompt is read.
-        attention_kernel: how a decode step runs over the cache: ``auto`` (on CPU, the whole step of a layer in
-            one call of the native kernel of `h2o_compress.attention.cpu`, built once with the system C
-            compiler; on CUDA, the Triton op of `h2o_compress.attention.slot_attention`: attention and H2O
-            scoring over the slots in two launches, traced by ``torch.compile``; elsewhere, or without a compiler
-            or Triton, the torch form), ``torch`` (the torch form: torch code over the slots, which
-            ``torch.compile`` fuses) or ``triton`` (the Triton op always: an error where it cannot run; on the CPU
-            only under ``TRITON_INTERPRET=1``). All keep the same tokens. A runtime choice: it does not change
-            what is kept or stored.
-        layer_budgets: how the capacity is spread over the layers under the same total: ``uniform`` (every layer
-            the same) or ``pyramid`` (PyramidKV, Cai et al. 2024, arXiv 2406.02069 §3.2: an arithmetic sequence
-            from ``2C - C/20`` tokens at the first layer down to ``C/20`` at the last, each at least the smallest
-            capacity that leaves a recent window; lower layers attend broadly, upper ones to few tokens) or
-            ``global`` (KVzip's allocation, Kim et al. 2025, arXiv 2505.23416 §3.3: with ``kvzip`` or ``lookahead``,
-            whose scoring pass runs before the cache is built, the ``num_layers x kv_heads x C`` best-scored
-            (layer, head, token) entries over the whole model are counted per layer, and each layer gets its
-            share of the same total: `global_layer_capacities`; where a prompt
-            is read without that pass, the layers stay uniform), or per-layer weights: a sequence of
-            ``num_layers`` positive numbers, or the path of a JSON file holding one (a list, or ``{"weights":
-            [...]}``; read once, here, and kept as the tuple), each layer getting its weight's share of the total
-            (at least the capacity that leaves a recent window). Each layer allocates only its own capacity, so the
-            bytes follow ([`layer_capacities`][h2o_compress.config.CompressionConfig.layer_capacities]; ``global`` holds uniform's total).
-        high_bits_fraction: share in [0, 1] of each layer's stored tokens kept at 8 bits, the rest at 4 (mixed
-            precision by importance, MiKV: Yang et al. 2024, arXiv 2402.18096): the top ``ceil(fraction x
-            slots)`` by the policy's rank keep the low plane of their 8-bit code (`h2o_compress.cache.refinement`).
-            0 (default): off. Needs 4-bit ``int`` keys or values; the decode step is the torch form (not
-            ``attention_kernel='triton'``). Composes with ``head_budgets='adaptive'`` (the rows shared over the
-            pool) and any ``layer_budgets`` (``global``: each layer's share of the uniform layers' rows).
-        head_budgets: how a layer's capacity is spread over its KV heads: ``uniform`` (``C`` tokens per head) or
-            ``adaptive`` (Ada-KV, Feng et al. 2024, arXiv 2407.11550 §3: ``kv_heads x C`` tokens per layer, each
-            head keeping its own recent window and sinks, the heavy-hitter rest going to the highest-ranked tokens
-            over all heads together). The layer's tokens live in one slot pool tagged by head
-            ([`SlotPool`][h2o_compress.cache.SlotPool]), so evicted tokens really free memory and the bytes
-            are uniform's plus one int8 tag per slot. Composes with ``layer_budgets`` (which gives each layer's
-            ``C``); needs a policy that ranks across heads (``shares_heads``); decode steps run the torch form
-            (``attention_kernel`` ``auto`` falls back to it, ``triton`` is refused).
-        evict_chat_header: with ``kvzip`` or ``lookahead``, the chat template's header at the start of a context
-            (system prompt, user-turn opening) gets score 0 beyond the sinks, so it is evicted first, as kvpress's
-            ``KVzipPress`` does (it scores only the reconstructed context); ``False`` (default): scored like the
-            rest. See docs/guide/compress-then-ask.md for when it helps.
-        lookahead_request: with ``policy="lookahead"``, what the model is asked about a context before it is
-            compressed ([`LookaheadPolicy`][h2o_compress.policies.LookaheadPolicy]); ``None`` (default): "List the
-            important facts and numbers in the text above.". 1 to 1,000 characters.
-        forgetting_factor: with ``policy="a2sf"``, the factor in (0, 1] by which each query scales the held
-            scores before adding its attention ([`A2SFPolicy`][h2o_compress.policies.A2SFPolicy]); ``None``
-            (default): 0.8.
-        policy_options: the options of a policy that has no field here of its own, by the config name it
-            declares (`h2o_compress.policies.policy_option`; also as keys of a config file and as CLI flags),
-            checked by the policy itself; refused when ``policy`` does not take one. Empty (default): the policy's
-            defaults. The three options above are fields of their own (``to_dict`` lists ``policy_options`` only
-            when it holds one).
-        calibration: the path of a calibration file written by ``h2o-compress calibrate`` for the model
-            (`h2o_compress.calibration.calibrate`), holding ``policy="calibrated"``'s weights
-            ([`CalibratedPolicy`][h2o_compress.policies.CalibratedPolicy]). ``None`` (default): the model's own
-            file in the cache root, where ``calibrate`` writes it without ``--out``. Read when the cache is made,
-            and refused there for a model it was not fitted on.
-        key_offsets: ``none`` (default) or ``calibrated``: 4- or 8-bit ``int`` keys are stored around the mean
-            pre-RoPE key of each layer and KV head that ``h2o-compress calibrate`` measured on the calibration text
-            (KVQuant, arXiv 2401.18079 §3.1; `h2o_compress.formats.calibrated.CalibratedKeyQuantizer`), rotated to
-            each token's position: the same bytes, about half the 4-bit key error. Read from the calibration file
-            (``calibration``, else the model's own file or the one shipped for it) when the cache is made; needs
-            ``int`` keys of 4 or 8 bits, ``head_budgets='uniform'``, ``high_bits_fraction=0`` and a decode step
-            other than ``attention_kernel='triton'`` (its layers decode in the torch form). A cache with it cannot
-            be saved.
+        policy: eviction policy, a name of `h2o_compress.policies.POLICIES` (``h2o``, ``h2o-mean``, ``local``,
+            ``sink``, ``full``, ``snapkv``, ``tova``, ``a2sf``, ``kvzip``, ``lookahead``, ...). Default ``h2o``.
+        budget: a fraction in (0, 1] of the tokens the cache will see, or an integer >= 1: tokens per layer and KV
+            head. ``1.0`` (default) never evicts.
+        min_capacity: tokens per layer and KV head a fractional budget keeps at least (nothing is evicted up to
+            that length); ``0``: off; ``None`` (default): 192 (`DEFAULT_MIN_CAPACITY`).
+        heavy_ratio: share in [0, 1] of the capacity given to heavy hitters, the rest to the recent window (0.5).
+        sink_tokens: first tokens always kept, >= 0; ``None`` (default): 4 for ``sink``, else 0.
+        kv_bits: bits of stored keys and values: 16 (default, no quantization), 8 or 4.
+        k_bits: bits of the keys (4, 8, 16), over ``kv_bits``; ``None``: ``kv_bits``.
+        v_bits: bits of the values (4, 8, 16), over ``kv_bits``; ``None``: ``kv_bits``.
+        quant: format: ``int`` (default), ``nf4``, ``fp4`` or ``int8-blockwise`` (`h2o_compress.formats.FORMATS`).
+        group_size: elements of ``head_dim`` sharing one scale and zero point: 32 (default), 64 or 128.
+        residual: newest tokens kept in full precision (default 3), each quantized once as it leaves.
+        rotate: Hadamard-rotate ``head_dim`` before ``int`` quantization (default True).
+        score_chunk_size: queries per chunk when a prefill's attention is scored (default 64), >= 1.
+        prefill_chunk_size: tokens per forward pass of a prompt's prefill (default 512, `DEFAULT_PREFILL_CHUNK`);
+            ``0``: one pass.
+        attention_kernel: the decode step: ``auto`` (default), ``torch`` or ``triton``; all keep the same tokens.
+        layer_budgets: spread of the capacity over layers, same total: ``uniform`` (default), ``pyramid``,
+            ``global`` (``kvzip``/``lookahead``), or per-layer weights (numbers, or a JSON file's path; kept as a
+            tuple).
+        high_bits_fraction: share in [0, 1] of a layer's 4-bit ``int`` tokens kept at 8 bits (default 0: off).
+        head_budgets: spread of a layer's capacity over its KV heads: ``uniform`` (default) or ``adaptive``.
+        policy_options: the policy's own options by config name (`h2o_compress.policies.policy_option`), e.g.
+            ``{"forgetting_factor": 0.5}`` for ``a2sf``; also config file keys and CLI flags, and, for those of
+            `LEGACY_OPTIONS` (``forgetting_factor``, ``lookahead_request``, ``evict_chat_header``), keywords of
+            their own. Checked by the policy; refused for a policy that does not take it. Default: none.
+        calibration: path of a file written by ``h2o-compress calibrate``; ``None`` (default): the model's own.
+        key_offsets: ``none`` (default) or ``calibrated`` (4- or 8-bit ``int`` keys around calibrated means).
 
     Raises:
-        ConfigError: any value out of range, naming the value and what is allowed.
+        ConfigError: any value out of range, or settings that do not combine, naming the value and what is allowed.
     """
 
     policy: str = "h2o"
@@ -213,9 +152,6 @@ class CompressionConfig:
     layer_budgets: str | tuple[float, ...] = LayoutSpec.layer_budgets
     high_bits_fraction: float = StorageSpec.high_bits_fraction
     head_budgets: str = LayoutSpec.head_budgets
-    lookahead_request: str | None = None
-    forgetting_factor: float | None = None
-    evict_chat_header: bool = False
     calibration: str | None = None
     key_offsets: str = StorageSpec.key_offsets
     policy_options: Mapping[str, object] = field(default_factory=dict)
@@ -224,13 +160,14 @@ class CompressionConfig:
         """Check every field: the eviction fields, the storage (`storage`, which checks its own fields), the runtime
         fields and the layout (`layout`, which reads ``layer_budgets`` weights into a tuple), then what combines the
         parts: the options of the policy, and the head, precision, key-offset and layer spreads with the policy and
-        the decode kernel.
+        the decode kernel. The config is frozen: the two values normalised here (``layer_budgets`` read into its
+        weights, ``policy_options`` copied without the options not given) are set once, before anyone can read it.
 
         Raises:
             ConfigError: the first value out of range, naming it and what is allowed.
         """
         self._check_eviction()
-        self._spec(StorageSpec)  # the storage checks its own fields
+        self.storage  # noqa: B018 (the storage checks its own fields)
         self._check_runtime()
         self._check_policy_options()
         self.eviction_policy()  # the policy checks its own options (and refuses those it does not take)
@@ -245,16 +182,13 @@ class CompressionConfig:
             )
 
     def _check_eviction(self) -> None:
-        """The eviction fields: ``policy``, ``evict_chat_header``, ``budget``, ``min_capacity``, ``heavy_ratio`` and
-        ``sink_tokens``.
+        """The eviction fields: ``policy``, ``budget``, ``min_capacity``, ``heavy_ratio`` and ``sink_tokens``.
 
         Raises:
             ConfigError: the first value out of range, naming it and what is allowed.
         """
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {short(self.policy)}; allowed: {', '.join(sorted(POLICIES))}")
-        if not isinstance(self.evict_chat_header, bool):
-            raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
         check_budget(self.budget)
         if self.min_capacity is not None:
             check_count("min_capacity", self.min_capacity, minimum=0, maximum=MAX_TOKENS,
@@ -282,7 +216,8 @@ class CompressionConfig:
         check_count("prefill_chunk_size", self.prefill_chunk_size, minimum=0, maximum=MAX_TOKENS,
                     allowed=f"an integer from 1 to {MAX_TOKENS} (tokens per forward pass), or 0 (the whole prompt in "
                             "one pass)")
-        self.layer_budgets = self.layout.layer_budgets
+        # made here, not through the spec cache: a path is read afresh, into the weights the config then holds
+        object.__setattr__(self, "layer_budgets", LayoutSpec(*_spec_values(self, LayoutSpec)).layer_budgets)
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: {', '.join(ATTENTION_KERNELS)}"
@@ -343,8 +278,9 @@ class CompressionConfig:
             raise key_offsets_conflict(f"head_budgets={self.head_budgets!r}", "head_budgets 'uniform'")
 
     def _check_policy_options(self) -> None:
-        """``policy_options``: a mapping of option names no field of this class holds to values; ``None`` (not
-        given) dropped. Whether the policy takes each, and the values, the policy checks (`eviction_policy`).
+        """``policy_options``: a mapping of option names no field of this class holds to values, copied with
+        ``None`` and ``False`` (not given: the policy's default) dropped. Whether the policy takes each, and the
+        values, the policy checks (`eviction_policy`).
 
         Raises:
             ConfigError: not such a mapping, or a name that is a field of its own or that no registered policy takes.
@@ -361,7 +297,8 @@ class CompressionConfig:
                 extra = unfielded_policy_options()
                 raise ConfigError(f"policy_options holds {short(name)}, an option no registered policy takes; "
                                   f"allowed: {', '.join(extra) or 'none (no policy declares one)'}")
-        self.policy_options = {name: value for name, value in options.items() if value is not None}
+        given = {name: value for name, value in options.items() if value is not None and value is not False}
+        object.__setattr__(self, "policy_options", given)
 
     @classmethod
     def from_values(cls, values: Mapping) -> CompressionConfig:
@@ -380,9 +317,8 @@ class CompressionConfig:
         return cls(**settings)
 
     def options(self) -> dict:
-        """The policy options set, by config name: those with a field of their own (``lookahead_request``,
-        ``forgetting_factor``, ``evict_chat_header``: ``None`` or ``False`` when not set) and ``policy_options``."""
-        return {**{name: getattr(self, name) for name in POLICY_OPTIONS if name in FIELD_NAMES}, **self.policy_options}
+        """The policy options set, by config name (a copy of ``policy_options``)."""
+        return dict(self.policy_options)
 
     @property
     def evicts_any(self) -> bool:
@@ -393,25 +329,15 @@ class CompressionConfig:
     def storage(self) -> StorageSpec:
         """How keys and values are stored: a [`StorageSpec`][h2o_compress.formats.storage.StorageSpec] of this
         config's storage fields (``kv_bits``, ``k_bits``, ``v_bits``, ``quant``, ``group_size``, ``residual``,
-        ``rotate``, ``high_bits_fraction``, ``key_offsets``), made (so checked) once and again only after a field of
-        it changed."""
-        return self._spec(StorageSpec)
+        ``rotate``, ``high_bits_fraction``, ``key_offsets``), made (so checked) once per set of values
+        (`_made_spec`)."""
+        return _made_spec(StorageSpec, _spec_values(self, StorageSpec))
 
     @property
     def layout(self) -> LayoutSpec:
         """How the capacity is spread over layers and heads: a [`LayoutSpec`][h2o_compress.layout.LayoutSpec] of
-        ``layer_budgets`` and ``head_budgets``, made (so checked) once and again only after either changed."""
-        return self._spec(LayoutSpec)
-
-    def _spec(self, kind):
-        """The ``kind`` spec (a frozen dataclass whose fields are fields of this config) of the current values."""
-        values = tuple(getattr(self, f.name) for f in fields(kind))
-        specs = self.__dict__.setdefault("_specs", {})  # not a field: to_dict, ==, repr and replace ignore it
-        made = specs.get(kind)
-        if made is None or made[0] != values:
-            spec = kind(*values)
-            made = specs[kind] = (tuple(getattr(spec, f.name) for f in fields(kind)), spec)
-        return made[1]
+        ``layer_budgets`` and ``head_budgets``, made (so checked) once per set of values (`_made_spec`)."""
+        return _made_spec(LayoutSpec, _spec_values(self, LayoutSpec))
 
     @property
     def key_bits(self) -> int:
@@ -516,12 +442,76 @@ class CompressionConfig:
         return self.layout.layer_capacities(capacity, num_layers, self.min_layer_capacity)
 
     def to_dict(self) -> dict:
-        """Plain-dict form (JSON-serialisable); ``policy_options`` only where it holds an option, so a setting
-        without one reads as it did before the field existed."""
-        values = asdict(self)
-        if not values["policy_options"]:
-            del values["policy_options"]
-        return values
+        """Plain-dict form (JSON-serialisable) that earlier versions wrote and read alike: the fields, the options
+        of `LEGACY_OPTIONS` as settings of their own (after ``head_budgets``; their value or the one of not set),
+        and ``policy_options`` only where it holds another option."""
+        values, options = asdict(self), dict(self.policy_options)
+        del values["policy_options"]
+        legacy = {name: options.pop(name, unset) for name, unset in LEGACY_OPTIONS.items()}
+        at = list(values).index("head_budgets") + 1
+        values = dict([*list(values.items())[:at], *legacy.items(), *list(values.items())[at:]])
+        return values | {"policy_options": options} if options else values
+
+    def __getattr__(self, name: str):
+        """An option of `LEGACY_OPTIONS` read as the field it was in earlier versions: its value in
+        ``policy_options``, or the value of not set.
+
+        Raises:
+            AttributeError: any other missing name.
+        """
+        if name in LEGACY_OPTIONS and "policy_options" in self.__dict__:
+            return self.__dict__["policy_options"].get(name, LEGACY_OPTIONS[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __hash__(self) -> int:
+        """Of every field (``policy_options`` as its items): equal configs hash alike, so a config can be a key."""
+        return hash(tuple(frozenset(self.policy_options.items()) if f.name == "policy_options"
+                          else getattr(self, f.name) for f in fields(self)))
+
+
+def _taking_legacy_options(init):
+    """The dataclass's ``init`` taking the keywords of `LEGACY_OPTIONS` as well, each (where given: not ``None``
+    or ``False``) into ``policy_options``, over an entry of the same name there."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        legacy = {name: kwargs.pop(name) for name in LEGACY_OPTIONS if name in kwargs}
+        legacy = {name: value for name, value in legacy.items() if value is not None and value is not False}
+        given = kwargs.get("policy_options") or {}
+        if legacy and isinstance(given, Mapping):
+            kwargs["policy_options"] = {**given, **legacy}
+        init(self, *args, **kwargs)
+    return __init__
+
+
+CompressionConfig.__init__ = _taking_legacy_options(CompressionConfig.__init__)
+
+
+def _spec_values(config: CompressionConfig, kind) -> tuple:
+    """The values of ``config``'s fields that make up the spec ``kind`` (a frozen dataclass of fields of the config)."""
+    return tuple(getattr(config, f.name) for f in fields(kind))
+
+
+def _typed(value):
+    """``value`` with its type, inside tuples too: the spec cache's key, so that ``1``, ``1.0`` and ``True`` (equal
+    and hashed alike) are checked and kept apart."""
+    return tuple(map(_typed, value)) if isinstance(value, tuple) else (type(value), value)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_spec(kind, typed: tuple, values: tuple):
+    """``kind(*values)``, cached by ``typed`` (`_typed` of the values) as well."""
+    return kind(*values)
+
+
+def _made_spec(kind, values: tuple):
+    """The spec ``kind`` of ``values`` (`_spec_values`), made (so checked) once per set of values and types; values
+    that cannot be hashed (refused by the spec, or a list of layer weights) are made each time."""
+    typed = tuple(map(_typed, values))
+    try:
+        hash(typed)
+    except TypeError:
+        return kind(*values)
+    return _cached_spec(kind, typed, values)
 
 
 def clamp_capacity(capacity: int | None, max_length: int | None) -> int | None:

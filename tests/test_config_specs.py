@@ -39,14 +39,38 @@ def test_to_dict_and_equality_do_not_see_the_specs():
     assert replace(config, kv_bits=8).storage.key_bits == 8
 
 
-def test_a_spec_follows_a_changed_field_and_is_frozen():
+def test_the_config_and_its_specs_are_frozen_and_a_replaced_field_makes_new_specs():
     config = CompressionConfig(kv_bits=4)
     first = config.storage
-    assert config.storage is first  # made once
-    config.kv_bits = 8
-    assert config.storage.key_bits == 8 and config.key_bits == 8
+    assert config.storage is first is CompressionConfig(kv_bits=4).storage  # made once per set of values
+    with pytest.raises(FrozenInstanceError):
+        config.kv_bits = 8  # type: ignore[misc]
     with pytest.raises(FrozenInstanceError):
         config.storage.kv_bits = 4  # type: ignore[misc]
+    changed = replace(config, kv_bits=8)
+    assert changed.storage.key_bits == 8 and changed.key_bits == 8 and config.key_bits == 4
+    assert {config: "four", changed: "eight"}[CompressionConfig(kv_bits=4)] == "four"  # hashable: equal configs alike
+    assert hash(CompressionConfig(policy="a2sf", forgetting_factor=0.5)) == hash(
+        CompressionConfig(policy="a2sf", policy_options={"forgetting_factor": 0.5}))
+
+
+def test_the_spec_cache_keeps_equal_values_of_other_types_apart():
+    assert CompressionConfig(kv_bits=4, high_bits_fraction=0).storage.high_bits_fraction == 0
+    with pytest.raises(ConfigError, match="high_bits_fraction"):
+        CompressionConfig(kv_bits=4, high_bits_fraction=False)  # a bool, equal to the 0 cached just before
+
+
+@pytest.mark.parametrize("name, value, policy", [
+    ("forgetting_factor", 0.5, "a2sf"), ("lookahead_request", "Which names?", "lookahead"),
+    ("evict_chat_header", True, "kvzip")])
+def test_the_options_that_were_fields_are_policy_options_taken_by_their_old_keyword(name, value, policy):
+    config = CompressionConfig(policy=policy, **{name: value})
+    assert config.policy_options == {name: value} == config.options()
+    assert config == CompressionConfig(policy=policy, policy_options={name: value})
+    assert name not in {f.name for f in fields(CompressionConfig)}
+    assert config.to_dict()[name] == value and "policy_options" not in config.to_dict()  # as earlier versions wrote
+    assert CompressionConfig(**config.to_dict()) == config == replace(config)
+    assert CompressionConfig().to_dict() | {name: value, "policy": policy} == config.to_dict()
 
 
 @pytest.mark.parametrize("spec, values, message", [
@@ -99,3 +123,13 @@ def test_each_part_the_triton_op_does_not_read_is_refused_with_it_and_fine_witho
     with pytest.raises(ConfigError, match=re.escape(message)):
         CompressionConfig(**values, attention_kernel="triton")
     CompressionConfig(**values, attention_kernel="auto")
+
+
+def test_the_legacy_options_read_as_the_fields_they_were():
+    """Code that read ``config.forgetting_factor`` (a field in earlier versions) reads the policy option."""
+    from h2o_compress import CompressionConfig
+
+    config = CompressionConfig(policy="a2sf", budget=0.5, forgetting_factor=0.5)
+    assert (config.forgetting_factor, config.lookahead_request, config.evict_chat_header) == (0.5, None, False)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_field'"):
+        config.not_a_field

@@ -13,7 +13,7 @@ from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims, model_dims, resolve_dtype
 from h2o_compress.models.weights import floating_dtype, loaded_weights_bits
-from h2o_compress.policies import POLICIES, POLICY_OPTIONS
+from h2o_compress.policies import POLICIES
 from h2o_compress.planner.known_models import ModelSpec, resolve_model
 from h2o_compress.planner.ranking import rank, shipped_ranking
 from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candidates, describe, load_quality
@@ -492,8 +492,7 @@ def choose_for_prompt(
     row = choose(model, memory, 1, prompt_len, max_new_tokens, **options)
     carried = ["rotate", "score_chunk_size", "prefill_chunk_size", "attention_kernel"]
     if row.config.policy == base.policy:  # not when the row keeps everything (policy "full")
-        named = [name for name in POLICY_OPTIONS if name in CompressionConfig.__dataclass_fields__]
-        carried += named + ["policy_options"]  # the policy's own options: those with a field, then the rest
+        carried.append("policy_options")  # the policy's own options
     row.config = replace(row.config, **{name: getattr(base, name) for name in carried})
     offsets = base.key_offsets if row.config.kv_bits in (4, 8) else "none"  # same bytes; not where 16 bits are kept
     reads = offsets != "none" or POLICIES[row.config.policy].needs_calibration  # the calibration, where it is read

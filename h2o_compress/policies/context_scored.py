@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_compress.policies.base import policy_option
+from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.policies.h2o import H2OPolicy
 
 
@@ -29,6 +30,11 @@ class ContextScoredPolicy(H2OPolicy):
         "score the chat template's header (system prompt, user-turn opening) 0, so that beyond the sinks it is "
         "evicted first (as kvpress's KVzipPress)."))
     context_scores: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Raises ConfigError: ``evict_chat_header`` that is not a bool."""
+        if not isinstance(self.evict_chat_header, bool):
+            raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
 
     def handed_scores(self, keys: torch.Tensor) -> torch.Tensor | None:
         """The context scores handed for this step (fp32 ``[batch, kv_heads, keys]`` on ``keys``' device), taken

@@ -57,6 +57,7 @@ class LookaheadPolicy(ContextScoredPolicy):
     segment: int = 1024
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.request is not None and (not isinstance(self.request, str)
                                          or not 1 <= len(self.request.strip()) <= 1000):
             raise ConfigError(f"lookahead_request={short(self.request)} is invalid; allowed: a text of 1 to 1000 "

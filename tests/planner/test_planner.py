@@ -64,7 +64,7 @@ def test_predicted_cache_bytes_equal_measured_llama(case):
     guess = predicted(model, config, batch, prompt, new)
     assert guess.total == cache.nbytes()
     assert guess.kept == cache.kept_length()
-    assert guess.residual == cache.layers[0].residual
+    assert guess.residual == cache.layers[0].setting.residual
     assert guess.slots == cache.layers[0].store.slots
 
 
@@ -330,7 +330,7 @@ def test_choose_for_prompt_keeps_every_field_it_does_not_pick():
     row = choose_for_prompt(model, tok, "x" * 40, "10MiB", max_new_tokens=8, chat=False, base=base,
                             budgets=(0.25,))  # evicting rows only (on a tiny model the workspace outweighs the cache)
     assert row.config.budget == 0.25
-    for name in ("policy", "forgetting_factor", "head_budgets", "layer_budgets", "attention_kernel", "rotate",
+    for name in ("policy", "policy_options", "head_budgets", "layer_budgets", "attention_kernel", "rotate",
                  "score_chunk_size", "prefill_chunk_size"):
         assert getattr(row.config, name) == getattr(base, name), name
     result = generate(model, tok, "x" * 40, row.config, max_new_tokens=8, chat=False)

@@ -76,10 +76,10 @@ def test_the_config_passes_it_to_the_policy_which_checks_it(powered):
     with pytest.raises(ConfigError, match=r"^exponent is set but policy='h2o'; allowed: exponent with policy 'powered' "
                                           r"only$"):
         CompressionConfig(policy="h2o", policy_options={"exponent": 3.0})
-    with pytest.raises(ConfigError, match="policy_options holds 'forgetting_factor', a field of its own"):
-        CompressionConfig(policy="a2sf", policy_options={"forgetting_factor": 0.5})
+    with pytest.raises(ConfigError, match="policy_options holds 'budget', a field of its own"):
+        CompressionConfig(policy="a2sf", policy_options={"budget": 0.5})
     with pytest.raises(ConfigError, match="policy_options holds 'colour', an option no registered policy takes; "
-                                          "allowed: exponent"):
+                                          "allowed: evict_chat_header, forgetting_factor, lookahead_request, exponent$"):
         CompressionConfig(policy_options={"colour": 1})
 
 
