@@ -1,7 +1,7 @@
 """Hybrids through the commands: every hybrid class of the model matrix (tests/helpers/architectures.py: a linear-
 attention / SSM / convolution layer, then attention; Falcon-H1 holds both in one layer) is planned, calibrated on its
 attention layers only, and refused by compress-then-ask in one line before any pass; RecurrentGemma, whose states
-live in its own modules, is refused by ``batch`` in one line before any pass (the API and the job)."""
+live in its own modules, runs the batch job (its states held in the cache's rows while the job runs)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers.architectures import hand_made_causal_lm, tiny_causal_lm
 from helpers.tiny_lm import english_tokenizer
 
 import h2o_compress
-from h2o_compress import CompressionConfig, UnsupportedModelError, compress, generate, generate_batch
+from h2o_compress import CompressionConfig, UnsupportedModelError, compress, generate
 from h2o_compress.calibration import calibrate
 from h2o_compress.calibration.eviction_fit import h2o_weights
 from h2o_compress.models import model_dims
@@ -87,25 +87,21 @@ def test_a_hybrid_generates_with_its_attention_layers_calibration(tokenizer, tex
 
 
 @torch.inference_mode()
-def test_batch_refuses_recurrent_gemma_in_one_line_before_any_pass(tokenizer, tmp_path, monkeypatch):
-    """RecurrentGemma keeps its states in its own modules, so a prompt prefilled alone cannot join a batch row: the
-    API call and the batch job raise UnsupportedModelError naming the model type and what is supported, before any
-    forward pass (the job: as soon as the model is loaded, nothing written)."""
+def test_batch_job_answers_recurrent_gemma_as_generate_does(tokenizer, tmp_path, monkeypatch):
+    """RecurrentGemma keeps its states in its own modules; the batch job holds them in the cache's rows while it
+    runs (`cache.module_states`): three prompts of different lengths in 2 rows, each answer generate's alone."""
     import h2o_compress.jobs.batch as batch_job
 
     model = _hybrid("recurrent_gemma")
-    calls = []
-    model.register_forward_pre_hook(lambda *args: calls.append(1))
-    with pytest.raises(UnsupportedModelError, match="'recurrent_gemma'.*allowed: ") as refused:
-        generate_batch(model, tokenizer, ["the cache keeps", "heavy hitters"], max_new_tokens=2, chat=False)
-    assert "\n" not in str(refused.value) and not calls
-
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": "the cache keeps"}) + "\n")
+    prompts = ["the cache keeps", TEXT[:150], "heavy hitters and the recent window"]
+    config = CompressionConfig(budget=10, kv_bits=4, residual=2)
+    expected = [generate(model, tokenizer, p, config, max_new_tokens=6, chat=False).text for p in prompts]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
+                                               for i, p in enumerate(prompts)))
     monkeypatch.setattr(batch_job.models, "load_model", lambda *args, **kwargs: (model, tokenizer))
-    job = batch_job.BatchJob(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), model="tiny", chat=False,
-                   max_new_tokens=2)
-    with pytest.raises(UnsupportedModelError, match="batch does not support model type 'recurrent_gemma'"):
-        job.run()
-    assert not calls
-    out = tmp_path / "out.jsonl"
-    assert not out.exists() or out.read_text() == ""
+    job = batch_job.BatchJob(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), model="tiny", config=config,
+                             chat=False, max_new_tokens=6, batch_size=2)
+    job.run()
+    answers = {a["id"]: a for a in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert [answers[str(i)].get("error") for i in range(3)] == [None] * 3
+    assert [answers[str(i)]["text"] for i in range(3)] == expected

@@ -25,7 +25,7 @@ from h2o_compress.planner.plan import fit_batch
 from h2o_compress.integrations.ray_batch import import_ray_data, ray_session, run_on_ray
 from h2o_compress.integrations.ray_sweep import check_reachable
 from h2o_compress.runtime.batch import (
-    BatchStats, check_batch_size, check_batchable, generate_batch_checked, row_config,
+    BatchStats, check_batch_size, generate_batch_checked, row_config,
 )
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.generation import check_config, generate
@@ -180,8 +180,6 @@ class BatchJob:
 
         Raises:
             ModelLoadError: the model cannot be loaded.
-            UnsupportedModelError: a model whose states live in its own modules
-                ([`check_batchable`][h2o_compress.runtime.batch.check_batchable]), once loaded, before any pass.
             ConfigError: with ``batch_size="auto"``, not even one sequence fits the memory; with ``ray``, a cluster
                 that cannot be started or reached.
             InputError: OUTPUT is being written by another run.
@@ -208,7 +206,6 @@ class BatchJob:
             on_start(len(todo), len(self.requests) - len(todo))
         peak = PeakMemory(whole_process=True)  # on a CPU a memory limit bounds the whole process
         lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
-        check_batchable(lm)  # RecurrentGemma: refused as soon as it is loaded, before planning or any prompt
         peak.loaded()
         held = peak.held(lm) if self.batch_size == "auto" else None  # the process once loaded: auto counts it
         config, batch_size, reason, planned = self._setting(lm, tokenizer, held)

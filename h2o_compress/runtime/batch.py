@@ -46,13 +46,11 @@ from h2o_compress.runtime.prefill import prompt_chunks
 from h2o_compress.runtime.generation import (
     _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache, make_scored_cache,
 )
+from h2o_compress.cache.module_states import states_in_cache
 from h2o_compress.models.weights import input_device
-from h2o_compress.utils.errors import ConfigError, H2OCompressError, UnsupportedModelError, short
+from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
 
 MAX_BATCH_SIZE = 4096
-#: model types whose recurrent/conv states live in the model's own modules (one state for the whole batch the model
-#: last ran), not in rows of the cache: a prompt prefilled alone cannot be moved into a row of the batch
-MODULE_STATE_TYPES = frozenset({"recurrent_gemma"})
 
 
 @dataclass
@@ -122,26 +120,6 @@ def check_batch_size(batch_size) -> int:
     return batch_size
 
 
-def check_batchable(model) -> None:
-    """Refuse, before any pass, a model whose recurrent or conv states live in its own modules rather than in the
-    cache (`MODULE_STATE_TYPES`: RecurrentGemma): continuous batching prefills each prompt alone and moves its cache
-    into a row of the batch, which such states cannot follow. Reads the config only.
-
-    Raises:
-        UnsupportedModelError: naming the model type and what is supported, in one line.
-    """
-    config = getattr(model, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)()
-    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-    if model_type in MODULE_STATE_TYPES:
-        raise UnsupportedModelError(
-            f"batch does not support model type {model_type!r}: it keeps its recurrent and conv states in its own "
-            "modules, not in the cache, so a prompt prefilled alone cannot join a row of the batch; allowed: a model "
-            "whose states the cache holds (attention-only models and the other hybrids), or generate, one prompt at "
-            "a time"
-        )
-
-
 def row_config(config: CompressionConfig, longest: int) -> CompressionConfig:
     """``config`` with a fractional budget below 1 turned into the tokens it keeps of the job's ``longest`` sequence
     (prompt + new tokens): the capacity every row of every group gets (budget 1.0 where the longest sequence is
@@ -191,8 +169,6 @@ def generate_batch(
         ConfigError: a bad job-wide argument (checked before anything runs, when this is called): ``requests``
             not an iterable of requests (a text, a dict), a switch (``chat``, ``in_order``, ``longest_first``,
             ``refill``) that is not a bool.
-        UnsupportedModelError: a model whose states live in its own modules (`check_batchable`), when this is
-            called.
     """
     _check_argument_kinds(model, tokenizer, None)
     config = check_config(config)
@@ -221,12 +197,7 @@ def generate_batch_checked(model, tokenizer, requests: list, config: Compression
     Args:
         compile_checked_for: the setting ``compile`` was checked against (`check_compile`): a batch cache of that
             setting (its budget as `row_config` sets it) is not checked again; ``None``: it is checked.
-
-    Raises:
-        UnsupportedModelError: a model whose states live in its own modules (`check_batchable`), when this is
-            called, before any pass.
     """
-    check_batchable(model)
     stats = BatchStats()
     results = _run(model, tokenizer, requests, config, max_new_tokens, batch_size, chat, temperature, seed,
                    compile, on_step, stats, longest_first, refill, compile_checked_for)
@@ -315,6 +286,12 @@ class _Batch:
 
     @torch.inference_mode()
     def run(self, prompts: list[Prepared], refill: bool, on_step) -> Iterator[BatchResult]:
+        """Run the job's prompts through the rows; yield each result as its row ends. A model keeping states in its
+        own modules (RecurrentGemma) has them held in the caches' rows meanwhile (`states_in_cache`), eager."""
+        with states_in_cache(self.model) as own_states:
+            yield from self._run_rows(prompts, refill, on_step, eager=own_states)
+
+    def _run_rows(self, prompts: list[Prepared], refill: bool, on_step, eager: bool) -> Iterator[BatchResult]:
         self.queue = collections.deque(prompts)
         self.admitting: dict[int, _Admission] = {}  # rows whose next prompt is being prefilled, a chunk at a time
         if self.scored and self.config.layer_budgets == "global":
@@ -323,7 +300,7 @@ class _Batch:
             self.stats.prefill_s += time.perf_counter() - start
         yield from self._refill()
         compiled = resolve_compile(self.compile, self.cache, self.device, self.model,
-                                   checked=self.compile_checked and self.cache.config == self.config)
+                                   checked=self.compile_checked and self.cache.config == self.config) and not eager
         step = compiled_decode_step(self.model, self.device) if compiled else decode_step
         untimed = warmup_steps(self.device) if compiled else 0
         for done in decode_steps(step, self.model, self.cache, self._inputs, self._pick, self._running, untimed,
@@ -520,4 +497,4 @@ def _generator(prompt: Prepared, device) -> torch.Generator | None:
     return generator
 
 
-__all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "check_batchable", "check_switch", "generate_batch", "row_config"]
+__all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "check_switch", "generate_batch", "row_config"]

@@ -70,9 +70,9 @@ def test_rows_moved_between_caches_keep_chunks_windows_softcap_and_sinks(model_t
         assert [r.token_ids for r in run] == expected, config
 
 # Every hybrid class of tests/helpers/architectures.py (a state layer, then attention; Falcon-H1 holds both in one
-# layer) but RecurrentGemma, which keeps its states in its own modules, not in rows of the cache.
+# layer; RecurrentGemma keeps its states in its own modules, held in the cache's rows while a batch runs).
 HYBRIDS = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm3",
-           "minimax", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"]
+           "minimax", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma"]
 HAND_MADE_HYBRIDS = ["lfm2_moe", "nemotron_h", "zamba", "zamba2"]
 
 
@@ -82,13 +82,7 @@ def test_hybrid_rows_carry_their_states_through_refill_and_shrink(model_type, to
     """Three prompts of different lengths in 2 rows: the third is prefilled while the first row decodes and moved
     into the second's row (its conv and recurrent states with its keys), then the batch shrinks to the one row
     still running (every state layer's rows selected); each answer is the one generate gives it alone."""
-    from helpers.architectures import hand_made_causal_lm, tiny_causal_lm
-
-    model = hand_made_causal_lm(model_type) if model_type in HAND_MADE_HYBRIDS else tiny_causal_lm(model_type)
-    assert not isinstance(model, str), model
-    for module in model.modules():  # Mamba-2's torch scan pads every pass to its chunk (256): 16 is faster
-        if hasattr(module, "ssm_state_size") and isinstance(getattr(module, "chunk_size", None), int):
-            module.chunk_size = 16
+    model = _hybrid(model_type)
     config = CompressionConfig(budget=10, kv_bits=4, residual=2)
     requests = [{"prompt": PROMPTS[1], "max_new_tokens": 10}, {"prompt": PROMPTS[0], "max_new_tokens": 2},
                 {"prompt": " ".join(WORDS * 2), "max_new_tokens": 4}]
@@ -100,6 +94,43 @@ def test_hybrid_rows_carry_their_states_through_refill_and_shrink(model_type, to
     assert [r.error for r in results] == [None] * 3
     assert [r.token_ids for r in results] == expected
     assert run.stats.batch_size == 2
+
+
+def _hybrid(model_type: str):
+    """A tiny hybrid of the matrix; RecurrentGemma's recurrent blocks with their output scaled up, so that a lost
+    or misplaced conv or RG-LRU state changes the greedy tokens (at the random init they barely do)."""
+    from helpers.architectures import hand_made_causal_lm, tiny_causal_lm
+
+    model = hand_made_causal_lm(model_type) if model_type in HAND_MADE_HYBRIDS else tiny_causal_lm(model_type)
+    assert not isinstance(model, str), model
+    for module in model.modules():  # Mamba-2's torch scan pads every pass to its chunk (256): 16 is faster
+        if hasattr(module, "ssm_state_size") and isinstance(getattr(module, "chunk_size", None), int):
+            module.chunk_size = 16
+        if hasattr(module, "rg_lru"):
+            with torch.no_grad():
+                module.linear_out.weight.mul_(10)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["recurrent_gemma", "bamba"])
+@torch.inference_mode()
+def test_a_prompt_prefilled_in_chunks_between_steps_keeps_its_states(model_type, tokenizer, one_thread):
+    """Continuous batching's interleaved prefill: the third prompt (two 256-token chunks) is prefilled a chunk
+    per decode step of the first row, each chunk carrying its own states (RecurrentGemma: the
+    blocks' own, held in the prompt's one-row cache between chunks) while the batch's rows keep theirs; then the
+    batch shrinks. Each answer is the one generate gives it alone."""
+    model = _hybrid(model_type)
+    config = CompressionConfig(budget=10, kv_bits=4, residual=2, prefill_chunk_size=256)
+    requests = [{"prompt": PROMPTS[1], "max_new_tokens": 10}, {"prompt": PROMPTS[0], "max_new_tokens": 2},
+                {"prompt": " ".join(WORDS * 9), "max_new_tokens": 4}]
+    assert len(tokenizer(requests[2]["prompt"]).input_ids) > 256
+    expected = [generate(model, tokenizer, r["prompt"], config, max_new_tokens=r["max_new_tokens"],
+                         chat=False).token_ids for r in requests]
+    steps = []
+    run = generate_batch(model, tokenizer, requests, config, batch_size=2, chat=False, in_order=True,
+                         longest_first=False, on_step=lambda running, rows: steps.append((running, rows)))
+    assert [r.token_ids for r in run] == expected
+    assert steps[:3] == [(2, 2), (1, 2), (2, 2)] and steps[-1] == (1, 1)  # a step between the third's chunks
 
 
 @torch.inference_mode()
