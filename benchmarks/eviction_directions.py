@@ -508,7 +508,7 @@ def main() -> None:
                     setting.options["statistics"] = statistics
                 cache = make_cache(model, CompressionConfig(budget=budget, min_capacity=0), max_length=ids.shape[1])
                 capacity = cache.capacity or ids.shape[1]
-                ppl = simulate(model, ids, setting, capacity, cache.layers[0].policy.recent_window(capacity))
+                ppl = simulate(model, ids, setting, capacity, cache.layers[0].setting.policy.recent_window(capacity))
             reference = reference or ppl
             row = {"text": text, "budget": budget, "row": name, "perplexity": ppl, "ratio": ppl / reference,
                    "capacity": capacity, "seconds": round(time.perf_counter() - started, 1), "command": command}

@@ -199,7 +199,7 @@ def run(model, ids, text: str, todo: list[tuple], rows: list[dict], out: Path, c
         else:
             cache = make_cache(model, CompressionConfig(budget=budget, min_capacity=0), max_length=ids.shape[1])
             capacity = cache.capacity or ids.shape[1]
-            ppl = simulate(model, ids, setting, capacity, cache.layers[0].policy.recent_window(capacity),
+            ppl = simulate(model, ids, setting, capacity, cache.layers[0].setting.policy.recent_window(capacity),
                            CalibratedSimulation)
         row = {"text": text, "budget": budget, "row": name, "perplexity": ppl, "ratio": ppl / (reference or ppl),
                "capacity": capacity, "seconds": round(time.perf_counter() - started, 1), "command": command}

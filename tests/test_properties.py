@@ -153,7 +153,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
         else:
             pending, layer.chunk = layer.chunk, None
             # the sums cover the slots the chunk read (up to the last occupied one), laid out over all slots again
-            chunk.settle(layer, pending, torch.ones(batch, count, dtype=torch.bool),
+            chunk.evict_and_lay_out(layer, pending, torch.ones(batch, count, dtype=torch.bool),
                          chunk.with_unread_slots(sums, pending, layer.store.slots))
         seen += count
         assert int(layer.get_seq_length()) == seen

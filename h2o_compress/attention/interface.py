@@ -264,17 +264,41 @@ def own_module_through_interface(model) -> bool:
     """Whether ``model`` is one of transformers' own classes (module ``transformers.models.*``; the architecture
     matrix runs each of them) whose modeling module looks its attention function up with
     ``ALL_ATTENTION_FUNCTIONS.get_interface`` though the class leaves ``_supports_attention_backend`` unset
-    (BioGPT, StableLM in transformers 5.23), as transformers' own ``_can_set_attn_implementation`` reads it."""
-    import inspect
+    (BioGPT, StableLM in transformers 5.23): some function or method defined in that module reads the global
+    ``ALL_ATTENTION_FUNCTIONS`` and its ``get_interface`` (`_reads_interface`: the compiled code's names, not the
+    source text)."""
     import sys
 
     module = sys.modules.get(type(model).__module__)
     if module is None or not module.__name__.startswith("transformers.models."):
         return False
-    try:
-        return "ALL_ATTENTION_FUNCTIONS.get_interface(" in inspect.getsource(module)
-    except (OSError, TypeError):  # no source to read: not known to go through the interface
-        return False
+    return any(_reads_interface(code) for code in _module_code(module))
+
+
+_INTERFACE_NAMES = frozenset({"ALL_ATTENTION_FUNCTIONS", "get_interface"})
+
+
+def _module_code(module):
+    """The code objects of the functions and of the classes' methods defined in ``module`` (decorators unwrapped)."""
+    import inspect
+    import types
+
+    def defined_here(obj) -> bool:
+        return getattr(obj, "__module__", None) == module.__name__
+
+    for obj in vars(module).values():
+        members = vars(obj).values() if isinstance(obj, type) and defined_here(obj) else (obj,)
+        for member in members:
+            function = inspect.unwrap(getattr(member, "__func__", member))
+            if isinstance(function, types.FunctionType) and defined_here(function):
+                yield function.__code__
+
+
+def _reads_interface(code) -> bool:
+    """Whether ``code`` (or a function nested in it) names ``ALL_ATTENTION_FUNCTIONS`` and ``get_interface``."""
+    if _INTERFACE_NAMES <= set(code.co_names):
+        return True
+    return any(_reads_interface(const) for const in code.co_consts if hasattr(const, "co_names"))
 
 
 def hybrid_through_interface(model) -> bool:

@@ -5,11 +5,11 @@ saved prompt continued (eager; DESIGN.md §2 and §5).
 followed by the chunk. `attend` runs SDPA over them with a mask from the slots' validity and the model's own
 causal + padding mask of the chunk, sums the probabilities each held and new token received (the policy's
 [`chunk_scores`][h2o_compress.policies.EvictionPolicy.chunk_scores]; for the default plain sum and a plain softmax, output and
-sums come from one pass, `attention_with_sums`), and `settle` keeps the top ``capacity`` by the
+sums come from one pass, `attention_with_sums`), and `evict_and_lay_out` keeps the top ``capacity`` by the
 policy's priority, then lays the survivors out: the newest ``residual`` in the ring, the older ones quantized once
 into empty slots (the store's [`place_tokens`][h2o_compress.cache.SlotStore.place_tokens]). The store's methods
 ([`SlotStore`][h2o_compress.cache.SlotStore] and the head-adaptive [`SlotPool`][h2o_compress.cache.SlotPool]:
-``held``, ``head_positions``, ``head_scores``, ``keep``, ``settle``, ``place_tokens``) let head-adaptive and
+``held``, ``head_positions``, ``head_scores``, ``keep``, ``keep_only``, ``place_tokens``) let head-adaptive and
 mixed-precision stores share this code.
 """
 
@@ -82,7 +82,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
     own, [`visible`][h2o_compress.cache.LayerSpan.visible]) and the model's own causal + padding mask for the chunk
     (``attention_mask`` ``[batch | 1, 1, n, n]`` or ``None``); torch attention instead of SDPA for a softmax
     ``variant`` (soft-cap, sink logits: `masked_attention`); the probability sums
-    for the scores; then the chunk's eviction and layout (`settle`). Returns ``[batch, q_heads, n,
+    for the scores; then the chunk's eviction and layout (`evict_and_lay_out`). Returns ``[batch, q_heads, n,
     head_dim]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -126,7 +126,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
         setting = layer.setting
         sums = per_kv_head(setting.policy.chunk_scores(query, keys, mask, scaling, setting.score_chunk_size, variant),
                            layer.geometry.kv_heads)
-    settle(layer, chunk, real, with_unread_slots(sums, chunk, layer.store.slots))
+    evict_and_lay_out(layer, chunk, real, with_unread_slots(sums, chunk, layer.store.slots))
     return output.transpose(1, 2)
 
 
@@ -194,7 +194,7 @@ def one_pass(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             and keys.shape[1] == layer.geometry.kv_heads)
 
 
-def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:
+def evict_and_lay_out(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) -> None:
     """Evict down to the capacity over (store, ring, chunk) by the policy's priority, then lay the survivors
     out: the newest ``residual`` tokens in the ring, older kept ones from the ring and the chunk quantized
     once into empty slots. ``real`` bool ``[batch, n]``: chunk tokens that are not padding."""
@@ -234,7 +234,7 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
         keep = layer.store.keep(priority, positions, layer.setting.capacity)
     else:
         keep = positions >= 0
-    layer.store.settle(keep[..., :slots], scores[..., :slots] if layer.setting.with_scores else None)
+    layer.store.keep_only(keep[..., :slots], scores[..., :slots] if layer.setting.with_scores else None)
     if layer.setting.with_scores:
         tail_scores = scores[..., slots:]
     if layer.ring is not None:  # the newest `size` positions, all inside the recent window
@@ -253,7 +253,7 @@ def settle(layer, chunk: dict, real: torch.Tensor, sums: torch.Tensor | None) ->
 def fill(layer, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, q_heads: int) -> None:
     """Lay a whole prompt read by another cache into the empty ``layer``: its ``keys``/``values`` ``[batch,
     kv_heads, tokens, head_dim]`` (model basis and dtype, no padding), ranked by ``scores`` fp32 ``[batch, kv_heads,
-    tokens]`` and evicted to the capacity once, as `settle` does after a multi-token step; no attention runs (the
+    tokens]`` and evicted to the capacity once, as `evict_and_lay_out` does after a multi-token step; no attention runs (the
     reading pass gave the prompt's output). ``q_heads``: the model's query heads (the Triton decode scratch).
 
     Raises:
@@ -269,7 +269,7 @@ def fill(layer, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, 
     if layer.decode_kernel == "triton":
         layer.backend.scratch_for(layer, q_heads)
     real = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
-    settle(layer, chunk, real, scores.to(device=keys.device, dtype=torch.float32) if layer.setting.with_scores else None)
+    evict_and_lay_out(layer, chunk, real, scores.to(device=keys.device, dtype=torch.float32) if layer.setting.with_scores else None)
 
 
 def first_real_of(real: torch.Tensor, seen: int) -> torch.Tensor:

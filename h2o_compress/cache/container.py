@@ -63,7 +63,7 @@ class CompressedCache(Cache):
         # the first attention layer: every attention layer follows it within a step (-1: a cache of states only)
         self._first = next((i for i, layer in enumerate(layers) if isinstance(layer, CompressedLayer)), -1)
         # tokens kept per layer on average (the budget's capacity; equal to every layer's with uniform budgets)
-        first = self.attention_layers[0].capacity if self.attention_layers else None
+        first = self.attention_layers[0].setting.capacity if self.attention_layers else None
         self._capacity = first if capacity == -1 else capacity
 
     @property
@@ -98,7 +98,7 @@ class CompressedCache(Cache):
                 and self.layers[first].is_initialized):
             # every layer follows layer 0 within a step: a flag, read with the others (no host sync here); layer 0
             # may live on another device (a model split by device_map): its counter is copied without a sync
-            reference = self.layers[first].seen
+            reference = self.layers[first].counters.seen
             if reference.device != layer.geometry.device:
                 reference = reference.to(layer.geometry.device, non_blocking=True)
             if layer.decode_kernel == "cpu":  # the CPU kernel sets the flag itself
@@ -304,7 +304,7 @@ def _held_data_bytes(layer: CompressedLayer) -> int:
     >= 0; every slot of a group has the same bytes). 0 before the first token."""
     if not layer.is_initialized:
         return 0
-    layer.settle()
+    layer.run_deferred_eviction()
     groups = [(layer.store.tensors(), layer.store.positions)]
     if layer.ring is not None:
         groups.append((layer.ring.tensors(), layer.ring.positions))
@@ -390,7 +390,7 @@ def _spread_refined(layers: list[CompressedLayer], config: CompressionConfig, ca
                     max_tokens: int | None) -> None:
     """Give each of ``layers`` its rows of refined planes under ``layer_budgets="global"`` (the total the planner
     counts for uniform budgets of ``capacity`` tokens, spread by the layers' slots)."""
-    uniform = LayerSetting(config.eviction_policy(), capacity, layers[0].key_quantizer, layers[0].value_quantizer,
+    uniform = LayerSetting(config.eviction_policy(), capacity, layers[0].setting.key_quantizer, layers[0].setting.value_quantizer,
                            residual=config.residual, max_tokens=max_tokens)
     slots = [layer.setting.slots_per_head() for layer in layers]  # a pool's slots per head
     rows = spread_refined_rows(slots, config.high_bits_fraction, uniform.slots_per_head())

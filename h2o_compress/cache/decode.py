@@ -9,7 +9,7 @@ storage, so ``torch.compile(fullgraph=True)`` captures it. Read top to bottom, t
 4. `slot_buffers`: the layer's buffers packed for the attention side, which runs the attention and adds the
    scores (`h2o_compress.attention.decode_step`) without calling back; the layer's eviction (tokens outside a
    sliding window or chunk first, then the lowest priority over capacity) runs at the start of its next step
-   ([`CompressedLayer.settle`][h2o_compress.cache.CompressedLayer.settle]).
+   ([`CompressedLayer.run_deferred_eviction`][h2o_compress.cache.CompressedLayer.run_deferred_eviction]).
 
 The Triton op replaces step 2 (it reads the store in place), the CPU kernel steps 1 and 2
 (`h2o_compress.cache.backends`).

@@ -13,7 +13,7 @@ the attention function runs in ``attention/`` without calling back; a multi-toke
 whose attention comes back to [`attend`][h2o_compress.cache.CompressedLayer.attend] and evicts there. The eviction a
 decode kernel leaves ([`evict`][h2o_compress.cache.CompressedLayer.evict]) runs at the start of the layer's next
 step, before its token is written, or when something reads the layer between steps
-([`settle`][h2o_compress.cache.CompressedLayer.settle]): the same information as at the end of the step before.
+([`run_deferred_eviction`][h2o_compress.cache.CompressedLayer.run_deferred_eviction]): the same information as at the end of the step before.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from h2o_compress.cache.ring import RingWindow, held_positions
 from h2o_compress.cache.setting import LayerSetting
 from h2o_compress.cache.slots import SlotStore
 from h2o_compress.cache.span import FULL_SPAN, LayerSpan
-from h2o_compress.cache.store import make_store
-from h2o_compress.cache.state import Counters, Geometry, check_fits, pad_values
+from h2o_compress.cache.store import check_fits, held_tensors, make_parts
+from h2o_compress.cache.state import Counters, Geometry, pad_values
 
 
 #: The keyword arguments of a layer's store layout (the rest of `LayerSetting`'s fields are named arguments).
@@ -59,106 +59,12 @@ class CompressedLayer(CacheLayerMixin):
                                     attention_kernel, max_tokens, span, **layout)
         self.reset()
 
-    # -- what reports, persistence and tests read of the parts (the cache's own code reads the parts) -----------
     @property
-    def policy(self):
-        """``setting.policy``: the eviction policy."""
-        return self.setting.policy
-
-    @property
-    def capacity(self):
-        """``setting.capacity``: tokens kept per sequence and head, or ``None``."""
-        return self.setting.capacity
-
-    @property
-    def max_tokens(self):
-        """``setting.max_tokens``: the longest run the cache is built for, or ``None``."""
-        return self.setting.max_tokens
-
-    @property
-    def key_quantizer(self):
-        """``setting.key_quantizer``: the keys' storage format."""
-        return self.setting.key_quantizer
-
-    @property
-    def value_quantizer(self):
-        """``setting.value_quantizer``: the values' storage format."""
-        return self.setting.value_quantizer
-
-    @property
-    def residual(self):
-        """``setting.residual``: tokens of the full-precision ring."""
-        return self.setting.residual
-
-    @property
-    def span(self):
-        """``setting.span``: which tokens a query sees."""
-        return self.setting.span
-
-    @property
-    def with_scores(self):
-        """``setting.with_scores``: whether the layer accumulates attention scores."""
-        return self.setting.with_scores
-
-    @property
-    def growable(self):
-        """``setting.growable``: whether the store grows (unbounded, unknown length)."""
-        return self.setting.growable
-
-    @property
-    def is_compileable(self):
-        """``setting.is_compileable``: whether a decode step compiles (transformers reads it)."""
+    def is_compileable(self) -> bool:
+        """``setting.is_compileable``: whether a decode step compiles (transformers' ``Cache.is_compileable`` reads
+        it of every layer). Reports, persistence and tests read the parts themselves (``setting``, ``geometry``,
+        ``counters``, ``store``, ``ring``)."""
         return self.setting.is_compileable
-
-    @property
-    def batch(self):
-        """``geometry.batch``: sequences held."""
-        return self.geometry.batch
-
-    @property
-    def kv_heads(self):
-        """``geometry.kv_heads``: KV heads."""
-        return self.geometry.kv_heads
-
-    @property
-    def head_dim(self):
-        """``geometry.head_dim``: head dim."""
-        return self.geometry.head_dim
-
-    @property
-    def value_dim(self):
-        """``geometry.value_dim``: the width values are held at."""
-        return self.geometry.value_dim
-
-    @property
-    def dtype(self):
-        """``geometry.dtype``: the model's dtype."""
-        return self.geometry.dtype
-
-    @property
-    def residual_dtype(self):
-        """``geometry.residual_dtype``: dtype of the ring and 16-bit storage."""
-        return self.geometry.residual_dtype
-
-    @property
-    def key_basis(self):
-        """``geometry.key_basis``: fp32 ``[head_dim, head_dim]`` basis the keys are held in, or ``None``."""
-        return self.geometry.key_basis
-
-    @property
-    def value_basis(self):
-        """``geometry.value_basis``: fp32 ``[head_dim, head_dim]`` basis the values are held in, or ``None``."""
-        return self.geometry.value_basis
-
-    @property
-    def seen(self):
-        """``counters.seen``: int64 0-dim, tokens seen."""
-        return self.counters.seen
-
-    @property
-    def first_real(self):
-        """``counters.first_real``: int64 ``[batch]``, each sequence's first real position."""
-        return self.counters.first_real
 
     def reset(self) -> None:
         """Drop every token, score and buffer; the layer can start a new prompt (any batch size)."""
@@ -171,48 +77,26 @@ class CompressedLayer(CacheLayerMixin):
         if getattr(self, "link", None) is None:  # one object for the layer's life (a compiled step holds it)
             self.link = ModuleLink(self.layer_idx)
         self.link.module, self.link.awaiting = None, False  # the module that used the layer first; awaiting attention
-        self.unsettled = False  # a decode step left its eviction to the next step (`settle`)
+        self.eviction_deferred = False  # a decode step left its eviction to the next step (`run_deferred_eviction`)
         self.is_initialized = False
 
-    @property
-    def awaiting_attention(self) -> bool:
-        """``update`` ran and the step's attention call has not come yet."""
-        return self.link.awaiting
-
-    @awaiting_attention.setter
-    def awaiting_attention(self, value: bool) -> None:
-        self.link.awaiting = value
-
-    @property
-    def bound_module(self):
-        """Weakref to the attention module that used this layer first, or ``None``."""
-        return self.link.module
-
-    @bound_module.setter
-    def bound_module(self, ref) -> None:
-        self.link.module = ref
-
-    def settle(self) -> None:
+    def run_deferred_eviction(self) -> None:
         """Run the eviction the last decode step left to the next one
-        ([`evict`][h2o_compress.cache.CompressedLayer.evict], idempotent), so that what is read of the layer between steps (its tokens, positions, buffers) is the settled
-        state. Every reader of the layer's parts calls it first (in or out of the inference mode the step ran in)."""
-        if self.unsettled:
-            self.unsettled = False
+        ([`evict`][h2o_compress.cache.CompressedLayer.evict], idempotent), so that what is read of the layer between steps (its tokens, positions, buffers) is the
+        state after that eviction. Every reader of the layer's parts calls it first (in or out of the inference mode the step ran in)."""
+        if self.eviction_deferred:
+            self.eviction_deferred = False
             with torch.inference_mode() if self.store.positions.is_inference() else torch.no_grad():
                 self.evict()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Make the parts once, from the first keys ``[batch, kv_heads, tokens, head_dim]`` (their batch, heads,
-        head_dim, dtype and device; ``device='meta'`` sizes a cache without memory)."""
+        head_dim, dtype and device; ``device='meta'`` sizes a cache without memory). Raises InputError: the
+        parts, sized on ``meta`` first (`h2o_compress.cache.store.check_fits`), exceed the device's free memory."""
         self.geometry = geometry = Geometry.of(key_states, self.setting)
         if geometry.device.type != "meta":
-            check_fits(CompressedLayer(self.layer_idx, **self.setting.arguments()), key_states, self.num_layers)
-        self.store = make_store(self.setting, geometry, key_states.shape[2])
-        if self.setting.residual:
-            shape = (geometry.batch, geometry.kv_heads, self.setting.residual, geometry.head_dim)
-            self.ring = RingWindow(shape, geometry.residual_dtype, geometry.device, self.setting.with_scores,
-                                   value_dim=geometry.value_dim)
-        self.counters = Counters.zeros(geometry.batch, geometry.device)
+            check_fits(self.setting, key_states, self.num_layers)
+        self.store, self.ring, self.counters = make_parts(self.setting, geometry, key_states.shape[2])
         self.backend = backends.choose(self)
         self.is_initialized = True
         if geometry.device.type != "meta":
@@ -228,13 +112,8 @@ class CompressedLayer(CacheLayerMixin):
         """Every buffer held, by name: ``store.*``, ``ring.*``, ``refine.*`` and the counters'."""
         if not self.is_initialized:
             return {}
-        self.settle()
-        held = {f"store.{k}": v for k, v in self.store.tensors().items()}
-        if self.ring is not None:
-            held |= {f"ring.{k}": v for k, v in self.ring.tensors().items()}
-        if self.store.refine is not None:
-            held |= {f"refine.{k}": v for k, v in self.store.refine.tensors().items()}
-        return held | self.counters.tensors()
+        self.run_deferred_eviction()
+        return held_tensors(self.store, self.ring, self.counters)
 
     def nbytes(self) -> int:
         """Bytes of every buffer held ([`tensors`][h2o_compress.cache.CompressedLayer.tensors]), empty slots included: the cache's real footprint."""
@@ -246,13 +125,13 @@ class CompressedLayer(CacheLayerMixin):
 
     def kept_per_head(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads]``: tokens held now by each sequence and KV head."""
-        self.settle()
+        self.run_deferred_eviction()
         return (held_positions(self.store, self.ring, self.geometry.kv_heads) >= 0).sum(-1)
 
     def positions(self) -> torch.Tensor:
         """int64 ``[batch, kv_heads, kept]``: positions of the held tokens, ascending (rows holding fewer, e.g.
         padded sequences or heads of a head-adaptive layer, are filled with ``-1`` at the front)."""
-        self.settle()
+        self.run_deferred_eviction()
         held, kept = held_positions(self.store, self.ring, self.geometry.kv_heads), self.kept_length()
         return held.sort(-1).values[..., -kept:] if kept else held[..., :0]
 
@@ -276,7 +155,7 @@ class CompressedLayer(CacheLayerMixin):
         if key_states.shape[2] == 1:
             keys, values, step = self._decode_update(key_states, value_states)
         else:
-            self.settle()
+            self.run_deferred_eviction()
             keys, values = chunk.begin(self, key_states, value_states)
             step = self
         self.link.awaiting = True
@@ -284,7 +163,7 @@ class CompressedLayer(CacheLayerMixin):
         return keys, values
 
     def _decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """A one-token step's cache side: the eviction the previous step left (always, not on the `unsettled` flag:
+        """A one-token step's cache side: the eviction the previous step left (always, not on the `eviction_deferred` flag:
         idempotent, and a compiled step does not branch on a host flag), the token written by the backend, A2SF's
         fading of the scores; returns ``(keys, values, DecodeCall)``."""
         leaves = self.backend.leaves_eviction(self)
@@ -294,13 +173,13 @@ class CompressedLayer(CacheLayerMixin):
         decay = self.setting.policy.score_decay
         if self.setting.with_scores and 0.0 < decay < 1.0:
             decode.forget(self, decay)  # A2SF: held scores fade before this query adds to them
-        self.unsettled = leaves
+        self.eviction_deferred = leaves
         return keys, values, step
 
     def _check_step(self, key_states: torch.Tensor) -> None:
         """Refuse a step that does not continue this layer's run (the errors of [`update`][h2o_compress.cache.CompressedLayer.update])."""
-        if self.awaiting_attention:
-            self.awaiting_attention = False
+        if self.link.awaiting:
+            self.link.awaiting = False
             withdraw(self.layer_idx)
             raise CacheStateError(
                 f"layer {self.layer_idx}: attention of the previous step did not go through the 'h2o_compress' "
@@ -360,7 +239,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """Copy saved buffers (names of [`tensors`][h2o_compress.cache.CompressedLayer.tensors], same shapes) into this initialised layer, in place."""
-        held = self.tensors()  # settled first: the saved state replaces what a last step left
+        held = self.tensors()  # deferred eviction run first: the saved state replaces what a last step left
         for name, tensor in state.items():
             held[name].copy_(tensor)
 
@@ -369,7 +248,7 @@ class CompressedLayer(CacheLayerMixin):
         (beam reordering keeps the static addresses), else by re-building the parts' buffers."""
         if not self.is_initialized:
             return
-        self.settle()
+        self.run_deferred_eviction()
         if in_place:  # every buffer but the 0-dim counters and flags
             for tensor in (t for t in self.tensors().values() if t.dim()):
                 tensor.copy_(fn(tensor))
@@ -394,8 +273,8 @@ class CompressedLayer(CacheLayerMixin):
     def take_rows(self, indices: torch.Tensor, source: "CompressedLayer", batch: int) -> None:
         """Copy every sequence of ``source`` (a layer of the same setting) into rows ``indices`` of this layer of
         ``batch`` rows, aligning their positions (`rows.take_rows`: continuous batching). Eager."""
-        self.settle()
-        source.settle()
+        self.run_deferred_eviction()
+        source.run_deferred_eviction()
         rows.take_rows(self, indices, source, batch)
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -55,8 +55,9 @@ def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
         index = torch.zeros(batch, dtype=torch.long, device=source.geometry.device)
         index[rows] = torch.arange(rows.numel(), device=source.geometry.device)
         source._map_batch(lambda t: t.index_select(0, index), in_place=False)
-        for part in ("store", "ring", "geometry", "counters", "backend", "bound_module"):
+        for part in ("store", "ring", "geometry", "counters", "backend"):
             setattr(layer, part, getattr(source, part))
+        layer.link.module = source.link.module
         layer.is_initialized = True
         mark_static_address(layer.tensors().values())
         _refresh_scratch(layer)

@@ -93,8 +93,8 @@ class SlotPool(SlotStore):
                         heads * capacity)
         return keep.view(batch, heads, tokens)
 
-    def settle(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
-        """[`SlotStore.settle`][h2o_compress.cache.SlotStore.settle] over the pool: a slot stays when its owner head keeps it; its score is the sum
+    def keep_only(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """[`SlotStore.keep_only`][h2o_compress.cache.SlotStore.keep_only] over the pool: a slot stays when its owner head keeps it; its score is the sum
         over heads (its owner's)."""
         self.positions.masked_fill_(~keep.any(1, keepdim=True), -1)
         if scores is not None:

@@ -130,7 +130,7 @@ class SlotStore:
         and head."""
         return keep_top(priority, positions, capacity)
 
-    def settle(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
+    def keep_only(self, keep: torch.Tensor, scores: torch.Tensor | None) -> None:
         """After a multi-token step: empty the slots not kept (bool ``keep`` ``[batch, kv_heads, slots]``) and set
         the scores (fp32, same shape, or ``None``)."""
         self.positions.masked_fill_(~keep, -1)

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_compress.utils.errors import CacheStateError, InputError, UnsupportedModelError
-from h2o_compress.utils.memory import available_memory
+from h2o_compress.utils.errors import CacheStateError, UnsupportedModelError
 from h2o_compress.policies.base import NO_POSITION as NO_REAL_TOKEN
 
 
@@ -159,20 +158,3 @@ def pad_values(values: torch.Tensor, width: int, layer_idx: int, held_at: str = 
                                     "the layers for the model's value head dim)")
     return torch.nn.functional.pad(values, (0, width - values.shape[-1]))
 
-
-def check_fits(probe, keys: torch.Tensor, num_layers: int) -> None:
-    """Refuse, before allocating, buffers the device cannot hold: the bytes of ``probe`` (an empty layer of the
-    same setting) sized on the ``meta`` device for ``keys`` ``[batch, kv_heads, tokens, head_dim]``, times
-    ``num_layers``, against the free memory (CUDA: ``mem_get_info``; CPU: available RAM).
-
-    Raises:
-        InputError: naming both sizes.
-    """
-    probe.lazy_initialization(keys.to("meta"), keys.to("meta"))
-    needed, free = probe.nbytes() * num_layers, available_memory(keys.device)
-    if free is not None and needed > free:
-        raise InputError(
-            f"the cache needs {needed / 2**30:.2f} GiB ({num_layers} layers of {probe.store.slots} slots, batch "
-            f"{keys.shape[0]}) but {keys.device} has {free / 2**30:.2f} GiB free; allowed: a smaller budget, "
-            "max_length or batch"
-        )

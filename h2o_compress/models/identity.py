@@ -111,7 +111,7 @@ def filled_elsewhere(cache, model=None) -> int | None:
         return None
     modules = {id(module) for module in model.modules()}
     for layer in cache.layers:
-        ref = getattr(layer, "bound_module", None)
+        ref = getattr(getattr(layer, "link", None), "module", None)
         if ref is not None and (ref() is None or id(ref()) not in modules):  # a dead module is no module of model
             return layer.layer_idx
     return None

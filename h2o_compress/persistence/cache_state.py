@@ -46,7 +46,7 @@ from h2o_compress.persistence.file_format import (
 )
 
 
-# Layer tensors rebuilt from the config on load, or only alive inside one forward step: never saved.
+# Tensors of a layer's geometry (`h2o_compress.cache.state.Geometry`) rebuilt from the config on load: never saved.
 DERIVED_LAYER_TENSORS = ("key_basis", "value_basis")
 
 
@@ -81,12 +81,12 @@ def _check_saveable(cache) -> int:
     if not all(layer.is_initialized for layer in cache.layers):
         raise CacheStateError("cannot save an empty cache: run the prompt through the model first")
     cache.check()
-    if any(layer.awaiting_attention for layer in cache.layers):
+    if any(layer.link.awaiting for layer in cache.layers):
         raise CacheStateError("cannot save a cache in the middle of a forward pass (attention has not run yet)")
-    seen = {int(layer.seen) for layer in cache.layers}
+    seen = {int(layer.counters.seen) for layer in cache.layers}
     if len(seen) != 1:
         raise CacheStateError(f"cannot save: layers have seen different token counts {sorted(seen)} (a failed step?)")
-    if any(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers):
+    if any(isinstance(layer.setting.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers):
         raise CacheStateError("cannot save a cache whose keys are stored around a key calibration (the file format "
                               "does not record the offsets); allowed: a cache made with key_offsets='none' (and "
                               "without use_key_calibration)")
@@ -107,11 +107,13 @@ def _cache_contents(cache, tokens: int) -> tuple[dict[str, torch.Tensor], list[d
     layers = []
     for i, layer in enumerate(cache.layers):
         tensors |= {f"layers.{i}.{name}": t.contiguous() for name, t in _saved_tensors(layer).items()}
+        geometry, setting = layer.geometry, layer.setting
         layers.append(
             {
-                "seen_tokens": int(layer.seen), "batch": layer.batch, "kv_heads": layer.kv_heads,
-                "head_dim": layer.head_dim, "dtype": str(layer.dtype), "residual_dtype": str(layer.residual_dtype),
-                "capacity": layer.capacity, "residual": layer.residual, "max_tokens": layer.max_tokens,
+                "seen_tokens": int(layer.counters.seen), "batch": geometry.batch, "kv_heads": geometry.kv_heads,
+                "head_dim": geometry.head_dim, "dtype": str(geometry.dtype),
+                "residual_dtype": str(geometry.residual_dtype), "capacity": setting.capacity,
+                "residual": setting.residual, "max_tokens": setting.max_tokens,
             }
         )
     state = getattr(cache, "prompt_state", None)
@@ -164,7 +166,7 @@ def save_cache(cache, path, model=None, overwrite: bool = False) -> Path:
         "model_fingerprint": fingerprint, "model_id": str(cache.model_id),
         "config": json.dumps(cache.config.to_dict(), sort_keys=True), "capacity": json.dumps(cache.capacity),
         "tokens": str(tokens), "layers": json.dumps(layers),
-        "model_dtype": str(cache.layers[0].dtype).removeprefix("torch."),
+        "model_dtype": str(cache.layers[0].geometry.dtype).removeprefix("torch."),
     }
     write_cache_file(target, metadata, tensors)
     return target
@@ -277,10 +279,10 @@ def load_cache(path, model, config=None):
                           capacities=capacities, spans=dims.spans, torch_decode=torch_decode_reason(model, dims),
                           calibration=calibration, value_dim=dims.value_head_dim)
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
-        if layer.capacity != state["capacity"]:
+        if layer.setting.capacity != state["capacity"]:
             raise CacheFileError(
                 f"cache file {str(source)!r}: layer {i} holds capacity {short(state['capacity'])} but the file's "
-                f"config ({saved.layer_budgets} layer budgets of {capacity}) gives {layer.capacity}"
+                f"config ({saved.layer_budgets} layer budgets of {capacity}) gives {layer.setting.capacity}"
             )
         _check_sizes(layer, i, state, tensors, source)  # every layer, before any of them allocates
     for i, (layer, state) in enumerate(zip(layers, layer_states)):
@@ -497,7 +499,7 @@ def _check_sizes(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], s
     Raises:
         CacheFileError: naming the layer, the tensor and both shapes.
     """
-    if layer.growable:
+    if layer.setting.growable:
         return
     probe = CompressedLayer(layer.layer_idx, **layer.setting.arguments())
     shape = (state["batch"], state["kv_heads"], 0, state["head_dim"])
@@ -519,17 +521,18 @@ def _check_sizes(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], s
 
 
 def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-    if layer.residual != state["residual"] or layer.capacity != state["capacity"]:
+    if layer.setting.residual != state["residual"] or layer.setting.capacity != state["capacity"]:
         raise CacheFileError(f"layer {i}: saved residual/capacity do not match its config (saved by another version?)")
     # The layer's own lazy initialisation allocates the buffers, as on a first update; the file must fill them all.
     shape = (state["batch"], state["kv_heads"], 0, state["head_dim"])
     empty = torch.empty(shape, dtype=_dtype(state["dtype"]), device=device)
     layer.lazy_initialization(empty, empty)
-    if str(layer.residual_dtype) != state["residual_dtype"]:
-        raise CacheFileError(f"layer {i}: saved residual dtype {state['residual_dtype']} is not {layer.residual_dtype}")
+    if str(layer.geometry.residual_dtype) != state["residual_dtype"]:
+        raise CacheFileError(f"layer {i}: saved residual dtype {state['residual_dtype']} is not "
+                             f"{layer.geometry.residual_dtype}")
     prefix = f"layers.{i}."
     saved = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
-    if layer.growable:  # an unbounded store grew as it went: as large as the saved one (already in memory)
+    if layer.setting.growable:  # an unbounded store grew as it went: as large as the saved one (already in memory)
         positions = saved.get("store.positions")
         if positions is not None and positions.dim() == 3 and positions.shape[2] > layer.store.slots:
             layer.store.resize(positions.shape[2])
@@ -558,12 +561,12 @@ def _check_dequantized(layer, i: int) -> None:
         CacheFileError: naming the layer and the part.
     """
     store = layer.store
-    keys, values = store.held(layer.dtype, store.positions.shape[1])
+    keys, values = store.held(layer.geometry.dtype, store.positions.shape[1])
     held = store.positions >= 0
     for name, tensor in (("keys", keys), ("values", values)):
         if not bool(torch.isfinite(tensor[held]).all()):
             raise CacheFileError(
-                f"layer {i}: its stored {name} dequantize to NaN or Inf in {str(layer.dtype).removeprefix('torch.')} "
+                f"layer {i}: its stored {name} dequantize to NaN or Inf in {str(layer.geometry.dtype).removeprefix('torch.')} "
                 "(a scale or zero point beyond that dtype); allowed: scales of a cache save_cache wrote"
             )
 
@@ -586,9 +589,9 @@ def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer
     store = saved["store.positions"].long()
     if int(store.min()) < -1 or int(store.max()) >= max(seen, 1):
         fail(f"store positions outside [-1, {seen})")
-    limit = layer.capacity
+    limit = layer.setting.capacity
     if "store.owner" in saved:  # a head-adaptive slot pool: per-head positions, kv_heads x capacity per sequence
-        owner, heads = saved["store.owner"].long(), layer.kv_heads
+        owner, heads = saved["store.owner"].long(), layer.geometry.kv_heads
         if bool(((owner < 0) | (owner >= heads))[store >= 0].any()):
             fail(f"store.owner outside [0, {heads})")
         store = torch.where(owner == torch.arange(heads).view(1, -1, 1), store, -1)
@@ -605,7 +608,7 @@ def _check_layer_values(saved: dict[str, torch.Tensor], i: int, seen: int, layer
     if bool(((valid[..., 1:] == valid[..., :-1]) & (valid[..., 1:] >= 0)).any()):
         fail("a position is held twice")
     if "store.owner" in saved and limit is not None:
-        if int((held >= 0).sum((1, 2)).max()) > layer.kv_heads * limit:
+        if int((held >= 0).sum((1, 2)).max()) > layer.geometry.kv_heads * limit:
             fail(f"holds more than kv_heads x the capacity {limit}")
     elif limit is not None and int((held >= 0).sum(-1).max()) > limit:
         fail(f"holds more than the capacity {limit}")

@@ -147,7 +147,7 @@ def cache_bytes(
     kept = seen if capacity is None else min(capacity, seen)
     first = next(layer for layer in layers if isinstance(layer, CompressedLayer))
     held, outside = state_bytes(states, batch, kv_dtype)
-    return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.residual, **sizes,
+    return CacheBytes(capacity=capacity, kept=kept, slots=first.store.slots, residual=first.setting.residual, **sizes,
                       states=held, model_states=outside)
 
 

@@ -328,10 +328,10 @@ def hand_context_scores(model, tokenizer, context_ids: torch.Tensor, cache, ques
     layer its scores, which that prefill then ranks by."""
     layers = getattr(cache, "attention_layers", cache.layers)  # a hybrid's state layers have no scores
     if scores is None:
-        policy = getattr(layers[0], "policy", None) if layers else None
+        policy = getattr(getattr(layers[0], "setting", None), "policy", None) if layers else None
         scores = score_context(model, tokenizer, context_ids, policy, question_in_prompt)
     for layer, layer_scores in zip(layers, scores or ()):
-        layer.policy.context_scores = layer_scores
+        layer.setting.policy.context_scores = layer_scores
 
 
 def global_layer_capacities(scores: list[torch.Tensor], capacity: int, floor: int = 1,

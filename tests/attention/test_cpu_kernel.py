@@ -41,7 +41,8 @@ def both_forms(arch: str, config: CompressionConfig, dtype=torch.float32):
 def same_tokens(a, b) -> None:
     for left, right in zip(a.layers, b.layers):
         assert torch.equal(left.positions(), right.positions())
-        assert torch.equal(left.seen, right.seen) and torch.equal(left.first_real, right.first_real)
+        assert torch.equal(left.counters.seen, right.counters.seen)
+        assert torch.equal(left.counters.first_real, right.counters.first_real)
 
 
 @pytest.mark.parametrize("policy,arch,bits", decode_matrix(policy=POLICIES, arch=sorted(TINY_MODELS), bits=[16, 8, 4]))
@@ -69,7 +70,7 @@ def test_head_adaptive_pool_in_the_kernel_keeps_the_same_tokens(arch, policy, bi
     for left, right in zip(native_cache.layers, torch_cache.layers):
         assert torch.equal(left.kept_per_head(), right.kept_per_head())
     torch.testing.assert_close(native, reference, atol=1e-5 if bits == 16 else 1e-3, rtol=0)
-    assert native_cache.kept_length() <= 12 * native_cache.layers[0].kv_heads
+    assert native_cache.kept_length() <= 12 * native_cache.layers[0].geometry.kv_heads
     native_cache.check()
 
 
@@ -134,9 +135,9 @@ def test_non_finite_key_sets_the_flag_read_by_check():
     model, cache = prefilled()
     with torch.inference_mode():
         layer = cache.layers[0]
-        keys = torch.full((1, layer.kv_heads, 1, layer.head_dim), float("nan"))
+        keys = torch.full((1, layer.geometry.kv_heads, 1, layer.geometry.head_dim), float("nan"))
         cache.update(keys, torch.zeros_like(keys), 0)
-        query = torch.zeros(1, 2 * layer.kv_heads, 1, layer.head_dim)
+        query = torch.zeros(1, 2 * layer.geometry.kv_heads, 1, layer.geometry.head_dim)
         layer.attend(model.model.layers[0].self_attn, query, keys, keys, None, None)
     assert not bool(layer.counters.finite)
     with pytest.raises(Exception, match="not finite|NaN"):
@@ -197,15 +198,15 @@ def test_custom_op_passes_opcheck(budgets):
     _, cache = prefilled(budgets)
     layer = cache.layers[1]
     store, ring = layer.store, layer.ring
-    heads, dim = layer.kv_heads, layer.head_dim
+    heads, dim = layer.geometry.kv_heads, layer.geometry.head_dim
     pool = budgets == "adaptive"
     args = (
         torch.randn(1, 2 * heads, dim), torch.randn(1, heads, dim), torch.randn(1, heads, dim), dim**-0.5,
-        4, 32, store.keys.parts["data"].clone(), store.keys.parts["scale_zero"].clone(), layer.key_basis,
-        4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.value_basis,
+        4, 32, store.keys.parts["data"].clone(), store.keys.parts["scale_zero"].clone(), layer.geometry.key_basis,
+        4, 32, store.values.parts["data"].clone(), store.values.parts["scale_zero"].clone(), layer.geometry.value_basis,
         store.positions.clone(), store.owner.clone() if pool else None, store.scores.clone(),
-        ring.keys.clone(), ring.values.clone(), ring.positions.clone(), ring.scores.clone(), layer.seen.clone(),
-        layer.first_real.clone(), layer.counters.finite.clone(), 12, 6, 0, None, not pool, None,
+        ring.keys.clone(), ring.values.clone(), ring.positions.clone(), ring.scores.clone(), layer.counters.seen.clone(),
+        layer.counters.first_real.clone(), layer.counters.finite.clone(), 12, 6, 0, None, not pool, None,
         layer.counters.consistent.clone(), False,
     )
     torch.library.opcheck(cpu.cpu_decode_layer, args, test_utils=("test_schema", "test_faketensor"))

@@ -80,7 +80,7 @@ def test_decode_step_runs_its_attention_without_calling_back_into_the_cache(name
     assert decode.attention_calls == 3 * layers
     assert decode.into_cache == [], sorted(set(decode.into_cache))
     assert prefill.attention_calls == layers and "layer.py:attend" in prefill.into_cache  # the control
-    assert all(layer.kept_length() == 6 for layer in cache.layers)  # the deferred eviction, settled when read
+    assert all(layer.kept_length() == 6 for layer in cache.layers)  # the deferred eviction, run when read
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and slot_attention.supported(torch.device("cpu"), 32, ()) is not None,

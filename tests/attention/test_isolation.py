@@ -178,7 +178,7 @@ def test_a_cache_whose_forward_failed_half_way_refuses_to_continue(models):
             broken.step()  # layer 0 saw the token, layer 1 did not
     finally:
         hook.remove()
-    assert int(broken.cache.layers[0].seen) != int(broken.cache.layers[1].seen)
+    assert int(broken.cache.layers[0].counters.seen) != int(broken.cache.layers[1].counters.seen)
     broken.step()  # a decode step syncs with nothing: it flags the mismatch on the device
     with pytest.raises(CacheStateError, match="half-way"):
         broken.cache.check()  # read once per generation (and before a save or a multi-token step)

@@ -50,7 +50,7 @@ def test_triton_step_matches_torch_form(policy, bits):
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=0)
     for a, b in zip(kept(cache), kept(torch_cache)):
         assert torch.equal(a, b)
-    if cache.layers[0].with_scores:
+    if cache.layers[0].setting.with_scores:
         for a, b in zip(cache.layers, torch_cache.layers):
             torch.testing.assert_close(a.store.scores, b.store.scores, atol=1e-4, rtol=0)
 

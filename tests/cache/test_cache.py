@@ -181,7 +181,7 @@ def test_each_token_is_quantized_exactly_once(capacity):
         feed(layer, keys, generator)
         if capacity:
             assert layer.kept_length() <= capacity
-    residual = layer.residual
+    residual = layer.setting.residual
     # every token that left the fp16 ring was quantized once, in order; the ring holds the newest `residual`
     assert quantizer.positions == list(range(seen - residual))
     assert sorted(layer.ring.positions[0].tolist()) == list(range(seen - residual, seen))
@@ -223,7 +223,7 @@ def test_works_inside_model_generate_with_beam_search():
 def test_window_is_quantized_even_when_recent_window_is_the_whole_odd_capacity():
     """local policy, capacity 7, residual 4: the ring is capped at half the recent window and keeps turning over."""
     layer = CompressedLayer(0, LocalPolicy(), 7, IntQuantizer(4, 32, 32), IntQuantizer(4, 32, 32), residual=4)
-    assert layer.residual == 3
+    assert layer.setting.residual == 3
     generator = torch.Generator().manual_seed(0)
     for _ in range(30):
         feed(layer, torch.randn(1, 1, 1, 32, generator=generator), generator)
@@ -296,7 +296,7 @@ def test_capacity_is_capped_at_what_the_cache_can_see_and_huge_storage_is_refuse
     capped = make_cache(model, CompressionConfig(budget=100_000, kv_bits=4), max_length=30)
     assert capped.capacity == 30
     model(input_ids=torch.randint(0, 128, (1, 10)), past_key_values=capped)
-    assert capped.layers[0].store.slots == 30 - capped.layers[0].residual + 1
+    assert capped.layers[0].store.slots == 30 - capped.layers[0].setting.residual + 1
     huge = make_cache(model, CompressionConfig(budget=10**12))
     with pytest.raises(InputError, match=r"the cache needs .* GiB .* but cpu has .* GiB free"):
         model(input_ids=torch.randint(0, 128, (1, 10)), past_key_values=huge)

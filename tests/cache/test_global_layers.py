@@ -80,7 +80,7 @@ def test_compress_sizes_the_layers_by_the_scores_and_keeps_uniforms_bytes(heads,
         assert all(0 < layer.store.refine.in_use(layer.store.positions).sum() for layer in cache.layers)
     if heads == "uniform":
         for layer, layer_scores, layer_capacity in zip(cache.layers, scores, expected):
-            heavy = layer.policy.heavy(layer_capacity)
+            heavy = layer.setting.policy.heavy(layer_capacity)
             recent = set(range(tokens - (layer_capacity - heavy), tokens))
             for head, kept in enumerate(layer.positions()[0]):
                 ranked = [p for p in layer_scores[0, head].argsort(descending=True, stable=True).tolist()

@@ -58,7 +58,7 @@ def prefill_with_pattern(head_budgets: str, bits: int = 16):
     model = tiny_llama(layers=1)
     config = CompressionConfig(policy="kvzip", budget=C, kv_bits=bits, head_budgets=head_budgets)
     cache = make_cache(model, config, max_length=N + 8)
-    cache.layers[0].policy.context_scores = pattern()
+    cache.layers[0].setting.policy.context_scores = pattern()
     ids = torch.randint(0, 128, (1, N), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache)
@@ -99,7 +99,7 @@ def test_decode_eviction_takes_the_lowest_over_every_head():
 
     def spy():
         positions = layer.store.head_positions().long()
-        priority = layer.policy.priority(layer.store.head_scores(), positions, layer.seen, layer.first_real, C)
+        priority = layer.setting.policy.priority(layer.store.head_scores(), positions, layer.counters.seen, layer.counters.first_real, C)
         seen_before_eviction["held"] = [(float(priority[0, h, s]), -int(positions[0, h, s]), h, int(positions[0, h, s]))
                                         for h in range(2) for s in range(positions.shape[2]) if positions[0, h, s] >= 0]
         evict()
@@ -107,7 +107,7 @@ def test_decode_eviction_takes_the_lowest_over_every_head():
     layer.evict = spy
     with torch.inference_mode():
         model(input_ids=torch.tensor([[5]]), past_key_values=cache)
-    layer.settle()  # the step's eviction runs when the layer is read next (or at its next step)
+    layer.run_deferred_eviction()  # the step's eviction runs when the layer is read next (or at its next step)
     held = seen_before_eviction["held"]
     assert len(held) == 2 * C + 2
     expected = {(h, p) for _, _, h, p in sorted(held)[:2]}
@@ -123,7 +123,7 @@ def test_memory_is_really_freed_and_counted_by_the_planner():
     _, uniform = prefill_with_pattern("uniform", 4)
     model, ours = prefill_with_pattern("adaptive", 4)
     layer = ours.layers[0]
-    assert layer.store.slots == 2 * (C - layer.residual + 1) and layer.store.owner.dtype == torch.int8
+    assert layer.store.slots == 2 * (C - layer.setting.residual + 1) and layer.store.owner.dtype == torch.int8
     assert ours.nbytes() == uniform.nbytes() + layer.store.slots
     assert ours.storage_nbytes() == ours.nbytes()
     config = ours.config
@@ -185,7 +185,7 @@ def test_frozen_copy_and_save_load_roundtrip(tmp_path):
         mine = {k: v.clone() for k, v in cache.layers[0].tensors().items()}
         out = model(input_ids=ids[:, 30:], past_key_values=frozen).logits
     assert torch.isfinite(out).all()
-    assert all(layer.setting.head_adaptive and layer.capacity is None for layer in frozen.layers)
+    assert all(layer.setting.head_adaptive and layer.setting.capacity is None for layer in frozen.layers)
     assert all(torch.equal(mine[k], v) for k, v in cache.layers[0].tensors().items())  # context not mutated
     assert torch.equal(frozen.layers[0].kept_per_head(), cache.layers[0].kept_per_head() + 10)
     save_cache(cache, tmp_path / "c.safetensors")
@@ -211,7 +211,7 @@ def test_config_refuses_what_cannot_share():
     pyramid = CompressionConfig(budget=20, head_budgets="adaptive", layer_budgets="pyramid")
     layers = make_cache(tiny_llama(layers=4), pyramid, max_length=80).layers
     assert all(layer.setting.head_adaptive for layer in layers)
-    assert [layer.capacity for layer in layers] == pyramid.layer_capacities(20, 4)
+    assert [layer.setting.capacity for layer in layers] == pyramid.layer_capacities(20, 4)
     unbounded = make_cache(tiny_llama(), adaptive(budget=1.0), max_length=80).layers
     assert all(type(layer) is CompressedLayer for layer in unbounded)
 
@@ -267,9 +267,9 @@ def test_planner_counts_the_pool_to_the_byte(case):
     layer = cache.layers[0]
     assert layer.setting.head_adaptive
     assert guess.total == cache.nbytes() == cache.storage_nbytes()
-    assert guess.slots == layer.store.slots == 2 * (layer.capacity - layer.residual + 1)
+    assert guess.slots == layer.store.slots == 2 * (layer.setting.capacity - layer.setting.residual + 1)
     held = torch.stack([layer.kept_per_head().sum(-1) for layer in cache.layers])
-    assert bool((held == 2 * min(layer.capacity, prompt + new - 1)).all())  # every sequence at its layer budget
+    assert bool((held == 2 * min(layer.setting.capacity, prompt + new - 1)).all())  # every sequence at its layer budget
 
 
 def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
@@ -290,7 +290,7 @@ def test_compress_then_ask_keeps_the_flat_top_of_the_reconstruction_scores():
     ids = encode_prompt(tokenizer, text, False)
     scores = reconstruction_scores(model, tokenizer, ids)
     capacity = context.cache.capacity
-    heavy = context.cache.layers[0].policy.heavy(capacity)
+    heavy = context.cache.layers[0].setting.policy.heavy(capacity)
     recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
     spread = []
     for layer, layer_scores in zip(context.cache.layers, scores):

@@ -166,7 +166,7 @@ def test_nbytes_equal_the_planner_and_grow_as_the_formula(model, fraction, bits)
     layer = cache.layers[0]
     rows = math.ceil(fraction * layer.store.slots)
     split = (kb == 4) + (vb == 4)
-    per_row = 4 + split * layer.head_dim // 2  # int32 slot index + the low planes (two 4-bit codes a byte)
+    per_row = 4 + split * layer.geometry.head_dim // 2  # int32 slot index + the low planes (two 4-bit codes a byte)
     assert cache.nbytes() - plain.nbytes() == dims.num_layers * 2 * dims.kv_heads * rows * per_row
 
 
@@ -274,7 +274,7 @@ def test_a_damaged_slot_index_is_refused_on_load(model, tmp_path):
     _, cache = run(model, setting(0.5), steps=3)
     path = save_cache(cache, tmp_path / "mixed.safetensors", model=model)
     saved = {k.removeprefix("layers.0."): v for k, v in load_file(path).items() if k.startswith("layers.0.")}
-    seen = int(cache.layers[0].seen)
+    seen = int(cache.layers[0].counters.seen)
     _check_layer_values(saved, 0, seen, cache.layers[0])  # as saved: fine
     for rows, message in (([cache.layers[0].store.slots, -1], "refine.slots outside"), ([0, 0], "name the same slot")):
         damaged = dict(saved, **{"refine.slots": saved["refine.slots"].clone()})
@@ -372,7 +372,7 @@ def test_fraction_one_keeps_every_held_token_at_8_bits(model, policy, heads):
         for layer in cache.layers:
             held = (layer.store.positions >= 0).sum(-1)
             assert torch.equal(layer.store.refine.in_use(layer.store.positions).sum(-1), held)
-    assert int(cache.layers[0].seen) == 40 and cache.kept_length() == 10
+    assert int(cache.layers[0].counters.seen) == 40 and cache.kept_length() == 10
 
 
 @pytest.mark.parametrize("policy,heads", [("h2o-mean", "uniform"), ("kvzip", "uniform"), ("kvzip", "adaptive")])
@@ -404,7 +404,7 @@ def test_head_adaptive_layers_share_the_8bit_rows_and_the_planner_counts_them(mo
     assert layer.store.slots == dims.kv_heads * (CAPACITY - 2 + 1)  # the pool: kv_heads x the uniform slots
     rows = dims.kv_heads * math.ceil(0.5 * (CAPACITY - 2 + 1))
     assert layer.store.refine.slots.shape[2] == rows
-    assert cache.nbytes() - plain.nbytes() == dims.num_layers * 2 * rows * (4 + 2 * layer.head_dim // 2)
+    assert cache.nbytes() - plain.nbytes() == dims.num_layers * 2 * rows * (4 + 2 * layer.geometry.head_dim // 2)
     assert cache_bytes(dims, config, 2, PROMPT, STEPS, max_length=PROMPT + STEPS, kv_dtype=torch.float32).total == cache.nbytes()
     held = layer.store.refine.in_use(layer.store.positions)
     assert int(held.sum()) > 0 and bool((layer.store.owner.gather(2, layer.store.refine.slots.long().clamp(min=0))[held]

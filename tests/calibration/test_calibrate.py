@@ -64,7 +64,7 @@ def test_a_cache_takes_each_layer_s_weights_from_the_file(model, text_file, tmp_
     calibration = calibrate(model, CharTokenizer(), text_file, tokens=128, segments=2, out=out)
     cache = make_cache(model, CompressionConfig(policy="calibrated", budget=8, calibration=str(out)), max_length=40)
     for i, layer in enumerate(cache.layers):
-        assert torch.equal(layer.policy.weights, calibration.tensors[EVICTION_WEIGHTS][i])
+        assert torch.equal(layer.setting.policy.weights, calibration.tensors[EVICTION_WEIGHTS][i])
 
 
 def test_refusals_come_before_any_reading(model, text_file, tmp_path):
@@ -237,6 +237,6 @@ def test_smollm2_takes_the_shipped_key_statistics(smollm2_fp32, smollm2, real_ca
     default's (fitted on the int8 model) and the fp32 weights' (``weights_bits=16``); each model takes its own."""
     for model, _ in (smollm2, smollm2_fp32):
         cache = make_cache(model, CompressionConfig(kv_bits=4, key_offsets="calibrated"), max_length=64)
-        assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
+        assert all(isinstance(layer.setting.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
     shipped = {shipped_calibration_path(m[0]) for m in (smollm2, smollm2_fp32)}
     assert len(shipped) == 2 and None not in shipped

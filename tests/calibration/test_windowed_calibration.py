@@ -72,8 +72,8 @@ def test_a_windowed_model_calibrates_and_generates_with_the_calibrated_policy(mo
     cache = make_cache(model, config, max_length=PROMPT + STEPS + 1)
     assert torch.isfinite(_generate(model, cache)).all()
     for layer in cache.layers:
-        if getattr(layer, "span", None) is not None and layer.span.windowed:
-            assert layer.kept_length() <= min(layer.capacity, layer.span.size - 1)
+        if getattr(layer, "setting", None) is not None and layer.setting.span.windowed:
+            assert layer.kept_length() <= min(layer.setting.capacity, layer.setting.span.size - 1)
 
 
 def test_a_sliding_layer_ranks_only_the_tokens_its_window_holds():

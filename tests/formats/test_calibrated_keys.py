@@ -129,8 +129,8 @@ def test_statistics_shapes_and_the_cache_reads_closer_with_them():
     ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(1))
     plain, plain_cache = stream_error(model, None, ids)
     calibrated, cache = stream_error(model, statistics, ids)
-    assert type(plain_cache.layers[0].key_quantizer) is IntQuantizer  # no calibration: the format as it was
-    assert isinstance(cache.layers[0].key_quantizer, CalibratedKeyQuantizer)
+    assert type(plain_cache.layers[0].setting.key_quantizer) is IntQuantizer  # no calibration: the format as it was
+    assert isinstance(cache.layers[0].setting.key_quantizer, CalibratedKeyQuantizer)
     assert cache.layers[0].decode_kernel == "torch"
     assert calibrated < 0.3 * plain  # 0.0017 against 0.018 when written
 
@@ -204,8 +204,8 @@ def test_the_setting_stores_keys_around_the_calibrated_mean_with_bounded_error()
         reference = model(input_ids=ids).logits[0]
     plain_logits, plain = streamed(model, CompressionConfig(budget=1.0, kv_bits=4), ids)
     ours_logits, ours = streamed(model, CompressionConfig(budget=1.0, kv_bits=4, key_offsets="calibrated"), ids)
-    assert type(plain.layers[0].key_quantizer) is IntQuantizer
-    assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in ours.layers)
+    assert type(plain.layers[0].setting.key_quantizer) is IntQuantizer
+    assert all(isinstance(layer.setting.key_quantizer, CalibratedKeyQuantizer) for layer in ours.layers)
     assert ours.layers[0].decode_kernel == "torch"
     stored = [(a.store.keys.parts["data"], b.store.keys.parts["data"]) for a, b in zip(plain.layers, ours.layers)]
     assert any(not torch.equal(a, b) for a, b in stored)  # the keys are stored otherwise
@@ -250,8 +250,8 @@ def test_bad_values_and_conflicts_are_refused_in_one_line(fields, message):
 def test_eight_bit_keys_and_four_bit_values_take_the_setting():
     config = CompressionConfig(k_bits=8, v_bits=4, key_offsets="calibrated")
     cache = make_cache(biased_llama(), config, max_length=16)
-    assert {layer.key_quantizer.bits for layer in cache.layers} == {8}
-    assert all(isinstance(layer.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
+    assert {layer.setting.key_quantizer.bits for layer in cache.layers} == {8}
+    assert all(isinstance(layer.setting.key_quantizer, CalibratedKeyQuantizer) for layer in cache.layers)
 
 
 def test_a_cache_with_the_setting_is_not_saved(tmp_path):

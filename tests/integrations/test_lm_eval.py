@@ -142,7 +142,7 @@ def test_a_scored_policy_scores_and_sizes_the_context_as_ask_does(loaded):
     context = [(7 * i) % 120 for i in range(100)]
     cache, _ = lm._compressed_context(context)
     ids = torch.tensor([context])
-    scores = score_context(model, tokenizer, ids, cache.layers[0].policy)
+    scores = score_context(model, tokenizer, ids, cache.layers[0].setting.policy)
     assert cache.capacities == global_layer_capacities(scores, 20, lm.compression.min_layer_capacity(20), 100)
     assert sum(cache.capacities) == 20 * len(cache.layers) and len(set(cache.capacities)) > 1  # not uniform
 

@@ -126,11 +126,11 @@ def test_h2o_and_4_bits_stay_finite_within_capacity_and_window(model_type):
     logits = greedy_logits(model, prompt(2), cache)
     assert torch.isfinite(logits).all()
     for layer in cache.layers:
-        assert layer.kept_length() <= layer.capacity <= 18
-        if layer.span.windowed:
-            assert layer.capacity <= layer.span.size - 1
+        assert layer.kept_length() <= layer.setting.capacity <= 18
+        if layer.setting.span.windowed:
+            assert layer.setting.capacity <= layer.setting.span.size - 1
             held = layer.positions()
-            assert int(held[held >= 0].min()) >= int(layer.span.lowest(layer.seen, layer.first_real).min())
+            assert int(held[held >= 0].min()) >= int(layer.setting.span.lowest(layer.counters.seen, layer.counters.first_real).min())
 
 
 def _states(cache, idx: int) -> list[torch.Tensor]:
@@ -166,7 +166,7 @@ def test_hybrid_attention_layers_compress_and_their_states_are_the_models_own(mo
     first = next(i for i, layer in enumerate(small.layers) if not isinstance(layer, LinearAttentionLayer))
     first = first or 1  # Falcon-H1 (state and keys in every layer): layer 0's state comes from the inputs alone
     assert small.attention_layers and small.state_layers
-    assert all(layer.kept_length() <= layer.capacity <= 18 for layer in small.attention_layers)
+    assert all(layer.kept_length() <= layer.setting.capacity <= 18 for layer in small.attention_layers)
     assert small.nbytes() < whole.nbytes() and small.state_nbytes() == whole.state_nbytes()
     assert (small.state_nbytes() > 0) == (model_type not in MODULE_STATES)
     prefilled = make_cache(model, CompressionConfig(budget=0.2, kv_bits=4, group_size=32), max_length=PROMPT)

@@ -33,7 +33,7 @@ def test_hand_made_hybrid_is_exact_and_its_attention_layers_compress(model_type)
     small = make_cache(model, CompressionConfig(budget=0.2, kv_bits=4, group_size=32), max_length=max_length)
     assert torch.isfinite(greedy_logits(model, ids, small)).all()
     assert small.attention_layers and small.state_layers
-    assert all(layer.kept_length() <= layer.capacity <= 18 for layer in small.attention_layers)
+    assert all(layer.kept_length() <= layer.setting.capacity <= 18 for layer in small.attention_layers)
     assert small.nbytes() < whole.nbytes() and small.state_nbytes() == whole.state_nbytes() > 0
 
 

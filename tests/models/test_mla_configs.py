@@ -97,7 +97,7 @@ def test_h2o_4_bits_is_finite_and_evicts(case):
     logits = greedy_logits(model, cache, batch=2)
     assert torch.isfinite(logits).all()
     for layer in cache.layers:
-        assert layer.kept_length() <= layer.capacity < PROMPT
+        assert layer.kept_length() <= layer.setting.capacity < PROMPT
 
 
 @pytest.mark.parametrize("case", ["issue-v3", "v3-rope-wider", "v2-rope-narrower"])
@@ -113,7 +113,7 @@ def test_latents_are_held_at_their_own_widths_and_planned_exactly(case, config):
     assert (dims.kv_heads, dims.head_dim, dims.value_head_dim or dims.head_dim) == (1, rank, rope)
     for layer in cache.layers:
         assert layer.store.keys.parts[next(iter(layer.store.keys.parts))].shape[-1] <= rank
-        assert layer.value_dim == rope
+        assert layer.geometry.value_dim == rope
         if layer.ring is not None:
             assert layer.ring.values.shape[-1] == rope
     planned = cache_bytes(dims, cache.config, 1, PROMPT, STEPS, max_length=PROMPT + STEPS + 1,
@@ -143,11 +143,11 @@ def test_a_layer_built_without_the_value_width_pads_to_the_keys_and_refuses_wide
     keys, values = torch.randn(1, 1, 3, 32), torch.randn(1, 1, 3, 16)
     _, read = padded.update(keys, values)
     withdraw(0)  # no attention call follows: nothing stays announced for a later model's layer 0
-    assert read.shape[-1] == 16 and padded.value_dim == 32 and torch.equal(read, values)
+    assert read.shape[-1] == 16 and padded.geometry.value_dim == 32 and torch.equal(read, values)
     (own,) = build_layers(config, 1, 32, None, max_tokens=8, value_dim=64)
     _, read = own.update(keys, torch.randn(1, 1, 3, 64))
     withdraw(0)
-    assert own.value_dim == 64 and read.shape[-1] == 64
+    assert own.geometry.value_dim == 64 and read.shape[-1] == 64
     (narrow,) = build_layers(config, 1, 32, None, max_tokens=8)
     with pytest.raises(UnsupportedModelError, match="values of head dim 64 wider than the keys' 32"):
         narrow.update(keys, torch.randn(1, 1, 3, 64))

@@ -107,4 +107,4 @@ def test_hostile_cache_files_load_cleanly_or_not_at_all(saved, tmp_path_factory,
     assert torch.isfinite(logits).all()
     cache.check()
     for layer in cache.layers:
-        assert layer.kept_length() <= layer.capacity
+        assert layer.kept_length() <= layer.setting.capacity

@@ -61,7 +61,7 @@ def layer_state(cache):
     state = []
     for layer in cache.layers:
         state.append({k: v.clone() for k, v in layer.tensors().items()})
-        state.append((int(layer.seen), layer.capacity, layer.residual, layer.dtype, layer.residual_dtype))
+        state.append((int(layer.counters.seen), layer.setting.capacity, layer.setting.residual, layer.geometry.dtype, layer.geometry.residual_dtype))
     return state
 
 
@@ -143,7 +143,7 @@ def test_left_padded_batch_round_trip(model, tmp_path):
     mask[0, :5], mask[2, :2] = 0, 0
     cache = make_cache(model, config)
     model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-    assert cache.layers[0].first_real.tolist() == [5, 0, 2]  # padding is never held: sinks count from here
+    assert cache.layers[0].counters.first_real.tolist() == [5, 0, 2]  # padding is never held: sinks count from here
     save_cache(cache, tmp_path / "padded.safetensors", model=model)
     loaded = load_cache(tmp_path / "padded.safetensors", model)
     assert_same_state(layer_state(loaded), layer_state(cache))
@@ -171,7 +171,7 @@ def test_every_layer_tensor_is_persisted(model):
     held = {id(v) for holder in holders for v in holder.values() if isinstance(v, torch.Tensor)}
     held |= {id(t) for holder in (layer.store.keys, layer.store.values) for t in holder.parts.values()}
     declared = {id(t) for t in layer.tensors().values()}
-    derived = {id(getattr(layer, name)) for name in DERIVED_LAYER_TENSORS}
+    derived = {id(getattr(layer.geometry, name)) for name in DERIVED_LAYER_TENSORS}
     transient = {id(getattr(layer.backend, "valid", None))}
     assert held - declared - derived - transient == set()
     assert {"store.positions", "store.scores", "ring.keys", "ring.positions", "first_real", "seen"} <= set(layer.tensors())

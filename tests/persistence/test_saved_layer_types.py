@@ -67,8 +67,8 @@ def test_a_saved_cache_of_every_layer_type_continues_like_the_cache_in_memory(mo
         logits = model(ids, past_key_values=cache).logits[:, -1]
     path = save_cache(cache, tmp_path / "cache.safetensors", model=model)
     loaded = load_cache(path, model)
-    assert [layer.capacity for layer in loaded.layers] == [layer.capacity for layer in cache.layers]
-    assert [layer.span for layer in loaded.layers] == [layer.span for layer in cache.layers]
+    assert [layer.setting.capacity for layer in loaded.layers] == [layer.setting.capacity for layer in cache.layers]
+    assert [layer.setting.span for layer in loaded.layers] == [layer.setting.span for layer in cache.layers]
     tokens, steps = continue_greedily(model, cache, logits)
     loaded_tokens, loaded_steps = continue_greedily(model, loaded, logits)
     assert loaded.decode_kernel == cache.decode_kernel
@@ -81,9 +81,9 @@ def test_ask_runs_with_its_defaults_on_every_layer_type_and_a_saved_context_answ
     model, tokenizer = model_of(model_type), english_tokenizer()
     context = compress(model, tokenizer, CONTEXT, ASK_DEFAULTS, chat=False)
     for layer in context.cache.layers:  # adaptive heads: kv_heads x capacity per sequence; no more than a window
-        assert int(layer.kept_per_head().sum(-1).max()) <= layer.kv_heads * layer.capacity
-        assert layer.capacity <= layer.span.cap(context.tokens)
-        assert not layer.span.windowed or layer.kept_length() <= layer.span.size - 1
+        assert int(layer.kept_per_head().sum(-1).max()) <= layer.geometry.kv_heads * layer.setting.capacity
+        assert layer.setting.capacity <= layer.setting.span.cap(context.tokens)
+        assert not layer.setting.span.windowed or layer.kept_length() <= layer.setting.span.size - 1
     answer = ask(model, tokenizer, context, "Who?", max_new_tokens=4)
     assert 1 <= answer.new_tokens <= 4  # a random model may end with its EOS
     context.save(tmp_path / "context.safetensors")
@@ -99,7 +99,7 @@ def test_kvzip_scores_of_a_windowed_layer_are_those_of_the_tokens_its_queries_se
     model = model_of(model_type)
     ids = torch.randint(3, VOCAB, (1, 50), generator=torch.Generator().manual_seed(2))
     scores = reconstruction_scores(model, english_tokenizer(), ids)
-    for layer_scores, span in zip(scores, (layer.span for layer in make_cache(model).layers)):
+    for layer_scores, span in zip(scores, (layer.setting.span for layer in make_cache(model).layers)):
         assert layer_scores.shape == (1, 2, 50)
         if span.windowed:
             first_seen = 50 - WINDOW + 1 if span.kind == "sliding" else 50 // WINDOW * WINDOW

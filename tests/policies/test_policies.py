@@ -218,8 +218,8 @@ def test_a2sf_factor_is_a_setting_of_its_own_policy_only(tmp_path):
 
     model, _ = tiny_lm()
     cache = make_cache(model, CompressionConfig(policy="a2sf", budget=0.5, forgetting_factor=0.5), max_length=40)
-    assert {layer.policy.score_decay for layer in cache.layers} == {0.5}
-    assert make_cache(model, CompressionConfig(policy="a2sf", budget=0.5), max_length=40).layers[0].policy.score_decay == 0.8
+    assert {layer.setting.policy.score_decay for layer in cache.layers} == {0.5}
+    assert make_cache(model, CompressionConfig(policy="a2sf", budget=0.5), max_length=40).layers[0].setting.policy.score_decay == 0.8
     with pytest.raises(ConfigError, match=r"forgetting_factor=1.5 is out of range; allowed: a number in \(0, 1\]"):
         CompressionConfig(policy="a2sf", budget=0.5, forgetting_factor=1.5)
     with pytest.raises(ConfigError, match="forgetting_factor is set but policy='h2o'; allowed: forgetting_factor with"):

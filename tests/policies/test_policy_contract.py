@@ -104,7 +104,7 @@ def test_eviction_keeps_a_subset_within_capacity_with_sinks_and_recent_window(po
     pads, _, history, cache = drill(policy, "torch")
     assert all(layer.decode_kernel is None or layer.decode_kernel == "torch" for layer in cache.layers)
     for index, layer in enumerate(cache.layers):
-        capacity, rule = layer.capacity, layer.policy
+        capacity, rule = layer.setting.capacity, layer.setting.policy
         window = PROMPT + STEPS if capacity is None else rule.recent_window(capacity)
         sinks = rule.sink_tokens if capacity is None else min(rule.sink_tokens, capacity)
         for step in range(STEPS + 1):
@@ -120,7 +120,7 @@ def test_eviction_keeps_a_subset_within_capacity_with_sinks_and_recent_window(po
                     assert len(now) == (real if capacity is None else min(capacity, real)), where
                     assert set(range(max(seen - window, pad), seen)) <= now, f"{where}: recent window evicted"
                     assert set(range(pad, pad + sinks)) <= now, f"{where}: a sink evicted"
-    if cache.layers[0].capacity is not None:  # every policy but `full` evicted on every decode step
+    if cache.layers[0].setting.capacity is not None:  # every policy but `full` evicted on every decode step
         assert cache.kept_length() == CAPACITY
     assert cache.get_seq_length() == PROMPT + STEPS
 

@@ -33,7 +33,7 @@ def test_frozen_copy_holds_the_same_tokens_and_evicts_nothing_more():
         copy = cache.frozen_copy(60 + 30)
         for layer, mine in zip(copy.layers, cache.layers):
             assert torch.equal(layer.positions(), mine.positions())
-            assert layer.capacity is None and layer.store.slots >= mine.store.slots
+            assert layer.setting.capacity is None and layer.store.slots >= mine.store.slots
         extra = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
         model(input_ids=extra[:, :10], past_key_values=copy)
         for token in range(10, 30):
@@ -185,7 +185,7 @@ def test_kvzip_keeps_what_the_reconstruction_attends_most():
     assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
     assert bool((scores[0] > 0).all()) and bool((scores[0] <= 1).all())
     capacity = context.cache.capacity
-    heavy = context.cache.layers[0].policy.heavy(capacity)
+    heavy = context.cache.layers[0].setting.policy.heavy(capacity)
     for layer, layer_scores in zip(context.cache.layers, scores):
         kept = layer.positions()[0]  # [kv_heads, kept]
         recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
@@ -206,14 +206,14 @@ def test_lookahead_keeps_what_the_answer_to_its_request_attends_most():
     context = compress(model, tokenizer, CONTEXT[:400], config, chat=False)
     ids = encode_prompt(tokenizer, CONTEXT[:400], False)
     assert model.config._attn_implementation == "h2o_compress"  # restored after the eager lookahead pass
-    policy = context.cache.layers[0].policy
+    policy = context.cache.layers[0].setting.policy
     assert (policy.request, policy.new_tokens, policy.pool, policy.segment) == (None, 32, 7, 1024)
     assert policy.request_for(question_in_prompt=False) == "List the important facts and numbers in the text above."
     scores = lookahead_scores(model, tokenizer, ids, policy.request_for(False), policy.new_tokens, policy.pool,
                               policy.segment)
     assert len(scores) == len(context.cache.layers) and scores[0].shape == (1, 2, ids.shape[1])
     capacity = context.cache.capacity
-    heavy = context.cache.layers[0].policy.heavy(capacity)
+    heavy = context.cache.layers[0].setting.policy.heavy(capacity)
     recent = set(range(ids.shape[1] - (capacity - heavy), ids.shape[1]))
     for layer, layer_scores in zip(context.cache.layers, scores):
         kept = layer.positions()[0]  # [kv_heads, kept]
@@ -343,7 +343,7 @@ def test_question_in_prompt_lookahead_ranks_by_the_prompts_own_answer(monkeypatc
     (cache,) = made
     assert asked == [request_text]
     assert model.config._attn_implementation == "h2o_compress"
-    heavy = cache.layers[0].policy.heavy(cache.capacity)
+    heavy = cache.layers[0].setting.policy.heavy(cache.capacity)
     recent = set(range(ids.shape[1] - (cache.capacity - heavy), ids.shape[1]))
     for layer, layer_scores in zip(cache.layers, computed[0]):
         kept = layer.positions()[0]
@@ -419,15 +419,15 @@ def test_question_agnostic_scoring_runs_on_every_architecture(tiny_model, policy
     ids = torch.randint(0, 100, (1, 90), generator=torch.Generator().manual_seed(0))
     config = CompressionConfig(policy=policy, budget=0.3, heavy_ratio=0.9, kv_bits=4)
     cache = make_cache(tiny_model, config, max_length=90)
-    cache.layers[0].policy.segment = 40  # lookahead: requests after 40 and 90 tokens (ignored by kvzip)
-    scores = score_context(tiny_model, CharTokenizer(), ids, cache.layers[0].policy)
+    cache.layers[0].setting.policy.segment = 40  # lookahead: requests after 40 and 90 tokens (ignored by kvzip)
+    scores = score_context(tiny_model, CharTokenizer(), ids, cache.layers[0].setting.policy)
     implementation = tiny_model.config._attn_implementation
     with torch.inference_mode():
         hand_context_scores(tiny_model, CharTokenizer(), ids, cache)
         prefill(tiny_model, ids, cache)
     assert tiny_model.config._attn_implementation == implementation == "h2o_compress"
     assert cache.kept_length() == cache.capacity == 27
-    recent = 27 - cache.layers[0].policy.heavy(27)
+    recent = 27 - cache.layers[0].setting.policy.heavy(27)
     for layer, layer_scores in zip(cache.layers, scores):
         kept = layer.positions()[0]
         for head in range(kept.shape[0]):

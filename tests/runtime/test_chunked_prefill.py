@@ -113,7 +113,7 @@ def test_prefill_step_and_what_runs_in_one_pass():
     assert prefill_step(cache, 20) == 8 and prefill_step(cache, 8) == 8 and prefill_step(cache, 5) == 5
     assert prefill_step(make_cache(model, CompressionConfig(prefill_chunk_size=0)), 20) == 20
     assert prefill_step(DynamicCache(config=model.config), 20) == 20  # no config: one pass
-    cache.layers[0].policy.context_scores = torch.zeros(1, 2, 20)  # a scoring pass ranks the whole prompt at once
+    cache.layers[0].setting.policy.context_scores = torch.zeros(1, 2, 20)  # a scoring pass ranks the whole prompt at once
     assert prefill_step(cache, 20) == 20
     assert CompressionConfig().prefill_chunk_size == COMPRESSION_FLAGS["prefill_chunk_size"].option.default
 
