@@ -4,8 +4,10 @@
 
 Baselines: ``DynamicCache``, ``StaticCache`` eager and ``StaticCache`` + ``torch.compile`` (Inductor, fullgraph:
 what a user who wants speed runs). Ours: h2o 0.2 int4 (and 16-bit) eager and compiled
-(:func:`h2o_compress.runtime.compiled.compiled_decode_step`). Each setting prefills the same prompt (eager) and decodes
-the same number of greedy tokens through the same step function; settings are interleaved round-robin
+(:func:`h2o_compress.runtime.compiled.compiled_decode_step`). Every setting runs the package's own path: the prompt
+through ``runtime.prefill.feed_prompt`` (ours in chunks of its ``prefill_chunk_size``, as ``generate`` prefills;
+transformers' caches in one pass), then the same number of greedy tokens through the package's decode loop
+(``runtime.decode_loop.fixed_steps``) with each setting's step; settings are interleaved round-robin
 ``repeats`` times and the median decode time is reported. Compilation happens in a warm-up run per setting and
 length (a fresh compile per length), outside the timings (its seconds are reported). "ours eager" is what the CLI
 runs by default on CPU: the decode step of each layer is one call of the CPU kernel (``attention/cpu_decode.c``). Writes ``--out`` (JSON) and the same path with ``.md``
@@ -27,13 +29,20 @@ import statistics
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import DynamicCache, StaticCache
 
-from h2o_compress import CompressedCache, CompressionConfig, load_model, make_cache
-from h2o_compress.runtime.compiled import INDUCTOR_OPTIONS, decode_step
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers.common import transformers_cache_bytes  # noqa: E402  (every tensor a transformers cache holds)
+
+from h2o_compress import CompressedCache, CompressionConfig, load_model, make_cache  # noqa: E402
+from h2o_compress.runtime.compiled import compiled_decode_step, decode_step  # noqa: E402
+from h2o_compress.runtime.decode_loop import fixed_steps, greedy  # noqa: E402
+from h2o_compress.runtime.prefill import feed_prompt  # noqa: E402
 
 BASELINES = ("DynamicCache", "StaticCache eager", "StaticCache + compile")
 SETTINGS = {  # name: (cache kind or CompressionConfig, compiled)
@@ -61,31 +70,35 @@ def make(model, kind, length: int):
 
 
 def kv_bytes(cache) -> int:
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes()
-    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    """The cache's own byte count: ours ``cache.nbytes()``, a transformers cache every tensor it holds."""
+    return cache.nbytes() if isinstance(cache, CompressedCache) else transformers_cache_bytes(cache)
+
+
+def compiled_baseline_step():
+    """StaticCache + compile: ``decode_step`` under ``torch.compile`` (Inductor, fullgraph), its growing 2D mask
+    marked dynamic so one graph serves every length (what a transformers user compiles; ours compiles through
+    ``compiled_decode_step``, which takes no mask)."""
+    compiled = torch.compile(decode_step, fullgraph=True)
+
+    def step(model, token, cache, positions, mask):
+        torch._dynamo.mark_dynamic(mask, 1)
+        return compiled(model, token, cache, positions, mask)
+
+    return step
 
 
 @torch.inference_mode()
 def run_once(model, prompt: torch.Tensor, new_tokens: int, kind, step) -> dict:
-    """Prefill (eager) + ``new_tokens`` greedy decode steps through ``step``; seconds and the cache's bytes."""
+    """The package's prefill (``feed_prompt``) + ``new_tokens`` greedy steps of its decode loop
+    (``fixed_steps``) through ``step``; seconds and the cache's bytes."""
     length = prompt.shape[1] + new_tokens + 1
     cache = make(model, kind, length)
     start = time.perf_counter()
-    logits = model(input_ids=prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+    token = greedy(feed_prompt(model, prompt, cache))
     prefill_s = time.perf_counter() - start
-    seen = prompt.shape[1]
     start = time.perf_counter()
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)
-        position = torch.full((1, 1), seen, dtype=torch.long)
-        mask = None  # ours: no mask, as h2o_compress.runtime.compiled.decode_one passes (the slots say what is held)
-        if not isinstance(cache, CompressedCache):
-            mask = torch.ones(1, seen + 1, dtype=torch.long)
-            if step is not decode_step:
-                torch._dynamo.mark_dynamic(mask, 1)  # one graph for every length
-        logits = step(model, token, cache, position, mask)
-        seen += 1
+    for _ in fixed_steps(step, model, cache, token, prompt.shape[1], new_tokens):
+        pass
     decode_s = time.perf_counter() - start
     return {"prefill_s": prefill_s, "decode_s": decode_s, "kv_bytes": kv_bytes(cache)}
 
@@ -121,9 +134,9 @@ def main() -> None:
         torch._dynamo.reset()
         steps = {}
         for name in names:
-            compiled = SETTINGS[name][1]
-            options = INDUCTOR_OPTIONS if isinstance(SETTINGS[name][0], CompressionConfig) else None
-            steps[name] = torch.compile(decode_step, fullgraph=True, options=options) if compiled else decode_step
+            ours, compiled = isinstance(SETTINGS[name][0], CompressionConfig), SETTINGS[name][1]
+            steps[name] = (decode_step if not compiled else compiled_decode_step(model, "cpu") if ours
+                           else compiled_baseline_step())
         prompt = torch.randint(100, vocab - 100, (1, tokens), generator=torch.Generator().manual_seed(0))
         warm = {}
         for name in names:  # warm-up (and compile) on this length, outside the timings

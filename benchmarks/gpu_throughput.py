@@ -6,9 +6,11 @@
 
 Speed on a LLaMA-7B-shaped model with **random weights** (built on the GPU in fp16/bf16; decode speed does not
 depend on weight values): per (setting, context, batch) the planner first checks that cache + workspace fit in
-free memory, then a chunked prefill (one sequence, its cache replicated to the batch), warm-up and timed greedy
-decode steps give tokens/s, peak memory and KV bytes, and CUDA events around each layer's cache update +
-attention give the KV bandwidth against the measured copy bandwidth. Largest batch: the planner's prediction,
+free memory, then the package's chunked prefill (``runtime.prefill.prefill_replicated``: one sequence, its cache
+replicated to the batch; ``prompt_chunks`` for a whole batch), warm-up and timed greedy decode steps through the
+package's decode loop (``runtime.decode_loop.run_steps``; ours compiled: ``compiled_decode_step``, what ``generate``
+runs) give tokens/s, peak memory and KV bytes, and CUDA events around each layer's cache update + attention give
+the KV bandwidth against the measured copy bandwidth. Largest batch: the planner's prediction,
 confirmed by one run. Quality: streaming perplexity of the real SmolLM2-135M. Method and commands:
 benchmarks/README.md ("GPU throughput").
 """
@@ -48,6 +50,9 @@ from h2o_compress.planner import (  # noqa: E402
 from h2o_compress.evaluation.corpus import load_text, tokenize_text  # noqa: E402
 from h2o_compress.evaluation.perplexity import reference_perplexity, stream_nll, streaming_perplexity  # noqa: E402
 from h2o_compress.evaluation.stream import sync  # noqa: E402  (cuda synchronize; no-op on CPU)
+from h2o_compress.runtime.compiled import compiled_decode_step, decode_step  # noqa: E402
+from h2o_compress.runtime.decode_loop import greedy, run_steps  # noqa: E402
+from h2o_compress.runtime.prefill import prefill_replicated, prompt_chunks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -212,48 +217,36 @@ def largest(fits: Callable[[int], bool], limit: int) -> int:
     return low
 
 
-def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
-    """One greedy decode step of the whole batch; the next tokens ``[batch, 1]``."""
-    return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+def static_compiled_step(model, token: torch.Tensor, cache, positions: torch.Tensor, mask=None) -> torch.Tensor:
+    """StaticCache + compile's step, as transformers compiles its own static cache: ``token`` ``[batch, 1]`` at
+    ``positions`` ``[batch, 1]`` (a device tensor, fed as ``cache_position`` too, so every step has the same
+    shapes and no host value: one graph, replayed), no 2D mask (decode sees every token); returns logits
+    ``[batch, vocab]``. A `decode_steps` step (``mask`` is left out)."""
+    out = model(input_ids=token, past_key_values=cache, cache_position=positions[0], position_ids=positions,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
 
 
-def forward_step(model, cache, token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-    """The step that is compiled: ``token`` ``[batch, 1]`` at ``cache_position`` ``[1]`` (a device tensor, so
-    every step has the same shapes and no host value: one graph, replayed), no 2D mask (decode sees every kept
-    token); returns the next tokens ``[batch, 1]``."""
-    batch = token.shape[0]
-    out = model(input_ids=token, past_key_values=cache, cache_position=cache_position,
-                position_ids=cache_position.expand(batch, 1), use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1:].argmax(-1)
+def step_for(model, setting: Setting) -> Callable:
+    """The decode step of one run, fed by the package's decode loop (``fixed_steps``): the package's eager
+    ``decode_step``, or compiled: ours ``compiled_decode_step`` on CUDA (what ``generate`` runs:
+    ``mode="reduce-overhead"``, CUDA graphs), StaticCache `static_compiled_step` under ``torch.compile`` as
+    transformers' ``generate`` compiles it (CUDA: reduce-overhead, ``fullgraph=False``). On CPU a compiled setting
+    runs its step under Dynamo's ``eager`` backend, which checks the capture only (Inductor on 2 CPU cores takes
+    minutes per run). A fresh graph (and CUDA-graph pool) per run."""
+    if not setting.compiled:
+        return decode_step
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    ours = setting.kind == "ours"
+    if next(model.parameters()).device.type == "cuda":
+        if ours:
+            return compiled_decode_step(model, "cuda")
+        return torch.compile(static_compiled_step, mode="reduce-overhead")
+    return torch.compile(decode_step if ours else static_compiled_step, fullgraph=ours, backend="eager")
 
 
-class Stepper:
-    """Greedy decode steps of one run, eager (:func:`decode_step`) or compiled (:func:`forward_step` under
-    ``torch.compile``: on CUDA ``mode="reduce-overhead"`` (CUDA graphs); on CPU Dynamo's ``eager`` backend, which
-    checks the capture only: Inductor on 2 CPU cores takes minutes). Ours compiles with ``fullgraph=True``;
-    StaticCache as transformers' ``generate`` does (``fullgraph=False``)."""
-
-    def __init__(self, model, setting: Setting, cache, seen: int):
-        self.model, self.cache, self.seen = model, cache, seen
-        self.compiled = None
-        if setting.compiled:
-            torch._dynamo.reset()  # a fresh graph (and CUDA-graph pool) per run
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            cuda = next(model.parameters()).device.type == "cuda"
-            options = dict(mode="reduce-overhead") if cuda else dict(backend="eager")
-            self.compiled = torch.compile(forward_step, fullgraph=setting.kind == "ours", **options)
-
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        if self.compiled is None:
-            token = decode_step(self.model, self.cache, token)
-        else:
-            position = torch.full((1,), self.seen, dtype=torch.long, device=token.device)
-            token = self.compiled(self.model, self.cache, token, position).clone()  # out of the graph's pool
-        self.seen += 1
-        return token
-
-
-def launches(advance: Stepper, token: torch.Tensor, layers: int, steps: int = 2) -> dict:
+def launches(step, model, cache, token: torch.Tensor, seen: int, layers: int, steps: int = 2) -> dict:
     """CUDA kernels per layer per decode step (all of them, the projections included, over ``steps`` steps under
     ``torch.profiler``; CUDA-graph replays count their kernels) and the GPU time of our attention op's kernels
     (``_slot_*``) per layer and step. GPU only: ``{}`` elsewhere."""
@@ -262,8 +255,7 @@ def launches(advance: Stepper, token: torch.Tensor, layers: int, steps: int = 2)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            token = advance(token)
+        token = run_steps(step, model, cache, token, seen, steps)
         sync(token.device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ours = [e for e in kernels if "_slot_" in e.name]
@@ -272,7 +264,7 @@ def launches(advance: Stepper, token: torch.Tensor, layers: int, steps: int = 2)
             "attention_kernel_s": sum(e.device_time for e in ours) / 1e6 / (steps * layers) if ours else None}
 
 
-def kv_seconds(model, cache, token: torch.Tensor, steps: int) -> float | None:
+def kv_seconds(model, cache, token: torch.Tensor, seen: int, steps: int) -> float | None:
     """Seconds per decode step from each layer's ``cache.update`` to its ``o_proj`` input (update, dequantize,
     attention, scoring, eviction; no weight reads); ``None`` without ``model.layers[i].self_attn.o_proj``."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -290,8 +282,7 @@ def kv_seconds(model, cache, token: torch.Tensor, steps: int) -> float | None:
     hooks = [layer.self_attn.o_proj.register_forward_pre_hook(attention_done) for layer in layers]
     cache.update = timed_update
     try:
-        for _ in range(steps):
-            token = decode_step(model, cache, token)
+        token = run_steps(decode_step, model, cache, token, seen, steps)
         sync(token.device)
     finally:
         del cache.update
@@ -310,36 +301,35 @@ def measure(model, setting: Setting, context: int, batch: int, args, weight_byte
                         generator=torch.Generator().manual_seed(context)).to(device)
     sync(device)
     began = time.perf_counter()
-    for start in range(0, context, args.chunk):
-        logits = model(input_ids=ids[:, start:start + args.chunk], past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits
-    token = logits[:, -1:].argmax(-1)
-    if replicate and batch > 1:
-        cache.reorder_cache(torch.zeros(batch, dtype=torch.long, device=device))
-        token = token.expand(batch, 1).contiguous()
+    if replicate:
+        logits = prefill_replicated(model, ids, cache, batch, args.chunk)
+    else:
+        *_, (_, logits) = prompt_chunks(model, ids, cache, args.chunk)
+    token = greedy(logits)
     sync(device)
     prefill_s = time.perf_counter() - began
-    advance = Stepper(model, setting, cache, context)
+    step, seen = step_for(model, setting), context
     pool_before = graph_pool_held(device)
     began = time.perf_counter()
-    for _ in range(args.warmup):  # compiled: the first steps capture the graph
-        token = advance(token)
+    token = run_steps(step, model, cache, token, seen, args.warmup)  # compiled: the first steps capture the graph
+    seen += args.warmup
     sync(device)
     warmup_s = time.perf_counter() - began
     pool = None if pool_before is None or not setting.compiled else graph_pool_held(device) - pool_before
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     began = time.perf_counter()
-    for _ in range(args.steps):
-        token = advance(token)
+    token = run_steps(step, model, cache, token, seen, args.steps)
+    seen += args.steps
     sync(device)
     step_s = (time.perf_counter() - began) / args.steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     held = cache.nbytes() if hasattr(cache, "nbytes") else transformers_cache_bytes(cache)
     layers = model.config.num_hidden_layers
-    profiled = launches(advance, token, layers)
+    profiled = launches(step, model, cache, token, seen, layers)
+    seen += 2 if profiled else 0
     # per-layer hooks time the eager step only (a compiled step has no Python between the kernels)
-    kv_s = None if setting.compiled else kv_seconds(model, cache, token, args.instrument_steps)
+    kv_s = None if setting.compiled else kv_seconds(model, cache, token, seen, args.instrument_steps)
     if profiled.get("attention_kernel_s"):
         profiled["attention_kernel_GBps"] = held / layers / profiled["attention_kernel_s"] / 1e9
     floor_s = (weight_bytes + held) / (args.copy_GBps * 1e9) if getattr(args, "copy_GBps", None) else None
@@ -425,6 +415,12 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes * 10 / seconds / 1e9
 
 
+def chunk_step(model, cache) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``stream_nll``'s step for a transformers cache: a chunk ``[batch, k]`` -> its logits ``[batch, k, vocab]``
+    (ours reads the stream through ``streaming_perplexity``, the evaluation's own path)."""
+    return lambda chunk: model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
+
+
 @torch.inference_mode()
 def quality(args, settings: list[Setting], device: torch.device, dtype: torch.dtype) -> dict:
     """Streaming perplexity of the real ``--quality-model`` (``--quality-tokens`` of the shipped corpus read
@@ -442,8 +438,7 @@ def quality(args, settings: list[Setting], device: torch.device, dtype: torch.dt
                 ppl = streaming_perplexity(model, ids, setting.config, args.quality_chunk).perplexity
             else:
                 cache = new_cache(model, setting, ids.shape[1] + 1)
-                step = lambda chunk: model(input_ids=chunk, past_key_values=cache, use_cache=True).logits  # noqa: E731
-                ppl = math.exp(stream_nll(step, ids, args.quality_chunk))
+                ppl = math.exp(stream_nll(chunk_step(model, cache), ids, args.quality_chunk))
             row.update(perplexity=ppl, perplexity_ratio=ppl / reference)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -5,7 +5,9 @@
     python benchmarks/long_stream.py --model smollm2-135m --tokens 8000 --mode read # the real model
 
 ``read`` feeds the stream in chunks of ``--chunk`` tokens (reading a long document); ``generate`` feeds back the
-greedy token, one per forward pass (a long generation). The default model is a tiny randomly initialised LLaMA
+greedy token, one per forward pass (a long generation). Both run the package's own path: ``read`` the chunked
+prefill of ``runtime.prefill.prompt_chunks``, ``generate`` the decode loop of ``runtime.decode_loop.fixed_steps``
+with ``runtime.compiled.decode_step`` (what ``generate`` runs eagerly). The default model is a tiny randomly initialised LLaMA
 (4 layers, 8 query heads, 2 KV heads, head_dim 64; unlimited positions), so 100,000 tokens fit in a CPU run;
 memory behaviour does not depend on the weights. Every ``--every`` tokens it records ``cache.nbytes()`` (and its
 min and max over every forward pass since the last sample), the bytes of the storages behind the cache's
@@ -22,6 +24,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import torch
@@ -29,6 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from h2o_compress import CompressionConfig, make_cache
+from h2o_compress.runtime.compiled import decode_step
+from h2o_compress.runtime.decode_loop import fixed_steps
+from h2o_compress.runtime.prefill import prompt_chunks
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 2**20
@@ -59,6 +65,15 @@ def stream_ids(model_name: str, tokens: int, vocab: int) -> torch.Tensor:
     return ids.repeat(1, tokens // ids.shape[1] + 1)[:, :tokens]
 
 
+def passes(model, ids: torch.Tensor, cache, mode: str, chunk: int) -> Iterator[int]:
+    """The tokens each forward pass of the stream feeds, one per ``next()`` (the pass has run): ``read`` through
+    the package's chunked prefill (``prompt_chunks``, ``chunk`` tokens a pass), ``generate`` through its decode
+    loop (``fixed_steps``: the first id of ``ids``, then each greedy token, one pass per token)."""
+    if mode == "read":
+        return (tokens for tokens, _ in prompt_chunks(model, ids, cache, chunk))
+    return (1 for _ in fixed_steps(decode_step, model, cache, ids[:, :1], 0, ids.shape[1]))
+
+
 @torch.inference_mode()
 def run(model, ids: torch.Tensor, config: CompressionConfig, mode: str, chunk: int, every: int, log) -> list[dict]:
     """Stream ``ids`` through ``model`` with a compressed cache; returns one sample per ``every`` tokens."""
@@ -67,16 +82,9 @@ def run(model, ids: torch.Tensor, config: CompressionConfig, mode: str, chunk: i
     samples, fed, next_sample = [], 0, every
     low, high = float("inf"), 0  # cache bytes after every forward pass since the last sample
     total = ids.shape[1]
-    token = ids[:, :1]
     start = time.perf_counter()
-    while fed < total:
-        if mode == "read":
-            step = ids[:, fed : fed + chunk]
-        else:
-            step = token if fed else ids[:, :1]
-        logits = model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        token = logits[:, -1:].argmax(-1)
-        fed += step.shape[1]
+    for tokens in passes(model, ids, cache, mode, chunk):
+        fed += tokens
         nbytes = cache.nbytes()
         low, high = min(low, nbytes), max(high, nbytes)
         if fed >= next_sample or fed >= total:

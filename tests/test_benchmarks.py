@@ -245,3 +245,45 @@ def test_serving_smoke_compares_the_two_servers_under_load(tmp_path):
     assert rows["h2o 0.2 int4"]["prompt_tokens"] == rows["uncompressed"]["prompt_tokens"]  # the same mix
     markdown = out.with_suffix(".md").read_text()
     assert data["command"] in markdown and data["cpu"] in markdown and "cores" in data["cpu"]
+
+
+#: The benchmarks that time decoding, and the package's own steps each must run (the decode loop, the prefill).
+DECODING_BENCHMARKS = {
+    "decode_speed.py": {"fixed_steps", "feed_prompt", "compiled_decode_step", "decode_step"},
+    "long_stream.py": {"fixed_steps", "prompt_chunks", "decode_step"},
+    "gpu_throughput.py": {"run_steps", "prompt_chunks", "prefill_replicated", "compiled_decode_step", "decode_step"},
+}
+
+
+def _model_calls_in_loops(tree) -> list[int]:
+    """Lines of a call passing ``past_key_values=`` inside a ``for``/``while`` loop or a comprehension: a forward
+    pass per iteration, i.e. a hand-written decode loop or chunked prefill."""
+    import ast
+
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.GeneratorExp, ast.ListComp))]
+    return sorted({call.lineno for loop in loops for call in ast.walk(loop) if isinstance(call, ast.Call)
+                   and any(k.arg == "past_key_values" for k in call.keywords)})
+
+
+@pytest.mark.parametrize("script", sorted(DECODING_BENCHMARKS))
+def test_decoding_benchmarks_run_the_package_steps_not_their_own_loops(script):
+    import ast
+
+    tree = ast.parse((ROOT / "benchmarks" / script).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("h2o_compress.runtime") for alias in node.names}
+    missing = DECODING_BENCHMARKS[script] - imported
+    assert not missing, f"{script} no longer imports {missing}"
+    assert _model_calls_in_loops(tree) == [], f"{script} runs its own forward passes in a loop"
+    defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert not defined & {"decode_step", "forward_step", "Stepper", "decode_one", "prefill"}  # no private copies
+
+
+def test_the_loop_scan_finds_a_hand_written_decode_loop():
+    import ast
+
+    loop = ("for _ in range(8):\n    logits = model(input_ids=token, past_key_values=cache).logits\n"
+            "    token = logits.argmax(-1)\n")
+    chunks = "outs = [model(input_ids=c, past_key_values=cache) for c in ids.split(64, 1)]\n"
+    assert _model_calls_in_loops(ast.parse(loop)) == [2] and _model_calls_in_loops(ast.parse(chunks)) == [1]
+    assert _model_calls_in_loops(ast.parse("model(input_ids=ids, past_key_values=cache)\n")) == []

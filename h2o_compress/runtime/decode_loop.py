@@ -199,3 +199,50 @@ def decoding(step: StepFn, model, cache, token: torch.Tensor, seen: int, pick: P
             compile_s += done.seconds
         yield ids
     return Decoded(ids, decode_s, compile_s)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy next-token choice (`PickFn`): the argmax of logits ``[rows, vocab]`` as ids ``[rows, 1]``."""
+    return logits.argmax(-1, keepdim=True)
+
+
+def fixed_steps(step: StepFn, model, cache, token: torch.Tensor, seen: int, count: int, pick: PickFn = greedy,
+                untimed: int = 0, device: torch.device | None = None) -> Iterator[Step]:
+    """Exactly ``count`` decode steps of every row through `decode_steps`, with no stop rule: each step feeds the
+    previous step's ids (the first feeds ``token``) at the next position, its inputs from
+    `h2o_compress.runtime.compiled.step_inputs` (no mask for a compressed cache, the all-ones mask for any other),
+    as `decode` feeds them. What a benchmark runs to time a fixed number of steps of the package's own loop, for
+    our cache and a transformers cache alike.
+
+    Args:
+        step: the decode step (`StepFn`).
+        model: the causal LM.
+        cache: the cache after the prefill (any ``transformers`` cache, or a compressed one).
+        token: the ids fed first, ``[rows, 1]`` on the model's device.
+        seen: tokens the cache had seen when ``token`` was picked (the position ``token`` is fed at).
+        count: steps to run (``0``: none).
+        pick: the next-token choice (`PickFn`; default `greedy`).
+        untimed: as for `decode_steps`.
+        device: as for `decode_steps`.
+
+    Yields:
+        Each `Step`; the last one's ``token`` is what a next step would feed.
+    """
+    current, done = [token], [0]
+
+    def feed() -> tuple:
+        return (current[0], *step_inputs(cache, current[0], seen + done[0]))
+
+    for finished in decode_steps(step, model, cache, feed, pick, lambda: done[0] < count, untimed, device):
+        current[0] = finished.token
+        done[0] += 1
+        yield finished
+
+
+def run_steps(step: StepFn, model, cache, token: torch.Tensor, seen: int, count: int, pick: PickFn = greedy,
+              device: torch.device | None = None) -> torch.Tensor:
+    """Run `fixed_steps` (the arguments as there) to the end; returns the ids ``[rows, 1]`` the last step picked
+    (``token`` itself for ``count`` 0): the input of a next step."""
+    for finished in fixed_steps(step, model, cache, token, seen, count, pick, device=device):
+        token = finished.token
+    return token

@@ -13,6 +13,7 @@ import torch
 from h2o_compress.models import model_dims
 from h2o_compress.models.identity import model_fingerprint, record_model
 from h2o_compress.persistence import PromptState
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import CacheStateError, InputError
 from h2o_compress.utils.progress import report, reporting
 
@@ -139,8 +140,8 @@ def prefill_step(cache, tokens: int) -> int:
 def pending_context_scores(cache) -> bool:
     """Whether a layer of ``cache`` holds context scores (`h2o_compress.runtime.context_scores.hand_context_scores`)
     not yet used: they rank the whole prompt in one multi-token step."""
-    return any(getattr(getattr(layer, "policy", None), "context_scores", None) is not None
-               for layer in getattr(cache, "layers", ()))
+    return any(getattr(layer.setting.policy, "context_scores", None) is not None
+               for layer in getattr(cache, "attention_layers", ()))
 
 
 @torch.no_grad()
@@ -167,7 +168,7 @@ def feed_prompt(model, inputs: torch.Tensor, cache) -> torch.Tensor:
     return logits
 
 
-def prompt_chunks(model, inputs: torch.Tensor, cache) -> Iterator[tuple[int, torch.Tensor]]:
+def prompt_chunks(model, inputs: torch.Tensor, cache, chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """The chunks of `feed_prompt`, one forward pass per ``next()``: a caller can run other work between them (the
     batch job decodes its running rows while a new prompt is prefilled: `h2o_compress.runtime.batch`).
 
@@ -175,18 +176,53 @@ def prompt_chunks(model, inputs: torch.Tensor, cache) -> Iterator[tuple[int, tor
         model: the causal LM.
         inputs: int64 ``[batch, tokens]``, the tokens after those ``cache`` holds.
         cache: the cache the chunks go into (chunk size: `prefill_step`).
+        chunk: tokens per forward pass instead of `prefill_step`'s (a benchmark feeding every cache, a
+            transformers one too, in chunks of one size); ``None``: `prefill_step`'s.
 
     Yields:
         ``(tokens, logits)``: the chunk's token count and the logits ``[batch, vocab]`` (model dtype) of the token
         after it; the last chunk's are the prompt's next-token logits.
     """
     tokens = inputs.shape[1]
-    step = prefill_step(cache, tokens)
+    step = chunk or prefill_step(cache, tokens)
     for start in range(0, tokens, step):
         chunk = inputs[:, start : start + step]
         with torch.no_grad():
             logits = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         yield chunk.shape[1], logits
+
+
+@torch.no_grad()
+def prefill_replicated(model, input_ids: torch.Tensor, cache, batch: int, chunk: int | None = None) -> torch.Tensor:
+    """Prefill one prompt and replicate the filled cache to ``batch`` rows: the prompt runs once (in chunks, as
+    `prompt_chunks`), then every layer's rows are copied from row 0 (``cache.reorder_cache``), so a batch decode
+    starts from ``batch`` identical sequences at the cost of one prefill (a throughput benchmark's batch).
+
+    Args:
+        model: the causal LM.
+        input_ids: int64 ``[1, tokens]``, the prompt (the cache holds nothing yet).
+        cache: an empty cache with ``reorder_cache`` (ours or a transformers ``DynamicCache``/``StaticCache``; not
+            a ``QuantizedCache``, whose quantized part is not reordered).
+        batch: rows after the replication (>= 1; 1 replicates nothing).
+        chunk: tokens per forward pass (``None``: `prefill_step`'s).
+
+    Returns:
+        The prompt's next-token logits, ``[batch, vocab]`` (model dtype), the same in every row.
+
+    Raises:
+        InputError: ``input_ids`` is not one row.
+        ConfigError: ``batch`` is not an integer >= 1.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise InputError(f"prefill_replicated takes one prompt, ids of shape [1, tokens], not "
+                         f"{tuple(input_ids.shape)}; allowed: one row, replicated to batch rows")
+    check_count("batch", batch, unit="rows after the replication", maximum=None)
+    logits = None
+    for _, logits in prompt_chunks(model, input_ids, cache, chunk):
+        pass
+    if batch > 1:
+        cache.reorder_cache(torch.zeros(batch, dtype=torch.long, device=input_ids.device))
+    return logits.expand(batch, -1)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
