@@ -260,3 +260,54 @@ def test_no_weight_stays_in_the_converted_checkpoints_memory_map(four_layer_dir)
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
     assert not [t.shape for t in tensors if any(a <= t.data_ptr() < b for a, b in mapped)]
     assert torch.equal(model.get_input_embeddings().weight, fp32.get_input_embeddings().weight)
+
+
+def _packed_kernel_only(layer: Int8Linear) -> Int8Linear:
+    """A copy of ``layer`` that runs the packed int8 kernel for any number of rows."""
+    import copy
+
+    other = copy.deepcopy(layer)
+    other.dense_rows = None
+    return other
+
+
+def test_many_rows_take_the_dense_bf16_path_and_agree_with_the_packed_kernel_within_bf16_rounding(monkeypatch):
+    import h2o_compress.models.int8_linear as int8_linear
+
+    monkeypatch.setattr(int8_linear, "dense_bf16_cpu", lambda: True)
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(torch.nn.Linear(64, 48, bias=True))
+    assert layer.dense_rows == int8_linear.DENSE_ROWS
+    packed = _packed_kernel_only(layer)
+    many, one = torch.randn(2, layer.dense_rows, 64), torch.randn(1, 1, 64)
+    with torch.inference_mode():
+        assert torch.equal(layer(one), packed(one))  # a decode row stays on the packed kernel
+        dense = layer(many)
+        # the dense path: bf16 input x int8 codes (exact in bf16), scales on the output in fp32
+        exact = (many.to(COMPUTE_DTYPE).float() @ layer.weight_int8.float().T) * layer.scales.float() + layer.bias
+    assert dense.shape == (2, layer.dense_rows, 48) and dense.dtype == torch.float32
+    peak = exact.abs().max().item()
+    assert (dense - exact).abs().max() < 2 ** -7 * peak  # one bf16 rounding of the GEMM's output
+    assert (dense - packed(many)).abs().max() < 2 ** -6 * peak
+
+
+def test_a_cpu_without_bf16_instructions_keeps_the_packed_kernel_for_every_product(monkeypatch):
+    import h2o_compress.models.int8_linear as int8_linear
+
+    monkeypatch.setattr(int8_linear, "dense_bf16_cpu", lambda: False)
+    layer = Int8Linear.from_linear(torch.nn.Linear(64, 48))
+    assert layer.dense_rows is None
+    x = torch.randn(int8_linear.DENSE_ROWS * 2, 64)
+    assert torch.equal(layer(x), _packed_kernel_only(layer)(x))
+
+
+def test_both_paths_capture_in_one_graph(monkeypatch):
+    """The decode row (packed kernel) and a many-row product (dense path) each trace without a graph break."""
+    import h2o_compress.models.int8_linear as int8_linear
+
+    monkeypatch.setattr(int8_linear, "dense_bf16_cpu", lambda: True)
+    layer = Int8Linear.from_linear(torch.nn.Linear(64, 48))
+    compiled = torch.compile(layer, backend="eager", fullgraph=True, dynamic=False)
+    for rows in (1, layer.dense_rows):
+        x = torch.randn(1, rows, 64)
+        assert torch.equal(compiled(x), layer(x))
