@@ -48,7 +48,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from h2o_compress.config import COMMAND_POLICY, MAX_TOKENS, CompressionConfig, check_usable, parse_budget
+from h2o_compress.config import (
+    COMMAND_POLICY, LEGACY_OPTIONS, MAX_TOKENS, CompressionConfig, check_usable, parse_budget,
+)
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
 from h2o_compress.runtime.prefill import context_window, prefill
@@ -69,7 +71,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 MODEL_TYPE = "h2o-compress"
-COMPRESSION_ARGS = tuple(field.name for field in dataclasses.fields(CompressionConfig))
+# the config's fields, and the policy options earlier versions had as fields (profile rows still write them)
+COMPRESSION_ARGS = tuple(field.name for field in dataclasses.fields(CompressionConfig)) + tuple(LEGACY_OPTIONS)
 """model_args that set the compression (the fields of [`CompressionConfig`][h2o_compress.config.CompressionConfig])."""
 OWN_ARGS = ("pretrained", "tokenizer", "device", "dtype", "weights_bits", "trust_remote_code", "batch_size",
             "chunk_size")

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("ra
 # Figures that depend on the clock or on the process (its peak RSS), not on what was computed.
 VOLATILE = ("seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_speed_ratio", "tokens_per_s",
             "peak_memory_bytes", "peak_memory_delta_bytes", "memory_after_load_bytes", "memory_after_warmup_bytes",
-            "prefill_s", "decode_s", "compile_s")
+            "prefill_s", "decode_s", "compile_s", "memory_before_bytes", "workspace_bytes")
 
 
 def stable(value):
