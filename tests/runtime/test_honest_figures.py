@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from h2o_compress import CompressionConfig, generate
 from h2o_compress.cli.generate import kv_share_text
