@@ -23,53 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import functools
-
-import torch.nn.functional as F
-
 from h2o_compress.models.int8_linear import (
-    COMPUTE_DTYPE, ONE_THREAD_BYTES, dense_bf16_cpu, one_row_product, quantize_linears,
-    release_source_weights,
+    COMPUTE_DTYPE, ONE_THREAD_BYTES, one_row_product, quantize_linears, release_source_weights,
 )
 
 GROUP_SIZE = 32  # input features per scale and zero: GGUF's Q4_1 block, so the embedded model's codes come back
 OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs out_features divisible by 16
-
-
-UNPACK_BLOCK = 64  # output rows per block of torch's int4 CPU packing that `unpack_int4` reads
-#: `Int4Linear`'s `DENSE_ROWS`: unpacking the codes costs more than casting int8 ones, so the dense bf16 path
-#: pays off later (crossover measured between 64 and 128 rows: ``benchmarks/results/cpu_weight_kernels.md``).
-DENSE_ROWS = 128
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The codes ``[out, in]`` (uint8, 0..15) that ``aten._convert_weight_to_int4pack_for_cpu`` packed into
-    ``packed`` ``[out, in / 2]`` when ``out`` is a multiple of `UNPACK_BLOCK` (every layer of SmolLM2 and Llama-style
-    models): torch's CPU layout ``[out / 64, in, 32]``, row ``d`` of a block in a byte's low half and row ``d + 32``
-    in its high half. `packing_is_known` checks it against the running torch.
-
-    Raises:
-        ValueError: ``out`` is not a multiple of `UNPACK_BLOCK` (torch packs the rest differently).
-    """
-    out, width = packed.shape[0], packed.shape[1] * 2
-    if out % UNPACK_BLOCK:
-        raise ValueError(f"unpack_int4 reads out_features divisible by {UNPACK_BLOCK}; got {out}")
-    grid = packed.reshape(out // UNPACK_BLOCK, width, UNPACK_BLOCK // 2)
-    codes = torch.cat([grid & 15, grid >> 4], dim=2)  # [out / 64, in, 64]
-    return codes.transpose(1, 2).reshape(out, width)
-
-
-@functools.cache
-def packing_is_known() -> bool:
-    """Whether `unpack_int4` inverts this torch's int4 CPU packing (probed once per process on 64 to 192 output
-    rows): if not, `Int4Linear` keeps the packed kernel for every product."""
-    for out in (64, 128, 192):
-        codes = torch.randint(0, 16, (out, 2 * GROUP_SIZE), dtype=torch.int32,
-                              generator=torch.Generator().manual_seed(out))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        if packed.shape != (out, GROUP_SIZE) or not torch.equal(unpack_int4(packed).int(), codes):
-            return False
-    return True
 
 
 class Int4Linear(nn.Module):
@@ -82,10 +41,6 @@ class Int4Linear(nn.Module):
     Attributes:
         in_features, out_features: as ``nn.Linear``'s.
         one_thread: a one-row product runs on one thread (half a byte per weight under `ONE_THREAD_BYTES`).
-        dense_rows: products over at least this many rows run as one bf16 GEMM on `dense_weight`
-            (`DENSE_ROWS`); None where the CPU lacks bf16
-            instructions, where ``out_features`` is not a multiple of `UNPACK_BLOCK` or `unpack_int4` does not
-            match torch's packing: the packed kernel always.
     """
 
     PACKED = True  # its buffers are packed weights (`release_source_weights` leaves them alone)
@@ -98,8 +53,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.one_thread = weight_int4.numel() < ONE_THREAD_BYTES
-        dense = self.out_features % UNPACK_BLOCK == 0 and dense_bf16_cpu() and packing_is_known()
-        self.dense_rows = DENSE_ROWS if dense else None
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
@@ -135,22 +88,12 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if self.dense_rows is not None and rows.shape[0] >= self.dense_rows:
-            out = F.linear(rows, self.dense_weight())
-        else:
-            out = one_row_product(self.one_thread, torch.ops.aten._weight_int4pack_mm_for_cpu, rows,
-                                  self.weight_int4, GROUP_SIZE, self.scales_and_zeros)
+        out = one_row_product(self.one_thread, torch.ops.aten._weight_int4pack_mm_for_cpu, rows, self.weight_int4,
+                              GROUP_SIZE, self.scales_and_zeros)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out
-
-    def dense_weight(self) -> torch.Tensor:
-        """The weight ``[out, in]`` in `COMPUTE_DTYPE`, dequantized from the codes for one many-row product
-        (``(q - 8) * step + zero``, each value rounded to bf16 as the kernel's)."""
-        groups = unpack_int4(self.weight_int4).reshape(self.out_features, -1, GROUP_SIZE).to(COMPUTE_DTYPE)
-        step, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [out, in / GROUP_SIZE] each
-        return groups.sub_(8).mul_(step[..., None]).add_(zero[..., None]).reshape(self.out_features, -1)
 
     def dequantized(self) -> torch.Tensor:
         """The weight ``[out, in]`` this module computes with, for checks: the identity matrix through the kernel,

@@ -3,9 +3,7 @@
 [`Int8Linear`][h2o_compress.models.int8_linear.Int8Linear] replaces an ``nn.Linear``: its weight is stored as
 per-output-channel symmetric int8 (``weight_int8 [out, in]``, ``scales [out]``: ``w ~= weight_int8 * scales[:, None]``,
 ``scales = max |w_row| / 127``) and its forward calls ``torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)``,
-which dequantizes inside the matmul, so each decoded token reads 1 byte per weight instead of 4. A product over
-many rows (a prefill chunk) runs instead as one dense bf16 GEMM on the codes, where the CPU has bf16 instructions
-(`DENSE_ROWS`, `dense_bf16_cpu`).
+which dequantizes inside the matmul, so each decoded token reads 1 byte per weight instead of 4.
 
 The kernel takes activations in bf16, fp16 or fp32 and the scales in the activation's dtype. On a decode row, with fp32
 activations it is several times *slower* than an fp32 matmul, with bf16 activations several times faster
@@ -20,11 +18,9 @@ one is [`load_model`][h2o_compress.load_model]'s for ``weights_bits=8`` on CPU.
 from __future__ import annotations
 
 import ctypes
-import functools
 import gc
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside the kernel, and the scales' dtype
@@ -33,26 +29,6 @@ COMPUTE_DTYPE = torch.bfloat16  # activations inside the kernel, and the scales'
 #: costs more than it saves on so little work. SmolLM2 decoded fastest with its decoder layers' products (at most
 #: 0.9 MB each) on one thread and its 28 MB output head on two.
 ONE_THREAD_BYTES = 4 << 20
-
-
-#: A product over at least this many rows (a prefill chunk, a perplexity window; never a decode step) dequantizes the
-#: weight to bf16 and runs one dense bf16 GEMM instead of the packed kernel, on a CPU with bf16 matrix or vector
-#: instructions (`dense_bf16_cpu`): there torch's packed int8 and int4 kernels scale with the rows about like a loop
-#: of one-row products, while oneDNN's bf16 GEMM does not (crossover measured between 16 and 64 rows for the decoder
-#: layers' shapes: ``benchmarks/results/cpu_weight_kernels.md``). `Int4Linear` has its own threshold.
-DENSE_ROWS = 32
-
-
-@functools.cache
-def dense_bf16_cpu() -> bool:
-    """Whether many-row products take the dense bf16 path (`DENSE_ROWS`): oneDNN is built in and the CPU reports
-    AMX tiles or AVX512-BF16 (``torch.cpu``'s capability checks). Computed once per process; False where torch
-    cannot tell."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    try:
-        return torch.backends.mkldnn.is_available() and any(check() for check in checks if check is not None)
-    except RuntimeError:
-        return False
 
 
 def one_row_product(one_thread: bool, product, rows: torch.Tensor, *weights):
@@ -77,8 +53,6 @@ class Int8Linear(nn.Module):
     Attributes:
         in_features, out_features: as ``nn.Linear``'s.
         one_thread: a one-row product runs on one thread (the weight is under `ONE_THREAD_BYTES`).
-        dense_rows: products over at least this many rows run as one bf16 GEMM on the weight dequantized for the
-            call (`DENSE_ROWS`); None on a CPU without bf16 instructions (`dense_bf16_cpu`): the packed kernel always.
     """
 
     PACKED = True  # its buffers are packed weights (`release_source_weights` leaves them alone)
@@ -90,7 +64,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.one_thread = weight_int8.numel() < ONE_THREAD_BYTES
-        self.dense_rows = DENSE_ROWS if dense_bf16_cpu() else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -112,12 +85,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if self.dense_rows is not None and rows.shape[0] >= self.dense_rows:
-            # codes are exact in bf16; the per-row scale goes on the output columns, so no weight is rounded
-            out = F.linear(rows, self.weight_int8.to(COMPUTE_DTYPE)).float() * self.scales.float()
-        else:
-            out = one_row_product(self.one_thread, torch.ops.aten._weight_int8pack_mm, rows, self.weight_int8,
-                                  self.scales)
+        out = one_row_product(self.one_thread, torch.ops.aten._weight_int8pack_mm, rows, self.weight_int8, self.scales)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)

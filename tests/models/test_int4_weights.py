@@ -82,37 +82,3 @@ def test_two_4bit_models_differing_only_in_their_packed_layers_have_different_fi
     layer.weight_int4 = layer.weight_int4 ^ 1  # one code bit of every byte: parameters unchanged
     assert model_fingerprint(model) == model_fingerprint(same)
     assert model_fingerprint(model) != model_fingerprint(other)
-
-
-def test_unpacking_inverts_torchs_int4_cpu_packing_and_refuses_other_widths():
-    from h2o_compress.models.int4_linear import UNPACK_BLOCK, packing_is_known, unpack_int4
-
-    assert packing_is_known()
-    for out in (UNPACK_BLOCK, 192, 576):
-        codes = torch.randint(0, 16, (out, 96), dtype=torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        assert torch.equal(unpack_int4(packed).int(), codes)
-    with pytest.raises(ValueError, match="divisible by 64; got 48"):
-        unpack_int4(torch.zeros(48, 16, dtype=torch.uint8))
-
-
-def test_many_rows_take_the_dense_bf16_path_where_the_layout_is_known(monkeypatch):
-    import copy
-
-    import h2o_compress.models.int4_linear as int4_linear
-
-    monkeypatch.setattr(int4_linear, "dense_bf16_cpu", lambda: True)
-    linear, _ = q4_1_linear(out=64, width=128)
-    layer = Int4Linear.from_linear(linear)
-    assert layer.dense_rows == int4_linear.DENSE_ROWS
-    assert Int4Linear.from_linear(nn.Linear(64, 48)).dense_rows is None  # 48 outputs: torch packs them otherwise
-    # each of (q - 8) * step and + zero rounds to bf16 (the kernel rounds once): one ulp of the largest weight
-    peak = layer.dequantized().abs().max().item()
-    torch.testing.assert_close(layer.dense_weight().float(), layer.dequantized(), atol=2 ** -7 * peak, rtol=0)
-    packed = copy.deepcopy(layer)
-    packed.dense_rows = None
-    many, one = torch.randn(layer.dense_rows, 128), torch.randn(1, 128)
-    with torch.inference_mode():
-        assert torch.equal(layer(one), packed(one))  # a decode row stays on the packed kernel
-        dense, reference = layer(many), packed(many)
-    assert (dense - reference).abs().max() < 2 ** -6 * reference.abs().max()

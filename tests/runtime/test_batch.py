@@ -281,12 +281,15 @@ def test_rows_join_the_batch_without_autograd_history(tokenizer, monkeypatch):
 @torch.inference_mode()
 def test_smollm2_batched_answers_equal_generate_alone(smollm2):
     """The real model (GQA, chat template): batch sizes 1, 3 and 8 over prompts of different lengths give the
-    greedy tokens generate gives each prompt alone, at an integer budget and 4 bits."""
+    greedy tokens generate gives each prompt alone, at an integer budget and 4 bits. The torch form of the decode
+    attention: on an Intel AMX machine the native CPU kernel's batched sums differ from a lone row's in the last
+    bits, enough to flip a near-tie in one of these answers at its 5th token (the tiny-model tests above check the
+    native kernel's batches)."""
     model, tokenizer = smollm2
     prompts = ["Explain what a KV cache is.", "Name three colours.",
                "Write one sentence about the sea, then one about the mountains, and one about rivers.",
                "What is 2 + 2?", "Why is the sky blue? Answer in one short sentence."]
-    config = CompressionConfig(budget=24, kv_bits=4)
+    config = CompressionConfig(budget=24, kv_bits=4, attention_kernel="torch")
     expected = [generate(model, tokenizer, p, config, max_new_tokens=12).token_ids for p in prompts]
     for batch_size in (1, 3, 8):
         run = generate_batch(model, tokenizer, prompts, config, max_new_tokens=12, batch_size=batch_size,
