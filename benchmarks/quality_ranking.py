@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from h2o_compress import CompressionConfig
+from streaming_quality import parse_setting  # the settings as that benchmark wrote them
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,22 +32,6 @@ TUNING_TEXTS = ("sherlock",)
 PLANNED_FIELDS = ("policy", "budget", "kv_bits", "k_bits", "v_bits", "quant", "group_size", "residual",
                   "heavy_ratio", "sink_tokens", "high_bits_fraction", "head_budgets", "layer_budgets")
 SAME_AS = {"lookahead": "h2o", "snapkv": "h2o"}  # the same ranking of a token-by-token stream
-
-
-def parse_setting(text: str) -> dict:
-    """``"budget=0.2,kv_bits=4"`` -> ``{"budget": 0.2, "kv_bits": 4}`` (as ``streaming_quality.py`` reads it)."""
-    fields = {}
-    for part in filter(None, text.split(",")):
-        key, _, value = part.partition("=")
-        for kind in (int, float):
-            try:
-                fields[key] = kind(value)
-                break
-            except ValueError:
-                continue
-        else:
-            fields[key] = value
-    return fields
 
 
 def canonical(fields: dict) -> dict:

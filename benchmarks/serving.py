@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shlex
 import socket
@@ -33,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from prompt_read_whole import cpu_name as cpu_features  # the model and vector features, as that benchmark reads them
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The two servers compared: their name and their compression flags.
@@ -83,13 +84,8 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def cpu_name() -> str:
-    """The CPU model and its widest vector features (from /proc/cpuinfo)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
-    return f"{model} ({', '.join(features) or 'no AVX2'}), {os.cpu_count()} cores"
+    """The CPU model, its widest vector features and its core count."""
+    return f"{cpu_features()}, {os.cpu_count()} cores"
 
 
 def save_tiny_model(path: Path) -> str:
