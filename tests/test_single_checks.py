@@ -23,7 +23,6 @@ INTEGER_CHECK = re.compile(r"isinstance\(([\w.\[\]'\"]+), bool\)\s*or\s+not\s+is
 
 CLAMP_ALLOWED = {
     "config.py": 1,  # clamp_capacity itself
-    "runtime/batch.py": 1,  # BatchRun._split_layers: to become config.kept_tokens(self.longest)
 }
 INTEGER_CHECK_ALLOWED = {
     "utils/checks.py": 1,  # check_count itself

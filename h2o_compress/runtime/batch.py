@@ -400,10 +400,9 @@ class _Batch:
 
     def _split_layers(self, first: list[Prepared]) -> None:
         """``layer_budgets="global"``: each layer's capacity, from the scores of the first prompts (each alone)."""
-        capacity = self.config.capacity(self.longest)
+        capacity = self.config.kept_tokens(self.longest)
         if capacity is None:
             return
-        capacity = min(capacity, self.longest)
         width = max(p.ids.numel() for p in first)
         scores = [score_context(self.model, self.tokenizer, p.ids[None].to(self.device),
                                 self.config.eviction_policy(), True) for p in first]
