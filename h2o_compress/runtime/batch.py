@@ -48,6 +48,7 @@ from h2o_compress.runtime.generation import (
 )
 from h2o_compress.cache.module_states import states_in_cache
 from h2o_compress.models.weights import input_device
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
 
 MAX_BATCH_SIZE = 4096
@@ -115,9 +116,8 @@ class BatchRun:
 
 def check_batch_size(batch_size) -> int:
     """``batch_size`` if it is an integer in [1, `MAX_BATCH_SIZE`]; raises ConfigError naming it otherwise."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH_SIZE:
-        raise ConfigError(f"batch_size={short(batch_size)} is invalid; allowed: an integer from 1 to {MAX_BATCH_SIZE}")
-    return batch_size
+    return check_count("batch_size", batch_size, maximum=MAX_BATCH_SIZE,
+                       allowed=f"an integer from 1 to {MAX_BATCH_SIZE}")
 
 
 def row_config(config: CompressionConfig, longest: int) -> CompressionConfig:

@@ -23,7 +23,7 @@ from h2o_compress.planner import parse_memory
 from h2o_compress.runtime.batch import check_batch_size
 from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import check_config, check_generation_args
-from h2o_compress.utils.checks import check_threads
+from h2o_compress.utils.checks import check_count, check_threads
 from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 from h2o_compress.utils.memory import PeakMemory
 
@@ -48,10 +48,8 @@ def check_server_settings(host: str, port: int, max_queue: int) -> None:
     (not an integer >= 1)."""
     if not isinstance(host, str) or not host.strip():
         raise ConfigError(f"host={short(host)} is invalid; allowed: an address or name such as 127.0.0.1 or 0.0.0.0")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
-        raise ConfigError(f"port={short(port)} is invalid; allowed: an integer from 0 to {MAX_PORT}")
-    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-        raise ConfigError(f"max_queue={short(max_queue)} is invalid; allowed: an integer >= 1")
+    check_count("port", port, minimum=0, maximum=MAX_PORT, allowed=f"an integer from 0 to {MAX_PORT}")
+    check_count("max_queue", max_queue, maximum=None, allowed="an integer >= 1")
 
 
 def check_ray(ray: str | None, replicas: int) -> None:
@@ -61,8 +59,7 @@ def check_ray(ray: str | None, replicas: int) -> None:
     Raises:
         ConfigError: ``replicas`` not an integer >= 1 or given without ``ray``, an empty address, or any ``ray``.
     """
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"replicas={short(replicas)} is invalid; allowed: an integer >= 1 (with --ray)")
+    check_count("replicas", replicas, maximum=None, allowed="an integer >= 1 (with --ray)")
     if ray is None:
         if replicas != 1:
             raise ConfigError(f"--replicas {short(replicas)} needs --ray; allowed: --replicas 1 without --ray")

@@ -33,6 +33,7 @@ from h2o_compress.planner.plan import fit_batch
 from h2o_compress.runtime.batch import BatchStats, _Batch, check_batch_size, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, Prepared
 from h2o_compress.runtime.decode_loop import TextStream
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, one_line
 from h2o_compress.serving.metrics import Metrics
 
@@ -130,8 +131,7 @@ class Engine:
     def __init__(self, model, tokenizer, metrics: Metrics, batch_size: int = 8, max_queue: int = 64,
                  memory_limit: str | int | None = None, compile: bool | None = None, held: int | None = None):
         check_batch_size(batch_size)
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-            raise ConfigError(f"max_queue={max_queue!r} is invalid; allowed: an integer >= 1")
+        check_count("max_queue", max_queue, maximum=None, allowed="an integer >= 1")
         if memory_limit is not None:
             parse_memory(memory_limit)
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
