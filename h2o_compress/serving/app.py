@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
 import time
 
 from fastapi import FastAPI, Request
@@ -314,7 +315,13 @@ def _error_handlers(app: FastAPI) -> None:
 
 def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     """Serve ``app`` with uvicorn until SIGINT or SIGTERM (uvicorn's graceful shutdown: the open requests finish,
-    then the engine stops)."""
+    then the engine stops), and return: a stop by SIGTERM ends the command with exit code 0."""
     import uvicorn  # deferred: imported by the server alone (the tests run their own uvicorn.Server)
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    # after its graceful shutdown uvicorn re-raises the signal under the handler it found: for SIGTERM, this one,
+    # which lets the command return (the default handler would end the process with 143)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
