@@ -9,34 +9,62 @@ import os
 from h2o_compress.utils.errors import ConfigError, short
 
 
-def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int | None = 2**31 - 1,
-                allowed: str | None = None) -> int:
-    """``value`` if it is an integer (not a bool) in [``minimum``, ``maximum``] (``maximum`` ``None``: no upper
-    bound). Raises ConfigError naming the option otherwise: ``{name}={value} is invalid; allowed: {allowed}``, where
-    ``allowed`` defaults to ``an integer >= {minimum} ({unit}), at most {maximum}`` (an empty ``unit`` and a
-    ``None`` maximum leave their part out)."""
-    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
-            or (maximum is not None and value > maximum)):
-        if allowed is None:
-            allowed = f"an integer >= {minimum}" + (f" ({unit})" if unit else "")
-            allowed += "" if maximum is None else f", at most {maximum}"
-        raise ConfigError(f"{name}={short(value)} is invalid; allowed: {allowed}")
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer and not a bool (``True`` is an ``int`` to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """Whether ``value`` is an int or a float and not a bool (it may still be NaN or infinite: `check_number`)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_flag(name: str, value, allowed: str = "True or False", error: type[Exception] = ConfigError) -> bool:
+    """``value`` if it is a bool. Raises ``error`` (ConfigError by default) otherwise:
+    ``{name}={value} is invalid; allowed: {allowed}``."""
+    if not isinstance(value, bool):
+        raise error(f"{name}={short(value)} is invalid; allowed: {allowed}")
     return value
 
 
-def check_number(name: str, value, allowed: str, shown: str | None = None) -> float:
-    """``value`` if it is a finite int or float (not a bool). Raises ConfigError naming the option (``is not a
-    number`` or ``is not finite``) and ``allowed`` otherwise; ``shown``: the value as the user typed it, for the
-    message (default: ``value``'s repr, cut short)."""
+def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int | None = 2**31 - 1,
+                allowed: str | None = None, error: type[Exception] = ConfigError) -> int:
+    """``value`` if it is an integer (not a bool) in [``minimum``, ``maximum``] (``maximum`` ``None``: no upper
+    bound). Raises ``error`` (ConfigError by default) naming the option otherwise:
+    ``{name}={value} is invalid; allowed: {allowed}``, where ``allowed`` defaults to
+    ``an integer >= {minimum} ({unit}), at most {maximum}`` (an empty ``unit`` and a ``None`` maximum leave their
+    part out)."""
+    if not is_integer(value) or value < minimum or (maximum is not None and value > maximum):
+        if allowed is None:
+            allowed = f"an integer >= {minimum}" + (f" ({unit})" if unit else "")
+            allowed += "" if maximum is None else f", at most {maximum}"
+        raise error(f"{name}={short(value)} is invalid; allowed: {allowed}")
+    return value
+
+
+def check_fraction(name: str, value, allowed: str = "a number in [0, 1]", low: float = 0.0, high: float = 1.0,
+                   include_high: bool = True, error: type[Exception] = ConfigError) -> float:
+    """``value`` if it is a finite number (not a bool) in [``low``, ``high``] (``include_high`` false:
+    [``low``, ``high``)). Raises ``error`` (ConfigError by default) naming the option and ``allowed`` otherwise."""
+    if not is_real(value) or not (low <= value <= high) or (value == high and not include_high):
+        raise error(f"{name}={short(value)} is invalid; allowed: {allowed}")
+    return value
+
+
+def check_number(name: str, value, allowed: str, shown: str | None = None,
+                 error: type[Exception] = ConfigError) -> float:
+    """``value`` if it is a finite int or float (not a bool). Raises ``error`` (ConfigError by default) naming the
+    option (``is not a number`` or ``is not finite``) and ``allowed`` otherwise; ``shown``: the value as the user
+    typed it, for the message (default: ``value``'s repr, cut short)."""
     shown = short(value) if shown is None else shown
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}={shown} is not a number; allowed: {allowed}")
+    if not is_real(value):
+        raise error(f"{name}={shown} is not a number; allowed: {allowed}")
     try:
         finite = math.isfinite(value)
     except OverflowError:  # an integer too large for a float (a config file may hold one of 4,000 digits)
         finite = False
     if not finite:
-        raise ConfigError(f"{name}={shown} is not finite; allowed: {allowed}")
+        raise error(f"{name}={shown} is not finite; allowed: {allowed}")
     return value
 
 
