@@ -19,24 +19,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "h2o_compress"
 
 # storage capped at the tokens the cache can see (not a window's or the sinks' cap, nor the tokens kept of a run)
 CLAMP = re.compile(r"min\(\s*cap\w*\s*,\s*(?:self\.)?(?:max_length|max_tokens|longest)\s*\)")
-INTEGER_CHECK = re.compile(r"isinstance\(([\w.\[\]'\"]+), bool\)\s*or\s+not\s+isinstance\(\1, int\)")
+# any check that a value is not a bool (an int or number check, or a flag check) written by hand
+INTEGER_CHECK = re.compile(r"isinstance\(([^,()]+), bool\)")
 
 CLAMP_ALLOWED = {
     "config.py": 1,  # clamp_capacity itself
 }
 INTEGER_CHECK_ALLOWED = {
-    "utils/checks.py": 1,  # check_count itself
-    # a different rule or message than check_count's: -1 allowed, a returned reason, ModelLoadError, set
-    # membership ("is not supported"), a message without the value, a filter, a list's items
-    "cache/container.py": 1,
-    "jobs/batch_files.py": 1,
-    "models/dims.py": 1,
-    "models/weights.py": 3,
-    "planner/sizes.py": 1,
-    "planner/settings.py": 1,
-    "runtime/generation.py": 1,
-    # not yet moved to check_count (their modules were being edited elsewhere)
-    "calibration/__init__.py": 1,
+    "utils/checks.py": 3,  # is_integer, is_real and check_flag themselves
+    "cli/reference.py": 1,  # how a flag's default is printed, not a check of a value given
 }
 
 
@@ -51,7 +42,7 @@ def _counts(pattern: re.Pattern) -> Counter:
 
 @pytest.mark.parametrize(("pattern", "allowed", "helper"), [
     (CLAMP, CLAMP_ALLOWED, "CompressionConfig.kept_tokens or clamp_capacity"),
-    (INTEGER_CHECK, INTEGER_CHECK_ALLOWED, "h2o_compress.utils.checks.check_count"),
+    (INTEGER_CHECK, INTEGER_CHECK_ALLOWED, "h2o_compress.utils.checks (is_integer, is_real, check_flag, check_count)"),
 ])
 def test_no_hand_written_copy_comes_back(pattern, allowed, helper):
     extra = {path: n for path, n in _counts(pattern).items() if n > allowed.get(path, 0)}
@@ -61,7 +52,7 @@ def test_no_hand_written_copy_comes_back(pattern, allowed, helper):
 def test_the_scan_sees_the_helpers():
     """The patterns match the helpers' own lines, so a scan that finds nothing is not a broken regex."""
     assert _counts(CLAMP)["config.py"] == 1
-    assert _counts(INTEGER_CHECK)["utils/checks.py"] == 1
+    assert _counts(INTEGER_CHECK)["utils/checks.py"] == 3
 
 
 def test_kept_tokens_caps_the_capacity_at_the_length():
@@ -87,3 +78,18 @@ def test_check_count_messages(kwargs, message):
 
 def test_check_count_without_maximum_takes_any_size():
     assert check_count("n", 2**80, maximum=None) == 2**80
+
+
+CHECK_FUNCTION = re.compile(r"^\s*def (check_\w+)\(", re.MULTILINE)
+MOST_CHECK_FUNCTIONS = 50
+
+
+def test_checks_are_few_and_none_is_skipped():
+    """A value is checked once where it enters: few ``check_*`` functions in the package, and no flag that lets a
+    caller skip a check made before (a request object is validated once, and the runtime trusts it)."""
+    sources = {path.relative_to(PACKAGE).as_posix(): path.read_text(encoding="utf-8")
+               for path in sorted(PACKAGE.rglob("*.py"))}
+    names = [name for text in sources.values() for name in CHECK_FUNCTION.findall(text)]
+    assert len(names) <= MOST_CHECK_FUNCTIONS, f"{len(names)} check_ functions: {sorted(names)}"
+    skipping = [path for path, text in sources.items() if re.search(r"\w+_checked_for\b|skip_checks?\b", text)]
+    assert not skipping, f"a flag that skips validation: {skipping}"
