@@ -199,24 +199,55 @@ def test_cpu_peers_refuses_unknown_engines_before_loading_anything():
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.slow
-def test_gpu_check_smoke_runs_every_step_and_reports_as_it_goes(tmp_path):
-    """The prepared GPU check on the CPU (tiny sizes): every step runs and passes, and the report names each."""
-    command = [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path)]
+#: gpu_check.py's sections in priority order: (section letter of its docstring, step name).
+GPU_CHECK_ORDER = [("-", "environment"), ("a", "cuda-tests"), ("a", "triton-vs-torch"), ("b", "compiled-vs-eager"),
+                   ("c", "decode-speed"), ("d", "peak-vs-planner"), ("e", "max-batch")]
+
+
+def test_gpu_check_dry_run_gives_every_section_its_figures(tmp_path):
+    """``gpu_check.py --dry-run`` (CPU, tiny sizes): every section runs in priority order and
+    passes, and ``gpu_check.json`` holds each one's figures: pytest's counts, the Triton op and the compiled step
+    within tolerance of the torch form with the same tokens kept, tokens/s of the three settings at both contexts,
+    measured peak against the planner, and a larger batch for ours at the memory limit."""
+    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    steps = {step["name"]: step["status"] for step in report["steps"]}
-    assert steps == dict.fromkeys(["environment", "cuda-tests", "compiled-vs-eager", "decode-speed", "max-batch"],
-                                  "passed"), steps
-    speed = json.loads((tmp_path / "gpu_check_speed.json").read_text())
-    assert {row["setting"] for row in speed["speed"] if row["status"] == "ok"} == {
-        "sdpa-static+compile", "h2o0.2-4", "h2o0.2-4+compile"}
+    assert report["dry_run"] and [(s["section"], s["name"]) for s in report["steps"]] == GPU_CHECK_ORDER
+    assert all(s["status"] == "passed" and s["figures"] for s in report["steps"]), [
+        (s["name"], s["status"], s["output_tail"][-500:]) for s in report["steps"] if s["status"] != "passed"]
+    figures = {s["name"]: s["figures"] for s in report["steps"]}
+    cuda = figures["environment"][0]["cuda"]
+    counts = figures["cuda-tests"][0]
+    assert not counts.get("failed") and not counts.get("error") and counts.get("passed" if cuda else "skipped", 0) > 0
+    triton = figures["triton-vs-torch"]
+    if triton[0].get("skipped"):  # a figure-less row: accepted only on a CPU without Triton
+        assert not cuda and "Triton is not installed" in triton[0]["skipped"]
+    else:
+        assert {row["bits"] for row in triton} >= {4, 16} and all(
+            row["ok"] and row["same_tokens_kept"] and row["max_abs_logits_diff"] <= row["tolerance"]
+            and row["kernel"] == "triton" for row in triton)
+    (compiled,) = figures["compiled-vs-eager"]
+    assert compiled["steps"] == 64 and compiled["ok"] and compiled["same_tokens_kept"] and compiled["backend"]
+    assert compiled["max_abs_logits_diff"] <= 1e-4
+    speed = {(r["setting"], r["context"]): r for r in figures["decode-speed"] if r["status"] == "ok"}
+    assert set(speed) == {(s, c) for s in ("sdpa-static+compile", "h2o0.2-4", "h2o0.2-4+compile") for c in (96, 192)}
+    assert all(r["decode_tokens_per_s"] > 0 and r["batch"] == 4 for r in speed.values())
+    assert speed["h2o0.2-4", 192]["kv_bytes"] < speed["sdpa-static+compile", 192]["kv_bytes"] / 4
+    memory = {r["setting"]: r for r in figures["peak-vs-planner"]}
+    assert set(memory) == {"sdpa-static", "h2o0.2-4"}
+    assert all(r["peak_bytes"] > r["weight_bytes"] and 0.5 < r["measured_over_planned"] < 1.5 for r in memory.values())
+    assert memory["h2o0.2-4"]["planned_cache_bytes"] < memory["sdpa-static"]["planned_cache_bytes"] / 4
+    batches = {r["setting"]: r["confirmed"] for r in figures["max-batch"]}
+    assert batches["h2o0.2-4"] > batches["sdpa-dynamic"] >= 1
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"## {name}: figures" in markdown for _, name in GPU_CHECK_ORDER)
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
 
 
 def test_gpu_check_skips_a_step_past_its_budget(tmp_path):
-    """A step that would start past the check's budget is recorded as skipped, not run."""
+    """A step that would start past the check's budget is recorded as skipped, not run (``--smoke``: the old name
+    of ``--dry-run``)."""
     command = [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--budget-minutes", "0", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
