@@ -296,3 +296,92 @@ def test_user_pages_carry_no_issue_numbers_or_session_notes(page):
     found = [f"{page.name}:{n}: {line.strip()[:100]}" for n, line in enumerate(page.read_text().splitlines(), 1)
              if NOTES.search(line)]
     assert not found, f"issue numbers or session notes in a user page (they belong in the history): {found}"
+
+
+# -- the model counts ----------------------------------------------------------------------------------------------
+# The models guide is the source: the architecture matrix's counts (exact, refused, skipped) and transformers'
+# version; the README and the site's home quote them.
+GUIDE_COUNTS = re.compile(r"transformers (\d+\.\d+)'s `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`.*?for (\d+) classes, "
+                          r"(\d+) are refused, (\d+) skipped \((\d+) the generic", re.S)
+QUOTED_COUNTS = re.compile(r"\((\d+) causal-LM classes of transformers (\d+\.\d+) exact at budget 1\.0, (\d+) refused")
+
+
+def _matrix_sets() -> dict[str, set]:
+    """The architecture matrix's lists (``REFUSED``, ``NOT_BUILT``, ``OWN_INPUTS``), read from its source."""
+    import ast
+
+    tree = ast.parse((REPO / "tests" / "models" / "test_architectures.py").read_text())
+    return {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)
+            and target.id in ("REFUSED", "NOT_BUILT", "OWN_INPUTS")}
+
+
+def test_the_model_counts_come_from_the_models_guide():
+    guide = GUIDE_COUNTS.search((REPO / "docs" / "guide" / "models.md").read_text())
+    assert guide, "docs/guide/models.md no longer states the matrix's counts in the sentence this test reads"
+    version, exact, refused, skipped, not_built = guide.group(1), *map(int, guide.groups()[1:])
+    for page in (REPO / "README.md", REPO / "docs" / "index.md"):
+        quoted = QUOTED_COUNTS.search(page.read_text())
+        assert quoted, f"{page.name} no longer quotes the model counts in the sentence this test reads"
+        assert (int(quoted.group(1)), quoted.group(2), int(quoted.group(3))) == (exact, version, refused), \
+            f"{page.name} quotes {quoted.group(0)!r}; the models guide says {exact} exact, {refused} refused " \
+            f"with transformers {version}"
+    matrix = _matrix_sets()
+    assert (len(matrix["REFUSED"]), len(matrix["NOT_BUILT"] | matrix["OWN_INPUTS"]), len(matrix["NOT_BUILT"])) \
+        == (refused, skipped, not_built), \
+        "the models guide's counts are not tests/models/test_architectures.py's lists"
+    transformers = pytest.importorskip("transformers")
+    if ".".join(transformers.__version__.split(".")[:2]) == version:  # the matrix runs this version's classes
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        assert len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) == exact + refused + skipped, \
+            f"transformers {version} has {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} causal-LM classes"
+
+
+# -- the files the pages name --------------------------------------------------------------------------------------
+FOLDERS = "utils|formats|attention|policies|cache|models|persistence|runtime|planner|evaluation|calibration|" \
+          "integrations|profiling|jobs|serving|cli|data"
+# a path from the repository root (not one a command writes: after --out or ->)
+ROOTED_PATH = re.compile(r"(?<![\w/.-])(?<!--out )(?<!-> )((?:h2o_compress|tests|benchmarks|docs|examples)/[\w/.-]*\w"
+                         r"\.(?:py|c|md|json|jsonl|txt|toml|yml|yaml|png|csv))\b")
+# a path inside the package (or its tests' mirror): `cache/layer.py`
+PACKAGE_PATH = re.compile(rf"(?<![\w/.-])((?:{FOLDERS})/\w+\.(?:py|c|json))\b")
+
+
+def _missing_paths(text: str) -> list[str]:
+    rooted = [m.group(1) for m in ROOTED_PATH.finditer(text) if not (REPO / m.group(1)).exists()]
+    inside = [m.group(1) for m in PACKAGE_PATH.finditer(text)
+              if not any((REPO / root / m.group(1)).exists() for root in ("h2o_compress", "tests"))]
+    return rooted + inside
+
+
+def test_the_files_the_pages_name_exist():
+    missing = [f"{page.relative_to(REPO)}: {path}" for page in PAGES for path in _missing_paths(page.read_text())]
+    assert not missing, f"files named in the docs that do not exist: {missing}"
+    assert _missing_paths("`cache/mixed.py`, `tests/cache/test_gone.py`; `cache/layer.py`, --out benchmarks/x.json") \
+        == ["tests/cache/test_gone.py", "cache/mixed.py"]
+
+
+# -- the layout page -----------------------------------------------------------------------------------------------
+# In the layout page's drawings, ``name (folder/file.py)``: the function, class or field named is defined in that file
+NAMED_IN_FILE = re.compile(r"([A-Za-z_][\w.]*)\s+\(((?:\w+/)*\w+\.py)\)")
+
+
+def _not_in_their_files(code: str) -> list[str]:
+    missing = []
+    for match in NAMED_IN_FILE.finditer(code):
+        name, path = match.group(1).split(".")[-1], REPO / "h2o_compress" / match.group(2)
+        defined = re.compile(rf"^\s*(?:def|class) {name}\b|^\s+{name}\s*[:=]", re.M)
+        if not path.is_file() or not defined.search(path.read_text()):
+            missing.append(f"{match.group(1)} ({match.group(2)})")
+    return missing
+
+
+def test_the_layout_page_names_functions_where_they_are():
+    """The package's shape and a token's path, drawn in docs/guide/layout.md, name functions that exist where drawn."""
+    drawings = [b.code for b in blocks_of(REPO / "docs" / "guide" / "layout.md") if not b.language]
+    assert sum(len(NAMED_IN_FILE.findall(code)) for code in drawings) >= 20, "the drawings name few functions"
+    missing = [name for code in drawings for name in _not_in_their_files(code)]
+    assert not missing, f"docs/guide/layout.md names what its files do not define: {missing}"
+    assert _not_in_their_files("  -> CompressedLayer.update (cache/layer.py)\n  -> mix_tokens\n  (cache/layer.py)"
+                               " -> evict (cache/gone.py)") == ["mix_tokens (cache/layer.py)", "evict (cache/gone.py)"]

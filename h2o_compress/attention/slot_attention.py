@@ -53,9 +53,9 @@ BLOCK_S = 8  # split partials merged per iteration of the combine kernel
 def _leave_row(ptr, bh, offs_d, held, D: tl.constexpr, FMT: tl.constexpr, DQ: tl.constexpr):
     """The leaving token's ``[D]`` keys or values for a block's select: ``held`` (loaded before the loop) for 16-bit
     storage, else loaded again here (an L1 hit after the first block). With dequantization in the loop, the held
-    vector's broadcast over the tile layout took ~50 registers per thread for the whole loop (sm_90, int4,
-    head_dim 128: 219 -> 168, one more program per SM); with 16-bit storage the reload cost registers instead
-    (SmolLM2 shape: 128 -> 134). ``benchmarks/kernel_bandwidth.py`` measures both."""
+    vector's broadcast over the tile layout held registers for the whole loop (fewer programs per SM); with 16-bit
+    storage the reload cost registers instead. ``benchmarks/kernel_bandwidth.py`` measures both (the figures:
+    ``benchmarks/results/kernel_bandwidth_cpu.md``)."""
     if FMT == 16:
         row = held
     else:
@@ -116,7 +116,7 @@ def _ring_split(qv, m_i, l_i, acc, start, end, b, h, head_mask, logits_rows, sca
                 DOT: tl.constexpr, PRECISION: tl.constexpr):
     """The online softmax over ring slots ``[start, end)`` of (``b``, ``h``), at full precision. The ring holds
     ``residual`` tokens (3 by default): one or two blocks, nothing to pipeline; its pipeline buffers would take
-    shared memory from the store's (sm_90, int4: 72 -> 40 KiB; kernel_bandwidth.py)."""
+    shared memory from the store's (``benchmarks/results/kernel_bandwidth_cpu.md``)."""
     for n0 in tl.range(start, end, BLOCK, num_stages=1):
         offs_n = n0 + tl.arange(0, BLOCK)
         in_range = offs_n < end
