@@ -40,6 +40,10 @@ def serve(
     memory_limit: Optional[str] = typer.Option(
         None, "--memory-limit", help="Memory to fit (e.g. 8GiB): each batch takes at most the rows the planner fits "
         "for its longest request."),
+    prefix_cache_bytes: Optional[str] = typer.Option(
+        None, "--prefix-cache-bytes", help="Memory (e.g. 256MiB) for the compressed caches of finished chat turns, "
+        "kept so that a conversation's next turn prefills only its new tokens (default: off); taken out of "
+        "--memory-limit."),
     max_tokens: int = typer.Option(
         default_of(serve_model, "max_tokens"), "--max-tokens", help="Default max_tokens of a request without one."),
     temperature: float = TemperatureOpt,
@@ -66,4 +70,4 @@ def serve(
                 memory_limit=memory_limit, max_tokens=max_tokens, temperature=temperature, name=name,
                 compile=compile_step, load=load_options(device, dtype, placement, config.attention_kernel),
                 threads=threads, trust_remote_code=trust_remote_code, log_level=log_level,
-                ray=ray, replicas=replicas)
+                ray=ray, replicas=replicas, prefix_cache_bytes=prefix_cache_bytes)

@@ -4,6 +4,7 @@ HTTP with the OpenAI API, many requests decoded at once through compressed KV ca
 - `h2o_compress.serving.engine`: the thread that owns the model and runs the continuous-batching engine.
 - `h2o_compress.serving.app`: the FastAPI app (`create_app`): the endpoints, validation, streaming.
 - `h2o_compress.serving.metrics`: the Prometheus metrics of ``/metrics``.
+- `h2o_compress.serving.prefix_cache`: the compressed caches of finished chat turns, kept for the next turn.
 
 Needs the ``serve`` extra (``pip install 'h2o-compress[serve]'``: FastAPI, uvicorn, sse-starlette,
 prometheus-client). This layer sits beside ``jobs``, above the planner and below the CLI.
@@ -19,10 +20,10 @@ import torch
 from h2o_compress import models
 from h2o_compress.config import CompressionConfig
 from h2o_compress.models import DEFAULT_MODEL, placement_options
-from h2o_compress.planner import parse_memory
 from h2o_compress.runtime.batch import check_batch_size
 from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import check_config, check_generation_args
+from h2o_compress.serving.prefix_cache import check_prefix_budget, check_prefix_policy
 from h2o_compress.utils.checks import check_count, check_threads
 from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 from h2o_compress.utils.memory import PeakMemory
@@ -101,7 +102,8 @@ def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, h
           port: int = 8000, max_queue: int = 64, batch_size: int = 8, memory_limit: str | int | None = None,
           max_tokens: int = 128, temperature: float = 0.0, name: str | None = None, compile: bool | None = None,
           load: dict | None = None, threads: int | None = None, trust_remote_code: bool = False,
-          log_level: str = "info", ray: str | None = None, replicas: int = 1) -> None:
+          log_level: str = "info", ray: str | None = None, replicas: int = 1,
+          prefix_cache_bytes: str | int | None = None) -> None:
     """Load ``model`` and serve it until SIGINT or SIGTERM (graceful: open requests finish first).
 
     Args:
@@ -124,10 +126,12 @@ def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, h
         ray: a Ray address (``local``, ``auto``, ``HOST:PORT``, ``ray://HOST:PORT``) to serve on as a Ray Serve
             deployment: refused (`check_ray`).
         replicas: Ray Serve replicas (1 without ``ray``).
+        prefix_cache_bytes: bytes or a text such as ``"64MiB"`` for the compressed caches of finished chat turns
+            (``None`` or 0: off), below ``memory_limit`` (`h2o_compress.serving.prefix_cache`).
 
     Raises:
         ConfigError: the serve extra missing, ``ray`` given (`check_ray`), or a bad setting (checked before the
-            model is loaded, `check_loading` included).
+            model is loaded: `check_loading`, `check_prefix_budget`, `check_prefix_policy`...).
         ModelLoadError: ``model`` not a non-empty text (before loading), or the model cannot be loaded.
     """
     check_installed()
@@ -136,8 +140,7 @@ def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, h
     check_ray(ray, replicas)
     check_batch_size(batch_size)
     check_generation_args(max_tokens, temperature, None)
-    if memory_limit is not None:
-        parse_memory(memory_limit)
+    check_prefix_policy(config, check_prefix_budget(prefix_cache_bytes, memory_limit))  # memory_limit checked too
     check_threads(threads)
     if not isinstance(log_level, str) or log_level not in LOG_LEVELS:
         raise ConfigError(f"log_level={short(log_level)} is invalid; allowed: {', '.join(LOG_LEVELS)}")
@@ -152,7 +155,7 @@ def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, h
     lm, tokenizer = models.load_model(model, trust_remote_code=trust_remote_code, **(load or {}))
     held = peak.held(lm) if memory_limit is not None else None
     engine = Engine(lm, tokenizer, Metrics(), batch_size=batch_size, max_queue=max_queue, memory_limit=memory_limit,
-                    compile=compile, held=held)
+                    compile=compile, held=held, prefix_cache_bytes=prefix_cache_bytes)
     run(create_app(engine, config, name or model, max_tokens, temperature), host, port, log_level)
 
 

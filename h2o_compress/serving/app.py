@@ -27,6 +27,7 @@ from h2o_compress.config import CompressionConfig, check_usable, parse_budget
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
 from h2o_compress.runtime.generation import check_config
 from h2o_compress.serving.engine import Engine, Job, QueueFull
+from h2o_compress.serving.prefix_cache import check_prefix_policy
 from h2o_compress.serving.protocol import ChatRequest, CompletionRequest, H2OOptions, Reply, Sampling, error_body
 from h2o_compress.utils.errors import H2OCompressError, one_line, short
 
@@ -216,7 +217,7 @@ class Server:
                         return
                     yield {"data": json.dumps(reply.chunk(None, event[1], first=first))}
                     if usage:
-                        yield {"data": json.dumps(reply.usage_chunk(*event[2:4]))}
+                        yield {"data": json.dumps(reply.usage_chunk(*event[2:]))}
                     yield {"data": "[DONE]"}
                     return
                 event = await job.events.get()
@@ -253,9 +254,12 @@ def create_app(engine: Engine, config: CompressionConfig | None = None, name: st
         temperature: the default of a request without ``temperature`` (0: greedy).
 
     Raises:
-        ConfigError: a bad ``config``.
+        ConfigError: a bad ``config``, or one whose policy scores each prompt whole for an engine with a prefix
+            cache (`check_prefix_policy`).
     """
-    server = Server(engine, check_config(config), name, max_tokens, temperature)
+    config = check_config(config)
+    check_prefix_policy(config, engine.prefix.budget)
+    server = Server(engine, config, name, max_tokens, temperature)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -11,9 +11,12 @@
   longer one, waits until the running batch has drained: the rows share one cache's buffers, made for one setting
   and one length.
 - After every step each row's new text goes to its request's asyncio queue (``("text", piece)``, then
-  ``("done", finish_reason, prompt_tokens, completion_tokens)`` or ``("error", status, message)``), through the
-  event loop's thread-safe call. A row whose request was cancelled (the client went away, a stop string was met)
-  ends at the next step, freeing it.
+  ``("done", finish_reason, prompt_tokens, completion_tokens, cached_tokens)`` or ``("error", status,
+  message)``), through the event loop's thread-safe call. A row whose request was cancelled (the client went away,
+  a stop string was met) ends at the next step, freeing it.
+- With ``prefix_cache_bytes``, a chat request that ends keeps its row's compressed cache for the conversation's
+  next turn, and a chat request whose prompt extends a kept one starts from it and prefills only the rest
+  (`h2o_compress.serving.prefix_cache`); the planner leaves that budget out of what a batch may use.
 - A failure in one request's own work (its text, its stop strings) fails that request alone (status 500); a
   failure of a decode step fails the requests of that batch (they share the step); the engine goes on either way.
 """
@@ -27,15 +30,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from h2o_compress.config import CompressionConfig
 from h2o_compress.planner import format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
-from h2o_compress.runtime.batch import BatchStats, _Batch, check_batch_size, row_config
+from h2o_compress.runtime.batch import BatchStats, _Admission, _Batch, check_batch_size, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, Prepared
 from h2o_compress.runtime.decode_loop import TextStream
+from h2o_compress.runtime.prefill import prompt_chunks
 from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, one_line
 from h2o_compress.serving.metrics import Metrics
+from h2o_compress.serving.prefix_cache import PrefixCache, check_prefix_budget
 
 
 class QueueFull(Exception):
@@ -51,10 +58,11 @@ class Job:
         config: its compression setting (the server's, with its own ``h2o`` overrides).
         loop: the event loop of the handler.
         stop: stop strings: the text ends before the first one met (which is not returned).
-        events: ``("text", piece)``, then ``("done", finish_reason, prompt_tokens, completion_tokens)`` or
-            ``("error", status, message)``.
+        events: ``("text", piece)``, then ``("done", finish_reason, prompt_tokens, completion_tokens,
+            cached_tokens)`` or ``("error", status, message)``.
         arrived: ``time.perf_counter()`` at arrival (seconds).
         cancelled: set when the client went away or a stop string was met: its row ends at the next step.
+        cached_tokens: prompt tokens taken from the prefix cache (not prefilled).
     """
 
     prepared: Prepared
@@ -68,6 +76,13 @@ class Job:
     sent: int = 0
     stopped: bool = False
     stream: TextStream | None = None
+    cached_tokens: int = 0
+
+    @property
+    def chat(self) -> bool:
+        """Whether the request is a chat (its ``messages`` through the chat template): only chats use the prefix
+        cache."""
+        return self.prepared.request.messages is not None
 
     @property
     def length(self) -> int:
@@ -107,7 +122,7 @@ class Job:
         if not self.stopped:
             self._emit(len(self.text))
         reason = "stop" if self.stopped else result.finish_reason
-        self.push(("done", reason, result.prompt_tokens, result.new_tokens))
+        self.push(("done", reason, result.prompt_tokens, result.new_tokens, self.cached_tokens))
 
 
 class Engine:
@@ -123,17 +138,21 @@ class Engine:
             for its longest request (``None``: ``batch_size`` rows).
         compile: as for ``generate``.
         held: bytes the process holds with the model loaded (`PeakMemory.held`), counted by the planner.
+        prefix_cache_bytes: bytes or a text such as ``"64MiB"`` the prefix cache of chat turns may hold
+            (`PrefixCache`; ``None`` or 0: off), below ``memory_limit``, which the planner leaves to it.
 
     Raises:
-        ConfigError: a bad ``batch_size``, ``max_queue`` or ``memory_limit``.
+        ConfigError: a bad ``batch_size``, ``max_queue``, ``memory_limit`` or ``prefix_cache_bytes``.
     """
 
     def __init__(self, model, tokenizer, metrics: Metrics, batch_size: int = 8, max_queue: int = 64,
-                 memory_limit: str | int | None = None, compile: bool | None = None, held: int | None = None):
+                 memory_limit: str | int | None = None, compile: bool | None = None, held: int | None = None,
+                 prefix_cache_bytes: str | int | None = None):
         check_batch_size(batch_size)
         check_count("max_queue", max_queue, maximum=None, allowed="an integer >= 1")
         if memory_limit is not None:
             parse_memory(memory_limit)
+        self.prefix = PrefixCache(check_prefix_budget(prefix_cache_bytes, memory_limit))
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
         self.batch_size, self.max_queue, self.memory_limit = batch_size, max_queue, memory_limit
         self.compile, self.held = compile, held
@@ -231,7 +250,8 @@ class Engine:
         for it: ``batch_size`` rows, or with ``memory_limit`` at most what the planner fits.
 
         Raises:
-            ConfigError: not even one sequence of the longest request fits ``memory_limit``.
+            ConfigError: not even one sequence of the longest request fits ``memory_limit`` (less the prefix
+                cache's budget).
         """
         longest = max(j.length for j in alike)
         if self.memory_limit is None:
@@ -239,7 +259,7 @@ class Engine:
         prompt_len = max(j.prepared.ids.numel() for j in alike)
         gen_len = max(j.prepared.max_new_tokens for j in alike)
         row = fit_batch(self.model, row_config(config, longest), self.memory_limit, prompt_len, gen_len,
-                        held=self.held)
+                        headroom=self.prefix.budget, held=self.held)
         if row.max_batch < 1:
             raise ConfigError(f"a sequence of {prompt_len} + {gen_len} tokens does not fit --memory-limit "
                               f"{format_bytes(parse_memory(self.memory_limit))} (one needs "
@@ -327,9 +347,40 @@ class ServeBatch(_Batch):
         metrics.kv_bytes.set(self.cache.nbytes())
         self.engine.publish(self)
 
-    def _start(self, prompt: Prepared):
-        self.engine.metrics.prefill_tokens.inc(prompt.ids.numel())
-        return super()._start(prompt)
+    def _start(self, prompt: Prepared) -> _Admission:
+        """Begin ``prompt``'s prefill: from the prefix cache's longest entry its ids extend (a chat request), only
+        the tokens after it; else the whole prompt, as every batch does."""
+        metrics, job = self.engine.metrics, self.engine.jobs.get(prompt.index)
+        resumed = None
+        if job is not None and job.chat and self.engine.prefix.budget:
+            try:
+                resumed = self.engine.prefix.resume(self, prompt.ids, job.config)
+            except Exception:  # noqa: BLE001 - a cache that cannot be resumed: the prompt is prefilled afresh
+                resumed = None
+        if resumed is None:
+            metrics.prefill_tokens.inc(prompt.ids.numel())
+            return super()._start(prompt)
+        part, held = resumed
+        job.cached_tokens = held
+        metrics.prefix_hits.inc(held)
+        metrics.prefill_tokens.inc(prompt.ids.numel() - held)
+        rest = prompt.ids[None, held:].to(self.device)
+        return _Admission(prompt, part, prompt_chunks(self.model, rest, part), left=rest.shape[1])
+
+    def _result(self, row: int) -> BatchResult:
+        """The result of ``row``, which ended; a chat request that ran to its end leaves its row's cache to the
+        prefix cache first (before the row is refilled or stepped again)."""
+        prompt, tokens = self.rows[row], self.tokens[row]
+        job = self.engine.jobs.get(prompt.index)
+        prefix = self.engine.prefix
+        if prefix.budget and job is not None and job.chat and not job.cancelled and not self.engine._stopping:
+            ids = torch.cat([prompt.ids.cpu(), torch.tensor(tokens[:-1], dtype=prompt.ids.dtype)])
+            try:
+                prefix.keep(self, row, ids, job.config)
+            except Exception:  # noqa: BLE001 - a row that cannot be kept: its answer is not changed by that
+                pass
+            self.engine.metrics.set_prefix(prefix)
+        return super()._result(row)
 
     def _after_step(self, done, on_step):
         yield from super()._after_step(done, on_step)

@@ -25,6 +25,9 @@ class Metrics:
         requests: requests finished, by ``outcome`` (``stop``, ``length``, ``error``, ``cancelled``).
         ttft: seconds from a request's arrival to its first piece of text.
         latency: seconds from a request's arrival to its end.
+        prefix_bytes: bytes the prefix cache holds (kept chat turns, `PrefixCache`).
+        prefix_entries: conversations the prefix cache holds.
+        prefix_hits: prompt tokens taken from the prefix cache instead of being prefilled.
     """
 
     def __init__(self):
@@ -44,6 +47,17 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.latency = Histogram("h2o_request_latency_seconds", "Seconds from arrival to the end of a request.",
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefix_bytes = Gauge("h2o_prefix_cache_bytes", "Bytes held by the prefix cache of chat turns.",
+                                  registry=registry)
+        self.prefix_entries = Gauge("h2o_prefix_cache_entries", "Conversations held by the prefix cache.",
+                                    registry=registry)
+        self.prefix_hits = Counter("h2o_prefix_cache_tokens", "Prompt tokens taken from the prefix cache, not "
+                                   "prefilled.", registry=registry)
+
+    def set_prefix(self, prefix) -> None:
+        """The prefix cache's bytes and entries now (``prefix``: a `PrefixCache`)."""
+        self.prefix_bytes.set(prefix.held)
+        self.prefix_entries.set(len(prefix.entries))
 
     def set_running(self, count: int) -> None:
         """``count`` sequences run now (``running``; ``peak_running`` if it is the most yet)."""

@@ -95,19 +95,22 @@ class Reply:
         return body
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-        """The ``usage`` object: prompt, completion and total tokens."""
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """The ``usage`` object: prompt, completion and total tokens, and in ``prompt_tokens_details`` the prompt
+        tokens taken from the prefix cache (``cached_tokens``, as OpenAI's)."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The last chunk of a stream asked with ``stream_options.include_usage``: no choices, the ``usage``."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, None, self.usage(prompt_tokens, completion_tokens))
+        return self._object(kind, None, self.usage(prompt_tokens, completion_tokens, cached_tokens))
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict:
         """The answer of a request that does not stream."""
-        usage = self.usage(prompt_tokens, completion_tokens)
+        usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
                       "logprobs": None}
