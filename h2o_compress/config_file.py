@@ -1,7 +1,7 @@
-"""Compression settings from a file: JSON (``.json``) or TOML (``.toml``), one object of
-[`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, e.g. ``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``,
-and of the registered policies' own options by their config names (those without a field of their own go into
-``policy_options``).
+"""Compression settings from a file: JSON (``.json``) or TOML (``.toml``), one object of the flat settings of
+[`CompressionConfig`][h2o_compress.config.CompressionConfig] (`h2o_compress.config.SETTING_DEFAULTS`), e.g.
+``{"policy": "h2o", "budget": 0.2, "kv_bits": 4}``, and of the registered policies' own options by their config
+names (those without a setting of their own go into ``policy_options``).
 
 Every problem (missing file, syntax error, unknown key, value out of range or of the wrong type) is a
 [`ConfigError`][h2o_compress.ConfigError] naming the file, the key and what is allowed.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from h2o_compress.config import FIELD_NAMES, CompressionConfig, unfielded_policy_options
+from h2o_compress.config import SETTING_DEFAULTS, CompressionConfig, unfielded_policy_options
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.utils.files import check_path, parse_json, parse_toml, read_text
 
@@ -19,9 +19,10 @@ SUFFIXES = (".json", ".toml")
 
 
 def config_fields() -> tuple[str, ...]:
-    """Names a file may set: the [`CompressionConfig`][h2o_compress.config.CompressionConfig] fields, then the
-    registered policies' options that have no field of their own."""
-    return FIELD_NAMES + unfielded_policy_options()
+    """Names a file may set: the flat settings of [`CompressionConfig`][h2o_compress.config.CompressionConfig]
+    (`h2o_compress.config.SETTING_DEFAULTS`, in order), then the registered policies' options that have no setting
+    of their own."""
+    return tuple(SETTING_DEFAULTS) + unfielded_policy_options()
 
 
 def read_config_values(path) -> dict:

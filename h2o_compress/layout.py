@@ -1,8 +1,8 @@
 """`LayoutSpec`: how a cache's capacity is spread over the layers (``layer_budgets``) and over a layer's KV heads
 (``head_budgets``), checked on its own, and the spreading itself (`LayoutSpec.layer_capacities`, `fit_to_total`).
 
-[`CompressionConfig`][h2o_compress.config.CompressionConfig] keeps both settings as flat fields (its keywords,
-config files, CLI flags and saved caches name them so) and builds one of these from them (``config.layout``). What
+[`CompressionConfig`][h2o_compress.config.CompressionConfig] holds one as ``config.layout`` and reads both as flat
+settings (``config.layer_budgets``; its keywords, config files, CLI flags and saved caches name them so). What
 combines the layout with the policy (``global`` needs a scoring pass, ``adaptive`` a policy that ranks across
 heads) or with the decode kernel the config checks; the smallest capacity a layer may get depends on the policy's
 split, so the config passes it in (`CompressionConfig.min_layer_capacity`).
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from h2o_compress.utils.checks import is_real
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.utils.files import read_json
 
@@ -27,13 +28,15 @@ MAX_LAYER_WEIGHT = 1e100  # a layer weight's bound: the weights, their sum and c
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """How the capacity is spread over layers and heads; checked when made (the fields mean what
-    [`CompressionConfig`][h2o_compress.config.CompressionConfig]'s fields of the same names mean).
+    """How the capacity is spread over layers and heads (``CompressionConfig.layout``); checked when made.
 
     Args:
-        layer_budgets: ``uniform``, ``pyramid``, ``global``, or per-layer weights (a sequence of positive numbers,
-            or the path of a JSON file holding one), read into a tuple of floats when made (`layer_weights`).
-        head_budgets: ``uniform`` or ``adaptive``.
+        layer_budgets: spread of the capacity over layers, same total: ``uniform`` (default), ``pyramid``,
+            ``global`` (a policy with a scoring pass: ``kvzip``, ``lookahead``), or per-layer weights (a sequence of
+            positive numbers, or the path of a JSON file holding one), read into a tuple of floats when made
+            (`layer_weights`).
+        head_budgets: spread of a layer's capacity over its KV heads: ``uniform`` (default) or ``adaptive`` (a
+            policy that ranks across heads).
 
     Raises:
         ConfigError: a value not supported, naming it and what is allowed.
@@ -94,7 +97,7 @@ class LayoutSpec:
 
 def _weight(w) -> bool:
     """``w`` is a positive number at most `MAX_LAYER_WEIGHT` (compared before any float conversion)."""
-    if isinstance(w, bool) or not isinstance(w, (int, float)):
+    if not is_real(w):
         return False
     if isinstance(w, int):
         return 0 < w <= MAX_LAYER_WEIGHT

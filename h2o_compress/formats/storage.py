@@ -1,9 +1,9 @@
 """`StorageSpec`: how a setting stores its keys and values (bits, format, groups, full-precision window, rotation,
 8-bit share and key offsets), checked on its own.
 
-[`CompressionConfig`][h2o_compress.config.CompressionConfig] keeps these settings as flat fields (its keywords,
-config files, CLI flags and saved caches name them so) and builds one of these from them (``config.storage``),
-which checks them: the storage fields are checked here, once, and what a format supports is read from its class
+[`CompressionConfig`][h2o_compress.config.CompressionConfig] holds one as ``config.storage`` and reads its fields as
+flat settings (``config.kv_bits``; its keywords, config files, CLI flags and saved caches name them so). The
+storage fields are checked here, once, and what a format supports is read from its class
 (`h2o_compress.formats.FORMATS`: ``supported_bits``, ``rotates``, ``mixed_precision``, ``compilable``). What
 combines storage with the other parts (the decode kernel, the head layout) the config checks.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h2o_compress.formats import FORMATS, GROUP_SIZES
-from h2o_compress.utils.checks import check_count, check_number
+from h2o_compress.utils.checks import check_count, check_flag, check_number
 from h2o_compress.utils.errors import ConfigError, short
 
 #: Bit widths keys and values may be stored in: 16 (not quantized) and those a format stores (its
@@ -33,21 +33,25 @@ def key_offsets_conflict(what: str, allowed: str) -> ConfigError:
 
 @dataclass(frozen=True)
 class StorageSpec:
-    """How keys and values are stored; checked when made (the fields mean what
-    [`CompressionConfig`][h2o_compress.config.CompressionConfig]'s fields of the same names mean).
+    """How keys and values are stored (``CompressionConfig.storage``); checked when made.
 
     Args:
-        kv_bits: bits of stored keys and values: 16 (no quantization), 8 or 4.
-        k_bits: bits of the keys, overriding ``kv_bits`` (``None``: ``kv_bits``).
-        v_bits: bits of the values, overriding ``kv_bits`` (``None``: ``kv_bits``).
-        quant: the format family, a key of `h2o_compress.formats.FORMATS`.
-        group_size: elements of ``head_dim`` sharing one scale: one of `h2o_compress.formats.GROUP_SIZES`.
-        residual: newest tokens kept in full precision, 0 to `MAX_RESIDUAL`.
-        rotate: Hadamard rotation before quantization (formats that declare ``rotates``).
-        high_bits_fraction: share in [0, 1] of the stored 4-bit tokens kept at 8 bits (a format that declares
-            ``mixed_precision``). Here, not in the layout: it is a second precision of the stored tokens.
-        key_offsets: ``none`` or ``calibrated`` (4- or 8-bit ``int`` keys around a calibrated mean, not with
-            ``high_bits_fraction``). Here: it changes how keys are stored.
+        kv_bits: bits of stored keys and values: 16 (default, no quantization), 8 or 4.
+        k_bits: bits of the keys (4, 8, 16), over ``kv_bits``; ``None`` (default): ``kv_bits``.
+        v_bits: bits of the values (4, 8, 16), over ``kv_bits``; ``None`` (default): ``kv_bits``.
+        quant: the format: ``int`` (default), ``nf4``, ``fp4`` or ``int8-blockwise`` (a key of
+            `h2o_compress.formats.FORMATS`).
+        group_size: elements of ``head_dim`` sharing one scale and zero point: 32 (default), 64 or 128
+            (`h2o_compress.formats.GROUP_SIZES`).
+        residual: newest tokens kept in full precision (default 3), 0 to `MAX_RESIDUAL`, each quantized once as it
+            leaves.
+        rotate: Hadamard-rotate ``head_dim`` before quantization (default True; formats that declare ``rotates``:
+            ``int``).
+        high_bits_fraction: share in [0, 1] of a layer's stored 4-bit tokens kept at 8 bits (default 0: off; a
+            format that declares ``mixed_precision``). Here, not in the layout: it is a second precision of the
+            stored tokens.
+        key_offsets: ``none`` (default) or ``calibrated`` (4- or 8-bit ``int`` keys around a calibrated mean, not
+            with ``high_bits_fraction``). Here: it changes how keys are stored.
 
     Raises:
         ConfigError: the first value out of range or unsupported by the format, naming it and what is allowed.
@@ -74,8 +78,7 @@ class StorageSpec:
                 f"residual={short(self.residual)} is too large: the window stays in full precision, so nothing would be "
                 f"quantized; allowed: an integer from 0 to {MAX_RESIDUAL} (tokens)"
             )
-        if not isinstance(self.rotate, bool):
-            raise ConfigError(f"rotate={short(self.rotate)} is invalid; allowed: True or False")
+        check_flag("rotate", self.rotate)
         self._check_high_bits()
         self._check_key_offsets()
 
@@ -149,3 +152,32 @@ class StorageSpec:
         """Whether the decode step can be traced by ``torch.compile``: 16 bits, or a format that declares it
         (``compilable``)."""
         return not self.quantized or self.format.compilable
+
+
+DEFAULT_QUANT = StorageSpec.quant  # the default format: giving it changes nothing
+
+
+def check_format_options(storage, given) -> None:
+    """Refuse storage-format options the user gave (``given``: the setting names set on the command line or in a
+    config file) that the bits of ``storage`` (a `StorageSpec`, or a config that reads as one) make moot, so they
+    would be ignored silently: ``quant`` other than ``int`` or ``rotate`` with 16-bit keys and values (nothing is
+    quantized), and ``rotate`` with a bitsandbytes format (it rotates before ``int`` quantization only). The CLI
+    skips this where the planner picks the bits (``generate --memory-limit``) or a loaded cache brings its own
+    setting (``--load-cache``).
+
+    Raises:
+        ConfigError: naming the option, the bits and what is allowed.
+    """
+    unquantized = storage.key_bits == 16 and storage.value_bits == 16
+    if "quant" in given and storage.quant != DEFAULT_QUANT and unquantized:
+        raise ConfigError(
+            f"quant={storage.quant!r} quantizes nothing with 16-bit keys and values, so it would be ignored; allowed: "
+            "kv_bits 4 or 8 (or k_bits / v_bits) with it"
+        )
+    if "rotate" in given and storage.rotate and (unquantized or not storage.format.rotates):
+        reason = "16-bit keys and values" if unquantized else f"quant={storage.quant!r}"
+        rotating = ", ".join(repr(name) for name, family in FORMATS.items() if family.rotates)
+        raise ConfigError(
+            f"rotate=True rotates before int quantization, which {reason} does not run, so it would be ignored; "
+            f"allowed: rotate with kv_bits 4 or 8 and quant {rotating}, or rotate False"
+        )

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from h2o_compress.utils.checks import is_real
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.policies.base import policy_option
 from h2o_compress.policies.h2o import H2OPolicy
@@ -36,7 +37,7 @@ class A2SFPolicy(H2OPolicy):
 
     def __post_init__(self) -> None:
         factor = self.forgetting_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        if not is_real(factor):
             raise ConfigError(f"forgetting_factor={short(factor)} is invalid; allowed: a number in (0, 1]")
         if not 0 < factor <= 1:  # (NaN fails too)
             raise ConfigError(f"forgetting_factor={short(factor)} is out of range; allowed: a number in (0, 1]")

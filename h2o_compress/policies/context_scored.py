@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_compress.policies.base import policy_option
-from h2o_compress.utils.errors import ConfigError, short
+from h2o_compress.utils.checks import check_flag
 from h2o_compress.policies.h2o import H2OPolicy
 
 
@@ -33,8 +33,7 @@ class ContextScoredPolicy(H2OPolicy):
 
     def __post_init__(self) -> None:
         """Raises ConfigError: ``evict_chat_header`` that is not a bool."""
-        if not isinstance(self.evict_chat_header, bool):
-            raise ConfigError(f"evict_chat_header={short(self.evict_chat_header)} is invalid; allowed: True or False")
+        check_flag("evict_chat_header", self.evict_chat_header)
 
     def handed_scores(self, keys: torch.Tensor) -> torch.Tensor | None:
         """The context scores handed for this step (fp32 ``[batch, kv_heads, keys]`` on ``keys``' device), taken
