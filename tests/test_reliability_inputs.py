@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from h2o_compress.cli import app
 from h2o_compress.config import CompressionConfig, layer_weights
 from h2o_compress.config_file import load_config
-from h2o_compress.models.weights import (check_offload_folder, check_weights_bits, parse_device_map,
+from h2o_compress.models.weights import (check_weight_options, parse_device_map,
                                          parse_max_memory)
 from h2o_compress.utils.errors import ConfigError, H2OCompressError
 
@@ -141,7 +141,7 @@ def test_large_layer_weights_file_is_refused_before_reading(tmp_path):
 @pytest.mark.parametrize("device_map", ["auto", None])
 def test_offload_folder_type(device_map):
     with pytest.raises(ConfigError, match="offload_folder=5 is of type int; allowed: a directory path"):
-        check_offload_folder(device_map, 5)
+        check_weight_options(device_map=device_map, offload_folder=5)
 
 
 def test_load_model_offload_folder_type():
@@ -154,8 +154,8 @@ def test_load_model_offload_folder_type():
 # -- 8. a float for an integer option --------------------------------------------------------------------------------
 def test_weights_bits_float_is_refused():
     with pytest.raises(ConfigError, match="weights_bits=4.0 is not supported"):
-        check_weights_bits(4.0)
-    assert check_weights_bits(4) == 4
+        check_weight_options(weights_bits=4.0)
+    assert check_weight_options(weights_bits=4).bits == 4
     # The CLI's integer options go through typer, which reads "4.0" as the integer 4 (the same value) and refuses
     # "4.5" itself (its usage error, exit code 2) before any of ours runs.
     result = runner.invoke(app, ["generate", "--weights-bits", "4.5", "hello"])

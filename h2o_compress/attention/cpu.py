@@ -38,7 +38,7 @@ import torch
 from h2o_compress.attention.buffers import Eviction, SlotBuffers
 from h2o_compress.formats import IntQuantizer, NoQuantizer
 from h2o_compress.utils.errors import ConfigError
-from h2o_compress.utils.paths import check_private_file, private_dir
+from h2o_compress.utils.paths import check_private, private_dir
 
 SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_prefill.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC", "-pthread")
@@ -62,12 +62,12 @@ def _digest_file(path: Path) -> str:
 
 def _verified(target: Path) -> bool:
     """Whether ``target`` may be loaded: a regular file of this user that only this user can write
-    (`check_private_file`) whose bytes match the digest recorded when this user built it
+    (`check_private`) whose bytes match the digest recorded when this user built it
     (``<target>.sha256``, same checks). Anything else is rebuilt, never loaded."""
     record = target.with_name(target.name + ".sha256")
     try:
-        check_private_file(target)
-        check_private_file(record)
+        check_private(target, "file")
+        check_private(record, "file")
         return record.read_text(encoding="ascii").strip() == _digest_file(target)
     except (OSError, ConfigError, UnicodeDecodeError):
         return False

@@ -28,6 +28,7 @@ from h2o_compress.persistence.calibration_file import (
     save_calibration,
 )
 from h2o_compress.runtime.generation import check_model
+from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import InputError, UnsupportedModelError, short
 from h2o_compress.utils.progress import report
 
@@ -54,8 +55,8 @@ def check_request(text_file, tokens, segments, inputs: str = DEFAULT_INPUTS) -> 
     if inputs not in INPUT_SETS:
         raise InputError(f"inputs={short(inputs)} is not an input set; allowed: {', '.join(INPUT_SETS)}")
     for name, value, low in (("tokens", tokens, 64), ("segments", segments, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 65_536:
-            raise InputError(f"{name}={short(value)} is invalid; allowed: an integer from {low} to 65536")
+        check_count(name, value, minimum=low, maximum=65_536, allowed=f"an integer from {low} to 65536",
+                    error=InputError)
 
 
 def _segments(tokenizer, text_file, tokens: int, segments: int) -> list[torch.Tensor]:

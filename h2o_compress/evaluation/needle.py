@@ -22,7 +22,7 @@ from h2o_compress.runtime.generation import check_generation_args, make_cache, m
 from h2o_compress.evaluation.corpus import default_corpus
 from h2o_compress.runtime.compiled import resolve_compile
 from h2o_compress.evaluation.stream import ProgressFn, greedy_decode, model_device, read_stream, step_function
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_count, check_fraction
 from h2o_compress.runtime.prefill import context_window
 
 INSTRUCTION = (
@@ -128,8 +128,7 @@ def plant_needle(haystack: str, needle: str, depth: float) -> str:
     Raises:
         ConfigError: depth outside [0, 1].
     """
-    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
-        raise ConfigError(f"depth={short(depth)} is invalid; allowed: a fraction in [0, 1]")
+    check_fraction("depth", depth, allowed="a fraction in [0, 1]")
     bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(haystack)] + [len(haystack)]
     target = depth * len(haystack)
     cut = min(bounds, key=lambda b: abs(b - target))
@@ -262,7 +261,7 @@ def check_needle_args(lengths, depths, trials: int = 1, max_new_tokens: int = AN
                       chunk_size: int | None = None, protocol: str = PROTOCOLS[0], seed: int | None = 0,
                       keys: int = 1) -> None:
     """Validate [`needle_eval`][h2o_compress.evaluation.needle_eval]'s arguments (those that do not need the model or its tokenizer: see
-    `check_answer_room` for ``max_new_tokens`` against the passkey). Raises ConfigError naming the bad one."""
+    `_check_model_fits` for the lengths and ``max_new_tokens`` against them). Raises ConfigError naming the bad one."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={short(protocol)} is not supported; allowed: {', '.join(PROTOCOLS)}")
     check_count("trials", trials, unit="trials per cell")
@@ -287,16 +286,6 @@ def passkey_tokens(tokenizer, passkey: str) -> int:
     if answer[: len(prefix)] == prefix:
         return len(answer) - len(prefix)
     return len(_encode(tokenizer, f" {passkey}"))
-
-
-def check_answer_room(tokenizer, passkeys, max_new_tokens: int) -> None:
-    """Refuse ``max_new_tokens`` too few for the longest of ``passkeys`` with ``tokenizer`` (the answer would be cut
-    before its last digit and scored wrong whatever the cache). Raises ConfigError naming the minimum."""
-    need, passkey = max((passkey_tokens(tokenizer, p), p) for p in passkeys)
-    if max_new_tokens < need:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} is too few for the answer: the passkey {passkey} takes "
-                          f"{need} tokens with this tokenizer, so it would be cut and scored wrong; allowed: "
-                          f"max_new_tokens at least {need}")
 
 
 def needle_eval(
@@ -330,15 +319,14 @@ def needle_eval(
 
     Raises:
         ConfigError: bad lengths, depths, trials, seed, chunk size or compression setting; ``max_new_tokens`` too
-            few for the passkey with this tokenizer (`check_answer_room`).
+            few for the passkey with this tokenizer (`_check_model_fits`).
         InputError: a length beyond the model's context.
     """
     config = config or CompressionConfig()
     check_needle_args(lengths, depths, trials, max_new_tokens, chunk_size, protocol, seed, keys)
-    _check_lengths_fit(model, lengths, max_new_tokens)
     corpus = corpus or default_corpus()
     cells = _draw_cells(lengths, depths, trials, keys, seed, len(corpus))
-    check_answer_room(tokenizer, {p for cell in cells for p in cell[3]}, max_new_tokens)
+    _check_model_fits(model, tokenizer, lengths, {p for cell in cells for p in cell[3]}, max_new_tokens)
     settings = [("compressed", config)] + ([("reference", CompressionConfig(policy="full"))] if reference else [])
     result = NeedleResult(config={**config.to_dict(), "protocol": protocol, "keys": keys})
     total, done = len(cells) * len(settings) * keys, 0
@@ -357,18 +345,25 @@ def needle_eval(
     return result
 
 
-def _check_lengths_fit(model, lengths, max_new_tokens: int) -> None:
+def _check_model_fits(model, tokenizer, lengths, passkeys, max_new_tokens: int) -> None:
     """Refuse a context length that, with ``max_new_tokens`` new tokens, exceeds ``model``'s context window
-    (`context_window`; none: no limit).
+    (`context_window`; none: no limit), then ``max_new_tokens`` too few for the longest of ``passkeys`` with
+    ``tokenizer`` (the answer would be cut before its last digit and scored wrong whatever the cache).
 
     Raises:
         InputError: naming the longest length allowed.
+        ConfigError: naming the fewest new tokens the answer needs.
     """
     limit = context_window(model)
     for length in lengths:
         if limit and length + max_new_tokens > limit:
             raise InputError(f"length {length} + {max_new_tokens} new tokens exceeds the model's context of {limit}; "
                              f"allowed: lengths at most {limit - max_new_tokens} with max_new_tokens={max_new_tokens}")
+    need, passkey = max((passkey_tokens(tokenizer, p), p) for p in passkeys)
+    if max_new_tokens < need:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is too few for the answer: the passkey {passkey} takes "
+                          f"{need} tokens with this tokenizer, so it would be cut and scored wrong; allowed: "
+                          f"max_new_tokens at least {need}")
 
 
 def _draw_cells(lengths, depths, trials: int, keys: int, seed: int, corpus_chars: int) -> list[tuple]:

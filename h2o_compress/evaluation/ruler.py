@@ -17,7 +17,7 @@ from typing import Callable
 
 from h2o_compress.config import CompressionConfig
 from h2o_compress.runtime.generation import encode_prompt, generate
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_count, check_fraction
 from h2o_compress.utils.errors import ConfigError, short
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -205,9 +205,8 @@ def check_ruler_args(tasks, ratios, samples: int, length: int) -> None:
         if task not in TASKS:
             raise ConfigError(f"task {short(task)} is not a RULER task here; allowed: {', '.join(TASKS)}")
     for ratio in ratios:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-            raise ConfigError(f"ratio={short(ratio)} is invalid; allowed: a share of the prompt removed in [0, 1), "
-                              f"e.g. {','.join(map(str, RATIOS))}")
+        check_fraction("ratio", ratio, include_high=False,
+                       allowed=f"a share of the prompt removed in [0, 1), e.g. {','.join(map(str, RATIOS))}")
     check_count("samples", samples)
     check_count("length", length, minimum=256)
 

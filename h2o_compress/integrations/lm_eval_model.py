@@ -43,13 +43,12 @@ Batch size 1 only: requests are scored one at a time (a context shared by severa
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from h2o_compress.config import (
-    COMMAND_POLICY, LEGACY_OPTIONS, MAX_TOKENS, CompressionConfig, check_usable, parse_budget,
+    COMMAND_POLICY, LEGACY_OPTIONS, MAX_TOKENS, SETTING_DEFAULTS, CompressionConfig, check_usable, parse_budget,
 )
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
@@ -57,9 +56,9 @@ from h2o_compress.runtime.prefill import context_window, prefill
 from h2o_compress.models import DEFAULT_MODEL, load_model, placement_options
 from h2o_compress.models.loading import check_model_name
 from h2o_compress.persistence.calibration_file import read_calibration
-from h2o_compress.models.weights import check_weights_bits
+from h2o_compress.models.weights import check_weight_options
 from h2o_compress.evaluation.stream import read_stream
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_count, is_real
 
 try:
     from lm_eval.api.registry import register_model
@@ -72,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 MODEL_TYPE = "h2o-compress"
 # the config's fields, and the policy options earlier versions had as fields (profile rows still write them)
-COMPRESSION_ARGS = tuple(field.name for field in dataclasses.fields(CompressionConfig)) + tuple(LEGACY_OPTIONS)
+COMPRESSION_ARGS = tuple(SETTING_DEFAULTS) + tuple(LEGACY_OPTIONS)
 """model_args that set the compression (the fields of [`CompressionConfig`][h2o_compress.config.CompressionConfig])."""
 OWN_ARGS = ("pretrained", "tokenizer", "device", "dtype", "weights_bits", "trust_remote_code", "batch_size",
             "chunk_size")
@@ -99,7 +98,7 @@ def compression_from_args(args: dict) -> CompressionConfig:
     values = {"policy": COMMAND_POLICY} | {name: args[name] for name in COMPRESSION_ARGS if name in args}
     if "budget" in values:
         budget = values["budget"]
-        if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        if not (is_real(budget) or isinstance(budget, str)):
             raise ConfigError(f"budget={short(budget)} is invalid; allowed: a fraction in (0, 1] or an integer >= 1")
         values["budget"] = parse_budget(str(budget))
     return check_usable(CompressionConfig(**values))
@@ -132,7 +131,7 @@ def check_model_args(args: dict) -> CompressionConfig:
             "time through the compressed cache; allowed: 1"
         )
     check_count("chunk_size", args.get("chunk_size", 1))
-    check_weights_bits(args.get("weights_bits"))
+    check_weight_options(weights_bits=args.get("weights_bits"))
     _check_load_args(args)
     _check_hflm_args(args)
     if isinstance(args.get("pretrained", DEFAULT_MODEL), str) and args.get("tokenizer") is not None:

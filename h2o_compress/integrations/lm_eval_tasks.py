@@ -8,11 +8,12 @@ never needs the ``lm-eval`` extra.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
 from h2o_compress.utils.errors import ConfigError, InputError, short
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_count, is_real
 
 LM_EVAL_EXTRA = "pip install -e '.[lm-eval]' (lm_eval>=0.4.13)"
 SKIPPED_KEYS = ("name", "alias", "sample_len")
@@ -49,13 +50,19 @@ def task_manager(include_path: str | None = None):
     return _MANAGERS[key]
 
 
-def check_task_options(tasks: Sequence[str], limit: int | None = None, include_path: str | None = None,
-                       option: str = "--tasks") -> None:
-    """The checks that need no task index: at least one task name, ``limit`` a count >= 1, ``include_path`` a
-    directory.
+def check_tasks(tasks: Sequence[str], limit: int | None = None, include_path: str | None = None,
+                option: str = "--tasks", index: bool = True):
+    """Check lm-eval task options before anything is loaded: at least one task name, ``limit`` a count >= 1,
+    ``include_path`` a directory, then (``index`` true) every name against lm-eval's tasks and those under
+    ``include_path``. ``index`` false: the checks that need no task index (nor lm-eval), for a command's first
+    look at its options.
+
+    Returns:
+        The `task_manager` that knows the tasks (``index`` false: ``None``).
 
     Raises:
-        ConfigError: no task name, or a bad ``limit``. InputError: ``include_path`` is not a directory.
+        ConfigError: lm-eval not installed, no task, a bad ``limit``, or an unknown task name (naming each one).
+        InputError: ``include_path`` is not a directory.
     """
     if not tasks or any(not isinstance(name, str) or not name.strip() for name in tasks):
         raise ConfigError(f"{option} {short(', '.join(map(str, tasks)))} names no task (or an empty one); allowed: "
@@ -64,18 +71,8 @@ def check_task_options(tasks: Sequence[str], limit: int | None = None, include_p
         check_count("limit", limit, unit="documents")
     if include_path is not None and not Path(include_path).is_dir():
         raise InputError(f"--include-path {short(include_path)} is not a directory; allowed: a folder of task YAML files")
-
-
-def check_tasks(tasks: Sequence[str], limit: int | None = None, include_path: str | None = None,
-                option: str = "--tasks"):
-    """Check lm-eval task options before anything is loaded (`check_task_options`, then every name against
-    lm-eval's tasks and those under ``include_path``); returns the `task_manager` that knows them.
-
-    Raises:
-        ConfigError: lm-eval not installed, no task, a bad ``limit``, or an unknown task name (naming each one).
-        InputError: ``include_path`` is not a directory.
-    """
-    check_task_options(tasks, limit, include_path, option)
+    if not index:
+        return None
     manager = task_manager(include_path)
     unknown = [name for name in tasks if not manager.match_tasks([name])]
     if unknown:
@@ -84,6 +81,10 @@ def check_tasks(tasks: Sequence[str], limit: int | None = None, include_path: st
             " or one defined under --include-path"
         )
     return manager
+
+
+check_task_options = partial(check_tasks, index=False)
+"""`check_tasks` without the task index (the name ``cli.lm_eval_command`` still imports)."""
 
 
 def flat_scores(results: dict) -> dict[str, dict[str, float]]:
@@ -95,7 +96,7 @@ def flat_scores(results: dict) -> dict[str, dict[str, float]]:
         for key, value in metrics.items():
             if key in SKIPPED_KEYS or "," not in key:
                 continue
-            row[key] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            row[key] = value if is_real(value) else None
         scores[task] = row
     return scores
 

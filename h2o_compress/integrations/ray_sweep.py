@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -48,14 +49,6 @@ def import_ray():
         raise ConfigError(f"--ray needs Ray, which is not installed; allowed: install the ray extra ({RAY_EXTRA}), "
                           "or run without --ray") from None
     return ray
-
-
-def check_address(address: str) -> str:
-    """``address`` stripped. Raises ConfigError for an empty one."""
-    if not isinstance(address, str) or not address.strip():
-        raise ConfigError(f"Ray address {short(address)} is empty; allowed: local (a local Ray instance), auto, "
-                          "HOST:PORT or ray://HOST:PORT")
-    return address.strip()
 
 
 def runtime_env() -> dict:
@@ -145,17 +138,21 @@ NO_CLUSTER = ("--ray auto joins a Ray cluster already running on this machine, a
               "run, or --ray HOST:PORT / ray://HOST:PORT of a running cluster")
 
 
-def check_reachable(address: str) -> str:
-    """``address`` checked without connecting to it (before anything loads): ``local`` as it is; ``auto``: the
-    cluster Ray would join (``RAY_ADDRESS``, the last ``ray start`` here, or a running Ray instance here) must exist
-    and answer; ``HOST:PORT`` and ``ray://HOST:PORT``: something must listen there. Returns ``address`` stripped.
+def check_address(address: str, reach: bool = False) -> str:
+    """``address`` checked without connecting to it (before anything loads): not empty; with ``reach``, also
+    ``auto``: the cluster Ray would join (``RAY_ADDRESS``, the last ``ray start`` here, or a running Ray instance
+    here) must exist and answer; ``HOST:PORT`` and ``ray://HOST:PORT``: something must listen there (``local`` as
+    it is). Returns ``address`` stripped.
 
     Raises:
-        ConfigError: an empty or malformed address, no cluster for ``auto``, or nothing answering (naming the
-            address and what is allowed).
+        ConfigError: an empty address; with ``reach``, a malformed address, no cluster for ``auto``, or nothing
+            answering (naming the address and what is allowed).
     """
-    address = check_address(address)
-    if address == "local":
+    if not isinstance(address, str) or not address.strip():
+        raise ConfigError(f"Ray address {short(address)} is empty; allowed: local (a local Ray instance), auto, "
+                          "HOST:PORT or ray://HOST:PORT")
+    address = address.strip()
+    if not reach or address == "local":
         return address
     target = _auto_target() if address == "auto" else address
     if target is None:  # Ray's lookup is not available: ray.init decides
@@ -172,6 +169,10 @@ def check_reachable(address: str) -> str:
                           "of a running cluster (ray status prints it), auto, or local (a local Ray instance for "
                           "this run)") from None
     return address
+
+
+check_reachable = partial(check_address, reach=True)
+"""`check_address` with ``reach`` (the name ``jobs.batch`` still imports)."""
 
 
 def _auto_target() -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h2o_compress.cache.span import FULL_SPAN, layer_spans
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import ModelLoadError, UnsupportedModelError, short
 
 
@@ -136,7 +137,7 @@ def check_config_values(fields, source: str) -> None:
             value = part.get(name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            if not is_integer(value) or not 1 <= value <= limit:
                 raise ModelLoadError(
                     f"{source}: {name}={short(value)} is out of range; allowed: an integer from 1 to {limit}"
                 )

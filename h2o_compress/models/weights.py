@@ -13,12 +13,14 @@ runs that layer on (``module._hf_hook.execution_device``; CPU/disk-offloaded wei
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from h2o_compress.models.int4_linear import Int4Linear
 from h2o_compress.models.int8_linear import Int8Linear
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
 from h2o_compress.utils.files import parse_json, read_text
 
@@ -38,22 +40,11 @@ MAX_MEMORY_ALLOWED = "entries DEVICE=AMOUNT separated by commas, DEVICE a GPU in
 WEIGHT_BITS_ALLOWED = "16, 8, 4 or None (the default: 8 on CPU for the embedded smollm2-135m, else 16)"
 
 
-def check_weights_bits(bits) -> int | None:
-    """``bits`` if it is 16 (weights in the model's dtype), 8 (packed int8 on CPU, LLM.int8 on CUDA), 4 (NF4) or
-    ``None`` (the default, which [`load_model`][h2o_compress.load_model] resolves by model and device). Raises
-    ConfigError."""
-    if bits is None:
-        return None
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in WEIGHT_BITS:  # 4.0: not an integer
-        raise ConfigError(f"weights_bits={short(bits)} is not supported; allowed: {WEIGHT_BITS_ALLOWED}")
-    return int(bits)
-
-
 def parse_device_map(text: str | None):
     """The CLI's ``--device-map``: ``None``/empty -> ``None``; a strategy name; a JSON object; a ``.json`` file.
 
     Raises:
-        ConfigError: not one of those, or an entry `check_device_map` refuses.
+        ConfigError: not one of those, or an entry `check_weight_options` refuses.
     """
     if text is None or not str(text).strip():
         return None
@@ -72,7 +63,7 @@ def parse_device_map(text: str | None):
         value = parse_json(text, f"device map file {short(source)}", ConfigError, bounded=True)
     else:
         value = parse_json(text, f"device_map={short(source)}", ConfigError, bounded=True)
-    return check_device_map(value)
+    return _checked_map(value)
 
 
 def _ascii_int(text: str, digits: int) -> int | None:
@@ -101,7 +92,7 @@ def _check_target(name: str, target, option: str = "device_map"):
         if device is None or device.type != "cuda":
             raise ConfigError(f"{where} is invalid; allowed: a GPU index, cuda:N, cpu or disk")
         target = 0 if device.index is None else device.index
-    if isinstance(target, bool) or not isinstance(target, int) or target < 0:
+    if not is_integer(target) or target < 0:
         raise ConfigError(f"{where} is invalid; allowed: a GPU index, cuda:N, cpu or disk")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if target >= count:
@@ -110,15 +101,9 @@ def _check_target(name: str, target, option: str = "device_map"):
     return target
 
 
-def check_device_map(device_map):
-    """``None``, a strategy name (`DEVICE_MAP_STRATEGIES`) or a dict {module name: target}, checked.
-
-    Targets: a GPU index or ``cuda:N`` (that GPU must exist), ``cpu``, or ``disk`` (needs ``offload_folder``).
-    Module names are checked against the model when it is built (transformers refuses a map missing modules).
-
-    Raises:
-        ConfigError: another type, an unknown strategy, an empty map, a name that is not a string, a bad target.
-    """
+def _checked_map(device_map):
+    """``None``, a strategy name (`DEVICE_MAP_STRATEGIES`) or a dict {module name: target} with each target
+    normalised (`_check_target`); for `check_weight_options` and `parse_device_map`. Raises ConfigError."""
     if device_map is None:
         return None
     if isinstance(device_map, str):
@@ -133,36 +118,6 @@ def check_device_map(device_map):
             raise ConfigError(f"device_map key {short(name)} is not a module name; allowed: strings like 'model.layers.3'")
         checked[name] = _check_target(name, target)
     return checked
-
-
-def check_map_modules(device_map, model) -> None:
-    """Check a dict ``device_map`` against ``model`` (a skeleton on the meta device is enough): every key must be
-    ``""`` (the whole model) or one of its modules or parameters, and every parameter must fall under a key (the
-    map places all of the model or transformers places the rest as it likes). Strategies and ``None`` pass.
-
-    Raises:
-        ConfigError: naming the first unknown key or the first parameter no key covers, and what is allowed.
-    """
-    if not isinstance(device_map, dict):
-        return
-    modules = [name for name, _ in model.named_modules()]
-    params = [name for name, _ in model.named_parameters()]
-    known = set(modules) | set(params)
-    unknown = [name for name in device_map if name != "" and name not in known]
-    if unknown:
-        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        examples = [name for name in modules if name and name.count(".") <= 1][:8]
-        raise ConfigError(f"device_map names {short(unknown[0])}{more}, which this model does not have; allowed: its "
-                          f"module names, e.g. {', '.join(map(repr, examples))} (or '' for the whole model)")
-    if "" in device_map:
-        return
-    missing = [name for name in params if not any(".".join(name.split(".")[:i]) in device_map
-                                                  for i in range(1, name.count(".") + 2))]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ConfigError(f"device_map places only part of the model: {short(missing[0])}{more} fall under no entry; "
-                          "allowed: a map covering every module (add entries for them, or '' for the rest), or a "
-                          "strategy such as 'auto'")
 
 
 def parse_max_memory(value) -> dict | None:
@@ -211,23 +166,66 @@ def _memory_amount(device, amount, convert) -> int:
             overflows accelerate's float arithmetic: refused here, not an ``OverflowError``).
     """
     size = -1
-    if isinstance(amount, int) and not isinstance(amount, bool):
+    if is_integer(amount):
         size = amount
     elif isinstance(amount, str):
         try:
             size = convert(amount)
         except (ValueError, TypeError, AttributeError, OverflowError):
             size = -1
-    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_MEMORY_BYTES:
+    if not is_integer(size) or not 0 < size <= MAX_MEMORY_BYTES:
         raise ConfigError(f"max_memory[{short(device)}]={short(amount)} is invalid; allowed: {MAX_MEMORY_ALLOWED} "
                           "(from 1 byte to 2**80 bytes)")
     return size
 
 
-def check_offload_folder(device_map, offload_folder) -> str | None:
-    """The folder accelerate writes offloaded weights to (``<name>.dat`` + ``index.json``): needed when the map
-    has ``disk`` entries (created if missing); an existing path must be a directory holding nothing else; refused
-    without a ``device_map`` (it would be ignored). Raises ConfigError."""
+@dataclass(frozen=True)
+class WeightOptions:
+    """The weight-loading options of one load, checked together by `check_weight_options`.
+
+    Attributes:
+        bits: 16, 8, 4, or ``None`` (the default, which [`load_model`][h2o_compress.load_model] resolves by model
+            and device).
+        device_map: ``None``, a strategy name or a dict {module name: GPU index, ``cpu`` or ``disk``}.
+        max_memory: ``None`` or {device: bytes} (with a strategy only).
+        offload_folder: the folder for ``disk`` entries, or ``None``.
+    """
+
+    bits: int | None = None
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
+
+
+def check_weight_options(weights_bits=None, device_map=None, max_memory=None, offload_folder=None,
+                         device="auto") -> WeightOptions:
+    """The options of how a model's weights are loaded, checked before anything is read from disk.
+
+    ``weights_bits``: 16 (the model's dtype), 8 (packed int8 on CPU, LLM.int8 on CUDA), 4 (NF4) or ``None``.
+    ``device_map``: as `_checked_map` (a GPU target must exist; module names are checked against the model when it
+    is built). ``max_memory``: as `parse_max_memory`, with a strategy only. ``offload_folder``: the folder
+    accelerate writes offloaded weights to (``<name>.dat`` + ``index.json``): needed when the map has ``disk``
+    entries (created if missing); an existing path must be a directory holding nothing else; refused without a
+    ``device_map`` (it would be ignored). ``device``: must stay ``auto`` (or ``None``) with a ``device_map``.
+
+    Raises:
+        ConfigError: the first bad value, naming it and what is allowed.
+    """
+    if weights_bits is not None and (not is_integer(weights_bits) or weights_bits not in WEIGHT_BITS):
+        raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: {WEIGHT_BITS_ALLOWED}")
+    device_map = _checked_map(device_map)
+    if device_map is not None and device not in (None, "auto"):
+        raise ConfigError(f"device={short(device)} and a device_map were both given; allowed: one of them "
+                          "(leave device at auto with a device_map)")
+    max_memory = parse_max_memory(max_memory)
+    if max_memory is not None and not isinstance(device_map, str):
+        raise ConfigError("max_memory only applies to a device_map strategy; allowed: device_map='auto' (or "
+                          "balanced, balanced_low_0, sequential) with max_memory")
+    return WeightOptions(weights_bits, device_map, max_memory, _offload_folder(device_map, offload_folder))
+
+
+def _offload_folder(device_map, offload_folder) -> str | None:
+    """``offload_folder`` for `check_weight_options`, as a ``str``. Raises ConfigError."""
     if offload_folder is not None and not isinstance(offload_folder, (str, os.PathLike)):
         raise ConfigError(f"offload_folder={short(offload_folder)} is of type {type(offload_folder).__name__}; allowed: a "
                           "directory path (str or pathlib.Path)")
@@ -264,8 +262,9 @@ def _probe(bits: int, device: torch.device) -> None:
         bnbf.quantize_4bit(sample, quant_type="nf4")
 
 
-def check_bnb_backend(bits: int, device: torch.device) -> None:
-    """Refuse, before loading, 8/4-bit weights that bitsandbytes cannot run on ``device`` here.
+def quantization_config(bits: int, compute_dtype: torch.dtype, device: torch.device):
+    """transformers' ``BitsAndBytesConfig`` for ``bits`` (8: LLM.int8; 4: NF4 computing in ``compute_dtype``),
+    or ``None`` for 16, once bitsandbytes is known to run them on ``device`` here (checked before loading).
 
     bitsandbytes >= 0.45 has a CPU backend for LLM.int8 and NF4 (slow, but exact to its CUDA kernels' formats);
     older versions, or a build without this device's kernels, fail here with one message saying what would work.
@@ -274,7 +273,7 @@ def check_bnb_backend(bits: int, device: torch.device) -> None:
         ModelLoadError: bitsandbytes missing, or without kernels for ``device``.
     """
     if bits == 16:
-        return
+        return None
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -291,13 +290,6 @@ def check_bnb_backend(bits: int, device: torch.device) -> None:
             f"bitsandbytes {version} cannot run {bits}-bit weights on {device} here "
             f"({type(exc).__name__}: {str(exc).strip()[:150]}); what would work: {works}"
         ) from None
-
-
-def quantization_config(bits: int, compute_dtype: torch.dtype):
-    """transformers' ``BitsAndBytesConfig`` for ``bits`` (8: LLM.int8; 4: NF4 computing in ``compute_dtype``),
-    or ``None`` for 16."""
-    if bits == 16:
-        return None
     from transformers import BitsAndBytesConfig
 
     if bits == 8:
@@ -363,7 +355,7 @@ def attention_devices(model, num_layers: int) -> list[torch.device]:
     found: dict[int, torch.device] = {}
     for name, module in modules.items():
         index = getattr(module, "layer_idx", None)
-        if isinstance(index, bool) or not isinstance(index, int) or index in found:
+        if not is_integer(index) or index in found:
             continue
         parts = name.split(".") if name else []
         for cut in range(len(parts), -1, -1):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 from h2o_compress.formats.calibrated import CalibratedKeyQuantizer
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import CacheFileError, CacheStateError, ConfigError, short
 from h2o_compress.utils.files import parse_json
 from h2o_compress.persistence.calibration_file import calibration_for
@@ -410,7 +411,7 @@ _MAX_COUNT = 2**31 - 1
 
 
 def _is_count(value, minimum: int = 0) -> bool:
-    return type(value) is int and minimum <= value <= _MAX_COUNT
+    return is_integer(value) and minimum <= value <= _MAX_COUNT
 
 
 def _check_structure(metadata: dict, dims, source: Path) -> tuple[list[dict], int | None, int | None]:
@@ -437,7 +438,7 @@ def _check_structure(metadata: dict, dims, source: Path) -> tuple[list[dict], in
     first = layer_states[0]
     for i, state in enumerate(layer_states):
         for key, kind in _LAYER_KEYS.items():
-            if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            if not (is_integer(state.get(key)) if kind is int else isinstance(state.get(key), kind)):
                 raise CacheFileError(f"{where}: layer {i} field {key!r} is {short(state.get(key))}; allowed: {kind.__name__}")
         max_tokens = state.get("max_tokens")
         if max_tokens is not None and not _is_count(max_tokens, 1):
@@ -547,7 +548,9 @@ def _restore_layer(layer, i: int, state: dict, tensors: dict[str, torch.Tensor],
                 f"{tuple(expected[name].shape)} {expected[name].dtype}"
             )
     _check_layer_values(saved, i, state["seen_tokens"], layer)
-    layer.load_tensors({name: t.to(device) for name, t in saved.items()})
+    held = layer.tensors()  # the layer's own buffers, filled in place
+    for name, tensor in saved.items():
+        held[name].copy_(tensor.to(device))
     _check_dequantized(layer, i)
     layer.store.refresh_norms()
 

@@ -11,9 +11,9 @@ label, held-back figures) and ``checksum`` (as a cache file's). The file is writ
 
 A cache reads it when it is made (`calibration_for`): the policy's weights per layer, and with
 ``key_offsets="calibrated"`` the mean keys its layers store their keys around (`use_key_offsets`). Every file read is
-checked first (`check_contents`: real floating-point, finite, bounded tensors; metadata of bounded size and depth) and
-against the model it is used with (`check_fits`: layers, KV heads, columns). The checksum finds damage; it authenticates
-nothing: what is trusted is the file's location (the cache root's private ``calibration/`` directory).
+checked first (`read_calibration`: real floating-point, finite, bounded tensors; metadata of bounded size and depth)
+and against the model it is used with (`load_calibration`: layers, KV heads, columns). The checksum finds damage; it
+authenticates nothing: what is trusted is the file's location (the cache root's private ``calibration/`` directory).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from h2o_compress.formats.integer import IntQuantizer
 from h2o_compress.models import model_dims
 from h2o_compress.models.identity import model_fingerprint, model_identity
 from h2o_compress.persistence.file_format import _checksum, write_checksummed
+from h2o_compress.utils.checks import check_flag
 from h2o_compress.utils.errors import CacheFileError, ConfigError, one_line, short
 from h2o_compress.utils.files import check_path
-from h2o_compress.utils.paths import check_private_file, private_dir
+from h2o_compress.utils.paths import check_private, private_dir
 from h2o_compress.utils.version import __version__
 
 FORMAT = "h2o-compress-calibration"
@@ -98,8 +99,7 @@ def check_calibration_target(path, overwrite: bool = False) -> Path:
         CacheFileError: not a path (or one with a NUL character), a missing directory, something that is not a
             regular file, or an existing file without ``overwrite``.
     """
-    if not isinstance(overwrite, bool):
-        raise CacheFileError(f"overwrite={short(overwrite)} is invalid; allowed: True or False")
+    check_flag("overwrite", overwrite, error=CacheFileError)
     target = Path(check_path(path, "calibration file", CacheFileError))
     if "\x00" in str(target):
         raise CacheFileError(f"calibration file {short(str(target))} holds a NUL character; allowed: a file path")
@@ -128,14 +128,15 @@ def save_calibration(path, calibration: Calibration, overwrite: bool = False) ->
 
 
 def read_calibration(path) -> Calibration:
-    """Read and verify a calibration file, for any model: format, version, checksum, then what it holds
-    (`check_contents`). The checksum (a SHA-256 of the contents, stored in the file) finds a truncated or damaged
+    """Read and verify a calibration file, for any model: format, version, checksum, then what it may hold,
+    whatever its checksum says: metadata of bounded size and nesting (`_check_details`), and real floating-point
+    tensors whose values are finite and at most `MAX_MAGNITUDE` in magnitude. The checksum (a SHA-256 of the contents, stored in the file) finds a truncated or damaged
     file; it authenticates nothing (whoever can write the file can write a matching checksum): what is trusted is
     the file's location, as for the cache directory's kernels.
 
     Raises:
         CacheFileError: a missing or unreadable file, another format or version, a failed checksum, or contents
-            that no calibration holds (`check_contents`).
+            that no calibration holds (one line naming the file, the tensor or metadata key and what is allowed).
     """
     source = Path(check_path(path, "calibration file", CacheFileError))
     if "\x00" in str(source) or not source.is_file():
@@ -152,7 +153,22 @@ def read_calibration(path) -> Calibration:
                              f"{FORMAT_VERSION}; {MAKE_ONE}")
     if metadata.get("checksum") != _checksum(metadata, tensors):
         raise CacheFileError(f"calibration file {short(str(source))} fails its checksum: it was truncated or modified")
-    details = check_contents(metadata, tensors, short(str(source)))
+    name = short(str(source))
+    details = _check_details(metadata, name)
+    for key, tensor in tensors.items():
+        if not tensor.dtype.is_floating_point:  # ints, bool, complex
+            raise CacheFileError(f"calibration file {name}: tensor {short(key)} is of dtype "
+                                 f"{str(tensor.dtype).removeprefix('torch.')}; allowed: real floating-point tensors "
+                                 f"({MAKE_ONE})")
+        values = tensor.float()
+        if not bool(torch.isfinite(values).all()):
+            raise CacheFileError(f"calibration file {name}: tensor {short(key)} holds NaN or Inf; allowed: finite "
+                                 f"values (run h2o-compress calibrate again: {MAKE_ONE})")
+        largest = float(values.abs().max()) if values.numel() else 0.0
+        if largest > MAX_MAGNITUDE:
+            raise CacheFileError(f"calibration file {name}: tensor {short(key)} holds values up to {largest:.3g} in "
+                                 f"magnitude; allowed: at most {MAX_MAGNITUDE:.0e} (a fit gives far less: "
+                                 f"{MAKE_ONE})")
     return Calibration({k: v.float() for k, v in tensors.items()}, metadata.get("model_fingerprint", ""),
                        metadata.get("model_id", ""), details)
 
@@ -190,37 +206,6 @@ def _check_details(metadata: dict[str, str], name: str) -> dict:
     return details
 
 
-def check_contents(metadata: dict[str, str], tensors: dict[str, torch.Tensor], name: str) -> dict:
-    """What a calibration file may hold, whatever its checksum says: metadata of bounded size and nesting
-    (`_check_details`), and real floating-point tensors whose values are finite and at most `MAX_MAGNITUDE` in
-    magnitude. Returns the parsed ``details``.
-
-    Args:
-        metadata: the file's metadata (strings).
-        tensors: the file's tensors as stored (before any conversion).
-        name: the file's name, for the messages.
-
-    Raises:
-        CacheFileError: one line naming the file, the tensor or metadata key and what is allowed.
-    """
-    details = _check_details(metadata, name)
-    for key, tensor in tensors.items():
-        if not tensor.dtype.is_floating_point:  # ints, bool, complex
-            raise CacheFileError(f"calibration file {name}: tensor {short(key)} is of dtype "
-                                 f"{str(tensor.dtype).removeprefix('torch.')}; allowed: real floating-point tensors "
-                                 f"({MAKE_ONE})")
-        values = tensor.float()
-        if not bool(torch.isfinite(values).all()):
-            raise CacheFileError(f"calibration file {name}: tensor {short(key)} holds NaN or Inf; allowed: finite "
-                                 f"values (run h2o-compress calibrate again: {MAKE_ONE})")
-        largest = float(values.abs().max()) if values.numel() else 0.0
-        if largest > MAX_MAGNITUDE:
-            raise CacheFileError(f"calibration file {name}: tensor {short(key)} holds values up to {largest:.3g} in "
-                                 f"magnitude; allowed: at most {MAX_MAGNITUDE:.0e} (a fit gives far less: "
-                                 f"{MAKE_ONE})")
-    return details
-
-
 def default_calibration_path(model) -> Path:
     """Where `h2o-compress calibrate` writes ``model``'s calibration when no ``--out`` is given, and where a cache
     looks for it when no ``calibration`` is set: ``<cache root>/calibration/<model fingerprint>.safetensors`` (a
@@ -250,7 +235,7 @@ def calibration_for(config, model) -> Calibration | None:
         return None
     path = default_calibration_path(model)
     if path.is_file():
-        check_private_file(path)
+        check_private(path, "file")
         return load_calibration(path, model)
     shipped = shipped_calibration_path(model)
     if shipped is not None:
@@ -303,15 +288,26 @@ def _mismatch(got: tuple, want: tuple, names: tuple[str, ...]) -> str:
     return ", ".join(f"{g} {name} (this model: {w})" for g, w, name in zip(got, want, names) if g != w)
 
 
-def check_fits(calibration: Calibration, model, path) -> None:
-    """Refuse a ``calibration`` whose tensors do not fit ``model``: the eviction weights must be ``[layers,
-    kv_heads, value head_dim + 4]`` and the mean keys (where present) ``[layers, kv_heads, head_dim]``, of this
-    model (`layer_geometry`). Sets ``calibration.layer_heads``.
+def load_calibration(path, model) -> Calibration:
+    """`read_calibration`, refused unless it was fitted on ``model`` (the same fingerprint, as a saved cache is)
+    and its tensors fit the model, before any cache is built: the eviction weights must be ``[layers, kv_heads,
+    value head_dim + 4]`` and the mean keys (where present) ``[layers, kv_heads, head_dim]``, of this model
+    (`layer_geometry`). Sets ``calibration.layer_heads``.
 
     Raises:
-        CacheFileError: no eviction weights, or a tensor of another shape, naming the file and what differs.
+        CacheFileError: as `read_calibration`, a file fitted on another model (naming what differs: its name and
+            geometry, or, where those are alike, its weights or config), no eviction weights, or a tensor of
+            another shape (naming the file and what differs).
         UnsupportedModelError: as `layer_geometry`.
     """
+    calibration = read_calibration(path)
+    if calibration.model_fingerprint != model_fingerprint(model):
+        theirs, ours = calibration.model_id or "another model", model_identity(model)
+        differs = (f"{theirs}, not {ours}" if theirs != ours else
+                   f"a model of the same name and geometry ({ours}) with other weights or config (fingerprint "
+                   f"{short(calibration.model_fingerprint[:12])}, this model's {model_fingerprint(model)[:12]})")
+        raise CacheFileError(f"calibration file {short(str(path))} was fitted on {differs}; allowed: a file "
+                             f"calibrated on this model ({MAKE_ONE})")
     geometry = layer_geometry(model)
     name, again = short(str(path)), f"allowed: a file calibrated on this model ({MAKE_ONE})"
     weights = calibration.tensors.get(EVICTION_WEIGHTS)
@@ -327,25 +323,6 @@ def check_fits(calibration: Calibration, model, path) -> None:
         differs = _mismatch(tuple(mean.shape), key_want, ("layers", "KV heads", "head_dim"))
         raise CacheFileError(f"calibration file {name}: its {KEY_CHANNEL_MEAN} have {differs}; {again}")
     calibration.layer_heads = [h for h, _ in geometry]
-
-
-def load_calibration(path, model) -> Calibration:
-    """`read_calibration`, refused unless it was fitted on ``model`` (the same fingerprint, as a saved cache is)
-    and its tensors fit the model (`check_fits`), before any cache is built.
-
-    Raises:
-        CacheFileError: as `read_calibration`, a file fitted on another model (naming what differs: its name and
-            geometry, or, where those are alike, its weights or config), or as `check_fits`.
-    """
-    calibration = read_calibration(path)
-    if calibration.model_fingerprint != model_fingerprint(model):
-        theirs, ours = calibration.model_id or "another model", model_identity(model)
-        differs = (f"{theirs}, not {ours}" if theirs != ours else
-                   f"a model of the same name and geometry ({ours}) with other weights or config (fingerprint "
-                   f"{short(calibration.model_fingerprint[:12])}, this model's {model_fingerprint(model)[:12]})")
-        raise CacheFileError(f"calibration file {short(str(path))} was fitted on {differs}; allowed: a file "
-                             f"calibrated on this model ({MAKE_ONE})")
-    check_fits(calibration, model, path)
     return calibration
 
 

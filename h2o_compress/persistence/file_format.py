@@ -26,6 +26,7 @@ import torch
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from h2o_compress.utils.checks import check_flag
 from h2o_compress.utils.errors import CacheFileError, one_line, os_error, short, write_failure
 from h2o_compress.utils.files import check_path, staging_dir
 from h2o_compress.utils.version import __version__
@@ -89,8 +90,7 @@ def check_save_target(path, overwrite: bool = False) -> Path:
     Raises:
         CacheFileError: naming the path and what is allowed.
     """
-    if not isinstance(overwrite, bool):
-        raise CacheFileError(f"overwrite={short(overwrite)} is invalid; allowed: True or False")
+    check_flag("overwrite", overwrite, error=CacheFileError)
     target = _as_path(path)
     name = short(str(target))
     if not target.parent.is_dir():
@@ -239,12 +239,14 @@ def _atomic_write(write, target: Path) -> None:
             os.close(dir_fd)
 
 
-def check_cache_source(path) -> Path:
+def check_cache_source(path, header: bool = False) -> Path:
     """The path of a cache file to read, checked: it exists and is a regular file (not a device, FIFO or
-    directory, which would block or never end).
+    directory, which would block or never end); ``header`` true: also the file's safetensors header, readable, its
+    tensors within the file's size, and an h2o-compress cache of this format version. The header only is read
+    (the CLI checks it before the model loads; the checksum over the tensors is verified when the cache is read).
 
     Raises:
-        CacheFileError: naming the path and what is allowed.
+        CacheFileError: naming the path and what is allowed (or what is wrong).
     """
     source = _as_path(path)
     try:
@@ -258,18 +260,8 @@ def check_cache_source(path) -> Path:
             f"cache file {short(str(source))} is not a regular file ({_file_kind(info.st_mode)}); "
             "allowed: a file written by save_cache()"
         )
-    return source
-
-
-def check_cache_header(path) -> Path:
-    """`check_cache_source`, then the file's safetensors header: readable, its tensors within the file's
-    size, and an h2o-compress cache of this format version. Reads the header only (the CLI runs it before the model
-    loads; the checksum over the tensors is verified when the cache is read).
-
-    Raises:
-        CacheFileError: naming the path and what is wrong.
-    """
-    source = check_cache_source(path)
+    if not header:
+        return source
     try:
         with safe_open(str(source), framework="pt", device="cpu") as handle:
             metadata = dict(handle.metadata() or {})
@@ -283,7 +275,7 @@ def check_cache_header(path) -> Path:
 def check_cache_paths(save=None, load=None, overwrite: bool = False) -> None:
     """Refuse, before anything is loaded, a ``save`` target that cannot be written (or would replace a file that is
     not a cache file without ``overwrite``: [`check_save_target`][h2o_compress.persistence.check_save_target]) and a ``load`` source that cannot be read or
-    whose header is not a cache file's (truncated, another format or version: [`check_cache_header`][h2o_compress.persistence.check_cache_header]);
+    whose header is not a cache file's (truncated, another format or version: `check_cache_source`);
     ``None`` skips either. What ``generate``/``ask`` ``--save-cache``/``--load-cache`` check first.
 
     Raises:
@@ -292,7 +284,7 @@ def check_cache_paths(save=None, load=None, overwrite: bool = False) -> None:
     if save is not None:
         check_save_target(save, overwrite)
     if load is not None:
-        check_cache_header(load)  # its header, before the model loads
+        check_cache_source(load, header=True)  # its header, before the model loads
 
 
 def _check_format(metadata: dict[str, str], source: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from h2o_compress.runtime.compiled import compiles_by_default
 from h2o_compress.config import CompressionConfig
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_count, check_flag
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims, model_dims, resolve_dtype
 from h2o_compress.models.weights import floating_dtype, loaded_weights_bits
@@ -224,8 +224,8 @@ def _check_request(memory, headroom, compiled, **sizes: int) -> tuple[int, int]:
     Raises:
         ConfigError: the first value out of range.
     """
-    if compiled is not None and not isinstance(compiled, bool):
-        raise ConfigError(f"compiled={short(compiled)} is invalid; allowed: True, False or None (auto)")
+    if compiled is not None:
+        check_flag("compiled", compiled, allowed="True, False or None (auto)")
     limit = parse_memory(memory)
     reserve = parse_headroom(headroom, limit)
     _check_sizes(**sizes)
@@ -382,7 +382,7 @@ def fit_batch(model, config: CompressionConfig, memory, prompt_len: int, gen_len
 
     ``held``: the bytes the process holds once the model is loaded, measured (`PeakMemory.held`): on a CPU the
     batch job measures its whole resident set (the Python runtime, torch, the libraries transformers imports, the
-    weights and the tokenizer: about 1 GiB with SmolLM2's 540 MiB of fp32 weights), so that the limit bounds the
+    weights and the tokenizer; its size for SmolLM2: docs/guide/weights-and-devices.md), so that the limit bounds the
     process's peak, which is what it measures too. The row's ``weight_bytes`` is the larger of the weights' own
     bytes and ``held``.
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from h2o_compress.config import ALLOWED_GROUP_SIZES, CompressionConfig, MAX_RESIDUAL
+from h2o_compress.config import ALLOWED_GROUP_SIZES, FIELD_NAMES, CompressionConfig, MAX_RESIDUAL
+from h2o_compress.utils.checks import is_integer, is_real
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.utils.files import read_json
 
@@ -66,10 +67,10 @@ def candidates(
     policies, budgets, bits, group_sizes, residuals = check_grid(
         policies=policies, budgets=budgets, bits=bits, group_sizes=group_sizes, residuals=residuals)
     for group in group_sizes:
-        if isinstance(group, bool) or group not in ALLOWED_GROUP_SIZES:
+        if not is_real(group) or group not in ALLOWED_GROUP_SIZES:
             raise ConfigError(f"group size {short(group)} is not supported; allowed: 32, 64, 128")
     for residual in residuals:
-        if isinstance(residual, bool) or not isinstance(residual, int) or not 0 <= residual <= MAX_RESIDUAL:
+        if not is_integer(residual) or not 0 <= residual <= MAX_RESIDUAL:
             raise ConfigError(f"residual {short(residual)} is invalid; allowed: an integer from 0 to {MAX_RESIDUAL}")
     seen, out = set(), []
     for policy in policies:
@@ -155,7 +156,7 @@ def load_quality(path, warnings: list | None = None) -> dict[tuple, float]:
     name = short(str(path))
     if isinstance(data, dict):
         data = next((data[k] for k in ("rows", "results", "runs", "settings") if isinstance(data.get(k), list)), [])
-    fields = set(CompressionConfig.__dataclass_fields__)
+    fields = set(FIELD_NAMES)
     quality = {}
     for row in data if isinstance(data, list) else []:
         if not isinstance(row, dict):

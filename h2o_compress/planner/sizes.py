@@ -15,6 +15,7 @@ from h2o_compress.attention.launch import decode_scratch_bytes, launch_for
 from h2o_compress.cache import CompressedLayer, build_layers
 from h2o_compress.cache.span import FULL_SPAN
 from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.models import ModelDims
 from h2o_compress.models.int4_linear import GROUP_SIZE as INT4_GROUP  # weights per bf16 step and zero (CPU 4-bit)
@@ -168,7 +169,7 @@ def weight_bytes(spec: ModelSpec, weights_bits: int, dtype: torch.dtype, backend
     Raises:
         ConfigError: ``weights_bits`` not 16, 8 or 4, or an unknown ``backend``.
     """
-    if isinstance(weights_bits, bool) or not isinstance(weights_bits, int) or weights_bits not in WEIGHT_BITS:
+    if not is_integer(weights_bits) or weights_bits not in WEIGHT_BITS:
         raise ConfigError(f"weights_bits={short(weights_bits)} is not supported; allowed: 16, 8, 4")
     if backend not in ("bitsandbytes", "cpu"):
         raise ConfigError(f"backend={short(backend)} is not supported; allowed: bitsandbytes, cpu")

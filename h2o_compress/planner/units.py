@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+from h2o_compress.utils.checks import is_integer, is_real
 from h2o_compress.utils.errors import ConfigError, short
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -19,7 +20,7 @@ def parse_memory(value) -> int:
         ConfigError: not a positive amount with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
     """
     allowed = "a positive amount like 24GiB, 2GB or 512MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    if is_integer(value) and value > 0:
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", value) if isinstance(value, str) else None
     amount = float(match.group(1)) * UNITS.get(match.group(2).lower(), 0) if match else 0.0
@@ -61,7 +62,7 @@ def parse_headroom(value, limit: int) -> int:
         ConfigError: a share outside [0%, 90%], an amount not below the limit, or an unparsable value.
     """
     allowed = "a share like 10% (0% to 90%), an amount below the limit like 1GiB, or 0"
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0):
+    if value is None or (is_real(value) and value == 0):
         return 0
     if isinstance(value, str) and value.strip().endswith("%"):
         try:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from h2o_compress.evaluation.corpus import text_role
 from h2o_compress.policies import POLICIES
+from h2o_compress.utils.checks import is_integer, is_real
 from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import make_dir, read_text, staging_dir
-from h2o_compress.utils.outputs import SIGNED, OutputDir, check_out_path, manifest_key
+from h2o_compress.utils.outputs import SIGNED, OutputDir, manifest_key
 
 MIB = 2**20
 PLOTS = {
@@ -505,14 +506,14 @@ def check_out_dir(out_dir: str | Path) -> Path:
             as this user (or that changed since; the message names the files).
         ConfigError: this user's manifest key cannot be had (an unusable cache directory).
     """
-    out = check_out_path(out_dir)
+    target = OutputDir(out_dir)  # an empty path refused
+    out = target.path
     if os.path.lexists(out) and not out.is_dir():
         raise InputError(f"output path {short(str(out))} exists and is not a directory; allowed: a directory "
                          "(new, empty or written by h2o-compress profile)")
     if not out.is_dir():
         manifest_key()  # made or read before any work, not first when the report is written
         return out
-    target = OutputDir(out)
     target.check()
     clashes = target.foreign(REPORT_FILES)
     if clashes:
@@ -579,14 +580,7 @@ def load_report(path: str | Path) -> dict:
 
 
 # -- validation, field by field ----------------------------------------------------------------------------
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
+_number, _count = is_real, is_integer
 _NUMBER, _COUNT, _TEXT = ("a number", _number), ("an integer", _count), ("a string", lambda v: isinstance(v, str))
 
 

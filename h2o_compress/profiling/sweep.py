@@ -53,7 +53,7 @@ from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.runtime.prefill import context_window
 from h2o_compress.attention.choice import check_kernel
-from h2o_compress.integrations.lm_eval_tasks import check_task_options, check_tasks, score_model
+from h2o_compress.integrations.lm_eval_tasks import check_tasks, score_model
 from h2o_compress.integrations.ray_sweep import RaySweep, check_address, import_ray
 from h2o_compress.models import converted_dir, load_model, placement_options, resolve_device
 from h2o_compress.models.loading import ALIASES
@@ -193,7 +193,8 @@ class ProfileSettings:
 
         check_kernel(self.attention_kernel, device)
         if self.lm_eval_tasks or self.lm_eval_limit is not None or self.lm_eval_include_path is not None:
-            check_task_options(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
+            check_tasks(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks",
+                        index=False)
 
     def _check_placement(self) -> torch.device:
         """Check ``placement`` now (not in a worker after the first configuration) and keep it as the rows' key
@@ -273,22 +274,12 @@ class ProfileSettings:
                                  f"{REPORTING} or a readable text file") from None
         return texts
 
-    def check_lm_eval_tasks(self) -> None:
-        """Check every ``lm_eval_tasks`` name against lm-eval's tasks and ``lm_eval_include_path`` (builds lm-eval's
-        task index, seconds, so not in the constructor); nothing to do without tasks.
-
-        Raises:
-            ConfigError: lm-eval not installed, or an unknown task name.
-        """
-        if self.lm_eval_tasks:
-            check_tasks(self.lm_eval_tasks, self.lm_eval_limit, self.lm_eval_include_path, "--lm-eval-tasks")
-
     def configs(self) -> list[CompressionConfig]:
         """The sweep: the reference first, then every (kv bits, budget, policy); a budget of 1 runs once per
         bit width as ``full``. Raises ConfigError for a bad policy, budget or option."""
         fixed = dict(min_capacity=self.min_capacity, heavy_ratio=self.heavy_ratio, quant=self.quant,
                      group_size=self.group_size, residual=self.residual, attention_kernel=self.attention_kernel)
-        configs = [CompressionConfig(**{**asdict(REFERENCE), **fixed, "kv_bits": 16})]
+        configs = [CompressionConfig(**{**REFERENCE.to_dict(), **fixed, "kv_bits": 16})]
         for bits in self.kv_bits:
             for budget in self.budgets:
                 no_eviction = isinstance(budget, float) and budget >= 1
@@ -739,7 +730,9 @@ def run_profile(settings: ProfileSettings, out_dir: str | Path | None = None, sh
 def _run_profile(settings: ProfileSettings, out_dir, show_progress: bool, model, tokenizer, ray_address,
                  resume: bool) -> dict:
     """[`run_profile`][h2o_compress.profiling.run_profile] once ``out_dir`` is checked."""
-    settings.check_lm_eval_tasks()  # unknown task names: before Ray starts, a model loads or a file is written
+    if settings.lm_eval_tasks:  # unknown task names (lm-eval's task index: seconds, so not in the constructor):
+        # before Ray starts, a model loads or a file is written
+        check_tasks(settings.lm_eval_tasks, settings.lm_eval_limit, settings.lm_eval_include_path, "--lm-eval-tasks")
     sweep, isolate = _executor(settings, model, ray_address)
     store = None
     if out_dir is not None:

@@ -34,6 +34,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import H2OCompressError, short
 
 MAX_SETTINGS_BYTES = 16 * 2**20  # config files, reports, model config.json
@@ -153,25 +154,6 @@ def _constant(text: str):
     raise _NumberRefused(f"{text}, which is not a finite number")
 
 
-def check_numbers(value, what: str, error: type[H2OCompressError]):
-    """``value`` (parsed JSON/TOML) if every number in it is a finite float or an integer within
-    `MAX_NUMBER`; walked without recursion. Raises ``error`` naming the first other one."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, bool):
-            continue
-        elif isinstance(item, int) and abs(item) > MAX_NUMBER:
-            raise error(f"{what} holds an integer of more than {MAX_INT_DIGITS} digits; {NUMBERS_ALLOWED}")
-        elif isinstance(item, float) and not (item == item and abs(item) != float("inf")):
-            raise error(f"{what} holds the number {item}, which is not finite; {NUMBERS_ALLOWED}")
-    return value
-
-
 def parse_json(text: str, what: str, error: type[H2OCompressError], bounded: bool = False):
     """``json.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``.
 
@@ -198,7 +180,8 @@ def _reason(exc: Exception) -> str:
 
 def parse_toml(text: str, what: str, error: type[H2OCompressError], bounded: bool = False):
     """``tomllib.loads(text)``, every failure (syntax, nesting too deep, huge integers) as ``error``; ``bounded``:
-    as `parse_json` (integers beyond `MAX_NUMBER`, ``inf``/``nan`` refused)."""
+    as `parse_json` (integers beyond `MAX_NUMBER`, ``inf``/``nan`` refused: the value is walked without recursion
+    and ``error`` names the first such number)."""
     try:
         value = tomllib.loads(text, parse_float=_finite_float) if bounded else tomllib.loads(text)
     except _NumberRefused as exc:
@@ -208,7 +191,16 @@ def parse_toml(text: str, what: str, error: type[H2OCompressError], bounded: boo
     except (RecursionError, ValueError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else _reason(exc)
         raise error(f"{what} is not usable TOML ({reason})") from None
-    return check_numbers(value, what, error) if bounded else value
+    stack = [value] if bounded else []
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (dict, list)):
+            stack.extend(item.values() if isinstance(item, dict) else item)
+        elif is_integer(item) and abs(item) > MAX_NUMBER:
+            raise error(f"{what} holds an integer of more than {MAX_INT_DIGITS} digits; {NUMBERS_ALLOWED}")
+        elif isinstance(item, float) and not (item == item and abs(item) != float("inf")):
+            raise error(f"{what} holds the number {item}, which is not finite; {NUMBERS_ALLOWED}")
+    return value
 
 
 def read_json(path, what: str, error: type[H2OCompressError], limit: int = MAX_SETTINGS_BYTES, bounded: bool = False):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from h2o_compress.utils.errors import ConfigError, InputError, short, write_failure
 from h2o_compress.utils.files import staging_file, write_all
-from h2o_compress.utils.paths import check_private_file, private_dir
+from h2o_compress.utils.paths import check_private, private_dir
 
 MANIFEST = ".h2o-compress-manifest.json"
 KEY_FILE = "manifest.key"
@@ -59,7 +59,7 @@ def manifest_key() -> bytes:
                     pass
             finally:
                 Path(tmp).unlink(missing_ok=True)
-        check_private_file(path)
+        check_private(path, "file")
         key = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"the manifest key {short(str(path))} cannot be made or read ({exc.strerror or exc}); "
@@ -77,27 +77,21 @@ def _kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def check_out_path(out_dir) -> Path:
-    """``out_dir`` as a path, refused when empty.
-
-    Raises:
-        InputError: an empty or whitespace-only path (it would mean the current directory).
-    """
-    if out_dir is None or not str(out_dir).strip():
-        raise InputError("the output directory is empty (it would write into the current directory); allowed: a "
-                         "directory path, e.g. --out results/run1")
-    return Path(out_dir)
-
-
 class OutputDir:
     """A directory that reports are written into (see the module docstring).
 
     Args:
         path: the directory (it need not exist yet: `write` creates it).
+
+    Raises:
+        InputError: an empty or whitespace-only ``path`` (it would mean the current directory).
     """
 
     def __init__(self, path) -> None:
-        self.path = check_out_path(path)
+        if path is None or not str(path).strip():
+            raise InputError("the output directory is empty (it would write into the current directory); allowed: a "
+                             "directory path, e.g. --out results/run1")
+        self.path = Path(path)
         self._key: bytes | None = None
 
     def manifest(self) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Where h2o-compress keeps what it builds once: converted models and compiled kernels (a leaf module).
 
 Everything the package loads from there is trusted only if this user made it: it lives in directories owned by this
-user that nobody else can write (`private_dir`), checked before loading (`check_private_file`).
+user that nobody else can write (`private_dir`), checked before loading (`check_private`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def _fix(path: Path) -> str:
 
 def check_private(path: Path, what: str = "directory") -> None:
     """Refuse ``path`` unless it is no symlink, owned by this user and not writable by group or others: what the
-    package loads from it (compiled kernels, converted models) is then this user's own.
+    package loads from it (compiled kernels, converted models) is then this user's own. ``what``: ``"directory"``
+    or ``"file"`` (a file to load from a private directory, which must also be a regular file).
 
     Raises:
-        ConfigError: naming the path, who owns it or its mode, and the fix.
+        ConfigError: naming the path, who owns it, its mode or its kind, and the fix.
     """
     name = short(str(path))
     info = os.lstat(path)
@@ -60,6 +61,8 @@ def check_private(path: Path, what: str = "directory") -> None:
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ConfigError(f"cache {what} {name} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}): it "
                           f"is not loaded; {_fix(path)}")
+    if what == "file" and not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"cache file {name} is not a regular file; {_fix(path.parent)}")
 
 
 def private_dir(*parts: str) -> Path:
@@ -94,15 +97,3 @@ def _make(path: Path) -> None:
         raise ConfigError(
             f"cache directory {short(str(path))} cannot be created ({exc.strerror}); {_fix(path)}") from None
     check_private(path)
-
-
-def check_private_file(path: Path) -> None:
-    """Refuse a file to load from a private directory unless it is a regular file (no symlink) of this user that
-    only this user can write (`check_private`).
-
-    Raises:
-        ConfigError: as `check_private`.
-    """
-    check_private(path, "file")
-    if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise ConfigError(f"cache file {short(str(path))} is not a regular file; {_fix(path.parent)}")

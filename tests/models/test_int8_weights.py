@@ -154,7 +154,7 @@ def test_bitsandbytes_is_not_used_on_cpu(four_layer_dir, monkeypatch):
 def test_cuda_and_device_maps_keep_bitsandbytes(monkeypatch):
     """On CUDA (simulated: the device resolves to cuda and bitsandbytes' probe passes) and with a device_map,
     8 bits stays LLM.int8 through transformers' BitsAndBytesConfig, computing in fp16 as before."""
-    monkeypatch.setattr(loading, "check_bnb_backend", lambda bits, device: None)
+    monkeypatch.setattr(weights, "_probe", lambda bits, device: None)
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cuda", 0))
     cuda = placement_options("cuda", None, 8)
     assert not cuda["_cpu_packed"] and cuda["quantization_config"].load_in_8bit
