@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -29,15 +30,38 @@ def split_tasks(tasks: str, option: str = "--tasks") -> list[str]:
     return task_list
 
 
-def check_output(output: Optional[str]) -> None:
-    """Refuse an ``--output`` that exists (nothing the user has is overwritten) or whose folder does not."""
-    if output is None:
-        return
-    path = Path(output)
-    if path.exists():
-        raise InputError(f"--output {short(output)} exists; allowed: a new file (nothing is overwritten)")
-    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
-        raise InputError(f"--output {short(output)}: its folder is not a writable directory; allowed: a new file there")
+@dataclass(frozen=True)
+class LmEvalRequest:
+    """What ``eval lm-eval`` was asked, validated once, when made (before lm-eval or the model loads): the
+    ``model_args`` (keys and compression values: `check_model_args`), the task names (comma-separated), ``--limit``
+    and ``--include-path`` (`check_task_options`), and ``--output``, a new file in a writable folder (nothing the
+    user has is overwritten) or ``None``.
+
+    Raises (when made):
+        ConfigError: a bad model argument, task option, or no task named.
+        InputError: an ``--output`` that exists, or whose folder is not a writable directory.
+    """
+
+    model_args: dict
+    tasks: str
+    limit: Optional[int] = None
+    include_path: Optional[str] = None
+    output: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from h2o_compress.integrations.lm_eval_model import check_model_args  # deferred: needs lm_eval (optional)
+
+        check_model_args(self.model_args)
+        object.__setattr__(self, "tasks", split_tasks(self.tasks))
+        check_task_options(self.tasks, self.limit, self.include_path)
+        if self.output is None:
+            return
+        path = Path(self.output)
+        if path.exists():
+            raise InputError(f"--output {short(self.output)} exists; allowed: a new file (nothing is overwritten)")
+        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+            raise InputError(f"--output {short(self.output)}: its folder is not a writable directory; allowed: a new "
+                             "file there")
 
 
 def score_rows(results: dict) -> list[tuple[str, str, str, str, str]]:
@@ -72,13 +96,10 @@ def lm_eval_command(
     lm_eval = import_lm_eval()
     from lm_eval.utils import handle_non_serializable, simple_parse_args_string
 
-    from h2o_compress.integrations.lm_eval_model import MODEL_TYPE, check_model_args  # deferred: needs lm_eval (optional)
+    from h2o_compress.integrations.lm_eval_model import MODEL_TYPE  # deferred: needs lm_eval (optional)
 
-    args = simple_parse_args_string(model_args)
-    check_model_args(args)
-    task_list = split_tasks(tasks)
-    check_task_options(task_list, limit, include_path)
-    check_output(output)
+    request = LmEvalRequest(simple_parse_args_string(model_args), tasks, limit, include_path, output)
+    args, task_list = request.model_args, request.tasks
     set_threads(threads)
     manager = check_tasks(task_list, limit, include_path)
     try:

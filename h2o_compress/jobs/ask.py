@@ -15,10 +15,13 @@ from typing import Callable, Sequence
 import h2o_compress.runtime.ask as asking
 from h2o_compress.config import CompressionConfig
 from h2o_compress.utils.checks import check_threads
-from h2o_compress.jobs.checks import CacheRunFields, check_callbacks, check_generation, check_job, check_settings
+from h2o_compress.jobs.checks import CacheRunFields
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
-from h2o_compress.runtime.generation import GenerationResult, check_config, check_on_text, check_prompt
+from h2o_compress.runtime.chat import check_text_fits
+from h2o_compress.runtime.generation import ON_TEXT, GenerationResult, check_config, check_prompt, encode_prompt
+from h2o_compress.runtime.prefill import check_context, context_window
+from h2o_compress.utils.checks import check_callback
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text
@@ -76,13 +79,36 @@ class AskJob(CacheRunFields):
                                  "allowed: a document to ask about")
         check_prompt(self.context)
         self.questions = question_list(self.questions)
-        check_job(self)
+        self._validate_shared()
         self.config = asking.ASK_DEFAULTS if self.config is None else check_config(self.config)
-        check_generation(self)
+        self.request = self._generation_request()  # max_new_tokens, temperature, seed, chat, compile: not per answer
         if self.save_cache is not None and self.load_cache is not None:
             raise ConfigError("--save-cache and --load-cache cannot be combined: a loaded context is already saved")
         check_cache_paths(self.save_cache, self.load_cache, self.overwrite)
         check_threads(self.threads)
+
+    def _fits(self, lm, tokenizer) -> None:
+        """The request against the loaded model, before the context is tokenized, scored or loaded (minutes for a
+        long one): attention layers only (`check_attention_only`), and the context + each question +
+        ``max_new_tokens`` within the model's window ([`ask`][h2o_compress.runtime.ask.ask] checks the same per
+        question, later). Tokenizes only.
+
+        Raises:
+            UnsupportedModelError: a hybrid model.
+            InputError: naming the question, the token counts and the most ``max_new_tokens`` that fits; a context
+                or a question too long for the window whatever the tokenization (from its length, before
+                tokenizing: `check_text_fits`).
+        """
+        asking.check_attention_only(lm)
+        window = context_window(lm)
+        check_text_fits(tokenizer, self.context, window, "the context")
+        for question in self.questions:
+            check_text_fits(tokenizer, question, window, f"question {short(question, 60)}")
+            total = encode_prompt(tokenizer, self.context + asking.SEPARATOR + question, self.chat, window).shape[1]
+            try:
+                check_context(lm, total, self.max_new_tokens)
+            except InputError as exc:
+                raise InputError(f"context + question {short(question)}: {exc}") from None
 
     def start(self, on_progress: ProgressFn | None = None) -> "AskSession":
         """Load the model, refuse a question that cannot fit, then compress the context (or load it) and save it.
@@ -110,8 +136,7 @@ class AskJob(CacheRunFields):
             torch.set_num_threads(self.threads)
         with nullcontext() if on_progress is None else report_progress(on_progress):
             lm, tokenizer = models.load_model(self.model, trust_remote_code=self.trust_remote_code, **self.load)
-            asking.check_attention_only(lm)  # a hybrid, before its context is tokenized, scored or loaded
-            asking.check_questions_fit(lm, tokenizer, self.context, self.questions, self.max_new_tokens, self.chat)
+            self._fits(lm, tokenizer)  # before minutes of compressing the context
             started = time.perf_counter()  # before minutes of compressing, above
             if self.load_cache is not None:
                 compressed = asking.CompressedContext.load(self.load_cache, lm, tokenizer, self.context, self.chat,
@@ -163,15 +188,14 @@ class AskSession:
         Raises:
             InputError: empty question, or context + question + new tokens beyond the model's window.
         """
-        check_on_text(on_text)
+        check_callback("on_text", on_text, ON_TEXT)
         check_prompt(question)
         return _answer_figures(self._generate(question, on_text), question)
 
     def _generate(self, question: str, on_text=None) -> GenerationResult:
         """The answer to a checked ``question`` (the job checked the generation settings when it was made)."""
         job = self.job
-        return asking.ask_checked(self.model, self.tokenizer, self.context, question, job.max_new_tokens,
-                                  job.temperature, job.seed, on_text, job.compile, compile_checked_for=job.config)
+        return asking.ask_checked(self.model, self.tokenizer, self.context, question, job.request, on_text)
 
 
 def question_list(questions) -> list[str]:
@@ -245,9 +269,10 @@ def run_ask(questions: Sequence[str] | str, context: str | None = None, context_
             [`AskSession.answer`][h2o_compress.jobs.AskSession.answer]; a ConfigError for an unknown setting or an
             ``on_text``/``on_progress`` that is not callable.
     """
-    check_settings(AskJob, settings, ("questions", "context", "context_file", "model", "config"))
-    check_callbacks(on_text=on_text, on_progress=on_progress)
-    session = AskJob(questions, context, context_file, model, config, **settings).start(on_progress)
+    job = AskJob.from_call(("questions", "context", "context_file", "model", "config"),
+                           (questions, context, context_file, model, config), settings,
+                           on_text=on_text, on_progress=on_progress)
+    session = job.start(on_progress)
     results = [session._generate(question, on_text) for question in session.job.questions]
     answers = [_answer_figures(result, question) for result, question in zip(results, session.job.questions)]
     return AskReport(session.figures, answers, results)

@@ -17,7 +17,8 @@ from h2o_compress import models
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.checks import check_threads
 from h2o_compress.jobs.batch_files import AnswerFile, read_requests
-from h2o_compress.jobs.checks import check_callbacks, check_generation, check_job, check_settings
+from h2o_compress.jobs.checks import JobRequest
+from h2o_compress.utils.checks import check_callback
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.models.weights import input_device
 from h2o_compress.planner import describe, format_bytes, parse_memory
@@ -94,7 +95,7 @@ class BatchReport:
 
 
 @dataclass
-class BatchJob:
+class BatchJob(JobRequest):
     """Answer every prompt of INPUT into OUTPUT, checked when made.
 
     Attributes:
@@ -146,9 +147,9 @@ class BatchJob:
     verbose: bool = False
 
     def __post_init__(self) -> None:
-        check_job(self)
+        self._validate_shared()
         self.config = check_config(self.config)
-        check_generation(self)
+        self.request = self._generation_request()  # max_new_tokens, temperature, seed, chat, compile: a line's defaults
         if self.batch_size != "auto":
             check_batch_size(self.batch_size)
             if self.memory_limit is not None:
@@ -228,9 +229,8 @@ class BatchJob:
         else:
             if self.batch_size == "auto":  # a planned size; the rest was checked when the job was made
                 check_batch_size(batch_size)
-            check_callbacks(on_step=on_step)
-            run = generate_batch_checked(lm, tokenizer, requests, config, on_step=on_step,
-                                         compile_checked_for=self.config, **generation)
+            check_callback("on_step", on_step)
+            run = generate_batch_checked(lm, tokenizer, requests, config, on_step=on_step, **generation)
         for result in run:
             answers.write(result)
             if on_result is not None:
@@ -338,5 +338,4 @@ def run_batch(input: str, output: str, model: str = DEFAULT_MODEL, config: Compr
         H2OCompressError: the errors of [`BatchJob`][h2o_compress.jobs.BatchJob] (every setting, before anything is
             loaded) and [`BatchJob.run`][h2o_compress.jobs.BatchJob.run].
     """
-    check_settings(BatchJob, settings, ("input", "output", "model", "config"))
-    return BatchJob(input, output, model, config, **settings).run()
+    return BatchJob.from_call(("input", "output", "model", "config"), (input, output, model, config), settings).run()

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from h2o_compress.runtime.batch_requests import FINISH_REASONS, REQUEST_KEYS, BatchResult
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import InputError, short, write_failure
 from h2o_compress.utils.files import MAX_TEXT_BYTES, read_text, write_all
 
@@ -95,14 +96,14 @@ def _parse_line(line: str, number: int, as_json: bool) -> dict | BatchResult:
         return _error(number, f"line {number}: unknown key {', '.join(map(repr, unknown))}; allowed: "
                               f"{', '.join(REQUEST_KEYS)}", value.get("id"))
     ident = value.get("id", number)
-    if isinstance(ident, bool) or not isinstance(ident, (str, int)):
+    if not (isinstance(ident, str) or is_integer(ident)):
         return _error(number, f"line {number}: id {short(ident)} is invalid; allowed: a text or an integer")
     value["id"] = str(ident)
     return value
 
 
 def _error(number: int, message: str, ident=None) -> BatchResult:
-    ident = str(number) if isinstance(ident, bool) or not isinstance(ident, (str, int)) else str(ident)
+    ident = str(ident) if isinstance(ident, str) or is_integer(ident) else str(number)
     return BatchResult(id=ident, index=number - 1, finish_reason="error", error=message)
 
 
@@ -154,7 +155,7 @@ def answer_problem(answer) -> str | None:
             return f"{key} {short(answer[key], 40)} is not a text"
     for key in ("prompt_tokens", "new_tokens"):
         value = answer[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_integer(value) or value < 0:
             return f"{key} {short(value, 40)} is not an integer >= 0"
     if answer["finish_reason"] not in FINISH_REASONS:
         return f"finish_reason {short(answer['finish_reason'], 40)} is not one of {', '.join(FINISH_REASONS)}"

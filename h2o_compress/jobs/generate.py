@@ -12,14 +12,15 @@ from typing import Callable
 
 from h2o_compress.config import CompressionConfig, check_usable
 from h2o_compress.utils.checks import check_threads
-from h2o_compress.jobs.checks import CacheRunFields, check_callbacks, check_generation, check_job, check_settings
+from h2o_compress.jobs.checks import CacheRunFields
 from h2o_compress.models import DEFAULT_MODEL
 from h2o_compress.persistence import check_cache_paths
 from h2o_compress.planner import PlanRow, choose_for_prompt, describe_choice, parse_memory
 from h2o_compress.planner.plan import PICKED, read_whole_fallback
 from h2o_compress.runtime.generation import (
-    GenerationResult, check_config, check_on_text, check_prompt, encode_prompt, generate, generate_checked,
+    ON_TEXT, GenerationResult, check_config, check_prompt, encode_prompt, generate, run_generation,
 )
+from h2o_compress.utils.checks import check_callback
 from h2o_compress.utils.defaults import default_of
 from h2o_compress.utils.errors import ConfigError
 from h2o_compress import models
@@ -102,9 +103,9 @@ class GenerateJob(CacheRunFields):
 
     def __post_init__(self) -> None:
         check_prompt(self.prompt)
-        check_job(self)
+        self._validate_shared()
         self.config = check_usable(check_config(self.config))  # the capacity-free rules; run() adds the capacity's
-        check_generation(self)
+        self.request = self._generation_request()  # max_new_tokens, temperature, seed, chat, compile
         if self.memory_limit is not None and self.load_cache is not None:
             raise ConfigError("--memory-limit and --load-cache cannot be combined: a loaded cache keeps the setting "
                               "it was saved with")
@@ -139,7 +140,7 @@ class GenerateJob(CacheRunFields):
         """
         import torch
 
-        check_on_text(on_text)  # the rest was checked when the job was made, before anything loads
+        check_callback("on_text", on_text, ON_TEXT)  # the rest was checked when the job was made
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         if self.seed is not None:
@@ -162,10 +163,9 @@ class GenerateJob(CacheRunFields):
             )
             load_s = time.perf_counter() - started
             config = cache.config
-        result = generate_checked(  # every argument was checked when the job was made (the setting, if it is this)
-            lm, tokenizer, self.prompt, config, self.max_new_tokens, self.chat, self.temperature, self.seed, on_text,
-            cache, self.compile, compile_checked_for=self.config,
-        )
+        # the job's request, for the setting it runs with where that is another (the planner's pick, a loaded cache's)
+        request = self.request if config == self.request.config else self._generation_request(config)
+        result = run_generation(lm, tokenizer, self.prompt, request, on_text, cache)
         figures = self._figures(result, config, floating_dtype(lm), row, peak, load_s)
         return GenerateReport(result, config, figures, row)
 
@@ -240,6 +240,6 @@ def run_generate(prompt: str, model: str = DEFAULT_MODEL, config: CompressionCon
             anything is loaded) and [`GenerateJob.run`][h2o_compress.jobs.GenerateJob.run]; a ConfigError for an
             unknown setting or an ``on_text``/``on_plan`` that is not callable.
     """
-    check_settings(GenerateJob, settings, ("prompt", "model", "config"))
-    check_callbacks(on_text=on_text, on_plan=on_plan)
-    return GenerateJob(prompt, model, config, **settings).run(on_text, on_plan)
+    job = GenerateJob.from_call(("prompt", "model", "config"), (prompt, model, config), settings, on_text=on_text,
+                                on_plan=on_plan)
+    return job.run(on_text, on_plan)

@@ -32,11 +32,12 @@ import torch
 from h2o_compress.cache import CompressedCache
 from h2o_compress.runtime.chat import check_text_fits
 from h2o_compress.config import CompressionConfig, check_usable
-from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, UnsupportedModelError, short
+from h2o_compress.utils.errors import CacheStateError, InputError, UnsupportedModelError, short
 from h2o_compress.runtime.generation import (
-    GenerationResult, _check_argument_kinds, check_config, check_generation_args, check_prompt, check_switch,
-    encode_prompt, generate_checked, make_scored_cache,
+    GenerationRequest, GenerationResult, _check_argument_kinds, check_config, check_generation_args, check_prompt,
+    encode_prompt, make_scored_cache, run_generation,
 )
+from h2o_compress.utils.checks import check_callback, check_flag
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
 from h2o_compress.runtime.prefill import check_context, context_window, layer_progress, prefill
@@ -126,9 +127,8 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     _check_argument_kinds(model, tokenizer, None)
     config = ASK_DEFAULTS if config is None else check_config(config)
     check_prompt(context)
-    check_switch("chat", chat)
-    if on_progress is not None and not callable(on_progress):
-        raise ConfigError(f"on_progress={short(on_progress)} is not callable; allowed: a function or None")
+    check_flag("chat", chat)
+    check_callback("on_progress", on_progress)
     check_attention_only(model)
     check_text_fits(tokenizer, context, context_window(model), "the context")
     device = input_device(model)
@@ -176,26 +176,6 @@ def check_attention_only(model) -> None:
         )
 
 
-def check_questions_fit(model, tokenizer, context: str, questions, max_new_tokens: int, chat: bool = True) -> None:
-    """Refuse, before the context is compressed (minutes for a long one), a context + question + ``max_new_tokens``
-    beyond the model's window ([`ask`][h2o_compress.runtime.ask.ask] checks the same per question, later). Tokenizes only.
-
-    Raises:
-        InputError: naming the question, the token counts and the most ``max_new_tokens`` that fits; a context or a
-            question too long for the window whatever the tokenization (from its length, before tokenizing:
-            `check_text_fits`).
-    """
-    window = context_window(model)
-    check_text_fits(tokenizer, context, window, "the context")
-    for question in questions:
-        check_text_fits(tokenizer, question, window, f"question {short(question, 60)}")
-        total = encode_prompt(tokenizer, context + SEPARATOR + question, chat, window).shape[1]
-        try:
-            check_context(model, total, max_new_tokens)
-        except InputError as exc:
-            raise InputError(f"context + question {short(question)}: {exc}") from None
-
-
 @torch.inference_mode()
 def ask(
     model,
@@ -225,24 +205,35 @@ def ask(
     _check_argument_kinds(model, tokenizer, on_text)
     check_prompt(question)
     check_generation_args(max_new_tokens, temperature, seed)
-    return ask_checked(model, tokenizer, context, question, max_new_tokens, temperature, seed, on_text, compile)
+    _check_held(context)
+    request = GenerationRequest(context.cache.config, max_new_tokens, context.chat, temperature, seed, compile)
+    return ask_checked(model, tokenizer, context, question, request, on_text)
 
 
 @torch.inference_mode()
-def ask_checked(model, tokenizer, context: CompressedContext, question: str, max_new_tokens: int, temperature: float,
-                seed: int | None, on_text: Callable[[str], None] | None, compile: bool | None,
-                compile_checked_for: CompressionConfig | None = None) -> GenerationResult:
-    """[`ask`][h2o_compress.runtime.ask.ask] for arguments already checked, so that a request is validated once:
-    ``model``, ``tokenizer`` and ``on_text`` of the right kind, ``question`` a text (`check_prompt`),
-    ``max_new_tokens``, ``temperature`` and ``seed`` as `check_generation_args` allows (what
-    [`AskJob`][h2o_compress.jobs.AskJob] checks when it is made). The context, the window and ``chat`` are checked
-    here, as ``ask`` checks them.
-
-    Args:
-        compile_checked_for: as for [`generate_checked`][h2o_compress.runtime.generation.generate_checked].
+def ask_checked(model, tokenizer, context: CompressedContext, question: str, request: GenerationRequest,
+                on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """[`ask`][h2o_compress.runtime.ask.ask] for a validated ``request`` (its ``chat`` the context's; what
+    [`AskJob`][h2o_compress.jobs.AskJob] builds when it is made): ``model``, ``tokenizer`` and ``on_text`` of the
+    right kind, ``question`` a text (`check_prompt`), ``context`` a CompressedContext holding tokens. What needs
+    the question's tokens (the window) is checked here, as ``ask`` checks it; the answer runs in a frozen copy of
+    the context's cache.
 
     Raises:
-        InputError, ConfigError, CacheStateError: as `ask` says, but for the arguments checked before.
+        InputError: context + question + new tokens beyond the model's window.
+    """
+    prompt = context.text + SEPARATOR + question
+    total = encode_prompt(tokenizer, prompt, context.chat, context_window(model)).shape[1]
+    check_context(model, total, request.max_new_tokens)
+    answering = context.cache.frozen_copy(total + request.max_new_tokens)
+    return run_generation(model, tokenizer, prompt, request, on_text, answering)
+
+
+def _check_held(context) -> None:
+    """Refuse a ``context`` that is not a CompressedContext holding a compressed context.
+
+    Raises:
+        CacheStateError: naming what was given.
     """
     if not isinstance(context, CompressedContext):
         raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()), not "
@@ -251,10 +242,3 @@ def ask_checked(model, tokenizer, context: CompressedContext, question: str, max
         raise CacheStateError(f"ask() needs a CompressedContext from compress() (or CompressedContext.load()): "
                               f"context.cache={short(context.cache)} holds no compressed context; allowed: a "
                               "CompressedCache holding at least one token")
-    prompt = context.text + SEPARATOR + question
-    total = encode_prompt(tokenizer, prompt, context.chat, context_window(model)).shape[1]
-    check_context(model, total, max_new_tokens)
-    answering = context.cache.frozen_copy(total + max_new_tokens)
-    check_switch("chat", context.chat)  # what generate checks of the copy's arguments (the rest is checked above)
-    return generate_checked(model, tokenizer, prompt, answering.config, max_new_tokens, context.chat, temperature, seed,
-                            on_text, answering, compile, compile_checked_for)

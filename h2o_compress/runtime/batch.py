@@ -39,7 +39,8 @@ import torch
 from h2o_compress.config import CompressionConfig
 from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.batch_requests import BatchRequest, BatchResult, Prepared, prepare
-from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
+from h2o_compress.runtime.compiled import (check_compile, compiled_decode_step, decode_step, resolve_compile,
+                                           warmup_steps)
 from h2o_compress.runtime.context_scores import global_layer_capacities, hand_context_scores, score_context
 from h2o_compress.runtime.decode_loop import decode_steps, ended, eos_ids, sync
 from h2o_compress.runtime.prefill import prompt_chunks
@@ -48,7 +49,7 @@ from h2o_compress.runtime.generation import (
 )
 from h2o_compress.cache.module_states import states_in_cache
 from h2o_compress.models.weights import input_device
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_callback, check_count, check_flag
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, short
 
 MAX_BATCH_SIZE = 4096
@@ -174,10 +175,10 @@ def generate_batch(
     config = check_config(config)
     check_generation_args(max_new_tokens, temperature, seed)
     check_batch_size(batch_size)
-    if on_step is not None and not callable(on_step):
-        raise ConfigError(f"on_step={short(on_step)} is not callable; allowed: a function or None")
+    check_callback("on_step", on_step)
     for name, value in (("chat", chat), ("in_order", in_order), ("longest_first", longest_first), ("refill", refill)):
-        check_switch(name, value)
+        check_flag(name, value)
+    check_compile(compile, config)
     return generate_batch_checked(model, tokenizer, _request_list(requests), config, max_new_tokens, batch_size, chat,
                                   temperature, seed, compile, in_order, on_step, longest_first, refill)
 
@@ -185,22 +186,18 @@ def generate_batch(
 def generate_batch_checked(model, tokenizer, requests: list, config: CompressionConfig, max_new_tokens: int,
                            batch_size: int, chat: bool, temperature: float, seed: int | None, compile: bool | None,
                            in_order: bool = False, on_step: Callable[[int, int], None] | None = None,
-                           longest_first: bool = True, refill: bool = True,
-                           compile_checked_for: CompressionConfig | None = None) -> BatchRun:
+                           longest_first: bool = True, refill: bool = True) -> BatchRun:
     """[`generate_batch`][h2o_compress.runtime.batch.generate_batch] for job-wide arguments already checked (what
     [`BatchJob`][h2o_compress.jobs.BatchJob] checks when it is made), so that a request is validated once:
     ``model`` and ``tokenizer`` of the right kind, ``requests`` a list, ``config`` a CompressionConfig,
     ``max_new_tokens``, ``temperature`` and ``seed`` as `check_generation_args` allows, ``batch_size`` as
-    `check_batch_size` allows, the switches bools and ``on_step`` callable or ``None``. Each request is checked
-    here, as ``generate_batch`` checks it.
-
-    Args:
-        compile_checked_for: the setting ``compile`` was checked against (`check_compile`): a batch cache of that
-            setting (its budget as `row_config` sets it) is not checked again; ``None``: it is checked.
+    `check_batch_size` allows, ``compile`` as `check_compile` allows for ``config``, the switches bools and
+    ``on_step`` callable or ``None``. Each request is checked
+    here, as ``generate_batch`` checks it, and whether the batch cache can compile, when it is made.
     """
     stats = BatchStats()
     results = _run(model, tokenizer, requests, config, max_new_tokens, batch_size, chat, temperature, seed,
-                   compile, on_step, stats, longest_first, refill, compile_checked_for)
+                   compile, on_step, stats, longest_first, refill)
     return BatchRun(_in_order(results) if in_order else results, stats)
 
 
@@ -233,8 +230,7 @@ def _in_order(results: Iterator[BatchResult]) -> Iterator[BatchResult]:
 
 
 def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temperature, seed, compile, on_step,
-         stats: BatchStats, longest_first: bool, refill: bool,
-         compile_checked_for: CompressionConfig | None = None) -> Iterator[BatchResult]:
+         stats: BatchStats, longest_first: bool, refill: bool) -> Iterator[BatchResult]:
     prepared = [prepare(model, tokenizer, item, index, chat, max_new_tokens, temperature, seed)
                 for index, item in enumerate(items)]
     for result in prepared:
@@ -248,9 +244,8 @@ def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temp
         rows.sort(key=lambda p: -(p.ids.numel() + p.max_new_tokens))
     longest = max(p.ids.numel() + p.max_new_tokens for p in rows)
     config = row_config(config, longest)
-    checked = compile_checked_for is not None and row_config(compile_checked_for, longest) == config
     stats.capacity = config.capacity(longest)
-    batch = _Batch(model, tokenizer, config, longest, min(batch_size, len(rows)), compile, stats, checked)
+    batch = _Batch(model, tokenizer, config, longest, min(batch_size, len(rows)), compile, stats)
     answered = set()
     try:
         for result in batch.run(rows, refill, on_step):
@@ -269,8 +264,7 @@ def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temp
 class _Batch:
     """The rows of a batch job: the batch cache, which prompt each row runs, its tokens so far and its sampler."""
 
-    def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats,
-                 compile_checked: bool = False):
+    def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats):
         self.model, self.tokenizer, self.config, self.longest, self.stats = model, tokenizer, config, longest, stats
         self.device, self.size = input_device(model), size
         self.eos = eos_ids(model, tokenizer)
@@ -278,7 +272,7 @@ class _Batch:
         self.capacities = None  # layer_budgets="global": one split for every row, from the first prompts' scores
         self.scores: dict[int, list] = {}  # those scores, by prompt index, until the prompt is prefilled
         self.cache = make_cache(model, config, longest)
-        self.compile, self.compile_checked = compile, compile_checked  # checked: for this setting, by a job
+        self.compile = compile
         self.rows: list[Prepared | None] = [None] * size
         self.tokens: list[list[int]] = [[] for _ in range(size)]
         self.generators: list[torch.Generator | None] = [None] * size
@@ -299,8 +293,7 @@ class _Batch:
             self._split_layers(prompts[: self.size])
             self.stats.prefill_s += time.perf_counter() - start
         yield from self._refill()
-        compiled = resolve_compile(self.compile, self.cache, self.device, self.model,
-                                   checked=self.compile_checked and self.cache.config == self.config) and not eager
+        compiled = resolve_compile(self.compile, self.cache, self.device, self.model) and not eager
         step = compiled_decode_step(self.model, self.device) if compiled else decode_step
         untimed = warmup_steps(self.device) if compiled else 0
         for done in decode_steps(step, self.model, self.cache, self._inputs, self._pick, self._running, untimed,

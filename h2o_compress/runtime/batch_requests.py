@@ -10,6 +10,7 @@ import torch
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
 from h2o_compress.runtime.generation import check_generation_args, encode_prompt
 from h2o_compress.runtime.prefill import check_context, context_window
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import H2OCompressError, InputError, short
 
 #: The keys a request may carry (a JSONL line, or a dict given to ``generate_batch``).
@@ -59,7 +60,7 @@ def _id_text(ident) -> str:
     Raises:
         InputError: not a text or an integer, or an integer too long to write out (more than 4300 digits).
     """
-    if isinstance(ident, bool) or not isinstance(ident, (str, int)):
+    if not (isinstance(ident, str) or is_integer(ident)):
         raise InputError(f"id {short(ident)} is invalid; allowed: a text or an integer")
     try:
         return str(ident)

@@ -20,7 +20,8 @@ import torch
 
 from h2o_compress.cache import CompressedCache
 from h2o_compress.formats import eager_only_formats
-from h2o_compress.utils.errors import ConfigError, InputError, short
+from h2o_compress.utils.checks import check_flag
+from h2o_compress.utils.errors import ConfigError, InputError
 from h2o_compress.models.weights import eager_only_reason
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
@@ -106,8 +107,8 @@ def check_compile(compile: bool | None, config) -> None:
     Raises:
         ConfigError: naming the value and what is allowed.
     """
-    if compile is not None and not isinstance(compile, bool):
-        raise ConfigError(f"compile={short(compile)} is invalid; allowed: True, False or None (auto)")
+    if compile is not None:
+        check_flag("compile", compile, "True, False or None (auto)")
     if compile and not config.compilable:
         raise ConfigError(
             f"compile=True with quant={config.quant!r}: the bitsandbytes formats ({eager_only_formats()}) run "
@@ -122,21 +123,19 @@ def compiles_by_default(device: torch.device | str, model=None) -> bool:
     return torch.device(device).type == "cuda" and (model is None or eager_only_reason(model) is None)
 
 
-def resolve_compile(compile: bool | None, cache, device: torch.device, model=None, checked: bool = False) -> bool:
+def resolve_compile(compile: bool | None, cache, device: torch.device, model=None) -> bool:
     """Whether a run compiles its decode step: ``compile`` if given, else on by default on CUDA and off on CPU
     (where eager decoding measured faster: ``benchmarks/results/decode_speed_cpu.md``), and off by default for a
     ``model`` with bitsandbytes weights or dispatched by accelerate over several devices or with offload (as
     transformers' own auto-compile does; `h2o_compress.models.weights.eager_only_reason`).
 
-    ``checked``: ``compile`` was checked against ``cache.config`` already (`check_compile`: a job checks it when
-    it is made), so it is not checked again.
+    ``compile`` was validated with the request (``True``, ``False`` or ``None``, and `check_compile` against the
+    setting asked for, where it enters); what is checked here is the cache the run ended up with (a loaded
+    cache's setting, a cache without ``max_length``), which ``compile=True`` must be able to trace.
 
     Raises:
-        ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why) or a
-            ``compile`` that is not a bool or ``None``.
+        ConfigError: compiling asked for a cache that cannot compile (``cache.compile_blocker`` says why).
     """
-    if not checked:
-        check_compile(compile, cache.config)
     if compile is None:
         return cache.compile_blocker is None and compiles_by_default(device, model)
     if compile and cache.compile_blocker is not None:

@@ -16,10 +16,13 @@ from h2o_compress.persistence import PromptState
 from h2o_compress.cache.own_caches import cache_class
 from h2o_compress.runtime.decode_loop import TextStream, decoding, eos_ids, sampler, sync
 from h2o_compress.runtime.chat import apply_chat_template, check_text_fits
-from h2o_compress.config import CompressionConfig, clamp_capacity
-from h2o_compress.runtime.checks import check_setting
-from h2o_compress.runtime.compiled import compiled_decode_step, decode_step, resolve_compile, warmup_steps
-from h2o_compress.utils.checks import check_count
+from h2o_compress.config import CompressionConfig
+from h2o_compress.attention.choice import check_kernel
+from h2o_compress.attention.interface import check_attention_backend
+from h2o_compress.formats import check_group_size, make_quantizer
+from h2o_compress.runtime.compiled import (check_compile, compiled_decode_step, decode_step, resolve_compile,
+                                           warmup_steps)
+from h2o_compress.utils.checks import check_callback, check_count, check_flag, is_integer, is_real
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_identity, record_model
@@ -50,12 +53,8 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
             model's ``head_dim``, or ``attention_kernel='triton'`` where the Triton op cannot run (`check_kernel`).
         UnsupportedModelError: the model's attention cannot be scored.
     """
-    check_model(model, config=False)
-    check_max_length(max_length, context_window(model))
-    config = check_setting(config, model=model, usable=False)
+    config = CacheRequest(model, config, max_length).config
     dims = model_dims(model.config)
-    if dims.expands_cache and config.rotate:  # the module expands the cached latents itself: no basis to undo
-        config = dataclasses.replace(config, rotate=False)
     capacity = config.kept_tokens(max_length)
     if layer_capacities is not None:
         layer_capacities = _check_layer_capacities(layer_capacities, config, dims.num_layers, capacity)
@@ -71,6 +70,48 @@ def make_cache(model, config: CompressionConfig | None = None, max_length: int |
     return cache
 
 
+@dataclass(frozen=True)
+class CacheRequest:
+    """The cache [`make_cache`][h2o_compress.runtime.generation.make_cache] is asked for, validated once, when made:
+    the setting against where it runs (what a setting allows on its own is
+    [`CompressionConfig`][h2o_compress.config.CompressionConfig]'s check, run when it is built).
+
+    Attributes:
+        model: a loaded transformers causal LM: its attention must go through ``AttentionInterface`` and be one a
+            compressed cache can follow, and ``group_size`` must divide its ``head_dim`` (when quantized).
+        config: the setting (``None``: no compression); once made, the one the cache is built with (``rotate``
+            off for a model whose attention expands the cached latents itself: no basis to undo).
+        max_length: tokens the cache will see, 1 to the model's context window (`MAX_LENGTH` when it declares
+            none), or ``None``.
+
+    Raises (when made):
+        ConfigError: ``model`` not a loaded model, a bad ``max_length`` or ``config``, a group size that does not
+            divide the model's ``head_dim``, or ``attention_kernel='triton'`` where the Triton op cannot run on the
+            model's input device (`check_kernel`).
+        UnsupportedModelError: the model's attention cannot be followed.
+    """
+
+    model: object
+    config: CompressionConfig | None = None
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        model = self.model
+        check_model(model, config=False)
+        check_max_length(self.max_length, context_window(model))
+        config = check_config(self.config)
+        check_attention_backend(model)
+        head_dim = model_dims(model.config).head_dim
+        if config.quantized:
+            check_group_size(config.group_size, head_dim)
+        formats = tuple(make_quantizer(bits, config.quant, config.group_size, head_dim, config.rotate)
+                        for bits in (config.key_bits, config.value_bits))
+        check_kernel(config.attention_kernel, input_device(model), head_dim, formats)
+        if model_dims(model.config).expands_cache and config.rotate:
+            config = dataclasses.replace(config, rotate=False)
+        object.__setattr__(self, "config", config)
+
+
 def _check_layer_capacities(capacities, config: CompressionConfig, num_layers: int, capacity: int | None) -> list[int]:
     """``capacities`` as a list of ``num_layers`` ints >= 1, given for ``layer_budgets="global"`` and a bounded
     cache; raises ConfigError naming what is wrong."""
@@ -78,8 +119,7 @@ def _check_layer_capacities(capacities, config: CompressionConfig, num_layers: i
         raise ConfigError(f"layer_capacities given with layer_budgets={config.layer_budgets!r} and capacity "
                           f"{capacity}; allowed: layer_capacities only with layer_budgets 'global' and a budget below 1")
     values = list(capacities) if isinstance(capacities, (list, tuple)) else None
-    if values is None or len(values) != num_layers or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
+    if values is None or len(values) != num_layers or any(not is_integer(c) or c < 1 for c in values):
         raise ConfigError(f"layer_capacities={short(capacities)} is invalid; allowed: {num_layers} integers >= 1 "
                           "(tokens per KV head, one per layer)")
     return values
@@ -104,7 +144,7 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         ValueError: from transformers, for a model without an ``eager`` attention implementation (the passes).
     """
     config = check_config(config)
-    policy, capacity = config.eviction_policy(), config.capacity(max_length)
+    policy, capacity = config.eviction_policy(), config.kept_tokens(max_length)  # the cache's capacity
     reading = _prompt_reading(policy, question_in_prompt)
     if not policy.scorer or (reading and (capacity is None or capacity >= input_ids.shape[1]
                                           or not reads_whole(model))):
@@ -117,7 +157,6 @@ def make_scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compres
         scores = score_context(model, tokenizer, input_ids, policy, question_in_prompt)
     capacities = None
     if config.layer_budgets == "global" and capacity is not None:
-        capacity = clamp_capacity(capacity, max_length)
         capacities = global_layer_capacities(scores, capacity, config.min_layer_capacity(capacity), max_length,
                                              config.sinks)
     cache = make_cache(model, config, max_length, layer_capacities=capacities)
@@ -169,23 +208,6 @@ def lay_prompt(model, cache: CompressedCache, read, input_ids: torch.Tensor, sco
     return True
 
 
-def check_cache_room(cache, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse, before the first step, a generation that would take ``cache`` beyond the ``max_length`` it was made
-    for ([`make_cache`][h2o_compress.runtime.generation.make_cache]): ``prompt_tokens + max_new_tokens`` tokens, as [`generate`][h2o_compress.runtime.generation.generate] sizes its own cache.
-    Decode steps are not checked (that would sync the host per token), so this is the check.
-
-    Raises:
-        InputError: naming both counts and the most ``max_new_tokens`` that fits.
-    """
-    limit = getattr(cache, "max_length", None)
-    if limit is not None and prompt_tokens + max_new_tokens > limit:
-        raise InputError(
-            f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the cache's max_length of "
-            f"{limit} tokens (what make_cache was told it will see); allowed: max_new_tokens at most "
-            f"{max(limit - prompt_tokens, 0)}, or a cache made with max_length >= {prompt_tokens + max_new_tokens}"
-        )
-
-
 MAX_LENGTH = 2**31 - 1
 """The most tokens a cache may be made for when the model declares no context window."""
 
@@ -204,18 +226,18 @@ def check_max_length(max_length, window: int | None) -> None:
                     allowed=f"an integer >= 1 (tokens), at most {most} ({where})")
 
 
-def check_switch(name: str, value) -> bool:
-    """``value`` if it is ``True`` or ``False``; raises ConfigError naming ``name`` otherwise (``"no"``, ``0`` and
-    ``None`` are not switches: ``bool("no")`` is true)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={short(value)} is invalid; allowed: True or False")
-    return value
+#: What ``on_text`` (the streaming callback of `generate` and the jobs) may be.
+ON_TEXT = "a function taking each new piece of text, or None"
+
+#: ``check_switch(name, value)``: ``value`` if it is ``True`` or ``False``, else a ConfigError naming ``name``
+#: (the shared [`check_flag`][h2o_compress.utils.checks.check_flag]; ``"no"``, ``0`` and ``None`` are not switches).
+check_switch = check_flag
 
 
 def check_model(model, config: bool = True) -> None:
     """Refuse a ``model`` that is not a loaded transformers model (a name, ``None``) with one clear ConfigError,
     not an AttributeError from deep inside; ``config``: a torch module without a transformers ``config`` is refused
-    too (``False``: it is left to `check_setting`, which names what its attention lacks)."""
+    too (``False``: it is left to `CacheRequest`, which names what its attention lacks)."""
     if not isinstance(model, torch.nn.Module) or (config and not hasattr(model, "config")):
         raise ConfigError(f"model={short(model)} is not a loaded transformers model; allowed: the model of "
                           "h2o_compress.load_model(...) (or any transformers causal LM)")
@@ -228,18 +250,7 @@ def _check_argument_kinds(model, tokenizer, on_text) -> None:
                                                               or callable(tokenizer))):
         raise ConfigError(f"tokenizer={short(tokenizer)} is not a tokenizer; allowed: the tokenizer of "
                           "h2o_compress.load_model(...) (or any transformers tokenizer)")
-    check_on_text(on_text)
-
-
-def check_on_text(on_text) -> None:
-    """Refuse an ``on_text`` (the streaming callback of `generate`) that is neither callable nor ``None``.
-
-    Raises:
-        ConfigError: naming the value and what is allowed.
-    """
-    if on_text is not None and not callable(on_text):
-        raise ConfigError(f"on_text={short(on_text)} is not callable; allowed: a function taking each new piece of "
-                          "text, or None")
+    check_callback("on_text", on_text, ON_TEXT)
 
 
 def check_config(config) -> CompressionConfig:
@@ -322,8 +333,7 @@ def check_generation_args(max_new_tokens, temperature, seed) -> None:
     if seed is not None:
         check_count("seed", seed, minimum=0, maximum=2**64 - 1, allowed="an integer in [0, 2**64) or None")
     check_count("max_new_tokens", max_new_tokens, unit="", maximum=MAX_NEW_TOKENS)
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+    if not is_real(temperature) or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
         raise ConfigError(
             f"temperature={short(temperature)} is invalid; allowed: a number >= 0 (0 = greedy, else from "
             f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})"
@@ -411,9 +421,9 @@ def generate(
         ConfigError: ``model`` is not a loaded model (e.g. a name: use [`load_model`][h2o_compress.load_model]),
             ``tokenizer`` has no ``encode``/``decode``, ``on_text`` is not callable, or ``chat`` is not a bool.
     """
-    config = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text, chat)
-    return generate_checked(model, tokenizer, prompt, config, max_new_tokens, chat, temperature, seed, on_text, cache,
-                            compile)
+    request = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text, chat,
+                                  compile)
+    return run_generation(model, tokenizer, prompt, request, on_text, cache)
 
 
 class GenerationStream:
@@ -465,33 +475,57 @@ def stream(
         InputError, CacheStateError: what needs the prompt's tokens or the cache (as ``generate`` says), raised by
             the first ``next()``.
     """
-    config = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, None, chat)
-    return GenerationStream(_generation(model, tokenizer, prompt, config, max_new_tokens, chat, temperature, seed,
-                                        True, cache, compile))
+    request = _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, None, chat,
+                                  compile)
+    return GenerationStream(_generation(model, tokenizer, prompt, request, True, cache))
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """The settings of one generation, validated once, when made: what [`generate`][h2o_compress.generate] builds
+    of its arguments, and what a job ([`GenerateJob`][h2o_compress.jobs.GenerateJob], ``AskJob``) builds when it is
+    made, so a command is checked where it enters and the runtime (`run_generation`) trusts it.
+
+    Attributes:
+        config: the compression setting (``None``: the no-compression default); with a cache, the cache's.
+        max_new_tokens: tokens to generate at most, 1 to `MAX_NEW_TOKENS`.
+        chat: apply the tokenizer's chat template (a bool).
+        temperature: 0 (greedy), or from `MIN_TEMPERATURE` to `MAX_TEMPERATURE`.
+        seed: the sampling seed, an integer in [0, 2**64), or ``None``.
+        compile: compile the decode steps (``None``: auto); ``True`` only for a setting that can compile.
+
+    Raises (when made):
+        ConfigError: naming the first value that is invalid and what is allowed (``config``, then
+            ``max_new_tokens``/``temperature``/``seed`` as `check_generation_args` says, ``chat``, ``compile``).
+    """
+
+    config: CompressionConfig | None = None
+    max_new_tokens: int = 128
+    chat: bool = True
+    temperature: float = 0.0
+    seed: int | None = None
+    compile: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", check_config(self.config))
+        check_generation_args(self.max_new_tokens, self.temperature, self.seed)
+        check_flag("chat", self.chat)
+        check_compile(self.compile, self.config)
 
 
 @torch.inference_mode()
-def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, max_new_tokens: int, chat: bool,
-                     temperature: float, seed: int | None, on_text: Callable[[str], None] | None,
-                     cache: CompressedCache | None, compile: bool | None,
-                     compile_checked_for: CompressionConfig | None = None) -> GenerationResult:
-    """[`generate`][h2o_compress.runtime.generation.generate] for arguments already checked, so that a request is
-    validated once: ``model``, ``tokenizer`` and ``on_text`` of the right kind, ``config`` a CompressionConfig
-    (the cache's when ``cache`` is given), ``max_new_tokens``, ``temperature`` and ``seed`` as
-    `check_generation_args` allows and ``chat`` a bool (what a job checks when it is made,
-    [`GenerateJob`][h2o_compress.jobs.GenerateJob]). What needs the prompt's tokens or the cache is checked here,
-    as ``generate`` checks it.
-
-    Args:
-        compile_checked_for: the setting ``compile`` was checked against already (`check_compile`): a cache of
-            that setting is not checked again; ``None`` (or a cache of another setting, e.g. a loaded one): it is
-            checked against the cache's setting before the decode steps, as ``generate`` does.
+def run_generation(model, tokenizer, prompt: str, request: GenerationRequest,
+                   on_text: Callable[[str], None] | None = None,
+                   cache: CompressedCache | None = None) -> GenerationResult:
+    """Run one validated ``request`` (its settings are trusted): [`generate`][h2o_compress.runtime.generation.generate]
+    past its argument checks, for ``model``, ``tokenizer`` and ``on_text`` of the right kind and ``cache`` ``None``
+    or a CompressedCache of ``request.config``. What needs the prompt's tokens or the cache (the prompt, the
+    window, the cache's room and model, whether the cache can compile) is checked here, as ``generate`` checks it.
 
     Raises:
-        InputError, CacheStateError, ConfigError: as `generate` says, but for the arguments checked before.
+        InputError, CacheStateError, ConfigError: as `generate` says, but for what the request validated.
     """
-    run = _generation(model, tokenizer, prompt, config, max_new_tokens, chat, temperature, seed, on_text is not None,
-                      cache, compile, compile_checked_for)
+    run = _generation(model, tokenizer, prompt, request, on_text is not None, cache)
     while True:
         try:
             piece = next(run)
@@ -501,25 +535,24 @@ def generate_checked(model, tokenizer, prompt: str, config: CompressionConfig, m
 
 
 @torch.inference_mode()
-def _generation(model, tokenizer, prompt: str, config: CompressionConfig, max_new_tokens: int, chat: bool,
-                temperature: float, seed: int | None, pieces: bool, cache: CompressedCache | None,
-                compile: bool | None, compile_checked_for: CompressionConfig | None = None,
-                ) -> Generator[str, None, GenerationResult]:
-    """The one generation of `generate_checked` and `stream` (the arguments as there): yields each new piece of
+def _generation(model, tokenizer, prompt: str, request: GenerationRequest, pieces: bool,
+                cache: CompressedCache | None) -> Generator[str, None, GenerationResult]:
+    """The one generation of `run_generation` and `stream` (the arguments as there): yields each new piece of
     text as it is decoded where ``pieces`` (a `TextStream` over the decode loop's ids: they join to the result's
     ``text``), nothing otherwise, and returns the [`GenerationResult`][h2o_compress.runtime.generation.GenerationResult].
 
     Raises:
-        InputError, CacheStateError, ConfigError: as `generate_checked` says.
+        InputError, CacheStateError, ConfigError: as `run_generation` says.
     """
+    max_new_tokens, chat = request.max_new_tokens, request.chat
     device = input_device(model)
     input_ids = encode_prompt(tokenizer, prompt, chat, context_window(model)).to(device)
     prompt_tokens = input_ids.shape[1]
     check_context(model, prompt_tokens, max_new_tokens)
-    cache, scoring_s = _scored_cache(model, tokenizer, input_ids, config, cache, max_new_tokens)
-    compiled = resolve_compile(compile, cache, device, model, checked=cache.config == compile_checked_for)
+    cache, scoring_s = _scored_cache(model, tokenizer, input_ids, request.config, cache, max_new_tokens)
+    compiled = resolve_compile(request.compile, cache, device, model)
     step = compiled_decode_step(model, device) if compiled else decode_step
-    pick = sampler(temperature, seed, device)
+    pick = sampler(request.temperature, request.seed, device)
     sync(device)
     start = time.perf_counter()
     token = pick(prefill(model, input_ids, cache, check_model=False))  # checked above
@@ -559,12 +592,19 @@ def _scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compression
         ``(cache, seconds)``: the seconds of the scoring pass (0 without one), counted in the prefill's time.
 
     Raises:
-        InputError: ``cache`` has no room for the prompt and the new tokens. CacheStateError: ``cache`` was
-            filled by another model.
+        InputError: ``cache`` has no room for the prompt and the new tokens (``prompt_tokens + max_new_tokens``
+            beyond the ``max_length`` it was made for; decode steps are not checked, so this is the check).
+        CacheStateError: ``cache`` was filled by another model.
     """
     prompt_tokens = input_ids.shape[1]
     if cache is not None:  # once per generation, before any forward pass: no check in the decode steps
-        check_cache_room(cache, prompt_tokens, max_new_tokens)
+        limit = getattr(cache, "max_length", None)  # what make_cache was told it will see
+        if limit is not None and prompt_tokens + max_new_tokens > limit:
+            raise InputError(
+                f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the cache's max_length "
+                f"of {limit} tokens (what make_cache was told it will see); allowed: max_new_tokens at most "
+                f"{max(limit - prompt_tokens, 0)}, or a cache made with max_length >= {prompt_tokens + max_new_tokens}"
+            )
         check_cache_model(cache, model)
     device = input_ids.device
     sync(device)
@@ -578,10 +618,10 @@ def _scored_cache(model, tokenizer, input_ids: torch.Tensor, config: Compression
     return cache, time.perf_counter() - start
 
 
-def _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text,
-                        chat) -> CompressionConfig:
-    """`generate`'s arguments checked before anything runs; returns the setting it runs with (``config``, or
-    the given cache's).
+def _checked_generation(model, tokenizer, config, cache, max_new_tokens, temperature, seed, on_text, chat,
+                        compile) -> GenerationRequest:
+    """`generate`'s arguments checked before anything runs; returns its request, for the setting it runs with
+    (``config``, or the given cache's).
 
     Raises:
         ConfigError, CacheStateError: as `generate` says.
@@ -596,9 +636,7 @@ def _checked_generation(model, tokenizer, config, cache, max_new_tokens, tempera
         config = cache.config
     elif check_config(config) != cache.config:
         raise CacheStateError(f"config {config} differs from the cache's {cache.config}; pass one of them")
-    check_generation_args(max_new_tokens, temperature, seed)
-    check_switch("chat", chat)
-    return config
+    return GenerationRequest(config, max_new_tokens, chat, temperature, seed, compile)
 
 
 def _result(tokenizer, cache, generated: list[int], prompt_tokens: int, prefill_s: float, decode_s: float,

@@ -13,7 +13,7 @@ import torch
 from h2o_compress.models import model_dims
 from h2o_compress.models.identity import model_fingerprint, record_model
 from h2o_compress.persistence import PromptState
-from h2o_compress.utils.checks import check_count
+from h2o_compress.utils.checks import check_count, is_integer
 from h2o_compress.utils.errors import CacheStateError, InputError
 from h2o_compress.utils.progress import report, reporting
 
@@ -21,7 +21,7 @@ from h2o_compress.utils.progress import report, reporting
 def context_window(model) -> int | None:
     """The model's context window in tokens (``config.max_position_embeddings``), ``None`` when it declares none."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    return limit if is_integer(limit) and limit > 0 else None
 
 
 def check_context(model, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -27,6 +27,17 @@ def check_flag(name: str, value, allowed: str = "True or False", error: type[Exc
     return value
 
 
+def check_callback(name: str, value, allowed: str = "a function or None") -> None:
+    """Refuse a callback ``value`` (``on_text``, ``on_step``...) that is neither callable nor ``None``, before
+    anything runs.
+
+    Raises:
+        ConfigError: ``{name}={value} is not callable; allowed: {allowed}``.
+    """
+    if value is not None and not callable(value):
+        raise ConfigError(f"{name}={short(value)} is not callable; allowed: {allowed}")
+
+
 def check_count(name: str, value, minimum: int = 1, unit: str = "tokens", maximum: int | None = 2**31 - 1,
                 allowed: str | None = None, error: type[Exception] = ConfigError) -> int:
     """``value`` if it is an integer (not a bool) in [``minimum``, ``maximum``] (``maximum`` ``None``: no upper

@@ -67,15 +67,16 @@ def test_decode_steps_asks_for_inputs_before_each_step_and_stops_when_told():
 
 
 def test_the_generate_job_checks_each_setting_once(monkeypatch, tiny_model_dir):
-    """``h2o-compress generate``'s path (the job, then generate) checks the generation arguments once, when the job
-    is made, and does not check ``compile`` again for the setting it checked."""
+    """``h2o-compress generate``'s path (the job, then the runtime) validates the generation arguments once, as the
+    job's `GenerationRequest` when the job is made; the runtime trusts the request (``compile`` is not checked
+    again, only whether the cache it made can compile)."""
     from h2o_compress import CompressionConfig
-    from h2o_compress.jobs import checks, run_generate
+    from h2o_compress.jobs import run_generate
     from h2o_compress.runtime import compiled, generation
 
     calls = []
-    for module, name in ((checks, "check_generation_args"), (generation, "check_generation_args"),
-                         (checks, "check_compile"), (compiled, "check_compile")):
+    for module, name in ((generation, "check_generation_args"), (generation, "check_compile"),
+                         (compiled, "check_compile")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
     report = run_generate("w1 w2 w3 w4", tiny_model_dir, CompressionConfig(budget=8, kv_bits=4), max_new_tokens=3,
@@ -85,14 +86,14 @@ def test_the_generate_job_checks_each_setting_once(monkeypatch, tiny_model_dir):
 
 
 def test_the_batch_job_checks_each_setting_once(monkeypatch, tiny_model_dir, tmp_path):
-    """``h2o-compress batch``'s path (the job, then the batch) checks the job-wide generation arguments once, when
-    the job is made; each request is still checked as it is read."""
-    from h2o_compress.jobs import checks, run_batch
-    from h2o_compress.runtime import batch, compiled
+    """``h2o-compress batch``'s path (the job, then the batch) validates the job-wide generation arguments once, as
+    the job's `GenerationRequest` when the job is made; each request is still checked as it is read."""
+    from h2o_compress.jobs import run_batch
+    from h2o_compress.runtime import batch, compiled, generation
 
     calls = []
-    for module, name in ((checks, "check_generation_args"), (batch, "check_generation_args"),
-                         (checks, "check_compile"), (compiled, "check_compile")):
+    for module, name in ((generation, "check_generation_args"), (batch, "check_generation_args"),
+                         (generation, "check_compile"), (batch, "check_compile"), (compiled, "check_compile")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
     source = tmp_path / "in.jsonl"
