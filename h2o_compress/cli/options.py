@@ -9,7 +9,6 @@ the command line (so ``--config FILE`` can merge under them). The model-runtime 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from h2o_compress.models import load_model
 from h2o_compress.planner import plan
 from h2o_compress.runtime.generation import generate
 from h2o_compress.utils.defaults import default_of
-from h2o_compress.config import ALLOWED_BITS, DEFAULT_MIN_CAPACITY, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
+from h2o_compress.config import ALLOWED_BITS, DEFAULT_MIN_CAPACITY, SETTING_DEFAULTS, CompressionConfig, check_format_options, check_usable, parse_budget  # noqa: F401 (parse_budget: re-exported)
 from h2o_compress.policies import PolicyOption, describe_policies, option_declarations, policy_names_taking
 
 # -- the compression options (one declaration each) -------------------------------------------------------
@@ -44,7 +43,7 @@ def _or(values) -> str:
 
 
 #: The defaults of the flags: CompressionConfig's own (each written once, in the dataclass).
-DEFAULT = {f.name: f.default for f in dataclasses.fields(CompressionConfig)}
+DEFAULT = dict(SETTING_DEFAULTS)
 
 COMPRESSION_FLAGS: dict[str, _Flag] = {
     "policy": _Flag(str, typer.Option(
