@@ -57,17 +57,24 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level: critical, error, warning, "
                                   "info, debug or trace."),
     ray: Optional[str] = typer.Option(
-        None, "--ray", metavar="[ADDRESS]", help="Serve as a Ray Serve deployment (local, auto, HOST:PORT or "
-        "ray://HOST:PORT): not supported by this version, refused with a one-line error."),
+        None, "--ray", metavar="[ADDRESS]", help="Serve as a Ray Serve deployment (pip install "
+        "'h2o-compress\\[serve-ray]'), Ray Serve's proxy on --host/--port routing to --replicas replicas, each "
+        "loading the model once: --ray alone starts a local Ray instance for this run, --ray auto joins the cluster "
+        "running here (ray start --head), --ray HOST:PORT or ray://HOST:PORT another one."),
     replicas: int = typer.Option(1, "--replicas", help="Ray Serve replicas (with --ray)."),
+    grace_period: float = typer.Option(
+        default_of(serve_model, "grace_period"), "--grace-period", metavar="SECONDS", help="On SIGTERM: new "
+        "requests get HTTP 503, the open ones (streamed or not) run on for up to this long, then what is left is "
+        "cancelled (0: at once); the command exits 0."),
     compression: Compression = None,
     placement: dict = None,
 ):
     """Serve the model over HTTP with the OpenAI API (completions and chat completions, streamed or not), requests
-    decoded together through compressed KV caches; /health and Prometheus /metrics. Stops gracefully on SIGTERM."""
+    decoded together through compressed KV caches; /health and Prometheus /metrics. Stops gracefully on SIGTERM
+    (--grace-period); with --ray, as a Ray Serve deployment."""
     config, _ = merged_config(compression, config_file)
     serve_model(model, config, host=host, port=port, max_queue=max_queue, batch_size=batch_size,
                 memory_limit=memory_limit, max_tokens=max_tokens, temperature=temperature, name=name,
                 compile=compile_step, load=load_options(device, dtype, placement, config.attention_kernel),
                 threads=threads, trust_remote_code=trust_remote_code, log_level=log_level,
-                ray=ray, replicas=replicas, prefix_cache_bytes=prefix_cache_bytes)
+                ray=ray, replicas=replicas, prefix_cache_bytes=prefix_cache_bytes, grace_period=grace_period)

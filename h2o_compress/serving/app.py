@@ -37,6 +37,12 @@ MAX_STOPS = 4
 RETRY_AFTER_S = 1
 #: Seconds between checks that a client waiting for a whole answer is still connected.
 DISCONNECT_POLL_S = 0.5
+#: The refusal of a request that comes once the server is shutting down (503).
+SHUTTING_DOWN = "the server is shutting down and takes no new requests; retry on another server"
+#: What a request still running when the grace period of a shutdown is over gets (503).
+CANCELLED = "the server shut down before this request finished (its grace period was over); retry"
+#: Seconds between checks, during a shutdown's grace period, that every open request is answered.
+DRAIN_POLL_S = 0.05
 
 
 class ApiError(Exception):
@@ -103,6 +109,8 @@ class Server:
         self.engine, self.metrics, self.config, self.name = engine, engine.metrics, config, name
         self.max_tokens, self.temperature = max_tokens, temperature
         self._checked: dict[int, float] = {}  # by id(job): when its client was last seen connected
+        self.draining = False  # set by a shutdown: new requests get 503
+        self.open = 0  # requests submitted whose answer is not sent whole yet
 
     async def job(self, body: Sampling, chat: bool) -> Job:
         """The request checked (its fields, its ``h2o`` setting, its prompt tokenized and fitted to the window).
@@ -140,29 +148,42 @@ class Server:
 
     async def answer(self, body: Sampling, request: Request, chat: bool) -> Response:
         """Run one request: queue it, wait for its first event (so that a refusal still has its HTTP status), then
-        its whole answer or its stream."""
+        its whole answer or its stream (503 while the server shuts down)."""
+        if self.draining:
+            raise ApiError(503, SHUTTING_DOWN, "server_error")
         job = await self.job(body, chat)
         try:
             self.engine.submit(job)
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy: {exc}; retry later", "rate_limit_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        self.open += 1
+        streaming = False
+        try:
+            streaming, response = await self._respond(job, body, request, chat)
+            return response
+        finally:
+            if not streaming:
+                self.open -= 1
+
+    async def _respond(self, job: Job, body: Sampling, request: Request, chat: bool) -> tuple[bool, Response]:
+        """Whether the answer is a stream (which then counts itself out of `open` when it ends), and the response."""
         event = await self._next(job, request)
         if event is None:
-            return Response(status_code=499)
+            return False, Response(status_code=499)
         self._first(job, event)
         reply = Reply(self.name, chat)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(self._chunks(job, reply, event, usage))
+            return True, EventSourceResponse(self._chunks(job, reply, event, usage))
         texts = []
         while event[0] == "text":
             texts.append(event[1])
             event = await self._next(job, request)
             if event is None:
-                return Response(status_code=499)
+                return False, Response(status_code=499)
         self._ended(job, event)
-        return JSONResponse(reply.whole("".join(texts), *event[1:]))
+        return False, JSONResponse(reply.whole("".join(texts), *event[1:]))
 
     async def _next(self, job: Job, request: Request) -> tuple | None:
         """The job's next event; ``None`` (the job cancelled, its row freed) if the client went away meanwhile
@@ -222,6 +243,7 @@ class Server:
                     return
                 event = await job.events.get()
         finally:
+            self.open -= 1
             if not finished:
                 self._cancel(job)
 
@@ -290,6 +312,8 @@ def _routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            raise ApiError(503, SHUTTING_DOWN, "server_error")
         if not server.engine.alive:
             raise ApiError(503, "the engine thread has stopped", "server_error")
         return {"status": "ok"}
@@ -317,15 +341,57 @@ def _error_handlers(app: FastAPI) -> None:
         return ApiError(500, f"{type(exc).__name__}: {exc}", "server_error").response()
 
 
-def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until SIGINT or SIGTERM (uvicorn's graceful shutdown: the open requests finish,
-    then the engine stops), and return: a stop by SIGTERM ends the command with exit code 0."""
+def run(app: FastAPI, host: str, port: int, log_level: str = "info", grace_period: float = 30.0) -> None:
+    """Serve ``app`` with uvicorn until SIGINT or SIGTERM, and return: a stop by SIGTERM ends the command with exit
+    code 0.
+
+    On SIGTERM new requests get 503 while the open ones (streamed or not) run on for up to ``grace_period`` seconds;
+    what is still open then gets a 503 error (a stream: an error event), and uvicorn shuts down (`Graceful`).
+    SIGINT (Ctrl-C) stops as uvicorn does.
+    """
     import uvicorn  # deferred: imported by the server alone (the tests run their own uvicorn.Server)
 
     # after its graceful shutdown uvicorn re-raises the signal under the handler it found: for SIGTERM, this one,
     # which lets the command return (the default handler would end the process with 143)
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+        graceful(uvicorn.Server)(config, app.state.server, grace_period).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def graceful(base: type) -> type:
+    """``uvicorn.Server`` (``base``: uvicorn is imported by the server alone) whose SIGTERM drains first: the
+    server refuses new requests at once (`Server.draining`) and lets uvicorn shut down (``should_exit``, which also
+    ends sse-starlette's streams) once no request is open or the grace period is over, when what is left is
+    cancelled (`Engine.cancel_all`)."""
+
+    class Graceful(base):
+        def __init__(self, config, server: Server, grace_period: float):
+            super().__init__(config)
+            self.server, self.grace_period, self.loop = server, grace_period, None
+
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            if sig != signal.SIGTERM or self.server.draining or self.loop is None:
+                if self.server.draining:  # a second signal: no more waiting
+                    self.server.engine.cancel_all(CANCELLED)
+                super().handle_exit(sig, frame)
+                return
+            self.server.draining = True
+            self.loop.call_soon_threadsafe(self.loop.create_task, self._drain(sig, frame))
+
+        async def _drain(self, sig, frame):
+            deadline = time.monotonic() + self.grace_period
+            while self.server.open > 0 and time.monotonic() < deadline and not self.should_exit:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if self.server.open > 0:
+                self.server.engine.cancel_all(CANCELLED)
+                await asyncio.sleep(DRAIN_POLL_S)  # the error events reach their handlers before the streams end
+            super().handle_exit(sig, frame)
+
+    return Graceful

@@ -186,6 +186,22 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def cancel_all(self, message: str) -> int:
+        """End every request now (the grace period of a shutdown is over): each gets ``("error", 503, message)``,
+        a running row ends at the next step, and the engine thread takes nothing more and ends. Returns how many
+        requests were ended."""
+        with self._cond:
+            self._stopping = True
+            jobs = list(self.jobs.values())
+            self.jobs.clear()
+            self._waiting.clear()
+            self.metrics.waiting.set(0)
+            for job in jobs:
+                job.cancelled = True
+                job.push(("error", 503, one_line(message)))
+            self._cond.notify_all()
+        return len(jobs)
+
     def submit(self, job: Job) -> None:
         """Queue ``job`` for admission; its events start coming to ``job.events``.
 

@@ -1,5 +1,5 @@
-"""``serve --ray`` / ``--replicas``: refused with one line before any model is loaded (this version does not
-serve as a Ray Serve deployment)."""
+"""``serve --ray`` / ``--replicas`` / ``--grace-period``: bad values are refused with one line before anything
+loads (no model, no Ray started)."""
 
 from __future__ import annotations
 
@@ -8,30 +8,52 @@ import sys
 
 import pytest
 
-from h2o_compress.serving import check_ray, serve
+from h2o_compress import serving
+from h2o_compress.serving import check_grace_period, check_ray, serve
 from h2o_compress.utils.errors import ConfigError
 
 pytest.importorskip("fastapi")
 
 
 def test_replicas_need_ray_and_a_positive_count():
-    check_ray(None, 1)
+    assert check_ray(None, 1) is None
     with pytest.raises(ConfigError, match="--replicas 2 needs --ray"):
         check_ray(None, 2)
     with pytest.raises(ConfigError, match="replicas=0 is invalid"):
         check_ray("local", 0)
     with pytest.raises(ConfigError, match="is empty"):
         check_ray(" ", 1)
+    with pytest.raises(ConfigError, match="'nonsense' is not HOST:PORT"):
+        check_ray("nonsense", 2)
 
 
-def test_ray_is_refused_before_the_model_loads():
-    with pytest.raises(ConfigError, match="--ray .* is not supported") as caught:
-        serve("no-such-model-dir", ray="local", replicas=2)  # a model load would fail with ModelLoadError
+def test_ray_needs_a_fixed_port_and_ray_serve(monkeypatch):
+    with pytest.raises(ConfigError, match="--port 0 with --ray is invalid"):
+        check_ray("local", 2, port=0)
+    monkeypatch.setattr(serving, "RAY_SERVE_NEEDS", ("no_such_module_h2o",))
+    with pytest.raises(ConfigError, match=r"needs Ray Serve.*pip install 'h2o-compress\[serve-ray\]'"):
+        check_ray("local", 2)
+
+
+def test_grace_period_is_a_number_of_seconds():
+    assert check_grace_period(0) == 0.0 and check_grace_period(2.5) == 2.5
+    for bad in (-1, float("nan"), float("inf"), "30", True):
+        with pytest.raises(ConfigError, match="grace_period=.* is invalid"):
+            check_grace_period(bad)
+
+
+def test_bad_ray_settings_are_refused_before_the_model_loads():
+    with pytest.raises(ConfigError, match="replicas=0 is invalid") as caught:
+        serve("no-such-model-dir", ray="local", replicas=0)  # a model load would fail with ModelLoadError
     assert "allowed:" in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_cli_ray_alone_is_one_line_exit_2():
-    done = subprocess.run([sys.executable, "-m", "h2o_compress", "serve", "--model", "no-such-model-dir", "--ray"],
+@pytest.mark.parametrize("args, message", [
+    (["--ray", "--replicas", "0"], "error: replicas=0 is invalid"),
+    (["--grace-period", "-1"], "error: grace_period=-1.0 is invalid"),
+])
+def test_cli_refuses_in_one_line_exit_2(args, message):
+    done = subprocess.run([sys.executable, "-m", "h2o_compress", "serve", "--model", "no-such-model-dir", *args],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.startswith("error: --ray (a Ray Serve deployment) is not supported") and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr

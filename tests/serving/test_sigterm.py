@@ -1,8 +1,11 @@
 """``h2o-compress serve`` stopped by SIGTERM shuts down gracefully and exits 0 (uvicorn re-raises the signal it
-stopped on once it has shut down: under the default handler the process would end with 143)."""
+stopped on once it has shut down: under the default handler the process would end with 143); within
+``--grace-period`` a running stream is answered whole while new requests get 503, with ``--grace-period 0`` it is
+cancelled at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +14,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
 def _free_port() -> int:
@@ -19,23 +23,56 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_stops_the_server_with_exit_code_0(tiny_model_dir):
+def _start(model_dir: str, *options: str) -> tuple[subprocess.Popen, str]:
+    """A server on a free port, answering /health; returns it and its base URL."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "h2o_compress", "serve", "--model", tiny_model_dir, "--port", str(port),
-         "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "h2o_compress", "serve", "--model", model_dir, "--port", str(port),
+         "--threads", "1", *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    if server.poll() is not None:
+        server.kill()
+        pytest.fail(server.stderr.read()[-2000:])
+    return server, url
+
+
+#: A streamed request of this many tokens (the tiny model does not stop before): a few seconds on one thread.
+LONG = {"prompt": "hello world", "max_tokens": 1000, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("grace", ["30", "0"])
+def test_sigterm_lets_a_running_stream_finish_within_the_grace_period(tiny_model_dir, grace):
+    server, url = _start(tiny_model_dir, "--grace-period", grace)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert server.poll() is None, server.stderr.read()[-2000:]
-        server.send_signal(signal.SIGTERM)
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": tiny_model_dir, **LONG},
+                          timeout=60) as stream:
+            lines = (line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: "))
+            assert "choices" in json.loads(next(lines))  # the stream runs
+            server.send_signal(signal.SIGTERM)
+            if grace != "0":  # admission stops at once: /health and new requests get 503
+                deadline = time.monotonic() + 10
+                while httpx.get(f"{url}/health", timeout=5).status_code != 503 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                refused = httpx.post(f"{url}/v1/completions", json={"model": tiny_model_dir, "prompt": "w1"},
+                                     timeout=10)
+                assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            rest = list(lines)
         assert server.wait(timeout=60) == 0, server.stderr.read()[-2000:]
     finally:
         if server.poll() is None:
             server.kill()
+    if grace == "0":  # cancelled: an error event, no end of the answer
+        assert rest[-1:] != ["[DONE]"], rest[-3:]
+        assert any("shut down" in line for line in rest), rest[-3:]
+    else:  # answered whole
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["usage"]["completion_tokens"] == LONG["max_tokens"]
+        assert json.loads(rest[-3])["choices"][0]["finish_reason"] == "length"
