@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from h2o_compress.utils.errors import ConfigError, InputError, short
-from h2o_compress.integrations.lm_eval_tasks import SKIPPED_KEYS, check_task_options, check_tasks, import_lm_eval
+from h2o_compress.integrations.lm_eval_tasks import SKIPPED_KEYS, check_tasks, import_lm_eval
 from h2o_compress.cli.common import fail, set_threads, user_errors
 from h2o_compress.cli.options import JsonOpt, ThreadsOpt
 
@@ -34,7 +34,7 @@ def split_tasks(tasks: str, option: str = "--tasks") -> list[str]:
 class LmEvalRequest:
     """What ``eval lm-eval`` was asked, validated once, when made (before lm-eval or the model loads): the
     ``model_args`` (keys and compression values: `check_model_args`), the task names (comma-separated), ``--limit``
-    and ``--include-path`` (`check_task_options`), and ``--output``, a new file in a writable folder (nothing the
+    and ``--include-path`` (`check_tasks`), and ``--output``, a new file in a writable folder (nothing the
     user has is overwritten) or ``None``.
 
     Raises (when made):
@@ -53,7 +53,7 @@ class LmEvalRequest:
 
         check_model_args(self.model_args)
         object.__setattr__(self, "tasks", split_tasks(self.tasks))
-        check_task_options(self.tasks, self.limit, self.include_path)
+        check_tasks(self.tasks, self.limit, self.include_path, index=False)
         if self.output is None:
             return
         path = Path(self.output)

@@ -52,7 +52,7 @@ from h2o_compress.config import (
 )
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.runtime.generation import check_max_length, make_cache, make_scored_cache
-from h2o_compress.runtime.prefill import context_window, prefill
+from h2o_compress.runtime.prefill import context_window, extend_prompt
 from h2o_compress.models import DEFAULT_MODEL, load_model, placement_options
 from h2o_compress.models.loading import check_model_name
 from h2o_compress.persistence.calibration_file import read_calibration
@@ -273,7 +273,7 @@ class H2OCompressLM(HFLM):
         ids = torch.tensor([context], dtype=torch.long, device=self.device)
         cache = make_scored_cache(self.model, self.tokenizer, ids, self.compression, len(context),
                                   question_in_prompt=True)  # a request's context ends with its question
-        return cache, prefill(self.model, ids, cache, check_model=False)  # made for this model just above
+        return cache, extend_prompt(self.model, ids, cache)  # made for this model just above
 
     @torch.inference_mode()
     def _score_continuation(self, cache, last_logits: torch.Tensor, context_tokens: int, continuation: list[int]):

@@ -8,7 +8,6 @@ never needs the ``lm-eval`` extra.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -81,10 +80,6 @@ def check_tasks(tasks: Sequence[str], limit: int | None = None, include_path: st
             " or one defined under --include-path"
         )
     return manager
-
-
-check_task_options = partial(check_tasks, index=False)
-"""`check_tasks` without the task index (the name ``cli.lm_eval_command`` still imports)."""
 
 
 def flat_scores(results: dict) -> dict[str, dict[str, float]]:

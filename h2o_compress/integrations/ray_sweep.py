@@ -29,7 +29,6 @@ import sys
 import tempfile
 import threading
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -170,9 +169,6 @@ def check_address(address: str, reach: bool = False) -> str:
                           "this run)") from None
     return address
 
-
-check_reachable = partial(check_address, reach=True)
-"""`check_address` with ``reach`` (the name ``jobs.batch`` still imports)."""
 
 
 def _auto_target() -> str | None:

@@ -24,7 +24,7 @@ from h2o_compress.models.weights import input_device
 from h2o_compress.planner import describe, format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
 from h2o_compress.integrations.ray_batch import import_ray_data, ray_session, run_on_ray
-from h2o_compress.integrations.ray_sweep import check_reachable
+from h2o_compress.integrations.ray_sweep import check_address
 from h2o_compress.runtime.batch import (
     BatchStats, check_batch_size, generate_batch_checked, row_config,
 )
@@ -160,7 +160,7 @@ class BatchJob(JobRequest):
         check_threads(self.threads, here=self.ray is None)  # with Ray: threads of the cluster's machines
         if self.ray is not None:
             import_ray_data()
-            self.ray = check_reachable(self.ray)
+            self.ray = check_address(self.ray, reach=True)
         self.requests = read_requests(self.input)
         self.done = AnswerFile.check(self.output, self.input)
 

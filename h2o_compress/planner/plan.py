@@ -20,7 +20,7 @@ from h2o_compress.planner.settings import DEFAULT_BUDGETS, _setting_key, candida
 from h2o_compress.planner.sizes import CacheBytes, _element_size, cache_bytes, weight_bytes, workspace_bytes
 from h2o_compress.planner.states import state_bytes
 from h2o_compress.planner.units import format_bytes, parse_headroom, parse_memory
-from h2o_compress.runtime.generation import _check_argument_kinds, check_switch, encode_prompt
+from h2o_compress.runtime.generation import _check_argument_kinds, encode_prompt
 from h2o_compress.runtime.prefill import context_window
 
 MAX_BATCH = 2**20
@@ -483,7 +483,7 @@ def choose_for_prompt(
     if base is not None and not isinstance(base, CompressionConfig):
         raise ConfigError(f"base={short(base)} is invalid; allowed: a CompressionConfig or None")
     base = base or CompressionConfig()
-    check_switch("chat", chat)
+    check_flag("chat", chat)
     check_count("max_new_tokens", max_new_tokens, unit="", maximum=MAX_CONTEXT)
     prompt_len = encode_prompt(tokenizer, prompt, chat, context_window(model)).shape[1]
     options = {"policies": (base.policy,), "quant": base.quant, "residuals": (base.residual,),

@@ -40,7 +40,7 @@ from h2o_compress.runtime.generation import (
 from h2o_compress.utils.checks import check_callback, check_flag
 from h2o_compress.persistence import save_cache, load_cache
 from h2o_compress.runtime.context_scores import LOOKAHEAD_STAGE, RECONSTRUCTION_STAGE
-from h2o_compress.runtime.prefill import check_context, context_window, layer_progress, prefill
+from h2o_compress.runtime.prefill import check_context, context_window, extend_prompt, layer_progress
 from h2o_compress.runtime.prompt_cache import shared_prefix_length
 from h2o_compress.models import model_dims
 from h2o_compress.models.weights import input_device
@@ -138,7 +138,7 @@ def compress(model, tokenizer, context: str, config: CompressionConfig | None = 
     with nullcontext() if on_progress is None else report_progress(on_progress):
         cache = make_scored_cache(model, tokenizer, ids, config, ids.shape[1])  # kvzip, lookahead: scored first
         with layer_progress(model, PREFILL_STAGE):
-            prefill(model, ids, cache, check_model=False)  # made for this model just above
+            extend_prompt(model, ids, cache)  # made for this model just above
     cache.check()
     return CompressedContext(cache, context, chat)
 

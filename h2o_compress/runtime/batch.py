@@ -45,7 +45,7 @@ from h2o_compress.runtime.context_scores import global_layer_capacities, hand_co
 from h2o_compress.runtime.decode_loop import decode_steps, ended, eos_ids, sync
 from h2o_compress.runtime.prefill import prompt_chunks
 from h2o_compress.runtime.generation import (
-    _check_argument_kinds, check_config, check_generation_args, check_switch, make_cache, make_scored_cache,
+    _check_argument_kinds, check_config, check_generation_args, make_cache, make_scored_cache,
 )
 from h2o_compress.cache.module_states import states_in_cache
 from h2o_compress.models.weights import input_device
@@ -489,4 +489,4 @@ def _generator(prompt: Prepared, device) -> torch.Generator | None:
     return generator
 
 
-__all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "check_switch", "generate_batch", "row_config"]
+__all__ = ["BatchRequest", "BatchResult", "BatchRun", "BatchStats", "check_batch_size", "generate_batch", "row_config"]

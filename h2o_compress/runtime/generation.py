@@ -28,7 +28,7 @@ from h2o_compress.models import model_dims, torch_decode_reason
 from h2o_compress.models.identity import model_identity, record_model
 from h2o_compress.runtime.context_scores import (global_layer_capacities, hand_context_scores, read_prompt,
                                                  score_context, without_header)
-from h2o_compress.runtime.prefill import check_cache_model, check_context, context_window, prefill
+from h2o_compress.runtime.prefill import check_cache_model, check_context, context_window, extend_prompt
 from h2o_compress.models.weights import input_device
 from h2o_compress.persistence.calibration_file import calibration_for, use_key_offsets
 
@@ -228,10 +228,6 @@ def check_max_length(max_length, window: int | None) -> None:
 
 #: What ``on_text`` (the streaming callback of `generate` and the jobs) may be.
 ON_TEXT = "a function taking each new piece of text, or None"
-
-#: ``check_switch(name, value)``: ``value`` if it is ``True`` or ``False``, else a ConfigError naming ``name``
-#: (the shared [`check_flag`][h2o_compress.utils.checks.check_flag]; ``"no"``, ``0`` and ``None`` are not switches).
-check_switch = check_flag
 
 
 def check_model(model, config: bool = True) -> None:
@@ -555,7 +551,7 @@ def _generation(model, tokenizer, prompt: str, request: GenerationRequest, piece
     pick = sampler(request.temperature, request.seed, device)
     sync(device)
     start = time.perf_counter()
-    token = pick(prefill(model, input_ids, cache, check_model=False))  # checked above
+    token = pick(extend_prompt(model, input_ids, cache))  # checked above
     sync(device)
     prefill_s = time.perf_counter() - start + scoring_s
     found: list[str] = []

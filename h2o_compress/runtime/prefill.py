@@ -59,9 +59,30 @@ def check_cache_model(cache, model) -> None:
         )
 
 
+def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Check that ``cache`` belongs to ``model`` (`check_cache_model`), then feed the tokens of ``input_ids`` it does
+    not hold yet (`extend_prompt`); return the next-token logits ``[batch, vocab]``.
+
+    Args:
+        model: the causal LM the cache belongs to.
+        input_ids: int64 ``[batch, tokens]`` on the model's device.
+        cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] (batch must match).
+
+    Returns:
+        Logits ``[batch, vocab]`` (model dtype) of the token after the prompt. Sets ``cache.prompt_state``.
+
+    Raises:
+        CacheStateError: the cache belongs to another model; and see `extend_prompt`.
+        InputError: see `extend_prompt`.
+    """
+    check_cache_model(cache, model)
+    return extend_prompt(model, input_ids, cache)
+
+
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> torch.Tensor:
-    """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
+def extend_prompt(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits. The cache
+    is trusted to belong to ``model`` (made for it just before, or checked by `prefill`).
 
     The tokens are fed by `feed_prompt`: in chunks of the cache's ``prefill_chunk_size`` tokens (its config's;
     one pass for a prompt no longer than that, for ``0``, and where a scoring pass handed the layers their scores),
@@ -74,8 +95,6 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
         model: the causal LM the cache belongs to.
         input_ids: int64 ``[batch, tokens]`` on the model's device.
         cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] (batch must match).
-        check_model: check first that ``cache`` belongs to ``model`` (`check_cache_model`); ``False`` where
-            the caller has just checked it.
 
     Returns:
         Logits ``[batch, vocab]`` (model dtype) of the token after the prompt. Sets ``cache.prompt_state``.
@@ -83,10 +102,8 @@ def prefill(model, input_ids: torch.Tensor, cache, check_model: bool = True) -> 
     Raises:
         InputError: the prompt does not start with the tokens the cache holds.
         CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
-            without its next-token logits, or belongs to another model (`check_cache_model`).
+            without its next-token logits.
     """
-    if check_model:
-        check_cache_model(cache, model)
     held = int(cache.get_seq_length())
     state = getattr(cache, "prompt_state", None)
     if held:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.config import check_usable
 from h2o_compress.runtime.generation import encode_prompt, make_cache
-from h2o_compress.runtime.prefill import check_context, context_window, prefill
+from h2o_compress.runtime.prefill import check_context, context_window, extend_prompt
 from h2o_compress.persistence import check_save_target, load_cache, save_cache
 from h2o_compress.models.weights import input_device
 
@@ -94,7 +94,7 @@ def prepare_prompt_cache(
     if save is not None:
         shared = shared_prefix_length(tokenizer, prompt, chat)
         if shared > cache.get_seq_length():
-            prefill(model, input_ids[:, :shared], cache, check_model=False)  # made or loaded for this model
+            extend_prompt(model, input_ids[:, :shared], cache)  # made or loaded for this model
         save_cache(cache, save, overwrite=overwrite)
-    prefill(model, input_ids, cache, check_model=False)
+    extend_prompt(model, input_ids, cache)
     return cache

@@ -594,7 +594,7 @@ def test_compress_then_ask_refuses_a_hybrid_in_one_line_before_any_pass(policy, 
         raise AssertionError("a pass ran")
 
     monkeypatch.setattr(ask_module, "make_scored_cache", never)
-    monkeypatch.setattr(ask_module, "prefill", never)
+    monkeypatch.setattr(ask_module, "extend_prompt", never)
     model, tokenizer = tiny_causal_lm("bamba"), english_tokenizer()
     config = None if policy is None else CompressionConfig(policy=policy, budget=0.5, kv_bits=4)
     with pytest.raises(UnsupportedModelError, match="compress-then-ask does not support model type 'bamba'") as error:
