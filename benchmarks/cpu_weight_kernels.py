@@ -38,9 +38,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from h2o_compress.models.int4_linear import DENSE_ROWS as INT4_DENSE_ROWS
 from h2o_compress.models.int4_linear import GROUP_SIZE, Int4Linear
-from h2o_compress.models.int8_linear import DENSE_ROWS, Int8Linear, dense_bf16_cpu
+from h2o_compress.models.int8_linear import Int8Linear
 
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "head": (49152, 576)}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -184,7 +183,7 @@ def main() -> None:
     records, skipped = measure(rows_list, threads_list, args.repeats)
     result = {"command": "python benchmarks/cpu_weight_kernels.py " + shlex.join(sys.argv[1:]), "note": args.note,
               "cpu": cpu_facts(), "torch": torch.__version__, "mkldnn": torch.backends.mkldnn.is_available(),
-              "dense_bf16_cpu": dense_bf16_cpu(), "dense_rows": {"int8": DENSE_ROWS, "int4": INT4_DENSE_ROWS}, "threads": threads_list,
+              "threads": threads_list,
               "rows": rows_list, "repeats": args.repeats,
               "load_before": [round(v, 2) for v in load_before],
               "load_after": [round(v, 2) for v in os.getloadavg()], "skipped": skipped, "records": records}

@@ -283,6 +283,7 @@ DECODING_BENCHMARKS = {
     "decode_speed.py": {"fixed_steps", "feed_prompt", "compiled_decode_step", "decode_step"},
     "long_stream.py": {"fixed_steps", "prompt_chunks", "decode_step"},
     "gpu_throughput.py": {"run_steps", "prompt_chunks", "prefill_replicated", "compiled_decode_step", "decode_step"},
+    "cpu_weight_paths.py": {"feed_prompt", "decode_one", "decode_step"},
 }
 
 
@@ -318,3 +319,25 @@ def test_the_loop_scan_finds_a_hand_written_decode_loop():
     chunks = "outs = [model(input_ids=c, past_key_values=cache) for c in ids.split(64, 1)]\n"
     assert _model_calls_in_loops(ast.parse(loop)) == [2] and _model_calls_in_loops(ast.parse(chunks)) == [1]
     assert _model_calls_in_loops(ast.parse("model(input_ids=ids, past_key_values=cache)\n")) == []
+
+
+def test_benchmarks_import_only_names_the_package_has():
+    """Every ``from h2o_compress... import name`` of a benchmark script names something that exists (a script that
+    imports a removed name fails only when someone runs it, long after the change)."""
+    import ast
+    import importlib
+
+    missing = []
+    for script in sorted(Path(__file__).resolve().parents[1].joinpath("benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("h2o_compress"):
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError as error:
+                    if (error.name or "").startswith("h2o_compress"):
+                        missing.append(f"{script.name}: {node.module}")
+                    continue
+                missing += [f"{script.name}: {node.module}.{alias.name}" for alias in node.names
+                            if not hasattr(module, alias.name)
+                            and importlib.util.find_spec(f"{node.module}.{alias.name}") is None]
+    assert not missing, "benchmark scripts import names the package no longer has:\n" + "\n".join(missing)
