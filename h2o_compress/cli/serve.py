@@ -2,8 +2,10 @@
 ``/v1/models``, plus ``/health`` and ``/metrics``) on the continuous-batching engine, every request through a
 compressed KV cache (docs/guide/serving.md).
 
-Every option is checked before the model is loaded; the compression options apply server-wide, a request's
-``h2o`` object may override ``budget``, ``kv_bits`` and ``policy`` for itself.
+The options go to [`h2o_compress.serving.serve`][h2o_compress.serving.serve], which builds one
+[`ServeRequest`][h2o_compress.serving.request.ServeRequest] of them, checked before the model is loaded; the
+compression options apply server-wide, a request's ``h2o`` object may override ``budget``, ``kv_bits`` and
+``policy`` for itself.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``h2o-compress serve`` as one Python call: `serve` loads a model and serves it over
 HTTP with the OpenAI API, many requests decoded at once through compressed KV caches.
 
+- `h2o_compress.serving.request`: `ServeRequest`, the server's settings validated once, before anything loads.
 - `h2o_compress.serving.engine`: the thread that owns the model and runs the continuous-batching engine.
 - `h2o_compress.serving.app`: the FastAPI app (`create_app`): the endpoints, validation, streaming.
 - `h2o_compress.serving.metrics`: the Prometheus metrics of ``/metrics``.
@@ -14,119 +15,15 @@ the planner and below the CLI.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import math
+import importlib
 
 import torch
 
 from h2o_compress import models
 from h2o_compress.config import CompressionConfig
-from h2o_compress.models import DEFAULT_MODEL, placement_options
-from h2o_compress.runtime.batch import check_batch_size
-from h2o_compress.runtime.compiled import check_compile
-from h2o_compress.runtime.generation import check_config, check_generation_args
-from h2o_compress.serving.prefix_cache import check_prefix_budget, check_prefix_policy
-from h2o_compress.utils.checks import check_count, check_threads
-from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
+from h2o_compress.models import DEFAULT_MODEL
+from h2o_compress.serving.request import ServeRequest
 from h2o_compress.utils.memory import PeakMemory
-
-#: The serve extra's modules, by the name pip installs them under.
-NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
-          "prometheus_client": "prometheus-client"}
-#: The largest TCP port.
-MAX_PORT = 65535
-#: What installs Ray Serve for ``serve --ray``.
-RAY_SERVE_EXTRA = "'h2o-compress[serve-ray]'"
-#: Modules ``serve --ray`` needs (without importing Ray): Ray, and grpc, which ``ray.serve`` imports and only the
-#: ``ray[serve]`` extra installs.
-RAY_SERVE_NEEDS = ("ray", "grpc")
-#: uvicorn's log levels.
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def check_installed() -> None:
-    """Raise ConfigError naming the missing packages when the ``serve`` extra is not installed."""
-    missing = [package for module, package in NEEDED.items() if importlib.util.find_spec(module) is None]
-    if missing:
-        raise ConfigError(f"serving needs {', '.join(missing)}; allowed: pip install 'h2o-compress[serve]'")
-
-
-def check_server_settings(host: str, port: int, max_queue: int, log_level: str = "info") -> None:
-    """Raise ConfigError for a bad ``host`` (not a non-empty text), ``port`` (not in [0, 65535]), ``max_queue``
-    (not an integer >= 1) or ``log_level`` (not one of `LOG_LEVELS`)."""
-    if not isinstance(host, str) or not host.strip():
-        raise ConfigError(f"host={short(host)} is invalid; allowed: an address or name such as 127.0.0.1 or 0.0.0.0")
-    check_count("port", port, minimum=0, maximum=MAX_PORT, allowed=f"an integer from 0 to {MAX_PORT}")
-    check_count("max_queue", max_queue, maximum=None, allowed="an integer >= 1")
-    if not isinstance(log_level, str) or log_level not in LOG_LEVELS:
-        raise ConfigError(f"log_level={short(log_level)} is invalid; allowed: {', '.join(LOG_LEVELS)}")
-
-
-def check_grace_period(grace_period) -> float:
-    """``grace_period`` (seconds a shutdown lets the open requests run on) as a float.
-
-    Raises:
-        ConfigError: not a finite number >= 0.
-    """
-    if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)) or not (
-            0 <= grace_period < math.inf):
-        raise ConfigError(f"grace_period={short(grace_period)} is invalid; allowed: a number of seconds >= 0 "
-                          "(0: cancel the open requests at once)")
-    return float(grace_period)
-
-
-def check_ray(ray: str | None, replicas: int, port: int = 8000) -> str | None:
-    """``ray`` (a Ray address, or ``None``: no Ray) checked with ``replicas`` before anything loads, as ``batch
-    --ray`` checks its address (`check_address`: ``local`` as it is; ``auto``, ``HOST:PORT`` and
-    ``ray://HOST:PORT`` must answer); returns it stripped.
-
-    Raises:
-        ConfigError: ``replicas`` not an integer >= 1, or other than 1 without ``ray``; with ``ray``: Ray Serve not
-            installed (naming the extra), ``port`` 0 (Ray Serve's proxy needs a fixed port), or an address that is
-            empty, malformed or not answering.
-    """
-    check_count("replicas", replicas, maximum=None, allowed="an integer >= 1 (with --ray)")
-    if ray is None:
-        if replicas != 1:
-            raise ConfigError(f"--replicas {short(replicas)} needs --ray; allowed: --replicas 1 without --ray")
-        return None
-    from h2o_compress.integrations.ray_sweep import check_address  # deferred: imports nothing of Ray
-
-    address = check_address(ray, reach=True)
-    if any(importlib.util.find_spec(m) is None for m in RAY_SERVE_NEEDS):
-        raise ConfigError(f"--ray needs Ray Serve, which is not installed; allowed: pip install {RAY_SERVE_EXTRA}, "
-                          "or run without --ray")
-    if port == 0:
-        raise ConfigError("--port 0 with --ray is invalid: Ray Serve's proxy listens on a fixed port; allowed: a "
-                          f"port from 1 to {MAX_PORT}")
-    return address
-
-
-def check_loading(model, name, compile, config: CompressionConfig, load, trust_remote_code) -> None:
-    """Refuse, before the model is loaded, a ``model`` or ``name`` that is not a non-empty text, a ``compile`` that
-    ``generate`` refuses for ``config``, a ``load`` that is not a dict of ``load_model`` arguments it takes, and a
-    ``trust_remote_code`` that is not a bool.
-
-    Raises:
-        ModelLoadError: ``model`` not a non-empty text.
-        ConfigError: naming the value and what is allowed.
-    """
-    if not isinstance(model, str) or not model.strip():
-        raise ModelLoadError(f"model name {short(model)} is empty or not a text; allowed: an alias, a local model "
-                             "directory or a hub id (a str)")
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise ConfigError(f"name={short(name)} is invalid; allowed: a non-empty text (the API's model id) or None")
-    check_compile(compile, config)
-    if not isinstance(trust_remote_code, bool):
-        raise ConfigError(f"trust_remote_code={short(trust_remote_code)} is invalid; allowed: True or False")
-    if load is None:
-        return
-    keys = [k for k in inspect.signature(placement_options).parameters if k != "name_or_path"]
-    if not isinstance(load, dict) or any(k not in keys for k in load):
-        raise ConfigError(f"load={short(load)} is invalid; allowed: None or a dict of load_model arguments "
-                          f"({', '.join(keys)})")
-    placement_options(**load)
 
 
 def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, host: str = "127.0.0.1",
@@ -166,36 +63,23 @@ def serve(model: str = DEFAULT_MODEL, config: CompressionConfig | None = None, h
 
     Raises:
         ConfigError: the serve extra missing (or Ray Serve, with ``ray``), or a bad setting (checked before the
-            model is loaded: `check_ray`, `check_grace_period`, `check_loading`, `check_prefix_budget`...).
+            model is loaded, as `ServeRequest` says).
         ModelLoadError: ``model`` not a non-empty text (before loading), or the model cannot be loaded.
     """
-    check_installed()
-    check_server_settings(host, port, max_queue, log_level)
-    config = check_config(config)
-    grace_period = check_grace_period(grace_period)
-    ray = check_ray(ray, replicas, port)
-    check_batch_size(batch_size)
-    check_generation_args(max_tokens, temperature, None)
-    check_prefix_policy(config, check_prefix_budget(prefix_cache_bytes, memory_limit))  # memory_limit checked too
-    check_threads(threads)
-    check_loading(model, name, compile, config, load, trust_remote_code)
-    settings = dict(model=model, config=config, max_queue=max_queue, batch_size=batch_size,
-                    memory_limit=memory_limit, max_tokens=max_tokens, temperature=temperature, name=name or model,
-                    compile=compile, load=load, threads=threads, trust_remote_code=trust_remote_code,
-                    prefix_cache_bytes=prefix_cache_bytes)
-    if ray is not None:
+    request = ServeRequest(model, config, host, port, max_queue, batch_size, memory_limit, max_tokens, temperature,
+                           name, compile, load, threads, trust_remote_code, log_level, ray, replicas,
+                           prefix_cache_bytes, grace_period)
+    if request.ray is not None:
         from h2o_compress.serving.ray_serve import serve_on_ray  # deferred: Ray Serve is optional
-        return serve_on_ray(ray, replicas, settings, host, port, grace_period, log_level)
+        return serve_on_ray(request)
     from h2o_compress.serving.app import run  # deferred: the serve extra (fastapi...) is optional
 
-    run(build_app(**settings), host, port, log_level, grace_period)
+    run(build_app(request), request.host, request.port, request.log_level, request.grace_period)
 
 
-def build_app(model: str, config: CompressionConfig, max_queue: int, batch_size: int, memory_limit, max_tokens: int,
-              temperature: float, name: str, compile, load: dict | None, threads: int | None,
-              trust_remote_code: bool, prefix_cache_bytes):
-    """Load ``model`` and return the app serving it (its `Engine` starts with the app): what `serve` runs, in its
-    own process or in each Ray Serve replica. The arguments are `serve`'s, checked already.
+def build_app(request: ServeRequest):
+    """Load ``request.model`` and return the app serving it (its `Engine` starts with the app): what `serve` runs,
+    in its own process or in each Ray Serve replica. ``request`` is trusted (validated when it was made).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
@@ -204,14 +88,13 @@ def build_app(model: str, config: CompressionConfig, max_queue: int, batch_size:
     from h2o_compress.serving.engine import Engine  # deferred: the serve extra (prometheus-client) is optional
     from h2o_compress.serving.metrics import Metrics  # deferred: the serve extra (prometheus-client) is optional
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    if request.threads is not None:
+        torch.set_num_threads(request.threads)
     peak = PeakMemory(whole_process=True)
-    lm, tokenizer = models.load_model(model, trust_remote_code=trust_remote_code, **(load or {}))
-    held = peak.held(lm) if memory_limit is not None else None
-    engine = Engine(lm, tokenizer, Metrics(), batch_size=batch_size, max_queue=max_queue, memory_limit=memory_limit,
-                    compile=compile, held=held, prefix_cache_bytes=prefix_cache_bytes)
-    return create_app(engine, config, name, max_tokens, temperature)
+    lm, tokenizer = models.load_model(request.model, trust_remote_code=request.trust_remote_code,
+                                      **(request.load or {}))
+    held = peak.held(lm) if request.memory_limit is not None else None
+    return create_app(Engine(lm, tokenizer, Metrics(), request, held=held))
 
 
 def __getattr__(name: str):
@@ -227,5 +110,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(homes[name]), name)
 
 
-__all__ = ["Engine", "Metrics", "build_app", "check_grace_period", "check_installed", "check_ray", "create_app",
-           "serve"]
+__all__ = ["Engine", "Metrics", "ServeRequest", "build_app", "create_app", "serve"]

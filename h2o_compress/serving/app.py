@@ -25,9 +25,7 @@ from starlette.exceptions import HTTPException
 
 from h2o_compress.config import CompressionConfig, check_usable, parse_budget
 from h2o_compress.runtime.batch_requests import BatchResult, prepare
-from h2o_compress.runtime.generation import check_config
 from h2o_compress.serving.engine import Engine, Job, QueueFull
-from h2o_compress.serving.prefix_cache import check_prefix_policy
 from h2o_compress.serving.protocol import ChatRequest, CompletionRequest, H2OOptions, Reply, Sampling, error_body
 from h2o_compress.utils.errors import H2OCompressError, one_line, short
 
@@ -264,24 +262,14 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"field {name!r}: {problem.get('msg')} (got {short(problem.get('input'))})", param=name)
 
 
-def create_app(engine: Engine, config: CompressionConfig | None = None, name: str = "model",
-               max_tokens: int = 128, temperature: float = 0.0) -> FastAPI:
-    """The app serving ``engine`` (started with the app, stopped at its shutdown) as the model ``name``.
-
-    Args:
-        engine: the `Engine` (not started yet).
-        config: the server-wide compression setting (a request's ``h2o`` object goes over it).
-        name: the model id the API lists and requests name.
-        max_tokens: the default of a request without ``max_tokens``.
-        temperature: the default of a request without ``temperature`` (0: greedy).
-
-    Raises:
-        ConfigError: a bad ``config``, or one whose policy scores each prompt whole for an engine with a prefix
-            cache (`check_prefix_policy`).
+def create_app(engine: Engine) -> FastAPI:
+    """The app serving ``engine`` (started with the app, stopped at its shutdown) with its request's settings
+    (trusted: validated when made): the server-wide compression setting ``config`` (a request's ``h2o`` object
+    goes over it), the model id ``name`` the API lists and requests name, and the defaults ``max_tokens`` and
+    ``temperature`` (0: greedy) of a request without them.
     """
-    config = check_config(config)
-    check_prefix_policy(config, engine.prefix.budget)
-    server = Server(engine, config, name, max_tokens, temperature)
+    request = engine.request
+    server = Server(engine, request.config, request.name, request.max_tokens, request.temperature)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

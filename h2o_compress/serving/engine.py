@@ -35,14 +35,14 @@ import torch
 from h2o_compress.config import CompressionConfig
 from h2o_compress.planner import format_bytes, parse_memory
 from h2o_compress.planner.plan import fit_batch
-from h2o_compress.runtime.batch import BatchStats, _Admission, _Batch, check_batch_size, row_config
+from h2o_compress.runtime.batch import BatchStats, _Admission, _Batch, row_config
 from h2o_compress.runtime.batch_requests import BatchResult, Prepared
 from h2o_compress.runtime.decode_loop import TextStream
 from h2o_compress.runtime.prefill import prompt_chunks
-from h2o_compress.utils.checks import check_count
 from h2o_compress.utils.errors import ConfigError, H2OCompressError, one_line
 from h2o_compress.serving.metrics import Metrics
-from h2o_compress.serving.prefix_cache import PrefixCache, check_prefix_budget
+from h2o_compress.serving.prefix_cache import PrefixCache
+from h2o_compress.serving.request import ServeRequest
 
 
 class QueueFull(Exception):
@@ -132,30 +132,20 @@ class Engine:
         model: a loaded causal LM (`load_model`).
         tokenizer: its tokenizer.
         metrics: where the engine's figures go.
-        batch_size: rows decoded at once, 1 to `MAX_BATCH_SIZE`.
-        max_queue: requests waiting at most (past it `submit` raises `QueueFull`).
-        memory_limit: bytes or a text such as ``"2GiB"``: each batch takes at most the rows the planner fits in it
-            for its longest request (``None``: ``batch_size`` rows).
-        compile: as for ``generate``.
+        request: the server's settings, trusted (validated when made): ``batch_size`` rows decoded at once,
+            ``max_queue`` requests waiting at most (past it `submit` raises `QueueFull`), ``memory_limit`` (each
+            batch takes at most the rows the planner fits in it for its longest request; ``None``: ``batch_size``
+            rows), ``compile`` as for ``generate``, ``prefix_cache_bytes`` the bytes the prefix cache of chat turns
+            may hold (`PrefixCache`; 0: off), which the planner leaves out of ``memory_limit``.
         held: bytes the process holds with the model loaded (`PeakMemory.held`), counted by the planner.
-        prefix_cache_bytes: bytes or a text such as ``"64MiB"`` the prefix cache of chat turns may hold
-            (`PrefixCache`; ``None`` or 0: off), below ``memory_limit``, which the planner leaves to it.
-
-    Raises:
-        ConfigError: a bad ``batch_size``, ``max_queue``, ``memory_limit`` or ``prefix_cache_bytes``.
     """
 
-    def __init__(self, model, tokenizer, metrics: Metrics, batch_size: int = 8, max_queue: int = 64,
-                 memory_limit: str | int | None = None, compile: bool | None = None, held: int | None = None,
-                 prefix_cache_bytes: str | int | None = None):
-        check_batch_size(batch_size)
-        check_count("max_queue", max_queue, maximum=None, allowed="an integer >= 1")
-        if memory_limit is not None:
-            parse_memory(memory_limit)
-        self.prefix = PrefixCache(check_prefix_budget(prefix_cache_bytes, memory_limit))
+    def __init__(self, model, tokenizer, metrics: Metrics, request: ServeRequest, held: int | None = None):
+        self.request, self.prefix = request, PrefixCache(request.prefix_cache_bytes)
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
-        self.batch_size, self.max_queue, self.memory_limit = batch_size, max_queue, memory_limit
-        self.compile, self.held = compile, held
+        self.batch_size, self.max_queue = request.batch_size, request.max_queue
+        self.memory_limit = request.memory_limit
+        self.compile, self.held = request.compile, held
         self.jobs: dict[int, Job] = {}  # by prepared.index: waiting or running
         self._waiting: collections.deque[Job] = collections.deque()
         self._members: set[int] = set()  # the jobs in the running batch

@@ -34,10 +34,7 @@ import torch
 from h2o_compress.cache.layer import CompressedLayer
 from h2o_compress.cache.rows import shift
 from h2o_compress.config import CompressionConfig
-from h2o_compress.planner import parse_memory
-from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.generation import make_cache
-from h2o_compress.utils.errors import ConfigError, short
 
 
 @dataclass(eq=False)
@@ -56,41 +53,6 @@ class Entry:
     config: CompressionConfig
     cache: object
     nbytes: int
-
-
-def check_prefix_budget(value, memory_limit) -> int:
-    """The prefix cache's byte budget: 0 (off) for ``None`` or 0, else ``value`` as ``--memory-limit`` reads
-    amounts; below ``memory_limit`` where one is given.
-
-    Raises:
-        ConfigError: not an amount, or not below ``memory_limit``; a bad ``memory_limit``.
-    """
-    limit = None if memory_limit is None else parse_memory(memory_limit)
-    if value is None or (isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip() == "0"):
-        return 0
-    try:
-        budget = parse_memory(value)
-    except ConfigError:
-        raise ConfigError(f"prefix_cache_bytes={short(value)} is invalid; allowed: 0 (off) or an amount like 64MiB "
-                          "or 1GB") from None
-    if limit is not None and budget >= limit:
-        raise ConfigError(f"prefix_cache_bytes={short(value)} is not below --memory-limit {short(memory_limit)}; "
-                          "allowed: a share of the limit (the batches get what it leaves)")
-    return budget
-
-
-def check_prefix_policy(config: CompressionConfig, budget: int) -> None:
-    """Refuse a prefix cache (``budget`` > 0) for a server whose ``config`` has a policy that scores each prompt in
-    a pass of its own (the commands' default, ``lookahead``): none of its requests could be resumed.
-
-    Raises:
-        ConfigError: naming the policy and what is allowed.
-    """
-    if budget and POLICIES[config.policy].scorer:
-        usable = ", ".join(name for name, policy in POLICIES.items() if not policy.scorer)
-        raise ConfigError(f"--prefix-cache-bytes needs a policy without a scoring pass of its own: policy "
-                          f"{config.policy!r} scores each whole prompt, so no chat turn could be resumed; allowed: "
-                          f"--policy {usable}, or no --prefix-cache-bytes")
 
 
 def resumable(batch) -> bool:

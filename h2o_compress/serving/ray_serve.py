@@ -15,6 +15,7 @@ import sys
 import threading
 
 from h2o_compress.integrations.ray_sweep import connect, import_ray
+from h2o_compress.serving.request import ServeRequest
 from h2o_compress.utils.errors import ConfigError, short
 
 #: The Ray Serve application's name (``serve status`` lists it).
@@ -23,50 +24,43 @@ APP_NAME = "h2o-compress"
 WAIT_S = 0.5
 
 
-def app_builder(settings: dict):
-    """A function of no arguments that loads the model and returns the app (`build_app` of ``settings``): what
+def app_builder(request: ServeRequest):
+    """A function of no arguments that loads the model and returns the app (`build_app` of ``request``): what
     Ray Serve's ingress calls once in each replica as it starts (so the model is loaded there, not here)."""
 
     def build():
-        from h2o_compress.serving import build_app  # in the replica
+        from h2o_compress.serving import build_app  # deferred: in the replica, not at import
 
-        return build_app(**settings)
+        return build_app(request)
 
     return build
 
 
-def deployment(settings: dict, replicas: int, grace_period: float):
-    """The Ray Serve deployment of the app: ``replicas`` replicas of ``settings["threads"]`` CPUs (1 by default),
-    each taking up to ``batch_size + max_queue`` requests at once (its engine queues and refuses past that), and
-    given ``grace_period`` seconds to finish its open requests when it is shut down."""
+def deployment(request: ServeRequest):
+    """The Ray Serve deployment of the app: ``request.replicas`` replicas of ``request.threads`` CPUs (1 by
+    default), each taking up to ``batch_size + max_queue`` requests at once (its engine queues and refuses past
+    that), and given ``request.grace_period`` seconds to finish its open requests when it is shut down."""
     from ray import serve  # deferred: Ray Serve is optional
 
-    ingress = serve.ingress(app_builder(settings))()
+    ingress = serve.ingress(app_builder(request))()
     return serve.deployment(
-        ingress, name=APP_NAME, num_replicas=replicas, ray_actor_options={"num_cpus": settings["threads"] or 1},
-        max_ongoing_requests=settings["batch_size"] + settings["max_queue"],
-        graceful_shutdown_timeout_s=grace_period)
+        ingress, name=APP_NAME, num_replicas=request.replicas, ray_actor_options={"num_cpus": request.threads or 1},
+        max_ongoing_requests=request.batch_size + request.max_queue,
+        graceful_shutdown_timeout_s=request.grace_period)
 
 
-def serve_on_ray(address: str, replicas: int, settings: dict, host: str, port: int, grace_period: float,
-                 log_level: str = "info") -> None:
-    """Run the deployment at ``address`` until SIGINT or SIGTERM, then shut Ray Serve down (each replica has
-    ``grace_period`` seconds to finish its open requests) and, when this call started or joined Ray, disconnect
-    (a ``local`` Ray instance ends with it).
-
-    Args:
-        address: a Ray address checked already (`h2o_compress.serving.check_ray`).
-        replicas: Ray Serve replicas (each loads the model).
-        settings: `build_app`'s arguments, checked already.
-        host: where Ray Serve's proxy listens.
-        port: its TCP port (1 to 65535).
-        grace_period: seconds each replica may take to finish its open requests at the end.
-        log_level: ``info``, ``debug`` or ``trace`` print where the server listens.
+def serve_on_ray(request: ServeRequest) -> None:
+    """Run the deployment at ``request.ray`` (an address checked already) until SIGINT or SIGTERM, Ray Serve's
+    proxy listening on ``request.host``:``request.port``, then shut Ray Serve down (each replica has
+    ``request.grace_period`` seconds to finish its open requests) and, when this call started or joined Ray,
+    disconnect (a ``local`` Ray instance ends with it). ``request`` is trusted (validated when it was made);
+    ``log_level`` ``info``, ``debug`` or ``trace`` prints where the server listens.
 
     Raises:
         ConfigError: Ray cannot be started or reached, or the deployment cannot start (a replica failed to load
             the model: Ray's message, the replica's own error in Ray's logs).
     """
+    address, host, port, log_level = request.ray, request.host, request.port, request.log_level
     ray = import_ray()
     from ray import serve  # deferred: Ray Serve is optional
 
@@ -78,12 +72,12 @@ def serve_on_ray(address: str, replicas: int, settings: dict, host: str, port: i
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
-            serve.run(deployment(settings, replicas, grace_period).bind(), name=APP_NAME, route_prefix="/")
+            serve.run(deployment(request).bind(), name=APP_NAME, route_prefix="/")
         except Exception as exc:  # noqa: BLE001 - Ray's deployment errors have no common base: shown in one line
             raise ConfigError(f"Ray Serve could not start the deployment: {short(str(exc), 300, repr_=False)}; "
                               "allowed: a model and settings that serve without --ray") from None
         if log_level in ("info", "debug", "trace"):
-            print(f"serving {settings['name']} on http://{host}:{port}/v1 with {replicas} Ray Serve replica(s) "
+            print(f"serving {request.name} on http://{host}:{port}/v1 with {request.replicas} Ray Serve replica(s) "
                   f"(Ray at {address}); SIGTERM or Ctrl-C stops", file=sys.stderr, flush=True)
         while not stop.wait(WAIT_S):
             pass

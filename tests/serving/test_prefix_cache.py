@@ -20,10 +20,9 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from conftest import save_tiny_model_dir, tiny_llama  # noqa: E402
 from h2o_compress import CompressionConfig, ConfigError, generate  # noqa: E402
-from h2o_compress.serving import create_app  # noqa: E402
+from h2o_compress.serving import ServeRequest, create_app  # noqa: E402
 from h2o_compress.serving.engine import Engine, Job  # noqa: E402
 from h2o_compress.serving.metrics import Metrics  # noqa: E402
-from h2o_compress.serving.prefix_cache import check_prefix_budget  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -31,6 +30,12 @@ CONFIG = CompressionConfig(budget=16, kv_bits=4)  # tokens: the history is evict
 FULL = {"budget": 1.0, "kv_bits": 16}  # nothing evicted, nothing quantized
 BUDGET = 64 * 1024  # the prefix cache's bytes: a conversation of CONFIG holds about 4 KiB, one of FULL 14 KiB a turn
 MAX_TOKENS = 4
+
+
+def _engine(model, tokenizer, held: int | None = None, **settings) -> Engine:
+    """An engine of the tiny model serving `CONFIG` as ``tiny`` with `ServeRequest` ``settings``."""
+    return Engine(model, tokenizer, Metrics(), ServeRequest("tiny", CONFIG, max_tokens=MAX_TOKENS, **settings),
+                  held=held)
 
 
 def _free_port() -> int:
@@ -55,8 +60,8 @@ def served(tiny_chat):
     """``(base_url, engine)`` of a running server with a prefix cache of `BUDGET` bytes."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(*tiny_chat, Metrics(), batch_size=2, max_queue=4, prefix_cache_bytes=BUDGET)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, CONFIG, "tiny", max_tokens=MAX_TOKENS),
+    engine = _engine(*tiny_chat, batch_size=2, max_queue=4, prefix_cache_bytes=BUDGET)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine),
                                            host="127.0.0.1", port=_free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -131,9 +136,9 @@ def test_completions_and_other_settings_are_not_resumed(served, client):
 def test_least_recently_used_conversation_is_dropped_at_the_budget(tiny_chat):
     from fastapi.testclient import TestClient
 
-    engine = Engine(*tiny_chat, Metrics(), batch_size=1, prefix_cache_bytes=5000)  # one conversation fits
+    engine = _engine(*tiny_chat, batch_size=1, prefix_cache_bytes=5000)  # one conversation fits
     chats = [[_user(300)], [_user(400)]]
-    with TestClient(create_app(engine, CONFIG, "tiny", max_tokens=MAX_TOKENS)) as http:
+    with TestClient(create_app(engine)) as http:
         for turn in range(2):
             for chat in chats:
                 body = http.post("/v1/chat/completions", json={"model": "tiny", "messages": chat}).json()
@@ -151,15 +156,22 @@ def test_the_planner_leaves_the_prefix_budget_out_of_the_batch(tiny_chat):
     model, tokenizer = tiny_chat
     prepared = prepare(model, tokenizer, {"id": "0", "prompt": "w1 w2 w3 w4"}, 0, False, MAX_TOKENS, 0.0, None)
     job = Job(prepared, CONFIG, asyncio.new_event_loop())
-    rows = [Engine(model, tokenizer, Metrics(), batch_size=4096, memory_limit="4MiB", held=0,
-                   prefix_cache_bytes=prefix)._rows(CONFIG, [job])[0] for prefix in (None, "1MiB", "2MiB")]
+    rows = [_engine(model, tokenizer, batch_size=4096, memory_limit="4MiB", held=0,
+                    prefix_cache_bytes=prefix)._rows(CONFIG, [job])[0] for prefix in (None, "1MiB", "2MiB")]
     assert rows[0] > rows[1] > rows[2] >= 1  # each MiB given to the prefix cache is a MiB fewer for the rows
-    assert check_prefix_budget(None, "1GiB") == check_prefix_budget("0", None) == 0
-    assert check_prefix_budget("64MiB", "1GiB") == 64 << 20
+
+
+def test_the_request_keeps_the_prefix_budget_in_bytes():
+    budget = lambda value, limit=None: ServeRequest("tiny", CONFIG, memory_limit=limit,  # noqa: E731
+                                                    prefix_cache_bytes=value).prefix_cache_bytes
+    assert budget(None, "1GiB") == budget("0") == budget(0) == 0
+    assert budget("64MiB", "1GiB") == 64 << 20 and budget(4096) == 4096
     with pytest.raises(ConfigError, match="not below --memory-limit"):
-        check_prefix_budget("1GiB", "1GiB")
+        budget("1GiB", "1GiB")
     with pytest.raises(ConfigError, match="prefix_cache_bytes='lots' is invalid"):
-        check_prefix_budget("lots", None)
+        budget("lots")
+    with pytest.raises(ConfigError, match="prefix_cache_bytes=True is invalid"):
+        budget(True)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -178,7 +190,7 @@ def test_cli_refuses_a_bad_prefix_cache_in_one_line(flags, message):
     assert result.output.startswith(message) and len(result.output.strip().splitlines()) == 1
 
 
-def test_an_app_refuses_a_prefix_cache_under_a_scoring_policy(tiny_chat):
-    engine = Engine(*tiny_chat, Metrics(), prefix_cache_bytes="1MiB")
+def test_a_request_refuses_a_prefix_cache_under_a_scoring_policy():
     with pytest.raises(ConfigError, match="policy 'snapkv' scores each whole prompt"):
-        create_app(engine, CompressionConfig(policy="snapkv", budget=16))
+        ServeRequest("tiny", CompressionConfig(policy="snapkv", budget=16), prefix_cache_bytes="1MiB")
+    assert ServeRequest("tiny", CompressionConfig(policy="snapkv", budget=16)).prefix_cache_bytes == 0

@@ -8,38 +8,39 @@ import sys
 
 import pytest
 
-from h2o_compress import serving
-from h2o_compress.serving import check_grace_period, check_ray, serve
+from h2o_compress.serving import ServeRequest, request, serve
 from h2o_compress.utils.errors import ConfigError
 
 pytest.importorskip("fastapi")
 
 
 def test_replicas_need_ray_and_a_positive_count():
-    assert check_ray(None, 1) is None
+    assert ServeRequest("m").ray is None and ServeRequest("m").replicas == 1
     with pytest.raises(ConfigError, match="--replicas 2 needs --ray"):
-        check_ray(None, 2)
+        ServeRequest("m", replicas=2)
     with pytest.raises(ConfigError, match="replicas=0 is invalid"):
-        check_ray("local", 0)
+        ServeRequest("m", ray="local", replicas=0)
     with pytest.raises(ConfigError, match="is empty"):
-        check_ray(" ", 1)
+        ServeRequest("m", ray=" ")
     with pytest.raises(ConfigError, match="'nonsense' is not HOST:PORT"):
-        check_ray("nonsense", 2)
+        ServeRequest("m", ray="nonsense", replicas=2)
 
 
 def test_ray_needs_a_fixed_port_and_ray_serve(monkeypatch):
     with pytest.raises(ConfigError, match="--port 0 with --ray is invalid"):
-        check_ray("local", 2, port=0)
-    monkeypatch.setattr(serving, "RAY_SERVE_NEEDS", ("no_such_module_h2o",))
+        ServeRequest("m", ray="local", replicas=2, port=0)
+    assert ServeRequest("m", ray=" local ", replicas=2).ray == "local"  # the address as checked
+    monkeypatch.setattr(request, "RAY_SERVE_NEEDS", ("no_such_module_h2o",))
     with pytest.raises(ConfigError, match=r"needs Ray Serve.*pip install 'h2o-compress\[serve-ray\]'"):
-        check_ray("local", 2)
+        ServeRequest("m", ray="local", replicas=2)
 
 
 def test_grace_period_is_a_number_of_seconds():
-    assert check_grace_period(0) == 0.0 and check_grace_period(2.5) == 2.5
+    assert ServeRequest("m", grace_period=0).grace_period == 0.0
+    assert isinstance(ServeRequest("m", grace_period=2).grace_period, float)
     for bad in (-1, float("nan"), float("inf"), "30", True):
         with pytest.raises(ConfigError, match="grace_period=.* is invalid"):
-            check_grace_period(bad)
+            ServeRequest("m", grace_period=bad)
 
 
 def test_bad_ray_settings_are_refused_before_the_model_loads():

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from helpers.tiny_lm import tiny_lm  # noqa: E402
 from h2o_compress import CompressionConfig, generate  # noqa: E402
-from h2o_compress.serving import create_app  # noqa: E402
+from h2o_compress.serving import ServeRequest, create_app  # noqa: E402
 from h2o_compress.serving.engine import Engine, Job  # noqa: E402
 from h2o_compress.serving.metrics import Metrics  # noqa: E402
 
@@ -60,8 +60,9 @@ def served():
     """``(base_url, engine)`` of a running server (2 rows, at most 2 requests waiting)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = GatedEngine(tiny_lm()[0], _tokenizer(), Metrics(), batch_size=2, max_queue=2)
-    app = create_app(engine, CONFIG, "tiny", max_tokens=MAX_TOKENS)
+    request = ServeRequest("tiny", CONFIG, batch_size=2, max_queue=2, max_tokens=MAX_TOKENS)
+    engine = GatedEngine(tiny_lm()[0], _tokenizer(), Metrics(), request)
+    app = create_app(engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -257,8 +258,8 @@ def test_models_health_and_metrics(served, client):
 def test_a_request_beyond_the_memory_limit_is_a_400():
     from fastapi.testclient import TestClient
 
-    engine = Engine(tiny_lm()[0], _tokenizer(), Metrics(), batch_size=2, memory_limit="1KiB")
-    with TestClient(create_app(engine, CONFIG, "tiny", max_tokens=4)) as http:
+    request = ServeRequest("tiny", CONFIG, batch_size=2, memory_limit="1KiB", max_tokens=4)
+    with TestClient(create_app(Engine(tiny_lm()[0], _tokenizer(), Metrics(), request))) as http:
         response = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT})
     assert response.status_code == 400
     assert "does not fit --memory-limit" in response.json()["error"]["message"]
