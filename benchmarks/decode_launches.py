@@ -219,7 +219,7 @@ def measure(mode: str, args) -> dict:
     kernel = "torch" if mode.startswith("torch") else "triton"
     compiled = mode.endswith("compiled")
     model, cache, modules, inputs = build(args, kernel)
-    if kernel == "triton" and not all((layer.decode_kernel == "triton") for layer in cache.layers):
+    if kernel == "triton" and not all((layer.backend.name == "triton") for layer in cache.layers):
         raise SystemExit(f"error: mode {mode!r}: the layers did not take the Triton op")
     fn = layer_steps
     codes: list[str] = []

@@ -148,7 +148,7 @@ def test_layer_keeps_increasing_positions_within_capacity_with_exact_scores(case
             sums = torch.rand(returned_keys.shape[:3], generator=generator).masked_fill(~valid, 0.0)
             ref_scores.scatter_add_(2, positions.clamp(min=0), sums)
         if count == 1:
-            decode_step.add_scores(layer, sums)
+            decode_step.add_layer_scores(layer, sums)
             layer.evict()
         else:
             pending, layer.chunk = layer.chunk, None

@@ -88,7 +88,7 @@ def attend(layer, module, query, keys, values, attention_mask, scaling, variant=
 
     chunk, layer.chunk = layer.chunk, None
     n, batch = query.shape[2], query.shape[0]
-    if layer.decode_kernel == "triton":  # the decode steps' scratch, allocated eagerly before a compiled step needs it
+    if layer.backend.name == "triton":  # the decode steps' scratch, allocated eagerly before a compiled step needs it
         layer.backend.scratch_for(layer, query.shape[1])
     new_block = attention_mask  # [batch | 1, 1, n, n] from sdpa_mask over the chunk's positions, or None
     if new_block is not None and new_block.dtype != torch.bool:
@@ -266,7 +266,7 @@ def fill(layer, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, 
         layer.lazy_initialization(keys, values)
     begin(layer, keys, values)
     chunk, layer.chunk = layer.chunk, None
-    if layer.decode_kernel == "triton":
+    if layer.backend.name == "triton":
         layer.backend.scratch_for(layer, q_heads)
     real = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
     evict_and_lay_out(layer, chunk, real, scores.to(device=keys.device, dtype=torch.float32) if layer.setting.with_scores else None)

@@ -8,8 +8,10 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from h2o_compress.config import CompressionConfig
+from h2o_compress.utils.checks import is_integer
 from h2o_compress.utils.errors import CacheStateError, ConfigError, InputError, short
 from h2o_compress.formats import make_quantizer
+from h2o_compress.cache import rows
 from h2o_compress.cache.hybrid import CompressedStateLayer, StateLayer, state_tensors, take_state_rows
 from h2o_compress.cache.layer import CompressedLayer
 from h2o_compress.cache.refinement import spread_refined_rows
@@ -29,8 +31,7 @@ def _check_parts(layers, config, model_id, capacity) -> None:
         raise ConfigError(f"config={short(config)} is invalid; allowed: a CompressionConfig")
     if not isinstance(model_id, str):
         raise ConfigError(f"model_id={short(model_id)} is invalid; allowed: a text")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or not (capacity == -1 or capacity >= 1)):
+    if capacity is not None and not (is_integer(capacity) and (capacity == -1 or capacity >= 1)):
         raise ConfigError(f"capacity={short(capacity)} is invalid; allowed: an integer >= 1, None (unbounded) or -1 "
                           "(the first layer's)")
 
@@ -101,7 +102,7 @@ class CompressedCache(Cache):
             reference = self.layers[first].counters.seen
             if reference.device != layer.geometry.device:
                 reference = reference.to(layer.geometry.device, non_blocking=True)
-            if layer.decode_kernel == "cpu":  # the CPU kernel sets the flag itself
+            if layer.backend.name == "cpu":  # the CPU kernel sets the flag itself
                 layer.backend.reference_seen = reference
             else:
                 layer.counters.consistent &= layer.counters.seen + 1 == reference
@@ -171,15 +172,15 @@ class CompressedCache(Cache):
 
     @property
     def decode_kernel(self) -> str:
-        """The kernels the layers' decode steps run ([`CompressedLayer.decode_kernel`][h2o_compress.cache.CompressedLayer.decode_kernel]), sorted and joined by
-        ``+``: ``"cpu"``, or ``"cpu+torch"`` where some layers cannot run the native kernel; ``""`` before the first
-        token."""
-        return "+".join(sorted({layer.decode_kernel for layer in self.attention_layers if layer.is_initialized}))
+        """The kernels the layers' decode steps run (each layer's ``backend.name``, `h2o_compress.cache.backends`),
+        sorted and joined by ``+``: ``"cpu"``, or ``"cpu+torch"`` where some layers cannot run the native kernel;
+        ``""`` before the first token."""
+        return "+".join(sorted({layer.backend.name for layer in self.attention_layers if layer.is_initialized}))
 
     def take_rows(self, indices, source: "CompressedCache", batch: int) -> None:
         """Copy every sequence of ``source`` (a cache of the same setting and model, e.g. one prompt prefilled alone)
         into rows ``indices`` (ints, one per ``source`` sequence) of this cache of ``batch`` rows, layer by layer
-        ([`CompressedLayer.take_rows`][h2o_compress.cache.CompressedLayer.take_rows]); the first call makes this cache's buffers. Continuous batching
+        ([`rows.take_rows`][h2o_compress.cache.rows.take_rows]; a hybrid's linear states: `take_state_rows`); the first call makes this cache's buffers. Continuous batching
         ([`h2o_compress.generate_batch`][h2o_compress.generate_batch]) refills a finished row this way. Eager: reads ``seen`` once per layer.
         ``source`` is left empty.
 
@@ -191,10 +192,10 @@ class CompressedCache(Cache):
                                   "rows move only between caches of one model")
         indices = torch.as_tensor(indices, dtype=torch.long)
         for layer, other in zip(self.layers, source.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):  # states first: moving keys resets ``source``
+                take_state_rows(getattr(layer, "linear", layer), indices, getattr(other, "linear", other), batch)
             if isinstance(layer, CompressedLayer):
-                layer.take_rows(indices, other, batch)
-            else:
-                take_state_rows(layer, indices, other, batch)
+                rows.take_rows(layer, indices, other, batch)
         self.max_length = None  # positions keep counting as rows are refilled
 
     def kept_length(self, layer_idx: int | None = None) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from h2o_compress.attention.buffers import RingBuffers, SlotBuffers, StoredSide
-from h2o_compress.attention.decode_step import add_scores as add_to_scores
+from h2o_compress.attention.decode_step import add_scores
 from h2o_compress.cache.refinement import stored_rank
 from h2o_compress.cache.setting import GROWTH
 
@@ -104,10 +104,10 @@ def ring_in(layer, keys: torch.Tensor, values: torch.Tensor):
     return keys, values, leaving, score
 
 
-def add_scores(layer, sums: torch.Tensor | None) -> None:
+def add_layer_scores(layer, sums: torch.Tensor | None) -> None:
     """Add one query's probability sums fp32 ``[batch, heads, slots + residual]`` (or ``None``) to ``layer``'s
     scores, as a decode step's attention does (`h2o_compress.attention.decode_step.add_scores`)."""
-    add_to_scores(slot_buffers(layer, codes=False), sums, layer.geometry.kv_heads, layer.setting.policy.accumulates)
+    add_scores(slot_buffers(layer, codes=False), sums, layer.geometry.kv_heads, layer.setting.policy.accumulates)
 
 
 def forget(layer, factor: float) -> None:

@@ -79,12 +79,6 @@ class CompressedStateLayer(CompressedLayer, LinearAttentionCacheLayerMixin):
         CompressedLayer.batch_repeat_interleave(self, repeats)
         self.linear.batch_repeat_interleave(repeats)
 
-    def take_rows(self, indices: torch.Tensor, source: "CompressedStateLayer", batch: int) -> None:
-        """[`CompressedLayer.take_rows`][h2o_compress.cache.CompressedLayer.take_rows], and the linear states' rows
-        (taken first: moving the keys leaves ``source`` empty, its states zeroed)."""
-        take_state_rows(self.linear, indices, source.linear, batch)
-        CompressedLayer.take_rows(self, indices, source, batch)
-
 
 def state_tensors(layer: LinearAttentionCacheLayerMixin) -> list[torch.Tensor]:
     """The conv and recurrent state tensors a transformers linear-attention layer holds now (each
@@ -105,7 +99,8 @@ def map_state_rows(layer: LinearAttentionCacheLayerMixin, fn) -> None:
 def take_state_rows(layer: LinearAttentionCacheLayerMixin, indices: torch.Tensor,
                     source: LinearAttentionCacheLayerMixin, batch: int) -> None:
     """Copy every sequence of ``source``'s conv and recurrent states into rows ``indices`` (int64 ``[n]``) of
-    ``layer``'s (``batch`` rows, made zero on first use), as [`CompressedLayer.take_rows`][h2o_compress.cache.CompressedLayer.take_rows] does for keys.
+    ``layer``'s (``batch`` rows, made zero on first use), as [`take_rows`][h2o_compress.cache.rows.take_rows] does for keys (a
+    [`CompressedStateLayer`][h2o_compress.cache.hybrid.CompressedStateLayer] passes its ``linear`` part).
 
     Raises:
         CacheStateError: ``source`` is not a linear-attention layer, or holds no state yet.

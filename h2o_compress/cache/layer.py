@@ -14,6 +14,7 @@ whose attention comes back to [`attend`][h2o_compress.cache.CompressedLayer.atte
 decode kernel leaves ([`evict`][h2o_compress.cache.CompressedLayer.evict]) runs at the start of the layer's next
 step, before its token is written, or when something reads the layer between steps
 ([`run_deferred_eviction`][h2o_compress.cache.CompressedLayer.run_deferred_eviction]): the same information as at the end of the step before.
+Batch moves and rows copied between caches: `h2o_compress.cache.rows`; sizes before allocating: `h2o_compress.cache.store`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from h2o_compress.cache.ring import RingWindow, held_positions
 from h2o_compress.cache.setting import LayerSetting
 from h2o_compress.cache.slots import SlotStore
 from h2o_compress.cache.span import FULL_SPAN, LayerSpan
-from h2o_compress.cache.store import check_fits, held_tensors, make_parts
+from h2o_compress.cache.store import held_tensors, make_parts, refuse_oversized
 from h2o_compress.cache.state import Counters, Geometry, pad_values
 
 
@@ -61,9 +62,8 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def is_compileable(self) -> bool:
-        """``setting.is_compileable``: whether a decode step compiles (transformers' ``Cache.is_compileable`` reads
-        it of every layer). Reports, persistence and tests read the parts themselves (``setting``, ``geometry``,
-        ``counters``, ``store``, ``ring``)."""
+        """``setting.is_compileable`` (transformers' ``Cache.is_compileable`` reads it of every layer). Reports,
+        persistence and tests read the parts (``setting``, ``geometry``, ``counters``, ``store``, ``ring``, ``backend``)."""
         return self.setting.is_compileable
 
     def reset(self) -> None:
@@ -91,22 +91,16 @@ class CompressedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Make the parts once, from the first keys ``[batch, kv_heads, tokens, head_dim]`` (their batch, heads,
-        head_dim, dtype and device; ``device='meta'`` sizes a cache without memory). Raises InputError: the
-        parts, sized on ``meta`` first (`h2o_compress.cache.store.check_fits`), exceed the device's free memory."""
+        head_dim, dtype and device; ``device='meta'`` sizes a cache without memory). Raises InputError: the parts,
+        sized from the setting first (`h2o_compress.cache.store.refuse_oversized`), exceed the free memory."""
         self.geometry = geometry = Geometry.of(key_states, self.setting)
         if geometry.device.type != "meta":
-            check_fits(self.setting, key_states, self.num_layers)
+            refuse_oversized(self.setting, geometry, key_states.shape[2], self.num_layers)
         self.store, self.ring, self.counters = make_parts(self.setting, geometry, key_states.shape[2])
         self.backend = backends.choose(self)
         self.is_initialized = True
         if geometry.device.type != "meta":
             mark_static_address(self.tensors().values())
-
-    @property
-    def decode_kernel(self) -> str | None:
-        """``"cpu"``, ``"triton"`` or ``"torch"``, the decode backend's (`h2o_compress.cache.backends`); ``None`` before the
-        first token."""
-        return self.backend.name if self.is_initialized else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer held, by name: ``store.*``, ``ring.*``, ``refine.*`` and the counters'."""
@@ -221,67 +215,35 @@ class CompressedLayer(CacheLayerMixin):
         ring_held = 0 if self.ring is None else (self.ring.positions >= 0).sum(-1, keepdim=True)
         self.store.evict_over(priority, ring_held, self.setting.capacity)
 
-    # -- transformers' sizes and batch operations ------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(query_length, offset)``: the mask of the new tokens only (the held ones' visibility is the slots');
-        constant ``(1, 0)`` for a decode step, which ignores it (no branch on the count in a compiled step)."""
+        """``(query_length, offset)``: the mask of the new tokens only (the held ones' visibility is the slots'); ``(1,
+        0)`` for a decode step, which ignores it (no branch on the count in a compiled step)."""
         if query_length == 1 or not self.is_initialized:
             return query_length, 0
         return query_length, int(self.counters.seen)
 
     def get_seq_length(self) -> torch.Tensor | int:
-        """Tokens seen (not kept), int64 0-dim (no host sync): positions keep counting after eviction
-        (DESIGN.md §2)."""
+        """Tokens seen (not kept), int64 0-dim (no host sync): positions keep counting after eviction (DESIGN.md §2)."""
         return self.counters.seen if self.is_initialized else 0
 
     def get_max_length(self) -> int:  # noqa: D102 - no fixed length
         return -1
 
-    def load_tensors(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy saved buffers (names of [`tensors`][h2o_compress.cache.CompressedLayer.tensors], same shapes) into this initialised layer, in place."""
-        held = self.tensors()  # deferred eviction run first: the saved state replaces what a last step left
-        for name, tensor in state.items():
-            held[name].copy_(tensor)
-
-    def _map_batch(self, fn, in_place: bool) -> None:
-        """Apply ``fn`` (acting on dim 0) to every batch-major buffer: in place when the batch keeps its size
-        (beam reordering keeps the static addresses), else by re-building the parts' buffers."""
-        if not self.is_initialized:
-            return
-        self.run_deferred_eviction()
-        if in_place:  # every buffer but the 0-dim counters and flags
-            for tensor in (t for t in self.tensors().values() if t.dim()):
-                tensor.copy_(fn(tensor))
-            return
-        self.store.map_batch(fn)
-        if self.ring is not None:
-            self.ring.map_batch(fn)
-        self.counters.first_real = fn(self.counters.first_real)
-        self.geometry.batch = self.counters.first_real.shape[0]
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder sequences for beam search: in place when the batch keeps its size (static addresses), else anew."""
         same_size = self.is_initialized and beam_idx.shape[0] == self.geometry.batch
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=same_size)
+        rows.map_batch(self, lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=same_size)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
+        rows.map_batch(self, lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices], in_place=False)
-
-    def take_rows(self, indices: torch.Tensor, source: "CompressedLayer", batch: int) -> None:
-        """Copy every sequence of ``source`` (a layer of the same setting) into rows ``indices`` of this layer of
-        ``batch`` rows, aligning their positions (`rows.take_rows`: continuous batching). Eager."""
-        self.run_deferred_eviction()
-        source.run_deferred_eviction()
-        rows.take_rows(self, indices, source, batch)
+        rows.map_batch(self, lambda t: t[indices], in_place=False)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise CacheStateError("a compressed cache cannot be cropped: evicted tokens cannot be restored")
 
     def offload(self):  # buffers live in custom containers at static addresses; keep them where they are
         return None
-
     prefetch = offload
 

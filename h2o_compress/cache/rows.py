@@ -6,6 +6,9 @@ chunks counted from ``first_real``, the sinks, the ring's slot ``position % size
 ``first_real`` and ``seen`` move by the same ``delta`` (and whose ring turns by ``delta``) holds the same tokens with
 the same futures: `shift`. Two layers that have seen different counts are aligned that way, then rows are
 copied buffer by buffer (`take_rows`). Eager code run once per prompt placed, never in a decode step.
+
+`map_batch`: a function of the batch dim applied to every buffer of a layer (beam reordering, a batch selected or
+repeated: the layer's transformers batch operations).
 """
 
 from __future__ import annotations
@@ -15,6 +18,25 @@ import torch
 from h2o_compress.attention.launch import mark_static_address
 from h2o_compress.policies.base import NO_POSITION
 from h2o_compress.utils.errors import CacheStateError
+
+
+def map_batch(layer, fn, in_place: bool) -> None:
+    """Apply ``fn`` (acting on dim 0) to every batch-major buffer of ``layer`` (a
+    [`CompressedLayer`][h2o_compress.cache.CompressedLayer]), after its deferred eviction: in place when the batch
+    keeps its size (beam reordering keeps the static addresses), else by re-building the parts' buffers. No-op before
+    the layer's first token."""
+    if not layer.is_initialized:
+        return
+    layer.run_deferred_eviction()
+    if in_place:  # every buffer but the 0-dim counters and flags
+        for tensor in (t for t in layer.tensors().values() if t.dim()):
+            tensor.copy_(fn(tensor))
+        return
+    layer.store.map_batch(fn)
+    if layer.ring is not None:
+        layer.ring.map_batch(fn)
+    layer.counters.first_real = fn(layer.counters.first_real)
+    layer.geometry.batch = layer.counters.first_real.shape[0]
 
 
 def shift(layer, delta: int) -> None:
@@ -39,11 +61,15 @@ def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
     """Copy every sequence of ``source`` (a layer of the same setting: same capacity, formats and ring) into rows
     ``rows`` (int64 ``[source batch]``) of ``layer``, which holds ``batch`` sequences; a layer that holds nothing yet
     is made from ``source`` (its other rows copies of ``source``'s first, to be overwritten). The layer that has seen
-    fewer tokens is first `shift` ed to the other's ``seen``. ``source`` is left empty.
+    fewer tokens is first `shift` ed to the other's ``seen``. ``source`` is left empty. Both layers' deferred
+    evictions run first. Continuous batching, layer by layer
+    ([`CompressedCache.take_rows`][h2o_compress.cache.CompressedCache.take_rows]).
 
     Raises:
         CacheStateError: ``source`` holds nothing, or its buffers do not match this layer's (another setting).
     """
+    layer.run_deferred_eviction()
+    source.run_deferred_eviction()
     if not source.is_initialized:
         raise CacheStateError(f"layer {layer.layer_idx}: the source cache holds nothing; prefill it first")
     mine, theirs = layer.setting, source.setting
@@ -54,7 +80,7 @@ def take_rows(layer, rows: torch.Tensor, source, batch: int) -> None:
     if not layer.is_initialized:
         index = torch.zeros(batch, dtype=torch.long, device=source.geometry.device)
         index[rows] = torch.arange(rows.numel(), device=source.geometry.device)
-        source._map_batch(lambda t: t.index_select(0, index), in_place=False)
+        map_batch(source, lambda t: t.index_select(0, index), in_place=False)
         for part in ("store", "ring", "geometry", "counters", "backend"):
             setattr(layer, part, getattr(source, part))
         layer.link.module = source.link.module

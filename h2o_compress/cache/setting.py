@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from h2o_compress.utils.checks import check_count, check_flag, check_fraction
 from h2o_compress.utils.errors import ConfigError, short
 from h2o_compress.config import ATTENTION_KERNELS, clamp_capacity
 from h2o_compress.formats import IntQuantizer, KVQuantizer, eager_only_formats
@@ -97,19 +98,14 @@ class LayerSetting:
                                       ("score_chunk_size", 1, False), ("refined_per_head", 0, True),
                                       ("value_dim", 1, True)):
             value = getattr(self, name)
-            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)
-                                                and value >= least):
-                continue  # no upper bound here: storage a device cannot hold is refused before it is allocated
-            raise ConfigError(f"{name}={short(value)} is invalid; allowed: an integer >= {least}"
-                              + (" or None" if optional else ""))
+            if value is not None or not optional:  # no upper bound: storage a device cannot hold is refused later
+                check_count(name, value, minimum=least, maximum=None,
+                            allowed=f"an integer >= {least}" + (" or None" if optional else ""))
         if not isinstance(self.attention_kernel, str) or self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(f"attention_kernel={short(self.attention_kernel)} is not supported; allowed: auto, torch, "
                               "triton")
-        if not isinstance(self.head_adaptive, bool):
-            raise ConfigError(f"head_adaptive={short(self.head_adaptive)} is invalid; allowed: True or False")
-        fraction = self.high_bits_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise ConfigError(f"high_bits_fraction={short(fraction)} is invalid; allowed: a number in [0, 1]")
+        check_flag("head_adaptive", self.head_adaptive)
+        check_fraction("high_bits_fraction", self.high_bits_fraction)
 
     def _check(self) -> None:
         """Refuse what a layer of unknown length cannot hold (ConfigError). What the setting itself allows (kernels,

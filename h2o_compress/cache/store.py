@@ -1,10 +1,12 @@
 """The store of a [`CompressedLayer`][h2o_compress.cache.CompressedLayer], made at its first token: per-head slots
 ([`SlotStore`][h2o_compress.cache.SlotStore]) or one pool shared by the KV heads ([`SlotPool`][h2o_compress.cache.SlotPool], Ada-KV), with the
 low planes of its top-ranked tokens where the setting keeps some at 8 bits ([`RefinedPlanes`][h2o_compress.cache.RefinedPlanes]);
-`make_parts`: the store, ring and counters a layer makes at its first token, and `check_fits`, which sizes those
-same parts on the ``meta`` device before any is allocated."""
+`make_parts`: the store, ring and counters a layer makes at its first token; `parts_nbytes`: their bytes, from the
+setting (no buffer made), which `refuse_oversized` holds against the device's free memory before any is allocated."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -57,21 +59,51 @@ def held_tensors(store: SlotStore, ring: RingWindow | None, counters: Counters) 
     return held | counters.tensors()
 
 
-def check_fits(setting: LayerSetting, keys: torch.Tensor, num_layers: int) -> None:
-    """Refuse, before allocating, buffers the device cannot hold: the bytes of the parts `make_parts` makes for
-    ``setting`` and first keys ``keys`` ``[batch, kv_heads, tokens, head_dim]``, sized on the ``meta`` device (the
-    formats' stored shapes come from their own code, not a formula), times ``num_layers``, against the free memory
-    (CUDA: ``mem_get_info``; CPU: available RAM).
+def _token_bytes(quantizer, width: int, dtype: torch.dtype) -> int:
+    """Stored bytes of one token of one KV head in ``quantizer``'s format: the parts of its quantized zero token of
+    ``width`` channels in ``dtype`` (what the store's buffers are shaped from, `StoredTensor.zeros_like_probe`)."""
+    probe = quantizer.quantize(torch.zeros(1, 1, 1, width, dtype=dtype))
+    return sum(math.prod(part.shape[3:]) * part.element_size() for part in probe.parts.values())
+
+
+def parts_nbytes(setting: LayerSetting, geometry: Geometry, first_tokens: int) -> int:
+    """Bytes of the buffers `make_parts` makes for ``setting`` and ``geometry`` (first step of ``first_tokens``
+    tokens), computed, not allocated: per store slot each format's token (`_token_bytes`), an int32 position, fp32
+    score and value norm where kept, a pool's head tag; the refined rows' low planes and int32 slots; the ring's
+    keys, values, scores and int32 positions; the counters (int64 ``seen`` and ``first_real``, two flags)."""
+    batch, heads, head_dim, value_dim = geometry.batch, geometry.kv_heads, geometry.head_dim, geometry.value_dim
+    rows = 1 if setting.head_adaptive else heads
+    per_head = setting.slots_per_head(first_tokens)
+    slots = per_head * (heads if setting.head_adaptive else 1)
+    scored = setting.with_scores
+    slot = (_token_bytes(setting.key_quantizer, head_dim, geometry.residual_dtype) + 4
+            + _token_bytes(setting.value_quantizer, value_dim, geometry.residual_dtype)
+            + 4 * scored + 4 * (scored and setting.policy.weighs_values))
+    total = batch * rows * slots * slot + (batch * slots * (1 if heads <= 127 else 2) if setting.head_adaptive else 0)
+    if setting.high_bits_fraction > 0:
+        refined = setting.refined_per_head
+        refined = math.ceil(setting.high_bits_fraction * per_head) if refined is None else refined
+        widths = {"keys": head_dim, "values": value_dim}
+        total += batch * rows * refined * (slots // per_head) * (4 + sum(widths[n] // 2 for n in setting.split_names))
+    if setting.residual:
+        element = torch.empty((), dtype=geometry.residual_dtype).element_size()
+        total += batch * setting.residual * (heads * (head_dim + value_dim) * element + 4 + 4 * heads * scored)
+    return total + 8 + 8 * batch + 2
+
+
+def refuse_oversized(setting: LayerSetting, geometry: Geometry, first_tokens: int, num_layers: int) -> None:
+    """Refuse, before allocating, buffers the device cannot hold: `parts_nbytes` of a layer of ``setting`` and
+    ``geometry`` (first step of ``first_tokens`` tokens) times ``num_layers``, against the free memory of
+    ``geometry.device`` (CUDA: ``mem_get_info``; CPU: available RAM).
 
     Raises:
         InputError: naming both sizes.
     """
-    store, ring, counters = make_parts(setting, Geometry.of(keys.to("meta"), setting), keys.shape[2])
-    layer_bytes = sum(t.numel() * t.element_size() for t in held_tensors(store, ring, counters).values())
-    needed, free = layer_bytes * num_layers, available_memory(keys.device)
+    needed, free = parts_nbytes(setting, geometry, first_tokens) * num_layers, available_memory(geometry.device)
     if free is not None and needed > free:
+        slots = setting.slots_per_head(first_tokens) * (geometry.kv_heads if setting.head_adaptive else 1)
         raise InputError(
-            f"the cache needs {needed / 2**30:.2f} GiB ({num_layers} layers of {store.slots} slots, batch "
-            f"{keys.shape[0]}) but {keys.device} has {free / 2**30:.2f} GiB free; allowed: a smaller budget, "
+            f"the cache needs {needed / 2**30:.2f} GiB ({num_layers} layers of {slots} slots, batch "
+            f"{geometry.batch}) but {geometry.device} has {free / 2**30:.2f} GiB free; allowed: a smaller budget, "
             "max_length or batch"
         )

@@ -45,7 +45,7 @@ def test_triton_step_matches_torch_form(policy, bits):
     with torch.inference_mode():
         reference, torch_cache, _, _ = run(model, setting(policy, bits, "torch"), decode_step)
         ours, cache, before, after = run(model, setting(policy, bits, "triton"), decode_step)
-    assert all((layer.decode_kernel == "triton") and not (layer.decode_kernel == "cpu") for layer in cache.layers)
+    assert all((layer.backend.name == "triton") and not (layer.backend.name == "cpu") for layer in cache.layers)
     assert after == before
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=0)
     for a, b in zip(kept(cache), kept(torch_cache)):
@@ -62,7 +62,7 @@ def test_triton_step_captures_in_one_graph():
     assert graphs <= 2
     assert after == before
     scratch = [layer.backend.scratch.part_acc.data_ptr() for layer in cache.layers]
-    assert all((layer.decode_kernel == "triton") for layer in cache.layers)
+    assert all((layer.backend.name == "triton") for layer in cache.layers)
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     assert scratch == [layer.backend.scratch.part_acc.data_ptr() for layer in cache.layers]  # allocated once
 
@@ -78,7 +78,7 @@ def test_triton_step_under_inductor_matches_eager():
     with torch.inference_mode():
         eager, eager_cache, _, _ = run(model, config, decode_step)
         ours, cache, before, after = run(model, config, compiled)
-    assert all((layer.decode_kernel == "triton") for layer in cache.layers)
+    assert all((layer.backend.name == "triton") for layer in cache.layers)
     assert after == before
     torch.testing.assert_close(ours, eager, atol=5e-4, rtol=0)
     for a, b in zip(kept(cache), kept(eager_cache)):
@@ -140,7 +140,7 @@ def test_auto_on_cpu_keeps_the_cpu_kernel():
     model = TINY_MODELS["llama"]()
     with torch.inference_mode():
         _, cache, _, _ = run(model, setting("h2o", 4, "auto"), decode_step)
-    assert not any((layer.decode_kernel == "triton") for layer in cache.layers)
+    assert not any((layer.backend.name == "triton") for layer in cache.layers)
 
 
 class _CountRecords(logging.Handler):
@@ -189,7 +189,7 @@ def test_compiled_gpu_step_matches_eager_torch_form_over_64_steps(bits):
         cudagraph_log.removeHandler(recordings)
         cudagraph_log.setLevel(level)
     assert recordings.count == 1, f"{recordings.count} CUDA graphs recorded over 64 steps (one is replayed)"
-    assert all((layer.decode_kernel == "triton") for layer in cache.layers)
+    assert all((layer.backend.name == "triton") for layer in cache.layers)
     torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
     for a, b in zip(kept(cache), kept(torch_cache)):
         assert torch.equal(a, b)

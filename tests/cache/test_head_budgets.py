@@ -150,7 +150,7 @@ def test_compiled_decode_matches_eager(policy, bits, kernel):
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     for layer in cache.layers:
         native = kernel == "auto" and cpu.library() is not None
-        assert layer.setting.head_adaptive and (layer.decode_kernel == "cpu") == native
+        assert layer.setting.head_adaptive and (layer.backend.name == "cpu") == native
         assert layer.kept_per_head().sum(-1).tolist() == [2 * 12, 2 * 12]
     cache.check()
 

@@ -182,7 +182,7 @@ def test_compiled_decode_matches_eager(model, policy, heads):
         eager, _ = run(model, config)
         ours, cache = run(model, config, step=compiled)
     assert counter.frame_count <= 2
-    assert not any((layer.decode_kernel == "cpu") or (layer.decode_kernel == "triton") for layer in cache.layers)
+    assert not any((layer.backend.name == "cpu") or (layer.backend.name == "triton") for layer in cache.layers)
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
     assert cache.kept_length() == CAPACITY
 

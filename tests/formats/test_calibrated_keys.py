@@ -131,7 +131,7 @@ def test_statistics_shapes_and_the_cache_reads_closer_with_them():
     calibrated, cache = stream_error(model, statistics, ids)
     assert type(plain_cache.layers[0].setting.key_quantizer) is IntQuantizer  # no calibration: the format as it was
     assert isinstance(cache.layers[0].setting.key_quantizer, CalibratedKeyQuantizer)
-    assert cache.layers[0].decode_kernel == "torch"
+    assert cache.layers[0].backend.name == "torch"
     assert calibrated < 0.3 * plain  # 0.0017 against 0.018 when written
 
 
@@ -182,7 +182,7 @@ def test_compiled_decode_matches_eager_and_keeps_its_buffers():
         ours, cache, before, after = run(model, None, compiled, cache=caches[1])
     assert counter.frame_count <= 2
     assert before == after
-    assert {layer.decode_kernel for layer in cache.layers} == {"torch"}
+    assert {layer.backend.name for layer in cache.layers} == {"torch"}
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
 
 
@@ -206,7 +206,7 @@ def test_the_setting_stores_keys_around_the_calibrated_mean_with_bounded_error()
     ours_logits, ours = streamed(model, CompressionConfig(budget=1.0, kv_bits=4, key_offsets="calibrated"), ids)
     assert type(plain.layers[0].setting.key_quantizer) is IntQuantizer
     assert all(isinstance(layer.setting.key_quantizer, CalibratedKeyQuantizer) for layer in ours.layers)
-    assert ours.layers[0].decode_kernel == "torch"
+    assert ours.layers[0].backend.name == "torch"
     stored = [(a.store.keys.parts["data"], b.store.keys.parts["data"]) for a, b in zip(plain.layers, ours.layers)]
     assert any(not torch.equal(a, b) for a, b in stored)  # the keys are stored otherwise
     assert torch.equal(plain.layers[0].store.values.parts["data"], ours.layers[0].store.values.parts["data"])

@@ -102,7 +102,7 @@ def drill(policy: str, kernel: str, steps: int = STEPS, device: str = "cpu"):
 @pytest.mark.parametrize("policy", EVERY_POLICY)
 def test_eviction_keeps_a_subset_within_capacity_with_sinks_and_recent_window(policy):
     pads, _, history, cache = drill(policy, "torch")
-    assert all(layer.decode_kernel is None or layer.decode_kernel == "torch" for layer in cache.layers)
+    assert all(layer.backend is None or layer.backend.name == "torch" for layer in cache.layers)
     for index, layer in enumerate(cache.layers):
         capacity, rule = layer.setting.capacity, layer.setting.policy
         window = PROMPT + STEPS if capacity is None else rule.recent_window(capacity)
@@ -145,7 +145,7 @@ def test_decode_kernels_keep_the_torch_forms_tokens_and_logits(policy, kernel, a
     _, ours, history, cache = drill(policy, kernel, steps, device)
     reference, reference_history = reference[: steps + 1], reference_history[: steps + 1]
     expected = "cpu" if kernel == "auto" else kernel
-    assert all(layer.decode_kernel == expected for layer in cache.layers), [l.decode_kernel for l in cache.layers]
+    assert all(layer.backend.name == expected for layer in cache.layers), [l.backend.name for l in cache.layers]
     assert history == reference_history
     torch.testing.assert_close(ours, reference, atol=atol, rtol=0)
 

@@ -69,7 +69,7 @@ def test_stored_norms_are_the_stored_values_norms_after_every_step(head_budgets,
     if kernel == "auto" and head_budgets == "uniform":
         from h2o_compress.attention import cpu
 
-        assert {layer.decode_kernel for layer in cache.layers} == {"cpu" if cpu.library() is not None else "torch"}
+        assert {layer.backend.name for layer in cache.layers} == {"cpu" if cpu.library() is not None else "torch"}
 
 
 @pytest.mark.parametrize("head_budgets,bits,kernel", [p for p in PATHS if p[2] == "torch"])
@@ -113,7 +113,7 @@ def test_native_step_evicts_as_the_torch_form(head_budgets):
 
     decode(model, torch_cache, check=record("torch"))
     decode(model, native, check=record("native"))
-    assert {layer.decode_kernel for layer in native.layers} == {"cpu"}
+    assert {layer.backend.name for layer in native.layers} == {"cpu"}
     assert len(held["native"]) == STEPS
     for mine, theirs in zip(held["native"], held["torch"]):
         for a, b in zip(mine, theirs):

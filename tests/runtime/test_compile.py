@@ -31,7 +31,7 @@ def check_compiled(arch, policy, bits, backend, kernel="auto", atol=1e-5):
     eager, ours, cache, before, after, graphs = eager_and_compiled(model, config, backend)
     assert graphs <= 2, f"{graphs} compiled graphs"
     assert after == before  # every buffer written in place
-    assert all((layer.decode_kernel == "cpu") == (kernel == "auto") for layer in cache.layers)
+    assert all((layer.backend.name == "cpu") == (kernel == "auto") for layer in cache.layers)
     torch.testing.assert_close(ours, eager, atol=atol, rtol=0)
     if config.policy != "full":
         assert cache.kept_length() == 12
