@@ -17,7 +17,7 @@ from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.generate import Generation, generation_options, summary_line, write_piece
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
-    CompileOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_options,
+    CompileOpt, ModelOpt, ThreadsOpt, TrustOpt, Compression, compression_options, placement_flags,
 )
 from h2o_compress.jobs.ask import AskJob
 from h2o_compress.utils.defaults import default_of
@@ -50,7 +50,7 @@ def fitted_config(compression: Compression, config_file: Optional[str], check_fo
 
 @user_errors
 @compression_options(defaults=DEFAULTS)
-@placement_options
+@placement_flags
 @generation_options(
     save_help="Save the compressed context to this safetensors file (an existing file must be a cache file unless "
     "--overwrite).",

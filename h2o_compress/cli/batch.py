@@ -17,7 +17,7 @@ from h2o_compress.config import COMMAND_POLICY
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, Compression, ConfigFileOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, SamplingSeedOpt,
-    TemperatureOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
+    TemperatureOpt, ThreadsOpt, TrustOpt, compression_options, placement_flags,
 )
 from h2o_compress.jobs.batch import BatchInterrupted, BatchJob, counted
 from h2o_compress.planner import format_bytes
@@ -33,7 +33,7 @@ def parse_batch_size(value: str) -> int | str:
 
 @user_errors
 @compression_options(defaults={"policy": COMMAND_POLICY})
-@placement_options
+@placement_flags
 def batch(
     ctx: typer.Context,
     input: str = typer.Argument(..., help="Prompts: JSONL ({\"id\": ..., \"prompt\": \"...\"} or \"messages\": [...] "

@@ -13,7 +13,7 @@ from h2o_compress.calibration import (
 )
 from h2o_compress.cli.common import load_options, set_threads, user_errors
 from h2o_compress.cli.evaluate import checked_text
-from h2o_compress.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, placement_options
+from h2o_compress.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, placement_flags
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.evaluation.corpus import TEXT_NAMES
 from h2o_compress.models import load_model
@@ -21,7 +21,7 @@ from h2o_compress.persistence.calibration_file import check_calibration_target
 
 
 @user_errors
-@placement_options
+@placement_flags
 def calibrate_command(
     model: str = ModelOpt,
     text_file: Optional[str] = typer.Option(

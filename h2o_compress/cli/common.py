@@ -73,7 +73,7 @@ def merged_config(compression: Compression, config_file: Optional[str], frozen: 
 
 def load_options(device: str, dtype: Optional[str], placement: dict, attention_kernel: str = "auto") -> dict:
     """The keyword arguments of [`h2o_compress.load_model`][h2o_compress.load_model] for ``--device``, ``--dtype`` and the placement
-    flags (`placement_options`), all checked now, before any side effect
+    flags (`h2o_compress.cli.options.placement_flags`), all checked now, before any side effect
     (``--device-map`` parsed from its name, JSON or file), with ``--kernel`` against the device
     (`check_kernel`). Raises ConfigError or ModelLoadError."""
     options = {"device": device, "dtype": dtype, **placement, "device_map": parse_device_map(placement["device_map"])}

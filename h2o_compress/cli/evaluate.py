@@ -21,7 +21,7 @@ from h2o_compress.cli.lm_eval_command import lm_eval_command
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
     CompileOpt,
-    Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, placement_options,
+    Compression, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, TrustOpt, compression_options, placement_flags,
 )
 from h2o_compress import models
 from h2o_compress.evaluation.agreement import agreement_eval
@@ -61,7 +61,7 @@ def progress_bar(description: str, enabled: bool = True):
 def _load(model: str, device: str, dtype: Optional[str], threads: Optional[int], trust: bool, placement: dict,
           attention_kernel: str, show_progress: bool = True):
     """Load the model as the flags say (``placement``: the weights/placement flags, see
-    `placement_options`; ``attention_kernel``: ``--kernel``, checked against the
+    `placement_flags`; ``attention_kernel``: ``--kernel``, checked against the
     device first); ``show_progress``: a bar on stderr while a first run converts the model."""
     options = load_options(device, dtype, placement, attention_kernel)
     set_threads(threads)
@@ -92,7 +92,7 @@ def _mib(value: int) -> str:
 @eval_app.command("perplexity")
 @user_errors
 @compression_options
-@placement_options
+@placement_flags
 def perplexity_command(
     ctx: typer.Context,
     text_file: Optional[str] = typer.Option(None, "--text-file", help="UTF-8 text file, or a shipped text by name: "
@@ -140,7 +140,7 @@ def perplexity_command(
 @eval_app.command("needle")
 @user_errors
 @compression_options(defaults={"policy": COMMAND_POLICY})
-@placement_options
+@placement_flags
 def needle_command(
     ctx: typer.Context,
     lengths: str = typer.Option("512,1024", "--lengths", help="Context lengths in tokens, comma-separated."),
@@ -210,7 +210,7 @@ def print_needle(result, lengths: list[int], depths: list[float]) -> None:
 @user_errors
 @compression_options(only=("kv_bits", "k_bits", "v_bits", "quant", "group_size", "residual", "heavy_ratio",
                            "sink_tokens", "prefill_chunk_size"))
-@placement_options
+@placement_flags
 def ruler_command(
     ctx: typer.Context,
     policies: str = typer.Option(COMMAND_POLICY, "--policies", help="Eviction policies, comma-separated (default: "
@@ -263,7 +263,7 @@ def print_ruler(result, tasks: list[str]) -> None:
 @eval_app.command("agreement")
 @user_errors
 @compression_options
-@placement_options
+@placement_flags
 def agreement_command(
     ctx: typer.Context,
     prompts_file: Optional[str] = typer.Option(

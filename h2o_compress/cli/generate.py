@@ -21,7 +21,7 @@ from h2o_compress.utils.files import MAX_TEXT_BYTES
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     ChatOpt, CompileOpt, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, OverwriteOpt, SamplingSeedOpt, StreamJsonOpt,
-    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, Flag, compression_options, option_group, placement_options,
+    TemperatureOpt, ThreadsOpt, TrustOpt, Compression, Flag, compression_options, option_group, placement_flags,
 )
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.jobs.generate import GenerateJob
@@ -78,7 +78,7 @@ def generation_options(save_help: str, load_help: str):
 
 @user_errors
 @compression_options(defaults={"policy": COMMAND_POLICY})
-@placement_options
+@placement_flags
 @generation_options(
     save_help="Save the compressed prompt cache (the part a follow-up prompt shares) to this safetensors file; an "
     "existing file must be a cache file unless --overwrite.",

@@ -251,7 +251,7 @@ PLACEMENT_FLAGS: dict[str, _Flag] = {
 }
 
 
-def placement_options(command):
+def placement_flags(command):
     """Decorator: add ``--weights-bits``, ``--device-map``, ``--max-memory`` and ``--offload-folder`` to a typer
     command, handed to it as one keyword argument ``placement`` (a dict of the raw values, keyed like
     [`h2o_compress.load_model`][h2o_compress.load_model]'s arguments; see `h2o_compress.cli.common.load_options`)."""

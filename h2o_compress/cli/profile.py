@@ -15,7 +15,7 @@ from h2o_compress.cli.options import RayCommand
 from h2o_compress.cli.progress import stage_progress
 from h2o_compress.cli.options import (
     CompileOpt, Compression, DeviceOpt, DtypeOpt, Flag, ModelOpt, ThreadsOpt, TrustOpt, compression_options,
-    given_on_command_line, option_group, parse_budget, placement_options,
+    given_on_command_line, option_group, parse_budget, placement_flags,
 )
 from h2o_compress.evaluation.corpus import REPORTING, REPORTING_TEXTS, TEXT_NAMES
 from h2o_compress.profiling.report import load_report, write_report
@@ -148,7 +148,7 @@ def render_only(ctx: typer.Context, render: str) -> str:
 @user_errors
 @compression_options(only=("min_capacity", "heavy_ratio", "quant", "group_size", "residual", "high_bits_fraction", "head_budgets",
                            "attention_kernel"))
-@placement_options
+@placement_flags
 @option_group("sweep", SWEEP_FLAGS)
 @option_group("lm_eval", LM_EVAL_FLAGS)
 def profile_command(

@@ -18,7 +18,7 @@ from h2o_compress.config import COMMAND_POLICY
 from h2o_compress.cli.common import load_options, merged_config, user_errors
 from h2o_compress.cli.options import (
     CompileOpt, Compression, ConfigFileOpt, DeviceOpt, DtypeOpt, ModelOpt, TemperatureOpt, ThreadsOpt, TrustOpt,
-    compression_options, placement_options,
+    compression_options, placement_flags,
 )
 from h2o_compress.serving import serve as serve_model
 from h2o_compress.utils.defaults import default_of
@@ -26,7 +26,7 @@ from h2o_compress.utils.defaults import default_of
 
 @user_errors
 @compression_options(defaults={"policy": COMMAND_POLICY})
-@placement_options
+@placement_flags
 def serve(
     ctx: typer.Context,
     model: str = ModelOpt,
