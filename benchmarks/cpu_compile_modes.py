@@ -30,6 +30,15 @@ import time
 from pathlib import Path
 
 MODES = ("eager", "regional", "whole step")
+#: Inductor options over the package's own, per whole-step variant (``cpp_wrapper``: the graph's kernels called from
+#: generated C++, no Python between them; ``freezing``: weights folded as constants, so oneDNN may prepack them).
+WHOLE_STEP_VARIANTS = {
+    "whole step": {},
+    "whole step cpp": {"cpp_wrapper": True},
+    "whole step frozen": {"freezing": True},
+    "whole step cpp frozen": {"cpp_wrapper": True, "freezing": True},
+    "whole step autotune": {"max_autotune": True, "freezing": True},
+}
 
 
 def regional_step(model):
@@ -95,8 +104,10 @@ def measure(mode: str, threads: int, prompt_tokens: int, steps: int) -> dict:
     torch.set_num_threads(threads)
     model, tokenizer = load_model("smollm2-135m")
     ids = tokenizer(default_corpus(), return_tensors="pt").input_ids[:, :prompt_tokens]
-    step = {"eager": lambda: decode_step, "regional": lambda: regional_step(model),
-            "whole step": lambda: torch.compile(decode_step, fullgraph=True, options=dict(INDUCTOR_OPTIONS))}[mode]()
+    if mode in WHOLE_STEP_VARIANTS:
+        step = torch.compile(decode_step, fullgraph=True, options={**INDUCTOR_OPTIONS, **WHOLE_STEP_VARIANTS[mode]})
+    else:
+        step = {"eager": lambda: decode_step, "regional": lambda: regional_step(model)}[mode]()
     with torch.inference_mode():
         cache = make_cache(model, CompressionConfig(budget=0.2, kv_bits=4), max_length=prompt_tokens + 2 * steps + 8)
         state = {"logits": model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1],

@@ -60,36 +60,14 @@ def check_cache_model(cache, model) -> None:
 
 
 def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Check that ``cache`` belongs to ``model`` (`check_cache_model`), then feed the tokens of ``input_ids`` it does
-    not hold yet (`extend_prompt`); return the next-token logits ``[batch, vocab]``.
+    """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits.
 
-    Args:
-        model: the causal LM the cache belongs to.
-        input_ids: int64 ``[batch, tokens]`` on the model's device.
-        cache: a [`CompressedCache`][h2o_compress.cache.CompressedCache] (batch must match).
-
-    Returns:
-        Logits ``[batch, vocab]`` (model dtype) of the token after the prompt. Sets ``cache.prompt_state``.
-
-    Raises:
-        CacheStateError: the cache belongs to another model; and see `extend_prompt`.
-        InputError: see `extend_prompt`.
-    """
-    check_cache_model(cache, model)
-    return extend_prompt(model, input_ids, cache)
-
-
-@torch.no_grad()
-def extend_prompt(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """Feed the tokens of ``input_ids`` that ``cache`` does not hold yet; return the next-token logits. The cache
-    is trusted to belong to ``model`` (made for it just before, or checked by `prefill`).
-
-    The tokens are fed by `feed_prompt`: in chunks of the cache's ``prefill_chunk_size`` tokens (its config's;
-    one pass for a prompt no longer than that, for ``0``, and where a scoring pass handed the layers their scores),
-    the cache scoring and evicting after each chunk; ``logits_to_keep=1``.
-    A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold the first ``n``
-    tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the recorded
-    next-token logits are returned without running the model.
+    The cache must belong to ``model`` (`check_cache_model`). The tokens are fed by `feed_prompt`: in chunks of
+    the cache's ``prefill_chunk_size`` tokens (its config's; one pass for a prompt no longer than that, for ``0``,
+    and where a scoring pass handed the layers their scores), the cache scoring and evicting after each chunk;
+    ``logits_to_keep=1``. A cache that already holds ``n`` tokens (loaded, or from an earlier prefill) must hold
+    the first ``n`` tokens of ``input_ids``; only ``input_ids[:, n:]`` is fed. When it holds the whole prompt, the
+    recorded next-token logits are returned without running the model.
 
     Args:
         model: the causal LM the cache belongs to.
@@ -101,9 +79,17 @@ def extend_prompt(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
 
     Raises:
         InputError: the prompt does not start with the tokens the cache holds.
-        CacheStateError: the cache holds tokens whose ids were not recorded, or holds the whole prompt
-            without its next-token logits.
+        CacheStateError: the cache belongs to another model, holds tokens whose ids were not recorded, or holds
+            the whole prompt without its next-token logits.
     """
+    check_cache_model(cache, model)
+    return extend_prompt(model, input_ids, cache)
+
+
+@torch.no_grad()
+def extend_prompt(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """`prefill` for a cache trusted to belong to ``model`` (made for it just before, or checked by `prefill`):
+    the same arguments, result and errors, less the other-model refusal."""
     held = int(cache.get_seq_length())
     state = getattr(cache, "prompt_state", None)
     if held:
