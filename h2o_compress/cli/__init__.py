@@ -38,7 +38,7 @@ COMMANDS = {
         "h2o_compress.cli.serve", "serve", cls=f"{_OPTIONS}:RayCommand",
         summary="Serve the model over HTTP with the OpenAI API (completions and chat completions, streamed or not), "
                 "requests decoded together through compressed KV caches; /health and Prometheus /metrics. Stops "
-                "gracefully on SIGTERM."),
+                "gracefully on SIGTERM (--grace-period); with --ray, as a Ray Serve deployment."),
     "plan": LazyCommand(
         "h2o_compress.cli.plan", "plan", cls=f"{_OPTIONS}:Command",
         summary="Plan memory: which compression settings fit, the largest batch and context for each, and a pick."),

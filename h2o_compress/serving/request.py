@@ -122,7 +122,7 @@ class ServeRequest:
     def _validate_shutdown(self) -> None:
         """``grace_period`` a finite number of seconds >= 0 (kept as a float), then ``replicas`` and ``ray`` as
         ``batch --ray`` checks its address (`check_address`: ``local`` as it is; ``auto``, ``HOST:PORT`` and
-        ``ray://HOST:PORT`` must answer; kept stripped), with Ray Serve installed and a fixed ``port``."""
+        ``ray://HOST:PORT`` must answer; kept stripped), with a fixed ``port`` and Ray Serve installed."""
         grace = self.grace_period
         if not is_real(grace) or not 0 <= grace < math.inf:
             raise ConfigError(f"grace_period={short(grace)} is invalid; allowed: a number of seconds >= 0 "
@@ -137,12 +137,12 @@ class ServeRequest:
         from h2o_compress.integrations.ray_sweep import check_address  # deferred: imports nothing of Ray
 
         address = check_address(self.ray, reach=True)
-        if any(importlib.util.find_spec(m) is None for m in RAY_SERVE_NEEDS):
-            raise ConfigError(f"--ray needs Ray Serve, which is not installed; allowed: pip install "
-                              f"{RAY_SERVE_EXTRA}, or run without --ray")
         if self.port == 0:
             raise ConfigError("--port 0 with --ray is invalid: Ray Serve's proxy listens on a fixed port; allowed: a "
                               f"port from 1 to {MAX_PORT}")
+        if any(importlib.util.find_spec(m) is None for m in RAY_SERVE_NEEDS):
+            raise ConfigError(f"--ray needs Ray Serve, which is not installed; allowed: pip install "
+                              f"{RAY_SERVE_EXTRA}, or run without --ray")
         self._set("ray", address)
 
     def _validate_prefix_cache(self) -> None:
