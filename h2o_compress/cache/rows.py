@@ -41,7 +41,8 @@ def map_batch(layer, fn, in_place: bool) -> None:
 
 def shift(layer, delta: int) -> None:
     """Move every position of ``layer`` (held tokens of the store and ring, ``first_real``, ``seen``) by ``delta``
-    tokens (>= 0), turning the ring with them. In place."""
+    tokens, turning the ring with them. In place. A negative ``delta`` moves a row back to its own numbering (the
+    prefix cache's copy of a batch row); it must not take a held position below 0."""
     if delta == 0 or not layer.is_initialized:
         return
     for name, tensor in layer.tensors().items():
