@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,19 +16,15 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from helpers.serving import start_serve  # noqa: E402
+
 CLIENTS = 64
 REQUESTS = 500
 MAX_QUEUE = 16
 MEMORY_LIMIT = 2 << 30  # bytes: the Python runtime, torch and transformers take most of it
 FLAGS = ["--batch-size", "8", "--max-queue", str(MAX_QUEUE), "--memory-limit", "2GiB", "--max-tokens", "4",
-         "--budget", "16", "--kv-bits", "4", "--threads", "1", "--log-level", "warning"]
+         "--budget", "16", "--kv-bits", "4", "--log-level", "warning"]  # start_serve adds --threads 1
 RETRY_S = 0.05  # a client's wait after a 429 (the server says Retry-After: 1; the test keeps the load on)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _peak_rss(pid: int) -> int:
@@ -122,19 +114,8 @@ async def _sigterm_midway(url: str, server: subprocess.Popen) -> list[str]:
 
 @pytest.mark.slow
 def test_bounded_load_loses_nothing_and_sigterm_exits_0(tiny_model_dir):
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "h2o_compress", "serve", "--model", tiny_model_dir, "--port",
-                               str(port), "--served-name", "tiny", *FLAGS], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve(tiny_model_dir, "--served-name", "tiny", *FLAGS)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         assert server.poll() is None, server.stderr.read()[-2000:]
         results, refusals = asyncio.run(_load(url))
         assert sorted(r["index"] for r in results) == list(range(REQUESTS))  # each answered, once

@@ -4,9 +4,6 @@ in the next turn as the very token ids generated), run in-process by uvicorn and
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import pytest
 
@@ -15,10 +12,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from conftest import save_tiny_model_dir, tiny_llama  # noqa: E402
+from helpers.serving import serve_in_thread  # noqa: E402
 from h2o_compress import CompressionConfig, ConfigError, generate  # noqa: E402
 from h2o_compress.serving import ServeRequest, create_app  # noqa: E402
 from h2o_compress.serving.engine import Engine, Job  # noqa: E402
@@ -38,12 +35,6 @@ def _engine(model, tokenizer, held: int | None = None, **settings) -> Engine:
                   held=held)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _user(turn: int) -> dict:
     return {"role": "user", "content": " ".join(f"w{(turn * 7 + i) % 120}" for i in range(5))}
 
@@ -58,21 +49,9 @@ def tiny_chat(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tiny_chat):
     """``(base_url, engine)`` of a running server with a prefix cache of `BUDGET` bytes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     engine = _engine(*tiny_chat, batch_size=2, max_queue=4, prefix_cache_bytes=BUDGET)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine),
-                                           host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{server.config.port}", engine
-    server.should_exit = True
-    thread.join(20)
-    torch.set_num_threads(threads)
+    with serve_in_thread(create_app(engine)) as url:
+        yield url, engine
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,8 @@ Ray instance gone. Slow (starting Ray and its replicas takes tens of seconds on 
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -20,37 +14,20 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 from conftest import save_tiny_model_dir  # noqa: E402
+from helpers.serving import start_serve  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_ray_serve_two_replicas_answer_the_openai_client_and_stop_on_sigterm(tmp_path):
     model = save_tiny_model_dir(tmp_path / "chat-model", chat_template=CHAT_TEMPLATE)
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "h2o_compress", "serve", "--model", model, "--port", str(port), "--threads", "1",
-         "--ray", "local", "--replicas", "2", "--grace-period", "5"], stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server, url = start_serve(model, "--ray", "local", "--replicas", "2", "--grace-period", "5", timeout=300)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         assert server.poll() is None, server.stderr.read()[-3000:]
         ray_processes = psutil.Process(server.pid).children(recursive=True)
         assert len(ray_processes) > 2  # the local Ray instance: GCS, raylet, workers (the replicas)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == [model]
         done = client.completions.create(model=model, prompt="w1 w2 w3", max_tokens=6)
         assert done.usage.completion_tokens == 6 and done.choices[0].finish_reason == "length"

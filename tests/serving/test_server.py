@@ -4,7 +4,6 @@ with the ``openai`` client (and httpx where the client hides the HTTP)."""
 from __future__ import annotations
 
 import copy
-import socket
 import threading
 import time
 
@@ -15,8 +14,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-import torch  # noqa: E402
 
+from helpers.serving import serve_in_thread  # noqa: E402
 from helpers.tiny_lm import tiny_lm  # noqa: E402
 from h2o_compress import CompressionConfig, generate  # noqa: E402
 from h2o_compress.serving import ServeRequest, create_app  # noqa: E402
@@ -43,12 +42,6 @@ class GatedEngine(Engine):
         super()._run_batch(first)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _tokenizer():
     tokenizer = copy.deepcopy(tiny_lm()[1])  # the helper's tokenizer is shared: give this one a chat template
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -58,22 +51,10 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def served():
     """``(base_url, engine)`` of a running server (2 rows, at most 2 requests waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     request = ServeRequest("tiny", CONFIG, batch_size=2, max_queue=2, max_tokens=MAX_TOKENS)
     engine = GatedEngine(tiny_lm()[0], _tokenizer(), Metrics(), request)
-    app = create_app(engine)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{server.config.port}", engine
-    server.should_exit = True
-    thread.join(20)
-    torch.set_num_threads(threads)
+    with serve_in_thread(create_app(engine)) as url:
+        yield url, engine
     assert not engine.alive  # the app's shutdown stopped the engine
 
 

@@ -6,42 +6,13 @@ cancelled at once."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(model_dir: str, *options: str) -> tuple[subprocess.Popen, str]:
-    """A server on a free port, answering /health; returns it and its base URL."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "h2o_compress", "serve", "--model", model_dir, "--port", str(port),
-         "--threads", "1", *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    if server.poll() is not None:
-        server.kill()
-        pytest.fail(server.stderr.read()[-2000:])
-    return server, url
+from helpers.serving import start_serve
 
 
 #: A streamed request of this many tokens (the tiny model does not stop before): a few seconds on one thread.
@@ -50,7 +21,7 @@ LONG = {"prompt": "hello world", "max_tokens": 1000, "stream": True, "stream_opt
 
 @pytest.mark.parametrize("grace", ["30", "0"])
 def test_sigterm_lets_a_running_stream_finish_within_the_grace_period(tiny_model_dir, grace):
-    server, url = _start(tiny_model_dir, "--grace-period", grace)
+    server, url = start_serve(tiny_model_dir, "--grace-period", grace)
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json={"model": tiny_model_dir, **LONG},
                           timeout=60) as stream:
