@@ -10,10 +10,12 @@ from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 
+from h2o_compress.attention.runtime_spec import RuntimeSpec
 from h2o_compress.config import SETTING_DEFAULTS, CompressionConfig
 from h2o_compress.formats import FORMATS
 from h2o_compress.formats.storage import ALLOWED_BITS, StorageSpec
 from h2o_compress.layout import LayoutSpec
+from h2o_compress.policies.spec import EvictionSpec
 from h2o_compress.utils.errors import ConfigError
 
 
@@ -80,6 +82,15 @@ def test_the_options_that_were_fields_are_policy_options_taken_by_their_old_keyw
     (StorageSpec, {"key_offsets": "calibrated"}, "key_offsets='calibrated' stores 4- or 8-bit int keys"),
     (LayoutSpec, {"head_budgets": "pooled"}, "head_budgets='pooled' is not supported; allowed: uniform, adaptive"),
     (LayoutSpec, {"layer_budgets": [0, 1]}, "layer_budgets holds"),
+    (RuntimeSpec, {"score_chunk_size": 0}, "score_chunk_size=0 is invalid; allowed: an integer >= 1"),
+    (RuntimeSpec, {"prefill_chunk_size": -1}, "prefill_chunk_size=-1 is invalid; allowed: an integer from 1 to"),
+    (RuntimeSpec, {"attention_kernel": "cuda"}, "attention_kernel='cuda' is not supported; allowed: auto, torch, triton"),
+    (EvictionSpec, {"policy": "nope"}, "unknown policy 'nope'; allowed:"),
+    (EvictionSpec, {"heavy_ratio": 2}, "heavy_ratio=2 is out of range; allowed: [0, 1]"),
+    (EvictionSpec, {"sink_tokens": True}, "sink_tokens=True is invalid; allowed: an integer >= 0"),
+    (EvictionSpec, {"policy": "h2o", "policy_options": {"forgetting_factor": 0.5}},
+     "forgetting_factor is set but policy='h2o'"),
+    (EvictionSpec, {"policy": "a2sf", "policy_options": {"forgetting_factor": 2}}, "forgetting_factor=2 is out of range"),
 ])
 def test_each_spec_checks_its_own_fields_with_the_configs_messages(spec, values, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as on_spec:
