@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from h2o_compress.config import CompressionConfig
 from h2o_compress.models import placement_options
+from h2o_compress.models.loading import check_model_name
 from h2o_compress.runtime.generation import ON_TEXT, GenerationRequest
 from h2o_compress.utils.checks import check_callback, check_flag
-from h2o_compress.utils.errors import ConfigError, InputError, ModelLoadError, short
+from h2o_compress.utils.errors import ConfigError, InputError, short
 from h2o_compress.utils.files import check_path
 
 
@@ -54,9 +55,7 @@ class JobRequest:
                 folder).
             InputError: a path that is not a str or ``os.PathLike``.
         """
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise ModelLoadError(f"model name {short(self.model)} is empty or not a text; allowed: an alias, a local "
-                                 "model directory or a hub id (a str)")
+        check_model_name(self.model)
         for name in SWITCHES:
             check_flag(name, getattr(self, name, False))
         if not isinstance(getattr(self, "given", {}), dict):

@@ -500,9 +500,10 @@ def placement_options(
     return out
 
 
-def check_model_name(name_or_path, trust_remote_code) -> None:
+def check_model_name(name_or_path, trust_remote_code: bool = False) -> None:
     """Refuse an empty or non-text model name (ModelLoadError) and a ``trust_remote_code`` that is not a bool
-    (ConfigError), before anything is read; the messages of the CLI's ``--model`` and of a job's ``model``."""
+    (ConfigError), before anything is read; the messages of the CLI's ``--model``, a job's and a server's
+    ``model``."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ModelLoadError(f"model name {short(name_or_path)} is empty or not a text; allowed: an alias, a local "
                              "model directory or a hub id (a str)")

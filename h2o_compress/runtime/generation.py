@@ -101,13 +101,14 @@ class CacheRequest:
         check_max_length(self.max_length, context_window(model))
         config = check_config(self.config)
         check_attention_backend(model)
-        head_dim = model_dims(model.config).head_dim
+        dims = model_dims(model.config)
+        head_dim = dims.head_dim
         if config.quantized:
             check_group_size(config.group_size, head_dim)
         formats = tuple(make_quantizer(bits, config.quant, config.group_size, head_dim, config.rotate)
                         for bits in (config.key_bits, config.value_bits))
         check_kernel(config.attention_kernel, input_device(model), head_dim, formats)
-        if model_dims(model.config).expands_cache and config.rotate:
+        if dims.expands_cache and config.rotate:
             config = dataclasses.replace(config, rotate=False)
         object.__setattr__(self, "config", config)
 

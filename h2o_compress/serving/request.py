@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from h2o_compress.config import CompressionConfig
 from h2o_compress.models import DEFAULT_MODEL, placement_options
+from h2o_compress.models.loading import check_model_name
 from h2o_compress.planner import parse_memory
 from h2o_compress.policies import POLICIES
 from h2o_compress.runtime.batch import check_batch_size
 from h2o_compress.runtime.compiled import check_compile
 from h2o_compress.runtime.generation import check_config, check_generation_args
 from h2o_compress.utils.checks import check_count, check_flag, check_threads, is_integer, is_real
-from h2o_compress.utils.errors import ConfigError, ModelLoadError, short
+from h2o_compress.utils.errors import ConfigError, short
 
 #: The serve extra's modules, by the name pip installs them under.
 NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
@@ -174,9 +175,7 @@ class ServeRequest:
         ``None``), a ``compile`` that ``generate`` takes for ``config``, ``trust_remote_code`` a bool, ``load``
         ``None`` or a dict of ``load_model`` arguments it takes."""
         model, name, load = self.model, self.name, self.load
-        if not isinstance(model, str) or not model.strip():
-            raise ModelLoadError(f"model name {short(model)} is empty or not a text; allowed: an alias, a local model "
-                                 "directory or a hub id (a str)")
+        check_model_name(model)
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ConfigError(f"name={short(name)} is invalid; allowed: a non-empty text (the API's model id) or None")
         check_compile(self.compile, self.config)
