@@ -5,7 +5,8 @@ Positions in a layer are only ever compared with each other and with ``seen`` (t
 chunks counted from ``first_real``, the sinks, the ring's slot ``position % size``), so a layer whose every position,
 ``first_real`` and ``seen`` move by the same ``delta`` (and whose ring turns by ``delta``) holds the same tokens with
 the same futures: `shift`. Two layers that have seen different counts are aligned that way, then rows are
-copied buffer by buffer (`take_rows`). Eager code run once per prompt placed, never in a decode step.
+copied buffer by buffer (`take_rows`; `copy_row` copies one out, for the server's prefix cache). Eager code run
+once per prompt placed, never in a decode step.
 
 `map_batch`: a function of the batch dim applied to every buffer of a layer (beam reordering, a batch selected or
 repeated: the layer's transformers batch operations).
@@ -111,3 +112,36 @@ def _refresh_scratch(layer) -> None:
     scratch = getattr(layer.backend, "scratch", None)
     if scratch is not None:
         layer.backend.scratch_for(layer, scratch.key[1])
+
+
+def copy_row(source, row: int, target) -> bool:
+    """Fill ``target`` (a layer holding nothing yet) with sequence ``row`` of ``source``, which is not changed (a
+    row taken out of a batch, as `take_rows` puts one in; its positions stay in the batch's frame: `shift` them):
+    every buffer copied, the store's slots narrowed or widened where the two settings differ in slots alone (a batch
+    made for another length) and every slot dropped is empty.
+
+    Returns:
+        Whether it was copied (``False``: the buffers differ otherwise, or a dropped slot holds a token).
+    """
+    if not source.is_initialized or target.is_initialized:
+        return False
+    geometry = source.geometry
+    empty = torch.empty(1, geometry.kv_heads, 0, geometry.head_dim, dtype=geometry.dtype, device=geometry.device)
+    target.lazy_initialization(empty, empty)
+    theirs, mine = source.tensors(), target.tensors()
+    if theirs.keys() != mine.keys():
+        return False
+    held = theirs["store.positions"][row : row + 1]
+    slots = mine["store.positions"].shape[2]
+    if held.shape[2] > slots and bool((held[..., slots:] >= 0).any()):
+        return False
+    for name, tensor in theirs.items():
+        part, into = (tensor[row : row + 1] if tensor.dim() else tensor), mine[name]
+        if part.shape != into.shape:
+            if not (name.startswith("store.") and part.dim() >= 3 and part.shape[:2] == into.shape[:2]
+                    and part.shape[3:] == into.shape[3:]):
+                return False
+            width = min(part.shape[2], into.shape[2])
+            part, into = part.narrow(2, 0, width), into.narrow(2, 0, width)
+        into.copy_(part)
+    return True

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o_compress.cache.layer import CompressedLayer
-from h2o_compress.cache.rows import shift
+from h2o_compress.cache.rows import copy_row, shift
 from h2o_compress.config import CompressionConfig
 from h2o_compress.runtime.generation import make_cache
 
@@ -130,7 +130,7 @@ def _starts(ids: torch.Tensor, prefix: torch.Tensor) -> bool:
 
 def copy_sequence(source, row: int, target, seen: int) -> bool:
     """Copy sequence ``row`` of ``source`` into ``target``, an empty one-row cache of the same model, layer by
-    layer (`copy_layer`), then move its positions so that it has seen ``seen`` tokens (the sequence's own count:
+    layer ([`copy_row`][h2o_compress.cache.rows.copy_row]), then move its positions so that it has seen ``seen`` tokens (the sequence's own count:
     a batch row's positions are counted in the batch's frame). ``source`` is not changed.
 
     Returns:
@@ -139,39 +139,7 @@ def copy_sequence(source, row: int, target, seen: int) -> bool:
     if len(source.layers) != len(target.layers) or source.state_layers:
         return False
     for mine, theirs in zip(target.layers, source.layers):
-        if not isinstance(mine, CompressedLayer) or not copy_layer(theirs, row, mine):
+        if not isinstance(mine, CompressedLayer) or not copy_row(theirs, row, mine):
             return False
         shift(mine, seen - int(mine.counters.seen))
-    return True
-
-
-def copy_layer(source: CompressedLayer, row: int, target: CompressedLayer) -> bool:
-    """Fill ``target`` (a layer holding nothing yet) with sequence ``row`` of ``source``: every buffer copied, the
-    store's slots narrowed or widened where the two settings differ in slots alone (a batch made for another
-    length) and every slot dropped is empty.
-
-    Returns:
-        Whether it was copied (``False``: the buffers differ otherwise, or a dropped slot holds a token).
-    """
-    if not source.is_initialized or target.is_initialized:
-        return False
-    geometry = source.geometry
-    empty = torch.empty(1, geometry.kv_heads, 0, geometry.head_dim, dtype=geometry.dtype, device=geometry.device)
-    target.lazy_initialization(empty, empty)
-    theirs, mine = source.tensors(), target.tensors()
-    if theirs.keys() != mine.keys():
-        return False
-    held = theirs["store.positions"][row : row + 1]
-    slots = mine["store.positions"].shape[2]
-    if held.shape[2] > slots and bool((held[..., slots:] >= 0).any()):
-        return False
-    for name, tensor in theirs.items():
-        part, into = (tensor[row : row + 1] if tensor.dim() else tensor), mine[name]
-        if part.shape != into.shape:
-            if not (name.startswith("store.") and part.dim() >= 3 and part.shape[:2] == into.shape[:2]
-                    and part.shape[3:] == into.shape[3:]):
-                return False
-            width = min(part.shape[2], into.shape[2])
-            part, into = part.narrow(2, 0, width), into.narrow(2, 0, width)
-        into.copy_(part)
     return True
