@@ -25,6 +25,11 @@ from torch import nn
 
 COMPUTE_DTYPE = torch.bfloat16  # activations inside the kernel, and the scales' dtype
 
+#: A multi-token forward (a prompt's prefill, a chunk of it) of at least this many rows multiplies in bf16 with the
+#: weight dequantized (int8 values are exact in bf16; the scales applied after): a dense GEMM (oneDNN, AMX where the CPU
+#: has it) beats the packed kernel there, which is built for few rows. Chosen with ``benchmarks/cpu_weights.py``.
+DENSE_ROWS = 64
+
 #: A one-row product (a decode step) over an int8 weight smaller than this runs on one thread: waking a second thread
 #: costs more than it saves on so little work. SmolLM2 decoded fastest with its decoder layers' products (at most
 #: 0.9 MB each) on one thread and its 28 MB output head on two.
@@ -83,9 +88,16 @@ class Int8Linear(nn.Module):
         return cls(q, scales, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., tokens, in_features]`` -> ``[..., tokens, out_features]`` in ``x``'s dtype. A decode step
+        (one token per sequence, whatever the batch) runs the packed kernel, so a sequence's tokens do not depend
+        on the rows beside it; a multi-token forward of at least `DENSE_ROWS` rows runs the dense bf16 product."""
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        out = one_row_product(self.one_thread, torch.ops.aten._weight_int8pack_mm, rows, self.weight_int8, self.scales)
+        if x.dim() > 2 and shape[-2] > 1 and rows.shape[0] >= DENSE_ROWS:
+            out = (rows @ self.weight_int8.to(COMPUTE_DTYPE).T) * self.scales
+        else:
+            out = one_row_product(self.one_thread, torch.ops.aten._weight_int8pack_mm, rows, self.weight_int8,
+                                  self.scales)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)

@@ -260,3 +260,35 @@ def test_no_weight_stays_in_the_converted_checkpoints_memory_map(four_layer_dir)
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
     assert not [t.shape for t in tensors if any(a <= t.data_ptr() < b for a, b in mapped)]
     assert torch.equal(model.get_input_embeddings().weight, fp32.get_input_embeddings().weight)
+
+
+def _packed_product(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the packed kernel gives for ``x`` ``[rows, in]`` (the decode path), in ``x``'s dtype."""
+    out = torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE), layer.weight_int8, layer.scales)
+    return out.to(x.dtype)
+
+
+def test_a_long_prompt_chunk_runs_the_dense_product_within_bf16_rounding_of_the_packed_kernel():
+    from h2o_compress.models.int8_linear import DENSE_ROWS
+
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(torch.nn.Linear(96, 80, bias=False))
+    chunk = torch.randn(1, DENSE_ROWS, 96)
+    exact = (chunk[0].to(COMPUTE_DTYPE).float() @ layer.dequantized().T)
+    dense, packed = layer(chunk)[0], _packed_product(layer, chunk[0])
+    assert not torch.equal(dense, packed)  # the dense bf16 product ran, not the packed kernel
+    scale = exact.abs().max()
+    assert (dense - exact).abs().max() / scale < 2 ** -7  # two bf16 roundings of the output at most
+    assert (packed - exact).abs().max() / scale < 2 ** -7
+
+
+def test_a_decode_step_runs_the_packed_kernel_whatever_the_batch_so_a_row_does_not_depend_on_the_others():
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(torch.nn.Linear(96, 80, bias=False))
+    rows = torch.randn(128, 1, 96)  # 128 sequences, one token each: a batched decode step
+    batched = layer(rows)
+    alone = torch.cat([layer(rows[i : i + 1]) for i in range(rows.shape[0])])
+    assert torch.equal(batched, alone)
+    assert torch.equal(batched[:, 0], _packed_product(layer, rows[:, 0]))
+    short = torch.randn(1, 8, 96)  # a short chunk (fewer rows than DENSE_ROWS): the packed kernel too
+    assert torch.equal(layer(short)[0], _packed_product(layer, short[0]))
