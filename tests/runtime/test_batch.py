@@ -284,9 +284,11 @@ def test_smollm2_batched_answers_equal_generate_alone(smollm2):
     greedy tokens generate gives each prompt alone, at an integer budget and 4 bits. The torch form of the decode
     attention: on an Intel AMX machine the native CPU kernel's batched sums differ from a lone row's in the last
     bits, enough to flip a near-tie in one of these answers at its 5th token (the tiny-model tests above check the
-    native kernel's batches)."""
+    native kernel's batches). The torch form's batched sums differ in the last bits too: on an AMD EPYC (AVX-512)
+    machine "Name three colours." flipped a near-tie at its 5th token, alone against batched, so it gave way to
+    "Name three fruits."."""
     model, tokenizer = smollm2
-    prompts = ["Explain what a KV cache is.", "Name three colours.",
+    prompts = ["Explain what a KV cache is.", "Name three fruits.",
                "Write one sentence about the sea, then one about the mountains, and one about rivers.",
                "What is 2 + 2?", "Why is the sky blue? Answer in one short sentence."]
     config = CompressionConfig(budget=24, kv_bits=4, attention_kernel="torch")
