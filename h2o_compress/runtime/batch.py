@@ -262,7 +262,16 @@ def _run(model, tokenizer, items, config, max_new_tokens, batch_size, chat, temp
 
 
 class _Batch:
-    """The rows of a batch job: the batch cache, which prompt each row runs, its tokens so far and its sampler."""
+    """The rows of a batch job: the batch cache, which prompt each row runs, its tokens so far and its sampler.
+
+    Attributes:
+        fill_before_decode: whether the first prompts of an idle batch are all prefilled before its first decode
+            step (``True``: every step then decodes a full batch, the most tokens/s for a job) or only the first
+            one (``False``: it answers at once and the others' prefills are interleaved with its steps, the first
+            token soonest for a server).
+    """
+
+    fill_before_decode = True
 
     def __init__(self, model, tokenizer, config: CompressionConfig, longest: int, size: int, compile, stats):
         self.model, self.tokenizer, self.config, self.longest, self.stats = model, tokenizer, config, longest, stats
@@ -324,7 +333,8 @@ class _Batch:
     def _refill(self) -> Iterator[BatchResult]:
         """Start the next prompts in the free rows and prefill them. While other rows decode, the prefills advance
         by one chunk budget (``prefill_chunk_size`` tokens, at least one chunk) per decode step, interleaved with
-        the running rows' steps, so a long prompt does not stall them; with no row decoding, they run to the end."""
+        the running rows' steps, so a long prompt does not stall them; with no row decoding, they run to the end
+        (`fill_before_decode`), or only until one row decodes."""
         budget = max(1, self.config.prefill_chunk_size or 0) if self._decoding() else None
         for row in range(self.size):
             while budget is None or budget > 0:
@@ -333,7 +343,10 @@ class _Batch:
                         break
                     self.admitting[row] = self._start(self.queue.popleft())
                 spent, result = self._advance(row, budget)
-                budget = None if budget is None else budget - spent
+                if budget is not None:
+                    budget -= spent
+                elif not self.fill_before_decode and self._decoding():
+                    budget = 0  # the first row decodes: the others' prefills go on between its steps
                 if result is not None:
                     yield result
 

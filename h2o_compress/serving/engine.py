@@ -336,7 +336,16 @@ class ServeBatch(_Batch):
         base: the compression setting of its requests (before a budget fraction is taken of ``longest``).
         longest: prompt + max_tokens of its longest request (tokens): what the cache is made for.
         size: rows.
+
+    Its first prompts are not all prefilled before the first decode step (``fill_before_decode=False``): the first
+    answers at once, the others' prefills are interleaved with its steps, so the first request does not wait for
+    the whole batch's prefill.
     """
+
+    fill_before_decode = False
+    # With no waiting request that fits it (they would have taken the free rows), the batch halves once at most half
+    # its rows run, as a batch job's does (`_Batch._shrink`): a step then costs the running rows, not the idle ones.
+    # A request arriving later takes a free row of what is left, or waits for the batch to drain.
 
     def __init__(self, engine: Engine, base: CompressionConfig, longest: int, size: int):
         config = row_config(base, longest)
@@ -395,6 +404,3 @@ class ServeBatch(_Batch):
     def _ended(self, row: int) -> bool:
         job = self.engine.jobs.get(self.rows[row].index)
         return job is None or job.cancelled or super()._ended(row)
-
-    def _shrink(self) -> None:
-        """Keep every row: a request arriving later takes a free one."""
