@@ -3,8 +3,8 @@
     python benchmarks/serving.py --requests 12 --concurrency 4 --prompt-tokens 100,1000 --answer-tokens 128,256 \
         --memory-limit 1GiB --threads 2 --out benchmarks/results/serving_cpu.json
 
-For each setting (``--budget 0.2 --kv-bits 4``, then ``--policy full --kv-bits 16``) the server is started as a
-subprocess on a free loopback port with the same ``--memory-limit`` and ``--batch-size``, and a bounded load
+For each setting (``--policy h2o --budget 0.2 --kv-bits 4``, then ``--policy full --kv-bits 16``) the server is started
+as a subprocess on a free loopback port with the same ``--memory-limit`` and ``--batch-size``, and a bounded load
 generator (the ``openai`` async client, at most ``--concurrency`` requests in flight) sends the same fixed mix of
 ``--requests`` streamed completions: prompts of a random length in ``--prompt-tokens`` cut at random places from
 the reporting corpus (the Python Language Reference and *Persuasion*, texts that chose no setting), each with a
@@ -13,6 +13,12 @@ tokens of every request over the wall time of the run), time to first token and 
 first token, over the request's completion tokens) p50/p99, the most sequences the server admitted at once (its
 ``h2o_running_sequences`` gauge, polled) and its largest KV cache bytes. Writes ``--out`` (JSON) and the same path
 with ``.md``, the CPU and the command beside the figures.
+
+``--peer-python PATH`` (a Python with ``llama-cpp-python[server]``, its own virtual environment:
+benchmarks/peers/requirements-cpu.txt) adds llama.cpp's OpenAI-compatible server (``python -m llama_cpp.server``)
+on the same GGUF, threads and load, its ``n_ctx`` the tokens of f16 KV that ``--memory-limit`` holds less the GGUF's
+bytes, at most the model's context: it runs one sequence at a time (no continuous batching; the others wait,
+``--interrupt_requests False``), so a larger ``n_ctx`` could admit no more.
 
 ``--smoke`` runs the same on a tiny random model saved to a temporary directory (a word-level tokenizer, prompts of
 random words), a few short requests: seconds, for the tests.
@@ -37,7 +43,10 @@ from prompt_read_whole import cpu_name as cpu_features  # the model and vector f
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The two servers compared: their name and their compression flags.
-SETTINGS = {"h2o 0.2 int4": ["--budget", "0.2", "--kv-bits", "4"], "uncompressed": ["--policy", "full", "--kv-bits", "16"]}
+SETTINGS = {"h2o 0.2 int4": ["--policy", "h2o", "--budget", "0.2", "--kv-bits", "4"],
+            "uncompressed": ["--policy", "full", "--kv-bits", "16"]}
+#: The peer's row name.
+PEER = "llama.cpp server"
 #: The defaults of the options a smoke run sets otherwise.
 DEFAULTS = {"requests": 12, "prompt_tokens": "100,4000", "answer_tokens": "128,512", "memory_limit": "1GiB"}
 SMOKE = {"requests": 4, "prompt_tokens": "8,40", "answer_tokens": "4,12", "memory_limit": "2GiB"}
@@ -58,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-limit", help="serve --memory-limit of both servers (default 1GiB; smoke 2GiB).")
     parser.add_argument("--batch-size", type=int, default=8, help="serve --batch-size of both servers.")
     parser.add_argument("--threads", type=int, default=2, help="serve --threads.")
+    parser.add_argument("--peer-python", help="A Python with llama-cpp-python[server]: adds llama.cpp's server.")
     parser.add_argument("--note", action="append", default=[], help="A line for the results' notes.")
     parser.add_argument("--smoke", action="store_true", help="A tiny random model, a few short requests.")
     parser.add_argument("--out", default="benchmarks/results/serving_cpu.json")
@@ -132,22 +142,52 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(args, model: str, flags: list[str], port: int, log: Path) -> subprocess.Popen:
-    """``h2o-compress serve`` with ``flags`` as a subprocess, once /health answers.
+def serve_command(args, model: str, flags: list[str], port: int) -> list[str]:
+    """``h2o-compress serve`` with ``flags`` and the run's shared options."""
+    return [sys.executable, "-m", "h2o_compress", "serve", "--model", model, "--port", str(port),
+            "--served-name", "bench", "--memory-limit", args.memory_limit, "--batch-size", str(args.batch_size),
+            "--threads", str(args.threads), "--max-queue", str(args.requests), "--log-level", "warning", *flags]
+
+
+def peer_context(args) -> tuple[Path, int, int]:
+    """The GGUF of ``--model``, the ``n_ctx`` of llama.cpp's server (the f16 KV tokens ``--memory-limit`` holds
+    less the GGUF's bytes, at most the model's context) and the bytes of its KV cache (allocated at start)."""
+    from transformers import AutoConfig
+
+    from h2o_compress.models import converted_dir, gguf_path
+    from h2o_compress.planner import parse_memory
+
+    gguf = gguf_path(args.model)
+    config = AutoConfig.from_pretrained(converted_dir(args.model))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K and V, f16
+    tokens = (parse_memory(args.memory_limit) - gguf.stat().st_size) // per_token
+    n_ctx = int(min(tokens, config.max_position_embeddings))
+    return gguf, n_ctx, n_ctx * per_token
+
+
+def peer_command(args, port: int) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server on the same GGUF and threads (`peer_context`)."""
+    gguf, n_ctx, _ = peer_context(args)
+    return [args.peer_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(args.threads),
+            "--n_threads_batch", str(args.threads), "--interrupt_requests", "False", "--verbose", "False"]
+
+
+def start_server(command: list[str], port: int, log: Path, ready: str = "/health") -> subprocess.Popen:
+    """``command`` as a subprocess (``OMP_WAIT_POLICY=passive``), once ``ready`` answers 200.
 
     Raises:
         SystemExit: the server exited or did not answer within `START_TIMEOUT_S` (the tail of its log).
     """
     import httpx
 
-    command = [sys.executable, "-m", "h2o_compress", "serve", "--model", model, "--port", str(port),
-               "--served-name", "bench", "--memory-limit", args.memory_limit, "--batch-size", str(args.batch_size),
-               "--threads", str(args.threads), "--max-queue", str(args.requests), "--log-level", "warning", *flags]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=2).status_code == 200:
                 return process
         except httpx.HTTPError:
             pass
@@ -173,32 +213,36 @@ def scrape(text: str) -> dict[str, float]:
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-async def one_request(client, item: dict) -> dict:
-    """Stream one completion; its arrival-relative times (seconds) and its token counts."""
+async def one_request(client, item: dict, usage_chunk: bool = True) -> dict:
+    """Stream one completion; its arrival-relative times (seconds) and its token counts (``usage_chunk=False``, a
+    server that sends no usage: completion tokens counted as the streamed chunks, one token each)."""
     sent = time.perf_counter()
     first = last = None
-    usage, error = None, None
+    usage, error, chunks = None, None, 0
+    extra = {"stream_options": {"include_usage": True}} if usage_chunk else {}
     try:
         stream = await client.completions.create(model="bench", prompt=item["prompt"], max_tokens=item["max_tokens"],
-                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+                                                 temperature=0, stream=True, **extra)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 last = time.perf_counter()
                 first = first or last
-            if chunk.usage is not None:
+                chunks += 1
+            if getattr(chunk, "usage", None) is not None:
                 usage = chunk.usage
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, the run goes on
         error = f"{type(exc).__name__}: {exc}"
     done = time.perf_counter()
-    tokens = usage.completion_tokens if usage else 0
+    tokens = usage.completion_tokens if usage else (0 if usage_chunk else chunks)
     return {"prompt_tokens": usage.prompt_tokens if usage else 0, "completion_tokens": tokens, "error": error,
             "ttft_s": None if first is None else first - sent, "latency_s": done - sent,
             "per_token_s": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
 
 
-async def drive(url: str, items: list[dict], concurrency: int) -> tuple[list[dict], float, dict]:
+async def drive(url: str, items: list[dict], concurrency: int, ours: bool = True) -> tuple[list[dict], float, dict]:
     """Send every item, at most ``concurrency`` at once; the records, the wall seconds and the peaks of the server's
-    gauges (``h2o_running_sequences``, ``h2o_kv_cache_bytes``) polled meanwhile."""
+    gauges (``h2o_running_sequences``, ``h2o_kv_cache_bytes``) polled meanwhile (``ours=False``: a peer, which has
+    neither those gauges nor a usage chunk)."""
     import httpx
     from openai import AsyncOpenAI
 
@@ -208,10 +252,10 @@ async def drive(url: str, items: list[dict], concurrency: int) -> tuple[list[dic
 
     async def bounded(item):
         async with gate:
-            return await one_request(client, item)
+            return await one_request(client, item, usage_chunk=ours)
 
     async def poll(http):
-        while True:
+        while ours:
             values = scrape((await http.get(url + "/metrics")).text)
             for name in peaks:
                 peaks[name] = max(peaks[name], values.get(name, 0.0))
@@ -223,7 +267,7 @@ async def drive(url: str, items: list[dict], concurrency: int) -> tuple[list[dic
         records = await asyncio.gather(*(bounded(item) for item in items))
         wall = time.perf_counter() - start
         poller.cancel()
-        final = scrape((await http.get(url + "/metrics")).text)
+        final = scrape((await http.get(url + "/metrics")).text) if ours else {}
     await client.close()
     return records, wall, {**peaks, "final": final}
 
@@ -260,14 +304,19 @@ def summarize(name: str, flags: list[str], records: list[dict], wall: float, gau
 
 
 def run_setting(args, model: str, name: str, flags: list[str], items: list[dict], scratch: Path) -> dict:
-    """Start the server for one setting, drive the load through it, stop it; its row."""
-    port = free_port()
-    process = start_server(args, model, flags, port, scratch / f"{name.replace(' ', '_')}.log")
+    """Start the server for one setting (`PEER`: llama.cpp's), drive the load through it, stop it; its row."""
+    port, ours = free_port(), name != PEER
+    command = serve_command(args, model, flags, port) if ours else peer_command(args, port)
+    process = start_server(command, port, scratch / f"{name.replace(' ', '_')}.log", "/health" if ours else "/v1/models")
     try:
-        records, wall, gauges = asyncio.run(drive(f"http://127.0.0.1:{port}", items, args.concurrency))
+        records, wall, gauges = asyncio.run(drive(f"http://127.0.0.1:{port}", items, args.concurrency, ours))
     finally:
         stop_server(process)
-    return summarize(name, flags, records, wall, gauges)
+    row = summarize(name, flags, records, wall, gauges)
+    if not ours:  # one sequence at a time; its KV is n_ctx tokens of f16, allocated at start
+        row["flags"] = shlex.join(command[command.index("--n_ctx") : command.index("--n_ctx") + 2])
+        row["max_running_sequences"], row["max_kv_cache_bytes"] = 1, peer_context(args)[2]
+    return row
 
 
 def _ms(seconds: float | None) -> str:
@@ -331,7 +380,8 @@ def main(argv=None) -> None:
         scratch = Path(scratch)
         model = save_tiny_model(scratch / "tiny") if args.smoke else args.model
         items = workload(args)
-        rows = [run_setting(args, model, name, flags, items, scratch) for name, flags in SETTINGS.items()]
+        settings = dict(SETTINGS) | ({PEER: []} if args.peer_python and not args.smoke else {})
+        rows = [run_setting(args, model, name, flags, items, scratch) for name, flags in settings.items()]
     data = {"command": "python " + shlex.join(["benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]),
             "cpu": cpu_name(), "model": "tiny random LLaMA (smoke)" if args.smoke else args.model,
             "memory_limit": args.memory_limit, "batch_size": args.batch_size, "threads": args.threads,
