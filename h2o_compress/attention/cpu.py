@@ -7,6 +7,17 @@ dequantized slots and the ring with one softmax per query head, H2O score accumu
 folded in) in one call, reading the int4/int8 codes in registers. Eviction stays in torch: it ranks by the
 policy's [`priority`][h2o_compress.policies.EvictionPolicy.priority], stated once, in Python.
 
+Threads: each decode call passes ``torch.get_num_threads()`` (read in `_decode`, so the custom op's schema has
+no thread argument and a compiled step reads it at run time). Where that is above 1, the batch has two sequences
+or more and the layer's work (sequences x KV heads x (slots + ring) x head dim) reaches the kernel's threshold
+(``h2o_cpu_decode_parallel_work()``), the kernel splits the sequences (never the heads of one) over that many
+threads, the calling thread among them; each sequence writes only its own rows, so the results are bitwise those
+of one thread. Below it, one thread runs every sequence, allocating nothing per step. The library is built with
+OpenMP (`FLAGS`): its libgomp is the one torch already loaded, so the threads are torch's own pool, which spins
+after each torch op and takes the work at once (threshold 1 << 14); pthreads of the kernel's own, sharing the
+other cores with that spinning pool, gained little where the pool halves the kernel's time in a batched step.
+A compiler without OpenMP builds it with `FLAGS_WITHOUT_OPENMP` instead: pthreads started per call (1 << 17).
+
 The same library holds ``cpu_prefill.c``, the scored multi-token step (prefill, a chunk: output and H2O column
 sums from one softmax, `h2o_compress.attention.prefill.attention_with_sums`).
 
@@ -41,7 +52,8 @@ from h2o_compress.utils.errors import ConfigError
 from h2o_compress.utils.paths import check_private, private_dir
 
 SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_prefill.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-pthread")
+FLAGS_WITHOUT_OPENMP = tuple("-fopenmp-simd" if flag == "-fopenmp" else flag for flag in FLAGS)  # no libgomp
 ELEMENTS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # storage element codes of cpu_decode.c
 MAX_HEAD_DIM = 512
 
@@ -74,8 +86,9 @@ def _verified(target: Path) -> bool:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Compile `SOURCES` into ``target`` (atomically: a concurrent build never leaves a half-written file) and
-    record its SHA-256 beside it (``<target>.sha256``), which `_verified` checks before every load.
+    """Compile `SOURCES` with `FLAGS` (or, where they fail, `FLAGS_WITHOUT_OPENMP`) into ``target`` (atomically: a
+    concurrent build never leaves a half-written file) and record its SHA-256 beside it (``<target>.sha256``), which
+    `_verified` checks before every load.
 
     Raises:
         OSError, subprocess.CalledProcessError: the compiler is missing or failed.
@@ -84,7 +97,13 @@ def _build(compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", partial, "-lm"], check=True, capture_output=True, text=True)
+        for flags in (FLAGS, FLAGS_WITHOUT_OPENMP):  # the second where the compiler has no OpenMP
+            done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", partial, "-lm"], capture_output=True,
+                                  text=True)
+            if done.returncode == 0:
+                break
+        else:
+            raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
         os.chmod(partial, 0o700)
         digest = _digest_file(Path(partial))
         fd, record = tempfile.mkstemp(dir=target.parent, suffix=".sha256.partial")
@@ -135,6 +154,7 @@ def library() -> ctypes.CDLL | None:
     lib.h2o_cpu_decode_layer.restype = ctypes.c_int
     lib.h2o_cpu_prefill_attention.restype = ctypes.c_int
     lib.h2o_cpu_prefill_tile.restype = ctypes.c_int
+    lib.h2o_cpu_decode_parallel_work.restype = ctypes.c_int
     return lib
 
 
@@ -168,7 +188,8 @@ def _decode(
 ) -> torch.Tensor:
     """One call of ``cpu_decode.c`` over a layer's buffers (`decode_layer` unpacks them): fp32
     ``[batch, q_heads, head_dim]`` output. Eager steps call it directly; compiled ones through the custom op
-    `cpu_decode_layer` (the same function, so both run the same kernel).
+    `cpu_decode_layer` (the same function, so both run the same kernel). The kernel may split the sequences over
+    ``torch.get_num_threads()`` threads, read at each call (bitwise the same results as one thread).
 
     Raises:
         RuntimeError: the kernel refused a shape (``head_dim`` above `MAX_HEAD_DIM`, query heads not a
@@ -195,6 +216,7 @@ def _decode(
         _pointer(seen), _pointer(first_real), _pointer(finite),
         capacity, recent, sinks, _pointer(rank), int(evict), _pointer(reference_seen), _pointer(consistent),
         int(replace_scores), _pointer(owner), _pointer(value_norms), _pointer(prior_weights),
+        torch.get_num_threads(),  # read here, not an argument: the custom op's schema stays as it is
     )
     if status:
         raise RuntimeError(f"cpu_decode.c refused the step (status {status}): a shape the kernel does not take")

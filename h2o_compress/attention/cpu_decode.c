@@ -21,11 +21,27 @@
  * Arithmetic follows the torch reference (h2o_compress.cache.layer, formats.integer): fp32 throughout,
  * scale = max((high - low) / qmax, 1e-6) and zero = low rounded to fp16, codes = round-half-even((x - zero) /
  * scale) clamped to [0, qmax], int4 packed low nibble first. Storage elements: 0 fp32, 1 fp16, 2 bf16.
- * Scratch (logits of one KV head's query group) is a per-thread buffer grown when a larger layer needs it, so
- * steady-state decoding allocates nothing. Returns 0, or 1 for shapes it does not take (D > 512, Hq % Hkv),
- * 2 when scratch cannot be allocated.
+ * Threads: with `threads` > 1, B >= 2 and B * Hkv * (S + R) * D >= PARALLEL_WORK, the sequences (never the heads
+ * of one: a head-adaptive pool's heads share its store row) are split over min(threads, B) threads, the calling
+ * thread one of them, each taking the next sequence from an atomic counter. Built with OpenMP (cpu.py's flags),
+ * the threads are an OpenMP team: torch's own pool, since this library's libgomp is the one torch loaded (pthreads
+ * of our own share the other cores with torch's pool threads, which spin after each op, and gained little where
+ * the team halves the kernel's time); threshold 1 << 14. Built without OpenMP (a compiler without it): pthreads
+ * started per call, joined before return; threshold 1 << 17.
+ * Each sequence writes only its own rows, so the results are bitwise those of one thread; the finite flag is each
+ * thread's own, ANDed after the join, and seen/consistent are written once after it. A thread the call does not
+ * get (or that has no scratch) leaves its share to the others. Below the threshold the calling thread runs every
+ * sequence in order, as before.
+ * Scratch (logits of one KV head's query group, a few rows): the calling thread's is a per-thread buffer grown
+ * when a larger layer needs it, so steady-state decoding on one thread allocates nothing; the other threads' is
+ * allocated before they start and freed after the join; all 64-byte aligned. Returns 0, or 1 for shapes it does not
+ * take (D > 512, Hq % Hkv), 2 when the calling thread's scratch cannot be allocated.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,6 +217,337 @@ static void evict_lowest(int32_t *pos, const float *rank, const float *weights, 
     pos[victim] = -1;
 }
 
+/* Sequences x KV heads x (slots + ring) x head dim from which a call splits its sequences over threads, where
+ * timing one layer's call at growing work, threads 1 against 2, found a second thread to start paying. An OpenMP
+ * team is torch's own pool, whose threads wait spinning after each torch op, so a region costs little: a low
+ * threshold. Pthreads started per call cost a thread start and join each, and share the core with torch's
+ * spinning pool threads: a threshold 8 times higher. */
+#ifdef _OPENMP
+#define PARALLEL_WORK (1 << 14)
+#else
+#define PARALLEL_WORK (1 << 17)
+#endif
+#define MAX_THREADS 64
+
+/* One call's arguments and what follows from them, shared by its threads: read-only but for `next`; each sequence
+ * writes only its own rows (store row, ring row, scores, output, first_real[b]). */
+typedef struct {
+    int B, Hkv, D, S, R, group, N, r, elem, capacity, recent, sinks, evict, replace_scores;
+    float scale;
+    int64_t position;
+    const float *q, *k_new, *v_new, *k_basis, *v_basis, *rank, *prior_weights;
+    float *out, *store_scores, *ring_scores, *value_norms;
+    format_t kf, vf;
+    int32_t *store_pos, *ring_pos;
+    void *ring_k, *ring_v;
+    int64_t *first_real;
+    int8_t *owner;
+    int korder[512], vorder[512];
+    int next; /* the next sequence to decode (atomic) */
+} layer_t;
+
+/* One thread's scratch, carved from one buffer of `scratch_floats` floats. */
+typedef struct {
+    float *logits;               /* [group, N] */
+    float *qread;                /* [group, D]: the group's queries, rotated, in key read order */
+    float *acc;                  /* [group, D]: outputs in value read order */
+    float *kin, *vin;            /* [D] each: incoming key/value rotated, */
+    float *leaving_k, *leaving_v; /* the leaving key/value, */
+    float *kbuf, *row;           /* a token read, a scratch row, */
+    float *leaving_kr, *leaving_vr; /* the leaving key/value in read order */
+} scratch_t;
+
+/* One sequence and KV head of a call: its store row (`srow`: this head's slots, or a head-adaptive layer's pool
+ * of the sequence, slots tagged by `owner`, a slot valid for head h where it holds a token and owner == h), its
+ * ring row, and the store slot its leaving token went to (`j`). */
+typedef struct {
+    int b, h, j;
+    int64_t bh, srow;
+    int32_t *pos;
+    const int32_t *rpos;
+    const int8_t *tags;
+} head_t;
+
+static size_t scratch_floats(int group, int N, int D) {
+    return (size_t)group * (N + 2 * (size_t)D) + 8 * (size_t)D;
+}
+
+/* 64-byte aligned (every thread's scratch alike, so vectorized loops split the same way on each), or NULL. */
+static float *aligned_floats(size_t n) {
+    void *p = 0;
+    return posix_memalign(&p, 64, n * sizeof(float)) ? 0 : p;
+}
+
+static scratch_t carve(const layer_t *L, float *base) {
+    scratch_t s;
+    s.logits = base;
+    s.qread = s.logits + (int64_t)L->group * L->N;
+    s.acc = s.qread + (int64_t)L->group * L->D;
+    s.kin = s.acc + (int64_t)L->group * L->D;
+    s.vin = s.kin + L->D;
+    s.leaving_k = s.vin + L->D;
+    s.leaving_v = s.leaving_k + L->D;
+    s.kbuf = s.leaving_v + L->D;
+    s.row = s.kbuf + L->D;
+    s.leaving_kr = s.row + L->D;
+    s.leaving_vr = s.leaving_kr + L->D;
+    return s;
+}
+
+/* 1. The new token (kin, vin) into the ring at slot r, the token it replaces out into leaving_k/v (held at the
+ * ring's precision either way: no ring, the new token itself leaves at once); returns the leaving token's score. */
+static float ring_in(const layer_t *L, int64_t bh, const scratch_t *s) {
+    const int D = L->D, elem = L->elem;
+    if (!L->R) {
+        for (int i = 0; i < D; i++) {
+            float kq = s->kin[i], vq = s->vin[i];
+            if (elem == 1) { kq = (float)(half)kq; vq = (float)(half)vq; }
+            else if (elem == 2) { kq = bf16_to_float(float_to_bf16(kq)); vq = bf16_to_float(float_to_bf16(vq)); }
+            s->leaving_k[i] = kq;
+            s->leaving_v[i] = vq;
+        }
+        return 0.0f;
+    }
+    const int64_t slot = bh * L->R + L->r;
+    for (int i = 0; i < D; i++) {
+        s->leaving_k[i] = load_elem(L->ring_k, slot * D + i, elem);
+        s->leaving_v[i] = load_elem(L->ring_v, slot * D + i, elem);
+        store_elem(L->ring_k, slot * D + i, elem, s->kin[i]);
+        store_elem(L->ring_v, slot * D + i, elem, s->vin[i]);
+    }
+    float leaving_score = 0.0f;
+    if (L->ring_scores) {
+        leaving_score = L->ring_scores[slot];
+        L->ring_scores[slot] = 0.0f;
+    }
+    return leaving_score;
+}
+
+/* The L1 norm of the value stored at `token` (or, with prior_weights, CalibratedPolicy's token prior: w . v +
+ * w_norm log(|v|_2 + 1e-6) + bias), as attention reads it, in the model's basis (acc: free until step 3). */
+static float value_norm(const layer_t *L, int h, int64_t token, const scratch_t *s) {
+    const int D = L->D;
+    dequantize(&L->vf, token, D, s->kbuf);
+    for (int i = 0; i < D; i++) s->row[L->vorder[i]] = s->kbuf[i];
+    rotate(s->row, L->v_basis, D, s->acc);
+    float total = 0.0f;
+    if (L->prior_weights) {
+        const float *w = L->prior_weights + (int64_t)h * (D + 4);
+        float square = 0.0f;
+        for (int i = 0; i < D; i++) { total += w[2 + i] * s->acc[i]; square += s->acc[i] * s->acc[i]; }
+        total += w[2 + D] * logf(sqrtf(square) + 1e-6f) + w[3 + D];
+    } else {
+        for (int i = 0; i < D; i++) total += fabsf(s->acc[i]);
+    }
+    return total;
+}
+
+/* 2. The leaving token into the first empty slot of the store row, quantized once (its score and norm with it);
+ * returns the slot. */
+static int store_leaving(const layer_t *L, const head_t *t, int32_t leaving_pos, float leaving_score,
+                         const scratch_t *s) {
+    const int S = L->S, D = L->D;
+    int j = 0;
+    while (j < S && t->pos[j] >= 0) j++;
+    if (j == S) j = 0;
+    const int64_t token = t->srow * S + j;
+    quantize_into(&L->kf, token, s->leaving_k, D);
+    quantize_into(&L->vf, token, s->leaving_v, D);
+    t->pos[j] = leaving_pos;
+    if (L->owner) L->owner[token] = (int8_t)t->h;
+    if (L->store_scores) L->store_scores[token] = leaving_score;
+    if (L->value_norms) L->value_norms[token] = value_norm(L, t->h, token, s);
+    for (int i = 0; i < D; i++) { /* the leaving token at full precision, in read order */
+        s->leaving_kr[i] = s->leaving_k[L->korder[i]];
+        s->leaving_vr[i] = s->leaving_v[L->vorder[i]];
+    }
+    return j;
+}
+
+/* Whether slot n (the store's, then the ring's) holds a token this head reads. */
+static inline int readable(const head_t *t, int S, int n) {
+    return n < S ? t->pos[n] >= 0 && (!t->tags || t->tags[n] == t->h) : t->rpos[n - S] >= 0;
+}
+
+/* Ring slot `slot`'s row (of ring_k or ring_v) as fp32 in a format's read order (`order`). */
+static inline void ring_read(const layer_t *L, const void *ring, int64_t slot, const int *order, float *restrict y) {
+    for (int i = 0; i < L->D; i++) y[i] = load_elem(ring, slot * L->D + order[i], L->elem);
+}
+
+/* 3. Attention: logits of every query head of the group, one key dequantized at a time, then one softmax per query
+ * head, in place (logits: the probabilities). */
+static void attention_weights(const layer_t *L, const head_t *t, const scratch_t *s) {
+    const int S = L->S, N = L->N, D = L->D, group = L->group;
+    float *logits = s->logits;
+    if (D > 512) __builtin_unreachable();
+    for (int g = 0; g < group; g++) {
+        rotate(L->q + (t->bh * group + g) * D, L->k_basis, D, s->row);
+        for (int i = 0; i < D; i++) s->qread[g * D + i] = s->row[L->korder[i]];
+    }
+    for (int n = 0; n < N; n++) {
+        if (!readable(t, S, n)) {
+            for (int g = 0; g < group; g++) logits[g * N + n] = -INFINITY;
+            continue;
+        }
+        const float *key = s->kbuf; /* the leaving token at full precision, a store slot, or a ring slot */
+        if (n == t->j) key = s->leaving_kr;
+        else if (n < S) dequantize(&L->kf, t->srow * S + n, D, s->kbuf);
+        else ring_read(L, L->ring_k, t->bh * L->R + n - S, L->korder, s->kbuf);
+        for (int g = 0; g < group; g++) logits[g * N + n] = dot(s->qread + g * D, key, D) * L->scale;
+    }
+    for (int g = 0; g < group; g++) {
+        float *l = logits + g * N, top = -INFINITY, total = 0.0f;
+        for (int n = 0; n < N; n++) top = l[n] > top ? l[n] : top;
+        for (int n = 0; n < N; n++) {
+            l[n] = l[n] == -INFINITY ? 0.0f : expf(l[n] - top);
+            total += l[n];
+        }
+        const float inv = 1.0f / total;
+        for (int n = 0; n < N; n++) l[n] *= inv;
+    }
+}
+
+/* 3 (cont.) and 4. The output, one value dequantized at a time, rotated back out of the value basis; the H2O
+ * scores: what each token received, summed over the group's query heads, added (or, replace_scores, replacing:
+ * slots nobody attends get 0, as the torch form's copy gives). */
+static void attention_output(const layer_t *L, const head_t *t, const scratch_t *s) {
+    const int S = L->S, N = L->N, D = L->D, group = L->group, replace = L->replace_scores;
+    float *scores = L->store_scores ? L->store_scores + t->srow * S : 0;
+    float *ring_scores = L->ring_scores && L->R ? L->ring_scores + t->bh * L->R : 0;
+    memset(s->acc, 0, sizeof(float) * group * D);
+    for (int n = 0; n < N; n++) {
+        if (!readable(t, S, n)) continue;
+        const float *value = s->kbuf;
+        if (n == t->j) value = s->leaving_vr;
+        else if (n < S) dequantize(&L->vf, t->srow * S + n, D, s->kbuf);
+        else ring_read(L, L->ring_v, t->bh * L->R + n - S, L->vorder, s->kbuf);
+        float received = 0.0f;
+        for (int g = 0; g < group; g++) {
+            const float p = s->logits[g * N + n];
+            float *restrict o = s->acc + g * D;
+#pragma omp simd
+            for (int i = 0; i < D; i++) o[i] += p * value[i];
+            received += p;
+        }
+        if (n < S) {
+            if (scores) scores[n] = replace ? received : scores[n] + received;
+        } else if (ring_scores) {
+            float *held = ring_scores + n - S;
+            *held = replace ? received : *held + received;
+        }
+    }
+    if (replace) {
+        if (scores) for (int n = 0; n < S; n++) if (t->pos[n] < 0) scores[n] = 0.0f;
+        if (ring_scores) for (int u = 0; u < L->R; u++) if (t->rpos[u] < 0) ring_scores[u] = 0.0f;
+    }
+    for (int g = 0; g < group; g++) { /* back to element order, then out of the value basis */
+        for (int i = 0; i < D; i++) s->row[L->vorder[i]] = s->acc[g * D + i];
+        rotate(s->row, L->v_basis, D, L->out + (t->bh * group + g) * D);
+    }
+}
+
+/* Steps 1-5 for sequence b and KV head h; returns whether the head's new key and value are finite. */
+static int decode_head(const layer_t *L, int b, int h, int32_t leaving_pos, const scratch_t *s) {
+    const int D = L->D, S = L->S;
+    head_t t = {.b = b, .h = h, .bh = (int64_t)b * L->Hkv + h};
+    t.srow = L->owner ? (int64_t)b : t.bh;
+    t.pos = L->store_pos + t.srow * S;
+    t.tags = L->owner ? L->owner + t.srow * S : 0;
+    t.rpos = L->R ? L->ring_pos + (int64_t)b * L->R : 0;
+    const float *kx = L->k_new + t.bh * D, *vx = L->v_new + t.bh * D;
+    int finite = 1;
+    for (int i = 0; i < D; i++) finite &= isfinite(kx[i]) && isfinite(vx[i]);
+    rotate(kx, L->k_basis, D, s->kin);
+    rotate(vx, L->v_basis, D, s->vin);
+    const float leaving_score = ring_in(L, t.bh, s);
+    t.j = store_leaving(L, &t, leaving_pos, leaving_score, s);
+    attention_weights(L, &t, s);
+    attention_output(L, &t, s);
+    if (L->first_real[b] > L->position) L->first_real[b] = L->position;
+    if (L->evict && !L->owner)
+        evict_lowest(t.pos, L->rank ? L->rank + t.bh * S : 0, L->value_norms ? L->value_norms + t.srow * S : 0,
+                     L->prior_weights ? L->prior_weights + (int64_t)h * (D + 4) : 0, L->position + 1, t.rpos, S,
+                     L->R, L->capacity, L->position + 1 - L->recent, L->first_real[b], L->sinks);
+    return finite;
+}
+
+/* Sequences taken from the shared counter (in order, one at a time) until none is left, on scratch `base`;
+ * returns whether all their new keys and values were finite. */
+static int decode_sequences(layer_t *L, float *base) {
+    const scratch_t s = carve(L, base);
+    int finite = 1;
+    for (int b; (b = __atomic_fetch_add(&L->next, 1, __ATOMIC_RELAXED)) < L->B;) {
+        const int64_t at = (int64_t)b * L->R + L->r;
+        const int32_t leaving_pos = L->R ? L->ring_pos[at] : (int32_t)L->position;
+        if (L->R) L->ring_pos[at] = (int32_t)L->position;
+        for (int h = 0; h < L->Hkv; h++) finite &= decode_head(L, b, h, leaving_pos, &s);
+    }
+    return finite;
+}
+
+#ifdef _OPENMP
+/* The sequences split over an OpenMP team of up to `threads` (torch's own pool, where torch loaded the libgomp this
+ * library links: one runtime, no second set of threads), the calling thread (thread 0) one of them with its own
+ * scratch; the others' scratch is allocated here and freed after the region (a thread without scratch is not
+ * asked for; one the team does not get leaves its share to the others). Returns whether all new keys and values
+ * were finite: each thread's flag, ANDed after the region. */
+static int decode_threaded(layer_t *L, float *scratch, int threads) {
+    float *own[MAX_THREADS] = {scratch};
+    int flags[MAX_THREADS];
+    const size_t floats = scratch_floats(L->group, L->N, L->D);
+    int usable = 1;
+    while (usable < threads && (own[usable] = aligned_floats(floats))) usable++;
+    for (int t = 0; t < usable; t++) flags[t] = 1;
+#pragma omp parallel num_threads(usable)
+    {
+        const int t = omp_get_thread_num();
+        if (t < usable) flags[t] = decode_sequences(L, own[t]);
+    }
+    int finite = 1;
+    for (int t = 0; t < usable; t++) finite &= flags[t];
+    for (int t = 1; t < usable; t++) free(own[t]);
+    return finite;
+}
+#else
+typedef struct {
+    layer_t *L;
+    float *scratch; /* its own, from the spawner */
+    int finite;
+} worker_t;
+
+static void *worker_main(void *arg) {
+    worker_t *w = arg;
+    w->finite = decode_sequences(w->L, w->scratch);
+    return NULL;
+}
+
+/* Built without OpenMP: the sequences split over the calling thread (its scratch) and up to threads - 1 pthreads
+ * started for the call, each with scratch allocated here and freed after the join; a worker whose scratch or
+ * thread cannot be had leaves its share to the others. Returns whether all new keys and values were finite (each
+ * thread's flag, ANDed after the join). */
+static int decode_threaded(layer_t *L, float *scratch, int threads) {
+    worker_t workers[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    const size_t floats = scratch_floats(L->group, L->N, L->D);
+    int started = 0;
+    while (started < threads - 1) {
+        workers[started] = (worker_t){L, aligned_floats(floats), 1};
+        if (!workers[started].scratch || pthread_create(&ids[started], NULL, worker_main, &workers[started])) {
+            free(workers[started].scratch);
+            break;
+        }
+        started++;
+    }
+    int finite = decode_sequences(L, scratch);
+    for (int t = 0; t < started; t++) {
+        pthread_join(ids[t], NULL);
+        finite &= workers[t].finite;
+        free(workers[t].scratch);
+    }
+    return finite;
+}
+#endif
+
 int h2o_cpu_decode_layer(
     int B, int Hq, int Hkv, int D, int S, int R, float scale,
     const float *q, const float *k_new, const float *v_new, float *out,
@@ -211,169 +558,42 @@ int h2o_cpu_decode_layer(
     int64_t *seen, int64_t *first_real, uint8_t *finite,
     int capacity, int recent, int sinks, const float *rank, int evict,
     const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner, float *value_norms,
-    const float *prior_weights)
+    const float *prior_weights, int threads)
 {
-    static __thread float *scratch = 0;
+    static __thread float *scratch = 0; /* the calling thread's, kept between calls */
     static __thread size_t scratch_size = 0;
     if (D > 512 || Hq % Hkv) return 1;
     const int group = Hq / Hkv, N = S + R;
-    const size_t needed = (size_t)group * (N + 2 * (size_t)D) + 8 * (size_t)D;
+    const size_t needed = scratch_floats(group, N, D);
     if (needed > scratch_size) {
-        float *grown = realloc(scratch, needed * sizeof(float));
-        if (!grown) return 2;
-        scratch = grown;
-        scratch_size = needed;
+        free(scratch);
+        scratch = aligned_floats(needed);
+        scratch_size = scratch ? needed : 0;
+        if (!scratch) return 2;
     }
     const int64_t position = *seen;
-    const int r = R ? (int)(position % R) : 0;
-    float *logits = scratch;                   /* [group, N] */
-    float *qread = logits + (int64_t)group * N; /* [group, D]: the group's queries, rotated, in key read order */
-    float *acc = qread + (int64_t)group * D;   /* [group, D]: outputs in value read order */
-    float *kin = acc + (int64_t)group * D;     /* [D] each: incoming key/value rotated, leaving key/value, */
-    float *vin = kin + D, *leaving_k = vin + D, *leaving_v = leaving_k + D; /* a token read, a scratch row */
-    float *kbuf = leaving_v + D, *row = kbuf + D, *leaving_kr = row + D, *leaving_vr = leaving_kr + D;
-    int korder[512], vorder[512];
-    int all_finite = 1;
-    format_t kf = {k_bits, k_group, elem, k_data, k_sz}, vf = {v_bits, v_group, elem, v_data, v_sz};
-    read_order(&kf, D, korder);
-    read_order(&vf, D, vorder);
-
-    for (int b = 0; b < B; b++) {
-        const int32_t leaving_pos = R ? ring_pos[(int64_t)b * R + r] : (int32_t)position;
-        if (R) ring_pos[(int64_t)b * R + r] = (int32_t)position;
-        const int32_t *rpos = R ? ring_pos + (int64_t)b * R : 0;
-        for (int h = 0; h < Hkv; h++) {
-            const int64_t bh = (int64_t)b * Hkv + h;
-            /* the store row: this head's slots, or a head-adaptive layer's pool of the sequence (slots tagged by
-             * `owner`, a slot valid for head h where it holds a token and owner == h) */
-            const int64_t srow = owner ? (int64_t)b : bh;
-            int8_t *tags = owner ? owner + srow * S : 0;
-            const float *kx = k_new + bh * D, *vx = v_new + bh * D;
-            for (int i = 0; i < D; i++) all_finite &= isfinite(kx[i]) && isfinite(vx[i]);
-            rotate(kx, k_basis, D, kin);
-            rotate(vx, v_basis, D, vin);
-            /* 1. ring in, leaving token out (held at the ring's precision either way) */
-            float leaving_score = 0.0f;
-            if (R) {
-                const int64_t slot = bh * R + r;
-                for (int i = 0; i < D; i++) {
-                    leaving_k[i] = load_elem(ring_k, slot * D + i, elem);
-                    leaving_v[i] = load_elem(ring_v, slot * D + i, elem);
-                    store_elem(ring_k, slot * D + i, elem, kin[i]);
-                    store_elem(ring_v, slot * D + i, elem, vin[i]);
-                }
-                if (ring_scores) {
-                    leaving_score = ring_scores[slot];
-                    ring_scores[slot] = 0.0f;
-                }
-            } else {
-                for (int i = 0; i < D; i++) {
-                    float kq = kin[i], vq = vin[i];
-                    if (elem == 1) { kq = (float)(half)kq; vq = (float)(half)vq; }
-                    else if (elem == 2) { kq = bf16_to_float(float_to_bf16(kq)); vq = bf16_to_float(float_to_bf16(vq)); }
-                    leaving_k[i] = kq;
-                    leaving_v[i] = vq;
-                }
-            }
-            /* 2. the leaving token into the first empty slot, quantized once */
-            int32_t *pos = store_pos + srow * S;
-            int j = 0;
-            while (j < S && pos[j] >= 0) j++;
-            if (j == S) j = 0;
-            quantize_into(&kf, srow * S + j, leaving_k, D);
-            quantize_into(&vf, srow * S + j, leaving_v, D);
-            pos[j] = leaving_pos;
-            if (tags) tags[j] = (int8_t)h;
-            float *scores = store_scores ? store_scores + srow * S : 0;
-            if (scores) scores[j] = leaving_score;
-            float *norms = value_norms ? value_norms + srow * S : 0;
-            if (norms) { /* the stored value as attention reads it, in the model's basis (acc: free until step 3) */
-                dequantize(&vf, srow * S + j, D, kbuf);
-                for (int i = 0; i < D; i++) row[vorder[i]] = kbuf[i];
-                rotate(row, v_basis, D, acc);
-                float total = 0.0f;
-                if (prior_weights) { /* CalibratedPolicy's token prior: w . v + w_norm log(|v|_2 + 1e-6) + bias */
-                    const float *w = prior_weights + (int64_t)h * (D + 4);
-                    float square = 0.0f;
-                    for (int i = 0; i < D; i++) { total += w[2 + i] * acc[i]; square += acc[i] * acc[i]; }
-                    total += w[2 + D] * logf(sqrtf(square) + 1e-6f) + w[3 + D];
-                } else {
-                    for (int i = 0; i < D; i++) total += fabsf(acc[i]);
-                }
-                norms[j] = total;
-            }
-            for (int i = 0; i < D; i++) { /* the leaving token at full precision, in read order */
-                leaving_kr[i] = leaving_k[korder[i]];
-                leaving_vr[i] = leaving_v[vorder[i]];
-            }
-            /* 3. attention: logits of every query head of the group, one key dequantized at a time */
-            for (int g = 0; g < group; g++) {
-                rotate(q + (bh * group + g) * D, k_basis, D, row);
-                for (int i = 0; i < D; i++) qread[g * D + i] = row[korder[i]];
-            }
-            for (int n = 0; n < N; n++) {
-                const int valid = n < S ? pos[n] >= 0 && (!tags || tags[n] == h) : rpos[n - S] >= 0;
-                if (!valid) {
-                    for (int g = 0; g < group; g++) logits[g * N + n] = -INFINITY;
-                    continue;
-                }
-                const float *key = kbuf;
-                if (n == j) key = leaving_kr;
-                else if (n < S) dequantize(&kf, srow * S + n, D, kbuf);
-                else for (int i = 0; i < D; i++) kbuf[i] = load_elem(ring_k, (bh * R + n - S) * D + korder[i], elem);
-                for (int g = 0; g < group; g++) logits[g * N + n] = dot(qread + g * D, key, D) * scale;
-            }
-            for (int g = 0; g < group; g++) { /* softmax in place */
-                float *l = logits + g * N, top = -INFINITY, total = 0.0f;
-                for (int n = 0; n < N; n++) top = l[n] > top ? l[n] : top;
-                for (int n = 0; n < N; n++) {
-                    l[n] = l[n] == -INFINITY ? 0.0f : expf(l[n] - top);
-                    total += l[n];
-                }
-                const float inv = 1.0f / total;
-                for (int n = 0; n < N; n++) l[n] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * group * D);
-            for (int n = 0; n < N; n++) { /* output: one value dequantized at a time */
-                const int valid = n < S ? pos[n] >= 0 && (!tags || tags[n] == h) : rpos[n - S] >= 0;
-                if (!valid) continue;
-                const float *value = kbuf;
-                if (n == j) value = leaving_vr;
-                else if (n < S) dequantize(&vf, srow * S + n, D, kbuf);
-                else for (int i = 0; i < D; i++) kbuf[i] = load_elem(ring_v, (bh * R + n - S) * D + vorder[i], elem);
-                float received = 0.0f;
-                for (int g = 0; g < group; g++) {
-                    const float p = logits[g * N + n];
-                    float *restrict o = acc + g * D;
-#pragma omp simd
-                    for (int i = 0; i < D; i++) o[i] += p * value[i];
-                    received += p;
-                }
-                /* 4. H2O scores: what each token received, summed over the group's query heads */
-                if (n < S) {
-                    if (scores) scores[n] = replace_scores ? received : scores[n] + received;
-                } else if (ring_scores) {
-                    float *held = ring_scores + bh * R + n - S;
-                    *held = replace_scores ? received : *held + received;
-                }
-            }
-            if (replace_scores) { /* slots nobody attends (empty) get 0, as the torch form's copy gives */
-                if (scores) for (int n = 0; n < S; n++) if (pos[n] < 0) scores[n] = 0.0f;
-                if (ring_scores) for (int t = 0; t < R; t++) if (rpos[t] < 0) ring_scores[bh * R + t] = 0.0f;
-            }
-            for (int g = 0; g < group; g++) { /* back to element order, then out of the value basis */
-                for (int i = 0; i < D; i++) row[vorder[i]] = acc[g * D + i];
-                rotate(row, v_basis, D, out + (bh * group + g) * D);
-            }
-            if (first_real[b] > position) first_real[b] = position;
-            if (evict && !owner)
-                evict_lowest(pos, rank ? rank + bh * S : 0, norms,
-                             prior_weights ? prior_weights + (int64_t)h * (D + 4) : 0, position + 1, rpos, S, R,
-                             capacity, position + 1 - recent, first_real[b], sinks);
-        }
-    }
+    layer_t L = {
+        .B = B, .Hkv = Hkv, .D = D, .S = S, .R = R, .group = group, .N = N, .r = R ? (int)(position % R) : 0,
+        .elem = elem, .capacity = capacity, .recent = recent, .sinks = sinks, .evict = evict,
+        .replace_scores = replace_scores, .scale = scale, .position = position, .q = q, .k_new = k_new,
+        .v_new = v_new, .k_basis = k_basis, .v_basis = v_basis, .rank = rank, .prior_weights = prior_weights,
+        .out = out, .store_scores = store_scores, .ring_scores = ring_scores, .value_norms = value_norms,
+        .kf = {k_bits, k_group, elem, k_data, k_sz}, .vf = {v_bits, v_group, elem, v_data, v_sz},
+        .store_pos = store_pos, .ring_pos = ring_pos, .ring_k = ring_k, .ring_v = ring_v, .first_real = first_real,
+        .owner = owner, .next = 0,
+    };
+    read_order(&L.kf, D, L.korder);
+    read_order(&L.vf, D, L.vorder);
+    threads = threads < B ? threads : B;
+    threads = threads < MAX_THREADS ? threads : MAX_THREADS;
+    const int64_t work = (int64_t)B * Hkv * N * D;
+    const int all_finite = threads > 1 && work >= PARALLEL_WORK ? decode_threaded(&L, scratch, threads)
+                                                                 : decode_sequences(&L, scratch);
     if (reference_seen && *reference_seen != position + 1) *consistent = 0;
     *seen = position + 1;
     if (!all_finite) *finite = 0;
     return 0;
 }
+
+/* The work (sequences x KV heads x (slots + ring) x head dim) from which a call runs on more than one thread. */
+int h2o_cpu_decode_parallel_work(void) { return PARALLEL_WORK; }
