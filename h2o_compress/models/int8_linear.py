@@ -94,7 +94,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if x.dim() > 2 and shape[-2] > 1 and rows.shape[0] >= DENSE_ROWS:
-            out = (rows @ self.weight_int8.to(COMPUTE_DTYPE).T) * self.scales
+            out = (rows @ self.weight_int8.to(COMPUTE_DTYPE).T).float() * self.scales.float()  # one bf16 rounding
         else:
             out = one_row_product(self.one_thread, torch.ops.aten._weight_int8pack_mm, rows, self.weight_int8,
                                   self.scales)
