@@ -166,9 +166,9 @@ def peer_context(args) -> tuple[Path, int, int]:
     return gguf, n_ctx, n_ctx * per_token
 
 
-def peer_command(args, port: int) -> list[str]:
-    """llama-cpp-python's OpenAI-compatible server on the same GGUF and threads (`peer_context`)."""
-    gguf, n_ctx, _ = peer_context(args)
+def peer_command(args, port: int, gguf: Path, n_ctx: int) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server on ``gguf`` with ``n_ctx`` tokens (`peer_context`), the run's
+    threads."""
     return [args.peer_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(args.threads),
             "--n_threads_batch", str(args.threads), "--interrupt_requests", "False", "--verbose", "False"]
@@ -228,7 +228,7 @@ async def one_request(client, item: dict, usage_chunk: bool = True) -> dict:
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
-            if getattr(chunk, "usage", None) is not None:
+            if chunk.usage is not None:
                 usage = chunk.usage
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, the run goes on
         error = f"{type(exc).__name__}: {exc}"
@@ -306,7 +306,11 @@ def summarize(name: str, flags: list[str], records: list[dict], wall: float, gau
 def run_setting(args, model: str, name: str, flags: list[str], items: list[dict], scratch: Path) -> dict:
     """Start the server for one setting (`PEER`: llama.cpp's), drive the load through it, stop it; its row."""
     port, ours = free_port(), name != PEER
-    command = serve_command(args, model, flags, port) if ours else peer_command(args, port)
+    if ours:
+        command = serve_command(args, model, flags, port)
+    else:
+        gguf, n_ctx, kv_bytes = peer_context(args)
+        command = peer_command(args, port, gguf, n_ctx)
     process = start_server(command, port, scratch / f"{name.replace(' ', '_')}.log", "/health" if ours else "/v1/models")
     try:
         records, wall, gauges = asyncio.run(drive(f"http://127.0.0.1:{port}", items, args.concurrency, ours))
@@ -314,8 +318,8 @@ def run_setting(args, model: str, name: str, flags: list[str], items: list[dict]
         stop_server(process)
     row = summarize(name, flags, records, wall, gauges)
     if not ours:  # one sequence at a time; its KV is n_ctx tokens of f16, allocated at start
-        row["flags"] = shlex.join(command[command.index("--n_ctx") : command.index("--n_ctx") + 2])
-        row["max_running_sequences"], row["max_kv_cache_bytes"] = 1, peer_context(args)[2]
+        row["flags"] = f"--n_ctx {n_ctx}"
+        row["max_running_sequences"], row["max_kv_cache_bytes"] = 1, kv_bytes
     return row
 
 

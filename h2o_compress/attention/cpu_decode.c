@@ -32,9 +32,10 @@
  * thread's own, ANDed after the join, and seen/consistent are written once after it. A thread the call does not
  * get (or that has no scratch) leaves its share to the others. Below the threshold the calling thread runs every
  * sequence in order, as before.
- * Scratch (logits of one KV head's query group, a few rows): the calling thread's is a per-thread buffer grown
- * when a larger layer needs it, so steady-state decoding on one thread allocates nothing; the other threads' is
- * allocated before they start and freed after the join; all 64-byte aligned. Returns 0, or 1 for shapes it does not
+ * Scratch (logits of one KV head's query group, a few rows): each thread's own buffer, kept and grown when a
+ * larger layer needs it, so steady-state decoding allocates nothing (the calling thread's, and the OpenMP pool's
+ * threads', which live on); pthreads started per call get theirs allocated before and freed after the join; all
+ * 64-byte aligned. Returns 0, or 1 for shapes it does not
  * take (D > 512, Hq % Hkv), 2 when the calling thread's scratch cannot be allocated.
  */
 #include <math.h>
@@ -278,6 +279,19 @@ static float *aligned_floats(size_t n) {
     return posix_memalign(&p, 64, n * sizeof(float)) ? 0 : p;
 }
 
+/* This thread's scratch of at least `needed` floats, kept between calls and grown when a larger layer needs it
+ * (the calling thread's, and each thread of torch's OpenMP pool, which live on), or NULL. */
+static float *thread_scratch(size_t needed) {
+    static __thread float *scratch = 0;
+    static __thread size_t size = 0;
+    if (needed > size) {
+        free(scratch);
+        scratch = aligned_floats(needed);
+        size = scratch ? needed : 0;
+    }
+    return scratch;
+}
+
 static scratch_t carve(const layer_t *L, float *base) {
     scratch_t s;
     s.logits = base;
@@ -487,25 +501,22 @@ static int decode_sequences(layer_t *L, float *base) {
 
 #ifdef _OPENMP
 /* The sequences split over an OpenMP team of up to `threads` (torch's own pool, where torch loaded the libgomp this
- * library links: one runtime, no second set of threads), the calling thread (thread 0) one of them with its own
- * scratch; the others' scratch is allocated here and freed after the region (a thread without scratch is not
- * asked for; one the team does not get leaves its share to the others). Returns whether all new keys and values
+ * library links: one runtime, no second set of threads), the calling thread (thread 0) one of them; each thread
+ * decodes on its own kept scratch (`thread_scratch`: nothing allocated per step once grown; a thread without
+ * scratch, or one the team does not get, leaves its share to the others). Returns whether all new keys and values
  * were finite: each thread's flag, ANDed after the region. */
 static int decode_threaded(layer_t *L, float *scratch, int threads) {
-    float *own[MAX_THREADS] = {scratch};
     int flags[MAX_THREADS];
     const size_t floats = scratch_floats(L->group, L->N, L->D);
-    int usable = 1;
-    while (usable < threads && (own[usable] = aligned_floats(floats))) usable++;
-    for (int t = 0; t < usable; t++) flags[t] = 1;
-#pragma omp parallel num_threads(usable)
+    for (int t = 0; t < threads; t++) flags[t] = 1;
+#pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num();
-        if (t < usable) flags[t] = decode_sequences(L, own[t]);
+        float *mine = t == 0 ? scratch : thread_scratch(floats);
+        if (mine) flags[t] = decode_sequences(L, mine);
     }
     int finite = 1;
-    for (int t = 0; t < usable; t++) finite &= flags[t];
-    for (int t = 1; t < usable; t++) free(own[t]);
+    for (int t = 0; t < threads; t++) finite &= flags[t];
     return finite;
 }
 #else
@@ -560,17 +571,10 @@ int h2o_cpu_decode_layer(
     const int64_t *reference_seen, uint8_t *consistent, int replace_scores, int8_t *owner, float *value_norms,
     const float *prior_weights, int threads)
 {
-    static __thread float *scratch = 0; /* the calling thread's, kept between calls */
-    static __thread size_t scratch_size = 0;
     if (D > 512 || Hq % Hkv) return 1;
     const int group = Hq / Hkv, N = S + R;
-    const size_t needed = scratch_floats(group, N, D);
-    if (needed > scratch_size) {
-        free(scratch);
-        scratch = aligned_floats(needed);
-        scratch_size = scratch ? needed : 0;
-        if (!scratch) return 2;
-    }
+    float *scratch = thread_scratch(scratch_floats(group, N, D)); /* the calling thread's, kept between calls */
+    if (!scratch) return 2;
     const int64_t position = *seen;
     layer_t L = {
         .B = B, .Hkv = Hkv, .D = D, .S = S, .R = R, .group = group, .N = N, .r = R ? (int)(position % R) : 0,
